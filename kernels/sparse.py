@@ -1,0 +1,113 @@
+"""The SparseLoCo compressor on whole tensors: error feedback, per-chunk Top-k, 2-bit codes,
+and the scatter-mean aggregation of many peers' selections.
+
+One peer, one round (DESIGN.md; arXiv 2508.15706):
+
+    e  = beta * e + outer_lr * delta          # error feedback, never sent
+    S  = top-k of |e| inside every chunk      # kernels.chunking
+    c  = quantize(e[S])                        # kernels.quantize, per tensor
+    e[S] -= decode(c)                          # what was sent leaves the buffer
+
+Everything here is whole-tensor torch, device-agnostic, with no Python loop over chunks or
+elements; `kernels.reference` is the slow, obvious version the tests compare against. Selected
+positions are sorted ascending inside each chunk, which the wire's delta coding relies on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.chunking import ChunkLayout, flat_indices, to_chunks
+from kernels.quantize import QuantTable, quantize
+
+
+@dataclass(frozen=True, slots=True)
+class SparseTensor:
+    """One tensor's compressed selection: what a packet carries for it."""
+
+    layout: ChunkLayout
+    positions: torch.Tensor  # (num_chunks, k) int16/int64, ascending in each row, < chunk_len
+    codes: torch.Tensor  # (num_chunks, k) uint8 in [0, 4)
+    table: QuantTable
+
+    def values(self) -> torch.Tensor:
+        """(num_chunks, k) decoded values in the table's dtype."""
+        return self.table.decode(self.codes)
+
+    def flat_indices(self) -> torch.Tensor:
+        """(num_chunks * k,) int64 row-major indices into the flat tensor."""
+        return flat_indices(self.positions, self.layout).reshape(-1)
+
+
+def select_topk(chunks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions sorted ascending per chunk, values at them) of the k largest |x| per chunk."""
+    if k >= chunks.shape[1]:
+        positions = torch.arange(chunks.shape[1], device=chunks.device).expand(chunks.shape[0], -1)
+        return positions.contiguous(), chunks.clone()
+    positions = torch.topk(chunks.abs(), k, dim=1, sorted=False).indices
+    positions = positions.sort(dim=1).values
+    return positions, chunks.gather(1, positions)
+
+
+def compress(x: torch.Tensor, layout: ChunkLayout) -> SparseTensor:
+    """Select and quantize `x` (any float dtype) without modifying it."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("cannot compress a tensor holding NaN or Inf")
+    positions, selected = select_topk(to_chunks(x, layout), layout.k)
+    codes, table = quantize(selected)
+    narrow = torch.int16 if layout.chunk_len <= 2**15 else torch.int64
+    return SparseTensor(layout, positions.to(narrow), codes, table)
+
+
+def error_feedback_step(
+    error_buffer: torch.Tensor, delta: torch.Tensor | None, layout: ChunkLayout, beta: float, outer_lr: float
+) -> SparseTensor:
+    """Fold `delta` into `error_buffer` in place, compress it, and remove what was sent.
+
+    `delta` may be None to compress the buffer as it stands (no decay, no accumulation).
+    """
+    if delta is not None:
+        if beta != 1.0:
+            error_buffer.mul_(beta)
+        error_buffer.add_(delta, alpha=outer_lr)
+    sparse = compress(error_buffer, layout)
+    flat = error_buffer.view(-1)
+    index = sparse.flat_indices()
+    # Indices are unique, so this writes each selected element once: deterministic on any device.
+    flat.index_put_((index,), flat[index] - sparse.values().reshape(-1).to(flat.dtype))
+    return sparse
+
+
+def decompress(sparse: SparseTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dense tensor the selection stands for (zeros where nothing was sent)."""
+    layout = sparse.layout
+    out = torch.zeros(layout.numel, dtype=dtype or sparse.table.dtype, device=sparse.codes.device)
+    out[sparse.flat_indices()] = sparse.values().reshape(-1).to(out.dtype)
+    return out.view(layout.shape)
+
+
+def scatter_mean(
+    selections: list[SparseTensor], numel: int, dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu", divide_by_peers: bool = False, peer_scales: list[float] | None = None,
+) -> torch.Tensor:
+    """Per coordinate, the mean over the peers that sent it (or over all peers if asked).
+
+    `selections` must come in a fixed order (sorted by peer id): the sum runs peer by peer
+    in that order and each peer touches each element once, so the result is bit-identical
+    whatever order the packets arrived in and on whatever device it runs.
+    `peer_scales` multiplies each peer's values first (norm clipping).
+    """
+    total = torch.zeros(numel, dtype=dtype, device=device)
+    count = torch.zeros(numel, dtype=dtype, device=device)
+    for i, sparse in enumerate(selections):
+        index = sparse.flat_indices().to(device)
+        values = sparse.values().reshape(-1).to(device=device, dtype=dtype)
+        if peer_scales is not None:
+            values = values * peer_scales[i]
+        total[index] += values
+        count[index] += 1
+    if divide_by_peers:
+        return total / max(1, len(selections))
+    return torch.where(count > 0, total / count.clamp_min(1), total)

@@ -1,0 +1,268 @@
+"""The pseudo-gradient packet: one peer's compressed contribution to one round, on the wire.
+
+Layout (all integers little-endian):
+
+    offset   size  field
+    0        4     magic b"LSWP"
+    4        2     wire version, u16 (this build writes and reads WIRE_VERSION)
+    6        4     header length H, u32, at most MAX_HEADER_BYTES
+    10       H     header, a msgpack map (below)
+    10+H     P     payload: per tensor, in header order, its unary stream then its remainder
+                   stream; after the last tensor, the code stream of all tensors
+    10+H+P   64    Ed25519 signature by the peer over bytes [0, 10+H+P)
+
+Header map (short keys; every field required, no others allowed):
+
+    "run"     str    run id                     "round"  int    round number
+    "peer"    str    peer id                    "base"   bytes  32-byte sha256 digest of the
+    "top_k"   int    density numerator                          parameters the delta was taken from
+    "chunk"   int    chunk side (64)            "codes"  [coder, length]: coder 0 = 2-bit codes
+                                                         packed four to a byte, 1 = the same
+                                                         bytes zstandard-compressed
+    "tensors" list of [name, shape, dtype, rice_b, table, unary_len, remainder_len] where
+              table = 20 bytes: float32 shift then the 4 float32 bin means
+
+Per tensor, chunking and k follow from its shape, top_k and chunk (kernels.chunking), so a
+receiver checks them against its own model instead of trusting counts from the wire. Indices are
+Rice-coded gaps between ascending positions inside each chunk (kernels.entropy), which cannot
+express a duplicate or an unsorted index; only the chunk bound is checked.
+
+`decode_packet` treats its input as hostile: the total size is bounded first, the header is parsed
+with msgpack limits, every count and length is checked against what the model implies before any
+allocation sized by the input, the zstandard stream is bounded by the expected size, and every
+failure is a `ProtocolError` subclass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+import zstandard
+
+from kernels.chunking import ChunkLayout, chunk_layout
+from kernels.entropy import MAX_RICE_PARAM, best_rice_param, gaps_to_positions, pack_2bit, positions_to_gaps, rice_decode, rice_encode, unpack_2bit
+from kernels.quantize import NUM_BINS, QuantTable
+from kernels.sparse import SparseTensor
+from protocol.errors import (
+    BadMagic, BadSignature, IndexOutOfRange, MalformedPacket, NonFiniteValue, OversizedPacket,
+    ProtocolError, ShapeMismatch, TruncatedPacket, UnsupportedVersion, WrongRound,
+)
+from protocol.signing import SIGNATURE_BYTES, PeerKey, verify
+
+MAGIC = b"LSWP"
+WIRE_VERSION = 1
+PREFIX = struct.Struct("<4sHI")
+MAX_HEADER_BYTES = 4 << 20
+DEFAULT_MAX_PACKET_BYTES = 256 << 20
+CODER_RAW, CODER_ZSTD = 0, 1
+TABLE = struct.Struct("<5f")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+HEADER_KEYS = frozenset({"run", "round", "peer", "base", "top_k", "chunk", "codes", "tensors"})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The tensors a packet must carry, in order, and the density they are sent at."""
+
+    shapes: dict[str, tuple[int, ...]]  # name -> shape, in packet order (sorted names)
+    top_k: int
+    chunk_size: int = 64
+
+    @classmethod
+    def from_named_tensors(cls, tensors: Mapping[str, torch.Tensor], top_k: int, chunk_size: int = 64) -> "ModelSpec":
+        return cls({name: tuple(t.shape) for name, t in sorted(tensors.items())}, top_k, chunk_size)
+
+    def layouts(self) -> dict[str, ChunkLayout]:
+        return {name: chunk_layout(shape, self.top_k, self.chunk_size) for name, shape in self.shapes.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Packet:
+    """A decoded, verified packet."""
+
+    run_id: str
+    round: int
+    peer_id: str
+    base_digest: bytes
+    tensors: dict[str, SparseTensor]  # positions int64 and codes uint8, on the CPU
+    num_bytes: int
+    digest: str  # sha256 hex of the whole packet, as listed in round manifests
+
+
+def packet_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_packet(
+    run_id: str, round: int, peer_id: str, base_digest: bytes, spec: ModelSpec,
+    tensors: Mapping[str, SparseTensor], key: PeerKey, zstd_level: int = 3,
+) -> bytes:
+    """Serialize and sign one peer's selections (one SparseTensor per name in `spec`)."""
+    if list(tensors) != list(spec.shapes):
+        raise ValueError("tensors must be given for exactly the spec's names, in its order")
+    sections, streams, all_codes = [], [], []
+    for name, sparse in tensors.items():
+        gaps = positions_to_gaps(sparse.positions.cpu().numpy())
+        rice_b = best_rice_param(gaps)
+        unary, remainders = rice_encode(gaps, rice_b)
+        table = TABLE.pack(sparse.table.shift, *sparse.table.lookup.tolist())
+        sections.append([name, list(sparse.layout.shape), DTYPE_NAMES[sparse.table.dtype], rice_b, table,
+                         len(unary), len(remainders)])
+        streams += [unary, remainders]
+        all_codes.append(sparse.codes.cpu().numpy().reshape(-1))
+    codes = pack_2bit(np.concatenate(all_codes)) if all_codes else b""
+    coder = CODER_RAW
+    compressed = zstandard.ZstdCompressor(level=zstd_level).compress(codes)
+    if len(compressed) < len(codes):
+        codes, coder = compressed, CODER_ZSTD
+    header = msgpack.packb({
+        "run": run_id, "round": round, "peer": peer_id, "base": bytes(base_digest), "top_k": spec.top_k,
+        "chunk": spec.chunk_size, "codes": [coder, len(codes)], "tensors": sections,
+    })
+    body = b"".join([PREFIX.pack(MAGIC, WIRE_VERSION, len(header)), header, *streams, codes])
+    return body + key.sign(body)
+
+
+def _field(header: dict, key: str, kind: type | tuple[type, ...]):
+    value = header[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise MalformedPacket(f"header field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def read_header(data: bytes, max_bytes: int = DEFAULT_MAX_PACKET_BYTES) -> tuple[dict, int]:
+    """(header map, payload offset) after the framing checks; no signature check."""
+    if len(data) > max_bytes:
+        raise OversizedPacket(f"packet of {len(data)} bytes exceeds the limit of {max_bytes}")
+    if len(data) < PREFIX.size + SIGNATURE_BYTES:
+        raise TruncatedPacket(f"packet of {len(data)} bytes is shorter than the fixed framing")
+    magic, version, header_len = PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise BadMagic(f"bad magic {magic!r}")
+    if version != WIRE_VERSION:
+        raise UnsupportedVersion(f"wire version {version}, this build reads {WIRE_VERSION}")
+    if header_len > MAX_HEADER_BYTES:
+        raise OversizedPacket(f"header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+    if PREFIX.size + header_len + SIGNATURE_BYTES > len(data):
+        raise TruncatedPacket("packet ends inside its header")
+    raw = data[PREFIX.size: PREFIX.size + header_len]
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                                 max_str_len=4096, max_bin_len=4096, max_array_len=1 << 16, max_map_len=64)
+    except Exception as e:  # msgpack raises a zoo of types on bad input
+        raise MalformedPacket(f"header does not parse: {type(e).__name__}") from None
+    if not isinstance(header, dict) or set(header) != HEADER_KEYS:
+        raise MalformedPacket("header is not a map with exactly the expected keys")
+    return header, PREFIX.size + header_len
+
+
+def decode_packet(
+    data: bytes, spec: ModelSpec, public_key: bytes | Callable[[str], bytes], *,
+    run_id: str | None = None, round: int | None = None, max_bytes: int = DEFAULT_MAX_PACKET_BYTES,
+) -> Packet:
+    """Verify and decode hostile `data` against the model `spec`; raise a ProtocolError subclass.
+
+    `public_key` is the sender's key, or a function from peer id to key (raising ProtocolError
+    for peers that are not members). `run_id` and `round`, when given, must match the header.
+    """
+    data = bytes(data)
+    header, offset = read_header(data, max_bytes)
+    peer_id = _field(header, "peer", str)
+    packet_run, packet_round = _field(header, "run", str), _field(header, "round", int)
+    if run_id is not None and packet_run != run_id:
+        raise WrongRound(f"packet is for run {packet_run!r}, expected {run_id!r}")
+    if round is not None and packet_round != round:
+        raise WrongRound(f"packet is for round {packet_round}, expected {round}")
+    key = public_key(peer_id) if callable(public_key) else public_key
+    signed_len = len(data) - SIGNATURE_BYTES
+    verify(key, data[:signed_len], data[signed_len:])
+
+    base = _field(header, "base", bytes)
+    if len(base) != 32:
+        raise MalformedPacket("base digest is not 32 bytes")
+    if _field(header, "top_k", int) != spec.top_k or _field(header, "chunk", int) != spec.chunk_size:
+        raise ShapeMismatch(f"packet density top_k={header['top_k']}/chunk={header['chunk']} is not the run's")
+    codes_field, sections = _field(header, "codes", list), _field(header, "tensors", list)
+    if len(sections) != len(spec.shapes):
+        raise ShapeMismatch(f"packet has {len(sections)} tensors, the model {len(spec.shapes)}")
+    if len(codes_field) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in codes_field):
+        raise MalformedPacket("codes field is not [coder, length]")
+    coder, codes_len = codes_field
+
+    layouts = spec.layouts()
+    parsed, cursor = [], offset
+    for section, (name, shape) in zip(sections, spec.shapes.items()):
+        if not isinstance(section, list) or len(section) != 7:
+            raise MalformedPacket(f"tensor section for {name!r} is not a 7-field list")
+        s_name, s_shape, s_dtype, rice_b, table, unary_len, rem_len = section
+        if s_name != name or s_shape != list(shape):
+            raise ShapeMismatch(f"section {s_name!r} {s_shape} where the model has {name!r} {list(shape)}")
+        if s_dtype not in DTYPES or not isinstance(table, bytes) or len(table) != TABLE.size:
+            raise MalformedPacket(f"tensor {name!r}: bad dtype or table")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rice_b, unary_len, rem_len)):
+            raise MalformedPacket(f"tensor {name!r}: non-integer coder field")
+        if not 0 <= rice_b <= MAX_RICE_PARAM or unary_len < 0 or rem_len < 0:
+            raise MalformedPacket(f"tensor {name!r}: coder fields out of range")
+        if cursor + unary_len + rem_len > signed_len:
+            raise TruncatedPacket(f"tensor {name!r}: streams run past the payload")
+        unary, cursor = data[cursor: cursor + unary_len], cursor + unary_len
+        remainders, cursor = data[cursor: cursor + rem_len], cursor + rem_len
+        parsed.append((name, layouts[name], DTYPES[s_dtype], rice_b, table, unary, remainders))
+    if codes_len < 0 or cursor + codes_len != signed_len:
+        raise MalformedPacket("payload length does not match the header")
+    num_codes = sum(layout.num_selected for layout in layouts.values())
+    codes = _decode_code_stream(coder, data[cursor:signed_len], num_codes)
+
+    tensors, code_offset = {}, 0
+    for name, layout, dtype, rice_b, table, unary, remainders in parsed:
+        try:
+            gaps = rice_decode(unary, remainders, layout.num_selected, rice_b)
+        except ValueError as e:
+            raise MalformedPacket(f"tensor {name!r}: {e}") from None
+        if gaps.size and int(gaps.max()) >= layout.chunk_len:
+            raise IndexOutOfRange(f"tensor {name!r}: an index gap exceeds the chunk length")
+        positions = gaps_to_positions(gaps, layout.num_chunks, layout.k)
+        if positions.size and int(positions[:, -1].max()) >= layout.chunk_len:
+            raise IndexOutOfRange(f"tensor {name!r}: an index falls outside its chunk")
+        shift, *lookup = TABLE.unpack(table)
+        if not all(math.isfinite(v) for v in (shift, *lookup)):
+            raise NonFiniteValue(f"tensor {name!r}: quantization table holds NaN or Inf")
+        if not math.isfinite(float(torch.tensor(shift, dtype=dtype))):
+            raise NonFiniteValue(f"tensor {name!r}: shift overflows {dtype}")
+        tensor_codes = codes[code_offset: code_offset + layout.num_selected].reshape(layout.num_chunks, layout.k)
+        code_offset += layout.num_selected
+        tensors[name] = SparseTensor(
+            layout, torch.from_numpy(positions), torch.from_numpy(tensor_codes.copy()),
+            QuantTable(shift=shift, lookup=torch.tensor(lookup, dtype=torch.float32), dtype=dtype),
+        )
+    return Packet(packet_run, packet_round, peer_id, base, tensors, len(data), packet_digest(data))
+
+
+def _decode_code_stream(coder: int, stream: bytes, num_codes: int) -> np.ndarray:
+    expected = (num_codes + 3) // 4
+    if coder == CODER_ZSTD:
+        try:
+            # max_output_size bounds the allocation whatever the frame claims.
+            stream = zstandard.ZstdDecompressor().decompress(stream, max_output_size=expected)
+        except zstandard.ZstdError as e:
+            raise MalformedPacket(f"code stream does not decompress: {e}") from None
+    elif coder != CODER_RAW:
+        raise MalformedPacket(f"unknown code coder {coder}")
+    try:
+        return unpack_2bit(stream, num_codes)
+    except ValueError as e:
+        raise MalformedPacket(str(e)) from None
+
+
+__all__ = [
+    "MAGIC", "WIRE_VERSION", "ModelSpec", "Packet", "ProtocolError", "BadSignature",
+    "encode_packet", "decode_packet", "read_header", "packet_digest",
+]
