@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.chunking import ChunkLayout, flat_indices, to_chunks
+from kernels.chunking import ChunkLayout, flat_indices, from_chunks, to_chunks
 from kernels.quantize import QuantTable, quantize
 
 
@@ -53,12 +53,19 @@ def select_topk(chunks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 def compress(x: torch.Tensor, layout: ChunkLayout) -> SparseTensor:
     """Select and quantize `x` (any float dtype) without modifying it."""
-    if not bool(torch.isfinite(x).all()):
+    sparse, _ = _compress_chunks(to_chunks(x, layout), layout)
+    return sparse
+
+
+def _compress_chunks(chunks: torch.Tensor, layout: ChunkLayout) -> tuple[SparseTensor, torch.Tensor]:
+    positions, selected = select_topk(chunks, layout.k)
+    # Top-k ranks NaN and Inf above every finite magnitude, so a non-finite tensor always has
+    # a non-finite selected value: checking the k values is checking the whole tensor.
+    if not bool(torch.isfinite(selected).all()):
         raise ValueError("cannot compress a tensor holding NaN or Inf")
-    positions, selected = select_topk(to_chunks(x, layout), layout.k)
     codes, table = quantize(selected)
     narrow = torch.int16 if layout.chunk_len <= 2**15 else torch.int64
-    return SparseTensor(layout, positions.to(narrow), codes, table)
+    return SparseTensor(layout, positions.to(narrow), codes, table), selected
 
 
 def error_feedback_step(
@@ -72,11 +79,14 @@ def error_feedback_step(
         if beta != 1.0:
             error_buffer.mul_(beta)
         error_buffer.add_(delta, alpha=outer_lr)
-    sparse = compress(error_buffer, layout)
-    flat = error_buffer.view(-1)
-    index = sparse.flat_indices()
-    # Indices are unique, so this writes each selected element once: deterministic on any device.
-    flat.index_put_((index,), flat[index] - sparse.values().reshape(-1).to(flat.dtype))
+    chunks = to_chunks(error_buffer, layout)
+    sparse, selected = _compress_chunks(chunks, layout)
+    residual = selected - sparse.values().to(selected.dtype)
+    # Positions are unique, so each selected element is written once: deterministic on any device.
+    if layout.is_view:  # chunks is a view of the buffer: write through it
+        chunks.scatter_(1, sparse.positions.long(), residual)
+    else:
+        error_buffer.view(-1).index_put_((sparse.flat_indices(),), residual.reshape(-1))
     return sparse
 
 
@@ -89,25 +99,33 @@ def decompress(sparse: SparseTensor, dtype: torch.dtype | None = None) -> torch.
 
 
 def scatter_mean(
-    selections: list[SparseTensor], numel: int, dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu", divide_by_peers: bool = False, peer_scales: list[float] | None = None,
+    selections: list[SparseTensor], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    divide_by_peers: bool = False, peer_scales: list[float] | None = None,
 ) -> torch.Tensor:
     """Per coordinate, the mean over the peers that sent it (or over all peers if asked).
 
-    `selections` must come in a fixed order (sorted by peer id): the sum runs peer by peer
-    in that order and each peer touches each element once, so the result is bit-identical
-    whatever order the packets arrived in and on whatever device it runs.
-    `peer_scales` multiplies each peer's values first (norm clipping).
+    All selections must share one layout and come in a fixed order (sorted by peer id): the sum
+    runs peer by peer in that order and each peer touches each element once, so the result is
+    bit-identical whatever order the packets arrived in and on whatever device it runs.
+    `peer_scales` multiplies each peer's values first (norm clipping). Returns the dense tensor
+    in the layout's shape.
     """
-    total = torch.zeros(numel, dtype=dtype, device=device)
-    count = torch.zeros(numel, dtype=dtype, device=device)
+    layout = selections[0].layout
+    total = torch.zeros(layout.num_chunks * layout.chunk_len, dtype=dtype, device=device)
+    count = torch.zeros_like(total)
+    ones = torch.ones(layout.num_selected, dtype=dtype, device=device)
+    row_offsets = torch.arange(0, total.numel(), layout.chunk_len, device=device).unsqueeze(1)
     for i, sparse in enumerate(selections):
-        index = sparse.flat_indices().to(device)
-        values = sparse.values().reshape(-1).to(device=device, dtype=dtype)
+        if sparse.layout != layout:
+            raise ValueError("selections have different layouts")
+        index = (sparse.positions.to(device=device, dtype=torch.int64) + row_offsets).reshape(-1)
+        values = sparse.table.decode(sparse.codes.to(device)).reshape(-1).to(dtype)
         if peer_scales is not None:
             values = values * peer_scales[i]
-        total[index] += values
-        count[index] += 1
+        total.index_put_((index,), values, accumulate=True)
+        count.index_put_((index,), ones, accumulate=True)
     if divide_by_peers:
-        return total / max(1, len(selections))
-    return torch.where(count > 0, total / count.clamp_min(1), total)
+        mean = total / max(1, len(selections))
+    else:
+        mean = torch.where(count > 0, total / count.clamp_min(1), total)
+    return from_chunks(mean.view(layout.num_chunks, layout.chunk_len), layout)

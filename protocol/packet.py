@@ -216,8 +216,10 @@ def decode_packet(
         unary, cursor = data[cursor: cursor + unary_len], cursor + unary_len
         remainders, cursor = data[cursor: cursor + rem_len], cursor + rem_len
         parsed.append((name, layouts[name], DTYPES[s_dtype], rice_b, table, unary, remainders))
-    if codes_len < 0 or cursor + codes_len != signed_len:
-        raise MalformedPacket("payload length does not match the header")
+    if codes_len < 0 or cursor + codes_len < signed_len:
+        raise MalformedPacket("payload holds bytes the header does not account for")
+    if cursor + codes_len > signed_len:
+        raise TruncatedPacket("code stream runs past the payload")
     num_codes = sum(layout.num_selected for layout in layouts.values())
     codes = _decode_code_stream(coder, data[cursor:signed_len], num_codes)
 

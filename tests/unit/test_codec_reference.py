@@ -112,14 +112,14 @@ def test_scatter_mean_matches_reference_and_ignores_arrival_order(num_peers):
     shape = (67, 130)
     layout = chunk_layout(shape, 128)
     selections = [compress(tie_free(shape, torch.float32, seed=10 + i), layout) for i in range(num_peers)]
-    got = scatter_mean(selections, layout.numel)
+    got = scatter_mean(selections).reshape(-1)
     expected = reference_scatter_mean([(s.flat_indices().tolist(), s.values().reshape(-1)) for s in selections],
                                       layout.numel)
     assert torch.equal(got, expected)
     # bit-identical in any arrival order once sorted by peer (here: by list position)
     shuffled = list(reversed(list(enumerate(selections))))
-    assert torch.equal(scatter_mean([s for _, s in sorted(shuffled, key=lambda t: t[0])], layout.numel), got)
-    assert torch.allclose(scatter_mean(selections, layout.numel, divide_by_peers=True) * num_peers,
+    assert torch.equal(scatter_mean([s for _, s in sorted(shuffled, key=lambda t: t[0])]).reshape(-1), got)
+    assert torch.allclose(scatter_mean(selections, divide_by_peers=True).reshape(-1) * num_peers,
                           sum(decompress(s).reshape(-1) for s in selections))
 
 

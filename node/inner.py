@@ -1,0 +1,142 @@
+"""The inner optimizer: H local AdamW steps between two outer steps (SparseLoCo / DiLoCo).
+
+Settings follow the SparseLoCo authors' 512M runs (DESIGN.md; their public code, QErywan/
+RobustDiLoCo at 276fa59): AdamW lr 1e-3, betas (0.9, 0.95), weight decay 0.1, gradient norm
+clipped to 1.0, learning rate warmed up linearly from 0.1x to the peak (torch's LinearLR with
+start_factor 0.1), then cosine-decayed to 0.1x of the peak at `total_steps` and held there.
+
+Weight decay: the authors' code decays every parameter, RMSNorm gains included, and that is
+the default here (`decay_1d_params=True`). The more customary choice, no decay on 1-D
+parameters (norm gains; this model has no biases), is one flag away.
+
+The step counter is global (it runs across rounds), so the schedule does not restart each round.
+The loop keeps the loss on the device and synchronises with the host once at the end, unless
+an `on_step` callback asks for a per-step figure.
+
+Usage:
+    optimizer = make_inner_optimizer(model, cfg)
+    batches = corpus.train.shard(peer, num_peers).batches(cfg.batch_size, cfg.seq_len, seed, device)
+    result = run_inner_steps(model, optimizer, batches, start_step=r * H, num_steps=H, cfg=cfg, device=device)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from node.model import autocast_for, lm_loss
+from node.params import flat_named_params
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InnerConfig:
+    lr: float = 1e-3  # peak learning rate
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW moment decays
+    weight_decay: float = 0.1  # decoupled weight decay
+    decay_1d_params: bool = True  # also decay 1-D parameters (norm gains), as the authors' code does
+    grad_clip: float = 1.0  # max global gradient L2 norm; <= 0 disables clipping
+    warmup_steps: int  # linear warm-up length in inner steps
+    total_steps: int  # step at which the cosine reaches min_lr_ratio * lr
+    warmup_start_ratio: float = 0.1  # lr at step 0 as a fraction of the peak
+    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
+    batch_size: int  # sequences per inner step
+    seq_len: int  # tokens per sequence
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError("warmup_steps must be >= 0 and total_steps >= 1")
+        if self.warmup_steps > self.total_steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} exceeds total_steps {self.total_steps}")
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError("batch_size and seq_len must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class InnerResult:
+    mean_loss: float  # mean training loss over the steps run
+    num_tokens: int  # input tokens processed
+    compute_s: float  # wall time of the steps, device synchronised
+
+
+def lr_at(step: int, cfg: InnerConfig) -> float:
+    """Learning rate for global inner step `step` (0-based).
+
+    Exact endpoints: lr_at(0) = warmup_start_ratio * lr (when warmup_steps > 0),
+    lr_at(warmup_steps) = lr, lr_at(s) = min_lr_ratio * lr for every s >= total_steps.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (cfg.warmup_start_ratio + (1.0 - cfg.warmup_start_ratio) * step / cfg.warmup_steps)
+    if step >= cfg.total_steps:
+        return cfg.lr * cfg.min_lr_ratio
+    if step == cfg.warmup_steps:
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+def make_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters in sorted-name order (see the module docstring on decay)."""
+    params = flat_named_params(model)
+    if cfg.decay_1d_params:
+        groups = [{"params": list(params.values()), "weight_decay": cfg.weight_decay}]
+    else:
+        groups = [
+            {"params": [p for p in params.values() if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0},
+        ]
+    # The fused CUDA kernel is one launch per step instead of a few per tensor.
+    on_cuda = all(p.is_cuda for p in params.values())
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=cfg.betas, fused=on_cuda or None)
+
+
+def run_inner_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches_iter: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    start_step: int,
+    num_steps: int,
+    cfg: InnerConfig,
+    device: torch.device | str,
+    on_step: Callable[[int, float, float], None] | None = None,
+) -> InnerResult:
+    """Run `num_steps` AdamW steps on batches from `batches_iter`, global steps start_step...
+
+    `on_step(step, loss, tokens_per_s)` is called after each step; providing it costs one
+    device synchronisation per step (the loss must reach the host).
+    """
+    device = torch.device(device)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    model.train()
+    loss_sum = torch.zeros((), device=device)
+    num_tokens = 0
+    start_s = last_s = time.perf_counter()
+    for i in range(num_steps):
+        step = start_step + i
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = next(batches_iter)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast_for(device):
+            loss = lm_loss(model, x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        loss_sum += loss.detach()
+        num_tokens += x.numel()
+        if on_step is not None:
+            loss_value = loss.item()  # the synchronisation point
+            now_s = time.perf_counter()
+            on_step(step, loss_value, x.numel() / max(now_s - last_s, 1e-9))
+            last_s = now_s
+    optimizer.zero_grad(set_to_none=True)
+    mean_loss = (loss_sum / max(num_steps, 1)).item()  # waits for the device to finish
+    return InnerResult(mean_loss=mean_loss, num_tokens=num_tokens, compute_s=time.perf_counter() - start_s)
