@@ -1,0 +1,146 @@
+"""Typed refusals of the coordinator, each with its HTTP status and machine-readable code.
+
+The service raises these; the HTTP layer turns every one into ``{"error": code, "detail": text}``
+with the class's status. Nodes branch on the code (e.g. ``late`` -> skip the round, ``peer_gone``
+-> rejoin), so codes are part of the contract in `protocol.api` and never change meaning.
+"""
+
+from __future__ import annotations
+
+
+class CoordinatorError(Exception):
+    """A request was refused. Subclasses fix `status` and `code`."""
+
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, detail: str):
+        super().__init__(detail)
+        self.detail = detail
+
+
+class Unauthenticated(CoordinatorError):
+    status = 401
+    code = "unauthenticated"
+
+
+class Unsigned(Unauthenticated):
+    code = "unsigned"
+
+
+class BadRequestSignature(Unauthenticated):
+    code = "bad_signature"
+
+
+class UnknownPeer(Unauthenticated):
+    code = "unknown_peer"
+
+
+class StaleNonce(Unauthenticated):
+    code = "stale_nonce"
+
+
+class ReplayedNonce(Unauthenticated):
+    code = "replayed_nonce"
+
+
+class AdminRequired(Unauthenticated):
+    code = "admin_required"
+
+
+class Forbidden(CoordinatorError):
+    status = 403
+    code = "forbidden"
+
+
+class BadAdminToken(Forbidden):
+    code = "bad_admin_token"
+
+
+class PeerMismatch(Forbidden):
+    code = "peer_mismatch"
+
+
+class JoinRefused(Forbidden):
+    code = "join_refused"
+
+
+class NotMember(Forbidden):
+    code = "not_member"
+
+
+class NotFound(CoordinatorError):
+    status = 404
+    code = "not_found"
+
+
+class RunNotFound(NotFound):
+    code = "run_not_found"
+
+
+class RoundNotFound(NotFound):
+    code = "round_not_found"
+
+
+class Conflict(CoordinatorError):
+    status = 409
+    code = "conflict"
+
+
+class StaleRoundRefused(Conflict):
+    code = "stale_round"
+
+
+class FutureRound(Conflict):
+    code = "future_round"
+
+
+class Late(Conflict):
+    code = "late"
+
+
+class RoundNotOpen(Conflict):
+    code = "round_not_open"
+
+
+class RoundNotClosed(Conflict):
+    code = "round_not_closed"
+
+
+class ConflictingSubmission(Conflict):
+    code = "conflicting_submission"
+
+
+class PeerGone(Conflict):
+    code = "peer_gone"
+
+
+class RunClosed(Conflict):
+    code = "run_closed"
+
+
+class BodyTooLarge(CoordinatorError):
+    status = 413
+    code = "body_too_large"
+
+
+class InvalidRequest(CoordinatorError):
+    status = 422
+    code = "invalid_request"
+
+
+class PacketTooLarge(InvalidRequest):
+    code = "packet_too_large"
+
+
+class InvalidConfig(InvalidRequest):
+    code = "invalid_config"
+
+
+class RateLimited(CoordinatorError):
+    status = 429
+    code = "rate_limited"
+
+
+class StorageError(Exception):
+    """The database cannot be opened or used; not a refusal of the request."""

@@ -1,0 +1,89 @@
+"""`GET /metrics`: the coordinator's state in the Prometheus text exposition format (v0.0.4).
+
+Written by hand: a dozen gauges do not justify a dependency. Values are read from the same
+status views the page uses, so the two never disagree. Per-run series are emitted for runs that
+are still active, which keeps the series count bounded on a long-lived coordinator.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from coordinator.service import ACTIVE_STATES, CoordinatorService
+from coordinator.storage import Storage
+
+_HELP = {
+    "locoswarm_http_responses_total": ("counter", "HTTP responses sent, by status code."),
+    "locoswarm_runs": ("gauge", "Runs known to the coordinator, by state."),
+    "locoswarm_run_current_round": ("gauge", "The open round, or the next to open."),
+    "locoswarm_run_peers": ("gauge", "Peers of a run, by membership status."),
+    "locoswarm_run_peers_flagged": ("gauge", "Peers whose parameter digest lost the majority."),
+    "locoswarm_round_submitted": ("gauge", "Submissions to the open round so far."),
+    "locoswarm_round_expected": ("gauge", "Live peers expected to submit to the open round."),
+    "locoswarm_round_deadline_seconds": ("gauge", "Unix time of the open round's deadline."),
+    "locoswarm_rounds_closed": ("gauge", "Closed rounds of a run."),
+    "locoswarm_last_round_mean_loss": ("gauge", "Mean train loss submitted to the last round."),
+    "locoswarm_last_round_time_seconds": ("gauge", "Open-to-close time of the last round."),
+    "locoswarm_last_round_contributors": ("gauge", "Packets in the last round's manifest."),
+}
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+class _Exposition:
+    def __init__(self) -> None:
+        self._samples: dict[str, list[str]] = {name: [] for name in _HELP}
+
+    def add(self, name: str, value: float, **labels: str) -> None:
+        self._samples[name].append(f"{name}{_labels(labels)} {float(value)!r}")
+
+    def text(self) -> str:
+        lines = []
+        for name, (kind, help_text) in _HELP.items():
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(self._samples[name])
+        return "\n".join(lines) + "\n"
+
+
+def render(storage: Storage, service: CoordinatorService, response_counts: Counter[int]) -> str:
+    out = _Exposition()
+    for code, count in sorted(response_counts.items()):
+        out.add("locoswarm_http_responses_total", count, code=str(code))
+    runs = storage.list_runs()
+    for state, count in sorted(Counter(run.state for run in runs).items()):
+        out.add("locoswarm_runs", count, state=state)
+    now = service.clock()
+    for run in runs:
+        if run.state not in ACTIVE_STATES:
+            continue
+        status = service.status(run.run_id, now=now, history_limit=1)
+        labels = {"run": run.run_id}
+        out.add("locoswarm_run_current_round", run.current_round, **labels)
+        for peer_status, count in sorted(Counter(p.status for p in status.peers).items()):
+            out.add("locoswarm_run_peers", count, status=peer_status, **labels)
+        out.add(
+            "locoswarm_run_peers_flagged", sum(bool(p.flags) for p in status.peers), **labels
+        )
+        current = status.current_round
+        if current is not None:
+            out.add("locoswarm_round_submitted", current.num_submitted, **labels)
+            out.add("locoswarm_round_expected", current.num_expected, **labels)
+            if current.deadline is not None:
+                out.add("locoswarm_round_deadline_seconds", current.deadline, **labels)
+        if status.history:
+            last = status.history[-1]
+            out.add("locoswarm_rounds_closed", last.round + 1, **labels)
+            if last.mean_loss is not None:
+                out.add("locoswarm_last_round_mean_loss", last.mean_loss, **labels)
+            out.add("locoswarm_last_round_time_seconds", last.round_time_s, **labels)
+            out.add("locoswarm_last_round_contributors", last.num_contributors, **labels)
+    return out.text()

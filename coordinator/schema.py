@@ -1,0 +1,94 @@
+"""The coordinator's SQL schema, as numbered migrations shared by SQLite and PostgreSQL.
+
+The DDL sticks to the common subset of both (TEXT, BIGINT, DOUBLE PRECISION, composite primary
+keys), so one list serves both backends. `schema_migrations` records which versions a database
+has; opening a database applies the missing ones in order inside one transaction. A released
+migration is never edited: a change is a new entry appended to `MIGRATIONS`.
+
+A round row with ``closed_at`` NULL is the run's open round. The manifest of a closed round is
+exactly its rows in ``submissions``: submissions are refused once the round closes.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
+    (
+        1,
+        (
+            """CREATE TABLE runs (
+                run_id TEXT PRIMARY KEY,
+                name TEXT NOT NULL,
+                config_json TEXT NOT NULL,
+                join_token_hashes TEXT NOT NULL,
+                state TEXT NOT NULL,
+                created_at DOUBLE PRECISION NOT NULL,
+                closed_at DOUBLE PRECISION,
+                current_round BIGINT NOT NULL
+            )""",
+            """CREATE TABLE peers (
+                run_id TEXT NOT NULL REFERENCES runs (run_id),
+                peer_id TEXT NOT NULL,
+                public_key TEXT NOT NULL,
+                peer_index BIGINT NOT NULL,
+                status TEXT NOT NULL,
+                reason TEXT,
+                activity TEXT NOT NULL,
+                device TEXT NOT NULL,
+                listen_multiaddrs TEXT NOT NULL,
+                bandwidth_mbps DOUBLE PRECISION,
+                last_loss DOUBLE PRECISION,
+                joined_at DOUBLE PRECISION NOT NULL,
+                last_seen_at DOUBLE PRECISION NOT NULL,
+                member_since_round BIGINT NOT NULL,
+                progress_round BIGINT,
+                PRIMARY KEY (run_id, peer_id),
+                UNIQUE (run_id, peer_index)
+            )""",
+            "CREATE INDEX peers_by_peer_id ON peers (peer_id)",
+            """CREATE TABLE rounds (
+                run_id TEXT NOT NULL REFERENCES runs (run_id),
+                round BIGINT NOT NULL,
+                opened_at DOUBLE PRECISION NOT NULL,
+                deadline DOUBLE PRECISION NOT NULL,
+                closed_at DOUBLE PRECISION,
+                majority_digest TEXT,
+                PRIMARY KEY (run_id, round)
+            )""",
+            """CREATE TABLE submissions (
+                run_id TEXT NOT NULL,
+                round BIGINT NOT NULL,
+                peer_id TEXT NOT NULL,
+                packet_digest TEXT NOT NULL,
+                packet_size_bytes BIGINT NOT NULL,
+                train_loss DOUBLE PRECISION NOT NULL,
+                compute_s DOUBLE PRECISION NOT NULL,
+                encode_s DOUBLE PRECISION NOT NULL,
+                multiaddrs TEXT NOT NULL,
+                submitted_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (run_id, round, peer_id)
+            )""",
+            """CREATE TABLE applied (
+                run_id TEXT NOT NULL,
+                round BIGINT NOT NULL,
+                peer_id TEXT NOT NULL,
+                params_digest TEXT NOT NULL,
+                reported_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (run_id, round, peer_id)
+            )""",
+            """CREATE TABLE nonces (
+                peer_id TEXT NOT NULL,
+                nonce BIGINT NOT NULL,
+                seen_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (peer_id, nonce)
+            )""",
+            "CREATE INDEX nonces_by_seen_at ON nonces (seen_at)",
+        ),
+    ),
+)
+
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+CREATE_MIGRATIONS_TABLE = """CREATE TABLE IF NOT EXISTS schema_migrations (
+    version BIGINT PRIMARY KEY,
+    applied_at DOUBLE PRECISION NOT NULL
+)"""

@@ -1,0 +1,462 @@
+"""Runs, membership and rounds: the coordinator's rules, independent of HTTP.
+
+Time comes from an injected clock (unix seconds) so tests can drive deadlines and liveness.
+Everything is a transaction on `Storage`; nothing is kept only in memory except parsed configs.
+
+Rules (the contract is written out in `protocol.api`):
+
+- Round 0 opens once ``min_peers`` peers are live. Round r closes at its deadline, or as soon as
+  every live peer that was a member when r opened has submitted (an empty set never closes a round
+  early: that would spin through empty rounds). Closing fixes the manifest and opens r+1 with a
+  fresh deadline; the run finishes once ``max_rounds`` rounds have closed.
+- A peer silent for longer than ``heartbeat_timeout_s`` is marked gone, with the reason; any signed
+  call counts as a sign of life. A gone or departed peer rejoins with its key and keeps its id,
+  index and data shard; it is expected from the next round on.
+- `advance` applies these rules for the clock's "now". Every request calls it for its run first,
+  and a background task calls `tick` a few times a second, so a deadline that passes with nobody
+  asking still closes the round, and a deadline that passed while the coordinator was down closes
+  it on the first tick after a restart.
+
+`on_change(run_id)` is called after a commit that opened or closed a round or accepted a
+submission; the HTTP layer uses it to wake long-polls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from collections import Counter
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from coordinator import errors
+from coordinator.storage import AppliedRow, PeerRow, RoundRow, RunRow, Storage, SubmissionRow
+from coordinator.views import Views
+from protocol.api import (
+    NONCE_WINDOW_S,
+    AppliedRequest,
+    AppliedResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JoinRequest,
+    JoinResponse,
+    LeaveRequest,
+    LeaveResponse,
+    RunConfig,
+    SubmitRequest,
+    SubmitResponse,
+    peer_id_from_public_key,
+)
+
+Clock = Callable[[], float]
+ACTIVE_STATES = ("waiting", "running")
+NONCE_PRUNE_INTERVAL_S = 30.0
+
+
+def hash_join_token(token: str) -> str:
+    """Join tokens are stored as sha256 hex; 'sha256:<hex>' in a config is already hashed."""
+    if token.startswith("sha256:"):
+        digest = token.removeprefix("sha256:").lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise errors.InvalidConfig("a 'sha256:' join token needs 64 hex characters")
+        return digest
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class CoordinatorService(Views):
+    """The write side; the read side (status, round views) is inherited from `Views`."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        clock: Clock = time.time,
+        on_change: Callable[[str], None] | None = None,
+    ):
+        super().__init__(storage)
+        self.clock = clock
+        self.on_change = on_change or (lambda run_id: None)
+        self._changed: set[str] = set()
+        self._nonces_pruned_at = 0.0
+
+    @contextmanager
+    def _tx(self) -> Iterator[None]:
+        """A transaction whose change notifications go out only after it commits."""
+        with self.storage.transaction():
+            yield
+        changed, self._changed = self._changed, set()
+        for run_id in sorted(changed):
+            self.on_change(run_id)
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def create_run(self, config: RunConfig) -> str:
+        if config.join_policy == "token" and not config.join_tokens:
+            raise errors.InvalidConfig("join_policy 'token' needs at least one join token")
+        token_hashes = sorted({hash_join_token(t) for t in config.join_tokens})
+        run_id = f"run-{secrets.token_hex(5)}"
+        with self._tx():
+            self.storage.insert_run(
+                RunRow(
+                    run_id=run_id,
+                    name=config.name,
+                    config_json=config.redacted().model_dump_json(),
+                    join_token_hashes=json.dumps(token_hashes),
+                    state="waiting",
+                    created_at=self.clock(),
+                    closed_at=None,
+                    current_round=0,
+                )
+            )
+            self._advance(self._require_run(run_id), self.clock())
+        return run_id
+
+    def close_run(self, run_id: str) -> None:
+        """Stop a run: its open round closes now with what was submitted; nobody can join."""
+        with self._tx():
+            run = self._require_run(run_id)
+            if run.state not in ACTIVE_STATES:
+                return
+            now = self.clock()
+            if run.state == "running":
+                self.storage.update_round(run_id, run.current_round, closed_at=now)
+                self._changed.add(run_id)
+            self.storage.update_run(run_id, state="closed", closed_at=now)
+
+    # -- time ---------------------------------------------------------------------------------
+
+    def advance(self, run_id: str) -> None:
+        with self._tx():
+            self._advance(self._require_run(run_id), self.clock())
+
+    def tick(self) -> None:
+        """Apply deadlines and liveness to every active run; forget nonces past the window."""
+        now = self.clock()
+        for run_id in self.storage.active_run_ids():
+            with self._tx():
+                run = self.storage.get_run(run_id)
+                if run is not None:
+                    self._advance(run, now)
+        if now - self._nonces_pruned_at > NONCE_PRUNE_INTERVAL_S:
+            with self._tx():
+                self.storage.prune_nonces(now - 2 * NONCE_WINDOW_S)
+            self._nonces_pruned_at = now
+
+    def resume(self) -> None:
+        """After a restart: peers could not reach us while we were down, so their silence so far
+        does not count against them. Deadlines are not extended."""
+        now = self.clock()
+        with self._tx():
+            for run_id in self.storage.active_run_ids():
+                self.storage.refresh_live_peers(run_id, now)
+
+    def _advance(self, run: RunRow, now: float) -> None:
+        if run.state not in ACTIVE_STATES:
+            return
+        config = self.config_of(run)
+        for peer in self.storage.list_peers(run.run_id):
+            silent_s = now - peer.last_seen_at
+            if peer.status == "live" and silent_s > config.heartbeat_timeout_s:
+                self.storage.update_peer(
+                    run.run_id,
+                    peer.peer_id,
+                    status="gone",
+                    reason=f"no heartbeat for {silent_s:.0f} s"
+                    f" (timeout {config.heartbeat_timeout_s:g} s)",
+                )
+        if run.state == "waiting":
+            num_live = sum(p.status == "live" for p in self.storage.list_peers(run.run_id))
+            if num_live >= config.min_peers:
+                self._open_round(run.run_id, 0, now, config)
+                self.storage.update_run(run.run_id, state="running", current_round=0)
+            return
+        open_round = self.storage.get_round(run.run_id, run.current_round)
+        if open_round is None or open_round.closed_at is not None:
+            raise errors.StorageError(f"run {run.run_id}: round {run.current_round} is not open")
+        if now >= open_round.deadline or self._all_expected_submitted(run.run_id, open_round.round):
+            self._close_round(run, open_round, now, config)
+
+    def _all_expected_submitted(self, run_id: str, round_index: int) -> bool:
+        num_expected, num_missing = self.storage.expected_and_missing(run_id, round_index)
+        return num_expected > 0 and num_missing == 0
+
+    def _open_round(self, run_id: str, round_index: int, now: float, config: RunConfig) -> None:
+        deadline = now + config.deadline_policy.round_timeout_s
+        self.storage.insert_round(RoundRow(run_id, round_index, now, deadline, None, None))
+        self._changed.add(run_id)
+
+    def _close_round(
+        self, run: RunRow, open_round: RoundRow, now: float, config: RunConfig
+    ) -> None:
+        self.storage.update_round(run.run_id, open_round.round, closed_at=now)
+        next_round = open_round.round + 1
+        if config.max_rounds is not None and next_round >= config.max_rounds:
+            self.storage.update_run(
+                run.run_id, state="finished", closed_at=now, current_round=next_round
+            )
+        else:
+            self._open_round(run.run_id, next_round, now, config)
+            self.storage.update_run(run.run_id, current_round=next_round)
+        self._changed.add(run.run_id)
+
+    # -- authentication support ---------------------------------------------------------------
+
+    def public_key_of(self, peer_id: str) -> bytes | None:
+        key_hex = self.storage.find_public_key(peer_id)
+        return bytes.fromhex(key_hex) if key_hex else None
+
+    def record_nonce(self, peer_id: str, nonce: int) -> None:
+        """Refuse a nonce outside the time window or already used by this peer."""
+        now = self.clock()
+        if abs(nonce / 1e9 - now) > NONCE_WINDOW_S:
+            raise errors.StaleNonce(
+                f"nonce is {nonce / 1e9 - now:+.0f} s from server time"
+                f" (window +-{NONCE_WINDOW_S:g} s); check the peer's clock"
+            )
+        with self._tx():
+            if not self.storage.add_nonce(peer_id, nonce, now):
+                raise errors.ReplayedNonce("this nonce was already used by this peer")
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def join(self, run_id: str, signer_id: str, request: JoinRequest) -> JoinResponse:
+        public_key = bytes.fromhex(request.public_key)
+        peer_id = peer_id_from_public_key(public_key)
+        if signer_id != peer_id:
+            raise errors.PeerMismatch("the join must be signed by the key it registers")
+        now = self.clock()
+        with self._tx():
+            run = self._require_run(run_id)
+            self._advance(run, now)
+            run = self._require_run(run_id)
+            if run.state not in ACTIVE_STATES:
+                raise errors.RunClosed(f"run {run_id} is {run.state}")
+            self._check_join_token(run, request.join_token)
+            # Expected from the round after the open one: it cannot have theta_r in time.
+            first_round = run.current_round + (1 if run.state == "running" else 0)
+            addrs = json.dumps(request.listen_multiaddrs)
+            existing = self.storage.get_peer(run_id, peer_id)
+            if existing is None:
+                self.storage.insert_peer(
+                    PeerRow(
+                        run_id=run_id,
+                        peer_id=peer_id,
+                        public_key=request.public_key,
+                        peer_index=self.storage.next_peer_index(run_id),
+                        status="live",
+                        reason=None,
+                        activity="joining",
+                        device=request.device,
+                        listen_multiaddrs=addrs,
+                        bandwidth_mbps=request.bandwidth_mbps,
+                        last_loss=None,
+                        joined_at=now,
+                        last_seen_at=now,
+                        member_since_round=first_round,
+                        progress_round=None,
+                    )
+                )
+            else:
+                rejoining = existing.status != "live"
+                self.storage.update_peer(
+                    run_id,
+                    peer_id,
+                    status="live",
+                    reason=None,
+                    activity="joining",
+                    device=request.device,
+                    listen_multiaddrs=addrs,
+                    bandwidth_mbps=request.bandwidth_mbps,
+                    last_seen_at=now,
+                    member_since_round=first_round if rejoining else existing.member_since_round,
+                )
+            self._advance(self._require_run(run_id), now)
+            return self._join_response(self._require_run(run_id), peer_id)
+
+    def _check_join_token(self, run: RunRow, token: str | None) -> None:
+        if self.config_of(run).join_policy == "open":
+            return
+        if token is None:
+            raise errors.JoinRefused("this run needs a join token")
+        if hashlib.sha256(token.encode()).hexdigest() not in json.loads(run.join_token_hashes):
+            raise errors.JoinRefused("the join token is not valid for this run")
+
+    def heartbeat(self, run_id: str, peer_id: str, request: HeartbeatRequest) -> HeartbeatResponse:
+        with self._tx():
+            run = self._require_run(run_id)
+            self._advance(run, self.clock())
+            self._require_live_member(run_id, peer_id)
+            fields: dict = {"activity": request.state, "progress_round": request.round}
+            if request.bandwidth_mbps is not None:
+                fields["bandwidth_mbps"] = request.bandwidth_mbps
+            if request.train_loss is not None:
+                fields["last_loss"] = request.train_loss
+            if request.listen_multiaddrs is not None:
+                fields["listen_multiaddrs"] = json.dumps(request.listen_multiaddrs)
+            self.storage.update_peer(run_id, peer_id, **fields)
+            run = self._require_run(run_id)
+            round_row = self.storage.get_round(run_id, run.current_round)
+            round_state = "pending" if round_row is None else (
+                "closed" if round_row.closed_at is not None else "open"
+            )
+            return HeartbeatResponse(
+                run_state=run.state,
+                current_round=run.current_round,
+                round_state=round_state,
+                deadline=round_row.deadline if round_row else None,
+            )
+
+    def leave(self, run_id: str, peer_id: str, request: LeaveRequest) -> LeaveResponse:
+        with self._tx():
+            run = self._require_run(run_id)
+            self._require_live_member(run_id, peer_id)
+            self.storage.update_peer(
+                run_id, peer_id, status="left", reason=f"left: {request.reason}", activity="left"
+            )
+            # Its departure may leave everyone else expected in the round already submitted.
+            self._advance(run, self.clock())
+        return LeaveResponse(peer_id=peer_id, status="left")
+
+    def _require_live_member(self, run_id: str, peer_id: str) -> PeerRow:
+        """The caller's membership; any signed call also counts as a sign of life."""
+        peer = self.storage.get_peer(run_id, peer_id)
+        if peer is None:
+            raise errors.NotMember(f"peer {peer_id} has not joined run {run_id}")
+        if peer.status != "live":
+            raise errors.PeerGone(f"peer {peer_id} is {peer.status} ({peer.reason}); rejoin")
+        self.storage.update_peer(run_id, peer_id, last_seen_at=self.clock())
+        return peer
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    def submit(
+        self, run_id: str, round_index: int, peer_id: str, request: SubmitRequest
+    ) -> SubmitResponse:
+        if request.peer_id is not None and request.peer_id != peer_id:
+            raise errors.PeerMismatch(f"peer {peer_id} cannot submit for {request.peer_id}")
+        now = self.clock()
+        with self._tx():
+            run = self._require_run(run_id)
+            self._advance(run, now)
+            run = self._require_run(run_id)
+            peer = self._require_live_member(run_id, peer_id)
+            existing = self.storage.get_submission(run_id, round_index, peer_id)
+            if existing is not None:
+                if existing.packet_digest != request.packet_digest:
+                    raise errors.ConflictingSubmission(
+                        f"round {round_index} already has digest {existing.packet_digest}"
+                        " from this peer"
+                    )
+                # A retried submission that already counts: answer as the first time.
+                return self._submit_response(run_id, round_index, peer_id)
+            self._check_round_accepts(run, round_index, now)
+            config = self.config_of(run)
+            if request.packet_size_bytes > config.max_packet_bytes:
+                raise errors.PacketTooLarge(
+                    f"packet of {request.packet_size_bytes} bytes exceeds max_packet_bytes"
+                    f" {config.max_packet_bytes}"
+                )
+            multiaddrs = (
+                json.dumps(request.multiaddrs)
+                if request.multiaddrs is not None
+                else peer.listen_multiaddrs
+            )
+            self.storage.insert_submission(
+                SubmissionRow(
+                    run_id=run_id,
+                    round=round_index,
+                    peer_id=peer_id,
+                    packet_digest=request.packet_digest,
+                    packet_size_bytes=request.packet_size_bytes,
+                    train_loss=request.train_loss,
+                    compute_s=request.compute_s,
+                    encode_s=request.encode_s,
+                    multiaddrs=multiaddrs,
+                    submitted_at=now,
+                )
+            )
+            self.storage.update_peer(
+                run_id,
+                peer_id,
+                last_loss=request.train_loss,
+                progress_round=max(round_index, peer.progress_round or 0),
+                activity="submitted",
+            )
+            self._changed.add(run_id)
+            response = self._submit_response(run_id, round_index, peer_id)
+            self._advance(run, now)
+            return response
+
+    def _check_round_accepts(self, run: RunRow, round_index: int, now: float) -> None:
+        if run.state in ("finished", "closed"):
+            raise errors.RunClosed(f"run {run.run_id} is {run.state}")
+        if run.state == "waiting":
+            raise errors.RoundNotOpen(f"round 0 opens when {self.config_of(run).min_peers} joined")
+        if round_index > run.current_round:
+            raise errors.FutureRound(f"round {round_index} is not open; open: {run.current_round}")
+        round_row = self.storage.get_round(run.run_id, round_index)
+        if round_row is None:
+            raise errors.RoundNotFound(f"round {round_index} does not exist")
+        if round_index < run.current_round:
+            if round_row.closed_at is not None and round_row.closed_at >= round_row.deadline:
+                if round_index == run.current_round - 1:
+                    raise errors.Late(
+                        f"round {round_index} closed at its deadline {now - round_row.deadline:.1f}"
+                        " s ago"
+                    )
+            raise errors.StaleRoundRefused(
+                f"round {round_index} is closed; open: {run.current_round}"
+            )
+        if now >= round_row.deadline:
+            raise errors.Late(f"round {round_index}'s deadline passed")
+
+    def _submit_response(self, run_id: str, round_index: int, peer_id: str) -> SubmitResponse:
+        round_row = self.storage.get_round(run_id, round_index)
+        assert round_row is not None  # a submission exists only for an opened round
+        return SubmitResponse(
+            run_id=run_id,
+            round=round_index,
+            peer_id=peer_id,
+            num_submitted=self.storage.count_submissions(run_id, round_index),
+            deadline=round_row.deadline,
+        )
+
+    def applied(
+        self, run_id: str, round_index: int, peer_id: str, request: AppliedRequest
+    ) -> AppliedResponse:
+        """Record a peer's parameter digest after applying round r; recompute the majority."""
+        now = self.clock()
+        with self._tx():
+            run = self._require_run(run_id)
+            self._advance(run, now)
+            peer = self._require_live_member(run_id, peer_id)
+            round_row = self.storage.get_round(run_id, round_index)
+            if round_row is None:
+                raise errors.RoundNotFound(f"round {round_index} has not opened")
+            if round_row.closed_at is None:
+                raise errors.RoundNotClosed(f"round {round_index} has no manifest yet")
+            self.storage.upsert_applied(
+                AppliedRow(run_id, round_index, peer_id, request.params_digest, now)
+            )
+            reports = self.storage.list_applied(run_id, round_index)
+            majority = majority_digest(reports, round_row.majority_digest)
+            self.storage.update_round(run_id, round_index, majority_digest=majority)
+            # Having applied round r, the peer now works on round r+1.
+            progress = max(round_index + 1, peer.progress_round or 0)
+            self.storage.update_peer(run_id, peer_id, activity="applied", progress_round=progress)
+            return AppliedResponse(
+                round=round_index,
+                majority_digest=majority,
+                agrees=request.params_digest == majority,
+                num_reports=len(reports),
+            )
+
+
+def majority_digest(reports: list[AppliedRow], previous: str | None) -> str:
+    """The most reported digest. On a tie the previous majority stays (so the answer does not
+    flip back and forth as equal counts arrive), else the smallest digest wins (deterministic)."""
+    counts = Counter(r.params_digest for r in reports)
+    top = max(counts.values())
+    leaders = sorted(digest for digest, count in counts.items() if count == top)
+    return previous if previous in leaders else leaders[0]

@@ -1,0 +1,467 @@
+"""Persistence of runs, peers, rounds, submissions, applied digests and used nonces.
+
+One `Storage` class speaks SQL; two small subclasses connect it to SQLite (stdlib ``sqlite3``, a
+real file in WAL mode, the default) and PostgreSQL (psycopg 3, chosen by a ``postgresql://`` URL).
+Both run the same statements from `coordinator.schema`; only the placeholder style and the
+connection differ. `open_storage(url)` picks the backend.
+
+Every state change the coordinator makes goes through here inside `transaction()`, so killing the
+process at any instant leaves the database at a transaction boundary and a restart resumes from
+it. The service calls storage from one thread (the event loop); the lock only guards tests and
+tools that share a `Storage` between threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from coordinator.errors import StorageError
+from coordinator.schema import CREATE_MIGRATIONS_TABLE, MIGRATIONS
+
+
+@dataclass(slots=True)
+class RunRow:
+    run_id: str
+    name: str
+    config_json: str
+    join_token_hashes: str  # JSON list of sha256 hex strings
+    state: str  # waiting | running | finished | closed
+    created_at: float
+    closed_at: float | None
+    current_round: int  # the open round, or the next to open
+
+
+@dataclass(slots=True)
+class PeerRow:
+    run_id: str
+    peer_id: str
+    public_key: str
+    peer_index: int
+    status: str  # live | gone | left
+    reason: str | None
+    activity: str
+    device: str
+    listen_multiaddrs: str  # JSON list
+    bandwidth_mbps: float | None
+    last_loss: float | None
+    joined_at: float
+    last_seen_at: float
+    member_since_round: int  # first round it is expected to submit to
+    progress_round: int | None  # latest round it reported working on
+
+
+@dataclass(slots=True)
+class RoundRow:
+    run_id: str
+    round: int
+    opened_at: float
+    deadline: float
+    closed_at: float | None
+    majority_digest: str | None
+
+
+@dataclass(slots=True)
+class SubmissionRow:
+    run_id: str
+    round: int
+    peer_id: str
+    packet_digest: str
+    packet_size_bytes: int
+    train_loss: float
+    compute_s: float
+    encode_s: float
+    multiaddrs: str  # JSON list
+    submitted_at: float
+
+
+@dataclass(slots=True)
+class AppliedRow:
+    run_id: str
+    round: int
+    peer_id: str
+    params_digest: str
+    reported_at: float
+
+
+@dataclass(slots=True)
+class RoundStats:
+    round: int
+    num_contributors: int
+    mean_loss: float | None
+
+
+def _columns(row_type: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(row_type))
+
+
+class Storage:
+    """The SQL shared by both backends. Subclasses provide `_connect` and the placeholder."""
+
+    placeholder = "?"
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._conn: Any = self._connect()
+        self._migrate()
+
+    # -- backend hooks ------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        raise NotImplementedError
+
+    def _rows(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def _exec(self, sql: str, params: tuple = ()) -> int:
+        """Run a statement; return the number of rows it changed."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # -- transactions and schema --------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """All statements inside commit together or not at all; nesting joins the outer one."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            self._exec(self._begin_sql)
+            self._depth = 1
+            try:
+                yield
+            except BaseException:
+                self._depth = 0
+                self._exec("ROLLBACK")
+                raise
+            self._depth = 0
+            self._exec("COMMIT")
+
+    _begin_sql = "BEGIN"
+
+    def schema_version(self) -> int:
+        rows = self._rows("SELECT MAX(version) AS v FROM schema_migrations")
+        return int(rows[0]["v"] or 0)
+
+    def _migrate(self) -> None:
+        with self.transaction():
+            self._exec(CREATE_MIGRATIONS_TABLE)
+            current = self.schema_version()
+            for version, statements in MIGRATIONS:
+                if version <= current:
+                    continue
+                for statement in statements:
+                    self._exec(statement)
+                self._exec(
+                    "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)",
+                    (version, time.time()),
+                )
+
+    # -- generic row helpers ------------------------------------------------------------------
+
+    def _insert(self, table: str, row: Any) -> None:
+        names = _columns(type(row))
+        values = tuple(getattr(row, n) for n in names)
+        marks = ", ".join("?" for _ in names)
+        self._exec(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({marks})", values)
+
+    def _update(self, table: str, row_type: type, keys: dict, fields: dict) -> None:
+        allowed = set(_columns(row_type))
+        if not fields or not set(fields) <= allowed:
+            raise ValueError(f"bad columns for {table}: {sorted(set(fields) - allowed)}")
+        assignments = ", ".join(f"{name} = ?" for name in fields)
+        where = " AND ".join(f"{name} = ?" for name in keys)
+        self._exec(
+            f"UPDATE {table} SET {assignments} WHERE {where}",
+            tuple(fields.values()) + tuple(keys.values()),
+        )
+
+    def _one(self, row_type: type, sql: str, params: tuple) -> Any:
+        rows = self._rows(sql, params)
+        return row_type(**rows[0]) if rows else None
+
+    def _many(self, row_type: type, sql: str, params: tuple) -> list:
+        return [row_type(**row) for row in self._rows(sql, params)]
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def insert_run(self, row: RunRow) -> None:
+        self._insert("runs", row)
+
+    def get_run(self, run_id: str) -> RunRow | None:
+        return self._one(RunRow, "SELECT * FROM runs WHERE run_id = ?", (run_id,))
+
+    def list_runs(self) -> list[RunRow]:
+        return self._many(RunRow, "SELECT * FROM runs ORDER BY created_at, run_id", ())
+
+    def active_run_ids(self) -> list[str]:
+        rows = self._rows("SELECT run_id FROM runs WHERE state IN ('waiting', 'running')")
+        return [row["run_id"] for row in rows]
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        self._update("runs", RunRow, {"run_id": run_id}, fields)
+
+    # -- peers --------------------------------------------------------------------------------
+
+    def insert_peer(self, row: PeerRow) -> None:
+        self._insert("peers", row)
+
+    def get_peer(self, run_id: str, peer_id: str) -> PeerRow | None:
+        return self._one(
+            PeerRow, "SELECT * FROM peers WHERE run_id = ? AND peer_id = ?", (run_id, peer_id)
+        )
+
+    def find_public_key(self, peer_id: str) -> str | None:
+        """The key of a peer id in any run (ids derive from keys, so all runs agree)."""
+        rows = self._rows("SELECT public_key FROM peers WHERE peer_id = ? LIMIT 1", (peer_id,))
+        return rows[0]["public_key"] if rows else None
+
+    def list_peers(self, run_id: str) -> list[PeerRow]:
+        return self._many(
+            PeerRow, "SELECT * FROM peers WHERE run_id = ? ORDER BY peer_index", (run_id,)
+        )
+
+    def next_peer_index(self, run_id: str) -> int:
+        rows = self._rows("SELECT MAX(peer_index) AS m FROM peers WHERE run_id = ?", (run_id,))
+        top = rows[0]["m"]
+        return 0 if top is None else int(top) + 1
+
+    def update_peer(self, run_id: str, peer_id: str, **fields: Any) -> None:
+        self._update("peers", PeerRow, {"run_id": run_id, "peer_id": peer_id}, fields)
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    def insert_round(self, row: RoundRow) -> None:
+        self._insert("rounds", row)
+
+    def get_round(self, run_id: str, round_index: int) -> RoundRow | None:
+        return self._one(
+            RoundRow, "SELECT * FROM rounds WHERE run_id = ? AND round = ?", (run_id, round_index)
+        )
+
+    def closed_rounds(self, run_id: str, limit: int) -> list[RoundRow]:
+        """The latest `limit` closed rounds, oldest first."""
+        rows = self._many(
+            RoundRow,
+            "SELECT * FROM rounds WHERE run_id = ? AND closed_at IS NOT NULL"
+            " ORDER BY round DESC LIMIT ?",
+            (run_id, limit),
+        )
+        return rows[::-1]
+
+    def latest_agreed_round(self, run_id: str) -> RoundRow | None:
+        """The latest round with a majority parameter digest."""
+        return self._one(
+            RoundRow,
+            "SELECT * FROM rounds WHERE run_id = ? AND majority_digest IS NOT NULL"
+            " ORDER BY round DESC LIMIT 1",
+            (run_id,),
+        )
+
+    def update_round(self, run_id: str, round_index: int, **fields: Any) -> None:
+        self._update("rounds", RoundRow, {"run_id": run_id, "round": round_index}, fields)
+
+    def expected_and_missing(self, run_id: str, round_index: int) -> tuple[int, int]:
+        """Live peers expected in a round (members when it opened), and how many of them have
+        not submitted yet."""
+        rows = self._rows(
+            "SELECT COUNT(*) AS expected, COALESCE(SUM(CASE WHEN s.peer_id IS NULL THEN 1 ELSE 0"
+            " END), 0) AS missing FROM peers p LEFT JOIN submissions s ON s.run_id = p.run_id"
+            " AND s.round = ? AND s.peer_id = p.peer_id"
+            " WHERE p.run_id = ? AND p.status = 'live' AND p.member_since_round <= ?",
+            (round_index, run_id, round_index),
+        )
+        return int(rows[0]["expected"]), int(rows[0]["missing"])
+
+    def refresh_live_peers(self, run_id: str, seen_at: float) -> None:
+        """Count every live peer as seen now (after a restart, their silence was ours)."""
+        self._exec(
+            "UPDATE peers SET last_seen_at = ? WHERE run_id = ? AND status = 'live'"
+            " AND last_seen_at < ?",
+            (seen_at, run_id, seen_at),
+        )
+
+    # -- submissions --------------------------------------------------------------------------
+
+    def insert_submission(self, row: SubmissionRow) -> None:
+        self._insert("submissions", row)
+
+    def get_submission(self, run_id: str, round_index: int, peer_id: str) -> SubmissionRow | None:
+        return self._one(
+            SubmissionRow,
+            "SELECT * FROM submissions WHERE run_id = ? AND round = ? AND peer_id = ?",
+            (run_id, round_index, peer_id),
+        )
+
+    def list_submissions(self, run_id: str, round_index: int) -> list[SubmissionRow]:
+        return self._many(
+            SubmissionRow,
+            "SELECT * FROM submissions WHERE run_id = ? AND round = ? ORDER BY peer_id",
+            (run_id, round_index),
+        )
+
+    def count_submissions(self, run_id: str, round_index: int) -> int:
+        rows = self._rows(
+            "SELECT COUNT(*) AS n FROM submissions WHERE run_id = ? AND round = ?",
+            (run_id, round_index),
+        )
+        return int(rows[0]["n"])
+
+    def round_stats(self, run_id: str, first_round: int, last_round: int) -> dict[int, RoundStats]:
+        rows = self._rows(
+            "SELECT round, COUNT(*) AS n, AVG(train_loss) AS mean_loss FROM submissions"
+            " WHERE run_id = ? AND round BETWEEN ? AND ? GROUP BY round",
+            (run_id, first_round, last_round),
+        )
+        return {
+            int(r["round"]): RoundStats(int(r["round"]), int(r["n"]), r["mean_loss"]) for r in rows
+        }
+
+    # -- applied parameter digests ------------------------------------------------------------
+
+    def upsert_applied(self, row: AppliedRow) -> None:
+        self._exec(
+            "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, round, peer_id)"
+            " DO UPDATE SET params_digest = excluded.params_digest,"
+            " reported_at = excluded.reported_at",
+            (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at),
+        )
+
+    def list_applied(self, run_id: str, round_index: int) -> list[AppliedRow]:
+        return self._many(
+            AppliedRow,
+            "SELECT * FROM applied WHERE run_id = ? AND round = ? ORDER BY peer_id",
+            (run_id, round_index),
+        )
+
+    def latest_applied_by_peer(self, run_id: str) -> dict[str, AppliedRow]:
+        rows = self._many(
+            AppliedRow,
+            "SELECT a.* FROM applied a JOIN (SELECT peer_id, MAX(round) AS round FROM applied"
+            " WHERE run_id = ? GROUP BY peer_id) latest"
+            " ON a.peer_id = latest.peer_id AND a.round = latest.round WHERE a.run_id = ?",
+            (run_id, run_id),
+        )
+        return {row.peer_id: row for row in rows}
+
+    def applied_counts(self, run_id: str, first_round: int, last_round: int) -> dict[int, int]:
+        rows = self._rows(
+            "SELECT round, COUNT(*) AS n FROM applied WHERE run_id = ? AND round BETWEEN ? AND ?"
+            " GROUP BY round",
+            (run_id, first_round, last_round),
+        )
+        return {int(r["round"]): int(r["n"]) for r in rows}
+
+    # -- nonces -------------------------------------------------------------------------------
+
+    def add_nonce(self, peer_id: str, nonce: int, seen_at: float) -> bool:
+        """Record a used nonce; False when this peer already used it (a replay)."""
+        changed = self._exec(
+            "INSERT INTO nonces (peer_id, nonce, seen_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (peer_id, nonce) DO NOTHING",
+            (peer_id, nonce, seen_at),
+        )
+        return changed == 1
+
+    def prune_nonces(self, seen_before: float) -> int:
+        return self._exec("DELETE FROM nonces WHERE seen_at < ?", (seen_before,))
+
+
+class SqliteStorage(Storage):
+    """A SQLite file in WAL mode: readers never block the writer, and a commit survives SIGKILL."""
+
+    _begin_sql = "BEGIN IMMEDIATE"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        super().__init__()
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            # isolation_level=None: transactions are exactly the explicit BEGIN/COMMIT above.
+            conn = sqlite3.connect(
+                str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0
+            )
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL: a commit is in the WAL (OS page cache) before COMMIT returns, which is what
+            # survives a killed process; only a power cut could lose the last commits.
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.Error as e:
+            raise StorageError(f"cannot open SQLite database {self.path}: {e}") from e
+        return conn
+
+    def _rows(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(row) for row in self._conn.execute(sql, params).fetchall()]
+
+    def _exec(self, sql: str, params: tuple = ()) -> int:
+        with self._lock:
+            return self._conn.execute(sql, params).rowcount
+
+
+class PostgresStorage(Storage):
+    """PostgreSQL through psycopg 3; the same SQL with %s placeholders."""
+
+    def __init__(self, url: str):
+        self.url = url
+        super().__init__()
+
+    def _connect(self) -> Any:
+        try:
+            import psycopg
+            from psycopg.rows import dict_row
+        except ImportError as e:
+            raise StorageError("PostgreSQL needs psycopg: pip install 'psycopg[binary]'") from e
+        try:
+            return psycopg.connect(
+                self.url, autocommit=True, row_factory=dict_row, connect_timeout=10
+            )
+        except psycopg.Error as e:
+            raise StorageError(f"cannot connect to PostgreSQL: {str(e).strip()}") from e
+
+    @staticmethod
+    def _sql(sql: str) -> str:
+        # The shared SQL contains no literal '?' or '%', so this rewrite is exact.
+        return sql.replace("?", "%s")
+
+    def _rows(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._conn.execute(self._sql(sql), params).fetchall())
+
+    def _exec(self, sql: str, params: tuple = ()) -> int:
+        with self._lock:
+            return self._conn.execute(self._sql(sql), params).rowcount
+
+
+def open_storage(url: str) -> Storage:
+    """``sqlite:///relative.db``, ``sqlite:////absolute.db``, a bare path, or ``postgresql://``."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return PostgresStorage(url)
+    if url.startswith("sqlite://"):
+        path = url.removeprefix("sqlite://")
+        if not path.startswith("/") or path == "/":
+            raise StorageError(f"bad SQLite URL {url!r}: use sqlite:///relative.db")
+        path = path[1:]
+    else:
+        path = url
+    if not path or path == ":memory:":
+        raise StorageError("the coordinator needs a database file, not an in-memory database")
+    return SqliteStorage(Path(path))

@@ -1,0 +1,252 @@
+"""The coordinator's read side: stored rows turned into the response models of `protocol.api`.
+
+Kept apart from the rules in `coordinator.service` so that what a peer or a monitor sees (status
+JSON, round views with manifests, the join answer) reads in one place. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import json
+
+from coordinator import errors
+from coordinator.storage import PeerRow, RoundRow, RunRow, Storage
+from protocol.api import (
+    CurrentRound,
+    JoinResponse,
+    ManifestEntry,
+    ParamsSource,
+    PeerAddress,
+    PeerView,
+    RoundSummary,
+    RoundView,
+    RunConfig,
+    RunInfo,
+    RunList,
+    RunStatus,
+)
+
+HISTORY_LIMIT = 1000
+
+
+class Views:
+    def __init__(self, storage: Storage):
+        self.storage = storage
+        self._configs: dict[str, RunConfig] = {}  # configs never change after creation
+
+    def config_of(self, run: RunRow) -> RunConfig:
+        config = self._configs.get(run.run_id)
+        if config is None:
+            config = RunConfig.model_validate_json(run.config_json)
+            self._configs[run.run_id] = config
+        return config
+
+    def _require_run(self, run_id: str) -> RunRow:
+        run = self.storage.get_run(run_id)
+        if run is None:
+            raise errors.RunNotFound(f"no run {run_id!r}")
+        return run
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    def run_info(self, run_id: str) -> RunInfo:
+        return self._run_info(self._require_run(run_id))
+
+    def _run_info(self, run: RunRow) -> RunInfo:
+        return RunInfo(
+            run_id=run.run_id,
+            name=run.name,
+            state=run.state,
+            created_at=run.created_at,
+            closed_at=run.closed_at,
+            current_round=run.current_round,
+            config=self.config_of(run),
+        )
+
+    def list_runs(self) -> RunList:
+        return RunList(runs=[self._run_info(run) for run in self.storage.list_runs()])
+
+    def latest_run_id(self) -> str | None:
+        runs = self.storage.list_runs()
+        return runs[-1].run_id if runs else None
+
+    # -- rounds -------------------------------------------------------------------------------
+
+    def round_view(self, run_id: str, round_index: int) -> RoundView:
+        run = self._require_run(run_id)
+        round_row = self.storage.get_round(run_id, round_index)
+        if round_row is None:
+            if run.state in ("waiting", "running"):
+                return RoundView(
+                    run_id=run_id,
+                    round=round_index,
+                    state="pending",
+                    opened_at=None,
+                    deadline=None,
+                    closed_at=None,
+                    num_submitted=0,
+                    manifest=[],
+                    majority_digest=None,
+                )
+            raise errors.RoundNotFound(
+                f"run {run_id} is {run.state}; round {round_index} never ran"
+            )
+        closed = round_row.closed_at is not None
+        submissions = self.storage.list_submissions(run_id, round_index)
+        manifest = [
+            ManifestEntry(
+                peer_id=s.peer_id,
+                packet_digest=s.packet_digest,
+                packet_size_bytes=s.packet_size_bytes,
+                multiaddrs=json.loads(s.multiaddrs),
+            )
+            for s in submissions
+        ]
+        return RoundView(
+            run_id=run_id,
+            round=round_index,
+            state="closed" if closed else "open",
+            opened_at=round_row.opened_at,
+            deadline=round_row.deadline,
+            closed_at=round_row.closed_at,
+            num_submitted=len(submissions),
+            manifest=sorted(manifest, key=lambda e: e.peer_id) if closed else [],
+            majority_digest=round_row.majority_digest,
+        )
+
+    def round_is_settled(self, run_id: str, round_index: int) -> bool:
+        """True once a long-poll on this round has nothing left to wait for."""
+        run = self._require_run(run_id)
+        round_row = self.storage.get_round(run_id, round_index)
+        if round_row is None:
+            return run.state not in ("waiting", "running")
+        return round_row.closed_at is not None
+
+    # -- join ---------------------------------------------------------------------------------
+
+    def _params_source(self, run_id: str) -> ParamsSource:
+        agreed = self.storage.latest_agreed_round(run_id)
+        if agreed is None:
+            return ParamsSource(round=0, digest=None, holders=[])
+        live = {p.peer_id: p for p in self.storage.list_peers(run_id) if p.status == "live"}
+        holders = [
+            PeerAddress(peer_id=a.peer_id, multiaddrs=json.loads(live[a.peer_id].listen_multiaddrs))
+            for a in self.storage.list_applied(run_id, agreed.round)
+            if a.params_digest == agreed.majority_digest and a.peer_id in live
+        ]
+        return ParamsSource(round=agreed.round + 1, digest=agreed.majority_digest, holders=holders)
+
+    def _join_response(self, run: RunRow, peer_id: str) -> JoinResponse:
+        config = self.config_of(run)
+        peer = self.storage.get_peer(run.run_id, peer_id)
+        assert peer is not None  # called right after the join wrote it
+        return JoinResponse(
+            run_id=run.run_id,
+            peer_id=peer_id,
+            peer_index=peer.peer_index,
+            data_shard=peer.peer_index % config.num_data_shards,
+            num_shards=config.num_data_shards,
+            config=config,
+            run_state=run.state,
+            current_round=run.current_round,
+            params=self._params_source(run.run_id),
+            dht_bootstrap=list(config.dht_bootstrap),
+            # Four beats per timeout: one lost request never costs a peer its membership.
+            heartbeat_interval_s=config.heartbeat_timeout_s / 4,
+        )
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self, run_id: str, now: float, history_limit: int = HISTORY_LIMIT) -> RunStatus:
+        run = self._require_run(run_id)
+        peers = self.storage.list_peers(run_id)
+        return RunStatus(
+            now=now,
+            run=self._run_info(run),
+            current_round=self._current_round(run, peers),
+            peers=self._peer_views(run, peers),
+            history=self._history(run_id, history_limit),
+        )
+
+    def _current_round(self, run: RunRow, peers: list[PeerRow]) -> CurrentRound | None:
+        if run.state == "waiting":
+            return CurrentRound(
+                round=0,
+                state="pending",
+                opened_at=None,
+                deadline=None,
+                num_submitted=0,
+                num_expected=sum(p.status == "live" for p in peers),
+            )
+        if run.state != "running":
+            return None
+        round_row = self.storage.get_round(run.run_id, run.current_round)
+        assert round_row is not None  # a running run always has its open round
+        num_expected, _ = self.storage.expected_and_missing(run.run_id, run.current_round)
+        return CurrentRound(
+            round=round_row.round,
+            state="open",
+            opened_at=round_row.opened_at,
+            deadline=round_row.deadline,
+            num_submitted=self.storage.count_submissions(run.run_id, run.current_round),
+            num_expected=num_expected,
+        )
+
+    def _peer_views(self, run: RunRow, peers: list[PeerRow]) -> list[PeerView]:
+        latest_applied = self.storage.latest_applied_by_peer(run.run_id)
+        majorities: dict[int, str | None] = {}
+        for report in latest_applied.values():
+            if report.round not in majorities:
+                round_row = self.storage.get_round(run.run_id, report.round)
+                majorities[report.round] = round_row.majority_digest if round_row else None
+        views = []
+        for peer in peers:
+            report = latest_applied.get(peer.peer_id)
+            mismatch = report is not None and report.params_digest != majorities[report.round]
+            views.append(
+                PeerView(
+                    peer_id=peer.peer_id,
+                    peer_index=peer.peer_index,
+                    data_shard=peer.peer_index % self.config_of(run).num_data_shards,
+                    status=peer.status,
+                    reason=peer.reason,
+                    activity=peer.activity,
+                    device=peer.device,
+                    bandwidth_mbps=peer.bandwidth_mbps,
+                    last_loss=peer.last_loss,
+                    last_seen_at=peer.last_seen_at,
+                    lag_rounds=(
+                        None
+                        if peer.progress_round is None
+                        else max(0, run.current_round - peer.progress_round)
+                    ),
+                    flags=["params_mismatch"] if mismatch else [],
+                    mismatch_round=report.round if mismatch and report else None,
+                    listen_multiaddrs=json.loads(peer.listen_multiaddrs),
+                )
+            )
+        return views
+
+    def _history(self, run_id: str, limit: int) -> list[RoundSummary]:
+        rounds: list[RoundRow] = self.storage.closed_rounds(run_id, limit)
+        if not rounds:
+            return []
+        first, last = rounds[0].round, rounds[-1].round
+        stats = self.storage.round_stats(run_id, first, last)
+        applied = self.storage.applied_counts(run_id, first, last)
+        history = []
+        for round_row in rounds:
+            assert round_row.closed_at is not None  # closed_rounds returns closed ones only
+            stat = stats.get(round_row.round)
+            history.append(
+                RoundSummary(
+                    round=round_row.round,
+                    opened_at=round_row.opened_at,
+                    closed_at=round_row.closed_at,
+                    round_time_s=round_row.closed_at - round_row.opened_at,
+                    num_contributors=stat.num_contributors if stat else 0,
+                    mean_loss=stat.mean_loss if stat else None,
+                    majority_digest=round_row.majority_digest,
+                    num_applied=applied.get(round_row.round, 0),
+                )
+            )
+        return history

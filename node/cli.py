@@ -1,0 +1,58 @@
+"""The `locoswarm` command line: one entry point, one subcommand per job.
+
+Each subcommand lives in the module that implements it and is wired in through that module's
+`register(subparsers)`, which adds a parser and sets `func` to a callable taking the parsed
+arguments and returning an exit code. Those modules keep their top-level imports light (no torch,
+no hivemind) so that `locoswarm --help` answers at once; the heavy imports happen inside `func`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that contribute subcommands, in the order --help lists them.
+COMMAND_MODULES = (
+    "node.codec_demo",
+    "coordinator.cli",
+)
+
+
+def _version(args: argparse.Namespace) -> int:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        print(f"locoswarm {version('locoswarm')}")
+    except PackageNotFoundError:
+        print("locoswarm (not installed as a package)")
+    from protocol.packet import WIRE_VERSION
+
+    print(f"packet wire version {WIRE_VERSION}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="locoswarm",
+        description="Train one language model together over the internet with SparseLoCo.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    version_parser = subparsers.add_parser("version", help="print the version and wire version")
+    version_parser.set_defaults(func=_version)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The storage layer against both backends: a real SQLite file and a real PostgreSQL server.
+
+Each test gets an empty database (a new file, or a new PostgreSQL schema); the same assertions
+run on both, which is what keeps the shared SQL honest.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.errors import StorageError
+from coordinator.schema import LATEST_VERSION
+from coordinator.service import CoordinatorService
+from coordinator.storage import (
+    AppliedRow,
+    PeerRow,
+    RoundRow,
+    RunRow,
+    SqliteStorage,
+    SubmissionRow,
+    open_storage,
+)
+from protocol.api import JoinRequest, RunConfig, SubmitRequest
+from protocol.signing import PeerKey
+from tests.integration.conftest_coordinator import FakeClock
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def a_run(run_id: str = "run-1") -> RunRow:
+    return RunRow(run_id, "r", "{}", "[]", "waiting", 1.0, None, 0)
+
+
+def a_peer(peer_id: str, index: int, run_id: str = "run-1") -> PeerRow:
+    return PeerRow(run_id, peer_id, "00" * 32, index, "live", None, "joining", "cpu", "[]",
+                   None, None, 1.0, 1.0, 0, None)
+
+
+def test_migrations_apply_once(storage_url):
+    storage = open_storage(storage_url)
+    assert storage.schema_version() == LATEST_VERSION
+    storage.insert_run(a_run())
+    storage.close()
+    again = open_storage(storage_url)  # reopening migrates nothing and keeps the rows
+    assert again.schema_version() == LATEST_VERSION
+    assert again.get_run("run-1").state == "waiting"
+    again.close()
+
+
+def test_rows_round_trip_and_update(storage_url):
+    storage = open_storage(storage_url)
+    with storage.transaction():
+        storage.insert_run(a_run())
+        storage.insert_peer(a_peer("pb", 1))
+        storage.insert_peer(a_peer("pa", 0))
+        storage.insert_round(RoundRow("run-1", 0, 10.0, 40.0, None, None))
+    storage.update_run("run-1", state="running", current_round=0)
+    storage.update_peer("run-1", "pa", status="gone", reason="silent", last_loss=2.5)
+    assert storage.get_run("run-1").state == "running"
+    assert [p.peer_id for p in storage.list_peers("run-1")] == ["pa", "pb"]
+    assert storage.get_peer("run-1", "pa").reason == "silent"
+    assert storage.get_peer("run-1", "pa").last_loss == 2.5
+    assert storage.next_peer_index("run-1") == 2
+    assert storage.find_public_key("pb") == "00" * 32 and storage.find_public_key("px") is None
+    assert storage.active_run_ids() == ["run-1"]
+    with pytest.raises(ValueError):
+        storage.update_peer("run-1", "pa", no_such_column=1)
+    storage.close()
+
+
+def test_transactions_roll_back_as_a_whole(storage_url):
+    storage = open_storage(storage_url)
+    storage.insert_run(a_run())
+    with pytest.raises(RuntimeError):
+        with storage.transaction():
+            storage.update_run("run-1", state="running")
+            with storage.transaction():  # nested: part of the outer one
+                storage.insert_peer(a_peer("pa", 0))
+            raise RuntimeError("abort")
+    assert storage.get_run("run-1").state == "waiting"
+    assert storage.list_peers("run-1") == []
+    storage.close()
+
+
+def test_submissions_stats_and_expected(storage_url):
+    storage = open_storage(storage_url)
+    storage.insert_run(a_run())
+    for index, peer_id in enumerate(["pa", "pb", "pc"]):
+        storage.insert_peer(a_peer(peer_id, index))
+    storage.update_peer("run-1", "pc", member_since_round=1)
+    storage.insert_round(RoundRow("run-1", 0, 0.0, 30.0, None, None))
+    assert storage.expected_and_missing("run-1", 0) == (2, 2)
+    for peer_id, loss in [("pb", 3.0), ("pa", 2.0)]:
+        storage.insert_submission(
+            SubmissionRow("run-1", 0, peer_id, "ab" * 32, 100, loss, 1.0, 0.1, "[]", 5.0))
+    assert storage.expected_and_missing("run-1", 0) == (2, 0)
+    assert [s.peer_id for s in storage.list_submissions("run-1", 0)] == ["pa", "pb"]
+    assert storage.count_submissions("run-1", 0) == 2
+    stats = storage.round_stats("run-1", 0, 0)[0]
+    assert (stats.num_contributors, stats.mean_loss) == (2, 2.5)
+    storage.update_round("run-1", 0, closed_at=6.0)
+    assert [r.round for r in storage.closed_rounds("run-1", 10)] == [0]
+    storage.close()
+
+
+def test_applied_upsert_latest_and_nonces(storage_url):
+    storage = open_storage(storage_url)
+    storage.insert_run(a_run())
+    storage.upsert_applied(AppliedRow("run-1", 0, "pa", "11" * 16, 1.0))
+    storage.upsert_applied(AppliedRow("run-1", 0, "pa", "22" * 16, 2.0))
+    storage.upsert_applied(AppliedRow("run-1", 1, "pa", "33" * 16, 3.0))
+    storage.upsert_applied(AppliedRow("run-1", 0, "pb", "22" * 16, 4.0))
+    assert [a.params_digest for a in storage.list_applied("run-1", 0)] == ["22" * 16] * 2
+    latest = storage.latest_applied_by_peer("run-1")
+    assert (latest["pa"].round, latest["pb"].round) == (1, 0)
+    assert storage.applied_counts("run-1", 0, 1) == {0: 2, 1: 1}
+    big_nonce = 1_800_000_000_000_000_000
+    assert storage.add_nonce("pa", big_nonce, 10.0) is True
+    assert storage.add_nonce("pa", big_nonce, 11.0) is False
+    assert storage.add_nonce("pb", big_nonce, 11.0) is True
+    assert storage.prune_nonces(10.5) == 1
+    assert storage.add_nonce("pa", big_nonce, 12.0) is True
+    storage.close()
+
+
+def test_service_round_flow_on_both_backends(storage_url):
+    """The same rules on either backend: join, open, submit, close, next round."""
+    clock = FakeClock()
+    storage = open_storage(storage_url)
+    service = CoordinatorService(storage, clock=clock)
+    run_id = service.create_run(RunConfig(name="both", preset="tiny", min_peers=2))
+    keys = [PeerKey.generate() for _ in range(2)]
+    peer_ids = [service.join(run_id, *_join(key)).peer_id for key in keys]
+    for peer_id in peer_ids:
+        service.submit(run_id, 0, peer_id, SubmitRequest(
+            packet_digest="cd" * 32, packet_size_bytes=10, train_loss=1.0))
+    view = service.round_view(run_id, 0)
+    assert view.state == "closed" and [e.peer_id for e in view.manifest] == sorted(peer_ids)
+    assert service.round_view(run_id, 1).state == "open"
+    storage.close()
+
+
+def _join(key: PeerKey) -> tuple[str, JoinRequest]:
+    from protocol.api import peer_id_from_public_key
+
+    return peer_id_from_public_key(key.public_bytes), JoinRequest(public_key=key.public_hex)
+
+
+def test_unopenable_databases_raise_storage_error(tmp_path):
+    with pytest.raises(StorageError, match="cannot open SQLite"):
+        open_storage(f"sqlite:///{tmp_path}/missing-dir/c.db")
+    with pytest.raises(StorageError):
+        open_storage("sqlite://:memory:")
+    with pytest.raises(StorageError, match="PostgreSQL"):
+        open_storage("postgresql://nobody@/nodb?host=/nonexistent-socket-dir&connect_timeout=2")
+    assert isinstance(open_storage(f"sqlite:///{tmp_path}/c.db"), SqliteStorage)
+
+
+def test_sqlite_uses_wal(tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path}/c.db")
+    assert storage._rows("PRAGMA journal_mode")[0]["journal_mode"] == "wal"
+    storage.close()
