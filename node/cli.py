@@ -16,6 +16,7 @@ import sys
 COMMAND_MODULES = (
     "node.codec_demo",
     "coordinator.cli",
+    "node.sim",
 )
 
 

@@ -65,7 +65,13 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=256, hidden=128, num_layers=4, num_heads=4, num_kv_heads=4,
         intermediate=352, max_seq_len=256,
     ),
-    # ~10.7M parameters: CPU simulator and benchmarks (several peers on 2 cores).
+    # ~4.9M parameters: the simulator's default, so that 3 strategies x 4 peers x 300 inner
+    # steps fit in 10 minutes on 2 CPU cores.
+    "mini": ModelConfig(
+        vocab_size=256, hidden=256, num_layers=6, num_heads=4, num_kv_heads=4,
+        intermediate=704, max_seq_len=256,
+    ),
+    # ~10.7M parameters: CPU benchmarks and longer simulator runs.
     "small": ModelConfig(
         vocab_size=256, hidden=384, num_layers=6, num_heads=6, num_kv_heads=6,
         intermediate=1024, max_seq_len=256,

@@ -1,0 +1,195 @@
+"""The outer step: how a round's pseudo-gradients become the next shared parameters.
+
+One interface, two strategies that run over any exchange (the in-process simulator, the real
+network): each round a peer snapshots theta at the round start, runs H inner steps, turns
+`delta = theta_start - theta_local` into a payload, and, once it has the round's payloads from
+every peer in the manifest, applies the same aggregate to the same start. Every peer therefore
+holds bit-identical parameters after every round; `param_digest` checks it.
+
+- `sparseloco` (arXiv 2508.15706): error feedback `e = beta e + outer_lr delta`, per-chunk Top-k
+  and 2-bit codes (kernels.sparse), a signed packet (protocol.packet), scatter-mean over the
+  peers that sent each coordinate, plain SGD `theta = theta_start - outer_lr * aggregate`.
+- `diloco` (arXiv 2311.08105): the dense delta (safetensors bytes), mean over peers, SGD with
+  Nesterov momentum (torch.optim.SGD's formula) on the outer learning rate.
+
+The third baseline, `ddp` (gradients averaged every inner step), has no outer step and lives in
+the simulator only.
+
+Determinism: payloads are aggregated in peer-id order, each peer's values added once per element
+in float32, and the outer step is computed as separate IEEE operations, so the result does not
+depend on arrival order or device. A payload that fails to decode is left out with its reason;
+since decoding is deterministic, every honest peer leaves out the same payloads.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.sparse import SparseTensor, error_feedback_step, scatter_mean
+from protocol.errors import ProtocolError
+from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
+from protocol.signing import PeerKey
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("sparseloco", "diloco")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OuterConfig:
+    strategy: str = "sparseloco"  # "sparseloco" or "diloco"
+    outer_lr: float = 1.0  # SparseLoCo 1.0; DiLoCo 0.7
+    outer_momentum: float = 0.0  # DiLoCo 0.9 (Nesterov)
+    nesterov: bool = False  # Nesterov form of the outer momentum
+    top_k: int = 64  # values kept per 4096-element chunk: 64 -> 1.56 %, 128 -> 3.125 %
+    chunk_size: int = 64  # tile side for 2-D tensors, chunk length for 1-D ones
+    error_decay: float = 0.95  # beta of the error-feedback buffer (1.0 = no decay, 0 = no memory)
+    divide_by_peers: bool = False  # 1/R instead of the mean over contributors of each coordinate
+    clip_to_median_norm: bool = False  # scale down any peer whose update norm exceeds the round's median
+    max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # larger payloads are refused unread
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not 0.0 <= self.error_decay <= 1.0 or self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError("error_decay must lie in [0, 1], outer_lr > 0, outer_momentum in [0, 1)")
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """What one outer step used and what it refused."""
+
+    accepted: list[str]  # peer ids whose payloads made the aggregate, sorted
+    refused: dict[str, str] = field(default_factory=dict)  # peer id -> reason
+    scales: dict[str, float] = field(default_factory=dict)  # peer id -> norm-clipping factor (< 1 only)
+
+
+class OuterStep:
+    """Round bookkeeping shared by the strategies: the round-start snapshot and the outer update."""
+
+    def __init__(self, params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig):
+        self.params = dict(params)
+        self.cfg = cfg
+        self.start = {name: p.detach().clone() for name, p in self.params.items()}
+
+    def begin_round(self) -> None:
+        """Snapshot theta at the start of the round (after a catch-up or a resume)."""
+        for name, p in self.params.items():
+            self.start[name].copy_(p.detach())
+
+    def deltas(self):
+        for name, p in self.params.items():
+            yield name, self.start[name] - p.detach()
+
+    def _set_params(self, name: str, new: torch.Tensor) -> None:
+        self.start[name].copy_(new)
+        self.params[name].data.copy_(new)
+
+
+class SparseLoCoOuter(OuterStep):
+    def __init__(self, params, cfg: OuterConfig):
+        super().__init__(params, cfg)
+        self.spec = ModelSpec.from_named_tensors(self.params, cfg.top_k, cfg.chunk_size)
+        self.layouts = self.spec.layouts()
+        self.error_buffers = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in self.params.items()}
+
+    def make_payload(self, *, run_id: str, round: int, peer_id: str, base_digest: str, key: PeerKey) -> bytes:
+        """Fold this round's delta into the error buffers and encode what leaves them."""
+        sparse = {
+            name: error_feedback_step(self.error_buffers[name], delta.float(), self.layouts[name],
+                                      self.cfg.error_decay, self.cfg.outer_lr)
+            for name, delta in self.deltas()
+        }
+        return encode_packet(run_id, round, peer_id, bytes.fromhex(base_digest), self.spec, sparse, key)
+
+    def apply(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
+              round: int) -> ApplyResult:
+        decoded: dict[str, dict[str, SparseTensor]] = {}
+        result = ApplyResult(accepted=[])
+        for peer_id in sorted(payloads):
+            try:
+                packet = decode_packet(payloads[peer_id], self.spec, public_key, run_id=run_id, round=round,
+                                       max_bytes=self.cfg.max_packet_bytes)
+                if packet.peer_id != peer_id:
+                    raise ProtocolError(f"packet names peer {packet.peer_id!r}")
+            except ProtocolError as e:
+                result.refused[peer_id] = f"{type(e).__name__}: {e}"
+                log.warning("round %d: refusing packet of %s: %s", round, peer_id, result.refused[peer_id])
+                continue
+            decoded[peer_id] = packet.tensors
+        result.accepted = sorted(decoded)
+        if not decoded:
+            return result
+        scales = self._clip_scales(decoded) if self.cfg.clip_to_median_norm else None
+        if scales:
+            result.scales = {p: s for p, s in zip(result.accepted, scales) if s < 1.0}
+        for name, p in self.params.items():
+            aggregate = scatter_mean([decoded[peer][name] for peer in result.accepted], device=p.device,
+                                     divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales)
+            if self.cfg.outer_lr != 1.0:
+                aggregate = aggregate * self.cfg.outer_lr
+            self._set_params(name, self.start[name] - aggregate)
+        return result
+
+    @staticmethod
+    def _clip_scales(decoded: Mapping[str, Mapping[str, SparseTensor]]) -> list[float]:
+        """Per peer, min(1, median norm / norm): computed in float64 on the CPU, the same on every peer."""
+        norms = []
+        for peer in sorted(decoded):
+            squares = sum(float(t.values().double().square().sum()) for t in decoded[peer].values())
+            norms.append(squares ** 0.5)
+        median = statistics.median(norms)
+        return [1.0 if n <= median or n == 0 else median / n for n in norms]
+
+
+class DiLoCoOuter(OuterStep):
+    def __init__(self, params, cfg: OuterConfig):
+        super().__init__(params, cfg)
+        self.momentum = {name: torch.zeros_like(p) for name, p in self.params.items()}
+        self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
+
+    def make_payload(self, **_) -> bytes:
+        from safetensors.torch import save
+
+        return save({name: delta.float().contiguous().cpu() for name, delta in self.deltas()})
+
+    def apply(self, payloads: Mapping[str, bytes], public_key=None, **_) -> ApplyResult:
+        from safetensors.torch import load
+
+        deltas, result = {}, ApplyResult(accepted=[])
+        for peer_id in sorted(payloads):
+            try:
+                if len(payloads[peer_id]) > self.cfg.max_packet_bytes:
+                    raise ValueError("payload exceeds the size limit")
+                tensors = load(payloads[peer_id])
+                if {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
+                    raise ValueError("tensor names or shapes differ from the model's")
+                if any(t.dtype != torch.float32 or not bool(torch.isfinite(t).all()) for t in tensors.values()):
+                    raise ValueError("tensors are not finite float32")
+            except Exception as e:  # safetensors raises its own and OS errors on hostile bytes
+                result.refused[peer_id] = f"{type(e).__name__}: {e}"
+                continue
+            deltas[peer_id] = tensors
+        result.accepted = sorted(deltas)
+        if not deltas:
+            return result
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        for name, p in self.params.items():
+            total = torch.zeros_like(self.start[name])
+            for peer in result.accepted:
+                total += deltas[peer][name].to(total.device)
+            update = total / len(result.accepted)
+            if mu:
+                self.momentum[name].mul_(mu).add_(update)
+                update = update + mu * self.momentum[name] if self.cfg.nesterov else self.momentum[name].clone()
+            self._set_params(name, self.start[name] - update * lr)
+        return result
+
+
+def make_outer(params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig) -> SparseLoCoOuter | DiLoCoOuter:
+    return {"sparseloco": SparseLoCoOuter, "diloco": DiLoCoOuter}[cfg.strategy](params, cfg)

@@ -1,0 +1,296 @@
+"""The multi-peer simulator: R peers in one process, through the real codec and packet bytes.
+
+    locoswarm sim --algos sparseloco,diloco,ddp [--json] [--peers 4 --inner-steps 15 --rounds 20]
+    python -m node.sim ...
+
+Each strategy trains R identical models (same seed) on R disjoint shards of the corpus:
+
+- sparseloco / diloco: every round each peer runs H inner AdamW steps, builds its payload (a
+  signed SparseLoCo packet, or the dense delta as safetensors bytes), and every peer decodes all
+  payloads and applies the outer step itself. After every round the simulator asserts that all
+  peers hold bit-identical parameters (parameter digest).
+- ddp: the dense baseline, gradients averaged over the R peers at every inner step (one model,
+  since all replicas are identical by construction).
+
+It writes `summary.json` and `val_loss.png` (validation loss against tokens seen by the whole
+swarm) to --out, and prints a table, or one JSON object with --json.
+
+Bytes sent per peer per round: the packet for sparseloco; the fp32 delta for diloco; for ddp,
+what a ring all-reduce of fp32 gradients sends per peer over H steps, 2 (R-1)/R * 4 * numel * H.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+ALGOS = ("sparseloco", "diloco", "ddp")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimConfig:
+    algos: tuple[str, ...] = ALGOS  # strategies to run, in order
+    preset: str = "mini"  # model preset (node.model.PRESETS)
+    num_peers: int = 4  # R, peers in the swarm
+    inner_steps: int = 15  # H, inner steps per round
+    num_rounds: int = 20  # rounds; the inner-step budget per peer is num_rounds * inner_steps
+    batch_size: int = 8  # sequences per inner step per peer
+    seq_len: int = 64  # tokens per sequence
+    top_k: int = 64  # SparseLoCo density: values kept per 4096-element chunk
+    error_decay: float = 0.95  # SparseLoCo error-feedback beta
+    sparseloco_inner_lr: float = 1e-3  # paper: 1e-3
+    diloco_inner_lr: float = 8e-4  # paper: 8e-4
+    diloco_outer_lr: float = 0.7  # paper: 0.6..0.7, Nesterov momentum 0.9
+    ddp_lr: float = 1e-3  # AdamW lr of the every-step baseline
+    warmup_fraction: float = 0.1  # of the inner-step budget
+    eval_every_rounds: int = 4  # validation cadence
+    eval_batches: int = 8  # validation batches per evaluation
+    seed: int = 0  # model init and batch sampling
+    data: str | None = None  # corpus path; None = the Python standard library's sources
+    threads: int = 2  # torch CPU threads
+    device: str = "cpu"
+
+    @property
+    def total_steps(self) -> int:
+        return self.num_rounds * self.inner_steps
+
+
+@dataclass(slots=True)
+class StrategyResult:
+    final_val_loss: float
+    tokens: int
+    bytes_sent_per_peer_per_round: float
+    wall_s: float
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, val loss)
+    digests_identical_every_round: bool = True
+
+
+def _inner_config(cfg: SimConfig, lr: float):
+    from node.inner import InnerConfig
+
+    return InnerConfig(lr=lr, warmup_steps=max(1, int(cfg.total_steps * cfg.warmup_fraction)),
+                       total_steps=cfg.total_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+
+
+def _evaluate(model, corpus, cfg: SimConfig) -> float:
+    from node.data import evaluate
+
+    return evaluate(model, corpus.val, cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                    device=cfg.device)
+
+
+def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyResult:
+    """sparseloco or diloco: H local steps, exchange payload bytes, every peer applies the outer step."""
+    from node.inner import make_inner_optimizer, run_inner_steps
+    from node.model import build_model
+    from node.outer import OuterConfig, make_outer
+    from node.params import flat_named_params, param_digest
+    from protocol.signing import PeerKey
+
+    if algo == "sparseloco":
+        inner = _inner_config(cfg, cfg.sparseloco_inner_lr)
+        outer_cfg = OuterConfig(strategy="sparseloco", top_k=cfg.top_k, error_decay=cfg.error_decay)
+    else:
+        inner = _inner_config(cfg, cfg.diloco_inner_lr)
+        outer_cfg = OuterConfig(strategy="diloco", outer_lr=cfg.diloco_outer_lr, outer_momentum=0.9, nesterov=True)
+    peer_ids = [f"p{i:02d}" for i in range(cfg.num_peers)]
+    keys = {p: PeerKey.from_seed(p.encode()) for p in peer_ids}
+    public = {p: k.public_bytes for p, k in keys.items()}
+    models = [build_model(cfg.preset, cfg.seed).to(cfg.device) for _ in peer_ids]
+    optimizers = [make_inner_optimizer(m, inner) for m in models]
+    outers = [make_outer(flat_named_params(m), outer_cfg) for m in models]
+    streams = [corpus.train.shard(i, cfg.num_peers).batches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.device)
+               for i in range(cfg.num_peers)]
+    result = StrategyResult(final_val_loss=float("nan"), tokens=0, bytes_sent_per_peer_per_round=0.0, wall_s=0.0)
+    result.curve.append((0, _evaluate(models[0], corpus, cfg)))
+    start, bytes_sent = time.perf_counter(), 0
+    digest = param_digest(models[0])
+    for r in range(cfg.num_rounds):
+        payloads = {}
+        for i, peer in enumerate(peer_ids):
+            run_inner_steps(models[i], optimizers[i], streams[i], r * cfg.inner_steps, cfg.inner_steps, inner,
+                            cfg.device, on_step=lambda *_: progress.update(1))
+            payloads[peer] = outers[i].make_payload(run_id="sim", round=r, peer_id=peer, base_digest=digest,
+                                                    key=keys[peer])
+            bytes_sent += len(payloads[peer])
+        for outer in outers:
+            applied = outer.apply(payloads, public.__getitem__, run_id="sim", round=r)
+            if applied.refused:
+                raise RuntimeError(f"round {r}: honest packets refused: {applied.refused}")
+        digests = {param_digest(m) for m in models}
+        if len(digests) != 1:
+            result.digests_identical_every_round = False
+            raise RuntimeError(f"round {r}: peers diverged: {sorted(digests)}")
+        digest = digests.pop()
+        result.tokens += cfg.num_peers * cfg.inner_steps * cfg.batch_size * cfg.seq_len
+        if (r + 1) % cfg.eval_every_rounds == 0 or r + 1 == cfg.num_rounds:
+            result.curve.append((result.tokens, _evaluate(models[0], corpus, cfg)))
+        progress.set_postfix_str(f"{algo} round {r + 1}/{cfg.num_rounds} val {result.curve[-1][1]:.3f}")
+    result.wall_s = time.perf_counter() - start
+    result.final_val_loss = result.curve[-1][1]
+    result.bytes_sent_per_peer_per_round = bytes_sent / (cfg.num_peers * cfg.num_rounds)
+    return result
+
+
+def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
+    """Every step: each peer's gradient on its own batch, averaged (fixed order), one AdamW step."""
+    import torch
+
+    from node.inner import lr_at, make_inner_optimizer
+    from node.model import autocast_for, build_model, lm_loss, num_parameters
+
+    inner = _inner_config(cfg, cfg.ddp_lr)
+    model = build_model(cfg.preset, cfg.seed).to(cfg.device)
+    optimizer = make_inner_optimizer(model, inner)
+    streams = [corpus.train.shard(i, cfg.num_peers).batches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.device)
+               for i in range(cfg.num_peers)]
+    result = StrategyResult(final_val_loss=float("nan"), tokens=0, bytes_sent_per_peer_per_round=0.0, wall_s=0.0)
+    result.curve.append((0, _evaluate(model, corpus, cfg)))
+    start = time.perf_counter()
+    for step in range(cfg.total_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, inner)
+        optimizer.zero_grad(set_to_none=True)
+        for stream in streams:
+            x, y = next(stream)
+            with autocast_for(cfg.device):
+                loss = lm_loss(model, x, y) / cfg.num_peers
+            loss.backward()
+            progress.update(1)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
+        optimizer.step()
+        result.tokens += cfg.num_peers * cfg.batch_size * cfg.seq_len
+        if (step + 1) % (cfg.eval_every_rounds * cfg.inner_steps) == 0 or step + 1 == cfg.total_steps:
+            result.curve.append((result.tokens, _evaluate(model, corpus, cfg)))
+            progress.set_postfix_str(f"ddp step {step + 1}/{cfg.total_steps} val {result.curve[-1][1]:.3f}")
+    result.wall_s = time.perf_counter() - start
+    result.final_val_loss = result.curve[-1][1]
+    ring = 2 * (cfg.num_peers - 1) / cfg.num_peers
+    result.bytes_sent_per_peer_per_round = ring * 4 * num_parameters(model) * cfg.inner_steps
+    return result
+
+
+def simulate(cfg: SimConfig, out_dir: Path | None = None, show_progress: bool = True) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from node.data import load_corpus
+
+    torch.set_num_threads(cfg.threads)
+    corpus = load_corpus(cfg.data)
+    results = {}
+    for algo in cfg.algos:
+        with tqdm(total=cfg.num_peers * cfg.total_steps, desc=algo, unit="step", disable=not show_progress,
+                  leave=False) as progress:
+            if algo == "ddp":
+                results[algo] = run_ddp(cfg, corpus, progress)
+            else:
+                results[algo] = run_local_updates(algo, cfg, corpus, progress)
+    summary = {"config": asdict(cfg), "corpus": corpus.description,
+               "strategies": {a: asdict(r) for a, r in results.items()}}
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        _plot(results, out_dir / "val_loss.png", cfg)
+    return summary
+
+
+def _plot(results: dict[str, StrategyResult], path: Path, cfg: SimConfig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for algo, r in results.items():
+        tokens, losses = zip(*r.curve)
+        ax.plot([t / 1e6 for t in tokens], losses, marker="o", ms=3,
+                label=f"{algo} ({r.bytes_sent_per_peer_per_round / 1e6:.3g} MB/peer/round)")
+    ax.set_xlabel("tokens seen by the swarm (millions)")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(f"{cfg.num_peers} peers, H={cfg.inner_steps}, preset {cfg.preset}, top_k {cfg.top_k}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("sim", help="simulate R peers in one process and compare strategies")
+    add_arguments(parser)
+    parser.set_defaults(func=lambda args: run_cli(args))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SimConfig()
+    parser.add_argument("--algos", default=",".join(d.algos), help="comma-separated: sparseloco,diloco,ddp")
+    parser.add_argument("--preset", default=d.preset)
+    parser.add_argument("--peers", type=int, default=d.num_peers)
+    parser.add_argument("--inner-steps", type=int, default=d.inner_steps, help="H")
+    parser.add_argument("--rounds", type=int, default=d.num_rounds)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--seq-len", type=int, default=d.seq_len)
+    parser.add_argument("--top-k", type=int, default=d.top_k)
+    parser.add_argument("--error-decay", type=float, default=d.error_decay)
+    parser.add_argument("--sparseloco-inner-lr", type=float, default=d.sparseloco_inner_lr)
+    parser.add_argument("--diloco-inner-lr", type=float, default=d.diloco_inner_lr)
+    parser.add_argument("--diloco-outer-lr", type=float, default=d.diloco_outer_lr)
+    parser.add_argument("--ddp-lr", type=float, default=d.ddp_lr)
+    parser.add_argument("--eval-every", type=int, default=d.eval_every_rounds, help="rounds between evaluations")
+    parser.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--data", default=None, help="text file, directory or .bin shards (default: stdlib sources)")
+    parser.add_argument("--threads", type=int, default=d.threads)
+    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--out", default="runs/sim", help="where summary.json and val_loss.png go")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    algos = tuple(a.strip() for a in args.algos.split(",") if a.strip())
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown:
+        raise SystemExit(f"unknown strategy {unknown[0]!r}; choose from {', '.join(ALGOS)}")
+    return replace(
+        SimConfig(), algos=algos, preset=args.preset, num_peers=args.peers, inner_steps=args.inner_steps,
+        num_rounds=args.rounds, batch_size=args.batch_size, seq_len=args.seq_len, top_k=args.top_k,
+        error_decay=args.error_decay, sparseloco_inner_lr=args.sparseloco_inner_lr,
+        diloco_inner_lr=args.diloco_inner_lr, diloco_outer_lr=args.diloco_outer_lr, ddp_lr=args.ddp_lr,
+        eval_every_rounds=args.eval_every, eval_batches=args.eval_batches, seed=args.seed, data=args.data,
+        threads=args.threads, device=args.device,
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if not args.json:
+        print("resolved config:", json.dumps(asdict(cfg)))
+    summary = simulate(cfg, Path(args.out), show_progress=True)
+    per_strategy = {
+        algo: {k: r[k] for k in ("final_val_loss", "tokens", "bytes_sent_per_peer_per_round", "wall_s")}
+        for algo, r in summary["strategies"].items()
+    }
+    if args.json:
+        print(json.dumps(per_strategy))
+        return 0
+    print(f"{'strategy':<12} {'val loss':>9} {'tokens':>11} {'bytes/peer/round':>17} {'wall s':>8}")
+    for algo, r in per_strategy.items():
+        print(f"{algo:<12} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>17,.0f} "
+              f"{r['wall_s']:>8.1f}")
+    print(f"wrote {args.out}/summary.json and {args.out}/val_loss.png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m node.sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
