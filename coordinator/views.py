@@ -98,6 +98,7 @@ class Views:
                 packet_digest=s.packet_digest,
                 packet_size_bytes=s.packet_size_bytes,
                 multiaddrs=json.loads(s.multiaddrs),
+                public_key=self.storage.find_public_key(s.peer_id) or "",
             )
             for s in submissions
         ]

@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "node.codec_demo",
     "coordinator.cli",
     "node.sim",
+    "node.node_cli",
 )
 
 

@@ -141,7 +141,7 @@ class RunConfig(RequestModel):
     name: str = Field(
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Human-readable run name."
     )
-    preset: Literal["tiny", "small", "512m", "1b"] = Field(description="Model size preset.")
+    preset: Literal["tiny", "mini", "small", "512m", "1b"] = Field(description="Model size preset.")
     strategy: Literal["sparseloco", "diloco", "ddp"] = Field(
         "sparseloco", description="Outer algorithm: SparseLoCo or a baseline."
     )
@@ -349,6 +349,7 @@ class ManifestEntry(ResponseModel):
     packet_digest: str
     packet_size_bytes: int
     multiaddrs: list[str]
+    public_key: str = Field("", description="The peer's Ed25519 key (hex), to verify its packet.")
 
 
 class RoundView(ResponseModel):

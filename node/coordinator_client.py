@@ -1,0 +1,118 @@
+"""The node's client of the coordinator: signed requests, typed refusals, retries with backoff.
+
+Every peer call is signed with the peer key (protocol.api.sign_request, a fresh nonce per
+attempt). Transport failures, 5xx and 429 answers are retried with exponential backoff and
+jitter for up to `retry_for_s`, so a node rides out a coordinator restart; a 4xx refusal is
+final and raised as `Refused` with the coordinator's error code (`late`, `stale_round`, ...),
+which the round loop decides on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+
+import httpx
+
+from protocol.api import (API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse,
+                          JoinRequest, JoinResponse, LeaveRequest, RoundView, RunList, SubmitRequest, SubmitResponse,
+                          sign_request)
+from protocol.signing import PeerKey
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorError(Exception):
+    """The coordinator could not be used."""
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """No answer (or only 5xx/429) for longer than the retry budget."""
+
+
+class Refused(CoordinatorError):
+    """A final 4xx answer; `code` is the coordinator's error code."""
+
+    def __init__(self, status: int, code: str, detail: str):
+        super().__init__(f"{status} {code}: {detail}")
+        self.status, self.code, self.detail = status, code, detail
+
+
+class CoordinatorClient:
+    def __init__(self, base_url: str, key: PeerKey, *, retry_for_s: float = 120.0, timeout_s: float = 90.0):
+        self.base_url = base_url.rstrip("/")
+        self.key = key
+        self.retry_for_s = retry_for_s
+        self.run_id: str | None = None
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, body=None, params: dict | None = None, signed: bool = True,
+                    retry_for_s: float | None = None) -> dict:
+        path = API_PREFIX + path
+        content = body.model_dump_json().encode() if body is not None else b""
+        budget = self.retry_for_s if retry_for_s is None else retry_for_s
+        deadline, delay_s, last_error = time.monotonic() + budget, 0.2, "no attempt"
+        while True:
+            headers = {"content-type": "application/json"}
+            if signed:
+                headers |= sign_request(self.key, method, path, content)
+            try:
+                response = await self._http.request(method, path, content=content or None, params=params,
+                                                    headers=headers)
+            except httpx.TransportError as e:
+                last_error = f"{type(e).__name__}: {e}"
+            else:
+                if response.status_code < 400:
+                    return response.json()
+                if response.status_code < 500 and response.status_code != 429:
+                    try:
+                        error = response.json()
+                    except json.JSONDecodeError:
+                        error = {"error": "http_error", "detail": response.text[:200]}
+                    raise Refused(response.status_code, str(error.get("error")), str(error.get("detail")))
+                last_error = f"HTTP {response.status_code}"
+            if time.monotonic() + delay_s > deadline:
+                raise CoordinatorUnavailable(f"{method} {path}: {last_error} (gave up after {budget:.0f} s)")
+            log.info("coordinator %s %s: %s; retrying in %.1f s", method, path, last_error, delay_s)
+            await asyncio.sleep(delay_s * (0.5 + random.random()))
+            delay_s = min(delay_s * 2, 10.0)
+
+    async def runs(self) -> RunList:
+        return RunList.model_validate(await self._call("GET", "/runs", signed=False))
+
+    async def join(self, run_id: str, *, join_token: str | None, device: str, multiaddrs: list[str],
+                   bandwidth_mbps: float | None = None) -> JoinResponse:
+        request = JoinRequest(public_key=self.key.public_hex, join_token=join_token, device=device[:256],
+                              listen_multiaddrs=multiaddrs[:16], bandwidth_mbps=bandwidth_mbps)
+        joined = JoinResponse.model_validate(await self._call("POST", f"/runs/{run_id}/join", request))
+        self.run_id = joined.run_id
+        return joined
+
+    async def heartbeat(self, round: int, state: str, **fields) -> HeartbeatResponse:
+        request = HeartbeatRequest(round=round, state=state, **fields)
+        return HeartbeatResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/heartbeat", request,
+                                                                 retry_for_s=5.0))
+
+    async def submit(self, round: int, **fields) -> SubmitResponse:
+        request = SubmitRequest(**fields)
+        return SubmitResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/submit",
+                                                              request))
+
+    async def round(self, round: int, wait_s: float = 0.0) -> RoundView:
+        data = await self._call("GET", f"/runs/{self.run_id}/rounds/{round}", params={"wait_s": wait_s},
+                                signed=False)
+        return RoundView.model_validate(data)
+
+    async def applied(self, round: int, params_digest: str) -> AppliedResponse:
+        request = AppliedRequest(params_digest=params_digest)
+        return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
+                                                               request))
+
+    async def leave(self, reason: str = "left") -> None:
+        await self._call("POST", f"/runs/{self.run_id}/leave", LeaveRequest(reason=reason), retry_for_s=3.0)

@@ -1,0 +1,318 @@
+"""`locoswarm node join` (a volunteer joins a run) and `locoswarm demo` (a local swarm in one command).
+
+    locoswarm node join --coordinator URL [--run ID] [--token T] [--device cpu|cuda] [--data PATH]
+    locoswarm demo [--peers 3] [--rounds 4] [--preset tiny] [--json]
+
+The demo starts a coordinator on a free port with a SQLite file in a temporary folder, creates a
+run, starts N node processes on 127.0.0.1 (each its own key, DHT identity and libp2p daemon),
+shows the swarm's progress from the coordinator's status, and at the end checks that every
+peer holds the same parameter digest and that the validation loss fell. Every process it
+starts, it stops (SIGINT, then SIGKILL after a grace period), by its own handle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    node = subparsers.add_parser("node", help="run a volunteer node")
+    node_sub = node.add_subparsers(dest="node_command", metavar="COMMAND", required=True)
+    join = node_sub.add_parser("join", help="join a run and train until it ends or Ctrl+C")
+    join.add_argument("--coordinator", required=True, help="coordinator URL, http://host:port")
+    join.add_argument("--run", default=None, help="run id (default: the coordinator's only open run)")
+    join.add_argument("--token", default=None, help="join token, for runs that need one")
+    join.add_argument("--device", default="cuda" if _has_cuda() else "cpu", help="cpu, cuda or cuda:N")
+    join.add_argument("--data", default=None, help="text file, directory or .bin shards (default: the run's)")
+    join.add_argument("--key", default=str(Path.home() / ".locoswarm" / "peer.key"),
+                      help="Ed25519 identity file, created if absent")
+    join.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
+                      help="libp2p listen addresses (a public node: /ip4/0.0.0.0/tcp/PORT)")
+    join.add_argument("--announce-maddrs", nargs="*", default=[], help="addresses to advertise instead")
+    join.add_argument("--initial-peers", nargs="*", default=[], help="DHT bootstrap multiaddrs")
+    join.add_argument("--client-mode", action="store_true", help="behind NAT: do not serve the DHT")
+    join.add_argument("--auto-relay", action="store_true", help="behind NAT: be reachable through a relay")
+    join.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    join.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds")
+    join.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to fetch a round's packets")
+    join.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    join.add_argument("--report", default=None, help="write the per-round reports as JSON here on exit")
+    join.set_defaults(func=_join)
+
+    demo = subparsers.add_parser("demo", help="a local swarm: coordinator + N nodes on 127.0.0.1")
+    demo.add_argument("--peers", type=int, default=3)
+    demo.add_argument("--rounds", type=int, default=4)
+    demo.add_argument("--preset", default="tiny")
+    demo.add_argument("--inner-steps", type=int, default=15)
+    demo.add_argument("--top-k", type=int, default=64)
+    demo.add_argument("--workdir", default=None, help="keep the database and logs here (default: a temp dir)")
+    demo.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    demo.set_defaults(func=_demo)
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _join(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from node.worker import Node, NodeConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    config = NodeConfig(
+        coordinator=args.coordinator, run_id=args.run, join_token=args.token, device=args.device, data=args.data,
+        key_path=Path(args.key), host_maddrs=tuple(args.host_maddrs), announce_maddrs=tuple(args.announce_maddrs),
+        initial_peers=tuple(args.initial_peers), client_mode=args.client_mode, use_auto_relay=args.auto_relay,
+        threads=args.threads, max_rounds=args.max_rounds, fetch_timeout_s=args.fetch_timeout,
+        progress=not args.no_progress,
+    )
+    print("node config:", json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}),
+          file=sys.stderr, flush=True)
+    node = Node(config)
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, node.stop)
+        return await node.run()
+
+    reports = asyncio.run(main())
+    if args.report:
+        _write_report(Path(args.report), node, reports)
+    return 0
+
+
+def _write_report(path: Path, node, reports) -> None:
+    """Per-round reports as JSON, and the final parameters beside them (PATH.safetensors)."""
+    from safetensors.torch import save_file
+
+    from node.params import flat_named_params
+
+    path.write_text(json.dumps({
+        "peer_id": getattr(node, "peer_id", None),
+        "preset": node.run_config.preset if hasattr(node, "run_config") else None,
+        "rounds": [{"round": r.round, "train_loss": r.train_loss, "digest": r.digest, "num_packets": r.num_packets,
+                    "packet_bytes": r.packet_bytes, "refused": r.refused, "submitted": r.submitted,
+                    "times": vars_of(r.times)} for r in reports],
+    }))
+    if hasattr(node, "model"):
+        save_file({n: p.detach().cpu().contiguous() for n, p in flat_named_params(node.model).items()},
+                  str(path.with_suffix(".safetensors")))
+
+
+def vars_of(obj) -> dict:
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+# -- demo ----------------------------------------------------------------------------------------
+
+def _demo(args: argparse.Namespace) -> int:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    with LocalSwarm(workdir, num_peers=args.peers, preset=args.preset, rounds=args.rounds,
+                    inner_steps=args.inner_steps, top_k=args.top_k, quiet=args.json) as swarm:
+        summary = swarm.run()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        ok = "yes" if summary["digests_identical"] else "NO"
+        print(f"\nall {args.peers} peers hold the same parameter digest after every round: {ok}")
+        print(f"validation loss: {summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} "
+              f"({'fell' if summary['loss_fell'] else 'did NOT fall'})")
+        print(f"packet size: {summary['mean_packet_bytes']:,.0f} bytes per peer per round; logs in {workdir}")
+    return 0 if summary["digests_identical"] and summary["loss_fell"] else 1
+
+
+class LocalSwarm:
+    """A coordinator and N nodes on 127.0.0.1, as child processes this object owns."""
+
+    def __init__(self, workdir: Path, *, num_peers: int, preset: str, rounds: int, inner_steps: int, top_k: int,
+                 quiet: bool = False, extra_node_args: tuple[str, ...] = ()):
+        self.workdir, self.num_peers, self.preset, self.rounds = workdir, num_peers, preset, rounds
+        self.inner_steps, self.top_k, self.quiet = inner_steps, top_k, quiet
+        self.extra_node_args = extra_node_args
+        self.admin_token = os.urandom(16).hex()
+        self.coordinator: subprocess.Popen | None = None
+        self.nodes: list[subprocess.Popen] = []
+        self.url = ""
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "LOCOSWARM_ADMIN_TOKEN": self.admin_token, "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1"}
+
+    def start_coordinator(self, timeout_s: float = 60.0) -> str:
+        log = open(self.workdir / "coordinator.log", "ab")
+        self.coordinator = subprocess.Popen(
+            [sys.executable, "-m", "node.cli", "coordinator", "serve", "--db",
+             f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", "127.0.0.1", "--port", "0"],
+            stdout=subprocess.PIPE, stderr=log, env=self._env(), cwd=_repo_root())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.coordinator.stdout.readline().decode()
+            if not line and self.coordinator.poll() is not None:
+                raise RuntimeError(f"coordinator exited; see {self.workdir / 'coordinator.log'}")
+            if line.startswith("coordinator listening on "):
+                self.url = line.split()[-1]
+                return self.url
+        raise TimeoutError("coordinator did not start")
+
+    def create_run(self, **overrides) -> str:
+        import httpx
+
+        H = self.inner_steps
+        config = {
+            "name": "demo", "preset": self.preset, "strategy": "sparseloco", "inner_steps": H,
+            "batch_size": 8, "seq_len": 64, "warmup_steps": max(1, H), "total_steps": H * self.rounds,
+            "top_k": self.top_k, "min_peers": self.num_peers, "max_rounds": self.rounds,
+            "num_data_shards": max(1, self.num_peers), "heartbeat_timeout_s": 60.0,
+            "deadline_policy": {"kind": "fixed", "round_timeout_s": 300.0},
+        } | overrides
+        response = httpx.post(f"{self.url}/v1/runs", json=config, trust_env=False,
+                              headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=30)
+        response.raise_for_status()
+        self.run_id = response.json()["run_id"]
+        return self.run_id
+
+    def start_node(self, index: int) -> subprocess.Popen:
+        log = open(self.workdir / f"node{index}.log", "ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "node.cli", "node", "join", "--coordinator", self.url, "--run", self.run_id,
+             "--device", "cpu", "--key", str(self.workdir / f"node{index}.key"), "--threads", "1",
+             "--no-progress", "--report", str(self.workdir / f"node{index}.report.json"), *self.extra_node_args],
+            stdout=log, stderr=log, env=self._env(), cwd=_repo_root())
+        self.nodes.append(process)
+        return process
+
+    def status(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.url}/v1/runs/{self.run_id}/status", trust_env=False, timeout=30).json()
+
+    def wait_for_peers(self, count: int, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sum(p["status"] == "live" for p in self.status()["peers"]) >= count:
+                return
+            self._check_nodes()
+            time.sleep(0.2)
+        raise TimeoutError(f"{count} peers did not join in {timeout_s} s")
+
+    def _check_nodes(self) -> None:
+        for i, node in enumerate(self.nodes):
+            if node.poll() not in (None, 0):
+                raise RuntimeError(f"node {i} exited with {node.returncode}; see {self.workdir / f'node{i}.log'}")
+
+    def run(self, timeout_s: float = 1800.0) -> dict:
+        import torch
+
+        from node.data import evaluate, load_corpus
+        from node.model import build_model
+
+        self.start_coordinator()
+        self.create_run()
+        self._say(f"coordinator at {self.url} (status page: {self.url}/?run={self.run_id}); run {self.run_id}")
+        # The first node founds the DHT; the others bootstrap through it (its multiaddrs are in the status).
+        self.start_node(0)
+        self.wait_for_peers(1)
+        for i in range(1, self.num_peers):
+            self.start_node(i)
+        deadline, last_line = time.monotonic() + timeout_s, ""
+        while any(n.poll() is None for n in self.nodes):
+            self._check_nodes()
+            if time.monotonic() > deadline:
+                raise TimeoutError("the swarm did not finish in time")
+            status = self.status()
+            line = _progress_line(status, self.rounds)
+            if line != last_line:
+                self._say(line)
+                last_line = line
+            time.sleep(0.5)
+        self._check_nodes()
+        reports = [json.loads((self.workdir / f"node{i}.report.json").read_text())["rounds"]
+                   for i in range(self.num_peers)]
+        digests_per_round = [{r["digest"] for rep in reports for r in rep if r["round"] == k} for k in range(self.rounds)]
+        final_digest = next(iter(digests_per_round[-1])) if digests_per_round and digests_per_round[-1] else None
+
+        # Validation loss at the start (the seeded model) and at the end (rebuilt from the last round's
+        # parameters: every peer holds the same, so any peer's checkpointless digest identifies them).
+        corpus = load_corpus(None)
+        model = build_model(self.preset, 0)
+        val_start = evaluate(model, corpus.val, 8, batch_size=8, seq_len=64)
+        val_end = _final_val_loss(self.workdir / "node0.report.safetensors", self.preset, corpus)
+        return {
+            "coordinator": self.url, "run_id": self.run_id, "peers": self.num_peers, "rounds": self.rounds,
+            "digests_identical": all(len(d) == 1 for d in digests_per_round) and len(digests_per_round) == self.rounds,
+            "final_digest": final_digest, "val_loss_start": val_start, "val_loss_end": val_end,
+            "loss_fell": val_end < val_start,
+            "mean_packet_bytes": sum(r["packet_bytes"] for r in reports[0]) / max(1, len(reports[0])),
+            "round_times_s": [r["times"] for r in reports[0]],
+            "train_loss": [r["train_loss"] for r in reports[0]],
+        }
+
+    def _say(self, line: str) -> None:
+        if not self.quiet:
+            print(line, flush=True)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        children = [p for p in self.nodes if p.poll() is None]
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            children.append(self.coordinator)
+        for p in children:
+            p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        for p in children:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _final_val_loss(path: Path, preset: str, corpus) -> float:
+    from safetensors.torch import load_file
+
+    from node.data import evaluate
+    from node.model import build_model
+
+    model = build_model(preset, 0)
+    model.load_state_dict(load_file(str(path)), strict=False)  # tied weights are saved once
+    return evaluate(model, corpus.val, 8, batch_size=8, seq_len=64)
+
+
+def _progress_line(status: dict, rounds: int) -> str:
+    current = status.get("current_round") or {}
+    peers = status.get("peers", [])
+    live = [p for p in peers if p["status"] == "live"]
+    acts = ", ".join(f"{p['peer_id'][:7]}:{p['activity']}" for p in live)
+    losses = [p["last_loss"] for p in live if p.get("last_loss") is not None]
+    loss = f" loss {sum(losses) / len(losses):.3f}" if losses else ""
+    return (f"round {current.get('round', '?')}/{rounds} {current.get('state', '')} "
+            f"submitted {current.get('num_submitted', 0)}/{current.get('num_expected', 0)}{loss} | {acts}")
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)

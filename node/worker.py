@@ -1,0 +1,313 @@
+"""The volunteer node's round loop: join, train H steps, publish, aggregate, step, repeat.
+
+    node = Node(NodeConfig(coordinator="http://host:8000"))
+    asyncio.run(node.run())
+
+One round r, as DESIGN.md describes it: snapshot theta_r, run H inner AdamW steps (in a worker
+thread, so the exchange keeps serving and heartbeats keep flowing), fold the delta into the error
+buffers and encode a signed packet, publish it (DHT announcement + libp2p stream), submit its
+digest to the coordinator, wait for the round's manifest, fetch every listed packet (from the
+publisher or any verified holder), decode, aggregate, take the outer step, report the new
+parameter digest. Every peer applies the same manifest to the same start, so every digest agrees.
+
+Decisions at the boundaries, each logged:
+- a submission refused as late or stale: the round goes on without this packet; the node still
+  applies the manifest (its own update stays in its error buffer for the next round);
+- a manifest packet that cannot be fetched in time: the node cannot reproduce the round, so it
+  catches up instead: it fetches the parameters that start round r+1 from peers, checks them
+  against the coordinator's majority digest, and resets its error feedback;
+- a packet that fails to verify or decode is left out (deterministically, by every honest peer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("locoswarm.node")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeConfig:
+    coordinator: str  # base URL of the coordinator, http://host:port
+    run_id: str | None = None  # None: the coordinator's only running (or waiting) run
+    join_token: str | None = None  # for runs with join_policy "token"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    data: str | None = None  # corpus path; None: the run's, else the stdlib sources
+    key_path: Path = Path.home() / ".locoswarm" / "peer.key"  # Ed25519 identity, created if absent
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where the libp2p daemon listens
+    announce_maddrs: tuple[str, ...] = ()  # addresses to advertise (port forwarding)
+    initial_peers: tuple[str, ...] = ()  # DHT bootstrap; default: the run's dht_bootstrap
+    client_mode: bool = False  # join the DHT without serving it (behind NAT)
+    use_auto_relay: bool = False  # behind NAT: be reachable through a relay
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    max_rounds: int | None = None  # leave after this many rounds (demos, tests)
+    fetch_timeout_s: float = 60.0  # per round, for the manifest's packets
+    checkpoint_dir: Path | None = None  # save parameters and state here after every round
+    progress: bool = True  # a progress bar for the inner steps on stderr
+
+
+@dataclass(slots=True)
+class RoundTimes:
+    compute_s: float = 0.0
+    encode_s: float = 0.0
+    wait_s: float = 0.0
+    transfer_s: float = 0.0
+    aggregate_s: float = 0.0
+
+
+@dataclass(slots=True)
+class RoundReport:
+    round: int
+    train_loss: float
+    digest: str
+    num_packets: int
+    refused: dict[str, str] = field(default_factory=dict)
+    times: RoundTimes = field(default_factory=RoundTimes)
+    submitted: bool = True
+    caught_up: bool = False
+    packet_bytes: int = 0
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{device}:{torch.cuda.get_device_name(torch.device(device))}"
+    return device
+
+
+class Node:
+    """One volunteer: owns the model, the optimizers, the exchange and the coordinator client."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.reports: list[RoundReport] = []
+        self._stopping = asyncio.Event()
+        self._state, self._round, self._last_loss = "joining", 0, None
+
+    def stop(self) -> None:
+        """Ask the loop to leave after the current step (signal handlers call this)."""
+        self._stopping.set()
+
+    async def run(self) -> list[RoundReport]:
+        import torch
+
+        from node.coordinator_client import CoordinatorClient
+        from node.p2p_exchange import ExchangeConfig, P2PExchange
+        from protocol.signing import PeerKey
+
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        key = PeerKey.load_or_create(cfg.key_path)
+        client = CoordinatorClient(cfg.coordinator, key)
+        exchange = None
+        try:
+            run_id = cfg.run_id or await self._pick_run(client)
+            run_info = await client._call("GET", f"/runs/{run_id}", signed=False)
+            bootstrap = cfg.initial_peers or tuple(run_info["config"].get("dht_bootstrap", []))
+            if not bootstrap:  # no fixed bootstrap: enter the swarm through the live members
+                status = await client._call("GET", f"/runs/{run_id}/status", signed=False)
+                bootstrap = tuple(m for peer in status["peers"] if peer["status"] == "live"
+                                  for m in peer["listen_multiaddrs"])[:16]
+            exchange = await P2PExchange.create(ExchangeConfig(
+                run_id=run_id, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
+                initial_peers=bootstrap, client_mode=cfg.client_mode, use_auto_relay=cfg.use_auto_relay,
+                max_packet_bytes=run_info["config"]["max_packet_bytes"],
+            ))
+            reach = await exchange.reachability_check()
+            log.info("reachability: %s", reach.advice if hasattr(reach, "advice") else reach)
+            joined = await client.join(run_id, join_token=cfg.join_token, device=_device_name(cfg.device),
+                                       multiaddrs=exchange.visible_maddrs)
+            self.peer_id = joined.peer_id
+            log.info("joined run %s as %s (index %d, shard %d/%d) at round %d", run_id, joined.peer_id,
+                     joined.peer_index, joined.data_shard, joined.num_shards, joined.current_round)
+            self._setup_training(joined)
+            heartbeat = asyncio.create_task(self._heartbeats(client, joined.heartbeat_interval_s))
+            try:
+                await self._loop(client, exchange, joined, key)
+            finally:
+                heartbeat.cancel()
+            try:
+                await client.leave("finished" if not self._stopping.is_set() else "stopped by the volunteer")
+            except Exception as e:  # leaving is a courtesy; the coordinator times us out anyway
+                log.warning("leave failed: %s", e)
+        finally:
+            if exchange is not None:
+                await exchange.shutdown()
+            await client.close()
+        return self.reports
+
+    async def _pick_run(self, client) -> str:
+        runs = [r for r in (await client.runs()).runs if r.state in ("waiting", "running")]
+        if len(runs) != 1:
+            names = ", ".join(f"{r.run_id} ({r.name})" for r in runs) or "none"
+            raise SystemExit(f"the coordinator has {len(runs)} open runs ({names}); pass --run")
+        return runs[0].run_id
+
+    def _setup_training(self, joined) -> None:
+        import torch
+
+        from node.data import load_corpus
+        from node.inner import InnerConfig, make_inner_optimizer
+        from node.model import build_model
+        from node.outer import OuterConfig, make_outer
+        from node.params import flat_named_params
+
+        run = joined.config
+        if run.strategy == "ddp":
+            raise SystemExit("the ddp baseline syncs every step and runs in the simulator only")
+        self.run_config = run
+        self.device = torch.device(self.config.device)
+        self.model = build_model(run.preset, run.seed).to(self.device)
+        self.inner = InnerConfig(lr=run.inner_lr, betas=tuple(run.inner_betas), weight_decay=run.inner_weight_decay,
+                                 grad_clip=run.grad_clip, warmup_steps=run.warmup_steps, total_steps=run.total_steps,
+                                 min_lr_ratio=run.min_lr_ratio, batch_size=run.batch_size, seq_len=run.seq_len)
+        self.optimizer = make_inner_optimizer(self.model, self.inner)
+        self.outer = make_outer(flat_named_params(self.model), OuterConfig(
+            strategy=run.strategy, outer_lr=run.outer_lr, outer_momentum=run.outer_momentum, nesterov=run.nesterov,
+            top_k=run.top_k, chunk_size=run.chunk_size, error_decay=run.error_decay,
+            max_packet_bytes=run.max_packet_bytes))
+        self.corpus = load_corpus(self.config.data or run.data)
+        self.shard = self.corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
+
+    async def _heartbeats(self, client, interval_s: float) -> None:
+        from node.coordinator_client import CoordinatorError
+
+        while True:
+            await asyncio.sleep(max(0.5, interval_s))
+            try:
+                await client.heartbeat(self._round, self._state, train_loss=self._last_loss)
+            except CoordinatorError as e:
+                log.warning("heartbeat failed: %s", e)
+
+    async def _wait_open(self, client, round: int):
+        delay_s = 0.1
+        while not self._stopping.is_set():
+            view = await client.round(round)
+            if view.state != "pending":
+                return view
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 1.5, 2.0)
+        return None
+
+    async def _loop(self, client, exchange, joined, key) -> None:
+        from node.coordinator_client import Refused
+        from node.params import param_digest
+
+        round, rounds_done = joined.current_round, 0
+        if joined.params.digest is not None and joined.params.round > 0:
+            raise SystemExit("joining a run in progress needs parameter catch-up, which this build lacks")
+        while not self._stopping.is_set():
+            if self.config.max_rounds is not None and rounds_done >= self.config.max_rounds:
+                break
+            if self.run_config.max_rounds is not None and round >= self.run_config.max_rounds:
+                log.info("the run is complete after %d rounds", self.run_config.max_rounds)
+                break
+            self._round, self._state = round, "waiting"
+            try:
+                view = await self._wait_open(client, round)
+            except Refused as e:
+                if e.code in ("round_not_found", "run_closed"):
+                    log.info("the run is over (%s)", e.detail)
+                    break
+                raise
+            if view is None:
+                break
+            report = await self._one_round(client, exchange, round, key, param_digest(self.model))
+            self.reports.append(report)
+            t = report.times
+            log.info("round %d: loss %.4f, %d packets%s, digest %s | compute %.2fs encode %.2fs wait %.2fs "
+                     "transfer %.2fs aggregate %.2fs", round, report.train_loss, report.num_packets,
+                     f" ({len(report.refused)} refused)" if report.refused else "", report.digest[:12],
+                     t.compute_s, t.encode_s, t.wait_s, t.transfer_s, t.aggregate_s)
+            await exchange.forget_before(round - 2)
+            round += 1
+            rounds_done += 1
+
+    async def _one_round(self, client, exchange, round: int, key, base_digest: str) -> RoundReport:
+        from node.coordinator_client import Refused
+        from node.inner import run_inner_steps
+        from node.params import param_digest
+
+        times = RoundTimes()
+        self.outer.begin_round()
+        self._state = "training"
+        H = self.run_config.inner_steps
+        batches = self.shard.batches(self.inner.batch_size, self.inner.seq_len, self.run_config.seed, self.device,
+                                     start_step=round * H)
+        bar = self._progress_bar(round, H)
+        result = await asyncio.to_thread(
+            run_inner_steps, self.model, self.optimizer, batches, round * H, H, self.inner, self.device,
+            (lambda step, loss, tps: bar.update(1) or bar.set_postfix_str(f"loss {loss:.3f} {tps:,.0f} tok/s"))
+            if bar else None)
+        if bar:
+            bar.close()
+        times.compute_s = result.compute_s
+        self._last_loss = result.mean_loss
+
+        self._state = "encoding"
+        start = time.perf_counter()
+        payload = await asyncio.to_thread(self.outer.make_payload, run_id=client.run_id, round=round,
+                                          peer_id=self.peer_id, base_digest=base_digest, key=key)
+        digest = hashlib.sha256(payload).hexdigest()
+        announcement = await exchange.publish(round, self.peer_id, payload)
+        times.encode_s = time.perf_counter() - start
+
+        self._state = "submitting"
+        submitted = True
+        try:
+            await client.submit(round, packet_digest=digest, packet_size_bytes=len(payload),
+                                train_loss=result.mean_loss, compute_s=times.compute_s, encode_s=times.encode_s,
+                                multiaddrs=announcement.multiaddrs)
+        except Refused as e:
+            if e.code not in ("late", "stale_round", "round_not_open"):
+                raise
+            submitted = False
+            log.warning("round %d: submission refused (%s); applying the round without this packet", round, e.code)
+
+        self._state = "waiting"
+        start = time.perf_counter()
+        view = await client.round(round, wait_s=30)
+        while view.state != "closed":
+            view = await client.round(round, wait_s=30)
+        times.wait_s = time.perf_counter() - start
+
+        self._state = "transferring"
+        start = time.perf_counter()
+        wanted = {e.peer_id: e.packet_digest for e in view.manifest}
+        public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
+        hints = {e.peer_id: e.multiaddrs for e in view.manifest}
+        payloads = await exchange.fetch(round, wanted, hints, timeout_s=self.config.fetch_timeout_s)
+        times.transfer_s = time.perf_counter() - start
+        missing = sorted(set(wanted) - set(payloads))
+        if missing:
+            raise RuntimeError(f"round {round}: could not fetch packets of {missing}; catch-up is needed")
+
+        self._state = "aggregating"
+        start = time.perf_counter()
+
+        def lookup(peer_id: str) -> bytes:
+            return public_keys[peer_id]
+
+        applied = await asyncio.to_thread(self.outer.apply, payloads, lookup, run_id=client.run_id, round=round)
+        digest_after = param_digest(self.model)
+        times.aggregate_s = time.perf_counter() - start
+        response = await client.applied(round, digest_after)
+        if not response.agrees:
+            log.error("round %d: my digest %s disagrees with the majority %s", round, digest_after[:12],
+                      response.majority_digest[:12])
+        return RoundReport(round, result.mean_loss, digest_after, len(applied.accepted), applied.refused, times,
+                           submitted, packet_bytes=len(payload))
+
+    def _progress_bar(self, round: int, total: int):
+        if not self.config.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=f"round {round}", unit="step", leave=False)
