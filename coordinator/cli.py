@@ -116,6 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         AnnouncingServer(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on; that is a clean stop
+        pass
     finally:
         storage.close()
     return 0
