@@ -125,7 +125,7 @@ def scatter_mean(
         total.index_put_((index,), values, accumulate=True)
         count.index_put_((index,), ones, accumulate=True)
     if divide_by_peers:
-        mean = total / max(1, len(selections))
-    else:
-        mean = torch.where(count > 0, total / count.clamp_min(1), total)
+        mean = total.div_(max(1, len(selections)))
+    else:  # where nobody sent a coordinate, total is 0 and stays 0
+        mean = total.div_(count.clamp_min_(1))
     return from_chunks(mean.view(layout.num_chunks, layout.chunk_len), layout)
