@@ -1,0 +1,606 @@
+"""The packet exchange over hivemind 1.1.12: a DHTNode for announcements, libp2p streams for bytes.
+
+    exchange = await P2PExchange.create(ExchangeConfig(run_id="r1", initial_peers=(bootstrap,)))
+    await exchange.publish(r, "peer-a", packet)             # serve + announce (node/exchange.py schema)
+    packets = await exchange.fetch(r, {"peer-b": digest_b})  # verified bytes, or left out
+    await exchange.shutdown()                                # stops the DHT node and the p2pd child
+
+Everything runs in the caller's asyncio loop: one `hivemind.p2p.P2P` (which starts and owns one
+p2pd libp2p daemon process) and one `hivemind.dht.DHTNode` on top of it. Not the `hivemind.DHT`
+wrapper: it runs the node in a forked process and passes values through a pipe, which crashes on
+values above ~16 KB; in-loop, nothing is pickled and the daemon is a child of the node process.
+
+DHT records follow the schema in node/exchange.py (packets key per round, holders key per
+publisher), written with `DHTNode.store(key, value, expiration, subkey=...)` and read with
+`latest=True` (`sufficient_expiration_time=inf`), so that the subkeys held by every node near the
+key are merged; a plain get stops at the first non-expired copy, which may be this node's own
+partial dictionary. `fetch` reads the packets key and every wanted publisher's holders key in one
+batched `get_many`, and copies verified together are announced in one `store_many`: on a busy
+host each DHT traversal costs tens of milliseconds of every node's CPU.
+
+Packet stream, protocol "locoswarm.packet.v1" (a libp2p stream opened through the daemon):
+
+    request   u32 big-endian length L (at most 1024), then L bytes of msgpack map
+              {"run": str, "round": int, "peer": str (publisher peer id), "digest": hex str}
+    response  u8 status, u64 big-endian length N, then N bytes:
+              status 0: the packet bytes (written in `chunk_bytes` pieces, 512 KiB by default)
+              status 1: a UTF-8 error message (N at most 512), e.g. "not held"
+
+A holder answers only for a packet it holds with exactly the requested digest; a request that is
+malformed, for another run, or for a packet not held gets an error frame, and one that does not
+arrive within `request_timeout_s` just closes the stream; the handler never raises. The fetcher
+refuses a length that differs from the announced size (or exceeds `max_packet_bytes`)
+before buffering, hashes while reading, drops a holder that stalls for `stall_timeout_s`, and on a
+digest mismatch bans that holder for this fetch and tries the next one. A verified copy is kept,
+served, and announced under the holders key, so later fetchers spread their load over it.
+
+Things hivemind 1.1.12 does not do for us, and how this module copes:
+
+- `P2P` has no public `connect()`: the daemon client's is used, once per holder, to hand p2pd the
+  holder's announced addresses; p2pd refuses addresses that still end in /p2p/<id> (the error
+  reads "length greater than remaining number of bytes in buffer"), so that suffix is stripped.
+- `P2P.create` turns UPnP/NAT-PMP on by default, which multicasts on the LAN; it is left off when
+  every listen address is loopback (tests, local swarms).
+- hivemind's msgpack serializer writes tuples as an extension type a plain msgpack reader does
+  not know; records are built from lists only.
+- The p2pd pid is only reachable through `P2P._child` (`daemon_pid`, for tests that check it dies).
+
+NAT: `use_relay` (on by default, as in hivemind) lets this node reach peers through libp2p relays;
+`use_auto_relay` makes a node behind NAT reachable through one; `client_mode` joins the DHT without
+serving DHT requests (for nodes nobody can dial). `reachability_check()` says in plain words
+whether the addresses others would dial are public.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import logging
+import random
+import struct
+from dataclasses import dataclass, field
+
+import msgpack
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.timed_storage import get_dht_time
+
+from node.exchange import Announcement, holders_key, make_record, packets_key, parse_record
+from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, WrongRound
+from protocol.packet import DEFAULT_MAX_PACKET_BYTES, packet_digest
+
+log = logging.getLogger(__name__)
+
+HANDLER_NAME = "locoswarm.packet.v1"
+REQUEST_PREFIX = struct.Struct(">I")
+RESPONSE_HEADER = struct.Struct(">BQ")
+STATUS_OK, STATUS_ERROR = 0, 1
+MAX_REQUEST_BYTES = 1024
+MAX_ERROR_BYTES = 512
+REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
+
+
+class DigestMismatch(ProtocolError):
+    """A holder sent bytes whose sha256 is not the digest asked for."""
+
+
+class HolderRefused(ProtocolError):
+    """A holder answered with an error frame (it does not hold the packet, or refused the request)."""
+
+
+class AnnounceFailed(RuntimeError):
+    """No DHT node accepted this node's announcement."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExchangeConfig:
+    """How a node joins the swarm and moves packets."""
+
+    run_id: str  # DHT keys are scoped by run
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where p2pd listens; a public node: /ip4/0.0.0.0/tcp/PORT
+    announce_maddrs: tuple[str, ...] = ()  # addresses to advertise instead (explicit ports), e.g. behind port forwarding
+    initial_peers: tuple[str, ...] = ()  # bootstrap multiaddrs with /p2p/<id>; empty starts a new swarm
+    use_relay: bool = True  # may reach peers through libp2p circuit relays
+    use_auto_relay: bool = False  # behind NAT: find a relay and become reachable through it
+    client_mode: bool = False  # join the DHT without serving DHT requests
+    nat_port_map: bool | None = None  # UPnP/NAT-PMP; None = on unless every host address is loopback
+    announce_ttl_s: float = 600.0  # DHT records expire this long after publication (a few rounds)
+    max_parallel_fetches: int = 4  # packets transferred at once by one fetch()
+    chunk_bytes: int = 512 << 10  # stream write size
+    max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # refuse larger packets before buffering them
+    connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
+    stall_timeout_s: float = 10.0  # a holder silent this long mid-transfer is dropped
+    request_timeout_s: float = 5.0  # a server waits this long for a request
+    holder_refresh_s: float = 1.0  # with every holder failed, re-read the DHT for new holders this often
+    holder_batch_s: float = 0.05  # verified copies are announced together after this pause
+    startup_timeout_s: float = 30.0  # p2pd start-up
+    dht_wait_timeout_s: float = 3.0  # one DHT RPC
+
+    def __post_init__(self):
+        packets_key(self.run_id, 0)  # raises ValueError for a run id that cannot be part of a key
+        if not self.host_maddrs:
+            raise ValueError("host_maddrs must name at least one address to listen on")
+        if self.max_parallel_fetches < 1 or self.chunk_bytes < 1 or self.max_packet_bytes < 1:
+            raise ValueError("max_parallel_fetches, chunk_bytes and max_packet_bytes must be positive")
+        if min(self.announce_ttl_s, self.connect_timeout_s, self.stall_timeout_s, self.request_timeout_s) <= 0:
+            raise ValueError("time-outs and the announcement lifetime must be positive")
+
+
+@dataclass(slots=True)
+class Traffic:
+    """Stream payload bytes this node moved for one round (failed transfers included)."""
+
+    downloaded_bytes: int = 0
+    uploaded_bytes: int = 0
+    num_fetched: int = 0  # verified packets obtained from others
+    num_served: int = 0  # complete packets sent to others
+
+
+@dataclass(frozen=True, slots=True)
+class Reachability:
+    maddrs: list[str]  # what this node announces
+    public_maddrs: list[str]  # the subset on globally routable IPs
+    relayed: bool  # announces a /p2p-circuit address
+    loopback_only: bool
+    reachable: bool  # can a peer on another network plausibly dial us
+    advice: str
+
+
+@dataclass(slots=True)
+class _Held:
+    digest: str
+    data: bytes
+
+
+@dataclass(slots=True)
+class _FetchState:
+    round: int
+    publisher: str
+    digest: str
+    size_bytes: int | None  # from an announcement; None: unknown, bounded by max_packet_bytes
+    banned: set[str] = field(default_factory=set)  # holders that sent bad bytes
+
+
+class P2PExchange:
+    """`node.exchange.Exchange` over hivemind; create with `await P2PExchange.create(config)`."""
+
+    def __init__(self, config: ExchangeConfig, p2p: P2P, dht: DHTNode, maddrs: list[str]):
+        self.config = config
+        self._p2p, self._dht, self._maddrs = p2p, dht, maddrs
+        self._held: dict[tuple[int, str], _Held] = {}
+        self._traffic: dict[int, Traffic] = {}
+        self._background: set[asyncio.Task] = set()
+        self._closed = False
+        self._rng = random.Random()  # holder order; tests replace it to force an order
+        self._dialed: set[str] = set()  # holders p2pd has addresses for (dialing costs a daemon round trip)
+        self._pending_holders: list[tuple[str, dict]] = []  # holders records not yet stored
+        self._flusher: asyncio.Task | None = None
+
+    @classmethod
+    async def create(cls, config: ExchangeConfig) -> "P2PExchange":
+        loopback_only = all(_is_loopback(Multiaddr(m)) for m in config.host_maddrs)
+        nat_port_map = (not loopback_only) if config.nat_port_map is None else config.nat_port_map
+        p2p = await P2P.create(
+            initial_peers=list(config.initial_peers) or None,
+            host_maddrs=list(config.host_maddrs),
+            announce_maddrs=list(config.announce_maddrs) or None,
+            use_relay=config.use_relay,
+            use_auto_relay=config.use_auto_relay,
+            dht_mode="client" if config.client_mode else "server",
+            nat_port_map=nat_port_map,
+            startup_timeout=config.startup_timeout_s,
+        )
+        dht = None
+        try:
+            dht = await DHTNode.create(
+                p2p=p2p, initial_peers=list(config.initial_peers) or None, client_mode=config.client_mode,
+                wait_timeout=config.dht_wait_timeout_s,
+            )
+            maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+            self = cls(config, p2p, dht, maddrs)
+            await p2p.add_binary_stream_handler(HANDLER_NAME, self._serve)
+        except BaseException:
+            if dht is not None:
+                await dht.shutdown()
+            await p2p.shutdown()
+            raise
+        log.info("exchange up: libp2p id %s at %s", self.holder_id, ", ".join(maddrs))
+        return self
+
+    @property
+    def holder_id(self) -> str:
+        """This node's libp2p peer id (base58): its subkey in holders records."""
+        return self._p2p.peer_id.to_base58()
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (with /p2p/<id>) others dial; give one to new peers as their initial peer."""
+        return list(self._maddrs)
+
+    @property
+    def daemon_pid(self) -> int | None:
+        """Process id of this node's p2pd child (hivemind keeps it in a private attribute)."""
+        child = getattr(self._p2p, "_child", None)
+        return child.pid if child is not None else None
+
+    def traffic(self, round: int) -> Traffic:
+        return self._traffic.setdefault(round, Traffic())
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    async def publish(self, round: int, peer_id: str, data: bytes) -> Announcement:
+        data = bytes(data)
+        if not 0 < len(data) <= self.config.max_packet_bytes:
+            raise ValueError(f"packet of {len(data)} bytes is empty or exceeds {self.config.max_packet_bytes}")
+        digest = packet_digest(data)
+        key = packets_key(self.config.run_id, round)
+        holders_key(self.config.run_id, round, peer_id)  # fetchers must be able to announce copies under it
+        self._held[(round, peer_id)] = _Held(digest, data)
+        record = make_record(digest, len(data), self._maddrs, self.holder_id)
+        if not await self._dht.store(key, record, get_dht_time() + self.config.announce_ttl_s, subkey=peer_id):
+            raise AnnounceFailed(f"no DHT node stored the announcement of {peer_id} for round {round}")
+        return Announcement(peer_id, round, digest, len(data), list(self._maddrs), self.holder_id)
+
+    async def announcements(self, round: int) -> dict[str, Announcement]:
+        return {a.peer_id: a for a in await self._read(packets_key(self.config.run_id, round), round, None)}
+
+    async def holders(self, round: int, publisher: str) -> list[Announcement]:
+        """Extra holders that announced a verified copy of `publisher`'s packet for `round`."""
+        return await self._read(holders_key(self.config.run_id, round, publisher), round, publisher)
+
+    async def _read(self, key: str, round: int, publisher: str | None) -> list[Announcement]:
+        return self._parse_found(key, await self._dht.get(key, latest=True), round, publisher)
+
+    def _parse_found(self, key: str, found, round: int, publisher: str | None) -> list[Announcement]:
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for subkey, entry in found.value.items():
+            try:
+                out.append(parse_record(publisher or subkey, round, entry.value, self.config.max_packet_bytes))
+            except ProtocolError as e:  # one bad record costs its writer, not the round
+                log.warning("skipping DHT record %s[%r]: %s", key, subkey, e)
+        return out
+
+    # -- fetching -----------------------------------------------------------------------------
+
+    async def fetch(
+        self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
+        timeout_s: float = 60,
+    ) -> dict[str, bytes]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        result = {p: h.data for p, d in wanted.items() if (h := self._held.get((round, p))) and h.digest == d}
+        todo = {p: d for p, d in wanted.items() if p not in result}
+        if not todo:
+            return result
+        # One batched DHT search for the round's announcements and every wanted packet's extra holders.
+        run_id = self.config.run_id
+        keys: dict[str | None, str] = {None: packets_key(run_id, round)}
+        for publisher in list(todo):
+            try:
+                keys[publisher] = holders_key(run_id, round, publisher)
+            except ValueError as e:  # cannot be announced under that id, so nobody can serve it
+                log.warning("round %d: leaving out %r: %s", round, publisher, e)
+                del todo[publisher]
+        try:
+            found = await asyncio.wait_for(
+                self._dht.get_many(list(keys.values()), sufficient_expiration_time=float("inf")),
+                timeout=max(0.0, deadline - loop.time()))
+        except (asyncio.TimeoutError, OSError) as e:
+            log.warning("round %d: reading the DHT failed (%r); trying hinted holders only", round, e)
+            found = {}
+        announced = {a.peer_id: a for a in self._parse_found(keys[None], found.get(keys[None]), round, None)}
+        extra = {p: self._parse_found(keys[p], found.get(keys[p]), round, p) for p in todo}
+        limit = asyncio.Semaphore(self.config.max_parallel_fetches)
+
+        async def one(publisher: str, digest: str) -> bytes | None:
+            ann = announced.get(publisher)
+            size = ann.size_bytes if ann is not None and ann.digest == digest else None
+            state = _FetchState(round, publisher, digest, size)
+            hints = _hinted_holders((holders_hint or {}).get(publisher, []), state)
+            try:
+                return await asyncio.wait_for(self._fetch_one(state, ann, hints, extra[publisher], limit, deadline),
+                                              timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                log.warning("round %d: no holder served %s's packet within %.1f s", round, publisher, timeout_s)
+                return None
+
+        # Each fetcher takes the packets in its own random order, so that the first wave of
+        # max_parallel_fetches transfers does not hit the same few publishers from every peer.
+        order = self._rng.sample(list(todo.items()), len(todo))
+        fetched = await asyncio.gather(*(one(p, d) for p, d in order))
+        result |= {p: data for (p, _), data in zip(order, fetched) if data is not None}
+        return result
+
+    async def _fetch_one(
+        self, state: _FetchState, ann: Announcement | None, hints: list[Announcement],
+        dht_holders: list[Announcement], limit: asyncio.Semaphore, deadline: float,
+    ) -> bytes:
+        """Try every known holder; then re-read the DHT for new ones, until one serves or the caller times out."""
+        loop = asyncio.get_running_loop()
+        publisher_holder = ann.holder if ann is not None else None
+        while True:
+            candidates = hints + [h for h in dht_holders if h.digest == state.digest]
+            if ann is not None and ann.digest == state.digest:
+                candidates.append(ann)
+            for holder in _order_holders(candidates, state.banned, self.holder_id, publisher_holder, self._rng):
+                async with limit:
+                    data = await self._try_holder(holder, state, deadline)
+                if data is not None:
+                    self._held[(state.round, state.publisher)] = _Held(state.digest, data)
+                    self.traffic(state.round).num_fetched += 1
+                    self._announce_holder(state, len(data))
+                    return data
+            # Every known holder failed: wait for new ones (other peers finishing their fetches).
+            await asyncio.sleep(min(self.config.holder_refresh_s, max(0.0, deadline - loop.time())))
+            try:
+                dht_holders = await self.holders(state.round, state.publisher)
+            except OSError as e:
+                log.debug("reading holders of %s failed: %r", state.publisher, e)
+
+    async def _try_holder(self, holder: Announcement, state: _FetchState, deadline: float) -> bytes | None:
+        try:
+            return await self._download(holder, state, deadline)
+        except (DigestMismatch, MalformedPacket, OversizedPacket) as e:
+            state.banned.add(holder.holder)
+            log.warning("round %d: holder %s of %s's packet banned: %s", state.round, holder.holder,
+                        state.publisher, e)
+        except HolderRefused as e:
+            log.info("round %d: holder %s refused %s's packet: %s", state.round, holder.holder, state.publisher, e)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            self._dialed.discard(holder.holder)
+            log.info("round %d: holder %s of %s's packet failed: %r", state.round, holder.holder, state.publisher, e)
+        except Exception as e:  # p2pd control errors (dial failures) come as several private types
+            self._dialed.discard(holder.holder)
+            log.info("round %d: holder %s of %s's packet unreachable: %r", state.round, holder.holder,
+                     state.publisher, e)
+        return None
+
+    async def _download(self, holder: Announcement, state: _FetchState, deadline: float) -> bytes:
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+
+        def budget(limit_s: float) -> float:
+            return max(0.0, min(limit_s, deadline - loop.time()))
+
+        peer = PeerID.from_base58(holder.holder)
+        if holder.multiaddrs and holder.holder not in self._dialed:
+            # p2pd takes the peer id separately and refuses addresses that still end in /p2p/<id>.
+            suffix = f"/p2p/{holder.holder}"
+            maddrs = [Multiaddr(m.removesuffix(suffix)) for m in holder.multiaddrs]
+            # P2P has no public connect(); the daemon client's tells p2pd where the holder listens.
+            await asyncio.wait_for(self._p2p._client.connect(peer, maddrs), budget(cfg.connect_timeout_s))
+            self._dialed.add(holder.holder)
+        _, reader, writer = await asyncio.wait_for(
+            self._p2p.call_binary_stream_handler(peer, HANDLER_NAME), budget(cfg.connect_timeout_s))
+        try:
+            request = msgpack.packb({"run": cfg.run_id, "round": state.round, "peer": state.publisher,
+                                     "digest": state.digest})
+            writer.write(REQUEST_PREFIX.pack(len(request)) + request)
+            await asyncio.wait_for(writer.drain(), budget(cfg.connect_timeout_s))
+            status, length = RESPONSE_HEADER.unpack(
+                await asyncio.wait_for(reader.readexactly(RESPONSE_HEADER.size), budget(cfg.connect_timeout_s)))
+            if status == STATUS_ERROR:
+                message = await asyncio.wait_for(reader.read(min(length, MAX_ERROR_BYTES)), budget(cfg.stall_timeout_s))
+                raise HolderRefused(message.decode("utf-8", "replace"))
+            if status != STATUS_OK:
+                raise MalformedPacket(f"unknown response status {status}")
+            if length > cfg.max_packet_bytes:
+                raise OversizedPacket(f"holder offers {length} bytes, the limit is {cfg.max_packet_bytes}")
+            if state.size_bytes is not None and length != state.size_bytes:
+                raise MalformedPacket(f"holder offers {length} bytes, the announcement says {state.size_bytes}")
+            # Grown as bytes arrive, not allocated from the claimed length: a hostile holder
+            # announcing 256 MB costs us only what it actually sends before it is dropped.
+            buffer, hasher, received = bytearray(), hashlib.sha256(), 0
+            traffic = self.traffic(state.round)
+            while received < length:
+                piece = await asyncio.wait_for(reader.read(min(cfg.chunk_bytes << 1, length - received)),
+                                               budget(cfg.stall_timeout_s))
+                if not piece:
+                    raise asyncio.IncompleteReadError(b"", length)
+                buffer += piece
+                hasher.update(piece)
+                received += len(piece)
+                traffic.downloaded_bytes += len(piece)
+            if hasher.hexdigest() != state.digest:
+                raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
+                                     f"wanted {state.digest[:16]}...")
+            return bytes(buffer)
+        finally:
+            writer.close()
+
+    def _announce_holder(self, state: _FetchState, size_bytes: int) -> None:
+        """Queue a holders record; packets verified together are announced in one DHT store."""
+        key = holders_key(self.config.run_id, state.round, state.publisher)
+        self._pending_holders.append((key, make_record(state.digest, size_bytes, self._maddrs, self.holder_id)))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = self._spawn(self._flush_holders())
+
+    async def _flush_holders(self) -> None:
+        while self._pending_holders:
+            # A short pause batches the packets that finish together: one DHT traversal, not one each.
+            await asyncio.sleep(self.config.holder_batch_s)
+            batch, self._pending_holders = self._pending_holders, []
+            keys, records = [k for k, _ in batch], [r for _, r in batch]
+            try:
+                await self._dht.store_many(keys, records, get_dht_time() + self.config.announce_ttl_s,
+                                           subkeys=[self.holder_id] * len(batch))
+            except Exception as e:  # swarming is an optimisation: a failed announcement costs only load spread
+                log.info("announcing %d held packets failed: %r", len(batch), e)
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def wait_background(self) -> None:
+        """Wait for pending holder announcements (tests and benchmarks; the round loop need not)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def _payload_for(self, round: int, publisher: str, data: bytes) -> bytes:
+        """The bytes served for a held packet; fault-injection tests override this."""
+        return data
+
+    async def _serve(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        cfg = self.config
+        try:
+            (length,) = REQUEST_PREFIX.unpack(
+                await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s))
+            if length > MAX_REQUEST_BYTES:
+                raise MalformedPacket(f"request of {length} bytes")
+            raw = await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s)
+            round, publisher, digest = self._parse_request(raw)
+            held = self._held.get((round, publisher))
+            if held is None or held.digest != digest:
+                raise HolderRefused("not held")
+            payload = memoryview(self._payload_for(round, publisher, held.data))
+            writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(payload)))
+            traffic = self.traffic(round)
+            for offset in range(0, len(payload), cfg.chunk_bytes):
+                piece = payload[offset: offset + cfg.chunk_bytes]
+                writer.write(piece)
+                await asyncio.wait_for(writer.drain(), cfg.stall_timeout_s)
+                traffic.uploaded_bytes += len(piece)
+            traffic.num_served += 1
+        except ProtocolError as e:
+            message = str(e).encode()[:MAX_ERROR_BYTES]
+            try:
+                writer.write(RESPONSE_HEADER.pack(STATUS_ERROR, len(message)) + message)
+                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+            except Exception:
+                pass  # the caller is gone; nothing to tell
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            log.debug("packet stream dropped: %r", e)
+        except Exception:  # a bug here must not take the node down with it
+            log.exception("packet stream handler failed")
+        finally:
+            writer.close()
+
+    def _parse_request(self, raw: bytes) -> tuple[int, str, str]:
+        try:
+            request = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=MAX_REQUEST_BYTES,
+                                      max_bin_len=0, max_array_len=0, max_map_len=8)
+        except Exception as e:  # msgpack raises a zoo of types on bad input
+            raise MalformedPacket(f"request does not parse: {type(e).__name__}") from None
+        if not isinstance(request, dict) or set(request) != REQUEST_KEYS:
+            raise MalformedPacket("request is not a map with exactly run, round, peer, digest")
+        run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
+        if not (isinstance(run, str) and isinstance(publisher, str) and isinstance(digest, str)
+                and isinstance(round, int) and not isinstance(round, bool)):
+            raise MalformedPacket("request fields have the wrong types")
+        if run != self.config.run_id:
+            raise WrongRound(f"this node serves run {self.config.run_id!r}, not {run!r}")
+        return round, publisher, digest
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def forget_before(self, round: int) -> None:
+        for key in [k for k in self._held if k[0] < round]:
+            del self._held[key]
+        for r in [r for r in self._traffic if r < round]:
+            del self._traffic[r]
+
+    async def reachability_check(self) -> Reachability:
+        maddrs = [str(m) for m in await self._p2p.get_visible_maddrs(latest=True)]
+        self._maddrs = maddrs
+        return assess_reachability(maddrs)
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*list(self._background), return_exceptions=True)
+        try:
+            await self._dht.shutdown()
+        finally:
+            await self._p2p.shutdown()  # terminates p2pd and waits for it to exit
+        self._held.clear()
+
+
+def assess_reachability(maddrs: list[str]) -> Reachability:
+    """Classify announced multiaddrs and say in one sentence what to do if nobody can dial them."""
+    public, relayed, loopback = [], False, True
+    for text in maddrs:
+        maddr = Multiaddr(text)
+        if "p2p-circuit" in text:
+            relayed = True
+        ip = _ip_of(maddr)
+        if ip is None:
+            loopback = False
+            continue
+        loopback &= ip.is_loopback
+        if ip.is_global:
+            public.append(text)
+    reachable = bool(public) or relayed
+    if public:
+        advice = "This node announces a public address; peers on other networks can dial it if the port is open."
+    elif relayed:
+        advice = "This node is reachable through a libp2p relay; transfers to it go through the relay."
+    elif loopback:
+        advice = ("This node listens on loopback only: only processes on this machine can reach it. To join peers "
+                  "elsewhere, pass --host-maddrs /ip4/0.0.0.0/tcp/PORT and --announce-maddrs "
+                  "/ip4/<public IP>/tcp/PORT, or enable --use-auto-relay / client mode.")
+    else:
+        advice = ("This node announces private addresses only: peers outside this network cannot dial it. Forward "
+                  "a port and pass --announce-maddrs /ip4/<public IP>/tcp/PORT, or enable --use-auto-relay "
+                  "(reachable through a relay) or client mode (fetches only, serves nobody).")
+    return Reachability(list(maddrs), public, relayed, loopback and bool(maddrs), reachable, advice)
+
+
+def _ip_of(maddr: Multiaddr) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    for proto in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(maddr.value_for_protocol(proto))
+        except Exception:  # multiaddr raises ProtocolLookupError or similar when absent
+            continue
+    return None
+
+
+def _is_loopback(maddr: Multiaddr) -> bool:
+    ip = _ip_of(maddr)
+    return ip is not None and ip.is_loopback
+
+
+def _hinted_holders(maddrs: list[str], state: _FetchState) -> list[Announcement]:
+    """Holders named by the caller, as multiaddrs ending in /p2p/<libp2p id>."""
+    by_holder: dict[str, list[str]] = {}
+    for text in maddrs:
+        try:
+            holder = Multiaddr(text).value_for_protocol("p2p")
+        except Exception:
+            log.warning("ignoring hinted holder %r: not a multiaddr with /p2p/<id>", text)
+            continue
+        by_holder.setdefault(holder, []).append(text)
+    return [Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0, addrs, holder)
+            for holder, addrs in by_holder.items()]
+
+
+def _order_holders(
+    candidates: list[Announcement], banned: set[str], self_id: str, publisher_holder: str | None,
+    rng: random.Random,
+) -> list[Announcement]:
+    """Distinct usable holders: others' verified copies in random order first, the publisher last.
+
+    Random order spreads fetchers over the copies; trying the publisher last keeps its upload
+    link for the peers that find no other copy yet.
+    """
+    merged: dict[str, Announcement] = {}
+    for c in candidates:
+        if c.holder and c.holder != self_id and c.holder not in banned:
+            if c.holder in merged:  # the same holder named twice (hint and DHT): union its addresses
+                prior = merged[c.holder]
+                c = Announcement(c.peer_id, c.round, c.digest, c.size_bytes,
+                                 list(dict.fromkeys(prior.multiaddrs + c.multiaddrs)), c.holder)
+            merged[c.holder] = c
+    others = [c for h, c in merged.items() if h != publisher_holder]
+    rng.shuffle(others)
+    return others + [c for h, c in merged.items() if h == publisher_holder]

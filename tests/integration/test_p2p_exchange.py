@@ -1,0 +1,363 @@
+"""The packet exchange on real hivemind DHT nodes and p2pd daemons, 127.0.0.1 only, port 0.
+
+Each test runs one asyncio loop holding several `P2PExchange`s bootstrapped from the first.
+Faults are injected the way hivemind's tests do it: a subclass of the real exchange that serves
+corrupted bytes, or that stops mid-transfer and is then shut down. Waiting is by polling with a
+deadline, never by sleeping a fixed time. Every test ends by checking that no p2pd it started
+survives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import random
+import threading
+import time
+
+import pytest
+
+from node.exchange import packets_key
+from node.p2p_exchange import HANDLER_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_ERROR, STATUS_OK, ExchangeConfig, P2PExchange
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
+
+RUN_ID = "itest"
+PACKET_BYTES = 3 << 20
+
+
+class TamperingExchange(P2PExchange):
+    """Verifies what it fetches like any peer, then serves a copy with one byte flipped."""
+
+    def _payload_for(self, round, publisher, data):
+        corrupted = bytearray(data)
+        corrupted[len(corrupted) // 2] ^= 0xFF
+        return bytes(corrupted)
+
+
+class PaddingExchange(P2PExchange):
+    """Verifies what it fetches, then serves it with one extra byte (a size the announcement denies)."""
+
+    def _payload_for(self, round, publisher, data):
+        return data + b"\0"
+
+
+class StallingExchange(P2PExchange):
+    """Sends the header and the first half of a packet, then nothing (until shut down)."""
+
+    started: asyncio.Event
+    release: asyncio.Event
+
+    async def _serve(self, _info, reader, writer):
+        (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(REQUEST_PREFIX.size))
+        round, publisher, _ = self._parse_request(await reader.readexactly(length))
+        data = self._held[(round, publisher)].data
+        writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(data)) + data[: len(data) // 2])
+        await writer.drain()
+        self.started.set()
+        await self.release.wait()
+        writer.close()
+
+
+class FirstHolder(random.Random):
+    """A holder order that tries one given holder before the others (instead of at random)."""
+
+    def __init__(self, holder_id: str):
+        super().__init__(0)
+        self.holder_id = holder_id
+
+    def shuffle(self, x):
+        x.sort(key=lambda a: a.holder != self.holder_id)
+
+
+def p2pd_children(parent_pids: set[int]) -> set[int]:
+    """Pids of live p2pd processes whose parent is one of `parent_pids` (read from /proc)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1: stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        if comm == "p2pd" and fields[0] != "Z" and int(fields[1]) in parent_pids:
+            found.add(int(entry))
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+async def poll(condition, timeout_s: float = 10.0, what: str = "condition"):
+    """Await `condition()` (sync or async) until truthy; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def swarm(*kinds: type[P2PExchange], **config):
+    """Exchanges of the given classes, the first the bootstrap of the others; all shut down after.
+
+    On exit, asserts that every p2pd started here is gone.
+    """
+    exchanges: list[P2PExchange] = []
+    daemon_pids: list[int] = []
+    try:
+        first = await kinds[0].create(ExchangeConfig(run_id=RUN_ID, **config))
+        exchanges.append(first)
+        bootstrap = tuple(first.visible_maddrs)
+        rest = await asyncio.gather(*(
+            kind.create(ExchangeConfig(run_id=RUN_ID, initial_peers=bootstrap, **config)) for kind in kinds[1:]))
+        exchanges += rest
+        daemon_pids = [x.daemon_pid for x in exchanges]
+        yield exchanges
+    finally:
+        await asyncio.gather(*(x.shutdown() for x in exchanges), return_exceptions=True)
+    assert not [pid for pid in daemon_pids if pid_alive(pid)], "a p2pd outlived its exchange's shutdown"
+    assert not p2pd_children({os.getpid()}), "a p2pd child of the test process survived"
+
+
+def packet(seed: int, size: int = PACKET_BYTES) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_four_peers_fetch_every_packet_and_become_holders():
+    async def scenario():
+        async with swarm(*[P2PExchange] * 4) as peers:
+            names = [f"peer{i}" for i in range(4)]
+            packets = {name: packet(i) for i, name in enumerate(names)}
+            anns = await asyncio.gather(*(x.publish(0, n, packets[n]) for x, n in zip(peers, names)))
+            assert [a.digest for a in anns] == [sha(packets[n]) for n in names]
+
+            seen = await poll(lambda: _all_announced(peers[3], names), what="all four announcements")
+            assert {n: a.digest for n, a in seen.items()} == {n: sha(p) for n, p in packets.items()}
+
+            manifest = {n: sha(p) for n, p in packets.items()}
+            results = await asyncio.gather(*(
+                x.fetch(0, {n: d for n, d in manifest.items() if n != own}, timeout_s=30)
+                for x, own in zip(peers, names)))
+            for own, got in zip(names, results):
+                assert got == {n: p for n, p in packets.items() if n != own}
+
+            # Swarming: every fetcher announced itself as a holder of what it verified.
+            await asyncio.gather(*(x.wait_background() for x in peers))
+            for n in names:
+                holders = await poll(lambda n=n: _holders_if(peers[0], n, 3), what=f"3 holders of {n}")
+                assert all(h.digest == manifest[n] and h.size_bytes == PACKET_BYTES for h in holders)
+            moved_down = sum(x.traffic(0).downloaded_bytes for x in peers)
+            moved_up = sum(x.traffic(0).uploaded_bytes for x in peers)
+            assert moved_down == moved_up == 12 * PACKET_BYTES
+
+            # The publisher forgets its own packet; the holders still serve it (late fetchers, rejoin).
+            await peers[1].forget_before(1)
+            assert await peers[1].fetch(0, {"peer1": manifest["peer1"]}, timeout_s=10) == {"peer1": packets["peer1"]}
+            assert peers[1].traffic(0).downloaded_bytes == PACKET_BYTES
+
+    asyncio.run(scenario())
+
+
+async def _all_announced(reader: P2PExchange, names: list[str]):
+    seen = await reader.announcements(0)
+    return seen if set(seen) == set(names) else None
+
+
+async def _holders_if(reader: P2PExchange, publisher: str, count: int):
+    holders = await reader.holders(0, publisher)
+    return holders if len(holders) >= count else None
+
+
+@pytest.mark.parametrize("faulty", [TamperingExchange, PaddingExchange])
+def test_bad_copy_is_refused_and_fetched_from_an_honest_holder(faulty):
+    async def scenario():
+        async with swarm(P2PExchange, faulty, P2PExchange, P2PExchange) as peers:
+            publisher, tamperer, honest, fetcher = peers
+            data = packet(7)
+            ann = await publisher.publish(0, "pub", data)
+            for holder in (honest, tamperer):  # both verify their copy, then announce it
+                assert await holder.fetch(0, {"pub": ann.digest}, timeout_s=20) == {"pub": data}
+                await holder.wait_background()
+            await poll(lambda: _holders_if(fetcher, "pub", 2), what="two extra holders")
+
+            fetcher._rng = FirstHolder(tamperer.holder_id)
+            got = await fetcher.fetch(0, {"pub": ann.digest}, timeout_s=20)
+            assert got == {"pub": data}
+            if faulty is TamperingExchange:  # caught by digest, after the whole bad copy arrived
+                assert tamperer.traffic(0).uploaded_bytes == len(data)
+                assert fetcher.traffic(0).downloaded_bytes == 2 * len(data)
+            else:  # caught by size, from the response header, before a byte of the body is read
+                assert fetcher.traffic(0).downloaded_bytes == len(data)
+            # Holders are preferred to the publisher: honest got it from the publisher, the tamperer
+            # and the fetcher from honest.
+            assert publisher.traffic(0).uploaded_bytes == len(data)
+            assert honest.traffic(0).uploaded_bytes == 2 * len(data)
+
+    asyncio.run(scenario())
+
+
+def test_holder_shut_down_mid_transfer_falls_back_to_another():
+    async def scenario():
+        async with swarm(P2PExchange, StallingExchange, P2PExchange) as peers:
+            publisher, staller, fetcher = peers
+            staller.started, staller.release = asyncio.Event(), asyncio.Event()
+            data = packet(8)
+            ann = await publisher.publish(0, "pub", data)
+            assert await staller.fetch(0, {"pub": ann.digest}, timeout_s=20) == {"pub": data}
+            await staller.wait_background()
+            await poll(lambda: _holders_if(fetcher, "pub", 1), what="the staller's holder record")
+
+            fetcher._rng = FirstHolder(staller.holder_id)
+            fetch = asyncio.create_task(fetcher.fetch(0, {"pub": ann.digest}, timeout_s=30))
+            await asyncio.wait_for(staller.started.wait(), 20)
+            await poll(lambda: fetcher.traffic(0).downloaded_bytes > 0, what="the first bytes from the staller")
+            await staller.shutdown()  # p2pd dies mid-transfer
+            staller.release.set()
+            assert await fetch == {"pub": data}
+            # Part of the first half may die in the daemons' buffers; all of the second copy arrives.
+            assert len(data) < fetcher.traffic(0).downloaded_bytes <= len(data) + len(data) // 2
+
+    asyncio.run(scenario())
+
+
+def test_unheld_packet_is_left_out_within_the_timeout():
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange) as (publisher, fetcher):
+            data = packet(9, 1 << 16)
+            ann = await publisher.publish(0, "pub", data)
+            wanted = {"pub": ann.digest, "ghost": sha(b"nobody published this"), "pub-other-bytes": "ab" * 32}
+            start = time.monotonic()
+            got = await fetcher.fetch(0, wanted, timeout_s=2.0)
+            assert got == {"pub": data}
+            assert time.monotonic() - start < 4.0
+            # The publisher holds other bytes than the wanted digest: refused, never served.
+            assert await fetcher.fetch(0, {"pub": sha(b"other")}, timeout_s=1.0) == {}
+            assert publisher.traffic(0).uploaded_bytes == len(data)
+
+    asyncio.run(scenario())
+
+
+def test_client_mode_peer_publishes_and_fetches():
+    """A node in DHT client mode (as behind NAT) still publishes, fetches, and serves over its streams."""
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange) as (server, _):
+            client = await P2PExchange.create(ExchangeConfig(
+                run_id=RUN_ID, initial_peers=tuple(server.visible_maddrs), client_mode=True))
+            try:
+                mine, theirs = packet(11, 1 << 18), packet(12, 1 << 18)
+                a = await client.publish(1, "client", mine)
+                b = await server.publish(1, "server", theirs)
+                await poll(lambda: _announced_count(server, 1, 2), what="both announcements")
+                hint = {"server": server.visible_maddrs}
+                assert await client.fetch(1, {"server": b.digest}, holders_hint=hint, timeout_s=10) == {"server": theirs}
+                assert await server.fetch(1, {"client": a.digest}, timeout_s=10) == {"client": mine}
+            finally:
+                pid = client.daemon_pid
+                await client.shutdown()
+            assert not pid_alive(pid)
+
+    asyncio.run(scenario())
+
+
+async def _announced_count(reader: P2PExchange, round: int, count: int):
+    return len(await reader.announcements(round)) >= count
+
+
+def test_bad_requests_get_an_error_frame_and_the_server_keeps_serving():
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange) as (server, client):
+            data = packet(10, 1 << 16)
+            ann = await server.publish(0, "pub", data)
+            p2p = client._p2p
+            requests = [
+                REQUEST_PREFIX.pack(3) + b"\xc1\xc1\xc1",  # not msgpack
+                REQUEST_PREFIX.pack(1 << 30),  # claims a 1 GiB request
+                REQUEST_PREFIX.pack(2) + b"\x90\x90",  # an array, not a map
+                _request({"run": "other", "round": 0, "peer": "pub", "digest": ann.digest}),
+                _request({"run": RUN_ID, "round": 5, "peer": "pub", "digest": ann.digest}),
+                _request({"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest, "x": 1}),
+                _request({"run": RUN_ID, "round": True, "peer": "pub", "digest": ann.digest}),
+            ]
+            for raw in requests:
+                _, reader, writer = await p2p.call_binary_stream_handler(server._p2p.peer_id, HANDLER_NAME)
+                writer.write(raw)
+                await writer.drain()
+                status, length = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10))
+                assert status == STATUS_ERROR and 0 < length <= 512
+                writer.close()
+            _, reader, writer = await p2p.call_binary_stream_handler(server._p2p.peer_id, HANDLER_NAME)
+            writer.write(REQUEST_PREFIX.pack(100) + b"\x80")  # a truncated request, then hang up
+            await writer.drain()
+            writer.close()
+            assert await client.fetch(0, {"pub": ann.digest}, timeout_s=10) == {"pub": data}
+
+    asyncio.run(scenario())
+
+
+def _request(fields: dict) -> bytes:
+    import msgpack
+
+    body = msgpack.packb(fields)
+    return REQUEST_PREFIX.pack(len(body)) + body
+
+
+def test_plain_hivemind_dht_reads_the_round_announcements():
+    """A `hivemind.DHT` that knows nothing of this project reads the schema of node/exchange.py."""
+    import hivemind
+
+    async def scenario():
+        async with swarm(*[P2PExchange] * 3) as peers:
+            names = ["a", "b", "c"]
+            for i, (x, n) in enumerate(zip(peers, names)):
+                await x.publish(3, n, packet(20 + i, 1000 + i))
+            bootstrap = peers[0].visible_maddrs
+            key = packets_key(RUN_ID, 3)
+            dht_pid = []
+
+            def foreign_read():
+                # Blocking calls in a thread: the exchanges in this loop must keep answering it.
+                dht = hivemind.DHT(initial_peers=bootstrap, start=True, client_mode=True,
+                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+                dht_pid.append(dht.pid)
+                try:
+                    deadline = time.monotonic() + 20
+                    while time.monotonic() < deadline:
+                        found = dht.get(key, latest=True)
+                        if found is not None and len(found.value) == 3:
+                            return found.value
+                        threading.Event().wait(0.1)
+                    return None
+                finally:
+                    dht.shutdown()
+
+            value = await asyncio.to_thread(foreign_read)
+            assert value is not None, "the foreign client never saw all three announcements"
+            for i, n in enumerate(names):
+                record = value[n].value
+                assert set(record) == {"digest", "size", "maddrs", "holder"}
+                assert record["digest"] == sha(packet(20 + i, 1000 + i)) and record["size"] == 1000 + i
+                assert record["holder"] == peers[i].holder_id and record["maddrs"] == peers[i].visible_maddrs
+                assert value[n].expiration_time > time.time() + 500
+            assert not pid_alive(dht_pid[0]) and not p2pd_children({dht_pid[0]})
+
+    asyncio.run(scenario())

@@ -1,0 +1,113 @@
+"""The DHT record schema of node/exchange.py: keys, records, and refusal of malformed records."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import msgpack
+import pytest
+
+from node.exchange import Announcement, holders_key, make_record, packets_key, parse_record
+from node.p2p_exchange import assess_reachability
+from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError
+
+DIGEST = hashlib.sha256(b"packet").hexdigest()
+MADDR = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQsF5p9hSR9p8nwwe5tiBco3CcNSauVbT7jStrMnUpx45"
+HOLDER = "12D3KooWQsF5p9hSR9p8nwwe5tiBco3CcNSauVbT7jStrMnUpx45"
+
+
+def test_keys_are_the_documented_strings():
+    assert packets_key("run-1", 0) == "locoswarm/run-1/round/0/packets"
+    assert packets_key("run-1", 12) == "locoswarm/run-1/round/12/packets"
+    assert holders_key("run-1", 12, "peer-a") == "locoswarm/run-1/round/12/holders/peer-a"
+
+
+@pytest.mark.parametrize("run_id, round", [("a/b", 0), ("", 0), ("x\n", 0), ("r", -1), ("r", True), ("r", 1.0)])
+def test_keys_refuse_bad_parts(run_id, round):
+    with pytest.raises(ValueError):
+        packets_key(run_id, round)
+
+
+def test_holders_key_refuses_a_separator_in_the_peer_id():
+    with pytest.raises(ValueError):
+        holders_key("r", 0, "peer/../x")
+
+
+def test_record_round_trips_through_msgpack():
+    record = make_record(DIGEST, 850_000, [MADDR], HOLDER)
+    assert record == {"digest": DIGEST, "size": 850_000, "maddrs": [MADDR], "holder": HOLDER}
+    wire = msgpack.packb(record)
+    assert len(wire) < 300  # a DHT value stays a few hundred bytes
+    ann = parse_record("peer-a", 3, msgpack.unpackb(wire))
+    assert ann == Announcement("peer-a", 3, DIGEST, 850_000, [MADDR], HOLDER)
+
+
+def test_record_accepts_a_tuple_of_maddrs_from_hivemind_serializer():
+    record = make_record(DIGEST, 1, [MADDR], HOLDER) | {"maddrs": (MADDR,)}
+    assert parse_record("p", 0, record).multiaddrs == [MADDR]
+
+
+GOOD = {"digest": DIGEST, "size": 10, "maddrs": [MADDR], "holder": HOLDER}
+BAD_RECORDS = [
+    None, b"bytes", [DIGEST, 10, [MADDR], HOLDER], {},
+    GOOD | {"extra": 1},
+    {k: v for k, v in GOOD.items() if k != "holder"},
+    GOOD | {"digest": DIGEST.upper()},
+    GOOD | {"digest": DIGEST[:-1]},
+    GOOD | {"digest": bytes.fromhex(DIGEST)},
+    GOOD | {"size": 0}, GOOD | {"size": -5}, GOOD | {"size": True}, GOOD | {"size": 1.5}, GOOD | {"size": "10"},
+    GOOD | {"maddrs": MADDR}, GOOD | {"maddrs": [MADDR] * 17}, GOOD | {"maddrs": [b"/ip4/1.2.3.4"]},
+    GOOD | {"maddrs": ["not-a-maddr"]}, GOOD | {"maddrs": ["/" + "x" * 600]},
+    GOOD | {"holder": ""}, GOOD | {"holder": 5}, GOOD | {"holder": "x" * 257},
+]
+
+
+@pytest.mark.parametrize("value", BAD_RECORDS)
+def test_malformed_records_are_refused_with_a_protocol_error(value):
+    with pytest.raises(MalformedPacket):
+        parse_record("peer-a", 0, value)
+
+
+def test_bad_subkey_is_refused():
+    for subkey in ("", 7, None, "p" * 300):
+        with pytest.raises(MalformedPacket):
+            parse_record(subkey, 0, GOOD)
+
+
+def test_oversized_announcement_is_refused_before_any_fetch():
+    with pytest.raises(OversizedPacket):
+        parse_record("peer-a", 0, GOOD | {"size": 1 << 30}, max_size_bytes=256 << 20)
+
+
+def test_make_record_refuses_what_parse_would_refuse():
+    with pytest.raises(ValueError):
+        make_record("zz", 10, [MADDR], HOLDER)
+    with pytest.raises(ValueError):
+        make_record(DIGEST, 0, [MADDR], HOLDER)
+
+
+def test_random_msgpack_values_raise_only_protocol_errors():
+    rng = random.Random(0)
+    atoms = [0, -1, 2**40, 1.5, "", "x", b"", True, None, DIGEST, MADDR, [], {}]
+    for _ in range(500):
+        value = {rng.choice(["digest", "size", "maddrs", "holder", "other"]): rng.choice(atoms) for _ in range(4)}
+        if rng.random() < 0.3:
+            value = GOOD | {rng.choice(list(GOOD)): rng.choice(atoms + [[rng.choice(atoms)]])}
+        try:
+            parse_record("p", 0, msgpack.unpackb(msgpack.packb(value), raw=False))
+        except ProtocolError:
+            pass
+
+
+@pytest.mark.parametrize("maddrs, reachable, loopback_only, advice_word", [
+    (["/ip4/127.0.0.1/tcp/1/p2p/" + HOLDER], False, True, "loopback"),
+    (["/ip4/192.168.1.5/tcp/1/p2p/" + HOLDER, "/ip4/127.0.0.1/tcp/1/p2p/" + HOLDER], False, False, "private"),
+    (["/ip4/10.0.0.2/tcp/1/p2p/" + HOLDER, "/ip4/8.8.8.8/tcp/1/p2p/" + HOLDER], True, False, "public"),
+    (["/ip4/8.8.8.8/tcp/1/p2p/" + HOLDER + "/p2p-circuit/p2p/" + HOLDER], True, False, "public"),
+    (["/ip4/10.0.0.2/tcp/1/p2p/" + HOLDER + "/p2p-circuit/p2p/" + HOLDER], True, False, "relay"),
+])
+def test_reachability_is_classified_with_advice(maddrs, reachable, loopback_only, advice_word):
+    report = assess_reachability(maddrs)
+    assert report.reachable is reachable and report.loopback_only is loopback_only
+    assert advice_word in report.advice
