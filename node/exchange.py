@@ -33,6 +33,11 @@ int written in decimal):
     subkey the extra holder's libp2p peer id (base58)
     value  the same map as above, describing the holder's verified copy
 
+    key    "locoswarm/RUN/round/R/holders/params"
+    subkey a holder's libp2p peer id (base58)
+    value  the same map, for a snapshot of the parameters that start round R (safetensors bytes:
+           every parameter, plus "outer_momentum.<name>" for DiLoCo), served to peers catching up
+
 Values are msgpack maps of a few hundred bytes (hivemind's DHT serializes them with msgpack), with
 exactly these four keys; they expire a few rounds after publication (see `ExchangeConfig` in
 node/p2p_exchange.py). Readers treat records as hostile: `parse_record` checks types, lengths and
@@ -48,6 +53,8 @@ from typing import Any, Protocol
 from protocol.errors import MalformedPacket, OversizedPacket
 
 KEY_PREFIX = "locoswarm"
+# Reserved publisher id for parameter snapshots (peers catching up fetch them like packets).
+PARAMS_ID = "params"
 RECORD_KEYS = frozenset({"digest", "size", "maddrs", "holder"})
 MAX_MADDRS = 16  # a node listens on a handful of addresses; more is noise or an attack
 MAX_MADDR_CHARS = 512

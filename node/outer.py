@@ -82,6 +82,14 @@ class OuterStep:
         for name, p in self.params.items():
             self.start[name].copy_(p.detach())
 
+    def snapshot_state(self) -> dict[str, torch.Tensor]:
+        """Outer state every peer shares, served with parameter snapshots (none for SparseLoCo)."""
+        return {}
+
+    def load_snapshot_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """After loading a parameter snapshot: take its shared state and restart the round here."""
+        self.begin_round()
+
     def deltas(self):
         for name, p in self.params.items():
             yield name, self.start[name] - p.detach()
@@ -97,6 +105,12 @@ class SparseLoCoOuter(OuterStep):
         self.spec = ModelSpec.from_named_tensors(self.params, cfg.top_k, cfg.chunk_size)
         self.layouts = self.spec.layouts()
         self.error_buffers = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in self.params.items()}
+
+    def load_snapshot_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        # What the buffers held belongs to rounds this peer missed: start over rather than send it late.
+        for buffer in self.error_buffers.values():
+            buffer.zero_()
+        super().load_snapshot_state(tensors)
 
     def make_payload(self, *, run_id: str, round: int, peer_id: str, base_digest: str, key: PeerKey) -> bytes:
         """Fold this round's delta into the error buffers and encode what leaves them."""
@@ -152,6 +166,17 @@ class DiLoCoOuter(OuterStep):
         super().__init__(params, cfg)
         self.momentum = {name: torch.zeros_like(p) for name, p in self.params.items()}
         self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
+
+    def snapshot_state(self) -> dict[str, torch.Tensor]:
+        return {f"outer_momentum.{name}": m.detach().cpu().contiguous() for name, m in self.momentum.items()}
+
+    def load_snapshot_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for name, m in self.momentum.items():
+            saved = tensors.get(f"outer_momentum.{name}")
+            if saved is None or saved.shape != m.shape:
+                raise ValueError(f"snapshot lacks the outer momentum of {name}")
+            m.copy_(saved)
+        super().load_snapshot_state(tensors)
 
     def make_payload(self, **_) -> bytes:
         from safetensors.torch import save

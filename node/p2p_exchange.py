@@ -67,7 +67,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
-from node.exchange import Announcement, holders_key, make_record, packets_key, parse_record
+from node.exchange import PARAMS_ID, Announcement, holders_key, make_record, packets_key, parse_record
 from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, WrongRound
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, packet_digest
 
@@ -500,6 +500,33 @@ class P2PExchange:
         return round, publisher, digest
 
     # -- lifecycle ----------------------------------------------------------------------------
+
+    # -- parameter snapshots ----------------------------------------------------------------------
+
+    async def publish_params(self, round: int, data: bytes) -> Announcement:
+        """Hold and serve a snapshot of the parameters that start `round`, for peers catching up.
+
+        Snapshots are held like packets under the reserved publisher id `PARAMS_ID` and announced
+        only as holder records (key ".../round/R/holders/params", subkey this node's libp2p id),
+        so a round's packet announcements stay packets only; a peer that fetched and verified a
+        snapshot re-serves it like any packet (several donors, swarming).
+        """
+        data = bytes(data)
+        digest = packet_digest(data)
+        self._held[(round, PARAMS_ID)] = _Held(digest, data)
+        record = make_record(digest, len(data), self._maddrs, self.holder_id)
+        key = holders_key(self.config.run_id, round, PARAMS_ID)
+        if not await self._dht.store(key, record, get_dht_time() + self.config.announce_ttl_s, subkey=self.holder_id):
+            raise AnnounceFailed(f"no DHT node stored the parameter snapshot for round {round}")
+        return Announcement(PARAMS_ID, round, digest, len(data), list(self._maddrs), self.holder_id)
+
+    async def params_holders(self, round: int) -> list[Announcement]:
+        """Every announced snapshot of the parameters that start `round` (digests may differ)."""
+        return await self.holders(round, PARAMS_ID)
+
+    async def fetch_params(self, round: int, digest: str, timeout_s: float = 120.0) -> bytes | None:
+        """The snapshot for `round` whose sha256 is `digest`, from any holder; None if none served it."""
+        return (await self.fetch(round, {PARAMS_ID: digest}, timeout_s=timeout_s)).get(PARAMS_ID)
 
     async def forget_before(self, round: int) -> None:
         for key in [k for k in self._held if k[0] < round]:

@@ -73,6 +73,16 @@ class RoundReport:
     packet_bytes: int = 0
 
 
+class CatchUpNeeded(Exception):
+    """This node cannot reproduce a round exactly and must load the swarm's parameters."""
+
+
+def torch_no_grad():
+    import torch
+
+    return torch.no_grad()
+
+
 def _device_name(device: str) -> str:
     import torch
 
@@ -198,11 +208,10 @@ class Node:
 
     async def _loop(self, client, exchange, joined, key) -> None:
         from node.coordinator_client import Refused
-        from node.params import param_digest
 
+        # The parameters this node holds are the start of `self.params_round` (None: unknown).
+        self.params_round = 0 if joined.params.digest is None else None
         round, rounds_done = joined.current_round, 0
-        if joined.params.digest is not None and joined.params.round > 0:
-            raise SystemExit("joining a run in progress needs parameter catch-up, which this build lacks")
         while not self._stopping.is_set():
             if self.config.max_rounds is not None and rounds_done >= self.config.max_rounds:
                 break
@@ -219,7 +228,16 @@ class Node:
                 raise
             if view is None:
                 break
-            report = await self._one_round(client, exchange, round, key, param_digest(self.model))
+            if view.state == "closed" or self.params_round != round:
+                # Behind: the round closed without us, or our parameters are not its start.
+                round = await self._catch_up(client, exchange)
+                continue
+            try:
+                report = await self._one_round(client, exchange, round, key)
+            except CatchUpNeeded as e:
+                log.warning("round %d: %s; catching up from peers", round, e)
+                self.params_round = None
+                continue
             self.reports.append(report)
             t = report.times
             log.info("round %d: loss %.4f, %d packets%s, digest %s | compute %.2fs encode %.2fs wait %.2fs "
@@ -230,11 +248,95 @@ class Node:
             round += 1
             rounds_done += 1
 
-    async def _one_round(self, client, exchange, round: int, key, base_digest: str) -> RoundReport:
+    async def _catch_up(self, client, exchange) -> int:
+        """Bring the parameters to the start of the coordinator's open round; return that round.
+
+        Closed rounds whose packets are still served are replayed (fetch the manifest, apply it:
+        exact, and cheap); otherwise the newest parameter snapshot whose digest the coordinator
+        recorded as the majority is fetched from peers and checked. Error feedback restarts at
+        zero after a snapshot (the update it held is lost, not sent twice).
+        """
+        self._state = "catching_up"
+        while not self._stopping.is_set():
+            status = await client._call("GET", f"/runs/{client.run_id}/status", signed=False)
+            current = status["current_round"]["round"] if status.get("current_round") else status["run"]["current_round"]
+            majority = {h["round"] + 1: h["majority_digest"] for h in status["history"] if h["majority_digest"]}
+            if self.params_round is not None and self.params_round < current:
+                try:
+                    for r in range(self.params_round, current):
+                        await self._replay(client, exchange, r)
+                    return current
+                except CatchUpNeeded as e:
+                    log.info("replay stopped: %s; loading a snapshot", e)
+            if self.params_round == current:
+                return current
+            for start_round in sorted((r for r in majority if r <= current), reverse=True)[:3]:
+                if await self._load_snapshot(exchange, start_round, majority[start_round]):
+                    break
+            else:
+                if current == 0 or not majority:
+                    self.params_round = 0  # nothing applied yet: the seeded initialisation is the start
+                    return current
+                await asyncio.sleep(1.0)  # snapshots not announced yet: peers are still applying
+        return self.params_round or 0
+
+    async def _replay(self, client, exchange, round: int) -> None:
+        """Apply a closed round's manifest without having trained in it."""
+        view = await client.round(round)
+        if view.state != "closed":
+            raise CatchUpNeeded(f"round {round} is not closed")
+        await self._apply_manifest(client, exchange, round, view, RoundTimes())
+        log.info("round %d: replayed the manifest (%d packets)", round, len(view.manifest))
+
+    async def _load_snapshot(self, exchange, round: int, params_digest: str) -> bool:
+        """Fetch peers' snapshot of the parameters that start `round`; keep it if its digest matches."""
+        from collections import Counter
+
+        from safetensors.torch import load
+
+        from node.params import flat_named_params, param_digest
+
+        holders = await exchange.params_holders(round)
+        for blob_digest, _ in Counter(h.digest for h in holders).most_common():
+            data = await exchange.fetch_params(round, blob_digest, timeout_s=self.config.fetch_timeout_s)
+            if data is None:
+                continue
+            try:
+                tensors = load(data)
+            except Exception as e:  # hostile bytes: safetensors raises its own types
+                log.warning("round %d: snapshot %s does not load: %s", round, blob_digest[:12], e)
+                continue
+            params = flat_named_params(self.model)
+            if any(name not in tensors or tensors[name].shape != p.shape for name, p in params.items()):
+                log.warning("round %d: snapshot %s does not fit the model", round, blob_digest[:12])
+                continue
+            if param_digest({n: tensors[n] for n in params}) != params_digest:
+                log.warning("round %d: snapshot %s is not the coordinator's parameters", round, blob_digest[:12])
+                continue
+            with torch_no_grad():
+                for name, p in params.items():
+                    p.copy_(tensors[name])
+            self.outer.load_snapshot_state(tensors)
+            self.params_round = round
+            log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], len(data))
+            return True
+        return False
+
+    def _snapshot_bytes(self) -> bytes:
+        from safetensors.torch import save
+
+        from node.params import flat_named_params
+
+        tensors = {n: p.detach().cpu().contiguous() for n, p in flat_named_params(self.model).items()}
+        tensors |= self.outer.snapshot_state()
+        return save(tensors)
+
+    async def _one_round(self, client, exchange, round: int, key) -> RoundReport:
         from node.coordinator_client import Refused
         from node.inner import run_inner_steps
         from node.params import param_digest
 
+        base_digest = param_digest(self.model)
         times = RoundTimes()
         self.outer.begin_round()
         self._state = "training"
@@ -278,6 +380,14 @@ class Node:
             view = await client.round(round, wait_s=30)
         times.wait_s = time.perf_counter() - start
 
+        applied = await self._apply_manifest(client, exchange, round, view, times)
+        return RoundReport(round, result.mean_loss, self._digest, len(applied.accepted), applied.refused, times,
+                           submitted, packet_bytes=len(payload))
+
+    async def _apply_manifest(self, client, exchange, round: int, view, times: RoundTimes):
+        """Fetch, verify and aggregate the round's manifest; take the outer step; report the digest."""
+        from node.params import param_digest
+
         self._state = "transferring"
         start = time.perf_counter()
         wanted = {e.peer_id: e.packet_digest for e in view.manifest}
@@ -287,23 +397,25 @@ class Node:
         times.transfer_s = time.perf_counter() - start
         missing = sorted(set(wanted) - set(payloads))
         if missing:
-            raise RuntimeError(f"round {round}: could not fetch packets of {missing}; catch-up is needed")
+            # Aggregating a subset would fork this peer from the swarm: catch up instead.
+            raise CatchUpNeeded(f"round {round}: no holder served the packets of {', '.join(missing)}")
 
         self._state = "aggregating"
         start = time.perf_counter()
-
-        def lookup(peer_id: str) -> bytes:
-            return public_keys[peer_id]
-
-        applied = await asyncio.to_thread(self.outer.apply, payloads, lookup, run_id=client.run_id, round=round)
-        digest_after = param_digest(self.model)
+        applied = await asyncio.to_thread(self.outer.apply, payloads, public_keys.__getitem__,
+                                          run_id=client.run_id, round=round)
+        self._digest = param_digest(self.model)
+        self.params_round = round + 1
         times.aggregate_s = time.perf_counter() - start
-        response = await client.applied(round, digest_after)
+        response = await client.applied(round, self._digest)
         if not response.agrees:
-            log.error("round %d: my digest %s disagrees with the majority %s", round, digest_after[:12],
+            log.error("round %d: my digest %s disagrees with the majority %s", round, self._digest[:12],
                       response.majority_digest[:12])
-        return RoundReport(round, result.mean_loss, digest_after, len(applied.accepted), applied.refused, times,
-                           submitted, packet_bytes=len(payload))
+        try:
+            await exchange.publish_params(round + 1, await asyncio.to_thread(self._snapshot_bytes))
+        except Exception as e:  # serving snapshots helps others; failing to must not stop this node
+            log.warning("round %d: could not publish a parameter snapshot: %s", round, e)
+        return applied
 
     def _progress_bar(self, round: int, total: int):
         if not self.config.progress:
