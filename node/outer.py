@@ -52,6 +52,7 @@ class OuterConfig:
     divide_by_peers: bool = False  # 1/R instead of the mean over contributors of each coordinate
     clip_to_median_norm: bool = False  # scale down any peer whose update norm exceeds the round's median
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # larger payloads are refused unread
+    overlap: bool = False  # one-round-delayed outer step: train round r+1 while round r's packets move
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -70,17 +71,40 @@ class ApplyResult:
 
 
 class OuterStep:
-    """Round bookkeeping shared by the strategies: the round-start snapshot and the outer update."""
+    """Round bookkeeping shared by the strategies: the global parameters, the local round start,
+    and the outer update.
+
+    `start` is the global model G_r, identical on every peer; `local_start` is where this peer's
+    inner steps of the round began. Without overlap both are G_r, and after the outer step the
+    parameters become G_{r+1}. With overlap (a one-round-delayed outer step), a peer sends
+    delta_r and starts round r+1 at once from its local parameters; the aggregate of round r-1,
+    applied then, moves G and shifts the local parameters by the same amount, so that the local
+    model is G_r - delta_r: the global model plus its own update still in flight.
+    """
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig):
         self.params = dict(params)
         self.cfg = cfg
         self.start = {name: p.detach().clone() for name, p in self.params.items()}
+        self.local_start = {name: p.detach().clone() for name, p in self.params.items()}
 
     def begin_round(self) -> None:
-        """Snapshot theta at the start of the round (after a catch-up or a resume)."""
+        """Mark the start of this peer's inner steps (without overlap also the global model)."""
+        for name, p in self.params.items():
+            self.local_start[name].copy_(p.detach())
+            if not self.cfg.overlap:
+                self.start[name].copy_(p.detach())
+
+    def reset_to_params(self) -> None:
+        """Take the current parameters as the global model (after a snapshot load or a resume)."""
         for name, p in self.params.items():
             self.start[name].copy_(p.detach())
+            self.local_start[name].copy_(p.detach())
+
+    def finish(self) -> None:
+        """Set the parameters to the global model (end of an overlapped run, before evaluation)."""
+        for name, p in self.params.items():
+            p.data.copy_(self.start[name])
 
     def snapshot_state(self) -> dict[str, torch.Tensor]:
         """Outer state every peer shares, served with parameter snapshots (none for SparseLoCo)."""
@@ -88,15 +112,19 @@ class OuterStep:
 
     def load_snapshot_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """After loading a parameter snapshot: take its shared state and restart the round here."""
-        self.begin_round()
+        self.reset_to_params()
 
     def deltas(self):
         for name, p in self.params.items():
-            yield name, self.start[name] - p.detach()
+            yield name, self.local_start[name] - p.detach()
 
     def _set_params(self, name: str, new: torch.Tensor) -> None:
+        if self.cfg.overlap:
+            # Keep this peer's progress since its round start on top of the new global model.
+            self.params[name].data.add_(new - self.local_start[name])
+        else:
+            self.params[name].data.copy_(new)
         self.start[name].copy_(new)
-        self.params[name].data.copy_(new)
 
 
 class SparseLoCoOuter(OuterStep):

@@ -41,6 +41,7 @@ class SimConfig:
     seq_len: int = 64  # tokens per sequence
     top_k: int = 64  # SparseLoCo density: values kept per 4096-element chunk
     error_decay: float = 0.95  # SparseLoCo error-feedback beta
+    overlap: bool = False  # one-round-delayed outer step (train round r+1 while round r's packets move)
     sparseloco_inner_lr: float = 1e-3  # paper: 1e-3
     diloco_inner_lr: float = 8e-4  # paper: 8e-4
     diloco_outer_lr: float = 0.7  # paper: 0.6..0.7, Nesterov momentum 0.9
@@ -84,6 +85,8 @@ def _evaluate(model, corpus, cfg: SimConfig) -> float:
 
 def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyResult:
     """sparseloco or diloco: H local steps, exchange payload bytes, every peer applies the outer step."""
+    import torch
+
     from node.inner import make_inner_optimizer, run_inner_steps
     from node.model import build_model
     from node.outer import OuterConfig, make_outer
@@ -92,10 +95,12 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
 
     if algo == "sparseloco":
         inner = _inner_config(cfg, cfg.sparseloco_inner_lr)
-        outer_cfg = OuterConfig(strategy="sparseloco", top_k=cfg.top_k, error_decay=cfg.error_decay)
+        outer_cfg = OuterConfig(strategy="sparseloco", top_k=cfg.top_k, error_decay=cfg.error_decay,
+                                overlap=cfg.overlap)
     else:
         inner = _inner_config(cfg, cfg.diloco_inner_lr)
-        outer_cfg = OuterConfig(strategy="diloco", outer_lr=cfg.diloco_outer_lr, outer_momentum=0.9, nesterov=True)
+        outer_cfg = OuterConfig(strategy="diloco", outer_lr=cfg.diloco_outer_lr, outer_momentum=0.9, nesterov=True,
+                                overlap=cfg.overlap)
     peer_ids = [f"p{i:02d}" for i in range(cfg.num_peers)]
     keys = {p: PeerKey.from_seed(p.encode()) for p in peer_ids}
     public = {p: k.public_bytes for p, k in keys.items()}
@@ -105,10 +110,21 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     streams = [corpus.train.shard(i, cfg.num_peers).batches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.device)
                for i in range(cfg.num_peers)]
     result = StrategyResult(final_val_loss=float("nan"), tokens=0, bytes_sent_per_peer_per_round=0.0, wall_s=0.0)
-    result.curve.append((0, _evaluate(models[0], corpus, cfg)))
+    eval_model = build_model(cfg.preset, cfg.seed).to(cfg.device)  # holds the global model for evaluation
+
+    def evaluate_global() -> float:
+        with torch.no_grad():
+            for name, p in flat_named_params(eval_model).items():
+                p.copy_(outers[0].start[name])
+        return _evaluate(eval_model, corpus, cfg)
+
+    result.curve.append((0, evaluate_global()))
     start, bytes_sent = time.perf_counter(), 0
     digest = param_digest(models[0])
+    in_flight: dict[str, bytes] | None = None  # with overlap: the previous round's payloads
     for r in range(cfg.num_rounds):
+        for outer in outers:
+            outer.begin_round()
         payloads = {}
         for i, peer in enumerate(peer_ids):
             run_inner_steps(models[i], optimizers[i], streams[i], r * cfg.inner_steps, cfg.inner_steps, inner,
@@ -116,23 +132,34 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
             payloads[peer] = outers[i].make_payload(run_id="sim", round=r, peer_id=peer, base_digest=digest,
                                                     key=keys[peer])
             bytes_sent += len(payloads[peer])
-        for outer in outers:
-            applied = outer.apply(payloads, public.__getitem__, run_id="sim", round=r)
-            if applied.refused:
-                raise RuntimeError(f"round {r}: honest packets refused: {applied.refused}")
-        digests = {param_digest(m) for m in models}
-        if len(digests) != 1:
-            result.digests_identical_every_round = False
-            raise RuntimeError(f"round {r}: peers diverged: {sorted(digests)}")
-        digest = digests.pop()
+        to_apply, applied_round = (in_flight, r - 1) if cfg.overlap else (payloads, r)
+        in_flight = payloads
+        if to_apply is not None:
+            digest = _apply_everywhere(outers, to_apply, public, applied_round)
         result.tokens += cfg.num_peers * cfg.inner_steps * cfg.batch_size * cfg.seq_len
         if (r + 1) % cfg.eval_every_rounds == 0 or r + 1 == cfg.num_rounds:
-            result.curve.append((result.tokens, _evaluate(models[0], corpus, cfg)))
+            if cfg.overlap and r + 1 == cfg.num_rounds:  # the last round's update lands after training
+                digest = _apply_everywhere(outers, in_flight, public, r)
+            result.curve.append((result.tokens, evaluate_global()))
         progress.set_postfix_str(f"{algo} round {r + 1}/{cfg.num_rounds} val {result.curve[-1][1]:.3f}")
     result.wall_s = time.perf_counter() - start
     result.final_val_loss = result.curve[-1][1]
     result.bytes_sent_per_peer_per_round = bytes_sent / (cfg.num_peers * cfg.num_rounds)
     return result
+
+
+def _apply_everywhere(outers, payloads: dict[str, bytes], public: dict[str, bytes], round: int) -> str:
+    """Every peer applies the round's payloads; they must agree bit for bit on the global model."""
+    from node.params import param_digest
+
+    for outer in outers:
+        applied = outer.apply(payloads, public.__getitem__, run_id="sim", round=round)
+        if applied.refused:
+            raise RuntimeError(f"round {round}: honest packets refused: {applied.refused}")
+    digests = {param_digest(outer.start) for outer in outers}
+    if len(digests) != 1:
+        raise RuntimeError(f"round {round}: peers diverged: {sorted(digests)}")
+    return digests.pop()
 
 
 def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
@@ -236,6 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=d.seq_len)
     parser.add_argument("--top-k", type=int, default=d.top_k)
     parser.add_argument("--error-decay", type=float, default=d.error_decay)
+    parser.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
     parser.add_argument("--sparseloco-inner-lr", type=float, default=d.sparseloco_inner_lr)
     parser.add_argument("--diloco-inner-lr", type=float, default=d.diloco_inner_lr)
     parser.add_argument("--diloco-outer-lr", type=float, default=d.diloco_outer_lr)
@@ -258,7 +286,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return replace(
         SimConfig(), algos=algos, preset=args.preset, num_peers=args.peers, inner_steps=args.inner_steps,
         num_rounds=args.rounds, batch_size=args.batch_size, seq_len=args.seq_len, top_k=args.top_k,
-        error_decay=args.error_decay, sparseloco_inner_lr=args.sparseloco_inner_lr,
+        error_decay=args.error_decay, overlap=args.overlap, sparseloco_inner_lr=args.sparseloco_inner_lr,
         diloco_inner_lr=args.diloco_inner_lr, diloco_outer_lr=args.diloco_outer_lr, ddp_lr=args.ddp_lr,
         eval_every_rounds=args.eval_every, eval_batches=args.eval_batches, seed=args.seed, data=args.data,
         threads=args.threads, device=args.device,

@@ -133,3 +133,30 @@ def test_simulator_smoke(tmp_path):
     assert s["diloco"]["bytes_sent_per_peer_per_round"] > 30 * s["sparseloco"]["bytes_sent_per_peer_per_round"]
     assert json.loads((tmp_path / "summary.json").read_text())["config"]["preset"] == "tiny"
     assert (tmp_path / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overlap_keeps_the_global_model_identical_and_learns(tmp_path):
+    """One-round-delayed outer step: peers' global models agree every round (the simulator raises
+    otherwise) and the model still learns; the local model is global minus own in-flight update."""
+    cfg = SimConfig(algos=("sparseloco",), preset="tiny", num_peers=2, inner_steps=3, num_rounds=3, batch_size=2,
+                    seq_len=32, eval_every_rounds=1, eval_batches=1, threads=1, overlap=True)
+    r = simulate(cfg, None, show_progress=False)["strategies"]["sparseloco"]
+    assert r["final_val_loss"] < r["curve"][0][1]
+
+
+def test_overlap_local_model_is_global_minus_pending_delta():
+    cfg = OuterConfig(strategy="sparseloco", overlap=True)
+    models, outers = swarm(cfg, num_peers=2)
+    first = payloads_for(models, outers, 0, "00" * 32)
+    for outer in outers:
+        outer.begin_round()
+    local_before = [{n: p.detach().clone() for n, p in flat_named_params(m).items()} for m in models]
+    second = payloads_for(models, outers, 1, "00" * 32)  # round 1 trains before round 0 lands
+    pending = [{n: d.clone() for n, d in o.deltas()} for o in outers]
+    for outer in outers:
+        outer.apply(first, public, run_id="r", round=0)
+    assert len({param_digest(o.start) for o in outers}) == 1
+    for model, outer, delta in zip(models, outers, pending):
+        for name, p in flat_named_params(model).items():
+            assert torch.allclose(p.detach(), outer.start[name] - delta[name], atol=1e-6)
+    assert second and local_before
