@@ -124,6 +124,7 @@ class OuterStep:
             self.params[name].data.add_(new - self.local_start[name])
         else:
             self.params[name].data.copy_(new)
+            self.local_start[name].copy_(new)
         self.start[name].copy_(new)
 
 
