@@ -3,7 +3,7 @@
 The page is static HTML plus a small script that fetches ``/v1/runs/{run}/status`` every two
 seconds and redraws: the run header, the open round's progress towards its deadline, the peer
 table (state, last loss, bandwidth, lag, flags, why dropped), an inline SVG plot of mean loss and
-round time per round, and the latest rounds. Nothing is loaded from elsewhere (no CDN, no fonts):
+round time per round, and the latest rounds with the packets peers refused and why. Nothing is loaded from elsewhere (no CDN, no fonts):
 a coordinator often runs where the browser has no internet, and the page must not leak who
 watches it. With no run given, the script picks the newest run from ``/v1/runs``.
 """
@@ -54,7 +54,7 @@ th { color: #6b7280; font-weight: 600; }
 </section>
 <section class="wide"><h2>Recent rounds</h2><table id="history"><thead><tr>
 <th>round</th><th>contributors</th><th>mean loss</th><th>round time</th><th>applied</th>
-<th>majority digest</th></tr></thead><tbody></tbody></table></section>
+<th>majority digest</th><th>refused packets</th></tr></thead><tbody></tbody></table></section>
 </main>
 <script>
 "use strict";
@@ -134,7 +134,9 @@ function render(s) {
   const c = run.config;
   document.getElementById("run-info").textContent =
     c.preset + " / " + c.strategy + " / H=" + c.inner_steps + " / top-k " + c.top_k +
-    " / timeout " + c.deadline_policy.round_timeout_s + " s / min peers " + c.min_peers;
+    " / deadline " + (c.deadline_policy.kind === "fixed" ? c.deadline_policy.round_timeout_s + " s"
+      : "adaptive (q" + c.deadline_policy.quantile + " x" + c.deadline_policy.margin + ")") +
+    (c.overlap ? " / overlap" : "") + " / min peers " + c.min_peers;
   const cur = s.current_round;
   const bar = document.getElementById("round-bar");
   if (cur) {
@@ -171,6 +173,8 @@ function render(s) {
     cell(row, h.round); cell(row, h.num_contributors); cell(row, text(h.mean_loss, 4));
     cell(row, h.round_time_s.toFixed(h.round_time_s < 10 ? 2 : 1) + " s"); cell(row, h.num_applied);
     cell(row, h.majority_digest ? h.majority_digest.slice(0, 16) : "-");
+    const refused = Object.entries(h.refused || {}).map(([p, why]) => p + ": " + why);
+    cell(row, refused.length ? refused.join("; ") : "-", refused.length ? "flag" : "muted");
     hist.appendChild(row);
   }
 }

@@ -182,9 +182,26 @@ class CoordinatorService(Views):
         return num_expected > 0 and num_missing == 0
 
     def _open_round(self, run_id: str, round_index: int, now: float, config: RunConfig) -> None:
-        deadline = now + config.deadline_policy.round_timeout_s
+        deadline = now + self._round_timeout_s(run_id, round_index, config)
         self.storage.insert_round(RoundRow(run_id, round_index, now, deadline, None, None))
         self._changed.add(run_id)
+
+    def _round_timeout_s(self, run_id: str, round_index: int, config: RunConfig) -> float:
+        """The fixed timeout, or the adaptive one from recent submission times (see AdaptiveDeadline)."""
+        policy = config.deadline_policy
+        if policy.kind == "fixed":
+            return policy.round_timeout_s
+        took_s = []
+        for r in range(max(0, round_index - policy.window_rounds), round_index):
+            round_row = self.storage.get_round(run_id, r)
+            if round_row is None:
+                continue
+            took_s += [s.submitted_at - round_row.opened_at for s in self.storage.list_submissions(run_id, r)]
+        if not took_s:
+            return policy.initial_s
+        took_s.sort()
+        at_quantile = took_s[min(len(took_s) - 1, int(policy.quantile * len(took_s)))]
+        return min(policy.max_s, max(policy.min_s, at_quantile * policy.margin))
 
     def _close_round(
         self, run: RunRow, open_round: RoundRow, now: float, config: RunConfig
@@ -436,8 +453,9 @@ class CoordinatorService(Views):
                 raise errors.RoundNotFound(f"round {round_index} has not opened")
             if round_row.closed_at is None:
                 raise errors.RoundNotClosed(f"round {round_index} has no manifest yet")
+            refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
             self.storage.upsert_applied(
-                AppliedRow(run_id, round_index, peer_id, request.params_digest, now)
+                AppliedRow(run_id, round_index, peer_id, request.params_digest, now, refused)
             )
             reports = self.storage.list_applied(run_id, round_index)
             majority = majority_digest(reports, round_row.majority_digest)

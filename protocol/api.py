@@ -65,7 +65,7 @@ A node's loop, in JSON (digests shortened)::
           "closed_at": .., "num_submitted": 6, "majority_digest": null,
           "manifest": [{"peer_id": .., "packet_digest": .., "packet_size_bytes": ..,
                         "multiaddrs": [..]}, ...]}      (manifest is [] until closed)
-    POST rounds/8/applied {"params_digest": hex}
+    POST rounds/8/applied {"params_digest": hex, "refused": {"p9e..": "BadSignature: .."}}
       -> {"round": 8, "majority_digest": hex, "agrees": true, "num_reports": 4}
 
 Submit ``multiaddrs`` defaults to the join's ``listen_multiaddrs``. A peer marked gone (silent
@@ -107,6 +107,7 @@ ShortText = Annotated[str, StringConstraints(max_length=256)]
 Seconds = Annotated[float, Field(ge=0.0, le=1e12)]
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 MAX_ADDRS = 16
+MAX_REFUSED = 64
 
 
 class RequestModel(BaseModel):
@@ -133,6 +134,20 @@ class FixedDeadline(RequestModel):
     round_timeout_s: float = Field(
         120.0, gt=0.0, le=86400.0, description="Seconds from a round's opening to its deadline."
     )
+
+
+class AdaptiveDeadline(RequestModel):
+    """Each round's deadline follows the swarm: a quantile of how long peers took to submit in
+    the last rounds (from the round's opening: fetching and applying the previous round, then
+    training and encoding), times a margin, within bounds. Stragglers past it are cut off."""
+
+    kind: Literal["adaptive"] = Field("adaptive", description="Deadline policy tag.")
+    initial_s: float = Field(120.0, gt=0.0, le=86400.0, description="Timeout until there is history.")
+    quantile: float = Field(0.9, gt=0.0, le=1.0, description="Quantile of recent submission times.")
+    margin: float = Field(1.5, ge=1.0, le=100.0, description="Multiplier on that quantile.")
+    min_s: float = Field(5.0, gt=0.0, le=86400.0, description="Lower bound of a round's timeout.")
+    max_s: float = Field(3600.0, gt=0.0, le=86400.0, description="Upper bound of a round's timeout.")
+    window_rounds: int = Field(5, ge=1, le=1000, description="Closed rounds the quantile looks at.")
 
 
 class RunConfig(RequestModel):
@@ -165,12 +180,20 @@ class RunConfig(RequestModel):
     top_k: int = Field(64, ge=1, le=4096, description="Values kept per 4096-element chunk.")
     chunk_size: int = Field(64, ge=1, le=1024, description="Tile side for 2-D tensors.")
     error_decay: float = Field(0.95, ge=0.0, le=1.0, description="Error-feedback decay beta.")
+    clip_to_median_norm: bool = Field(
+        False,
+        description="Scale down each peer's decoded update whose norm exceeds the round's median"
+        " (bounds a poisoning peer; SparseLoCo only).",
+    )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for initialisation and data order.")
     max_packet_bytes: int = Field(
         64 * 2**20, ge=1024, le=2**34, description="Largest packet a peer may announce."
     )
-    deadline_policy: FixedDeadline = Field(
+    deadline_policy: Annotated[FixedDeadline | AdaptiveDeadline, Field(discriminator="kind")] = Field(
         default_factory=FixedDeadline, description="When a round's deadline falls."
+    )
+    overlap: bool = Field(
+        False, description="One-round-delayed outer step: train round r+1 while round r's packets move."
     )
     min_peers: int = Field(1, ge=1, le=100_000, description="Peers needed before round 0 opens.")
     max_rounds: int | None = Field(
@@ -366,6 +389,11 @@ class RoundView(ResponseModel):
 
 class AppliedRequest(RequestModel):
     params_digest: ParamsDigest
+    refused: dict[PeerId, ShortText] = Field(
+        default_factory=dict,
+        max_length=MAX_REFUSED,
+        description="Manifest packets this peer left out, peer id -> reason (shown on the status page).",
+    )
 
 
 class AppliedResponse(ResponseModel):
@@ -414,6 +442,10 @@ class RoundSummary(ResponseModel):
     mean_loss: float | None
     majority_digest: str | None
     num_applied: int
+    refused: dict[str, str] = Field(
+        default_factory=dict,
+        description="Manifest packets that peers left out, peer id -> reason (first report).",
+    )
 
 
 class RunStatus(ResponseModel):
