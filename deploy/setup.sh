@@ -16,7 +16,8 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip >/dev/null
-"${PIP[@]}" "$TORCH_SPEC"
+read -ra TORCH_ARGS <<< "$TORCH_SPEC"  # a spec may carry pip options: "torch==2.13.0 --index-url URL"
+"${PIP[@]}" "${TORCH_ARGS[@]}"
 if [[ $WITH_TESTS == 1 ]]; then
     "${PIP[@]}" -e ".[test]"
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "coordinator.cli",
     "node.sim",
     "node.node_cli",
+    "node.doctor",
 )
 
 

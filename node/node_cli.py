@@ -1,6 +1,7 @@
 """`locoswarm node join` (a volunteer joins a run) and `locoswarm demo` (a local swarm in one command).
 
     locoswarm node join --coordinator URL [--run ID] [--token T] [--device cpu|cuda] [--data PATH]
+    locoswarm node join --config node.toml [--device cuda:1 ...]   (flags override the file)
     locoswarm demo [--peers 3] [--rounds 4] [--preset tiny] [--json]
 
 The demo starts a coordinator on a free port with a SQLite file in a temporary folder, creates a
@@ -28,24 +29,39 @@ from pathlib import Path
 def register(subparsers) -> None:
     node = subparsers.add_parser("node", help="run a volunteer node")
     node_sub = node.add_subparsers(dest="node_command", metavar="COMMAND", required=True)
-    join = node_sub.add_parser("join", help="join a run and train until it ends or Ctrl+C")
-    join.add_argument("--coordinator", required=True, help="coordinator URL, http://host:port")
-    join.add_argument("--run", default=None, help="run id (default: the coordinator's only open run)")
-    join.add_argument("--token", default=None, help="join token, for runs that need one")
-    join.add_argument("--device", default="cuda" if _has_cuda() else "cpu", help="cpu, cuda or cuda:N")
+    join = node_sub.add_parser(
+        "join", help="join a run and train until it ends or Ctrl+C",
+        description="Join a run. Settings come from --config (a TOML file, see deploy/node.toml), then from "
+                    "these flags, which override the file; defaults are NodeConfig's (node/worker.py).")
+    # Defaults are None ("not given") so that a flag overrides the file only when it is passed;
+    # node/config_file.py applies the real defaults and checks every value.
+    join.add_argument("--config", default=None, help="node config file, TOML (keys: NodeConfig's fields)")
+    join.add_argument("--coordinator", default=None, help="coordinator URL, http://host:port (required here or in --config)")
+    join.add_argument("--run", dest="run_id", default=None, help="run id (default: the coordinator's only open run)")
+    join.add_argument("--token", dest="join_token", default=None, help="join token, for runs that need one")
+    join.add_argument("--device", default=None, help="auto (default: cuda if torch sees a GPU), cpu, cuda or cuda:N")
     join.add_argument("--data", default=None, help="text file, directory or .bin shards (default: the run's)")
-    join.add_argument("--key", default=str(Path.home() / ".locoswarm" / "peer.key"),
-                      help="Ed25519 identity file, created if absent")
-    join.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"],
-                      help="libp2p listen addresses (a public node: /ip4/0.0.0.0/tcp/PORT)")
-    join.add_argument("--announce-maddrs", nargs="*", default=[], help="addresses to advertise instead")
-    join.add_argument("--initial-peers", nargs="*", default=[], help="DHT bootstrap multiaddrs")
-    join.add_argument("--client-mode", action="store_true", help="behind NAT: do not serve the DHT")
-    join.add_argument("--auto-relay", action="store_true", help="behind NAT: be reachable through a relay")
-    join.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    join.add_argument("--key", dest="key_path", default=None,
+                      help="Ed25519 identity file, created if absent (default: ~/.locoswarm/peer.key)")
+    join.add_argument("--host-maddrs", nargs="+", default=None,
+                      help="libp2p listen addresses (default /ip4/127.0.0.1/tcp/0; a public node: /ip4/0.0.0.0/tcp/PORT)")
+    join.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to advertise instead")
+    join.add_argument("--initial-peers", nargs="*", default=None, help="DHT bootstrap multiaddrs")
+    join.add_argument("--client-mode", action=argparse.BooleanOptionalAction, default=None,
+                      help="behind NAT: do not serve the DHT")
+    join.add_argument("--auto-relay", dest="use_auto_relay", action=argparse.BooleanOptionalAction, default=None,
+                      help="behind NAT: be reachable through a relay")
+    join.add_argument("--threads", type=int, default=None, help="torch CPU threads (0, the default: torch's choice)")
     join.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds")
-    join.add_argument("--fetch-timeout", type=float, default=60.0, help="seconds to fetch a round's packets")
-    join.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    join.add_argument("--fetch-timeout", dest="fetch_timeout_s", type=float, default=None,
+                      help="seconds to fetch a round's packets (default 60)")
+    join.add_argument("--checkpoint-dir", default=None, help="save parameters and state here after every round")
+    join.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                      help="a progress bar for the inner steps (default on; --no-progress: logs only)")
+    join.add_argument("--inject", action="append", default=None, metavar="FAULT",
+                      help="inject a fault, for tests and demos (repeatable): crash@round=3,phase=training, "
+                           "slow-upload@delay_s=5, corrupt-packet@round=1, poison@factor=1000, stale-submit@round=2 "
+                           "(node/faults.py)")
     join.add_argument("--report", default=None, help="write the per-round reports as JSON here on exit")
     join.set_defaults(func=_join)
 
@@ -60,32 +76,26 @@ def register(subparsers) -> None:
     demo.set_defaults(func=_demo)
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+# Flags of `node join` that set NodeConfig fields (argparse dest == field name).
+JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "key_path", "host_maddrs",
+                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "max_rounds",
+                     "fetch_timeout_s", "checkpoint_dir", "progress", "inject")
 
 
 def _join(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from node.worker import Node, NodeConfig
+    from node.config_file import NodeConfigError, format_node_config, load_node_config
+    from node.worker import Node
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("hivemind").setLevel(logging.WARNING)
-    config = NodeConfig(
-        coordinator=args.coordinator, run_id=args.run, join_token=args.token, device=args.device, data=args.data,
-        key_path=Path(args.key), host_maddrs=tuple(args.host_maddrs), announce_maddrs=tuple(args.announce_maddrs),
-        initial_peers=tuple(args.initial_peers), client_mode=args.client_mode, use_auto_relay=args.auto_relay,
-        threads=args.threads, max_rounds=args.max_rounds, fetch_timeout_s=args.fetch_timeout,
-        progress=not args.no_progress,
-    )
-    print("node config:", json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}),
-          file=sys.stderr, flush=True)
+    try:
+        config = load_node_config(Path(args.config) if args.config else None,
+                                  {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})
+    except NodeConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_node_config(config), file=sys.stderr, flush=True)
     node = Node(config)
 
     async def main() -> list:
@@ -142,13 +152,18 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 class LocalSwarm:
-    """A coordinator and N nodes on 127.0.0.1, as child processes this object owns."""
+    """A coordinator and N nodes on 127.0.0.1, as child processes this object owns.
+
+    Each node runs in its own process group, with its p2pd daemon: `stop` signals the group, so a
+    node that was SIGKILLed (a fault test) leaves no orphaned daemon behind.
+    `extra_node_args` maps a node index to extra `node join` flags (e.g. `--inject crash@round=1`).
+    """
 
     def __init__(self, workdir: Path, *, num_peers: int, preset: str, rounds: int, inner_steps: int, top_k: int,
-                 quiet: bool = False, extra_node_args: tuple[str, ...] = ()):
+                 quiet: bool = False, extra_node_args: dict[int, tuple[str, ...]] | None = None):
         self.workdir, self.num_peers, self.preset, self.rounds = workdir, num_peers, preset, rounds
         self.inner_steps, self.top_k, self.quiet = inner_steps, top_k, quiet
-        self.extra_node_args = extra_node_args
+        self.extra_node_args = dict(extra_node_args or {})
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
@@ -164,11 +179,12 @@ class LocalSwarm:
         return {**os.environ, "LOCOSWARM_ADMIN_TOKEN": self.admin_token, "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1"}
 
-    def start_coordinator(self, timeout_s: float = 60.0) -> str:
+    def start_coordinator(self, timeout_s: float = 60.0, port: int = 0) -> str:
+        """Start the coordinator (port 0: a free one; a restart passes the old port) on the swarm's database."""
         log = open(self.workdir / "coordinator.log", "ab")
         self.coordinator = subprocess.Popen(
             [sys.executable, "-m", "node.cli", "coordinator", "serve", "--db",
-             f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", "127.0.0.1", "--port", "0"],
+             f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", "127.0.0.1", "--port", str(port)],
             stdout=subprocess.PIPE, stderr=log, env=self._env(), cwd=_repo_root())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -202,8 +218,9 @@ class LocalSwarm:
         process = subprocess.Popen(
             [sys.executable, "-m", "node.cli", "node", "join", "--coordinator", self.url, "--run", self.run_id,
              "--device", "cpu", "--key", str(self.workdir / f"node{index}.key"), "--threads", "1",
-             "--no-progress", "--report", str(self.workdir / f"node{index}.report.json"), *self.extra_node_args],
-            stdout=log, stderr=log, env=self._env(), cwd=_repo_root())
+             "--no-progress", "--report", str(self.workdir / f"node{index}.report.json"),
+             *self.extra_node_args.get(index, ())],
+            stdout=log, stderr=log, env=self._env(), cwd=_repo_root(), start_new_session=True)
         self.nodes.append(process)
         return process
 
@@ -290,6 +307,11 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for p in self.nodes:  # what is left of each node's group: a killed node's p2pd
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _final_val_loss(path: Path, preset: str, corpus) -> float:

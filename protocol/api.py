@@ -79,7 +79,10 @@ from __future__ import annotations
 
 import hashlib
 import time
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 

@@ -61,7 +61,8 @@ def test_bad_run_configs_are_refused_naming_the_key(coordinator_client):
         ({"inner_steps": "15"}, "inner_steps"),  # strict: no string-to-int coercion
         ({"preset": "huge"}, "preset"),
         ({"surprise": 1}, "surprise"),
-        ({"deadline_policy": {"kind": "adaptive"}}, "deadline_policy"),
+        ({"deadline_policy": {"kind": "psychic"}}, "deadline_policy"),
+        ({"deadline_policy": {"kind": "adaptive", "quantile": 2.0}}, "deadline_policy"),
     ]:
         response = client.post("/v1/runs", json=run_config(**bad), headers=ADMIN_HEADERS)
         assert error_of(response) == "invalid_request" and key in response.json()["detail"]

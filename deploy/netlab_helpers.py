@@ -1,0 +1,92 @@
+"""Small stdlib-only programs the network lab runs inside its namespaces (`ip netns exec NS ...`).
+
+    python -m deploy.netlab_helpers http METHOD URL [--token-env VAR]   body on stdin (JSON or empty)
+    python -m deploy.netlab_helpers sink HOST                           prints "port P", then the result
+    python -m deploy.netlab_helpers source HOST PORT NUM_BYTES
+
+The lab's own process stays in the root namespace, where the lab's addresses do not exist, so
+every request to the coordinator and every throughput probe runs as one of these short-lived
+helpers inside a lab namespace. They import nothing but the standard library: a helper starts in
+tens of milliseconds, so polling the coordinator this way costs little.
+
+`http` prints one JSON object {"status": int, "body": <parsed JSON or text>} and exits 0 whatever
+the HTTP status (non-zero only when no answer came). `sink` accepts one connection, reads to EOF
+and prints {"bytes": n, "seconds": s} timed from the first byte to EOF, so connection set-up and
+the sender's start-up do not count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+
+RECV_BYTES = 1 << 16
+
+
+def http(method: str, url: str, token_env: str | None) -> int:
+    body = sys.stdin.buffer.read() or None
+    headers = {"Content-Type": "application/json"} if body else {}
+    if token_env:
+        headers["Authorization"] = f"Bearer {os.environ[token_env]}"
+    # No proxies: the coordinator is on the lab's private subnet, and a proxy set in the
+    # environment would be outside it.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with opener.open(request, timeout=30) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = raw.decode(errors="replace")
+    print(json.dumps({"status": status, "body": parsed}), flush=True)
+    return 0
+
+
+def sink(host: str) -> int:
+    with socket.create_server((host, 0)) as server:
+        print(f"port {server.getsockname()[1]}", flush=True)
+        connection, _ = server.accept()
+        with connection:
+            total = len(first := connection.recv(RECV_BYTES))
+            start = time.perf_counter()
+            while chunk := connection.recv(RECV_BYTES):
+                total += len(chunk)
+            elapsed_s = time.perf_counter() - start
+    # The first recv's bytes arrived before the clock started: count only what came after it.
+    print(json.dumps({"bytes": total - len(first), "seconds": elapsed_s}), flush=True)
+    return 0
+
+
+def source(host: str, port: int, num_bytes: int) -> int:
+    block = os.urandom(RECV_BYTES)
+    with socket.create_connection((host, port), timeout=60) as connection:
+        sent = 0
+        while sent < num_bytes:
+            piece = block[: min(len(block), num_bytes - sent)]
+            connection.sendall(piece)
+            sent += len(piece)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 3 and argv[0] == "http":
+        token_env = argv[4] if len(argv) == 5 and argv[3] == "--token-env" else None
+        return http(argv[1], argv[2], token_env)
+    if len(argv) == 2 and argv[0] == "sink":
+        return sink(argv[1])
+    if len(argv) == 4 and argv[0] == "source":
+        return source(argv[1], int(argv[2]), int(argv[3]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

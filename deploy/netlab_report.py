@@ -1,0 +1,130 @@
+"""The network lab's numbers: per-round times, bytes and ratios from the nodes' --report files.
+
+    result = summarize(reports, history, rate_mbps=100.0)   # reports: one parsed --report per node
+    print(format_table(result))
+
+Per round, averaged over the peers that report it (every peer times its own round):
+
+- compute_s, encode_s, wait_s, transfer_s (and the slowest peer's), aggregate_s: the node's timers;
+- round_s: the sum of those five, the part of the round a node times (the coordinator calls,
+  digest and snapshot publication around them are not in it);
+- idle_s = round_s - compute_s - encode_s - aggregate_s: time the node's CPU waits on the network
+  and on the other peers;
+- download_bytes: what one peer must fetch, the packets of every other peer in the round (its own
+  is local); ideal_transfer_s = download_bytes * 8 / link rate; transfer_over_ideal, per peer then
+  averaged; 1.0 is a link kept full from the manifest's arrival to the last byte;
+- compute_utilization = compute_s / round_s, per peer then averaged;
+- swarm_cycle_s: the coordinator's time from the previous round's close to this one's (rounds close
+  when the last packet is submitted, so this is the swarm's round time, slowest peer included).
+
+The summary averages rounds 1.. (round 0 carries start-up: first-step allocation, DHT warm-up)
+when there is more than one round.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+TIMERS = ("compute_s", "encode_s", "wait_s", "transfer_s", "aggregate_s")
+
+
+def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> dict:
+    """Per-round rows and a steady-state summary; `reports` are the nodes' --report objects."""
+    rounds = sorted({r["round"] for report in reports for r in report["rounds"]})
+    closed_at = {h["round"]: h["closed_at"] for h in history}
+    rows = []
+    for k in rounds:
+        per_peer = [r for report in reports for r in report["rounds"] if r["round"] == k]
+        rows.append(_round_row(k, per_peer, rate_mbps, closed_at))
+    steady = rows[1:] if len(rows) > 1 else rows
+    return {
+        "per_round": rows,
+        "summary": {
+            "rounds_averaged": [row["round"] for row in steady],
+            **{name: _mean(row[name] for row in steady) for name in (
+                *TIMERS, "transfer_max_s", "round_s", "idle_s", "packet_bytes", "download_bytes",
+                "ideal_transfer_s", "transfer_over_ideal", "compute_utilization", "swarm_cycle_s")},
+            "digests_agree_every_round": bool(rows) and all(row["digests_agree"] for row in rows),
+        },
+    }
+
+
+def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[int, float]) -> dict:
+    times = [r["times"] for r in per_peer]
+    round_s = [sum(t[name] for name in TIMERS) for t in times]
+    packet_bytes = [r["packet_bytes"] for r in per_peer]
+    # Each peer downloads every other peer's packet: the round's total less its own.
+    download_bytes = [sum(packet_bytes) - own for own in packet_bytes]
+    rate_bytes_per_s = rate_mbps * 1e6 / 8 if rate_mbps > 0 else None
+    ideal_s = [b / rate_bytes_per_s if rate_bytes_per_s else None for b in download_bytes]
+    measured = [r["downloaded_bytes"] for r in per_peer if r.get("downloaded_bytes") is not None]
+    row = {
+        "round": k,
+        "num_peers": len(per_peer),
+        **{name: _mean(t[name] for t in times) for name in TIMERS},
+        "transfer_max_s": max((t["transfer_s"] for t in times), default=None),
+        "round_s": _mean(round_s),
+        "idle_s": _mean(total - t["compute_s"] - t["encode_s"] - t["aggregate_s"] for total, t in zip(round_s, times)),
+        "packet_bytes": _mean(packet_bytes),
+        "download_bytes": _mean(download_bytes),
+        "measured_download_bytes": _mean(measured) if measured else None,
+        "ideal_transfer_s": _mean(s for s in ideal_s if s is not None) if rate_bytes_per_s else None,
+        "transfer_over_ideal": _mean(t["transfer_s"] / s for t, s in zip(times, ideal_s) if s)
+        if rate_bytes_per_s else None,
+        "compute_utilization": _mean(t["compute_s"] / total for t, total in zip(times, round_s) if total > 0),
+        "swarm_cycle_s": closed_at[k] - closed_at[k - 1] if k in closed_at and k - 1 in closed_at else None,
+        "digests_agree": len({r["digest"] for r in per_peer}) == 1,
+        "num_packets": min((r["num_packets"] for r in per_peer), default=0),
+    }
+    return row
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+COLUMNS = (  # (heading, key, format)
+    ("round", "round", "{:d}"),
+    ("compute", "compute_s", "{:.2f}s"),
+    ("encode", "encode_s", "{:.2f}s"),
+    ("wait", "wait_s", "{:.2f}s"),
+    ("transfer", "transfer_s", "{:.2f}s"),
+    ("xfer max", "transfer_max_s", "{:.2f}s"),
+    ("aggregate", "aggregate_s", "{:.2f}s"),
+    ("round", "round_s", "{:.2f}s"),
+    ("idle", "idle_s", "{:.2f}s"),
+    ("packet", "packet_bytes", "{:,.0f}B"),
+    ("download/peer", "download_bytes", "{:,.0f}B"),
+    ("ideal", "ideal_transfer_s", "{:.3f}s"),
+    ("xfer/ideal", "transfer_over_ideal", "{:.1f}x"),
+    ("util", "compute_utilization", "{:.0%}"),
+    ("cycle", "swarm_cycle_s", "{:.2f}s"),
+    ("digests", "digests_agree", "{}"),
+)
+
+
+def format_table(result: dict) -> str:
+    """The per-round rows and the steady-state line as a plain-text table."""
+    rows = [[_cell(row, key, fmt) for _, key, fmt in COLUMNS] for row in result["per_round"]]
+    summary = {"round": "mean", **result["summary"],
+               "digests_agree": result["summary"]["digests_agree_every_round"]}
+    rows.append([_cell(summary, key, fmt) for _, key, fmt in COLUMNS])
+    headings = [heading for heading, _, _ in COLUMNS]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headings)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headings, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "agree" if value else "DIFFER"
+    if isinstance(value, str):
+        return value
+    return fmt.format(value)

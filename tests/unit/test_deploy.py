@@ -1,0 +1,328 @@
+"""The deploy files and the configuration front-ends agree with the code they drive.
+
+Docker and systemd are not run here (no engine, no init): every command line in deploy/compose.yaml,
+the systemd units, the Dockerfile and the README's shell blocks is parsed by the real `locoswarm`
+argparse parser; the sample configs load with their real loaders and name every field; bad node
+config keys and values are refused with the key's name; `locoswarm doctor` runs for real (its
+libp2p check starts and stops a p2pd daemon on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import http.server
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from node.cli import build_parser, main
+from node.config_file import NodeConfigError, format_node_config, load_node_config
+from node.worker import NodeConfig
+from protocol.api import ConfigError, FixedDeadline, RunConfig, load_run_config
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+
+
+def parses(argv: list[str]):
+    """The namespace `locoswarm ARGV` parses to; a refusal fails the test with the command line."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        pytest.fail(f"`locoswarm {shlex.join(argv)}` is refused by the CLI parser (exit {e.code})")
+    assert hasattr(args, "func"), f"`locoswarm {shlex.join(argv)}` names no command"
+    return args
+
+
+# -- compose ---------------------------------------------------------------------------------------
+
+
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+def test_compose_commands_parse_with_the_real_cli():
+    services = compose()["services"]
+    assert "coordinator" in services
+    nodes = {name: s for name, s in services.items() if s["command"][:2] == ["node", "join"]}
+    assert len(nodes) >= 2, "the compose file brings up several nodes"
+    for name, service in services.items():
+        assert isinstance(service["command"], list), f"{name}: use the exec (list) form"
+        parses(service["command"])
+    serve = parses(services["coordinator"]["command"])
+    assert serve.db.startswith("sqlite:////data/") and serve.host == "0.0.0.0"
+    assert any(v.endswith(":/data") for v in services["coordinator"]["volumes"]), "the database is on a volume"
+    keys = set()
+    for name, service in nodes.items():
+        args = parses(service["command"])
+        assert args.coordinator == f"http://coordinator:{serve.port}", name
+        assert any(v.endswith(":/keys") for v in service["volumes"]), f"{name}: keys on a volume"
+        assert args.key_path.startswith("/keys/"), name
+        keys.add(args.key_path)
+    assert len(keys) == len(nodes), "every node has its own key file"
+
+
+def test_compose_references_are_declared():
+    spec = compose()
+    declared = set(spec.get("volumes", {}))
+    for name, service in spec["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if not source.startswith((".", "/")):
+                assert source in declared, f"{name}: volume {source} is not declared"
+            else:
+                assert (DEPLOY / source).exists(), f"{name}: {source} does not exist beside compose.yaml"
+        for network in service.get("networks", []):
+            assert network in spec["networks"], f"{name}: network {network} is not declared"
+        for dependency in service.get("depends_on", {}):
+            assert dependency in spec["services"], f"{name}: depends on unknown {dependency}"
+        build = service.get("build")
+        if build:
+            assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+    run = spec["services"]["create-run"]
+    assert parses(run["command"]).config == "/etc/locoswarm/run.toml"
+
+
+# -- systemd ---------------------------------------------------------------------------------------
+
+
+def unit(name: str) -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(strict=False, interpolation=None, comment_prefixes=("#", ";"))
+    parser.optionxform = str  # systemd keys are case-sensitive
+    parser.read_string((DEPLOY / name).read_text())
+    return parser
+
+
+@pytest.mark.parametrize("name, command", [("locoswarm-coordinator.service", ["coordinator", "serve"]),
+                                           ("locoswarm-node.service", ["node", "join"])])
+def test_systemd_exec_start_parses_with_the_real_cli(name, command):
+    parsed = unit(name)
+    assert {"Unit", "Service", "Install"} <= set(parsed.sections())
+    argv = shlex.split(parsed["Service"]["ExecStart"])
+    assert argv[0].startswith("/") and argv[0].endswith("/locoswarm"), "ExecStart needs an absolute path"
+    assert argv[1:3] == command
+    args = parses(argv[1:])
+    if command == ["node", "join"]:
+        assert args.config and args.key_path
+    else:
+        assert args.db.startswith(("sqlite:///", "postgresql://")) and args.admin_token_file
+
+
+# -- Dockerfile ------------------------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_dockerfile_entrypoint_and_cmd_are_real_commands():
+    instructions = dockerfile_instructions()
+    by_name = {}
+    for name, value in instructions:
+        by_name.setdefault(name, []).append(value)
+    assert by_name["FROM"] == ["python:3.11-slim"]
+    assert 'TORCH_SPEC="torch==2.13.0"' in by_name["ARG"]
+    assert json.loads(by_name["ENTRYPOINT"][-1]) == ["locoswarm"]
+    parses(json.loads(by_name["CMD"][-1]))
+    assert any("$TORCH_SPEC" in run for run in by_name["RUN"]), "torch is installed from TORCH_SPEC"
+    for copy in by_name["COPY"]:
+        for source in copy.split()[:-1]:
+            assert (REPO / source).exists(), f"COPY {source}: no such path in the repository"
+    copied = {c.split()[0] for c in by_name["COPY"]}
+    assert {"kernels", "protocol", "node", "coordinator", "pyproject.toml"} <= copied
+
+
+# -- README ----------------------------------------------------------------------------------------
+
+
+def readme_commands() -> list[list[str]]:
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for segment in line.split(" #")[0].split("&&"):
+                segment = segment.strip()
+                for prefix in (".venv/bin/locoswarm ", "locoswarm "):
+                    if segment.startswith(prefix):
+                        commands.append(shlex.split(segment[len(prefix):]))
+    return commands
+
+
+def test_readme_commands_parse_with_the_real_cli():
+    commands = readme_commands()
+    assert len(commands) >= 5
+    for argv in commands:
+        parses(argv)
+
+
+# -- run.toml --------------------------------------------------------------------------------------
+
+
+def test_sample_run_config_loads_and_names_every_field():
+    config = load_run_config(DEPLOY / "run.toml")
+    assert config.strategy == "sparseloco"
+    text = (DEPLOY / "run.toml").read_text()
+    for field in list(RunConfig.model_fields) + list(FixedDeadline.model_fields):
+        assert re.search(rf"^(# )?\[?{field}\]?( =|$)", text, re.M), f"run.toml does not mention {field}"
+
+
+def test_run_config_names_a_bad_key(tmp_path):
+    text = (DEPLOY / "run.toml").read_text().replace("inner_steps = 15", "inner_steps = 0")
+    (tmp_path / "run.toml").write_text(text)
+    with pytest.raises(ConfigError, match="inner_steps"):
+        load_run_config(tmp_path / "run.toml")
+
+
+# -- node.toml and node/config_file.py -------------------------------------------------------------
+
+
+def test_sample_node_config_loads_and_names_every_field():
+    config = load_node_config(DEPLOY / "node.toml")
+    assert config.coordinator == "http://127.0.0.1:8000" and config.device in ("cpu", "cuda")
+    assert config.key_path == Path.home() / ".locoswarm" / "peer.key"
+    text = (DEPLOY / "node.toml").read_text()
+    for field in dataclasses.fields(NodeConfig):
+        assert re.search(rf"^(# )?{field.name} =", text, re.M), f"node.toml does not mention {field.name}"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("line, key", [
+    ("fetch_timeout = 3.0", "fetch_timeout"),                  # unknown key (the field is fetch_timeout_s)
+    ("threads = -1", "threads"),                               # out of range
+    ("fetch_timeout_s = 0.0", "fetch_timeout_s"),
+    ("max_rounds = 0", "max_rounds"),
+    ("device = \"gpu\"", "device"),
+    ("client_mode = \"yes\"", "client_mode"),                  # wrong type
+    ("threads = 2.5", "threads"),
+    ("host_maddrs = []", "host_maddrs"),
+    ("initial_peers = \"/ip4/1.2.3.4/tcp/1\"", "initial_peers"),
+    ("join_token = \"short\"", "join_token"),
+])
+def test_bad_node_config_is_refused_naming_the_key(tmp_path, line, key):
+    path = write(tmp_path, f'coordinator = "http://c:8000"\n{line}\n')
+    with pytest.raises(NodeConfigError, match=rf"node.toml: .*'?{key}'?"):
+        load_node_config(path)
+
+
+def test_node_config_needs_a_coordinator_and_a_url(tmp_path):
+    with pytest.raises(NodeConfigError, match="coordinator: required"):
+        load_node_config(write(tmp_path, "threads = 1\n"))
+    with pytest.raises(NodeConfigError, match="coordinator: must be an http"):
+        load_node_config(write(tmp_path, 'coordinator = "c:8000"\n'))
+    with pytest.raises(NodeConfigError, match="not valid TOML"):
+        load_node_config(write(tmp_path, "coordinator = \n"))
+
+
+def test_flags_override_the_file_and_are_checked_too(tmp_path):
+    path = write(tmp_path, 'coordinator = "http://c:8000"\nthreads = 4\nclient_mode = true\n'
+                           'key_path = "~/k.key"\ndevice = "cpu"\n')
+    config = load_node_config(path, {"threads": 1, "client_mode": False, "max_rounds": None})
+    assert (config.threads, config.client_mode, config.max_rounds) == (1, False, None)
+    assert config.key_path == Path.home() / "k.key" and config.coordinator == "http://c:8000"
+    with pytest.raises(NodeConfigError, match="fetch_timeout_s"):
+        load_node_config(path, {"fetch_timeout_s": -1.0})
+    printed = json.loads(format_node_config(
+        load_node_config(path, {"join_token": "secret-token"})).removeprefix("node config: "))
+    assert printed["join_token"] == "<hidden>" and printed["threads"] == 4
+
+
+def test_node_join_flags_reach_the_config(tmp_path):
+    path = write(tmp_path, 'coordinator = "http://c:8000"\nprogress = true\n')
+    args = parses(["node", "join", "--config", str(path), "--no-progress", "--fetch-timeout", "5",
+                   "--auto-relay", "--run", "r1", "--key", str(tmp_path / "k")])
+    from node.node_cli import JOIN_CONFIG_FLAGS
+
+    assert set(JOIN_CONFIG_FLAGS) <= {f.name for f in dataclasses.fields(NodeConfig)}
+    config = load_node_config(path, {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})
+    assert (config.progress, config.fetch_timeout_s, config.use_auto_relay, config.run_id) == (False, 5.0, True, "r1")
+
+
+def test_node_join_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
+    path = write(tmp_path, 'coordinator = "http://c:8000"\nthreds = 2\n')
+    assert main(["node", "join", "--config", str(path)]) == 2
+    assert "unknown key 'threds'" in capsys.readouterr().err
+
+
+# -- doctor ----------------------------------------------------------------------------------------
+
+
+def test_doctor_runs_and_prints_its_checks(tmp_path):
+    closed_port = _free_port()  # nothing listens there: the coordinator check must FAIL
+    result = subprocess.run(
+        [sys.executable, "-m", "node.cli", "doctor", "--coordinator", f"http://127.0.0.1:{closed_port}",
+         "--key", str(tmp_path / "keys" / "peer.key"), "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    lines = result.stdout.splitlines()
+    status = {line.split()[1]: line.split()[0] for line in lines if line.split()[0] in ("OK", "WARN", "FAIL")}
+    assert set(status) == {"python", "torch", "device", "libp2p", "coordinator", "reachability", "disk", "key"}, \
+        result.stdout + result.stderr
+    assert status["libp2p"] == "OK" and status["python"] == "OK" and status["key"] == "OK"
+    assert status["coordinator"] == "FAIL" and result.returncode == 1
+    assert "->" in next(line for line in lines if " coordinator " in line), "a FAIL says what to fix"
+    assert not (tmp_path / "keys").exists(), "the doctor creates nothing"
+
+
+def test_doctor_coordinator_check_reads_healthz_and_runs():
+    from node.doctor import OK, WARN, check_coordinator
+
+    runs = {"runs": []}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "ok"} if self.path == "/healthz" else runs).encode()
+            self.send_response(200 if self.path in ("/healthz", "/v1/runs") else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert check_coordinator(url).status == WARN  # healthy, but no open run
+        runs["runs"] = [{"run_id": "r1", "name": "demo", "state": "running"}]
+        checked = check_coordinator(url)
+        assert checked.status == OK and "r1 (demo)" in checked.detail
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_doctor_reachability():
+    from node.doctor import OK, WARN, check_reachability
+
+    loopback = load_node_config(None, {"coordinator": "http://c:1", "device": "cpu"})
+    assert check_reachability(loopback).status == WARN
+    public = load_node_config(None, {"coordinator": "http://c:1", "device": "cpu",
+                                     "announce_maddrs": ("/ip4/8.8.8.8/tcp/31337",)})
+    assert check_reachability(public).status == OK
+    client = load_node_config(None, {"coordinator": "http://c:1", "device": "cpu", "client_mode": True})
+    assert check_reachability(client).status == OK
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
