@@ -112,9 +112,8 @@ def scatter_mean(
     """
     layout = selections[0].layout
     total = torch.zeros(layout.num_chunks * layout.chunk_len, dtype=dtype, device=device)
-    count = torch.zeros_like(total)
-    ones = torch.ones(layout.num_selected, dtype=dtype, device=device)
     row_offsets = torch.arange(0, total.numel(), layout.chunk_len, device=device).unsqueeze(1)
+    indices = []
     for i, sparse in enumerate(selections):
         if sparse.layout != layout:
             raise ValueError("selections have different layouts")
@@ -123,9 +122,10 @@ def scatter_mean(
         if peer_scales is not None:
             values = values * peer_scales[i]
         total.index_put_((index,), values, accumulate=True)
-        count.index_put_((index,), ones, accumulate=True)
+        indices.append(index)
     if divide_by_peers:
         mean = total.div_(max(1, len(selections)))
-    else:  # where nobody sent a coordinate, total is 0 and stays 0
-        mean = total.div_(count.clamp_min_(1))
+    else:  # counts are integers (exact on any device); where nobody sent a coordinate, 0 / 1 = 0
+        count = torch.bincount(torch.cat(indices), minlength=total.numel())
+        mean = total.div_(count.clamp_min_(1).to(dtype))
     return from_chunks(mean.view(layout.num_chunks, layout.chunk_len), layout)
