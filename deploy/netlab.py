@@ -25,262 +25,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import select
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from deploy.netlab_report import format_table, summarize
-
-LAB_PREFIX = "lsnl-"
-STALE_NAME = re.compile(rf"^{LAB_PREFIX}(\d+)[.-]")
-TBF_LATENCY_MS = 100  # queue depth of the shaper, in time at the link rate
-TBF_MIN_BURST_BYTES = 15_000  # about ten MTU-sized packets
-PROBE_SECONDS = 0.5  # the link probe sends this long's worth of bytes at the nominal rate
-REPO_ROOT = Path(__file__).resolve().parent.parent
-_lab_counter = 0
-
-
-class LabError(RuntimeError):
-    """The lab could not be built, or the swarm in it failed; the message says which and where."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LinkSpec:
-    """One host's access link; every host gets the same."""
-
-    rate_mbps: float  # both directions, tbf; 0 = unshaped
-    delay_ms: float = 0.0  # one-way, added on the host's egress (netem, where the kernel has it)
-    loss_pct: float = 0.0  # on the host's egress (netem)
-
-
-@dataclass(frozen=True, slots=True)
-class Host:
-    namespace: str
-    ip: str
-
-
-def _run(args: list[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
-    if result.returncode != 0:
-        raise LabError(f"`{' '.join(args)}` failed: {(result.stderr or result.stdout).strip()}")
-    return result
-
-
-def lab_available() -> tuple[bool, str]:
-    """Whether this machine can build a lab (root, iproute2, network namespaces), and if not, why."""
-    if os.geteuid() != 0:
-        return False, "the network lab needs root (network namespaces, veth pairs, tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return False, "the network lab needs iproute2 (`ip` and `tc`)"
-    probe = f"{LAB_PREFIX}{os.getpid()}-probe"
-    try:
-        _run(["ip", "netns", "add", probe])
-    except LabError as e:
-        return False, f"`ip netns` does not work here: {e}"
-    try:
-        _run(["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"])
-    except LabError as e:
-        return False, f"veth pairs cannot be created here: {e}"
-    finally:
-        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
-    return True, "ok"
-
-
-def lab_namespaces(prefix: str = LAB_PREFIX) -> list[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.startswith(prefix)]
-
-
-def cleanup_stale() -> list[str]:
-    """Delete lab namespaces whose creating process is gone; return their names."""
-    removed = []
-    for name in lab_namespaces():
-        match = STALE_NAME.match(name)
-        if match and not Path(f"/proc/{match.group(1)}").exists():
-            _kill_namespace_processes(name)
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
-            removed.append(name)
-    return removed
-
-
-def _kill_namespace_processes(namespace: str, grace_s: float = 3.0) -> list[int]:
-    """End the processes still inside one of the lab's namespaces (all descend from the lab's)."""
-    def pids() -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
-
-    found = pids()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while pids() and time.monotonic() < deadline:
-            time.sleep(0.1)
-    return found
-
-
-class Topology:
-    """The lab's namespaces, bridge, veth pairs and shapers; `up()` builds, `down()` removes."""
-
-    def __init__(self, num_hosts: int, link: LinkSpec):
-        global _lab_counter
-        tag = str(os.getpid()) if _lab_counter == 0 else f"{os.getpid()}.{_lab_counter}"
-        _lab_counter += 1
-        self.prefix = f"{LAB_PREFIX}{tag}-"
-        self.link = link
-        self.subnet = f"10.213.{os.getpid() % 250 + 1}"
-        self.bridge_ns = f"{self.prefix}br"
-        self.hosts = [Host(f"{self.prefix}h{i}", f"{self.subnet}.{i + 1}") for i in range(num_hosts)]
-        self.created: list[str] = []  # namespaces this object made, in order
-        self.delay_requested = link.delay_ms > 0 or link.loss_pct > 0
-        self.delay_applied = False  # set by up() once netem is in place
-        self.delay_reason: str | None = None if self.delay_requested else "no delay or loss requested"
-
-    def exec_args(self, host: int) -> list[str]:
-        return ["ip", "netns", "exec", self.hosts[host].namespace]
-
-    def up(self) -> None:
-        taken = set(lab_namespaces(self.prefix))
-        if taken:
-            raise LabError(f"namespaces {sorted(taken)} already exist; run with --cleanup-stale")
-        self._add_namespace(self.bridge_ns)
-        _run(["ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge"])
-        _run(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])
-        for i, host in enumerate(self.hosts):
-            self._add_namespace(host.namespace)
-            # The pair is made inside the bridge namespace with its far end placed straight into the
-            # host's, so neither end ever appears in the root namespace.
-            _run(["ip", "-n", self.bridge_ns, "link", "add", f"h{i}", "type", "veth",
-                  "peer", "name", "eth0", "netns", host.namespace])
-            _run(["ip", "-n", self.bridge_ns, "link", "set", f"h{i}", "master", "br0"])
-            _run(["ip", "-n", self.bridge_ns, "link", "set", f"h{i}", "up"])
-            _run(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
-            _run(["ip", "-n", host.namespace, "link", "set", "eth0", "up"])
-        if self.link.rate_mbps > 0 or self.delay_requested:
-            self._shape_all()
-
-    def _add_namespace(self, name: str) -> None:
-        _run(["ip", "netns", "add", name])
-        self.created.append(name)
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-
-    def _shape_all(self) -> None:
-        use_netem = False
-        if self.delay_requested:
-            use_netem = self._try_netem(self.hosts[0].namespace)
-        for i, host in enumerate(self.hosts):
-            if use_netem and i > 0:
-                self._netem(host.namespace)
-            if self.link.rate_mbps > 0:
-                parent = ["parent", "1:1", "handle", "10:"] if use_netem else ["root", "handle", "1:"]
-                _run(["tc", "-n", host.namespace, "qdisc", "add", "dev", "eth0", *parent, *self._tbf()])
-                _run(["tc", "-n", self.bridge_ns, "qdisc", "add", "dev", f"h{i}", "root", "handle", "1:",
-                      *self._tbf()])
-
-    def _tbf(self) -> list[str]:
-        rate_bytes_per_s = self.link.rate_mbps * 1e6 / 8
-        burst_bytes = max(TBF_MIN_BURST_BYTES, int(rate_bytes_per_s * 0.005))
-        return ["tbf", "rate", f"{self.link.rate_mbps * 1000:.0f}kbit", "burst", str(burst_bytes),
-                "latency", f"{TBF_LATENCY_MS}ms"]
-
-    def _netem(self, namespace: str) -> None:
-        args = ["limit", "100000"]
-        if self.link.delay_ms > 0:
-            args += ["delay", f"{self.link.delay_ms}ms"]
-        if self.link.loss_pct > 0:
-            args += ["loss", f"{self.link.loss_pct}%"]
-        _run(["tc", "-n", namespace, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem", *args])
-
-    def _try_netem(self, namespace: str) -> bool:
-        try:
-            self._netem(namespace)
-        except LabError as e:
-            self.delay_reason = (f"This kernel has no netem qdisc (sch_netem); delay and loss need it. {e}"
-                                 if "unknown" in str(e) else f"netem could not be set up: {e}")
-            return False
-        self.delay_applied = True
-        return True
-
-    def interface_bytes(self) -> list[dict[str, int]]:
-        """Bytes received and sent so far by each host's eth0 (IP and TCP headers included)."""
-        counts = []
-        for host in self.hosts:
-            out = _run(["ip", "-j", "-s", "-n", host.namespace, "link", "show", "dev", "eth0"]).stdout
-            stats = json.loads(out)[0]["stats64"]
-            counts.append({"rx_bytes": stats["rx"]["bytes"], "tx_bytes": stats["tx"]["bytes"]})
-        return counts
-
-    def down(self) -> list[str]:
-        """Remove every namespace this lab made (their veths and the bridge go with them); return errors."""
-        errors = []
-        for name in reversed(self.created):
-            killed = _kill_namespace_processes(name)
-            if killed:
-                errors.append(f"{name}: ended leftover processes {killed}")
-            result = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
-            if result.returncode != 0:
-                errors.append(f"{name}: {result.stderr.strip()}")
-        self.created.clear()
-        return errors
-
-    def probe_rate(self, sender: int, receiver: int) -> dict:
-        """TCP throughput from one host to another through both hosts' shapers."""
-        num_bytes = max(1 << 18, int(self.link.rate_mbps * 1e6 / 8 * PROBE_SECONDS)) if self.link.rate_mbps else 8 << 20
-        helper = [sys.executable, "-m", "deploy.netlab_helpers"]
-        sink = subprocess.Popen([*self.exec_args(receiver), *helper, "sink", self.hosts[receiver].ip],
-                                stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-        try:
-            port = _read_line(sink.stdout, 30.0, "port ").split()[1]
-            _run([*self.exec_args(sender), *helper, "source", self.hosts[receiver].ip, port, str(num_bytes)],
-                 timeout_s=60 + 10 * num_bytes * 8 / max(1e6, self.link.rate_mbps * 1e6))
-            result = json.loads(sink.communicate(timeout=30)[0].strip().splitlines()[-1])
-        finally:
-            if sink.poll() is None:
-                sink.kill()
-                sink.wait()
-        mbps = result["bytes"] * 8 / result["seconds"] / 1e6 if result["seconds"] > 0 else None
-        return {"bytes": result["bytes"], "seconds": result["seconds"], "mbps": mbps,
-                "ratio_to_rate": mbps / self.link.rate_mbps if mbps and self.link.rate_mbps else None}
-
-
-def _read_line(stream, timeout_s: float, prefix: str) -> str:
-    """The first line of a child's stdout that starts with `prefix`, waiting at most `timeout_s`.
-
-    Reads the raw descriptor (a buffered reader could hold the line while select() says "nothing
-    to read"); what follows the line in the same read is dropped.
-    """
-    fd, pending = stream.fileno(), b""
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        if not select.select([fd], [], [], left)[0]:
-            break
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            raise LabError(f"the process exited before printing {prefix!r}")
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if line.decode(errors="replace").startswith(prefix):
-                return line.decode(errors="replace").strip()
-    raise LabError(f"no {prefix!r} line within {timeout_s:.0f} s")
+from deploy.netlab_topology import (REPO_ROOT, LabError, LinkSpec, Topology, cleanup_stale, lab_available,
+                                    read_line)
 
 
 class LabSwarm:
     """A coordinator in host 0 and one node in each other host, as child processes this object owns."""
 
     def __init__(self, topology: Topology, workdir: Path, *, rounds: int, preset: str, inner_steps: int,
-                 top_k: int, batch_size: int, seq_len: int, overlap: bool, say):
+                 top_k: int, batch_size: int, seq_len: int, overlap: bool, say,
+                 linger_s: float = 30.0):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
         self.run_options = {"preset": preset, "inner_steps": inner_steps, "top_k": top_k,
                             "batch_size": batch_size, "seq_len": seq_len}
@@ -290,6 +53,8 @@ class LabSwarm:
         self.coordinator: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
         self.url = self.run_id = ""
+        self.linger_s = linger_s  # how long nodes may run on after the last round closed
+        self.stragglers: list[dict] = []
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
@@ -308,7 +73,7 @@ class LabSwarm:
                                            f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", h0.ip,
                                            "--port", "0"], "coordinator.log", stdout=subprocess.PIPE)
         stdout = self.coordinator.stdout
-        self.url = _read_line(stdout, timeout_s, "coordinator listening on ").split()[-1]
+        self.url = read_line(stdout, timeout_s, "coordinator listening on ").split()[-1]
 
         def drain() -> None:  # keep the pipe from filling once nobody waits on it
             with open(self.workdir / "coordinator.out", "ab") as out:
@@ -357,8 +122,9 @@ class LabSwarm:
         return self.http("GET", f"/v1/runs/{self.run_id}/status")
 
     def _check_nodes(self) -> None:
+        stopped = {s["host"] for s in self.stragglers}
         for host, node in enumerate(self.nodes, start=1):
-            if node.poll() not in (None, 0):
+            if node.poll() not in (None, 0) and f"h{host}" not in stopped:
                 raise LabError(f"node in h{host} exited with {node.returncode}; see {self.workdir / f'node{host}.log'}")
 
     def run(self, timeout_s: float) -> tuple[list[dict], dict]:
@@ -376,38 +142,66 @@ class LabSwarm:
             time.sleep(0.5)
         for host in range(2, self.num_peers + 1):
             self.start_node(host)
-        last_line, next_poll = "", 0.0
+        last_line, next_poll, finished_at = "", 0.0, None
         while any(node.poll() is None for node in self.nodes):
             self._check_nodes()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise LabError(f"the swarm did not finish {self.rounds} rounds in {timeout_s:.0f} s; logs in {self.workdir}")
-            if time.monotonic() >= next_poll:
-                line = _progress_line(self.status())
+            if finished_at is not None and now - finished_at > self.linger_s:
+                self._stop_stragglers(now - finished_at)
+                break
+            if now >= next_poll:
+                status = self.status()
+                if finished_at is None and status["run"]["state"] != "running" and status["history"]:
+                    finished_at = now
+                line = _progress_line(status)
                 if line != last_line:
                     self.say(line)
                     last_line = line
-                next_poll = time.monotonic() + 2.0
+                next_poll = now + 2.0
             time.sleep(0.2)
         self._check_nodes()
-        reports = [json.loads(self.report_path(h).read_text()) for h in range(1, self.num_peers + 1)]
+        reports = []
+        for host in range(1, self.num_peers + 1):
+            path = self.report_path(host)
+            reports.append(json.loads(path.read_text()) if path.exists() else {"peer_id": None, "rounds": []})
         return reports, self.status()
 
+    def _stop_stragglers(self, since_s: float) -> None:
+        """Nodes still running well after the run's last round closed: record them and stop them.
+
+        A node that is still fetching the last round's packets when every holder has left cannot
+        finish it (see deploy/netlab.md); it writes its report on SIGINT with the rounds it did.
+        """
+        running = [(host, node) for host, node in enumerate(self.nodes, start=1) if node.poll() is None]
+        for host, _ in running:
+            self.stragglers.append({"host": f"h{host}", "reason": f"still running {since_s:.0f} s after the run "
+                                                                   f"finished; stopped with SIGINT"})
+        self.say(f"the run finished {since_s:.0f} s ago; stopping nodes still running: "
+                 + ", ".join(f"h{host}" for host, _ in running))
+        _stop_processes([node for _, node in running], grace_s=15.0)
+
     def stop(self, grace_s: float = 15.0) -> None:
-        children = [p for p in self.nodes if p.poll() is None]
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            children.append(self.coordinator)
-        for p in children:
-            p.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + grace_s
-        for p in children:
+        """Stop every process this swarm started that still runs (nodes first, then the coordinator)."""
+        _stop_processes([*self.nodes, *([self.coordinator] if self.coordinator else [])], grace_s)
+
+
+def _stop_processes(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGINT each running process, then SIGKILL its session (it and its children) after the grace."""
+    running = [p for p in processes if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)  # its own session: the node and its p2pd child
-                except ProcessLookupError:
-                    pass
-                p.wait()
+                os.killpg(p.pid, signal.SIGKILL)  # each runs in its own session: the node and its p2pd child
+            except ProcessLookupError:
+                pass
+            p.wait()
 
 
 def _progress_line(status: dict) -> str:
@@ -442,7 +236,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     topology = Topology(args.peers + 1, link)
     swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
                      top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
-                     overlap=args.overlap and overlap_ok, say=say)
+                     overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger)
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
     teardown_errors: list[str] = []
@@ -461,8 +255,9 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         node_rx = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(bytes_after[1:], bytes_before[1:])]
         result["summary"]["interface_rx_bytes_per_peer_round"] = sum(node_rx) / len(node_rx) / args.rounds
         result |= {
-            "completed": len(result["per_round"]) == args.rounds
+            "completed": len(result["per_round"]) == args.rounds and not swarm.stragglers
             and all(row["num_peers"] == args.peers for row in result["per_round"]),
+            "stragglers": swarm.stragglers,
             "link_check": link_check,
             "interface_bytes": [{"host": h.namespace.removeprefix(topology.prefix),
                                  "rx_bytes": a["rx_bytes"] - b["rx_bytes"], "tx_bytes": a["tx_bytes"] - b["tx_bytes"]}
@@ -485,7 +280,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         "link": {"rate_mbps": link.rate_mbps, "delay_ms": link.delay_ms, "loss_pct": link.loss_pct,
                  "delay_applied": topology.delay_applied, "delay_reason": topology.delay_reason,
                  "shaping": "tbf on each host's egress and on the bridge-side veth (the host's ingress)"},
-        "overlap": {"requested": args.overlap, "applied": args.overlap and overlap_ok, "reason": overlap_reason},
+        "overlap": {"requested": args.overlap, "in_run_config": args.overlap and overlap_ok, "reason": overlap_reason},
         "run_id": swarm.run_id, "elapsed_s": time.monotonic() - started, "teardown_errors": teardown_errors,
     }
 
@@ -504,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--overlap", action="store_true", help="run option overlap=true (one-round-delayed outer step)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole swarm run")
+    parser.add_argument("--linger", type=float, default=30.0,
+                        help="seconds nodes may run on after the last round closed before the lab stops them")
     parser.add_argument("--workdir", default=None, help="database, logs and reports here (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     parser.add_argument("--cleanup-stale", action="store_true",
@@ -547,8 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         delay = (f"{link['delay_ms']:g} ms one-way, {link['loss_pct']:g} % loss" if link["delay_applied"]
                  else "no delay or loss" if not (link["delay_ms"] or link["loss_pct"])
                  else f"delay/loss NOT applied ({link['delay_reason']})")
+        for straggler in result["stragglers"]:
+            print(f"INCOMPLETE: {straggler['host']} {straggler['reason']}")
         print(f"\n{args.peers} peers, {link['rate_mbps']:g} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps), "
-              f"{delay}; overlap {'on' if result['overlap']['applied'] else 'off'}; logs in {result['workdir']}")
+              f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}; logs in {result['workdir']}")
     return 0 if result["completed"] and result["summary"]["digests_agree_every_round"] else 1
 
 

@@ -1,0 +1,264 @@
+"""The network lab's hosts: Linux network namespaces on a bridge, links shaped by tc.
+
+    topology = Topology(num_hosts=4, link=LinkSpec(rate_mbps=100, delay_ms=20))
+    topology.up()                       # namespaces lsnl-<pid>-h0..h3 and lsnl-<pid>-br
+    subprocess.run([*topology.exec_args(1), "python", ...])   # a program on host h1
+    topology.probe_rate(sender=1, receiver=2)                 # measured TCP rate, Mbps
+    topology.down()                     # removes exactly what up() made
+
+Each veth pair is made inside the bridge's namespace with its far end placed straight into the
+host's, so nothing appears in the root namespace and the hosts' addresses (10.213.X.0/24) exist
+only in the lab. Rate: tbf on the host's eth0 (its upload) and on the bridge-side veth (its
+download). Delay and loss: netem as the root of the host's eth0 with the tbf under it, where the
+kernel has netem; otherwise `delay_applied` stays False and `delay_reason` says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LAB_PREFIX = "lsnl-"
+STALE_NAME = re.compile(rf"^{LAB_PREFIX}(\d+)[.-]")
+TBF_LATENCY_MS = 100  # queue depth of the shaper, in time at the link rate
+TBF_MIN_BURST_BYTES = 15_000  # about ten MTU-sized packets
+PROBE_SECONDS = 0.5  # the link probe sends this long's worth of bytes at the nominal rate
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_lab_counter = 0
+
+
+class LabError(RuntimeError):
+    """The lab could not be built, or the swarm in it failed; the message says which and where."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    """One host's access link; every host gets the same."""
+
+    rate_mbps: float  # both directions, tbf; 0 = unshaped
+    delay_ms: float = 0.0  # one-way, added on the host's egress (netem, where the kernel has it)
+    loss_pct: float = 0.0  # on the host's egress (netem)
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    namespace: str
+    ip: str
+
+
+def _run(args: list[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+    if result.returncode != 0:
+        raise LabError(f"`{' '.join(args)}` failed: {(result.stderr or result.stdout).strip()}")
+    return result
+
+
+def lab_available() -> tuple[bool, str]:
+    """Whether this machine can build a lab (root, iproute2, network namespaces), and if not, why."""
+    if os.geteuid() != 0:
+        return False, "the network lab needs root (network namespaces, veth pairs, tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False, "the network lab needs iproute2 (`ip` and `tc`)"
+    probe = f"{LAB_PREFIX}{os.getpid()}-probe"
+    try:
+        _run(["ip", "netns", "add", probe])
+    except LabError as e:
+        return False, f"`ip netns` does not work here: {e}"
+    try:
+        _run(["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"])
+    except LabError as e:
+        return False, f"veth pairs cannot be created here: {e}"
+    finally:
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return True, "ok"
+
+
+def lab_namespaces(prefix: str = LAB_PREFIX) -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(prefix)]
+
+
+def cleanup_stale() -> list[str]:
+    """Delete lab namespaces whose creating process is gone; return their names."""
+    removed = []
+    for name in lab_namespaces():
+        match = STALE_NAME.match(name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            _kill_namespace_processes(name)
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+            removed.append(name)
+    return removed
+
+
+def _kill_namespace_processes(namespace: str, grace_s: float = 3.0) -> list[int]:
+    """End the processes still inside one of the lab's namespaces (all descend from the lab's)."""
+    def pids() -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+
+    found = pids()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return found
+
+
+class Topology:
+    """The lab's namespaces, bridge, veth pairs and shapers; `up()` builds, `down()` removes."""
+
+    def __init__(self, num_hosts: int, link: LinkSpec):
+        global _lab_counter
+        tag = str(os.getpid()) if _lab_counter == 0 else f"{os.getpid()}.{_lab_counter}"
+        _lab_counter += 1
+        self.prefix = f"{LAB_PREFIX}{tag}-"
+        self.link = link
+        self.subnet = f"10.213.{os.getpid() % 250 + 1}"
+        self.bridge_ns = f"{self.prefix}br"
+        self.hosts = [Host(f"{self.prefix}h{i}", f"{self.subnet}.{i + 1}") for i in range(num_hosts)]
+        self.created: list[str] = []  # namespaces this object made, in order
+        self.delay_requested = link.delay_ms > 0 or link.loss_pct > 0
+        self.delay_applied = False  # set by up() once netem is in place
+        self.delay_reason: str | None = None if self.delay_requested else "no delay or loss requested"
+
+    def exec_args(self, host: int) -> list[str]:
+        return ["ip", "netns", "exec", self.hosts[host].namespace]
+
+    def up(self) -> None:
+        taken = set(lab_namespaces(self.prefix))
+        if taken:
+            raise LabError(f"namespaces {sorted(taken)} already exist; run with --cleanup-stale")
+        self._add_namespace(self.bridge_ns)
+        _run(["ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])
+        for i, host in enumerate(self.hosts):
+            self._add_namespace(host.namespace)
+            # The pair is made inside the bridge namespace with its far end placed straight into the
+            # host's, so neither end ever appears in the root namespace.
+            _run(["ip", "-n", self.bridge_ns, "link", "add", f"h{i}", "type", "veth",
+                  "peer", "name", "eth0", "netns", host.namespace])
+            _run(["ip", "-n", self.bridge_ns, "link", "set", f"h{i}", "master", "br0"])
+            _run(["ip", "-n", self.bridge_ns, "link", "set", f"h{i}", "up"])
+            _run(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
+            _run(["ip", "-n", host.namespace, "link", "set", "eth0", "up"])
+        if self.link.rate_mbps > 0 or self.delay_requested:
+            self._shape_all()
+
+    def _add_namespace(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self.created.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def _shape_all(self) -> None:
+        use_netem = False
+        if self.delay_requested:
+            use_netem = self._try_netem(self.hosts[0].namespace)
+        for i, host in enumerate(self.hosts):
+            if use_netem and i > 0:
+                self._netem(host.namespace)
+            if self.link.rate_mbps > 0:
+                parent = ["parent", "1:1", "handle", "10:"] if use_netem else ["root", "handle", "1:"]
+                _run(["tc", "-n", host.namespace, "qdisc", "add", "dev", "eth0", *parent, *self._tbf()])
+                _run(["tc", "-n", self.bridge_ns, "qdisc", "add", "dev", f"h{i}", "root", "handle", "1:",
+                      *self._tbf()])
+
+    def _tbf(self) -> list[str]:
+        rate_bytes_per_s = self.link.rate_mbps * 1e6 / 8
+        burst_bytes = max(TBF_MIN_BURST_BYTES, int(rate_bytes_per_s * 0.005))
+        return ["tbf", "rate", f"{self.link.rate_mbps * 1000:.0f}kbit", "burst", str(burst_bytes),
+                "latency", f"{TBF_LATENCY_MS}ms"]
+
+    def _netem(self, namespace: str) -> None:
+        args = ["limit", "100000"]
+        if self.link.delay_ms > 0:
+            args += ["delay", f"{self.link.delay_ms}ms"]
+        if self.link.loss_pct > 0:
+            args += ["loss", f"{self.link.loss_pct}%"]
+        _run(["tc", "-n", namespace, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem", *args])
+
+    def _try_netem(self, namespace: str) -> bool:
+        try:
+            self._netem(namespace)
+        except LabError as e:
+            self.delay_reason = (f"This kernel has no netem qdisc (sch_netem); delay and loss need it. {e}"
+                                 if "unknown" in str(e) else f"netem could not be set up: {e}")
+            return False
+        self.delay_applied = True
+        return True
+
+    def interface_bytes(self) -> list[dict[str, int]]:
+        """Bytes received and sent so far by each host's eth0 (IP and TCP headers included)."""
+        counts = []
+        for host in self.hosts:
+            out = _run(["ip", "-j", "-s", "-n", host.namespace, "link", "show", "dev", "eth0"]).stdout
+            stats = json.loads(out)[0]["stats64"]
+            counts.append({"rx_bytes": stats["rx"]["bytes"], "tx_bytes": stats["tx"]["bytes"]})
+        return counts
+
+    def down(self) -> list[str]:
+        """Remove every namespace this lab made (their veths and the bridge go with them); return errors."""
+        errors = []
+        for name in reversed(self.created):
+            killed = _kill_namespace_processes(name)
+            if killed:
+                errors.append(f"{name}: ended leftover processes {killed}")
+            result = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
+            if result.returncode != 0:
+                errors.append(f"{name}: {result.stderr.strip()}")
+        self.created.clear()
+        return errors
+
+    def probe_rate(self, sender: int, receiver: int) -> dict:
+        """TCP throughput from one host to another through both hosts' shapers."""
+        num_bytes = max(1 << 18, int(self.link.rate_mbps * 1e6 / 8 * PROBE_SECONDS)) if self.link.rate_mbps else 8 << 20
+        helper = [sys.executable, "-m", "deploy.netlab_helpers"]
+        sink = subprocess.Popen([*self.exec_args(receiver), *helper, "sink", self.hosts[receiver].ip],
+                                stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        try:
+            port = read_line(sink.stdout, 30.0, "port ").split()[1]
+            _run([*self.exec_args(sender), *helper, "source", self.hosts[receiver].ip, port, str(num_bytes)],
+                 timeout_s=60 + 10 * num_bytes * 8 / max(1e6, self.link.rate_mbps * 1e6))
+            result = json.loads(sink.communicate(timeout=30)[0].strip().splitlines()[-1])
+        finally:
+            if sink.poll() is None:
+                sink.kill()
+                sink.wait()
+        mbps = result["bytes"] * 8 / result["seconds"] / 1e6 if result["seconds"] > 0 else None
+        return {"bytes": result["bytes"], "seconds": result["seconds"], "mbps": mbps,
+                "ratio_to_rate": mbps / self.link.rate_mbps if mbps and self.link.rate_mbps else None}
+
+
+def read_line(stream, timeout_s: float, prefix: str) -> str:
+    """The first line of a child's stdout that starts with `prefix`, waiting at most `timeout_s`.
+
+    Reads the raw descriptor (a buffered reader could hold the line while select() says "nothing
+    to read"); what follows the line in the same read is dropped.
+    """
+    fd, pending = stream.fileno(), b""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([fd], [], [], left)[0]:
+            break
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise LabError(f"the process exited before printing {prefix!r}")
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.decode(errors="replace").startswith(prefix):
+                return line.decode(errors="replace").strip()
+    raise LabError(f"no {prefix!r} line within {timeout_s:.0f} s")
