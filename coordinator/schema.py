@@ -84,6 +84,11 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "CREATE INDEX nonces_by_seen_at ON nonces (seen_at)",
         ),
     ),
+    (
+        2,
+        # Packets a peer left out of round r, as JSON {peer id: reason}; NULL: none.
+        ("ALTER TABLE applied ADD COLUMN refused TEXT",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -14,6 +14,7 @@ tools that share a `Storage` between threads.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sqlite3
 import threading
 import time
@@ -88,6 +89,7 @@ class AppliedRow:
     peer_id: str
     params_digest: str
     reported_at: float
+    refused: str | None = None  # JSON {peer id: reason} of the packets it left out
 
 
 @dataclass(slots=True)
@@ -336,12 +338,25 @@ class Storage:
 
     def upsert_applied(self, row: AppliedRow) -> None:
         self._exec(
-            "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, round, peer_id)"
+            "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, round, peer_id)"
             " DO UPDATE SET params_digest = excluded.params_digest,"
-            " reported_at = excluded.reported_at",
-            (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at),
+            " reported_at = excluded.reported_at, refused = excluded.refused",
+            (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused),
         )
+
+    def refusals(self, run_id: str, first_round: int, last_round: int) -> dict[int, dict[str, str]]:
+        """Per round, the packets peers left out: {peer id: reason}, the first reporter's reason."""
+        rows = self._rows(
+            "SELECT round, refused FROM applied WHERE run_id = ? AND round BETWEEN ? AND ?"
+            " AND refused IS NOT NULL ORDER BY round, reported_at, peer_id",
+            (run_id, first_round, last_round),
+        )
+        out: dict[int, dict[str, str]] = {}
+        for row in rows:
+            for peer_id, reason in json.loads(row["refused"]).items():
+                out.setdefault(int(row["round"]), {}).setdefault(peer_id, reason)
+        return out
 
     def list_applied(self, run_id: str, round_index: int) -> list[AppliedRow]:
         return self._many(

@@ -234,6 +234,7 @@ class Views:
         first, last = rounds[0].round, rounds[-1].round
         stats = self.storage.round_stats(run_id, first, last)
         applied = self.storage.applied_counts(run_id, first, last)
+        refusals = self.storage.refusals(run_id, first, last)
         history = []
         for round_row in rounds:
             assert round_row.closed_at is not None  # closed_rounds returns closed ones only
@@ -248,6 +249,7 @@ class Views:
                     mean_loss=stat.mean_loss if stat else None,
                     majority_digest=round_row.majority_digest,
                     num_applied=applied.get(round_row.round, 0),
+                    refused=refusals.get(round_row.round, {}),
                 )
             )
         return history

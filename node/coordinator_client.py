@@ -109,8 +109,8 @@ class CoordinatorClient:
                                 signed=False)
         return RoundView.model_validate(data)
 
-    async def applied(self, round: int, params_digest: str) -> AppliedResponse:
-        request = AppliedRequest(params_digest=params_digest)
+    async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None) -> AppliedResponse:
+        request = AppliedRequest(params_digest=params_digest, refused=refused or {})
         return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
                                                                request))
 

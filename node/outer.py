@@ -118,6 +118,12 @@ class OuterStep:
         for name, p in self.params.items():
             yield name, self.local_start[name] - p.detach()
 
+    def _apply_nothing(self) -> None:
+        """A round with no usable packet (empty manifest, all refused): the global model stays, and
+        every peer's parameters go back to it. Leaving the locally trained ones would fork the peers."""
+        for name in self.params:
+            self._set_params(name, self.start[name].clone())
+
     def _set_params(self, name: str, new: torch.Tensor) -> None:
         if self.cfg.overlap:
             # Keep this peer's progress since its round start on top of the new global model.
@@ -167,6 +173,7 @@ class SparseLoCoOuter(OuterStep):
             decoded[peer_id] = packet.tensors
         result.accepted = sorted(decoded)
         if not decoded:
+            self._apply_nothing()
             return result
         scales = self._clip_scales(decoded) if self.cfg.clip_to_median_norm else None
         if scales:
@@ -231,6 +238,7 @@ class DiLoCoOuter(OuterStep):
             deltas[peer_id] = tensors
         result.accepted = sorted(deltas)
         if not deltas:
+            self._apply_nothing()
             return result
         mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
         for name, p in self.params.items():

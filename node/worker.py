@@ -28,7 +28,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from node.faults import FaultInjector, Phase
+
 log = logging.getLogger("locoswarm.node")
+
+MAX_REFUSED = 64  # refused packets reported per round (AppliedRequest's bound)
+MAX_REASON_CHARS = 256
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +54,7 @@ class NodeConfig:
     fetch_timeout_s: float = 60.0  # per round, for the manifest's packets
     checkpoint_dir: Path | None = None  # save parameters and state here after every round
     progress: bool = True  # a progress bar for the inner steps on stderr
+    inject: tuple[str, ...] = ()  # faults to inject, for tests and demos (node/faults.py): "crash@round=3"
 
 
 @dataclass(slots=True)
@@ -96,6 +102,7 @@ class Node:
 
     def __init__(self, config: NodeConfig):
         self.config = config
+        self.faults = FaultInjector.parse(config.inject)  # no-ops unless --inject armed a fault
         self.reports: list[RoundReport] = []
         self._stopping = asyncio.Event()
         self._state, self._round, self._last_loss = "joining", 0, None
@@ -125,15 +132,19 @@ class Node:
                 status = await client._call("GET", f"/runs/{run_id}/status", signed=False)
                 bootstrap = tuple(m for peer in status["peers"] if peer["status"] == "live"
                                   for m in peer["listen_multiaddrs"])[:16]
-            exchange = await P2PExchange.create(ExchangeConfig(
+            if self.faults:
+                log.warning("fault injection armed: %s", self.faults.describe())
+            exchange = await self.faults.exchange_class(P2PExchange).create(ExchangeConfig(
                 run_id=run_id, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
                 initial_peers=bootstrap, client_mode=cfg.client_mode, use_auto_relay=cfg.use_auto_relay,
                 max_packet_bytes=run_info["config"]["max_packet_bytes"],
             ))
             reach = await exchange.reachability_check()
             log.info("reachability: %s", reach.advice if hasattr(reach, "advice") else reach)
-            joined = await client.join(run_id, join_token=cfg.join_token, device=_device_name(cfg.device),
-                                       multiaddrs=exchange.visible_maddrs)
+            # Kept for rejoining: a node the coordinator dropped (paused, partitioned) joins again.
+            self._join = lambda: client.join(run_id, join_token=cfg.join_token, device=_device_name(cfg.device),
+                                             multiaddrs=exchange.visible_maddrs)
+            joined = await self._join()
             self.peer_id = joined.peer_id
             log.info("joined run %s as %s (index %d, shard %d/%d) at round %d", run_id, joined.peer_id,
                      joined.peer_index, joined.data_shard, joined.num_shards, joined.current_round)
@@ -141,6 +152,8 @@ class Node:
             heartbeat = asyncio.create_task(self._heartbeats(client, joined.heartbeat_interval_s))
             try:
                 await self._loop(client, exchange, joined, key)
+                if self.reports and not self._stopping.is_set():
+                    await self._linger(client, self.reports[-1].round)
             finally:
                 heartbeat.cancel()
             try:
@@ -152,6 +165,28 @@ class Node:
                 await exchange.shutdown()
             await client.close()
         return self.reports
+
+    async def _linger(self, client, round: int) -> None:
+        """Keep serving until every live peer applied our last round (at most fetch_timeout_s).
+
+        Leaving at once would take this node's packet with it while slower peers still fetch it;
+        when it is the only holder, nobody could apply the round.
+        """
+        from node.coordinator_client import CoordinatorError
+
+        self._state = "serving"
+        deadline = time.monotonic() + self.config.fetch_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                status = await client._call("GET", f"/runs/{client.run_id}/status", signed=False, retry_for_s=5.0)
+            except CoordinatorError:
+                return
+            num_live = sum(p["status"] == "live" for p in status["peers"])
+            num_applied = next((h["num_applied"] for h in status["history"] if h["round"] == round), 0)
+            if num_applied >= num_live:
+                return
+            await asyncio.sleep(0.5)
+        log.info("leaving with round %d applied by fewer than all live peers", round)
 
     async def _pick_run(self, client) -> str:
         runs = [r for r in (await client.runs()).runs if r.state in ("waiting", "running")]
@@ -182,7 +217,7 @@ class Node:
         self.outer = make_outer(flat_named_params(self.model), OuterConfig(
             strategy=run.strategy, outer_lr=run.outer_lr, outer_momentum=run.outer_momentum, nesterov=run.nesterov,
             top_k=run.top_k, chunk_size=run.chunk_size, error_decay=run.error_decay,
-            max_packet_bytes=run.max_packet_bytes))
+            clip_to_median_norm=run.clip_to_median_norm, max_packet_bytes=run.max_packet_bytes))
         self.corpus = load_corpus(self.config.data or run.data)
         self.shard = self.corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
 
@@ -192,9 +227,26 @@ class Node:
         while True:
             await asyncio.sleep(max(0.5, interval_s))
             try:
-                await client.heartbeat(self._round, self._state, train_loss=self._last_loss)
+                await self._signed(client.heartbeat, self._round, self._state, train_loss=self._last_loss)
             except CoordinatorError as e:
                 log.warning("heartbeat failed: %s", e)
+
+    async def _signed(self, call, *args, **kwargs):
+        """A signed coordinator call; if the coordinator dropped this node meanwhile, rejoin and retry once.
+
+        A node paused (SIGSTOP, a suspended laptop) or cut off past heartbeat_timeout_s is marked
+        gone; it keeps its id and shard when it rejoins, and the round loop catches up as usual.
+        """
+        from node.coordinator_client import Refused
+
+        try:
+            return await call(*args, **kwargs)
+        except Refused as e:
+            if e.code != "peer_gone":
+                raise
+            log.warning("the coordinator dropped this node (%s); rejoining", e.detail)
+            await self._join()
+            return await call(*args, **kwargs)
 
     async def _wait_open(self, client, round: int):
         delay_s = 0.1
@@ -322,6 +374,18 @@ class Node:
             return True
         return False
 
+    def _save_checkpoint(self, run_id: str, round: int) -> None:
+        """Parameters and state after applying `round`; a failure is logged and training goes on."""
+        from node.checkpoint import CheckpointError, save_checkpoint
+
+        try:
+            save_checkpoint(self.config.checkpoint_dir, round + 1, self.model, self.optimizer,
+                            getattr(self.outer, "error_buffers", None),
+                            {"run_id": run_id, "applied_round": round, "peer_id": self.peer_id},
+                            outer_momentum=getattr(self.outer, "momentum", None))
+        except CheckpointError as e:  # disk full, unwritable: the swarm does not need our copy to go on
+            log.error("round %d: checkpoint not saved, training goes on: %s", round, e)
+
     def _snapshot_bytes(self) -> bytes:
         from safetensors.torch import save
 
@@ -344,6 +408,7 @@ class Node:
         batches = self.shard.batches(self.inner.batch_size, self.inner.seq_len, self.run_config.seed, self.device,
                                      start_step=round * H)
         bar = self._progress_bar(round, H)
+        await self.faults.at_phase(Phase.TRAINING, round)
         result = await asyncio.to_thread(
             run_inner_steps, self.model, self.optimizer, batches, round * H, H, self.inner, self.device,
             (lambda step, loss, tps: bar.update(1) or bar.set_postfix_str(f"loss {loss:.3f} {tps:,.0f} tok/s"))
@@ -355,16 +420,19 @@ class Node:
 
         self._state = "encoding"
         start = time.perf_counter()
+        self.faults.tamper_update(round, self.outer)
         payload = await asyncio.to_thread(self.outer.make_payload, run_id=client.run_id, round=round,
                                           peer_id=self.peer_id, base_digest=base_digest, key=key)
+        payload = self.faults.tamper_packet(round, payload)
         digest = hashlib.sha256(payload).hexdigest()
         announcement = await exchange.publish(round, self.peer_id, payload)
         times.encode_s = time.perf_counter() - start
 
         self._state = "submitting"
         submitted = True
+        await self.faults.before_submit(round, client)
         try:
-            await client.submit(round, packet_digest=digest, packet_size_bytes=len(payload),
+            await self._signed(client.submit, round, packet_digest=digest, packet_size_bytes=len(payload),
                                 train_loss=result.mean_loss, compute_s=times.compute_s, encode_s=times.encode_s,
                                 multiaddrs=announcement.multiaddrs)
         except Refused as e:
@@ -395,6 +463,7 @@ class Node:
         hints = {e.peer_id: e.multiaddrs for e in view.manifest}
         payloads = await exchange.fetch(round, wanted, hints, timeout_s=self.config.fetch_timeout_s)
         times.transfer_s = time.perf_counter() - start
+        await self.faults.at_phase(Phase.TRANSFER, round, exchange=exchange, peer_id=self.peer_id)
         missing = sorted(set(wanted) - set(payloads))
         if missing:
             # Aggregating a subset would fork this peer from the swarm: catch up instead.
@@ -407,10 +476,14 @@ class Node:
         self._digest = param_digest(self.model)
         self.params_round = round + 1
         times.aggregate_s = time.perf_counter() - start
-        response = await client.applied(round, self._digest)
+        # What this node left out, and why, goes on the coordinator's status page.
+        refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
+        response = await self._signed(client.applied, round, self._digest, refused=refused)
         if not response.agrees:
             log.error("round %d: my digest %s disagrees with the majority %s", round, self._digest[:12],
                       response.majority_digest[:12])
+        if self.config.checkpoint_dir is not None:
+            await asyncio.to_thread(self._save_checkpoint, client.run_id, round)
         try:
             await exchange.publish_params(round + 1, await asyncio.to_thread(self._snapshot_bytes))
         except Exception as e:  # serving snapshots helps others; failing to must not stop this node

@@ -86,7 +86,7 @@ except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError
 
 from protocol.errors import BadSignature
 from protocol.signing import PeerKey, verify
@@ -153,6 +153,20 @@ class AdaptiveDeadline(RequestModel):
     window_rounds: int = Field(5, ge=1, le=1000, description="Closed rounds the quantile looks at.")
 
 
+def _deadline_kind(value) -> str:
+    """The policy's tag; a policy without one is the fixed timeout (older configs)."""
+    if isinstance(value, dict):
+        return value.get("kind", "fixed")
+    return getattr(value, "kind", "fixed")
+
+
+_DEADLINE_TAGS = ("fixed", "adaptive")
+DeadlinePolicy = Annotated[
+    Annotated[FixedDeadline, Tag("fixed")] | Annotated[AdaptiveDeadline, Tag("adaptive")],
+    Discriminator(_deadline_kind),
+]
+
+
 class RunConfig(RequestModel):
     """Everything that defines a training run. Loaded from TOML (`load_run_config`) or JSON."""
 
@@ -192,7 +206,7 @@ class RunConfig(RequestModel):
     max_packet_bytes: int = Field(
         64 * 2**20, ge=1024, le=2**34, description="Largest packet a peer may announce."
     )
-    deadline_policy: Annotated[FixedDeadline | AdaptiveDeadline, Field(discriminator="kind")] = Field(
+    deadline_policy: DeadlinePolicy = Field(
         default_factory=FixedDeadline, description="When a round's deadline falls."
     )
     overlap: bool = Field(
@@ -251,7 +265,10 @@ def describe_validation_error(error: ValidationError) -> str:
     """One line naming each bad key: 'inner_lr: Input should be greater than 0'."""
     parts = []
     for item in error.errors():
-        key = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        loc = item["loc"]
+        # Drop the tag pydantic puts after a tagged union's field name ("deadline_policy.fixed.x").
+        loc = [p for i, p in enumerate(loc) if not (i and loc[i - 1] == "deadline_policy" and p in _DEADLINE_TAGS)]
+        key = ".".join(str(p) for p in loc) or "(top level)"
         parts.append(f"{key}: {item['msg']}")
     return "; ".join(parts)
 

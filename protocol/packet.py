@@ -252,7 +252,11 @@ def _decode_code_stream(coder: int, stream: bytes, num_codes: int) -> np.ndarray
     expected = (num_codes + 3) // 4
     if coder == CODER_ZSTD:
         try:
-            # max_output_size bounds the allocation whatever the frame claims.
+            # python-zstandard allocates the content size a frame declares, whatever max_output_size
+            # says (a frame claiming 4e18 bytes raised MemoryError in the fuzz run): check it first.
+            content_size = zstandard.get_frame_parameters(stream).content_size
+            if content_size != zstandard.CONTENTSIZE_UNKNOWN and content_size > expected:
+                raise MalformedPacket(f"code stream claims {content_size} bytes, at most {expected} expected")
             stream = zstandard.ZstdDecompressor().decompress(stream, max_output_size=expected)
         except zstandard.ZstdError as e:
             raise MalformedPacket(f"code stream does not decompress: {e}") from None

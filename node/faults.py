@@ -1,0 +1,225 @@
+"""Fault injection for a node: crash, slow upload, corrupt or poisoned packets, stale submissions.
+
+    locoswarm node join ... --inject crash@round=3,phase=training --inject poison@factor=1000
+    faults = FaultInjector.parse(["corrupt-packet@round=1"])       # what node.worker does
+
+In the style of hivemind's FaultyAverager and torchft's EventInjector: a small enum of faults, each
+armed for one round or for every round, and a handful of explicit calls that the round loop makes
+at its phase boundaries. With no fault configured every call returns at once and changes nothing,
+so an honest node runs exactly the code a faulty one runs, minus the fault.
+
+Spec grammar: ``NAME[@key=value[,key=value...]]``; ``round`` absent means every round (a crash:
+the first round that reaches the phase).
+
+==============  =====================================  ===========================================
+fault           keys (defaults)                        what the node does
+==============  =====================================  ===========================================
+crash           round, phase=training|transfer,        SIGKILL itself (no leave, no clean-up).
+                wait_s=30                              training: as the inner steps of the round
+                                                       begin. transfer: after it fetched the
+                                                       round's packets, once some peer announced a
+                                                       verified copy of its own packet (at most
+                                                       wait_s later), so it is in the manifest and
+                                                       a copy survives it.
+slow-upload     delay_s=5                              every stream it serves (packets, snapshots)
+                                                       waits delay_s before the first byte.
+corrupt-packet  round                                  flips one bit of its packet after signing;
+                                                       it announces and submits the digest of the
+                                                       corrupted bytes, so every peer fetches them
+                                                       and refuses them at the signature check.
+poison          round, factor=1000, mode=scale|random  before encoding, replaces its update (delta)
+                                                       by factor * delta, or by Gaussian values of
+                                                       factor times the delta's std: a well-formed,
+                                                       signed packet that only clipping bounds.
+stale-submit    round                                  holds its submission until the round has
+                                                       closed, then submits (refused as late).
+==============  =====================================  ===========================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+log = logging.getLogger("locoswarm.faults")
+
+
+class Fault(enum.Enum):
+    CRASH = "crash"
+    SLOW_UPLOAD = "slow-upload"
+    CORRUPT_PACKET = "corrupt-packet"
+    POISON = "poison"
+    STALE_SUBMIT = "stale-submit"
+
+
+class Phase(enum.Enum):
+    TRAINING = "training"
+    TRANSFER = "transfer"
+
+
+class FaultSpecError(ValueError):
+    """An --inject string that does not parse; the message names the bad part."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultSpec:
+    fault: Fault
+    round: int | None = None  # the round it fires in; None: every round (crash: the first)
+    phase: Phase = Phase.TRAINING  # crash: when in the round
+    wait_s: float = 30.0  # crash in transfer: longest wait for a peer to hold our packet
+    delay_s: float = 5.0  # slow-upload: seconds before each served stream's first byte
+    factor: float = 1000.0  # poison: scale of the update
+    mode: str = "scale"  # poison: "scale" (factor * delta) or "random" (noise, factor * std(delta))
+
+    def fires(self, round: int) -> bool:
+        return self.round is None or self.round == round
+
+    def __str__(self) -> str:
+        keys = {Fault.CRASH: ("round", "phase", "wait_s"), Fault.SLOW_UPLOAD: ("delay_s",),
+                Fault.CORRUPT_PACKET: ("round",), Fault.POISON: ("round", "factor", "mode"),
+                Fault.STALE_SUBMIT: ("round",)}[self.fault]
+        values = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        args = ",".join(f"{k}={v.value if isinstance(v, Phase) else v}" for k, v in values.items())
+        return self.fault.value + (f"@{args}" if args else "")
+
+
+_KEYS = {
+    Fault.CRASH: {"round", "phase", "wait_s"},
+    Fault.SLOW_UPLOAD: {"delay_s"},
+    Fault.CORRUPT_PACKET: {"round"},
+    Fault.POISON: {"round", "factor", "mode"},
+    Fault.STALE_SUBMIT: {"round"},
+}
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """`crash@round=3,phase=training` -> FaultSpec; FaultSpecError naming the bad part otherwise."""
+    name, _, args = text.strip().partition("@")
+    try:
+        fault = Fault(name)
+    except ValueError:
+        raise FaultSpecError(f"unknown fault {name!r} in {text!r} (known: "
+                             f"{', '.join(f.value for f in Fault)})") from None
+    values: dict = {}
+    for part in filter(None, args.split(",")):
+        key, eq, raw = part.partition("=")
+        if not eq or key not in _KEYS[fault]:
+            raise FaultSpecError(f"{text!r}: {fault.value} takes {', '.join(sorted(_KEYS[fault]))}; got {part!r}")
+        try:
+            if key == "round":
+                values[key] = int(raw)
+                if values[key] < 0:
+                    raise ValueError
+            elif key == "phase":
+                values[key] = Phase(raw)
+            elif key == "mode":
+                if raw not in ("scale", "random"):
+                    raise ValueError
+                values[key] = raw
+            else:
+                values[key] = float(raw)
+                if not 0 <= values[key] < float("inf"):
+                    raise ValueError
+        except ValueError:
+            raise FaultSpecError(f"{text!r}: bad value for {key}: {raw!r}") from None
+    return FaultSpec(fault=fault, **values)
+
+
+class FaultInjector:
+    """The faults armed in one node, and the hooks the round loop calls (no-ops when none fire)."""
+
+    def __init__(self, specs: Iterable[FaultSpec] = ()):
+        self.specs = tuple(specs)
+
+    @classmethod
+    def parse(cls, texts: Iterable[str]) -> "FaultInjector":
+        return cls(parse_fault(t) for t in texts)
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def describe(self) -> str:
+        return ", ".join(map(str, self.specs)) or "none"
+
+    def _firing(self, fault: Fault, round: int) -> list[FaultSpec]:
+        return [s for s in self.specs if s.fault is fault and s.fires(round)]
+
+    # -- hooks, in the order a round calls them ------------------------------------------------
+
+    async def at_phase(self, phase: Phase, round: int, *, exchange=None, peer_id: str | None = None) -> None:
+        """crash: SIGKILL this process at `phase` of `round`."""
+        for spec in self._firing(Fault.CRASH, round):
+            if spec.phase is not phase:
+                continue
+            if phase is Phase.TRANSFER and exchange is not None and peer_id is not None:
+                await self._wait_for_copy(exchange, round, peer_id, spec.wait_s)
+            log.warning("fault injection: crash (SIGKILL) in round %d, phase %s", round, phase.value)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @staticmethod
+    async def _wait_for_copy(exchange, round: int, peer_id: str, wait_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while loop.time() < deadline:
+            if await exchange.holders(round, peer_id):
+                return
+            await asyncio.sleep(0.2)
+
+    def tamper_update(self, round: int, outer) -> None:
+        """poison: rewrite the local parameters so that `outer.deltas()` yields the poisoned update."""
+        import torch
+
+        for spec in self._firing(Fault.POISON, round):
+            log.warning("fault injection: poisoning the update of round %d (%s x%g)", round, spec.mode, spec.factor)
+            generator = torch.Generator().manual_seed(round)
+            with torch.no_grad():
+                for name, p in outer.params.items():
+                    delta = outer.local_start[name] - p  # what outer.deltas() yields
+                    if spec.mode == "scale":
+                        poisoned = delta * spec.factor
+                    else:
+                        spread = delta.float().std() if delta.numel() > 1 else delta.abs().max()
+                        poisoned = torch.randn(delta.shape, generator=generator).to(delta) * spread * spec.factor
+                    p.copy_(outer.local_start[name] - poisoned)
+
+    def tamper_packet(self, round: int, payload: bytes) -> bytes:
+        """corrupt-packet: flip one bit in the middle of the signed packet."""
+        if not self._firing(Fault.CORRUPT_PACKET, round):
+            return payload
+        corrupted = bytearray(payload)
+        corrupted[len(corrupted) // 2] ^= 0x01
+        log.warning("fault injection: corrupting the packet of round %d after signing", round)
+        return bytes(corrupted)
+
+    async def before_submit(self, round: int, client) -> None:
+        """stale-submit: wait for the round to close before submitting to it."""
+        if not self._firing(Fault.STALE_SUBMIT, round):
+            return
+        log.warning("fault injection: holding the submission of round %d until the round closes", round)
+        while (await client.round(round, wait_s=30)).state != "closed":
+            pass
+
+    def exchange_class(self, base: type) -> type:
+        """slow-upload: a subclass of the exchange whose stream handler stalls before answering."""
+        slow = [s for s in self.specs if s.fault is Fault.SLOW_UPLOAD]
+        if not slow:
+            return base
+        spec = slow[0]
+
+        class SlowUploadExchange(base):
+            async def _serve(self, stream_info, reader, writer):
+                try:
+                    await asyncio.sleep(spec.delay_s)
+                except asyncio.CancelledError:  # shutting down: drop the stream as _serve would
+                    writer.close()
+                    return
+                await super()._serve(stream_info, reader, writer)
+
+        return SlowUploadExchange

@@ -1,0 +1,328 @@
+"""Faults a swarm must survive, with real processes on 127.0.0.1 (coordinator, nodes, p2pd daemons,
+SQLite), port 0, tiny preset, H = 5, threads 1. Faults come from the node's own injector
+(`--inject`, node/faults.py) or from the test's signals sent through each process's handle;
+readiness and progress are read from the coordinator's status, never waited for by sleeping.
+
+- a node crashes (SIGKILL) in training; a new node joins mid-run and catches up;
+- a node crashes in transfer after it is in the manifest, beside a peer that sends a corrupted
+  packet and one that uploads slowly;
+- a node is paused (SIGSTOP) for rounds, then resumed;
+- the coordinator is SIGKILLed and restarted on its database, beside a stale submission and an
+  unwritable checkpoint directory;
+- a poisoning peer (x1000) against median-norm clipping, in process.
+
+Every test asserts that the peers that applied a round hold the same parameter digest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from node.node_cli import LocalSwarm
+
+pytestmark = [pytest.mark.slow]
+
+H = 5
+STATUS_POLL_S = 0.3
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+def start_swarm(swarm: LocalSwarm, **run_overrides) -> None:
+    """Coordinator, run, node 0 (the DHT's first node), then the other nodes; returns once all joined."""
+    swarm.start_coordinator()
+    swarm.create_run(**run_overrides)
+    swarm.start_node(0)
+    swarm.wait_for_peers(1)
+    for i in range(1, swarm.num_peers):
+        swarm.start_node(i)
+    wait_until(swarm, lambda s: sum(p["status"] == "live" for p in s["peers"]) >= swarm.num_peers,
+               "every node joined", timeout_s=120)
+
+
+def wait_until(swarm: LocalSwarm, predicate, what: str, timeout_s: float = 120, may_die: tuple[int, ...] = ()):
+    """Poll the coordinator's status until `predicate(status)`; fail early if a node dies unexpectedly."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for i, node in enumerate(swarm.nodes):
+            if i not in may_die and node.poll() not in (None, 0):
+                pytest.fail(f"node {i} exited with {node.returncode} while waiting for {what}:\n"
+                            + tail(swarm.workdir / f"node{i}.log"))
+        try:
+            status = swarm.status()
+        except Exception:  # the coordinator may be restarting
+            status = None
+        if status is not None and predicate(status):
+            return status
+        time.sleep(STATUS_POLL_S)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def wait_exit(swarm: LocalSwarm, indices, timeout_s: float = 180) -> list[int]:
+    codes = []
+    for i in indices:
+        try:
+            codes.append(swarm.nodes[i].wait(timeout=timeout_s))
+        except Exception:
+            pytest.fail(f"node {i} did not finish:\n" + tail(swarm.workdir / f"node{i}.log"))
+    return codes
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def node_log(swarm: LocalSwarm, i: int) -> str:
+    return (swarm.workdir / f"node{i}.log").read_text(errors="replace")
+
+
+def rounds_of(swarm: LocalSwarm, i: int) -> list[dict]:
+    return json.loads((swarm.workdir / f"node{i}.report.json").read_text())["rounds"]
+
+
+def peer_id_of(swarm: LocalSwarm, i: int) -> str:
+    """From the node's log (a killed node writes no report): 'joined run R as pXXXX (index ...'."""
+    match = re.search(r"joined run \S+ as (p[0-9a-f]{16}) ", node_log(swarm, i))
+    assert match, f"node {i} never joined"
+    return match.group(1)
+
+
+def manifests_of(swarm: LocalSwarm, rounds: int) -> dict[int, list[str]]:
+    """Peer ids in each closed round's manifest, from the coordinator."""
+    import httpx
+
+    def view(r: int) -> dict:
+        return httpx.get(f"{swarm.url}/v1/runs/{swarm.run_id}/rounds/{r}", trust_env=False, timeout=30).json()
+
+    return {r: [e["peer_id"] for e in view(r)["manifest"]] for r in range(rounds)}
+
+
+def peer_view(status: dict, peer_id: str) -> dict:
+    return next(p for p in status["peers"] if p["peer_id"] == peer_id)
+
+
+def assert_identical_digests(swarm: LocalSwarm, indices, history: list[dict]) -> dict[int, str]:
+    """Per round, every node that applied it holds one digest, the coordinator's majority."""
+    by_round: dict[int, set[str]] = {}
+    for i in indices:
+        rounds = [r["round"] for r in rounds_of(swarm, i)]
+        assert rounds == sorted(set(rounds)), f"node {i} applied a round twice or out of order: {rounds}"
+        for r in rounds_of(swarm, i):
+            by_round.setdefault(r["round"], set()).add(r["digest"])
+    majority = {h["round"]: h["majority_digest"] for h in history}
+    for r, digests in by_round.items():
+        assert digests == {majority[r]}, f"round {r}: digests {digests}, majority {majority[r]}"
+    return {r: d.pop() for r, d in by_round.items()}
+
+
+def assert_history_complete(history: list[dict], rounds: int) -> None:
+    assert [h["round"] for h in history] == list(range(rounds)), "a round was lost or repeated"
+    assert all(h["majority_digest"] for h in history), history
+
+
+def swarm_for(tmp_path: Path, num_peers: int, rounds: int, extra=None) -> LocalSwarm:
+    return LocalSwarm(tmp_path, num_peers=num_peers, preset="tiny", rounds=rounds, inner_steps=H, top_k=64,
+                      quiet=True, extra_node_args=extra)
+
+
+def caught_up(log: str) -> bool:
+    return "replayed the manifest" in log or "loaded parameters" in log
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_crash_in_training_and_a_late_joiner(tmp_path):
+    """Node 2 SIGKILLs itself as round 1's training starts: round 1 closes without it (once the
+    coordinator marks it gone), the others apply the same manifest. Node 3 joins the running swarm
+    then, catches up from peers, and from its first round on its digest is everyone's."""
+    rounds = 12  # rounds take under a second: enough of them to be running when node 3 is up
+    with swarm_for(tmp_path, 3, rounds, {2: ("--inject", "crash@round=1,phase=training")}) as swarm:
+        start_swarm(swarm, heartbeat_timeout_s=6.0, deadline_policy={"kind": "fixed", "round_timeout_s": 40.0})
+        assert swarm.nodes[2].wait(timeout=120) == -signal.SIGKILL
+        swarm.start_node(3)
+        codes = wait_exit(swarm, (0, 1, 3))
+        status = swarm.status()
+        crashed, joined = peer_view(status, peer_id_of(swarm, 2)), peer_view(status, peer_id_of(swarm, 3))
+        manifest1 = manifests_of(swarm, 2)[1]
+    assert codes == [0, 0, 0]
+    history = status["history"]
+    assert_history_complete(history, rounds)
+    assert crashed["peer_id"] not in manifest1 and len(manifest1) >= 2
+    digests = assert_identical_digests(swarm, (0, 1, 3), history)
+    assert len(digests) == rounds
+    assert crashed["status"] == "gone" and "no heartbeat" in crashed["reason"], crashed
+    assert "crash (SIGKILL) in round 1, phase training" in node_log(swarm, 2)
+    joiner = rounds_of(swarm, 3)
+    assert joiner and joiner[-1]["round"] == rounds - 1 and joined["status"] == "left"
+    assert caught_up(node_log(swarm, 3)), tail(swarm.workdir / "node3.log")
+    assert all(r["digest"] == digests[r["round"]] for r in joiner)
+
+
+@pytest.mark.timeout(300)
+def test_crash_in_transfer_beside_corrupt_and_slow_peers(tmp_path):
+    """Round 1: node 3 is in the manifest and SIGKILLs itself during the transfer, once a peer holds
+    a verified copy of its packet; node 2 sends a packet corrupted after signing; node 1 serves every
+    stream 1 s late. The others fetch node 3's packet from the surviving holders, every honest peer
+    refuses node 2's packet for the same logged reason, the coordinator's status shows it, and the
+    digests agree."""
+    rounds = 3
+    extra = {1: ("--inject", "slow-upload@delay_s=1"), 2: ("--inject", "corrupt-packet@round=1"),
+             3: ("--inject", "crash@round=1,phase=transfer")}
+    with swarm_for(tmp_path, 4, rounds, extra) as swarm:
+        start_swarm(swarm, heartbeat_timeout_s=6.0, deadline_policy={"kind": "fixed", "round_timeout_s": 40.0})
+        assert swarm.nodes[3].wait(timeout=150) == -signal.SIGKILL
+        codes = wait_exit(swarm, (0, 1, 2))
+        status = swarm.status()
+    assert codes == [0, 0, 0]
+    history = status["history"]
+    assert_history_complete(history, rounds)
+    assert history[1]["num_contributors"] == 4, "the crashing and the corrupt node are both in the manifest"
+    digests = assert_identical_digests(swarm, (0, 1, 2), history)
+    assert len(digests) == rounds
+    corrupt = peer_id_of(swarm, 2)
+    for i in (0, 1, 2):
+        [round1] = [r for r in rounds_of(swarm, i) if r["round"] == 1]
+        assert round1["num_packets"] == 3, "node 3's packet applied, node 2's refused"
+        assert list(round1["refused"]) == [corrupt] and round1["refused"][corrupt].startswith("BadSignature")
+        assert f"refusing packet of {corrupt}: BadSignature" in node_log(swarm, i)
+    assert list(history[1]["refused"]) == [corrupt] and "BadSignature" in history[1]["refused"][corrupt]
+    assert "crash (SIGKILL) in round 1, phase transfer" in node_log(swarm, 3)
+    crashed = peer_view(status, peer_id_of(swarm, 3))
+    assert crashed["status"] == "gone" and "no heartbeat" in crashed["reason"]
+
+
+@pytest.mark.timeout(300)
+def test_paused_node_is_refused_as_stale_and_catches_up(tmp_path):
+    """Node 2 is SIGSTOPped (its whole process group, p2pd included) after round 0 and resumed two
+    rounds later: its submission for the round it was training is refused as stale or late, it
+    applies and replays the rounds it missed instead, and its digests agree afterwards."""
+    rounds = 5
+    with swarm_for(tmp_path, 3, rounds) as swarm:
+        start_swarm(swarm, heartbeat_timeout_s=120.0, deadline_policy={"kind": "fixed", "round_timeout_s": 8.0})
+        wait_until(swarm, lambda s: s["history"] and s["history"][0]["num_applied"] == 3, "round 0 applied by all")
+        paused = swarm.nodes[2]
+        os.killpg(paused.pid, signal.SIGSTOP)
+        try:
+            wait_until(swarm, lambda s: (s["current_round"] or {}).get("round", rounds) >= 3,
+                       "two rounds closed without the paused node", may_die=(2,))
+        finally:
+            os.killpg(paused.pid, signal.SIGCONT)
+        codes = wait_exit(swarm, (0, 1, 2))
+        status, manifests = swarm.status(), manifests_of(swarm, rounds)
+    assert codes == [0, 0, 0]
+    history = status["history"]
+    assert_history_complete(history, rounds)
+    assert peer_id_of(swarm, 2) not in manifests[1] + manifests[2]
+    assert_identical_digests(swarm, (0, 1, 2), history)
+    log = node_log(swarm, 2)
+    assert "submission refused (stale_round)" in log or "submission refused (late)" in log, tail(
+        swarm.workdir / "node2.log")
+    assert caught_up(log)
+    assert any(not r["submitted"] for r in rounds_of(swarm, 2))
+    assert rounds_of(swarm, 2)[-1]["round"] == rounds - 1, "it trained again after catching up"
+
+
+@pytest.mark.timeout(300)
+def test_coordinator_restart_stale_submission_and_unwritable_checkpoints(tmp_path):
+    """The coordinator is SIGKILLed after round 1 and restarted on the same database and port: the
+    nodes retry with backoff and the run resumes, every round once. Node 2 holds back its round-3
+    submission until the round closed (refused as late, applied without it). Node 1's checkpoint
+    directory lies under a regular file: every save fails with a logged error and it trains on;
+    node 0 saves a checkpoint after every round."""
+    rounds = 5
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoint directory should be")
+    extra = {0: ("--checkpoint-dir", str(tmp_path / "ckpt0")),
+             1: ("--checkpoint-dir", str(blocker / "ckpt")),
+             2: ("--inject", "stale-submit@round=3")}
+    with swarm_for(tmp_path, 3, rounds, extra) as swarm:
+        start_swarm(swarm, heartbeat_timeout_s=60.0, deadline_policy={"kind": "fixed", "round_timeout_s": 15.0})
+        wait_until(swarm, lambda s: len(s["history"]) >= 2, "round 1 closed")
+        port = int(swarm.url.rsplit(":", 1)[1])
+        swarm.coordinator.kill()
+        swarm.coordinator.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while not any("retrying in" in node_log(swarm, i) for i in range(3)):
+            assert time.monotonic() < deadline, "no node noticed the coordinator was gone"
+            time.sleep(STATUS_POLL_S)
+        swarm.start_coordinator(port=port)
+        codes = wait_exit(swarm, (0, 1, 2))
+        status, manifests = swarm.status(), manifests_of(swarm, rounds)
+    assert codes == [0, 0, 0]
+    history = status["history"]
+    assert_history_complete(history, rounds)
+    assert peer_id_of(swarm, 2) not in manifests[3], "the late submission is left out"
+    digests = assert_identical_digests(swarm, (0, 1, 2), history)
+    assert len(digests) == rounds and all(rounds_of(swarm, i)[-1]["round"] == rounds - 1 for i in range(3))
+    assert "submission refused (late)" in node_log(swarm, 2) or "submission refused (stale_round)" in node_log(swarm, 2)
+    log1 = node_log(swarm, 1)
+    assert log1.count("checkpoint not saved, training goes on") == len(rounds_of(swarm, 1)), tail(
+        swarm.workdir / "node1.log")
+    assert "Not a directory" in log1 or "File exists" in log1
+    meta = json.loads((tmp_path / "ckpt0" / "meta.json").read_text())
+    assert meta["round"] == rounds and meta["digest"] == digests[rounds - 1]
+
+
+@pytest.mark.timeout(240)
+def test_median_norm_clipping_keeps_a_poisoned_swarm_on_course():
+    """In process, 4 peers through real packets: peer 3 poisons every update (x1000, the node's own
+    injector). With median-norm clipping the validation loss ends close to the clean swarm's; without
+    it, far worse."""
+    clean = _poison_sim(poisoned=False, clip=False)
+    clipped = _poison_sim(poisoned=True, clip=True)
+    unclipped = _poison_sim(poisoned=True, clip=False)
+    start = _poison_sim(poisoned=False, clip=False, num_rounds=0)
+    print(f"val loss: start {start:.4f} clean {clean:.4f} clipped+poisoned {clipped:.4f} "
+          f"unclipped+poisoned {unclipped:.4f}")
+    assert clean < start - 0.05, "the clean swarm learned"
+    assert abs(clipped - clean) < 0.25 * (start - clean), (start, clean, clipped)
+    assert unclipped > start + 0.5, (start, unclipped)
+
+
+def _poison_sim(*, poisoned: bool, clip: bool, num_rounds: int = 5, num_peers: int = 4) -> float:
+    import torch
+
+    from node.data import evaluate, load_corpus
+    from node.faults import FaultInjector
+    from node.inner import InnerConfig, make_inner_optimizer, run_inner_steps
+    from node.model import build_model
+    from node.outer import OuterConfig, make_outer
+    from node.params import flat_named_params, param_digest
+    from protocol.signing import PeerKey
+
+    torch.set_num_threads(1)
+    corpus = load_corpus(None)
+    inner = InnerConfig(warmup_steps=min(H, max(1, num_rounds * H)), total_steps=max(1, num_rounds * H),
+                        batch_size=8, seq_len=64)
+    peers = [f"p{i:02d}" for i in range(num_peers)]
+    keys = {p: PeerKey.from_seed(p.encode()) for p in peers}
+    models = [build_model("tiny", 0) for _ in peers]
+    optimizers = [make_inner_optimizer(m, inner) for m in models]
+    outers = [make_outer(flat_named_params(m), OuterConfig(clip_to_median_norm=clip)) for m in models]
+    streams = [corpus.train.shard(i, num_peers).batches(8, 64, 0, "cpu") for i in range(num_peers)]
+    poison = FaultInjector.parse(["poison@factor=1000"] if poisoned else [])
+    digest = param_digest(models[0])
+    for r in range(num_rounds):
+        payloads = {}
+        for i, peer in enumerate(peers):
+            outers[i].begin_round()
+            run_inner_steps(models[i], optimizers[i], streams[i], r * H, H, inner, "cpu")
+            if i == num_peers - 1:
+                poison.tamper_update(r, outers[i])
+            payloads[peer] = outers[i].make_payload(run_id="sim", round=r, peer_id=peer, base_digest=digest,
+                                                    key=keys[peer])
+        for outer in outers:
+            outer.apply(payloads, lambda p: keys[p].public_bytes, run_id="sim", round=r)
+        digests = {param_digest(m) for m in models}
+        assert len(digests) == 1, f"round {r}: peers diverged"
+        digest = digests.pop()
+    loss = evaluate(models[0], corpus.val, 8, batch_size=8, seq_len=64)
+    return loss if loss == loss else float("inf")  # NaN (a blown-up model) counts as infinitely bad

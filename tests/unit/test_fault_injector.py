@@ -1,0 +1,213 @@
+"""The fault injector (node/faults.py): spec parsing, each hook's effect, and that an unarmed
+injector changes nothing; the `--inject` flag and NodeConfig field; refusals reported to the
+coordinator reaching its status (and their bounds)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from node.faults import Fault, FaultInjector, FaultSpecError, Phase, parse_fault
+from node.model import build_model
+from node.outer import OuterConfig, make_outer
+from node.params import flat_named_params, param_digest
+from protocol import errors
+from protocol.packet import decode_packet
+from protocol.signing import PeerKey
+from tests.integration.conftest_coordinator import REPO_ROOT, SignedPeer, create_run
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_parse_specs_and_their_defaults():
+    crash = parse_fault("crash@round=3,phase=transfer")
+    assert (crash.fault, crash.round, crash.phase) == (Fault.CRASH, 3, Phase.TRANSFER)
+    assert parse_fault("crash").round is None and parse_fault("crash").phase is Phase.TRAINING
+    poison = parse_fault("poison@factor=1000,mode=random")
+    assert (poison.factor, poison.mode, poison.round) == (1000.0, "random", None)
+    assert parse_fault("slow-upload@delay_s=2.5").delay_s == 2.5
+    assert parse_fault("stale-submit@round=2").fires(2) and not parse_fault("stale-submit@round=2").fires(3)
+    for text in ("crash@round=3,phase=transfer", "poison@round=1,factor=10.0,mode=scale", "corrupt-packet"):
+        assert str(parse_fault(str(parse_fault(text)))) == str(parse_fault(text))
+
+
+@pytest.mark.parametrize("bad", ["explode", "crash@round=-1", "crash@phase=upload", "crash@factor=2",
+                                 "poison@mode=nice", "slow-upload@delay_s=inf", "crash@round", "poison@factor=x"])
+def test_bad_specs_are_refused_with_the_reason(bad):
+    with pytest.raises(FaultSpecError) as info:
+        parse_fault(bad)
+    assert repr(bad) in str(info.value)
+
+
+def _outer(seed=0):
+    model = build_model("tiny", seed)
+    return model, make_outer(flat_named_params(model), OuterConfig(strategy="sparseloco"))
+
+
+def _train_a_little(model, seed=1):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+
+
+def test_unarmed_injector_changes_nothing():
+    faults = FaultInjector.parse([])
+    assert not faults and faults.describe() == "none"
+    model, outer = _outer()
+    _train_a_little(model)
+    before = param_digest(model)
+    faults.tamper_update(0, outer)
+    assert param_digest(model) == before
+    payload = b"packet bytes"
+    assert faults.tamper_packet(0, payload) is payload
+    assert faults.exchange_class(dict) is dict
+    asyncio.run(faults.at_phase(Phase.TRAINING, 0))
+    asyncio.run(faults.before_submit(0, client=None))
+
+
+def test_poison_scales_the_update_or_replaces_it_by_noise():
+    model, outer = _outer()
+    _train_a_little(model)
+    honest = {name: delta.clone() for name, delta in outer.deltas()}
+    FaultInjector.parse(["poison@round=2,factor=1000"]).tamper_update(1, outer)  # not its round
+    assert all(torch.equal(honest[n], d) for n, d in outer.deltas())
+    FaultInjector.parse(["poison@round=2,factor=1000"]).tamper_update(2, outer)
+    for name, delta in outer.deltas():
+        torch.testing.assert_close(delta, honest[name] * 1000, rtol=1e-3, atol=1e-4)
+
+    model, outer = _outer()
+    _train_a_little(model)
+    FaultInjector.parse(["poison@mode=random,factor=100"]).tamper_update(0, outer)
+    name, delta = max(outer.deltas(), key=lambda nd: nd[1].numel())
+    ratio = float(delta.std() / honest[name].std())
+    assert 50 < ratio < 200 and not torch.allclose(delta, honest[name] * 100)
+
+
+def test_corrupt_packet_is_refused_at_the_signature_by_any_decoder():
+    model, outer = _outer()
+    _train_a_little(model)
+    key = PeerKey.from_seed(b"corrupt")
+    payload = outer.make_payload(run_id="r", round=1, peer_id="p0", base_digest="00" * 32, key=key)
+    faults = FaultInjector.parse(["corrupt-packet@round=1"])
+    assert faults.tamper_packet(0, payload) is payload
+    corrupted = faults.tamper_packet(1, payload)
+    assert len(corrupted) == len(payload) and corrupted != payload
+    with pytest.raises(errors.BadSignature):
+        decode_packet(corrupted, outer.spec, key.public_bytes, run_id="r", round=1)
+    result = outer.apply({"p0": corrupted}, lambda _: key.public_bytes, run_id="r", round=1)
+    assert result.accepted == [] and result.refused["p0"].startswith("BadSignature")
+
+
+def test_stale_submit_waits_for_the_round_to_close():
+    class Client:
+        def __init__(self):
+            self.calls = 0
+
+        async def round(self, round, wait_s=0.0):
+            self.calls += 1
+            return type("View", (), {"state": "closed" if self.calls >= 3 else "open"})()
+
+    client = Client()
+    asyncio.run(FaultInjector.parse(["stale-submit@round=4"]).before_submit(3, client))
+    assert client.calls == 0
+    asyncio.run(FaultInjector.parse(["stale-submit@round=4"]).before_submit(4, client))
+    assert client.calls == 3
+
+
+def test_slow_upload_delays_every_served_stream():
+    class Exchange:
+        served_at: list[float] = []
+
+        async def _serve(self, info, reader, writer):
+            self.served_at.append(time.monotonic())
+
+    slow = FaultInjector.parse(["slow-upload@delay_s=0.2"]).exchange_class(Exchange)
+    assert issubclass(slow, Exchange) and slow is not Exchange
+    start = time.monotonic()
+    asyncio.run(slow()._serve(None, None, None))
+    assert Exchange.served_at[-1] - start >= 0.2
+
+
+def test_crash_kills_the_process_with_sigkill_at_its_round_and_phase():
+    script = (
+        "import asyncio\n"
+        "from node.faults import FaultInjector, Phase\n"
+        "faults = FaultInjector.parse(['crash@round=2,phase=training'])\n"
+        "asyncio.run(faults.at_phase(Phase.TRAINING, 1))\n"
+        "asyncio.run(faults.at_phase(Phase.TRANSFER, 2))\n"
+        "print('survived round 1 and the transfer phase', flush=True)\n"
+        "asyncio.run(faults.at_phase(Phase.TRAINING, 2))\n"
+        "print('not reached')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == -9, done.stderr
+    assert "survived" in done.stdout and "not reached" not in done.stdout
+    assert "crash (SIGKILL) in round 2" in done.stderr
+
+
+def test_inject_flag_and_node_config_field():
+    import argparse
+
+    from node import node_cli
+    from node.config_file import load_node_config
+
+    parser = argparse.ArgumentParser()
+    node_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["node", "join", "--coordinator", "http://127.0.0.1:1", "--inject", "crash@round=1",
+                              "--inject", "slow-upload@delay_s=1"])
+    config = load_node_config(None, {name: getattr(args, name) for name in node_cli.JOIN_CONFIG_FLAGS})
+    assert config.inject == ("crash@round=1", "slow-upload@delay_s=1")
+    assert load_node_config(None, {"coordinator": "http://x:1"}).inject == ()
+
+
+def test_refused_packets_reach_the_status_and_are_bounded(coordinator_client, fake_clock):
+    client = coordinator_client
+    run_id = create_run(client, min_peers=2)
+    a, b = (SignedPeer(client, clock=fake_clock) for _ in range(2))
+    for peer in (a, b):
+        assert peer.join(run_id).status_code == 200
+    for peer in (a, b):
+        assert peer.submit(run_id, 0).status_code == 200
+    path = f"/v1/runs/{run_id}/rounds/0/applied"
+    digest = "11" * 32
+    reason = "BadSignature: signature does not verify"
+    assert a.post(path, {"params_digest": digest, "refused": {b.peer_id: reason}}).status_code == 200
+    fake_clock.advance(1.0)
+    assert b.post(path, {"params_digest": digest, "refused": {b.peer_id: "later reason"}}).status_code == 200
+    [summary] = client.get(f"/v1/runs/{run_id}/status").json()["history"]
+    assert summary["refused"] == {b.peer_id: reason} and summary["num_applied"] == 2
+    # bounded: at most 64 entries, reasons of 256 characters, keys that are peer ids
+    too_many = {f"p{i:016x}": "x" for i in range(65)}
+    for bad in (too_many, {b.peer_id: "x" * 257}, {"not-a-peer": "x"}, {b.peer_id: 5}):
+        response = a.post(path, {"params_digest": digest, "refused": bad})
+        assert response.status_code == 422, response.text
+    assert "refused packets" in client.get(f"/?run={run_id}").text
+
+
+@pytest.mark.parametrize("strategy", ["sparseloco", "diloco"])
+def test_a_round_with_no_usable_packet_leaves_every_peer_at_the_global_model(strategy):
+    """Found under load: round 0 closed at its deadline with an empty manifest and each peer kept
+    its own locally trained parameters, forking the swarm. An empty or all-refused round is a no-op."""
+    key = PeerKey.from_seed(b"p0")
+    digests = set()
+    for seed in (1, 2):  # two peers that trained differently
+        model = build_model("tiny", 0)
+        outer = make_outer(flat_named_params(model), OuterConfig(strategy=strategy))
+        start = param_digest(model)
+        outer.begin_round()
+        _train_a_little(model, seed)
+        payload = outer.make_payload(run_id="r", round=0, peer_id="p0", base_digest=start, key=key)
+        assert outer.apply({}, lambda _: key.public_bytes, run_id="r", round=0).accepted == []
+        assert param_digest(model) == start
+        _train_a_little(model, seed)
+        truncated = payload[: len(payload) // 2]  # refused by both strategies (DiLoCo payloads are unsigned)
+        result = outer.apply({"p0": truncated}, lambda _: key.public_bytes, run_id="r", round=0)
+        assert result.accepted == [] and "p0" in result.refused
+        digests.add(param_digest(model))
+    assert digests == {start}
