@@ -71,6 +71,7 @@ def register(subparsers) -> None:
     demo.add_argument("--preset", default="tiny")
     demo.add_argument("--inner-steps", type=int, default=15)
     demo.add_argument("--top-k", type=int, default=64)
+    demo.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
     demo.add_argument("--workdir", default=None, help="keep the database and logs here (default: a temp dir)")
     demo.add_argument("--json", action="store_true", help="print one JSON object at the end")
     demo.set_defaults(func=_demo)
@@ -138,7 +139,8 @@ def _demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     with LocalSwarm(workdir, num_peers=args.peers, preset=args.preset, rounds=args.rounds,
-                    inner_steps=args.inner_steps, top_k=args.top_k, quiet=args.json) as swarm:
+                    inner_steps=args.inner_steps, top_k=args.top_k, quiet=args.json,
+                    run_overrides={"overlap": args.overlap}) as swarm:
         summary = swarm.run()
     if args.json:
         print(json.dumps(summary))
@@ -160,10 +162,12 @@ class LocalSwarm:
     """
 
     def __init__(self, workdir: Path, *, num_peers: int, preset: str, rounds: int, inner_steps: int, top_k: int,
-                 quiet: bool = False, extra_node_args: dict[int, tuple[str, ...]] | None = None):
+                 quiet: bool = False, extra_node_args: dict[int, tuple[str, ...]] | None = None,
+                 run_overrides: dict | None = None):
         self.workdir, self.num_peers, self.preset, self.rounds = workdir, num_peers, preset, rounds
         self.inner_steps, self.top_k, self.quiet = inner_steps, top_k, quiet
         self.extra_node_args = dict(extra_node_args or {})
+        self.run_overrides = dict(run_overrides or {})  # RunConfig fields for `run`
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
@@ -244,13 +248,11 @@ class LocalSwarm:
                 raise RuntimeError(f"node {i} exited with {node.returncode}; see {self.workdir / f'node{i}.log'}")
 
     def run(self, timeout_s: float = 1800.0) -> dict:
-        import torch
-
         from node.data import evaluate, load_corpus
         from node.model import build_model
 
         self.start_coordinator()
-        self.create_run()
+        self.create_run(**self.run_overrides)
         self._say(f"coordinator at {self.url} (status page: {self.url}/?run={self.run_id}); run {self.run_id}")
         # The first node founds the DHT; the others bootstrap through it (its multiaddrs are in the status).
         self.start_node(0)

@@ -64,6 +64,8 @@ class RoundTimes:
     wait_s: float = 0.0
     transfer_s: float = 0.0
     aggregate_s: float = 0.0
+    hidden_wait_s: float = 0.0  # with overlap: waiting for the previous round's manifest, behind compute
+    hidden_transfer_s: float = 0.0  # with overlap: fetching the previous round's packets, behind compute
 
 
 @dataclass(slots=True)
@@ -77,6 +79,11 @@ class RoundReport:
     submitted: bool = True
     caught_up: bool = False
     packet_bytes: int = 0
+    downloaded_bytes: int = 0  # stream bytes this node fetched for the round it applied
+    uploaded_bytes: int = 0  # stream bytes it served to others for its own round
+    started_at: float = 0.0  # unix time the round's inner steps began
+    ended_at: float = 0.0  # unix time its outer step (or, with overlap, the previous round's) was applied
+    applied_round: int = -1  # the round whose aggregate this report's digest follows (r, or r-1 with overlap)
 
 
 class CatchUpNeeded(Exception):
@@ -105,6 +112,8 @@ class Node:
         self.faults = FaultInjector.parse(config.inject)  # no-ops unless --inject armed a fault
         self.reports: list[RoundReport] = []
         self._stopping = asyncio.Event()
+        self._in_flight: asyncio.Task | None = None  # with overlap: the previous round's manifest and packets
+        self._in_flight_times = RoundTimes()
         self._state, self._round, self._last_loss = "joining", 0, None
 
     def stop(self) -> None:
@@ -152,6 +161,8 @@ class Node:
             heartbeat = asyncio.create_task(self._heartbeats(client, joined.heartbeat_interval_s))
             try:
                 await self._loop(client, exchange, joined, key)
+                if self.overlap and not self._stopping.is_set():
+                    await self.drain_in_flight(client, exchange)
                 if self.reports and not self._stopping.is_set():
                     await self._linger(client, self.reports[-1].round)
             finally:
@@ -208,6 +219,7 @@ class Node:
         if run.strategy == "ddp":
             raise SystemExit("the ddp baseline syncs every step and runs in the simulator only")
         self.run_config = run
+        self.overlap = run.overlap
         self.device = torch.device(self.config.device)
         self.model = build_model(run.preset, run.seed).to(self.device)
         self.inner = InnerConfig(lr=run.inner_lr, betas=tuple(run.inner_betas), weight_decay=run.inner_weight_decay,
@@ -216,7 +228,7 @@ class Node:
         self.optimizer = make_inner_optimizer(self.model, self.inner)
         self.outer = make_outer(flat_named_params(self.model), OuterConfig(
             strategy=run.strategy, outer_lr=run.outer_lr, outer_momentum=run.outer_momentum, nesterov=run.nesterov,
-            top_k=run.top_k, chunk_size=run.chunk_size, error_decay=run.error_decay,
+            top_k=run.top_k, chunk_size=run.chunk_size, error_decay=run.error_decay, overlap=run.overlap,
             clip_to_median_norm=run.clip_to_median_norm, max_packet_bytes=run.max_packet_bytes))
         self.corpus = load_corpus(self.config.data or run.data)
         self.shard = self.corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
@@ -301,6 +313,13 @@ class Node:
             rounds_done += 1
 
     async def _catch_up(self, client, exchange) -> int:
+        round = await self._catch_up_to_open_round(client, exchange)
+        # Whatever local progress ran ahead of the global model (overlap) is dropped with the rounds skipped.
+        self.outer.finish()
+        self.outer.reset_to_params()
+        return round
+
+    async def _catch_up_to_open_round(self, client, exchange) -> int:
         """Bring the parameters to the start of the coordinator's open round; return that round.
 
         Closed rounds whose packets are still served are replayed (fetch the manifest, apply it:
@@ -309,6 +328,9 @@ class Node:
         zero after a snapshot (the update it held is lost, not sent twice).
         """
         self._state = "catching_up"
+        if self._in_flight is not None:  # whatever was in flight belongs to rounds we are skipping
+            self._in_flight.cancel()
+            self._in_flight = None
         while not self._stopping.is_set():
             status = await client._call("GET", f"/runs/{client.run_id}/status", signed=False)
             current = status["current_round"]["round"] if status.get("current_round") else status["run"]["current_round"]
@@ -391,7 +413,8 @@ class Node:
 
         from node.params import flat_named_params
 
-        tensors = {n: p.detach().cpu().contiguous() for n, p in flat_named_params(self.model).items()}
+        # The global model (equal to the parameters, except with overlap, where they run ahead).
+        tensors = {n: self.outer.start[n].detach().cpu().contiguous() for n in flat_named_params(self.model)}
         tensors |= self.outer.snapshot_state()
         return save(tensors)
 
@@ -400,8 +423,8 @@ class Node:
         from node.inner import run_inner_steps
         from node.params import param_digest
 
-        base_digest = param_digest(self.model)
-        times = RoundTimes()
+        base_digest = param_digest(self.outer.start)
+        times, started_at = RoundTimes(), time.time()
         self.outer.begin_round()
         self._state = "training"
         H = self.run_config.inner_steps
@@ -441,30 +464,74 @@ class Node:
             submitted = False
             log.warning("round %d: submission refused (%s); applying the round without this packet", round, e.code)
 
+        report = RoundReport(round, result.mean_loss, "", 0, times=times, submitted=submitted,
+                             packet_bytes=len(payload), started_at=started_at)
+        if not self.overlap:
+            view, payloads = await self._collect(client, exchange, round, times)
+            applied_round = round
+        else:
+            # Round r's packets move while round r+1 trains: apply round r-1's, now in hand.
+            pending, pending_times = self._in_flight, self._in_flight_times
+            self._in_flight_times = RoundTimes()
+            self._in_flight = asyncio.create_task(self._collect(client, exchange, round, self._in_flight_times))
+            if pending is None:
+                self.params_round = round + 1
+                report.ended_at = time.time()
+                return report
+            view, payloads = await pending
+            times.hidden_wait_s, times.hidden_transfer_s = pending_times.wait_s, pending_times.transfer_s
+            applied_round = round - 1
+        applied = await self._apply_manifest(client, exchange, applied_round, view, times, payloads)
+        if self.overlap:
+            self.params_round = round + 1  # the start of round r+1, with round r still to land on it
+        traffic = exchange.traffic(applied_round)
+        report.digest, report.num_packets, report.refused = self._digest, len(applied.accepted), applied.refused
+        report.downloaded_bytes = traffic.downloaded_bytes
+        report.uploaded_bytes = exchange.traffic(round).uploaded_bytes
+        report.ended_at, report.applied_round = time.time(), applied_round
+        return report
+
+    async def _collect(self, client, exchange, round: int, times: RoundTimes):
+        """Wait for the round's manifest, then fetch its packets (a subset if some holder failed)."""
         self._state = "waiting"
         start = time.perf_counter()
         view = await client.round(round, wait_s=30)
         while view.state != "closed":
             view = await client.round(round, wait_s=30)
         times.wait_s = time.perf_counter() - start
-
-        applied = await self._apply_manifest(client, exchange, round, view, times)
-        return RoundReport(round, result.mean_loss, self._digest, len(applied.accepted), applied.refused, times,
-                           submitted, packet_bytes=len(payload))
-
-    async def _apply_manifest(self, client, exchange, round: int, view, times: RoundTimes):
-        """Fetch, verify and aggregate the round's manifest; take the outer step; report the digest."""
-        from node.params import param_digest
-
         self._state = "transferring"
         start = time.perf_counter()
         wanted = {e.peer_id: e.packet_digest for e in view.manifest}
-        public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
         hints = {e.peer_id: e.multiaddrs for e in view.manifest}
         payloads = await exchange.fetch(round, wanted, hints, timeout_s=self.config.fetch_timeout_s)
         times.transfer_s = time.perf_counter() - start
+        return view, payloads
+
+    async def drain_in_flight(self, client, exchange) -> None:
+        """With overlap, land the last round's aggregate before leaving."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return
+        view, payloads = await pending
+        await self._apply_manifest(client, exchange, view.round, view, RoundTimes(), payloads)
+        self.outer.finish()
+        log.info("round %d: applied the last in-flight aggregate, digest %s", view.round, self._digest[:12])
+
+    async def _apply_manifest(self, client, exchange, round: int, view, times: RoundTimes, payloads=None):
+        """Verify and aggregate the round's manifest (fetching it unless given); take the outer
+        step; report the digest of the global model; serve a snapshot of it."""
+        from node.params import param_digest
+
+        if payloads is None:
+            self._state = "transferring"
+            start = time.perf_counter()
+            wanted = {e.peer_id: e.packet_digest for e in view.manifest}
+            hints = {e.peer_id: e.multiaddrs for e in view.manifest}
+            payloads = await exchange.fetch(round, wanted, hints, timeout_s=self.config.fetch_timeout_s)
+            times.transfer_s = time.perf_counter() - start
+        public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
         await self.faults.at_phase(Phase.TRANSFER, round, exchange=exchange, peer_id=self.peer_id)
-        missing = sorted(set(wanted) - set(payloads))
+        missing = sorted({e.peer_id for e in view.manifest} - set(payloads))
         if missing:
             # Aggregating a subset would fork this peer from the swarm: catch up instead.
             raise CatchUpNeeded(f"round {round}: no holder served the packets of {', '.join(missing)}")
@@ -473,7 +540,7 @@ class Node:
         start = time.perf_counter()
         applied = await asyncio.to_thread(self.outer.apply, payloads, public_keys.__getitem__,
                                           run_id=client.run_id, round=round)
-        self._digest = param_digest(self.model)
+        self._digest = param_digest(self.outer.start)
         self.params_round = round + 1
         times.aggregate_s = time.perf_counter() - start
         # What this node left out, and why, goes on the coordinator's status page.
