@@ -5,9 +5,11 @@
 
 Per round, averaged over the peers that report it (every peer times its own round):
 
-- compute_s, encode_s, wait_s, transfer_s (and the slowest peer's), aggregate_s: the node's timers;
-- round_s: the sum of those five, the part of the round a node times (the coordinator calls,
-  digest and snapshot publication around them are not in it);
+- compute_s, encode_s, wait_s, transfer_s (and the slowest peer's), aggregate_s: the node's timers
+  on the round's critical path; with overlap, the transfer of the previous round's packets runs
+  behind compute and is reported as hidden_transfer_s (the transfer ratio then uses it);
+- round_s: the node's wall clock from the start of its inner steps to the end of its outer step
+  (the sum of the timers for reports that lack the clock);
 - idle_s = round_s - compute_s - encode_s - aggregate_s: time the node's CPU waits on the network
   and on the other peers;
 - download_bytes: what one peer must fetch, the packets of every other peer in the round (its own
@@ -49,9 +51,17 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> 
     }
 
 
+def _transfer_s(t: dict) -> float:
+    """The packets' transfer time, on the critical path or (overlap) hidden behind compute."""
+    return t["transfer_s"] or t.get("hidden_transfer_s", 0.0)
+
+
 def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[int, float]) -> dict:
     times = [r["times"] for r in per_peer]
-    round_s = [sum(t[name] for name in TIMERS) for t in times]
+    # A peer's round: wall clock from the start of its inner steps to the end of its outer step
+    # (reports from older nodes lack the clock: the sum of the timers stands in).
+    round_s = [r["ended_at"] - r["started_at"] if r.get("ended_at") and r.get("started_at")
+               else sum(t[name] for name in TIMERS) for r, t in zip(per_peer, times)]
     packet_bytes = [r["packet_bytes"] for r in per_peer]
     # Each peer downloads every other peer's packet: the round's total less its own.
     download_bytes = [sum(packet_bytes) - own for own in packet_bytes]
@@ -62,14 +72,15 @@ def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[i
         "round": k,
         "num_peers": len(per_peer),
         **{name: _mean(t[name] for t in times) for name in TIMERS},
-        "transfer_max_s": max((t["transfer_s"] for t in times), default=None),
+        "transfer_max_s": max((_transfer_s(t) for t in times), default=None),
+        "hidden_transfer_s": _mean(t.get("hidden_transfer_s", 0.0) for t in times),
         "round_s": _mean(round_s),
         "idle_s": _mean(total - t["compute_s"] - t["encode_s"] - t["aggregate_s"] for total, t in zip(round_s, times)),
         "packet_bytes": _mean(packet_bytes),
         "download_bytes": _mean(download_bytes),
         "measured_download_bytes": _mean(measured) if measured else None,
         "ideal_transfer_s": _mean(s for s in ideal_s if s is not None) if rate_bytes_per_s else None,
-        "transfer_over_ideal": _mean(t["transfer_s"] / s for t, s in zip(times, ideal_s) if s)
+        "transfer_over_ideal": _mean(_transfer_s(t) / s for t, s in zip(times, ideal_s) if s)
         if rate_bytes_per_s else None,
         "compute_utilization": _mean(t["compute_s"] / total for t, total in zip(times, round_s) if total > 0),
         "swarm_cycle_s": closed_at[k] - closed_at[k - 1] if k in closed_at and k - 1 in closed_at else None,

@@ -70,6 +70,14 @@ class ApplyResult:
     scales: dict[str, float] = field(default_factory=dict)  # peer id -> norm-clipping factor (< 1 only)
 
 
+@dataclass(slots=True)
+class Prepared:
+    """A round's verified aggregate, computed off the critical path, not yet applied."""
+
+    result: ApplyResult
+    aggregates: dict[str, torch.Tensor] | None  # name -> aggregate; None when no payload was usable
+
+
 class OuterStep:
     """Round bookkeeping shared by the strategies: the global parameters, the local round start,
     and the outer update.
@@ -105,6 +113,11 @@ class OuterStep:
         """Set the parameters to the global model (end of an overlapped run, before evaluation)."""
         for name, p in self.params.items():
             p.data.copy_(self.start[name])
+
+    def apply(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes] | None = None, *,
+              run_id: str = "", round: int = 0) -> ApplyResult:
+        """Verify, aggregate and take the outer step (`prepare` then `commit`)."""
+        return self.commit(self.prepare(payloads, public_key, run_id=run_id, round=round))
 
     def snapshot_state(self) -> dict[str, torch.Tensor]:
         """Outer state every peer shares, served with parameter snapshots (none for SparseLoCo)."""
@@ -156,8 +169,9 @@ class SparseLoCoOuter(OuterStep):
         }
         return encode_packet(run_id, round, peer_id, bytes.fromhex(base_digest), self.spec, sparse, key)
 
-    def apply(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
-              round: int) -> ApplyResult:
+    def prepare(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
+                round: int) -> Prepared:
+        """Verify, decode and aggregate the round's packets; touches no parameter (runs beside training)."""
         decoded: dict[str, dict[str, SparseTensor]] = {}
         result = ApplyResult(accepted=[])
         for peer_id in sorted(payloads):
@@ -173,18 +187,27 @@ class SparseLoCoOuter(OuterStep):
             decoded[peer_id] = packet.tensors
         result.accepted = sorted(decoded)
         if not decoded:
-            self._apply_nothing()
-            return result
+            return Prepared(result, None)
         scales = self._clip_scales(decoded) if self.cfg.clip_to_median_norm else None
         if scales:
             result.scales = {p: s for p, s in zip(result.accepted, scales) if s < 1.0}
+        aggregates = {}
         for name, p in self.params.items():
             aggregate = scatter_mean([decoded[peer][name] for peer in result.accepted], device=p.device,
                                      divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales)
             if self.cfg.outer_lr != 1.0:
                 aggregate = aggregate * self.cfg.outer_lr
-            self._set_params(name, self.start[name] - aggregate)
-        return result
+            aggregates[name] = aggregate
+        return Prepared(result, aggregates)
+
+    def commit(self, prepared: Prepared) -> ApplyResult:
+        """The outer step: theta = theta_start - outer_lr * aggregate."""
+        if prepared.aggregates is None:
+            self._apply_nothing()
+        else:
+            for name in self.params:
+                self._set_params(name, self.start[name] - prepared.aggregates[name])
+        return prepared.result
 
     @staticmethod
     def _clip_scales(decoded: Mapping[str, Mapping[str, SparseTensor]]) -> list[float]:
@@ -219,7 +242,8 @@ class DiLoCoOuter(OuterStep):
 
         return save({name: delta.float().contiguous().cpu() for name, delta in self.deltas()})
 
-    def apply(self, payloads: Mapping[str, bytes], public_key=None, **_) -> ApplyResult:
+    def prepare(self, payloads: Mapping[str, bytes], public_key=None, **_) -> Prepared:
+        """Check the dense deltas and average them (peer-id order); touches no parameter."""
         from safetensors.torch import load
 
         deltas, result = {}, ApplyResult(accepted=[])
@@ -238,19 +262,28 @@ class DiLoCoOuter(OuterStep):
             deltas[peer_id] = tensors
         result.accepted = sorted(deltas)
         if not deltas:
-            self._apply_nothing()
-            return result
-        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
-        for name, p in self.params.items():
+            return Prepared(result, None)
+        means = {}
+        for name in self.params:
             total = torch.zeros_like(self.start[name])
             for peer in result.accepted:
                 total += deltas[peer][name].to(total.device)
-            update = total / len(result.accepted)
+            means[name] = total / len(result.accepted)
+        return Prepared(result, means)
+
+    def commit(self, prepared: Prepared) -> ApplyResult:
+        """Outer SGD with (Nesterov) momentum on the mean delta."""
+        if prepared.aggregates is None:
+            self._apply_nothing()
+            return prepared.result
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        for name in self.params:
+            update = prepared.aggregates[name]
             if mu:
                 self.momentum[name].mul_(mu).add_(update)
                 update = update + mu * self.momentum[name] if self.cfg.nesterov else self.momentum[name].clone()
             self._set_params(name, self.start[name] - update * lr)
-        return result
+        return prepared.result
 
 
 def make_outer(params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig) -> SparseLoCoOuter | DiLoCoOuter:

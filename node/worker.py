@@ -66,6 +66,7 @@ class RoundTimes:
     aggregate_s: float = 0.0
     hidden_wait_s: float = 0.0  # with overlap: waiting for the previous round's manifest, behind compute
     hidden_transfer_s: float = 0.0  # with overlap: fetching the previous round's packets, behind compute
+    hidden_aggregate_s: float = 0.0  # with overlap: verifying and aggregating them, behind compute
 
 
 @dataclass(slots=True)
@@ -114,6 +115,7 @@ class Node:
         self._stopping = asyncio.Event()
         self._in_flight: asyncio.Task | None = None  # with overlap: the previous round's manifest and packets
         self._in_flight_times = RoundTimes()
+        self._background: set[asyncio.Task] = set()  # snapshot publications
         self._state, self._round, self._last_loss = "joining", 0, None
 
     def stop(self) -> None:
@@ -468,20 +470,23 @@ class Node:
                              packet_bytes=len(payload), started_at=started_at)
         if not self.overlap:
             view, payloads = await self._collect(client, exchange, round, times)
-            applied_round = round
+            applied_round, prepared = round, None
         else:
             # Round r's packets move while round r+1 trains: apply round r-1's, now in hand.
             pending, pending_times = self._in_flight, self._in_flight_times
             self._in_flight_times = RoundTimes()
-            self._in_flight = asyncio.create_task(self._collect(client, exchange, round, self._in_flight_times))
+            self._in_flight = asyncio.create_task(
+                self._collect_and_prepare(client, exchange, round, self._in_flight_times))
             if pending is None:
                 self.params_round = round + 1
                 report.ended_at = time.time()
                 return report
-            view, payloads = await pending
+            view, payloads, prepared = await pending
             times.hidden_wait_s, times.hidden_transfer_s = pending_times.wait_s, pending_times.transfer_s
+            times.hidden_aggregate_s = pending_times.aggregate_s
             applied_round = round - 1
-        applied = await self._apply_manifest(client, exchange, applied_round, view, times, payloads)
+        applied = await self._apply_manifest(client, exchange, applied_round, view, times, payloads,
+                                             prepared)
         if self.overlap:
             self.params_round = round + 1  # the start of round r+1, with round r still to land on it
         traffic = exchange.traffic(applied_round)
@@ -507,19 +512,32 @@ class Node:
         times.transfer_s = time.perf_counter() - start
         return view, payloads
 
+    async def _collect_and_prepare(self, client, exchange, round: int, times: RoundTimes):
+        """With overlap, all of a round's outer work that needs no parameter, beside the next round's training."""
+        view, payloads = await self._collect(client, exchange, round, times)
+        prepared = None
+        if {e.peer_id for e in view.manifest} <= set(payloads):
+            start = time.perf_counter()
+            public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
+            prepared = await asyncio.to_thread(self.outer.prepare, payloads, public_keys.__getitem__,
+                                               run_id=client.run_id, round=round)
+            times.aggregate_s = time.perf_counter() - start
+        return view, payloads, prepared
+
     async def drain_in_flight(self, client, exchange) -> None:
         """With overlap, land the last round's aggregate before leaving."""
         pending, self._in_flight = self._in_flight, None
         if pending is None:
             return
-        view, payloads = await pending
-        await self._apply_manifest(client, exchange, view.round, view, RoundTimes(), payloads)
+        view, payloads, prepared = await pending
+        await self._apply_manifest(client, exchange, view.round, view, RoundTimes(), payloads, prepared)
         self.outer.finish()
         log.info("round %d: applied the last in-flight aggregate, digest %s", view.round, self._digest[:12])
 
-    async def _apply_manifest(self, client, exchange, round: int, view, times: RoundTimes, payloads=None):
-        """Verify and aggregate the round's manifest (fetching it unless given); take the outer
-        step; report the digest of the global model; serve a snapshot of it."""
+    async def _apply_manifest(self, client, exchange, round: int, view, times: RoundTimes, payloads=None,
+                              prepared=None):
+        """Verify and aggregate the round's manifest (fetching and aggregating it unless given); take
+        the outer step; report the digest of the global model; serve a snapshot of it."""
         from node.params import param_digest
 
         if payloads is None:
@@ -538,9 +556,11 @@ class Node:
 
         self._state = "aggregating"
         start = time.perf_counter()
-        applied = await asyncio.to_thread(self.outer.apply, payloads, public_keys.__getitem__,
-                                          run_id=client.run_id, round=round)
-        self._digest = param_digest(self.outer.start)
+        if prepared is None:
+            prepared = await asyncio.to_thread(self.outer.prepare, payloads, public_keys.__getitem__,
+                                               run_id=client.run_id, round=round)
+        applied = self.outer.commit(prepared)
+        self._digest = await asyncio.to_thread(param_digest, self.outer.start)
         self.params_round = round + 1
         times.aggregate_s = time.perf_counter() - start
         # What this node left out, and why, goes on the coordinator's status page.
@@ -551,11 +571,17 @@ class Node:
                       response.majority_digest[:12])
         if self.config.checkpoint_dir is not None:
             await asyncio.to_thread(self._save_checkpoint, client.run_id, round)
+        snapshot = await asyncio.to_thread(self._snapshot_bytes)
+        task = asyncio.create_task(self._publish_snapshot(exchange, round + 1, snapshot))  # off the critical path
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return applied
+
+    async def _publish_snapshot(self, exchange, round: int, snapshot: bytes) -> None:
         try:
-            await exchange.publish_params(round + 1, await asyncio.to_thread(self._snapshot_bytes))
+            await exchange.publish_params(round, snapshot)
         except Exception as e:  # serving snapshots helps others; failing to must not stop this node
             log.warning("round %d: could not publish a parameter snapshot: %s", round, e)
-        return applied
 
     def _progress_bar(self, round: int, total: int):
         if not self.config.progress:
