@@ -504,13 +504,16 @@ class Node:
         while view.state != "closed":
             view = await client.round(round, wait_s=30)
         times.wait_s = time.perf_counter() - start
+        return view, await self._fetch_manifest(exchange, round, view, times)
+
+    async def _fetch_manifest(self, exchange, round: int, view, times: RoundTimes) -> dict[str, bytes]:
         self._state = "transferring"
         start = time.perf_counter()
         wanted = {e.peer_id: e.packet_digest for e in view.manifest}
         hints = {e.peer_id: e.multiaddrs for e in view.manifest}
         payloads = await exchange.fetch(round, wanted, hints, timeout_s=self.config.fetch_timeout_s)
         times.transfer_s = time.perf_counter() - start
-        return view, payloads
+        return payloads
 
     async def _collect_and_prepare(self, client, exchange, round: int, times: RoundTimes):
         """With overlap, all of a round's outer work that needs no parameter, beside the next round's training."""
@@ -541,12 +544,7 @@ class Node:
         from node.params import param_digest
 
         if payloads is None:
-            self._state = "transferring"
-            start = time.perf_counter()
-            wanted = {e.peer_id: e.packet_digest for e in view.manifest}
-            hints = {e.peer_id: e.multiaddrs for e in view.manifest}
-            payloads = await exchange.fetch(round, wanted, hints, timeout_s=self.config.fetch_timeout_s)
-            times.transfer_s = time.perf_counter() - start
+            payloads = await self._fetch_manifest(exchange, round, view, times)
         public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
         await self.faults.at_phase(Phase.TRANSFER, round, exchange=exchange, peer_id=self.peer_id)
         missing = sorted({e.peer_id for e in view.manifest} - set(payloads))
