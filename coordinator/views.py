@@ -199,10 +199,16 @@ class Views:
             if report.round not in majorities:
                 round_row = self.storage.get_round(run.run_id, report.round)
                 majorities[report.round] = round_row.majority_digest if round_row else None
+        # Stragglers: live peers expected in the last closed round that it closed without.
+        last_closed = run.current_round - 1
+        submitted = ({s.peer_id for s in self.storage.list_submissions(run.run_id, last_closed)}
+                     if last_closed >= 0 else set())
         views = []
         for peer in peers:
             report = latest_applied.get(peer.peer_id)
             mismatch = report is not None and report.params_digest != majorities[report.round]
+            straggler = (last_closed >= 0 and peer.status == "live" and peer.member_since_round <= last_closed
+                         and peer.peer_id not in submitted)
             views.append(
                 PeerView(
                     peer_id=peer.peer_id,
@@ -220,7 +226,7 @@ class Views:
                         if peer.progress_round is None
                         else max(0, run.current_round - peer.progress_round)
                     ),
-                    flags=["params_mismatch"] if mismatch else [],
+                    flags=(["params_mismatch"] if mismatch else []) + (["straggler"] if straggler else []),
                     mismatch_round=report.round if mismatch and report else None,
                     listen_multiaddrs=json.loads(peer.listen_multiaddrs),
                 )

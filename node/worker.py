@@ -117,6 +117,7 @@ class Node:
         self._in_flight_times = RoundTimes()
         self._background: set[asyncio.Task] = set()  # snapshot publications
         self._state, self._round, self._last_loss = "joining", 0, None
+        self._bandwidth_mbps: float | None = None  # measured on the last round's packet downloads
 
     def stop(self) -> None:
         """Ask the loop to leave after the current step (signal handlers call this)."""
@@ -241,7 +242,8 @@ class Node:
         while True:
             await asyncio.sleep(max(0.5, interval_s))
             try:
-                await self._signed(client.heartbeat, self._round, self._state, train_loss=self._last_loss)
+                await self._signed(client.heartbeat, self._round, self._state, train_loss=self._last_loss,
+                                   bandwidth_mbps=self._bandwidth_mbps)
             except CoordinatorError as e:
                 log.warning("heartbeat failed: %s", e)
 
@@ -492,6 +494,9 @@ class Node:
         traffic = exchange.traffic(applied_round)
         report.digest, report.num_packets, report.refused = self._digest, len(applied.accepted), applied.refused
         report.downloaded_bytes = traffic.downloaded_bytes
+        transfer_s = times.transfer_s or times.hidden_transfer_s
+        if traffic.downloaded_bytes and transfer_s > 0.01:  # goes to the coordinator with the heartbeats
+            self._bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / transfer_s / 1e6)
         report.uploaded_bytes = exchange.traffic(round).uploaded_bytes
         report.ended_at, report.applied_round = time.time(), applied_round
         return report

@@ -448,7 +448,10 @@ class PeerView(ResponseModel):
     last_loss: float | None
     last_seen_at: float
     lag_rounds: int | None = Field(description="Current round minus the peer's latest round.")
-    flags: list[str] = Field(description="'params_mismatch' when its digest lost the majority.")
+    flags: list[str] = Field(
+        description="'params_mismatch' when its digest lost the majority; 'straggler' when the last "
+        "closed round was cut off at its deadline without this live peer's packet."
+    )
     mismatch_round: int | None
     listen_multiaddrs: list[str]
 
