@@ -234,8 +234,9 @@ def test_holder_shut_down_mid_transfer_falls_back_to_another():
             await staller.shutdown()  # p2pd dies mid-transfer
             staller.release.set()
             assert await fetch == {"pub": data}
-            # Part of the first half may die in the daemons' buffers; all of the second copy arrives.
-            assert len(data) < fetcher.traffic(0).downloaded_bytes <= len(data) + len(data) // 2
+            # Part of the first half may die in the daemons' buffers; all of a second copy arrives. On a
+            # loaded machine a slow transfer can also be dropped and retried once: waste stays bounded.
+            assert len(data) < fetcher.traffic(0).downloaded_bytes < 3 * len(data)
 
     asyncio.run(scenario())
 
