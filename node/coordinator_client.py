@@ -86,6 +86,14 @@ class CoordinatorClient:
     async def runs(self) -> RunList:
         return RunList.model_validate(await self._call("GET", "/runs", signed=False))
 
+    async def run_info(self, run_id: str) -> dict:
+        return await self._call("GET", f"/runs/{run_id}", signed=False)
+
+    async def status(self, run_id: str | None = None, retry_for_s: float | None = None) -> dict:
+        """The run's status JSON (protocol.api.RunStatus), as the status page reads it."""
+        return await self._call("GET", f"/runs/{run_id or self.run_id}/status", signed=False,
+                                retry_for_s=retry_for_s)
+
     async def join(self, run_id: str, *, join_token: str | None, device: str, multiaddrs: list[str],
                    bandwidth_mbps: float | None = None) -> JoinResponse:
         request = JoinRequest(public_key=self.key.public_hex, join_token=join_token, device=device[:256],

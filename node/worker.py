@@ -138,10 +138,10 @@ class Node:
         exchange = None
         try:
             run_id = cfg.run_id or await self._pick_run(client)
-            run_info = await client._call("GET", f"/runs/{run_id}", signed=False)
+            run_info = await client.run_info(run_id)
             bootstrap = cfg.initial_peers or tuple(run_info["config"].get("dht_bootstrap", []))
             if not bootstrap:  # no fixed bootstrap: enter the swarm through the live members
-                status = await client._call("GET", f"/runs/{run_id}/status", signed=False)
+                status = await client.status(run_id)
                 bootstrap = tuple(m for peer in status["peers"] if peer["status"] == "live"
                                   for m in peer["listen_multiaddrs"])[:16]
             if self.faults:
@@ -192,7 +192,7 @@ class Node:
         deadline = time.monotonic() + self.config.fetch_timeout_s
         while time.monotonic() < deadline:
             try:
-                status = await client._call("GET", f"/runs/{client.run_id}/status", signed=False, retry_for_s=5.0)
+                status = await client.status(retry_for_s=5.0)
             except CoordinatorError:
                 return
             num_live = sum(p["status"] == "live" for p in status["peers"])
@@ -336,7 +336,7 @@ class Node:
             self._in_flight.cancel()
             self._in_flight = None
         while not self._stopping.is_set():
-            status = await client._call("GET", f"/runs/{client.run_id}/status", signed=False)
+            status = await client.status()
             current = status["current_round"]["round"] if status.get("current_round") else status["run"]["current_round"]
             majority = {h["round"] + 1: h["majority_digest"] for h in status["history"] if h["majority_digest"]}
             if self.params_round is not None and self.params_round < current:

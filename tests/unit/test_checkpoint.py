@@ -18,15 +18,7 @@ from node.params import flat_named_params, param_digest
 CFG = InnerConfig(warmup_steps=2, total_steps=10, batch_size=2, seq_len=16)
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """One intra-op thread: torch's OpenMP workers spin at every op barrier, so a 2-thread run
-    on 2 cores shared with another busy process (a benchmark, a parallel test) slows down tens
-    of times. These models are too small to gain from a second thread anyway."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def random_batches(seed: int):

@@ -12,15 +12,7 @@ from node.inner import InnerConfig, lr_at, make_inner_optimizer, run_inner_steps
 from node.model import build_model
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """One intra-op thread: torch's OpenMP workers spin at every op barrier, so a 2-thread run
-    on 2 cores shared with another busy process (a benchmark, a parallel test) slows down tens
-    of times. These models are too small to gain from a second thread anyway."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_lr_schedule_endpoints_exact():
