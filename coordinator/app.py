@@ -255,13 +255,17 @@ def create_app(
         run_id: RunIdPath,
         round_index: RoundPath,
         wait_s: Annotated[float, Query(ge=0.0, le=MAX_LONG_POLL_S)] = 0.0,
+        submitted_gt: Annotated[int | None, Query(ge=0)] = None,
     ) -> RoundView:
-        """Long-poll: answers once round `round_index` is closed, or after `wait_s` seconds."""
+        """Long-poll: answers once round `round_index` is closed, or (with `submitted_gt`) once more
+        than that many packets were submitted to it, or after `wait_s` seconds."""
         give_up_at = time.monotonic() + wait_s
         while True:
             event = events.current(run_id)
             service.advance(run_id)
             if service.round_is_settled(run_id, round_index):
+                break
+            if submitted_gt is not None and service.num_submitted(run_id, round_index) > submitted_gt:
                 break
             remaining_s = give_up_at - time.monotonic()
             if remaining_s <= 0:

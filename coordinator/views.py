@@ -102,6 +102,7 @@ class Views:
             )
             for s in submissions
         ]
+        manifest.sort(key=lambda e: e.peer_id)
         return RoundView(
             run_id=run_id,
             round=round_index,
@@ -110,9 +111,13 @@ class Views:
             deadline=round_row.deadline,
             closed_at=round_row.closed_at,
             num_submitted=len(submissions),
-            manifest=sorted(manifest, key=lambda e: e.peer_id) if closed else [],
+            manifest=manifest if closed else [],
+            submitted=[] if closed else manifest,
             majority_digest=round_row.majority_digest,
         )
+
+    def num_submitted(self, run_id: str, round_index: int) -> int:
+        return self.storage.count_submissions(run_id, round_index)
 
     def round_is_settled(self, run_id: str, round_index: int) -> bool:
         """True once a long-poll on this round has nothing left to wait for."""

@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 from deploy.netlab_report import format_table, summarize
-from deploy.netlab_topology import (REPO_ROOT, LabError, LinkSpec, Topology, cleanup_stale, lab_available,
-                                    read_line)
+from deploy.netlab_topology import (REPO_ROOT, SHAPERS, LabError, LinkSpec, Topology, cleanup_stale,
+                                    lab_available, read_line)
+from node.processes import stop_processes
 
 
 class LabSwarm:
@@ -180,28 +181,11 @@ class LabSwarm:
                                                                    f"finished; stopped with SIGINT"})
         self.say(f"the run finished {since_s:.0f} s ago; stopping nodes still running: "
                  + ", ".join(f"h{host}" for host, _ in running))
-        _stop_processes([node for _, node in running], grace_s=15.0)
+        stop_processes([node for _, node in running], grace_s=15.0)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """Stop every process this swarm started that still runs (nodes first, then the coordinator)."""
-        _stop_processes([*self.nodes, *([self.coordinator] if self.coordinator else [])], grace_s)
-
-
-def _stop_processes(processes: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGINT each running process, then SIGKILL its session (it and its children) after the grace."""
-    running = [p for p in processes if p.poll() is None]
-    for p in running:
-        p.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + grace_s
-    for p in running:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # each runs in its own session: the node and its p2pd child
-            except ProcessLookupError:
-                pass
-            p.wait()
+        """Stop every process this swarm started, nodes first, and what they left running (p2pd)."""
+        stop_processes([*self.nodes, *([self.coordinator] if self.coordinator else [])], grace_s)
 
 
 def _progress_line(status: dict) -> str:
@@ -233,7 +217,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         say(overlap_reason)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-netlab-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    topology = Topology(args.peers + 1, link)
+    topology = Topology(args.peers + 1, link, shaper=args.shaper)
     swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
                      top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
                      overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger)
@@ -243,7 +227,8 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     try:
         topology.up()
         say(f"lab {topology.prefix}*: {args.peers + 1} hosts on {topology.subnet}.0/24, "
-            f"{link.rate_mbps:g} Mbps each way per host")
+            f"{link.rate_mbps:g} Mbps each way per host, {link.delay_ms:g} ms one-way, {link.loss_pct:g} % loss "
+            f"({SHAPING[topology.shaper]})")
         if topology.delay_requested and not topology.delay_applied:
             say(f"NOTE: --delay-ms {link.delay_ms:g} / --loss-pct {link.loss_pct:g} NOT applied. {topology.delay_reason}")
         link_check = topology.probe_rate(sender=1, receiver=2 if args.peers >= 2 else 0)
@@ -279,18 +264,30 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         "namespace_prefix": topology.prefix, "subnet": f"{topology.subnet}.0/24",
         "link": {"rate_mbps": link.rate_mbps, "delay_ms": link.delay_ms, "loss_pct": link.loss_pct,
                  "delay_applied": topology.delay_applied, "delay_reason": topology.delay_reason,
-                 "shaping": "tbf on each host's egress and on the bridge-side veth (the host's ingress)"},
+                 "shaper": topology.shaper, "shaping": SHAPING.get(topology.shaper),
+                 "emulator_counters": topology.emulator_counters},
         "overlap": {"requested": args.overlap, "in_run_config": args.overlap and overlap_ok, "reason": overlap_reason},
         "run_id": swarm.run_id, "elapsed_s": time.monotonic() - started, "teardown_errors": teardown_errors,
     }
+
+
+SHAPING = {
+    "tc": "tbf on each host's egress and on the bridge-side veth (the host's ingress), netem for delay and loss",
+    "userspace": "deploy/linkem.py on TUN devices: a FIFO at the rate on each host's uplink and downlink, "
+                 "the one-way delay between them",
+    "auto": "not built",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deploy.netlab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=4, help="nodes, one per host h1..hN (h0 runs the coordinator)")
     parser.add_argument("--rate-mbps", type=float, default=100.0, help="each host's link, both directions (0: unshaped)")
-    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per host link (netem)")
-    parser.add_argument("--loss-pct", type=float, default=0.0, help="packet loss per host link, percent (netem)")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per host link")
+    parser.add_argument("--loss-pct", type=float, default=0.0, help="packet loss per host link, percent")
+    parser.add_argument("--shaper", choices=SHAPERS, default="auto",
+                        help="tc (tbf, netem), userspace (deploy/linkem.py), or auto: tc unless delay or loss "
+                             "is asked for and the kernel has no netem")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--preset", default="tiny", help="model preset (tiny, mini, small, ...)")
     parser.add_argument("--inner-steps", type=int, default=15, help="H, inner steps per round")

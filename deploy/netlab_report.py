@@ -6,15 +6,20 @@
 Per round, averaged over the peers that report it (every peer times its own round):
 
 - compute_s, encode_s, wait_s, transfer_s (and the slowest peer's), aggregate_s: the node's timers
-  on the round's critical path; with overlap, the transfer of the previous round's packets runs
-  behind compute and is reported as hidden_transfer_s (the transfer ratio then uses it);
+  on the round's critical path; wait_s runs from its submission to the round's close (packets
+  already submitted are fetched meanwhile), transfer_s from the close to the last packet in hand;
+  with overlap, the previous round's transfer runs behind compute (hidden_transfer_s);
+- fetching_s: the wall time during which the node had at least one of the round's packet fetches
+  in progress (DHT lookup, dial, request and bytes), early fetches included: the time its download
+  link had work;
 - round_s: the node's wall clock from the start of its inner steps to the end of its outer step
   (the sum of the timers for reports that lack the clock);
 - idle_s = round_s - compute_s - encode_s - aggregate_s: time the node's CPU waits on the network
   and on the other peers;
 - download_bytes: what one peer must fetch, the packets of every other peer in the round (its own
   is local); ideal_transfer_s = download_bytes * 8 / link rate; transfer_over_ideal, per peer then
-  averaged; 1.0 is a link kept full from the manifest's arrival to the last byte;
+  averaged; 1.0 is a link kept full whenever a fetch was in progress (fetching_s; transfer_s
+  for reports that lack it);
 - compute_utilization = compute_s / round_s, per peer then averaged;
 - swarm_cycle_s: the coordinator's time from the previous round's close to this one's (rounds close
   when the last packet is submitted, so this is the swarm's round time, slowest peer included).
@@ -44,7 +49,7 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> 
         "summary": {
             "rounds_averaged": [row["round"] for row in steady],
             **{name: _mean(row[name] for row in steady) for name in (
-                *TIMERS, "transfer_max_s", "round_s", "idle_s", "packet_bytes", "download_bytes",
+                *TIMERS, "transfer_max_s", "fetching_s", "round_s", "idle_s", "packet_bytes", "download_bytes",
                 "ideal_transfer_s", "transfer_over_ideal", "compute_utilization", "swarm_cycle_s")},
             "digests_agree_every_round": bool(rows) and all(row["digests_agree"] for row in rows),
         },
@@ -54,6 +59,11 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> 
 def _transfer_s(t: dict) -> float:
     """The packets' transfer time, on the critical path or (overlap) hidden behind compute."""
     return t["transfer_s"] or t.get("hidden_transfer_s", 0.0)
+
+
+def _fetching_s(r: dict) -> float:
+    """Time the node's download link had work for the round (older reports: the transfer timer)."""
+    return r.get("fetching_s") or _transfer_s(r["times"])
 
 
 def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[int, float]) -> dict:
@@ -74,13 +84,14 @@ def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[i
         **{name: _mean(t[name] for t in times) for name in TIMERS},
         "transfer_max_s": max((_transfer_s(t) for t in times), default=None),
         "hidden_transfer_s": _mean(t.get("hidden_transfer_s", 0.0) for t in times),
+        "fetching_s": _mean(_fetching_s(r) for r in per_peer),
         "round_s": _mean(round_s),
         "idle_s": _mean(total - t["compute_s"] - t["encode_s"] - t["aggregate_s"] for total, t in zip(round_s, times)),
         "packet_bytes": _mean(packet_bytes),
         "download_bytes": _mean(download_bytes),
         "measured_download_bytes": _mean(measured) if measured else None,
         "ideal_transfer_s": _mean(s for s in ideal_s if s is not None) if rate_bytes_per_s else None,
-        "transfer_over_ideal": _mean(_transfer_s(t) / s for t, s in zip(times, ideal_s) if s)
+        "transfer_over_ideal": _mean(_fetching_s(r) / s for r, s in zip(per_peer, ideal_s) if s)
         if rate_bytes_per_s else None,
         "compute_utilization": _mean(t["compute_s"] / total for t, total in zip(times, round_s) if total > 0),
         "swarm_cycle_s": closed_at[k] - closed_at[k - 1] if k in closed_at and k - 1 in closed_at else None,
@@ -104,6 +115,7 @@ COLUMNS = (  # (heading, key, format)
     ("wait", "wait_s", "{:.2f}s"),
     ("transfer", "transfer_s", "{:.2f}s"),
     ("xfer max", "transfer_max_s", "{:.2f}s"),
+    ("fetching", "fetching_s", "{:.2f}s"),
     ("aggregate", "aggregate_s", "{:.2f}s"),
     ("round", "round_s", "{:.2f}s"),
     ("idle", "idle_s", "{:.2f}s"),

@@ -6,11 +6,17 @@
     topology.probe_rate(sender=1, receiver=2)                 # measured TCP rate, Mbps
     topology.down()                     # removes exactly what up() made
 
-Each veth pair is made inside the bridge's namespace with its far end placed straight into the
-host's, so nothing appears in the root namespace and the hosts' addresses (10.213.X.0/24) exist
-only in the lab. Rate: tbf on the host's eth0 (its upload) and on the bridge-side veth (its
-download). Delay and loss: netem as the root of the host's eth0 with the tbf under it, where the
-kernel has netem; otherwise `delay_applied` stays False and `delay_reason` says why.
+Two ways to build the links (`shaper`):
+
+- "tc": each veth pair is made inside the bridge's namespace with its far end placed straight into
+  the host's, so nothing appears in the root namespace and the hosts' addresses (10.213.X.0/24)
+  exist only in the lab. Rate: tbf on the host's eth0 (its upload) and on the bridge-side veth
+  (its download). Delay and loss: netem as the root of the host's eth0 with the tbf under it.
+- "userspace": each host's eth0 is a TUN device and deploy/linkem.py, a child process of the
+  lab, carries the packets between them with the rate, delay and loss applied (for kernels
+  without netem). No bridge namespace.
+
+"auto" (the default) takes tc, unless delay or loss is asked for and the kernel has no netem.
 """
 
 from __future__ import annotations
@@ -44,9 +50,9 @@ class LabError(RuntimeError):
 class LinkSpec:
     """One host's access link; every host gets the same."""
 
-    rate_mbps: float  # both directions, tbf; 0 = unshaped
-    delay_ms: float = 0.0  # one-way, added on the host's egress (netem, where the kernel has it)
-    loss_pct: float = 0.0  # on the host's egress (netem)
+    rate_mbps: float  # both directions; 0 = unshaped
+    delay_ms: float = 0.0  # one-way, added on the host's egress
+    loss_pct: float = 0.0  # on the host's egress
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +124,29 @@ def _kill_namespace_processes(namespace: str, grace_s: float = 3.0) -> list[int]
     return found
 
 
-class Topology:
-    """The lab's namespaces, bridge, veth pairs and shapers; `up()` builds, `down()` removes."""
+def netem_available() -> tuple[bool, str]:
+    """Whether this kernel has the netem qdisc, tried on a veth in a namespace of its own."""
+    probe = f"{LAB_PREFIX}{os.getpid()}-netem"
+    try:
+        _run(["ip", "netns", "add", probe])
+        _run(["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"])
+        _run(["tc", "-n", probe, "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms"])
+    except LabError as e:
+        return False, f"this kernel has no usable netem qdisc (sch_netem): {e}"
+    finally:
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return True, "ok"
 
-    def __init__(self, num_hosts: int, link: LinkSpec):
+
+SHAPERS = ("auto", "tc", "userspace")
+
+
+class Topology:
+    """The lab's namespaces and links; `up()` builds, `down()` removes."""
+
+    def __init__(self, num_hosts: int, link: LinkSpec, shaper: str = "auto"):
+        if shaper not in SHAPERS:
+            raise ValueError(f"shaper must be one of {SHAPERS}, not {shaper!r}")
         global _lab_counter
         tag = str(os.getpid()) if _lab_counter == 0 else f"{os.getpid()}.{_lab_counter}"
         _lab_counter += 1
@@ -132,8 +157,12 @@ class Topology:
         self.hosts = [Host(f"{self.prefix}h{i}", f"{self.subnet}.{i + 1}") for i in range(num_hosts)]
         self.created: list[str] = []  # namespaces this object made, in order
         self.delay_requested = link.delay_ms > 0 or link.loss_pct > 0
-        self.delay_applied = False  # set by up() once netem is in place
+        self.delay_applied = False  # set by up() once netem or the emulator is in place
         self.delay_reason: str | None = None if self.delay_requested else "no delay or loss requested"
+        self.shaper_requested = shaper
+        self.shaper = shaper  # "tc" or "userspace" once up() decided
+        self.emulator: subprocess.Popen | None = None
+        self.emulator_counters: dict | None = None  # the emulator's last words, after down()
 
     def exec_args(self, host: int) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[host].namespace]
@@ -142,6 +171,36 @@ class Topology:
         taken = set(lab_namespaces(self.prefix))
         if taken:
             raise LabError(f"namespaces {sorted(taken)} already exist; run with --cleanup-stale")
+        if self.shaper == "auto":
+            has_netem, reason = netem_available() if self.delay_requested else (True, "")
+            self.shaper = "tc" if has_netem else "userspace"
+            if not has_netem:
+                self.delay_reason = f"{reason}; the userspace link emulator (deploy/linkem.py) applies them"
+        if self.shaper == "userspace":
+            self._up_userspace()
+        else:
+            self._up_tc()
+
+    def _up_userspace(self) -> None:
+        for host in self.hosts:
+            self._add_namespace(host.namespace)
+            _run(["ip", "-n", host.namespace, "tuntap", "add", "mode", "tun", "name", "eth0", "vnet_hdr"])
+            _run(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
+            _run(["ip", "-n", host.namespace, "link", "set", "eth0", "up"])
+        args = [sys.executable, "-m", "deploy.linkem", *(f"--host={h.namespace}={h.ip}" for h in self.hosts),
+                f"--rate-mbps={self.link.rate_mbps}", f"--delay-ms={self.link.delay_ms}",
+                f"--loss-pct={self.link.loss_pct}"]
+        self.emulator = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
+                                         start_new_session=True)
+        try:
+            read_line(self.emulator.stdout, 30.0, "ready")
+        except LabError as e:
+            self.emulator.kill()
+            _, err = self.emulator.communicate()
+            raise LabError(f"the link emulator did not start: {e}: {err.decode(errors='replace')[-500:]}") from e
+        self.delay_applied = self.delay_requested
+
+    def _up_tc(self) -> None:
         self._add_namespace(self.bridge_ns)
         _run(["ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])
@@ -211,7 +270,7 @@ class Topology:
 
     def down(self) -> list[str]:
         """Remove every namespace this lab made (their veths and the bridge go with them); return errors."""
-        errors = []
+        errors = self._stop_emulator()
         for name in reversed(self.created):
             killed = _kill_namespace_processes(name)
             if killed:
@@ -220,6 +279,27 @@ class Topology:
             if result.returncode != 0:
                 errors.append(f"{name}: {result.stderr.strip()}")
         self.created.clear()
+        return errors
+
+    def _stop_emulator(self) -> list[str]:
+        if self.emulator is None:
+            return []
+        errors = []
+        if self.emulator.poll() is not None:
+            errors.append(f"the link emulator had exited with {self.emulator.returncode}")
+        self.emulator.terminate()
+        try:
+            out, err = self.emulator.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.emulator.kill()
+            out, err = self.emulator.communicate()
+            errors.append("the link emulator did not stop on SIGTERM; killed")
+        lines = out.decode(errors="replace").strip().splitlines()
+        try:
+            self.emulator_counters = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            errors.append(f"the link emulator's output is not JSON: {err.decode(errors='replace')[-300:]}")
+        self.emulator = None
         return errors
 
     def probe_rate(self, sender: int, receiver: int) -> dict:

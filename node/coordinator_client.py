@@ -112,9 +112,10 @@ class CoordinatorClient:
         return SubmitResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/submit",
                                                               request))
 
-    async def round(self, round: int, wait_s: float = 0.0) -> RoundView:
-        data = await self._call("GET", f"/runs/{self.run_id}/rounds/{round}", params={"wait_s": wait_s},
-                                signed=False)
+    async def round(self, round: int, wait_s: float = 0.0, submitted_gt: int | None = None) -> RoundView:
+        """The round's view; with `wait_s`, once it closed (or more than `submitted_gt` packets came)."""
+        params = {"wait_s": wait_s} | ({"submitted_gt": submitted_gt} if submitted_gt is not None else {})
+        data = await self._call("GET", f"/runs/{self.run_id}/rounds/{round}", params=params, signed=False)
         return RoundView.model_validate(data)
 
     async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None) -> AppliedResponse:

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from node.processes import stop_processes
+
 
 def register(subparsers) -> None:
     node = subparsers.add_parser("node", help="run a volunteer node")
@@ -120,9 +122,7 @@ def _write_report(path: Path, node, reports) -> None:
     path.write_text(json.dumps({
         "peer_id": getattr(node, "peer_id", None),
         "preset": node.run_config.preset if hasattr(node, "run_config") else None,
-        "rounds": [{"round": r.round, "train_loss": r.train_loss, "digest": r.digest, "num_packets": r.num_packets,
-                    "packet_bytes": r.packet_bytes, "refused": r.refused, "submitted": r.submitted,
-                    "times": vars_of(r.times)} for r in reports],
+        "rounds": [vars_of(r) | {"times": vars_of(r.times)} for r in reports],
     }))
     if hasattr(node, "model"):
         save_file({n: p.detach().cpu().contiguous() for n, p in flat_named_params(node.model).items()},
@@ -297,23 +297,8 @@ class LocalSwarm:
             print(line, flush=True)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        children = [p for p in self.nodes if p.poll() is None]
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            children.append(self.coordinator)
-        for p in children:
-            p.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + grace_s
-        for p in children:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for p in self.nodes:  # what is left of each node's group: a killed node's p2pd
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        """Stop the nodes and the coordinator, and what is left of each node's session (its p2pd)."""
+        stop_processes([*self.nodes, *([self.coordinator] if self.coordinator is not None else [])], grace_s)
 
 
 def _final_val_loss(path: Path, preset: str, corpus) -> float:

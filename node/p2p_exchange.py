@@ -107,7 +107,7 @@ class ExchangeConfig:
     client_mode: bool = False  # join the DHT without serving DHT requests
     nat_port_map: bool | None = None  # UPnP/NAT-PMP; None = on unless every host address is loopback
     announce_ttl_s: float = 600.0  # DHT records expire this long after publication (a few rounds)
-    max_parallel_fetches: int = 4  # packets transferred at once by one fetch()
+    max_parallel_fetches: int = 8  # packets transferred at once, over all fetch() calls
     chunk_bytes: int = 512 << 10  # stream write size
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # refuse larger packets before buffering them
     connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
@@ -136,6 +136,17 @@ class Traffic:
     uploaded_bytes: int = 0
     num_fetched: int = 0  # verified packets obtained from others
     num_served: int = 0  # complete packets sent to others
+    fetch_spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each packet fetched
+
+    def fetching_s(self) -> float:
+        """Wall time during which at least one of the round's packets was being fetched (lookups,
+        dials and transfers included): the time the download link had work."""
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(self.fetch_spans):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +188,7 @@ class P2PExchange:
         self._dialed: set[str] = set()  # holders p2pd has addresses for (dialing costs a daemon round trip)
         self._pending_holders: list[tuple[str, dict]] = []  # holders records not yet stored
         self._flusher: asyncio.Task | None = None
+        self._fetch_slots = asyncio.Semaphore(config.max_parallel_fetches)  # shared by every fetch() call
 
     @classmethod
     async def create(cls, config: ExchangeConfig) -> "P2PExchange":
@@ -276,7 +288,6 @@ class P2PExchange:
         todo = {p: d for p, d in wanted.items() if p not in result}
         if not todo:
             return result
-        # One batched DHT search for the round's announcements and every wanted packet's extra holders.
         run_id = self.config.run_id
         keys: dict[str | None, str] = {None: packets_key(run_id, round)}
         for publisher in list(todo):
@@ -285,55 +296,75 @@ class P2PExchange:
             except ValueError as e:  # cannot be announced under that id, so nobody can serve it
                 log.warning("round %d: leaving out %r: %s", round, publisher, e)
                 del todo[publisher]
-        try:
-            found = await asyncio.wait_for(
-                self._dht.get_many(list(keys.values()), sufficient_expiration_time=float("inf")),
-                timeout=max(0.0, deadline - loop.time()))
-        except (asyncio.TimeoutError, OSError) as e:
-            log.warning("round %d: reading the DHT failed (%r); trying hinted holders only", round, e)
-            found = {}
-        announced = {a.peer_id: a for a in self._parse_found(keys[None], found.get(keys[None]), round, None)}
-        extra = {p: self._parse_found(keys[p], found.get(keys[p]), round, p) for p in todo}
-        limit = asyncio.Semaphore(self.config.max_parallel_fetches)
+        # One batched DHT search for the round's announcements and every wanted packet's extra
+        # holders, run beside the first downloads: a packet with hinted holders (the manifest's
+        # addresses) starts at once and needs the DHT only if they fail.
+        lookup = asyncio.ensure_future(self._lookup(keys, round, deadline))
 
         async def one(publisher: str, digest: str) -> bytes | None:
-            ann = announced.get(publisher)
-            size = ann.size_bytes if ann is not None and ann.digest == digest else None
-            state = _FetchState(round, publisher, digest, size)
+            state = _FetchState(round, publisher, digest, None)
             hints = _hinted_holders((holders_hint or {}).get(publisher, []), state)
+            started = loop.time()
             try:
-                return await asyncio.wait_for(self._fetch_one(state, ann, hints, extra[publisher], limit, deadline),
+                data = await asyncio.wait_for(self._fetch_one(state, hints, lookup, deadline),
                                               timeout=max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 log.warning("round %d: no holder served %s's packet within %.1f s", round, publisher, timeout_s)
                 return None
+            self.traffic(round).fetch_spans.append((started, loop.time()))
+            return data
 
         # Each fetcher takes the packets in its own random order, so that the first wave of
         # max_parallel_fetches transfers does not hit the same few publishers from every peer.
         order = self._rng.sample(list(todo.items()), len(todo))
-        fetched = await asyncio.gather(*(one(p, d) for p, d in order))
+        try:
+            fetched = await asyncio.gather(*(one(p, d) for p, d in order))
+        finally:
+            lookup.cancel()
         result |= {p: data for (p, _), data in zip(order, fetched) if data is not None}
         return result
 
-    async def _fetch_one(
-        self, state: _FetchState, ann: Announcement | None, hints: list[Announcement],
-        dht_holders: list[Announcement], limit: asyncio.Semaphore, deadline: float,
-    ) -> bytes:
-        """Try every known holder; then re-read the DHT for new ones, until one serves or the caller times out."""
+    async def _lookup(self, keys: dict[str | None, str], round: int, deadline: float):
+        """The round's announcements by publisher, and each wanted publisher's extra holders."""
         loop = asyncio.get_running_loop()
-        publisher_holder = ann.holder if ann is not None else None
+        try:
+            found = await asyncio.wait_for(
+                self._dht.get_many(list(keys.values()), sufficient_expiration_time=float("inf")),
+                timeout=max(0.0, deadline - loop.time()))
+        except Exception as e:  # a failed lookup leaves the hinted holders, not an error
+            log.warning("round %d: reading the DHT failed (%r); trying hinted holders only", round, e)
+            found = {}
+        announced = {a.peer_id: a for a in self._parse_found(keys[None], found.get(keys[None]), round, None)}
+        extra = {p: self._parse_found(k, found.get(k), round, p) for p, k in keys.items() if p is not None}
+        return announced, extra
+
+    async def _fetch_one(self, state: _FetchState, hints: list[Announcement], lookup: asyncio.Future,
+                         deadline: float) -> bytes:
+        """Try the hinted holders, then those the DHT knows, re-reading it for new ones until one
+        serves or the caller times out."""
+        loop = asyncio.get_running_loop()
+        ann, dht_holders, looked_up, hints_tried = None, [], False, False
         while True:
+            if not looked_up and (hints_tried or not hints or lookup.done()):
+                announced, extra = await asyncio.shield(lookup)
+                ann, dht_holders, looked_up = announced.get(state.publisher), extra.get(state.publisher, []), True
+                if ann is not None and ann.digest == state.digest:
+                    state.size_bytes = ann.size_bytes
             candidates = hints + [h for h in dht_holders if h.digest == state.digest]
             if ann is not None and ann.digest == state.digest:
                 candidates.append(ann)
-            for holder in _order_holders(candidates, state.banned, self.holder_id, publisher_holder, self._rng):
-                async with limit:
+            for holder in _order_holders(candidates, state.banned, self.holder_id, ann.holder if ann else None,
+                                         self._rng):
+                async with self._fetch_slots:
                     data = await self._try_holder(holder, state, deadline)
                 if data is not None:
                     self._held[(state.round, state.publisher)] = _Held(state.digest, data)
                     self.traffic(state.round).num_fetched += 1
                     self._announce_holder(state, len(data))
                     return data
+            hints_tried = True
+            if not looked_up:
+                continue  # the hinted holders failed: wait for the DHT's
             # Every known holder failed: wait for new ones (other peers finishing their fetches).
             await asyncio.sleep(min(self.config.holder_refresh_s, max(0.0, deadline - loop.time())))
             try:

@@ -81,6 +81,7 @@ class RoundReport:
     caught_up: bool = False
     packet_bytes: int = 0
     downloaded_bytes: int = 0  # stream bytes this node fetched for the round it applied
+    fetching_s: float = 0.0  # wall time with one of that round's fetches in progress (early ones included)
     uploaded_bytes: int = 0  # stream bytes it served to others for its own round
     started_at: float = 0.0  # unix time the round's inner steps began
     ended_at: float = 0.0  # unix time its outer step (or, with overlap, the previous round's) was applied
@@ -493,7 +494,7 @@ class Node:
             self.params_round = round + 1  # the start of round r+1, with round r still to land on it
         traffic = exchange.traffic(applied_round)
         report.digest, report.num_packets, report.refused = self._digest, len(applied.accepted), applied.refused
-        report.downloaded_bytes = traffic.downloaded_bytes
+        report.downloaded_bytes, report.fetching_s = traffic.downloaded_bytes, traffic.fetching_s()
         transfer_s = times.transfer_s or times.hidden_transfer_s
         if traffic.downloaded_bytes and transfer_s > 0.01:  # goes to the coordinator with the heartbeats
             self._bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / transfer_s / 1e6)
@@ -502,21 +503,43 @@ class Node:
         return report
 
     async def _collect(self, client, exchange, round: int, times: RoundTimes):
-        """Wait for the round's manifest, then fetch its packets (a subset if some holder failed)."""
+        """Wait for the round's manifest, fetching each packet as soon as it is submitted; then
+        fetch whatever the manifest lists that is not in hand yet (a subset if some holder failed).
+
+        The coordinator's long-poll answers at every new submission, so packets move while the
+        slower peers still train; only the last ones are left for after the round closes.
+        """
         self._state = "waiting"
         start = time.perf_counter()
-        view = await client.round(round, wait_s=30)
-        while view.state != "closed":
-            view = await client.round(round, wait_s=30)
-        times.wait_s = time.perf_counter() - start
-        return view, await self._fetch_manifest(exchange, round, view, times)
+        early: dict[tuple[str, str], asyncio.Task] = {}  # (peer, digest) -> its fetch, started before the close
+        try:
+            view = await client.round(round, wait_s=30, submitted_gt=0)
+            while view.state != "closed":
+                for e in view.submitted:
+                    if e.peer_id != self.peer_id and (e.peer_id, e.packet_digest) not in early:
+                        early[e.peer_id, e.packet_digest] = asyncio.create_task(exchange.fetch(
+                            round, {e.peer_id: e.packet_digest}, {e.peer_id: e.multiaddrs},
+                            timeout_s=self.config.fetch_timeout_s))
+                view = await client.round(round, wait_s=30, submitted_gt=view.num_submitted)
+            times.wait_s = time.perf_counter() - start
+            return view, await self._fetch_manifest(exchange, round, view, times, early)
+        finally:
+            for task in early.values():  # packets that did not make the manifest, or a stop
+                task.cancel()
 
-    async def _fetch_manifest(self, exchange, round: int, view, times: RoundTimes) -> dict[str, bytes]:
+    async def _fetch_manifest(self, exchange, round: int, view, times: RoundTimes,
+                              early: dict[tuple[str, str], asyncio.Task] | None = None) -> dict[str, bytes]:
         self._state = "transferring"
         start = time.perf_counter()
-        wanted = {e.peer_id: e.packet_digest for e in view.manifest}
-        hints = {e.peer_id: e.multiaddrs for e in view.manifest}
-        payloads = await exchange.fetch(round, wanted, hints, timeout_s=self.config.fetch_timeout_s)
+        payloads: dict[str, bytes] = {}
+        for e in view.manifest:
+            if (task := (early or {}).get((e.peer_id, e.packet_digest))) is not None:
+                payloads |= await task
+        rest = [e for e in view.manifest if e.peer_id not in payloads]
+        if rest:
+            payloads |= await exchange.fetch(round, {e.peer_id: e.packet_digest for e in rest},
+                                             {e.peer_id: e.multiaddrs for e in rest},
+                                             timeout_s=self.config.fetch_timeout_s)
         times.transfer_s = time.perf_counter() - start
         return payloads
 

@@ -404,6 +404,11 @@ class RoundView(ResponseModel):
     closed_at: float | None
     num_submitted: int
     manifest: list[ManifestEntry] = Field(description="Sorted by peer_id; empty until closed.")
+    submitted: list[ManifestEntry] = Field(
+        default_factory=list,
+        description="While open: the packets submitted so far, sorted by peer_id, so that peers can fetch "
+        "them before the round closes (each enters the manifest when it closes); empty once closed.",
+    )
     majority_digest: str | None = Field(description="Most reported params digest after apply.")
 
 

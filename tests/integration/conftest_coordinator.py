@@ -2,6 +2,7 @@
 
 - `FakeClock` and `coordinator_client`: the app in-process (TestClient) with a clock the test moves.
 - `SignedPeer`: a peer key plus the signing of its requests, over any httpx-like client.
+- `error_of`: the code of a refused request, checked to have the error body's shape.
 - `postgres_url`: a real PostgreSQL server started for the session from Debian's binaries, as the
   ``postgres`` OS user when we are root, on a unix socket in a temp dir; skipped with the reason
   when the binaries or the user are missing. `storage_url` gives each test its own schema.
@@ -128,6 +129,14 @@ def create_run(client: Any, **overrides: Any) -> str:
     response = client.post("/v1/runs", json=run_config(**overrides), headers=ADMIN_HEADERS)
     assert response.status_code == 200, response.text
     return response.json()["run_id"]
+
+
+def error_of(response: Any) -> str:
+    """The code of a refusal, after checking it is a 4xx whose body is ``{"error", "detail"}``."""
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error", "detail"} and body["detail"]
+    return body["error"]
 
 
 # -- in-process app ---------------------------------------------------------------------------

@@ -16,17 +16,11 @@ from tests.integration.conftest_coordinator import (
     REPO_ROOT,
     SignedPeer,
     create_run,
+    error_of,
     run_config,
 )
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def error_of(response) -> str:
-    assert 400 <= response.status_code < 500, (response.status_code, response.text)
-    body = response.json()
-    assert set(body) == {"error", "detail"} and body["detail"]
-    return body["error"]
 
 
 def test_create_list_get_close_run(coordinator_client, fake_clock):

@@ -14,15 +14,11 @@ from tests.integration.conftest_coordinator import (
     ADMIN_TOKEN,
     SignedPeer,
     create_run,
+    error_of,
     packet_digest,
 )
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def error_of(response) -> str:
-    assert 400 <= response.status_code < 500, (response.status_code, response.text)
-    return response.json()["error"]
 
 
 def peers_for(client, clock, run_id, count):

@@ -1,0 +1,239 @@
+"""A userspace link emulator for the network lab: per-host rate, one-way delay and loss, on TUN devices.
+
+    python -m deploy.linkem --host NS=IP --host NS=IP ... --rate-mbps 100 --delay-ms 20 [--loss-pct 0.5]
+
+For kernels without netem (sch_netem), which cannot add delay or loss with `tc`. Each lab host gets
+a TUN device `eth0` in its namespace instead of a veth on a bridge; this process holds all of them
+and is the network between them: a packet that host A sends to host B is read from A's device,
+queued on A's uplink (rate), carried for the one-way delay, queued on B's downlink (rate), and
+written to B's device. Both queues are FIFO servers at the link rate with a tail-drop limit of
+QUEUE_LIMIT_S of queueing (tbf's `latency`), so a link behaves as a tbf-shaped one with a
+propagation delay behind it: a round trip between two hosts takes 2 x delay plus the
+serialization times, as with netem on each host's egress.
+
+Cost: TCP's segmentation offload is switched on for the devices (IFF_VNET_HDR, TUNSETOFFLOAD),
+so the kernel hands over segments of up to 64 kB with a virtio-net header, and they are passed on
+whole; the links count every segment's headers. TCP still paces its congestion window in MTU-sized
+segments (MTU 1500), so slow start and loss recovery behave as on a real link. With loss
+requested the offload stays off and every 1500-byte packet is dropped with the given probability
+on its own, as netem does.
+
+Runs until SIGTERM or SIGINT, then prints one JSON line of counters (bytes and packets carried
+and dropped per host). It prints `ready` once every device is open. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import heapq
+import json
+import os
+import random
+import select
+import signal
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+
+CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
+TUNSETIFF = 0x400454CA
+TUNSETOFFLOAD = 0x400454D0
+IFF_TUN, IFF_NO_PI, IFF_VNET_HDR = 0x0001, 0x1000, 0x4000
+TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6 = 0x01, 0x02, 0x04
+VNET_HDR = struct.Struct("<BBHHHH")  # flags, gso_type, hdr_len, gso_size, csum_start, csum_offset
+ETHERNET_OVERHEAD = 14  # counted per segment, as tbf on a veth counts the Ethernet header
+QUEUE_LIMIT_S = 0.1  # a packet that would wait longer than this in a link's queue is dropped
+MAX_READS_PER_WAKE = 64
+DEVICE = "eth0"
+
+
+@dataclass(slots=True)
+class Counters:
+    sent_bytes: int = 0  # wire bytes this host sent that reached their destination
+    received_bytes: int = 0
+    packets: int = 0
+    dropped_loss: int = 0
+    dropped_queue: int = 0
+    dropped_unroutable: int = 0
+
+
+@dataclass(slots=True)
+class HostLink:
+    namespace: str
+    ip: bytes  # 4 bytes
+    fd: int = -1
+    uplink_free_at: float = 0.0  # when the uplink finishes sending what is queued on it
+    downlink_free_at: float = 0.0
+    counters: Counters = field(default_factory=Counters)
+
+
+class LinkEmulator:
+    def __init__(self, hosts: list[tuple[str, str]], *, rate_mbps: float, delay_ms: float, loss_pct: float,
+                 seed: int | None = None):
+        self.hosts = [HostLink(ns, bytes(int(x) for x in ip.split("."))) for ns, ip in hosts]
+        self.by_ip = {h.ip: i for i, h in enumerate(self.hosts)}
+        self.seconds_per_byte = 8 / (rate_mbps * 1e6) if rate_mbps > 0 else 0.0
+        self.delay_s = delay_ms / 1000
+        self.loss = loss_pct / 100
+        self.offload = self.loss == 0
+        self.rng = random.Random(seed)
+        self.events: list[tuple[float, int, int, int, bytes]] = []  # (due, seq, kind, host, packet)
+        self.seq = 0
+        self.running = True
+
+    # -- devices ------------------------------------------------------------------------------
+
+    def open_devices(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        home = os.open("/proc/self/ns/net", os.O_RDONLY)
+        try:
+            for host in self.hosts:
+                target = os.open(f"/run/netns/{host.namespace}", os.O_RDONLY)
+                try:
+                    if libc.setns(target, CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {host.namespace}")
+                    host.fd = self._open_tun()
+                finally:
+                    os.close(target)
+                    if libc.setns(home, CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), "setns back to the lab's own namespace")
+        finally:
+            os.close(home)
+
+    def _open_tun(self) -> int:
+        fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", DEVICE.encode(), IFF_TUN | IFF_NO_PI | IFF_VNET_HDR))
+        fcntl.ioctl(fd, TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 if self.offload else 0)
+        return fd
+
+    # -- the links ----------------------------------------------------------------------------
+
+    def wire_bytes(self, packet: bytes) -> int:
+        """Bytes on the wire: a segmentation-offload packet is counted as the segments it becomes."""
+        _, gso_type, hdr_len, gso_size, _, _ = VNET_HDR.unpack_from(packet)
+        length = len(packet) - VNET_HDR.size
+        if gso_type == 0 or gso_size == 0 or length <= hdr_len:
+            return length + ETHERNET_OVERHEAD
+        segments = -(-(length - hdr_len) // gso_size)
+        return length + (segments - 1) * hdr_len + segments * ETHERNET_OVERHEAD
+
+    def _push(self, due: float, kind: int, host: int, packet: bytes) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (due, self.seq, kind, host, packet))
+
+    def sent(self, source: int, packet: bytes, now: float) -> None:
+        """Host `source` sent `packet` (read from its device): queue it on its uplink."""
+        src = self.hosts[source]
+        ip_header = VNET_HDR.size
+        if len(packet) < ip_header + 20 or packet[ip_header] >> 4 != 4:
+            src.counters.dropped_unroutable += 1  # IPv6 and anything else: the lab is IPv4 only
+            return
+        dest = self.by_ip.get(packet[ip_header + 16:ip_header + 20])
+        if dest is None or dest == source:
+            src.counters.dropped_unroutable += 1
+            return
+        if self.loss and self.rng.random() < self.loss:
+            src.counters.dropped_loss += 1
+            return
+        size = self.wire_bytes(packet)
+        start = max(now, src.uplink_free_at)
+        if start - now > QUEUE_LIMIT_S:
+            src.counters.dropped_queue += 1
+            return
+        src.uplink_free_at = start + size * self.seconds_per_byte
+        self._push(src.uplink_free_at + self.delay_s, 0, dest, packet)
+
+    def arrived(self, dest: int, packet: bytes, now: float) -> None:
+        """The packet reached the far end of the path: queue it on the destination's downlink."""
+        dst = self.hosts[dest]
+        start = max(now, dst.downlink_free_at)
+        if start - now > QUEUE_LIMIT_S:
+            dst.counters.dropped_queue += 1
+            return
+        dst.downlink_free_at = start + self.wire_bytes(packet) * self.seconds_per_byte
+        self._push(dst.downlink_free_at, 1, dest, packet)
+
+    def deliver(self, dest: int, packet: bytes) -> None:
+        dst = self.hosts[dest]
+        try:
+            os.write(dst.fd, packet)
+        except (BlockingIOError, OSError):
+            dst.counters.dropped_queue += 1
+            return
+        dst.counters.received_bytes += self.wire_bytes(packet)
+        dst.counters.packets += 1
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = select.poll()
+        host_of = {}
+        for i, host in enumerate(self.hosts):
+            poller.register(host.fd, select.POLLIN)
+            host_of[host.fd] = i
+        buffer_size = VNET_HDR.size + 65536
+        while self.running:
+            now = time.monotonic()
+            while self.events and self.events[0][0] <= now:
+                _, _, kind, host, packet = heapq.heappop(self.events)
+                if kind == 0:
+                    self.arrived(host, packet, now)
+                else:
+                    self.deliver(host, packet)
+            timeout_ms = None
+            if self.events:
+                timeout_ms = max(0.0, (self.events[0][0] - time.monotonic()) * 1000)
+            try:
+                ready = poller.poll(min(timeout_ms, 500.0) if timeout_ms is not None else 500.0)
+            except InterruptedError:
+                continue
+            now = time.monotonic()
+            for fd, _ in ready:
+                source = host_of[fd]
+                for _ in range(MAX_READS_PER_WAKE):
+                    try:
+                        packet = os.read(fd, buffer_size)
+                    except BlockingIOError:
+                        break
+                    self.sent(source, packet, now)
+
+    def stop(self, *_) -> None:
+        self.running = False
+
+    def counters(self) -> dict:
+        return {h.namespace: {"rx_bytes": h.counters.received_bytes, "packets": h.counters.packets,
+                              "dropped_loss": h.counters.dropped_loss, "dropped_queue": h.counters.dropped_queue,
+                              "dropped_unroutable": h.counters.dropped_unroutable} for h in self.hosts}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.linkem", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", action="append", required=True, metavar="NAMESPACE=IP",
+                        help="a lab host: its namespace (holding TUN device eth0) and IPv4 address")
+    parser.add_argument("--rate-mbps", type=float, default=0.0, help="each host's link, both directions (0: unshaped)")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay between a host and the network")
+    parser.add_argument("--loss-pct", type=float, default=0.0, help="loss on each host's uplink, percent")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    hosts = [tuple(spec.split("=", 1)) for spec in args.host]
+    emulator = LinkEmulator(hosts, rate_mbps=args.rate_mbps, delay_ms=args.delay_ms, loss_pct=args.loss_pct,
+                            seed=args.seed)
+    signal.signal(signal.SIGTERM, emulator.stop)
+    signal.signal(signal.SIGINT, emulator.stop)
+    # The lab owns this process: if the lab dies (SIGKILL), so does the emulator.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:
+        return 1
+    emulator.open_devices()
+    print("ready", flush=True)
+    emulator.run()
+    print(json.dumps(emulator.counters()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
