@@ -232,7 +232,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         if topology.delay_requested and not topology.delay_applied:
             say(f"NOTE: --delay-ms {link.delay_ms:g} / --loss-pct {link.loss_pct:g} NOT applied. {topology.delay_reason}")
         link_check = topology.probe_rate(sender=1, receiver=2 if args.peers >= 2 else 0)
-        say(f"link check h1 -> h2: {link_check['mbps']:.1f} Mbps measured")
+        say(f"link check h1 -> h2: {link_check['mbps']:.1f} Mbps, round trip {link_check['rtt_ms']:.1f} ms measured")
         bytes_before = topology.interface_bytes()
         reports, status = swarm.run(args.timeout)
         bytes_after = topology.interface_bytes()
@@ -341,9 +341,15 @@ def main(argv: list[str] | None = None) -> int:
         delay = (f"{link['delay_ms']:g} ms one-way, {link['loss_pct']:g} % loss" if link["delay_applied"]
                  else "no delay or loss" if not (link["delay_ms"] or link["loss_pct"])
                  else f"delay/loss NOT applied ({link['delay_reason']})")
+        if counters := link.get("emulator_counters"):
+            carried = sum(c["packets"] for c in counters.values())
+            queue = sum(c["dropped_queue"] for c in counters.values())
+            lost = sum(c["dropped_loss"] for c in counters.values())
+            print(f"link emulator: {carried:,} packets carried, {queue:,} dropped by full queues, {lost:,} lost")
         for straggler in result["stragglers"]:
             print(f"INCOMPLETE: {straggler['host']} {straggler['reason']}")
-        print(f"\n{args.peers} peers, {link['rate_mbps']:g} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps), "
+        print(f"\n{args.peers} peers, {link['rate_mbps']:g} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "
+              f"round trip {result['link_check']['rtt_ms']:.1f} ms), "
               f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}; logs in {result['workdir']}")
     return 0 if result["completed"] and result["summary"]["digests_agree_every_round"] else 1
 

@@ -3,6 +3,7 @@
     python -m deploy.netlab_helpers http METHOD URL [--token-env VAR]   body on stdin (JSON or empty)
     python -m deploy.netlab_helpers sink HOST                           prints "port P", then the result
     python -m deploy.netlab_helpers source HOST PORT NUM_BYTES
+    python -m deploy.netlab_helpers rtt HOST                            prints {"rtt_ms": median of 5}
 
 The lab's own process stays in the root namespace, where the lab's addresses do not exist, so
 every request to the coordinator and every throughput probe runs as one of these short-lived
@@ -12,7 +13,8 @@ tens of milliseconds, so polling the coordinator this way costs little.
 `http` prints one JSON object {"status": int, "body": <parsed JSON or text>} and exits 0 whatever
 the HTTP status (non-zero only when no answer came). `sink` accepts one connection, reads to EOF
 and prints {"bytes": n, "seconds": s} timed from the first byte to EOF, so connection set-up and
-the sender's start-up do not count.
+the sender's start-up do not count. `rtt` times TCP connection attempts to a port nobody listens on
+(the refusal comes back after one round trip).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 import urllib.error
@@ -76,12 +79,27 @@ def source(host: str, port: int, num_bytes: int) -> int:
     return 0
 
 
+def rtt(host: str, closed_port: int = 9, tries: int = 5) -> int:
+    samples = []
+    for _ in range(tries):
+        start = time.perf_counter()
+        try:
+            socket.create_connection((host, closed_port), timeout=10).close()
+        except ConnectionRefusedError:
+            pass
+        samples.append((time.perf_counter() - start) * 1000)
+    print(json.dumps({"rtt_ms": statistics.median(samples)}), flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[0] == "http":
         token_env = argv[4] if len(argv) == 5 and argv[3] == "--token-env" else None
         return http(argv[1], argv[2], token_env)
     if len(argv) == 2 and argv[0] == "sink":
         return sink(argv[1])
+    if len(argv) == 2 and argv[0] == "rtt":
+        return rtt(argv[1])
     if len(argv) == 4 and argv[0] == "source":
         return source(argv[1], int(argv[2]), int(argv[3]))
     print(__doc__, file=sys.stderr)

@@ -61,9 +61,10 @@ def _transfer_s(t: dict) -> float:
     return t["transfer_s"] or t.get("hidden_transfer_s", 0.0)
 
 
-def _fetching_s(r: dict) -> float:
-    """Time the node's download link had work for the round (older reports: the transfer timer)."""
-    return r.get("fetching_s") or _transfer_s(r["times"])
+def _fetching_s(r: dict) -> float | None:
+    """Time the node's download link had work for the round (older reports: the transfer timer);
+    None when it fetched nothing (with overlap, its first round applies no packets yet)."""
+    return r.get("fetching_s") or _transfer_s(r["times"]) or None
 
 
 def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[int, float]) -> dict:
@@ -91,7 +92,7 @@ def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[i
         "download_bytes": _mean(download_bytes),
         "measured_download_bytes": _mean(measured) if measured else None,
         "ideal_transfer_s": _mean(s for s in ideal_s if s is not None) if rate_bytes_per_s else None,
-        "transfer_over_ideal": _mean(_fetching_s(r) / s for r, s in zip(per_peer, ideal_s) if s)
+        "transfer_over_ideal": _mean(f / s for r, s in zip(per_peer, ideal_s) if s and (f := _fetching_s(r)))
         if rate_bytes_per_s else None,
         "compute_utilization": _mean(t["compute_s"] / total for t, total in zip(times, round_s) if total > 0),
         "swarm_cycle_s": closed_at[k] - closed_at[k - 1] if k in closed_at and k - 1 in closed_at else None,

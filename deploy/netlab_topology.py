@@ -303,7 +303,7 @@ class Topology:
         return errors
 
     def probe_rate(self, sender: int, receiver: int) -> dict:
-        """TCP throughput from one host to another through both hosts' shapers."""
+        """TCP throughput from one host to another through both hosts' shapers, and the round trip."""
         num_bytes = max(1 << 18, int(self.link.rate_mbps * 1e6 / 8 * PROBE_SECONDS)) if self.link.rate_mbps else 8 << 20
         helper = [sys.executable, "-m", "deploy.netlab_helpers"]
         sink = subprocess.Popen([*self.exec_args(receiver), *helper, "sink", self.hosts[receiver].ip],
@@ -318,7 +318,9 @@ class Topology:
                 sink.kill()
                 sink.wait()
         mbps = result["bytes"] * 8 / result["seconds"] / 1e6 if result["seconds"] > 0 else None
-        return {"bytes": result["bytes"], "seconds": result["seconds"], "mbps": mbps,
+        rtt = _run([*self.exec_args(sender), *helper, "rtt", self.hosts[receiver].ip])
+        result["rtt_ms"] = json.loads(rtt.stdout.strip().splitlines()[-1])["rtt_ms"]
+        return {"bytes": result["bytes"], "seconds": result["seconds"], "mbps": mbps, "rtt_ms": result["rtt_ms"],
                 "ratio_to_rate": mbps / self.link.rate_mbps if mbps and self.link.rate_mbps else None}
 
 

@@ -92,6 +92,10 @@ def _join(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("hivemind").setLevel(logging.WARNING)
+    # LOCOSWARM_LOG_LEVEL=DEBUG adds a line per packet fetched (holder, bytes, latency, rate).
+    level = os.environ.get("LOCOSWARM_LOG_LEVEL", "INFO").upper()
+    for name in ("locoswarm", "node"):  # the round loop's logger, and the modules' own
+        logging.getLogger(name).setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
     try:
         config = load_node_config(Path(args.config) if args.config else None,
                                   {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})

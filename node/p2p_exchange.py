@@ -398,6 +398,7 @@ class P2PExchange:
             return max(0.0, min(limit_s, deadline - loop.time()))
 
         peer = PeerID.from_base58(holder.holder)
+        started = loop.time()
         if holder.multiaddrs and holder.holder not in self._dialed:
             # p2pd takes the peer id separately and refuses addresses that still end in /p2p/<id>.
             suffix = f"/p2p/{holder.holder}"
@@ -423,6 +424,7 @@ class P2PExchange:
                 raise OversizedPacket(f"holder offers {length} bytes, the limit is {cfg.max_packet_bytes}")
             if state.size_bytes is not None and length != state.size_bytes:
                 raise MalformedPacket(f"holder offers {length} bytes, the announcement says {state.size_bytes}")
+            answered = loop.time()
             # Grown as bytes arrive, not allocated from the claimed length: a hostile holder
             # announcing 256 MB costs us only what it actually sends before it is dropped.
             buffer, hasher, received = bytearray(), hashlib.sha256(), 0
@@ -439,6 +441,10 @@ class P2PExchange:
             if hasher.hexdigest() != state.digest:
                 raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
                                      f"wanted {state.digest[:16]}...")
+            done = loop.time()
+            log.debug("round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps)",
+                      state.round, state.publisher, holder.holder[-8:], length, answered - started, done - answered,
+                      length * 8 / max(done - answered, 1e-6) / 1e6)
             return bytes(buffer)
         finally:
             writer.close()

@@ -203,6 +203,43 @@ def test_long_poll_wakes_when_the_round_closes(coordinator_client, fake_clock):
     assert result["at"] - closed_at < 5.0
 
 
+def test_long_poll_answers_each_submission_with_the_packets_so_far(coordinator_client, fake_clock):
+    """Peers fetch packets before the round closes: `submitted_gt=n` answers once more than n packets
+    came, listing them (not yet a manifest); the list empties into the manifest at the close."""
+    client = coordinator_client
+    run_id = create_run(client, min_peers=3)
+    a, b, c = peers_for(client, fake_clock, run_id, 3)
+    started = time.monotonic()
+    view = round_of(client, run_id, 0, wait_s=0.2)
+    assert time.monotonic() - started >= 0.2  # nothing submitted: the poll waits its full time
+    assert view["state"] == "open" and view["submitted"] == [] and view["manifest"] == []
+    a.submit(run_id, 0)
+    result: dict = {}
+
+    def long_poll() -> None:
+        result["view"] = client.get(f"/v1/runs/{run_id}/rounds/0?wait_s=20&submitted_gt=1").json()
+
+    waiter = threading.Thread(target=long_poll)
+    waiter.start()
+    events = client.app.state.events
+    deadline = time.monotonic() + 10
+    while events.num_waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events.num_waiting == 1, "one packet is not more than submitted_gt=1: the poll should park"
+    b.submit(run_id, 0)
+    waiter.join(timeout=20)
+    view = result["view"]
+    assert view["state"] == "open" and view["num_submitted"] == 2 and view["manifest"] == []
+    assert [e["peer_id"] for e in view["submitted"]] == sorted([a.peer_id, b.peer_id])
+    assert {e["packet_digest"] for e in view["submitted"]} == {packet_digest(p.peer_id, 0) for p in (a, b)}
+    assert all(e["public_key"] and e["packet_size_bytes"] > 0 for e in view["submitted"])
+    c.submit(run_id, 0)
+    closed = round_of(client, run_id, 0)
+    assert closed["state"] == "closed" and closed["submitted"] == [] and len(closed["manifest"]) == 3
+    bad = client.get(f"/v1/runs/{run_id}/rounds/0?submitted_gt=-1")
+    assert bad.status_code == 422
+
+
 def test_restart_on_the_same_database_resumes(tmp_path, fake_clock):
     from fastapi.testclient import TestClient
 
