@@ -34,6 +34,18 @@ def round_of(client, run_id, round_index, wait_s=0.0):
     return response.json()
 
 
+def start_parked(client, long_poll) -> threading.Thread:
+    """Run `long_poll` in a thread and return once its request is parked on the run's event."""
+    waiter = threading.Thread(target=long_poll)
+    waiter.start()
+    events = client.app.state.events
+    deadline = time.monotonic() + 10
+    while events.num_waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events.num_waiting == 1, "the long-poll should be parked on the run's event"
+    return waiter
+
+
 def test_round_zero_waits_for_min_peers_then_closes_early(coordinator_client, fake_clock):
     client = coordinator_client
     run_id = create_run(client, min_peers=3)
@@ -189,13 +201,7 @@ def test_long_poll_wakes_when_the_round_closes(coordinator_client, fake_clock):
         result["view"] = round_of(client, run_id, 0, wait_s=20)
         result["at"] = time.monotonic()
 
-    waiter = threading.Thread(target=long_poll)
-    waiter.start()
-    events = client.app.state.events
-    deadline = time.monotonic() + 10
-    while events.num_waiting == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert events.num_waiting == 1, "the long-poll should be parked on the run's event"
+    waiter = start_parked(client, long_poll)
     closed_at = time.monotonic()
     b.submit(run_id, 0)
     waiter.join(timeout=20)
@@ -219,13 +225,7 @@ def test_long_poll_answers_each_submission_with_the_packets_so_far(coordinator_c
     def long_poll() -> None:
         result["view"] = client.get(f"/v1/runs/{run_id}/rounds/0?wait_s=20&submitted_gt=1").json()
 
-    waiter = threading.Thread(target=long_poll)
-    waiter.start()
-    events = client.app.state.events
-    deadline = time.monotonic() + 10
-    while events.num_waiting == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert events.num_waiting == 1, "one packet is not more than submitted_gt=1: the poll should park"
+    waiter = start_parked(client, long_poll)  # one packet is not more than submitted_gt=1: it parks
     b.submit(run_id, 0)
     waiter.join(timeout=20)
     view = result["view"]
