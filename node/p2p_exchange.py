@@ -25,6 +25,8 @@ Packet stream, protocol "locoswarm.packet.v1" (a libp2p stream opened through th
     response  u8 status, u64 big-endian length N, then N bytes:
               status 0: the packet bytes (written in `chunk_bytes` pieces, 512 KiB by default)
               status 1: a UTF-8 error message (N at most 512), e.g. "not held"
+              status 2: busy: every upload slot is taken; N bytes (at most 512) of msgpack list
+                        of up to 8 libp2p peer ids (base58) this holder has sent the packet to
 
 A holder answers only for a packet it holds with exactly the requested digest; a request that is
 malformed, for another run, or for a packet not held gets an error frame, and one that does not
@@ -33,6 +35,13 @@ refuses a length that differs from the announced size (or exceeds `max_packet_by
 before buffering, hashes while reading, drops a holder that stalls for `stall_timeout_s`, and on a
 digest mismatch bans that holder for this fetch and tries the next one. A verified copy is kept,
 served, and announced under the holders key, so later fetchers spread their load over it.
+
+Swarming: a holder serves at most `max_uploads` streams at once, so each gets a fair share of its
+uplink, and answers further requests "busy" with the peers it already sent that packet to. The
+fetcher tries those at once (they hold verified copies, or will in a moment), so a packet spreads
+as a tree, each copy feeding the next, instead of every peer pulling it through the publisher's
+uplink at 1/(N-1) of its rate; only when every holder it knows is busy does it pause briefly
+(`busy_pause_s`, doubling) and ask again.
 
 Things hivemind 1.1.12 does not do for us, and how this module copes:
 
@@ -76,7 +85,8 @@ log = logging.getLogger(__name__)
 HANDLER_NAME = "locoswarm.packet.v1"
 REQUEST_PREFIX = struct.Struct(">I")
 RESPONSE_HEADER = struct.Struct(">BQ")
-STATUS_OK, STATUS_ERROR = 0, 1
+STATUS_OK, STATUS_ERROR, STATUS_BUSY = 0, 1, 2
+MAX_BUSY_NAMES = 8  # peers named in a busy answer
 MAX_REQUEST_BYTES = 1024
 MAX_ERROR_BYTES = 512
 REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
@@ -84,6 +94,14 @@ REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
 
 class DigestMismatch(ProtocolError):
     """A holder sent bytes whose sha256 is not the digest asked for."""
+
+
+class HolderBusy(Exception):
+    """Every upload slot of the holder is taken; `holders` are peers it already sent the packet to."""
+
+    def __init__(self, holders: list[str]):
+        super().__init__(f"busy; try {len(holders)} other holders")
+        self.holders = holders
 
 
 class HolderRefused(ProtocolError):
@@ -108,6 +126,8 @@ class ExchangeConfig:
     nat_port_map: bool | None = None  # UPnP/NAT-PMP; None = on unless every host address is loopback
     announce_ttl_s: float = 600.0  # DHT records expire this long after publication (a few rounds)
     max_parallel_fetches: int = 8  # packets transferred at once, over all fetch() calls
+    max_uploads: int = 2  # streams served at once; further requests are answered busy
+    busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.8 s)
     chunk_bytes: int = 512 << 10  # stream write size
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # refuse larger packets before buffering them
     connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
@@ -122,8 +142,8 @@ class ExchangeConfig:
         packets_key(self.run_id, 0)  # raises ValueError for a run id that cannot be part of a key
         if not self.host_maddrs:
             raise ValueError("host_maddrs must name at least one address to listen on")
-        if self.max_parallel_fetches < 1 or self.chunk_bytes < 1 or self.max_packet_bytes < 1:
-            raise ValueError("max_parallel_fetches, chunk_bytes and max_packet_bytes must be positive")
+        if min(self.max_parallel_fetches, self.max_uploads, self.chunk_bytes, self.max_packet_bytes) < 1:
+            raise ValueError("max_parallel_fetches, max_uploads, chunk_bytes and max_packet_bytes must be positive")
         if min(self.announce_ttl_s, self.connect_timeout_s, self.stall_timeout_s, self.request_timeout_s) <= 0:
             raise ValueError("time-outs and the announcement lifetime must be positive")
 
@@ -163,6 +183,7 @@ class Reachability:
 class _Held:
     digest: str
     data: bytes
+    sent_to: list[str] = field(default_factory=list)  # libp2p ids of peers that received all of it
 
 
 @dataclass(slots=True)
@@ -189,6 +210,8 @@ class P2PExchange:
         self._pending_holders: list[tuple[str, dict]] = []  # holders records not yet stored
         self._flusher: asyncio.Task | None = None
         self._fetch_slots = asyncio.Semaphore(config.max_parallel_fetches)  # shared by every fetch() call
+        self._uploads = 0  # streams being served now (at most config.max_uploads)
+        self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
 
     @classmethod
     async def create(cls, config: ExchangeConfig) -> "P2PExchange":
@@ -301,6 +324,10 @@ class P2PExchange:
         # addresses) starts at once and needs the DHT only if they fail.
         lookup = asyncio.ensure_future(self._lookup(keys, round, deadline))
 
+        for maddrs in (holders_hint or {}).values():  # to reach the peers a busy holder names
+            for holder in _hinted_holders(maddrs, _FetchState(round, "", "", None)):
+                self._addresses[holder.holder] = holder.multiaddrs
+
         async def one(publisher: str, digest: str) -> bytes | None:
             state = _FetchState(round, publisher, digest, None)
             hints = _hinted_holders((holders_hint or {}).get(publisher, []), state)
@@ -340,41 +367,70 @@ class P2PExchange:
 
     async def _fetch_one(self, state: _FetchState, hints: list[Announcement], lookup: asyncio.Future,
                          deadline: float) -> bytes:
-        """Try the hinted holders, then those the DHT knows, re-reading it for new ones until one
-        serves or the caller times out."""
+        """Try the hinted holders, then those the DHT knows and those busy holders name, re-reading
+        the DHT for new ones, until one serves or the caller times out."""
         loop = asyncio.get_running_loop()
-        ann, dht_holders, looked_up, hints_tried = None, [], False, False
+        known = {h.holder: h for h in hints}
+        ann, looked_up, passes, busy_pause_s = None, False, 0, self.config.busy_pause_s
         while True:
-            if not looked_up and (hints_tried or not hints or lookup.done()):
+            if not looked_up and (passes or not hints or lookup.done()):
                 announced, extra = await asyncio.shield(lookup)
-                ann, dht_holders, looked_up = announced.get(state.publisher), extra.get(state.publisher, []), True
+                looked_up = True
+                ann = announced.get(state.publisher)
                 if ann is not None and ann.digest == state.digest:
                     state.size_bytes = ann.size_bytes
-            candidates = hints + [h for h in dht_holders if h.digest == state.digest]
-            if ann is not None and ann.digest == state.digest:
-                candidates.append(ann)
-            for holder in _order_holders(candidates, state.banned, self.holder_id, ann.holder if ann else None,
-                                         self._rng):
+                    known.setdefault(ann.holder, ann)
+                for h in extra.get(state.publisher, []):
+                    known.setdefault(h.holder, h)
+            candidates = [h for h in known.values() if h.digest == state.digest]
+            queue = _order_holders(candidates, state.banned, self.holder_id,
+                                   ann.holder if ann is not None else None, self._rng)
+            tried, busy = set(), False
+            while queue:
+                holder = queue.pop(0)
+                if holder.holder in tried or holder.holder in state.banned or holder.holder == self.holder_id:
+                    continue
+                tried.add(holder.holder)
                 async with self._fetch_slots:
-                    data = await self._try_holder(holder, state, deadline)
-                if data is not None:
-                    self._held[(state.round, state.publisher)] = _Held(state.digest, data)
+                    outcome = await self._try_holder(holder, state, deadline)
+                if isinstance(outcome, bytes):
+                    self._held[(state.round, state.publisher)] = _Held(state.digest, outcome)
                     self.traffic(state.round).num_fetched += 1
-                    self._announce_holder(state, len(data))
-                    return data
-            hints_tried = True
+                    self._announce_holder(state, len(outcome))
+                    return outcome
+                if isinstance(outcome, HolderBusy):  # try the peers it named first: they have copies
+                    busy = True
+                    named = [self._holder_named(h, state) for h in outcome.holders]
+                    for h in named:
+                        known.setdefault(h.holder, h)
+                    queue[:0] = [h for h in named if h.holder not in tried]
+            passes += 1
+            if busy:  # copies exist but every holder is sending: ask again shortly
+                await asyncio.sleep(min(busy_pause_s * (0.5 + self._rng.random()), max(0.0, deadline - loop.time())))
+                busy_pause_s = min(busy_pause_s * 2, 16 * self.config.busy_pause_s)
+                continue
             if not looked_up:
                 continue  # the hinted holders failed: wait for the DHT's
             # Every known holder failed: wait for new ones (other peers finishing their fetches).
             await asyncio.sleep(min(self.config.holder_refresh_s, max(0.0, deadline - loop.time())))
             try:
-                dht_holders = await self.holders(state.round, state.publisher)
+                for h in await self.holders(state.round, state.publisher):
+                    known[h.holder] = h
             except OSError as e:
                 log.debug("reading holders of %s failed: %r", state.publisher, e)
 
-    async def _try_holder(self, holder: Announcement, state: _FetchState, deadline: float) -> bytes | None:
+    def _holder_named(self, holder: str, state: _FetchState) -> Announcement:
+        """A holder a busy peer named, reachable at the addresses we know for it (or p2pd's)."""
+        return Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0,
+                            self._addresses.get(holder, []), holder)
+
+    async def _try_holder(self, holder: Announcement, state: _FetchState,
+                          deadline: float) -> bytes | HolderBusy | None:
+        """The verified packet; HolderBusy when the holder has no free upload slot; None on failure."""
         try:
             return await self._download(holder, state, deadline)
+        except HolderBusy as busy:
+            return busy
         except (DigestMismatch, MalformedPacket, OversizedPacket) as e:
             state.banned.add(holder.holder)
             log.warning("round %d: holder %s of %s's packet banned: %s", state.round, holder.holder,
@@ -398,6 +454,8 @@ class P2PExchange:
             return max(0.0, min(limit_s, deadline - loop.time()))
 
         peer = PeerID.from_base58(holder.holder)
+        if holder.multiaddrs:
+            self._addresses.setdefault(holder.holder, holder.multiaddrs)
         started = loop.time()
         if holder.multiaddrs and holder.holder not in self._dialed:
             # p2pd takes the peer id separately and refuses addresses that still end in /p2p/<id>.
@@ -418,6 +476,11 @@ class P2PExchange:
             if status == STATUS_ERROR:
                 message = await asyncio.wait_for(reader.read(min(length, MAX_ERROR_BYTES)), budget(cfg.stall_timeout_s))
                 raise HolderRefused(message.decode("utf-8", "replace"))
+            if status == STATUS_BUSY:
+                if length > MAX_ERROR_BYTES:
+                    raise MalformedPacket(f"busy answer of {length} bytes")
+                raw = await asyncio.wait_for(reader.readexactly(length), budget(cfg.stall_timeout_s))
+                raise HolderBusy(_parse_busy(raw))
             if status != STATUS_OK:
                 raise MalformedPacket(f"unknown response status {status}")
             if length > cfg.max_packet_bytes:
@@ -485,8 +548,9 @@ class P2PExchange:
         """The bytes served for a held packet; fault-injection tests override this."""
         return data
 
-    async def _serve(self, _stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         cfg = self.config
+        uploading = False
         try:
             (length,) = REQUEST_PREFIX.unpack(
                 await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s))
@@ -497,6 +561,14 @@ class P2PExchange:
             held = self._held.get((round, publisher))
             if held is None or held.digest != digest:
                 raise HolderRefused("not held")
+            if self._uploads >= cfg.max_uploads:
+                names = self._rng.sample(held.sent_to, min(MAX_BUSY_NAMES, len(held.sent_to)))
+                answer = msgpack.packb(names)
+                writer.write(RESPONSE_HEADER.pack(STATUS_BUSY, len(answer)) + answer)
+                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+                return
+            self._uploads += 1
+            uploading = True
             payload = memoryview(self._payload_for(round, publisher, held.data))
             writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(payload)))
             traffic = self.traffic(round)
@@ -506,6 +578,9 @@ class P2PExchange:
                 await asyncio.wait_for(writer.drain(), cfg.stall_timeout_s)
                 traffic.uploaded_bytes += len(piece)
             traffic.num_served += 1
+            requester = stream_info.peer_id.to_base58()
+            if requester not in held.sent_to:
+                held.sent_to.append(requester)
         except ProtocolError as e:
             message = str(e).encode()[:MAX_ERROR_BYTES]
             try:
@@ -518,6 +593,8 @@ class P2PExchange:
         except Exception:  # a bug here must not take the node down with it
             log.exception("packet stream handler failed")
         finally:
+            if uploading:
+                self._uploads -= 1
             writer.close()
 
     def _parse_request(self, raw: bytes) -> tuple[int, str, str]:
@@ -632,6 +709,25 @@ def _ip_of(maddr: Multiaddr) -> ipaddress.IPv4Address | ipaddress.IPv6Address | 
 def _is_loopback(maddr: Multiaddr) -> bool:
     ip = _ip_of(maddr)
     return ip is not None and ip.is_loopback
+
+
+def _parse_busy(raw: bytes) -> list[str]:
+    """The peer ids in a busy answer; anything else in it is a malformed answer."""
+    try:
+        names = msgpack.unpackb(raw, raw=False, max_str_len=128, max_bin_len=0, max_array_len=MAX_BUSY_NAMES,
+                                max_map_len=0)
+    except Exception as e:  # msgpack raises a zoo of types on bad input
+        raise MalformedPacket(f"busy answer does not parse: {type(e).__name__}") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise MalformedPacket("busy answer is not a list of peer ids")
+    valid = []
+    for name in names:
+        try:
+            PeerID.from_base58(name)
+        except Exception:
+            raise MalformedPacket(f"busy answer names {name[:20]!r}, not a peer id") from None
+        valid.append(name)
+    return valid
 
 
 def _hinted_holders(maddrs: list[str], state: _FetchState) -> list[Announcement]:

@@ -20,7 +20,11 @@ import time
 import pytest
 
 from node.exchange import packets_key
-from node.p2p_exchange import HANDLER_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_ERROR, STATUS_OK, ExchangeConfig, P2PExchange
+import msgpack
+from hivemind.p2p import PeerID
+
+from node.p2p_exchange import (HANDLER_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
+                               ExchangeConfig, P2PExchange)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
@@ -176,6 +180,55 @@ def test_four_peers_fetch_every_packet_and_become_holders():
             assert peers[1].traffic(0).downloaded_bytes == PACKET_BYTES
 
     asyncio.run(scenario())
+
+
+def test_a_busy_holder_names_who_it_served_and_the_fetcher_gets_the_packet_there():
+    """With its one upload slot held by a stalled reader, the publisher answers the next request
+    busy, naming the peer it already sent the packet to; the fetcher, given only the publisher's
+    address (as a manifest gives it), fetches from that peer instead."""
+    async def scenario():
+        async with swarm(*[P2PExchange] * 4, max_uploads=1, busy_pause_s=0.02) as peers:
+            publisher, first, second, staller = peers
+            data = packet(7)
+            ann = await publisher.publish(0, "peer0", data)
+            hint = {"peer0": ann.multiaddrs}
+            assert await first.fetch(0, {"peer0": sha(data)}, hint, timeout_s=20) == {"peer0": data}
+
+            # A reader that asks for the packet and never reads holds the publisher's only slot.
+            _, reader, writer = await staller._p2p.call_binary_stream_handler(
+                PeerID.from_base58(publisher.holder_id), HANDLER_NAME)
+            request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "peer0", "digest": sha(data)})
+            writer.write(REQUEST_PREFIX.pack(len(request)) + request)
+            await writer.drain()
+            status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
+            assert status == STATUS_OK
+            await poll(lambda: publisher._uploads == 1, what="the stalled upload holding the slot")
+
+            # A plain request now gets the busy answer, naming the first fetcher.
+            _, busy_reader, busy_writer = await second._p2p.call_binary_stream_handler(
+                PeerID.from_base58(publisher.holder_id), HANDLER_NAME)
+            busy_writer.write(REQUEST_PREFIX.pack(len(request)) + request)
+            status, length = RESPONSE_HEADER.unpack(await busy_reader.readexactly(RESPONSE_HEADER.size))
+            assert status == STATUS_BUSY
+            assert msgpack.unpackb(await busy_reader.readexactly(length)) == [first.holder_id]
+            busy_writer.close()
+
+            # The fetcher follows the name: the first fetcher serves it, the publisher sends nothing more.
+            assert await second.fetch(0, {"peer0": sha(data)}, hint, timeout_s=20) == {"peer0": data}
+            assert first.traffic(0).num_served == 1 and publisher.traffic(0).num_served == 1
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("raw", [b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([1, 2]),
+                                 msgpack.packb(["not-a-peer-id"]), msgpack.packb(["x"] * 9)])
+def test_busy_answers_that_are_not_lists_of_peer_ids_are_malformed(raw):
+    from node.p2p_exchange import _parse_busy
+    from protocol.errors import MalformedPacket
+
+    with pytest.raises(MalformedPacket):
+        _parse_busy(raw)
 
 
 async def _all_announced(reader: P2PExchange, names: list[str]):
