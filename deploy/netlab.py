@@ -44,11 +44,12 @@ class LabSwarm:
 
     def __init__(self, topology: Topology, workdir: Path, *, rounds: int, preset: str, inner_steps: int,
                  top_k: int, batch_size: int, seq_len: int, overlap: bool, say,
-                 linger_s: float = 30.0):
+                 linger_s: float = 30.0, compute_floor_s: float = 0.0):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
         self.run_options = {"preset": preset, "inner_steps": inner_steps, "top_k": top_k,
                             "batch_size": batch_size, "seq_len": seq_len}
         self.overlap = overlap
+        self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
         self.num_peers = len(topology.hosts) - 1
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
@@ -114,7 +115,9 @@ class LabSwarm:
         self.nodes.append(self._spawn(host, [
             "node.cli", "node", "join", "--coordinator", self.url, "--run", self.run_id, "--device", "cpu",
             "--key", str(self.workdir / f"node{host}.key"), "--host-maddrs", f"/ip4/{ip}/tcp/0",
-            "--threads", "1", "--no-progress", "--report", str(self.report_path(host))], f"node{host}.log"))
+            "--threads", "1", "--no-progress", "--report", str(self.report_path(host)),
+            *(["--inject", f"slow-compute@min_s={self.compute_floor_s}"] if self.compute_floor_s > 0 else [])],
+            f"node{host}.log"))
 
     def report_path(self, host: int) -> Path:
         return self.workdir / f"node{host}.report.json"
@@ -220,7 +223,8 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     topology = Topology(args.peers + 1, link, shaper=args.shaper)
     swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
                      top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
-                     overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger)
+                     overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger,
+                     compute_floor_s=args.compute_floor)
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
     teardown_errors: list[str] = []
@@ -261,6 +265,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     return result | {
         "peers": args.peers, "rounds": args.rounds, "preset": args.preset, "inner_steps": args.inner_steps,
         "top_k": args.top_k, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "compute_floor_s": args.compute_floor,
         "namespace_prefix": topology.prefix, "subnet": f"{topology.subnet}.0/24",
         "link": {"rate_mbps": link.rate_mbps, "delay_ms": link.delay_ms, "loss_pct": link.loss_pct,
                  "delay_applied": topology.delay_applied, "delay_reason": topology.delay_reason,
@@ -294,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=64, help="values kept per 4096-element chunk (packet size)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--compute-floor", type=float, default=0.0, metavar="S",
+                        help="each round's inner steps take at least S seconds, the rest idle (accelerator "
+                             "time, emulated with the slow-compute fault, so that N nodes need not share the "
+                             "CPU for compute); 0: off")
     parser.add_argument("--overlap", action="store_true", help="run option overlap=true (one-round-delayed outer step)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole swarm run")
     parser.add_argument("--linger", type=float, default=30.0,
@@ -350,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"INCOMPLETE: {straggler['host']} {straggler['reason']}")
         print(f"\n{args.peers} peers, {link['rate_mbps']:g} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "
               f"round trip {result['link_check']['rtt_ms']:.1f} ms), "
-              f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}; logs in {result['workdir']}")
+              f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}"
+              + (f"; compute at least {args.compute_floor:g} s a round (emulated)" if args.compute_floor else "")
+              + f"; logs in {result['workdir']}")
     return 0 if result["completed"] and result["summary"]["digests_agree_every_round"] else 1
 
 

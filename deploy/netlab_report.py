@@ -12,8 +12,9 @@ Per round, averaged over the peers that report it (every peer times its own roun
 - fetching_s: the wall time during which the node had at least one of the round's packet fetches
   in progress (DHT lookup, dial, request and bytes), early fetches included: the time its download
   link had work;
-- round_s: the node's wall clock from the start of its inner steps to the end of its outer step
-  (the sum of the timers for reports that lack the clock);
+- round_s: the node's wall clock from the start of its inner steps to the start of its next
+  round's (so waiting for a round to open counts); for its last round, to the end of its outer
+  step (the sum of the timers for reports that lack the clock);
 - idle_s = round_s - compute_s - encode_s - aggregate_s: time the node's CPU waits on the network
   and on the other peers;
 - download_bytes: what one peer must fetch, the packets of every other peer in the round (its own
@@ -38,6 +39,10 @@ TIMERS = ("compute_s", "encode_s", "wait_s", "transfer_s", "aggregate_s")
 def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> dict:
     """Per-round rows and a steady-state summary; `reports` are the nodes' --report objects."""
     rounds = sorted({r["round"] for report in reports for r in report["rounds"]})
+    for report in reports:  # each round lasts until the same node's next one starts
+        for r, following in zip(report["rounds"], report["rounds"][1:]):
+            if r.get("started_at") and following.get("started_at") and following["round"] == r["round"] + 1:
+                r["next_started_at"] = following["started_at"]
     closed_at = {h["round"]: h["closed_at"] for h in history}
     rows = []
     for k in rounds:
@@ -71,7 +76,8 @@ def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[i
     times = [r["times"] for r in per_peer]
     # A peer's round: wall clock from the start of its inner steps to the end of its outer step
     # (reports from older nodes lack the clock: the sum of the timers stands in).
-    round_s = [r["ended_at"] - r["started_at"] if r.get("ended_at") and r.get("started_at")
+    round_s = [r["next_started_at"] - r["started_at"] if r.get("next_started_at")
+               else r["ended_at"] - r["started_at"] if r.get("ended_at") and r.get("started_at")
                else sum(t[name] for name in TIMERS) for r, t in zip(per_peer, times)]
     packet_bytes = [r["packet_bytes"] for r in per_peer]
     # Each peer downloads every other peer's packet: the round's total less its own.

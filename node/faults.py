@@ -1,4 +1,4 @@
-"""Fault injection for a node: crash, slow upload, corrupt or poisoned packets, stale submissions.
+"""Fault injection for a node: crash, slow upload or compute, corrupt or poisoned packets, stale submissions.
 
     locoswarm node join ... --inject crash@round=3,phase=training --inject poison@factor=1000
     faults = FaultInjector.parse(["corrupt-packet@round=1"])       # what node.worker does
@@ -33,6 +33,11 @@ poison          round, factor=1000, mode=scale|random  before encoding, replaces
                                                        signed packet that only clipping bounds.
 stale-submit    round                                  holds its submission until the round has
                                                        closed, then submits (refused as late).
+slow-compute    round, min_s=10                        its inner steps take at least min_s seconds:
+                                                       it idles (CPU free) for what is left, as a
+                                                       slower accelerator would; compute_s counts
+                                                       the whole. A straggler, or (on every peer)
+                                                       accelerator time in the network lab.
 ==============  =====================================  ===========================================
 """
 
@@ -55,6 +60,7 @@ class Fault(enum.Enum):
     CORRUPT_PACKET = "corrupt-packet"
     POISON = "poison"
     STALE_SUBMIT = "stale-submit"
+    SLOW_COMPUTE = "slow-compute"
 
 
 class Phase(enum.Enum):
@@ -75,6 +81,7 @@ class FaultSpec:
     delay_s: float = 5.0  # slow-upload: seconds before each served stream's first byte
     factor: float = 1000.0  # poison: scale of the update
     mode: str = "scale"  # poison: "scale" (factor * delta) or "random" (noise, factor * std(delta))
+    min_s: float = 10.0  # slow-compute: the inner steps of a round take at least this long
 
     def fires(self, round: int) -> bool:
         return self.round is None or self.round == round
@@ -82,7 +89,7 @@ class FaultSpec:
     def __str__(self) -> str:
         keys = {Fault.CRASH: ("round", "phase", "wait_s"), Fault.SLOW_UPLOAD: ("delay_s",),
                 Fault.CORRUPT_PACKET: ("round",), Fault.POISON: ("round", "factor", "mode"),
-                Fault.STALE_SUBMIT: ("round",)}[self.fault]
+                Fault.STALE_SUBMIT: ("round",), Fault.SLOW_COMPUTE: ("round", "min_s")}[self.fault]
         values = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         args = ",".join(f"{k}={v.value if isinstance(v, Phase) else v}" for k, v in values.items())
         return self.fault.value + (f"@{args}" if args else "")
@@ -94,6 +101,7 @@ _KEYS = {
     Fault.CORRUPT_PACKET: {"round"},
     Fault.POISON: {"round", "factor", "mode"},
     Fault.STALE_SUBMIT: {"round"},
+    Fault.SLOW_COMPUTE: {"round", "min_s"},
 }
 
 
@@ -171,6 +179,14 @@ class FaultInjector:
             if await exchange.holders(round, peer_id):
                 return
             await asyncio.sleep(0.2)
+
+    async def pad_compute(self, round: int, compute_s: float) -> float:
+        """slow-compute: idle until the inner steps took min_s; return the round's compute time."""
+        floors = [s.min_s for s in self._firing(Fault.SLOW_COMPUTE, round)]
+        if not floors or compute_s >= max(floors):
+            return compute_s
+        await asyncio.sleep(max(floors) - compute_s)
+        return max(floors)
 
     def tamper_update(self, round: int, outer) -> None:
         """poison: rewrite the local parameters so that `outer.deltas()` yields the poisoned update."""

@@ -266,12 +266,16 @@ class Node:
             return await call(*args, **kwargs)
 
     async def _wait_open(self, client, round: int):
-        delay_s = 0.1
+        """The round's view once it is open (or closed); None if the node is stopping."""
+        delay_s, previous_closed = 0.1, round == 0
         while not self._stopping.is_set():
             view = await client.round(round)
             if view.state != "pending":
                 return view
-            await asyncio.sleep(delay_s)
+            if not previous_closed:  # round r opens when r-1 closes: long-poll for that moment
+                previous_closed = (await client.round(round - 1, wait_s=30)).state == "closed"
+                continue
+            await asyncio.sleep(delay_s)  # r-1 closed and r not open yet (a run's start): poll
             delay_s = min(delay_s * 1.5, 2.0)
         return None
 
@@ -288,8 +292,11 @@ class Node:
                 log.info("the run is complete after %d rounds", self.run_config.max_rounds)
                 break
             self._round, self._state = round, "waiting"
+            # With overlap and the previous round in flight, this round's inner steps need nothing from
+            # the swarm: train at once; the packet waits for the round to open (_one_round).
+            early = self.overlap and self._in_flight is not None and self.params_round == round
             try:
-                view = await self._wait_open(client, round)
+                view = await (client.round(round) if early else self._wait_open(client, round))
             except Refused as e:
                 if e.code in ("round_not_found", "run_closed"):
                     log.info("the run is over (%s)", e.detail)
@@ -302,7 +309,7 @@ class Node:
                 round = await self._catch_up(client, exchange)
                 continue
             try:
-                report = await self._one_round(client, exchange, round, key)
+                report = await self._one_round(client, exchange, round, key, opened=view.state != "pending")
             except CatchUpNeeded as e:
                 log.warning("round %d: %s; catching up from peers", round, e)
                 self.params_round = None
@@ -423,7 +430,7 @@ class Node:
         tensors |= self.outer.snapshot_state()
         return save(tensors)
 
-    async def _one_round(self, client, exchange, round: int, key) -> RoundReport:
+    async def _one_round(self, client, exchange, round: int, key, opened: bool = True) -> RoundReport:
         from node.coordinator_client import Refused
         from node.inner import run_inner_steps
         from node.params import param_digest
@@ -443,7 +450,7 @@ class Node:
             if bar else None)
         if bar:
             bar.close()
-        times.compute_s = result.compute_s
+        times.compute_s = await self.faults.pad_compute(round, result.compute_s)
         self._last_loss = result.mean_loss
 
         self._state = "encoding"
@@ -458,6 +465,8 @@ class Node:
 
         self._state = "submitting"
         submitted = True
+        if not opened:  # trained ahead of the round's opening (overlap): submit once it opens
+            await self._wait_open(client, round)
         await self.faults.before_submit(round, client)
         try:
             await self._signed(client.submit, round, packet_digest=digest, packet_size_bytes=len(payload),

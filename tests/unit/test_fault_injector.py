@@ -44,6 +44,19 @@ def test_bad_specs_are_refused_with_the_reason(bad):
     assert repr(bad) in str(info.value)
 
 
+def test_slow_compute_idles_up_to_its_floor_and_reports_the_whole():
+    slow = FaultInjector.parse(["slow-compute@min_s=0.3"])
+    assert parse_fault("slow-compute@round=2,min_s=4").min_s == 4.0
+    started = time.monotonic()
+    assert asyncio.run(slow.pad_compute(0, 0.1)) == 0.3
+    assert 0.15 <= time.monotonic() - started < 1.0  # slept the 0.2 s left, not the whole floor
+    started = time.monotonic()
+    assert asyncio.run(slow.pad_compute(1, 0.5)) == 0.5  # already slower than the floor: no wait
+    assert asyncio.run(FaultInjector.parse(["slow-compute@round=3,min_s=5"]).pad_compute(1, 0.1)) == 0.1
+    assert asyncio.run(FaultInjector().pad_compute(1, 0.1)) == 0.1
+    assert time.monotonic() - started < 0.5
+
+
 def _outer(seed=0):
     model = build_model("tiny", seed)
     return model, make_outer(flat_named_params(model), OuterConfig(strategy="sparseloco"))
