@@ -57,7 +57,8 @@ class Counters:
     received_bytes: int = 0
     packets: int = 0
     dropped_loss: int = 0
-    dropped_queue: int = 0
+    dropped_uplink: int = 0  # sent by this host into its full uplink queue
+    dropped_downlink: int = 0  # sent to this host into its full downlink queue
     dropped_unroutable: int = 0
 
 
@@ -142,7 +143,7 @@ class LinkEmulator:
         size = self.wire_bytes(packet)
         start = max(now, src.uplink_free_at)
         if start - now > QUEUE_LIMIT_S:
-            src.counters.dropped_queue += 1
+            src.counters.dropped_uplink += 1
             return
         src.uplink_free_at = start + size * self.seconds_per_byte
         self._push(src.uplink_free_at + self.delay_s, 0, dest, packet)
@@ -152,7 +153,7 @@ class LinkEmulator:
         dst = self.hosts[dest]
         start = max(now, dst.downlink_free_at)
         if start - now > QUEUE_LIMIT_S:
-            dst.counters.dropped_queue += 1
+            dst.counters.dropped_downlink += 1
             return
         dst.downlink_free_at = start + self.wire_bytes(packet) * self.seconds_per_byte
         self._push(dst.downlink_free_at, 1, dest, packet)
@@ -162,7 +163,7 @@ class LinkEmulator:
         try:
             os.write(dst.fd, packet)
         except (BlockingIOError, OSError):
-            dst.counters.dropped_queue += 1
+            dst.counters.dropped_downlink += 1
             return
         dst.counters.received_bytes += self.wire_bytes(packet)
         dst.counters.packets += 1
@@ -206,7 +207,8 @@ class LinkEmulator:
 
     def counters(self) -> dict:
         return {h.namespace: {"rx_bytes": h.counters.received_bytes, "packets": h.counters.packets,
-                              "dropped_loss": h.counters.dropped_loss, "dropped_queue": h.counters.dropped_queue,
+                              "dropped_loss": h.counters.dropped_loss, "dropped_uplink": h.counters.dropped_uplink,
+                              "dropped_downlink": h.counters.dropped_downlink,
                               "dropped_unroutable": h.counters.dropped_unroutable} for h in self.hosts}
 
 

@@ -220,7 +220,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         say(overlap_reason)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-netlab-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    topology = Topology(args.peers + 1, link, shaper=args.shaper)
+    topology = Topology(args.peers + 1, link, shaper=args.shaper, sysctls=args.sysctl)
     swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
                      top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
                      overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger,
@@ -265,7 +265,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     return result | {
         "peers": args.peers, "rounds": args.rounds, "preset": args.preset, "inner_steps": args.inner_steps,
         "top_k": args.top_k, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "compute_floor_s": args.compute_floor,
+        "compute_floor_s": args.compute_floor, "sysctls": args.sysctl,
         "namespace_prefix": topology.prefix, "subnet": f"{topology.subnet}.0/24",
         "link": {"rate_mbps": link.rate_mbps, "delay_ms": link.delay_ms, "loss_pct": link.loss_pct,
                  "delay_applied": topology.delay_applied, "delay_reason": topology.delay_reason,
@@ -299,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=64, help="values kept per 4096-element chunk (packet size)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a per-namespace kernel setting on every host (repeatable), e.g. "
+                             "net.ipv4.tcp_slow_start_after_idle=0")
     parser.add_argument("--compute-floor", type=float, default=0.0, metavar="S",
                         help="each round's inner steps take at least S seconds, the rest idle (accelerator "
                              "time, emulated with the slow-compute fault, so that N nodes need not share the "
@@ -352,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                  else f"delay/loss NOT applied ({link['delay_reason']})")
         if counters := link.get("emulator_counters"):
             carried = sum(c["packets"] for c in counters.values())
-            queue = sum(c["dropped_queue"] for c in counters.values())
-            lost = sum(c["dropped_loss"] for c in counters.values())
-            print(f"link emulator: {carried:,} packets carried, {queue:,} dropped by full queues, {lost:,} lost")
+            up, down, lost = (sum(c[k] for c in counters.values())
+                              for k in ("dropped_uplink", "dropped_downlink", "dropped_loss"))
+            print(f"link emulator: {carried:,} packets carried; dropped by full queues: {up:,} on uplinks, "
+                  f"{down:,} on downlinks; {lost:,} lost")
         for straggler in result["stragglers"]:
             print(f"INCOMPLETE: {straggler['host']} {straggler['reason']}")
         print(f"\n{args.peers} peers, {link['rate_mbps']:g} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "

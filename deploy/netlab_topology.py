@@ -144,9 +144,12 @@ SHAPERS = ("auto", "tc", "userspace")
 class Topology:
     """The lab's namespaces and links; `up()` builds, `down()` removes."""
 
-    def __init__(self, num_hosts: int, link: LinkSpec, shaper: str = "auto"):
+    def __init__(self, num_hosts: int, link: LinkSpec, shaper: str = "auto", sysctls: list[str] = ()):
         if shaper not in SHAPERS:
             raise ValueError(f"shaper must be one of {SHAPERS}, not {shaper!r}")
+        if any("=" not in setting or "/" in setting for setting in sysctls):
+            raise ValueError(f"sysctls are KEY=VALUE with a dotted key: {list(sysctls)}")
+        self.sysctls = list(sysctls)  # set in every host's namespace
         global _lab_counter
         tag = str(os.getpid()) if _lab_counter == 0 else f"{os.getpid()}.{_lab_counter}"
         _lab_counter += 1
@@ -221,6 +224,8 @@ class Topology:
         _run(["ip", "netns", "add", name])
         self.created.append(name)
         _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        for setting in self.sysctls if name != self.bridge_ns else ():
+            _run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", setting])
 
     def _shape_all(self) -> None:
         use_netem = False

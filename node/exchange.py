@@ -80,7 +80,7 @@ class Exchange(Protocol):
     """What the round loop needs from a packet exchange (see the module docstring)."""
 
     async def publish(self, round: int, peer_id: str, data: bytes) -> Announcement:
-        """Keep `data` locally, serve it, and announce it for `round` under `peer_id`."""
+        """Keep `data` locally, serve it, and announce it for `round` under `peer_id` (in the background)."""
         ...
 
     async def announcements(self, round: int) -> dict[str, Announcement]:

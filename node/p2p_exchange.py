@@ -26,7 +26,9 @@ Packet stream, protocol "locoswarm.packet.v1" (a libp2p stream opened through th
               status 0: the packet bytes (written in `chunk_bytes` pieces, 512 KiB by default)
               status 1: a UTF-8 error message (N at most 512), e.g. "not held"
               status 2: busy: every upload slot is taken; N bytes (at most 512) of msgpack list
-                        of up to 8 libp2p peer ids (base58) this holder has sent the packet to
+                        of up to 8 libp2p peer ids (base58) that confirmed a verified copy
+    receipt   after status 0, the fetcher sends one byte 0x01 once the bytes hash to the digest; the
+              holder keeps the upload slot until it reads it (or EOF, or `stall_timeout_s`)
 
 A holder answers only for a packet it holds with exactly the requested digest; a request that is
 malformed, for another run, or for a packet not held gets an error frame, and one that does not
@@ -37,7 +39,9 @@ digest mismatch bans that holder for this fetch and tries the next one. A verifi
 served, and announced under the holders key, so later fetchers spread their load over it.
 
 Swarming: a holder serves at most `max_uploads` streams at once, so each gets a fair share of its
-uplink, and answers further requests "busy" with the peers it already sent that packet to. The
+uplink, and answers further requests "busy" with the peers that confirmed a verified copy. A slot
+is held until the fetcher's receipt, not until the bytes left the process: p2pd and the kernel
+buffer hundreds of kilobytes, so "written" says little about "received". The
 fetcher tries those at once (they hold verified copies, or will in a moment), so a packet spreads
 as a tree, each copy feeding the next, instead of every peer pulling it through the publisher's
 uplink at 1/(N-1) of its rate; only when every holder it knows is busy does it pause briefly
@@ -86,6 +90,7 @@ HANDLER_NAME = "locoswarm.packet.v1"
 REQUEST_PREFIX = struct.Struct(">I")
 RESPONSE_HEADER = struct.Struct(">BQ")
 STATUS_OK, STATUS_ERROR, STATUS_BUSY = 0, 1, 2
+RECEIPT = b"\x01"  # the fetcher's "verified" after a packet
 MAX_BUSY_NAMES = 8  # peers named in a busy answer
 MAX_REQUEST_BYTES = 1024
 MAX_ERROR_BYTES = 512
@@ -125,9 +130,9 @@ class ExchangeConfig:
     client_mode: bool = False  # join the DHT without serving DHT requests
     nat_port_map: bool | None = None  # UPnP/NAT-PMP; None = on unless every host address is loopback
     announce_ttl_s: float = 600.0  # DHT records expire this long after publication (a few rounds)
-    max_parallel_fetches: int = 8  # packets transferred at once, over all fetch() calls
+    max_parallel_fetches: int = 3  # packets transferred at once, over all fetch() calls
     max_uploads: int = 2  # streams served at once; further requests are answered busy
-    busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.8 s)
+    busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.4 s)
     chunk_bytes: int = 512 << 10  # stream write size
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # refuse larger packets before buffering them
     connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
@@ -274,9 +279,20 @@ class P2PExchange:
         holders_key(self.config.run_id, round, peer_id)  # fetchers must be able to announce copies under it
         self._held[(round, peer_id)] = _Held(digest, data)
         record = make_record(digest, len(data), self._maddrs, self.holder_id)
-        if not await self._dht.store(key, record, get_dht_time() + self.config.announce_ttl_s, subkey=peer_id):
-            raise AnnounceFailed(f"no DHT node stored the announcement of {peer_id} for round {round}")
+        # Announced beside the round, not before it: fetchers start from the addresses in the
+        # coordinator's manifest and need the DHT only for other holders, or without a manifest.
+        self._spawn(self._announce(key, record, peer_id, round))
         return Announcement(peer_id, round, digest, len(data), list(self._maddrs), self.holder_id)
+
+    async def _announce(self, key: str, record: dict, peer_id: str, round: int) -> None:
+        try:
+            stored = await self._dht.store(key, record, get_dht_time() + self.config.announce_ttl_s, subkey=peer_id)
+        except Exception as e:  # the packet is still held and served; only DHT readers miss it
+            stored = False
+            log.debug("announcing %s's packet failed: %r", peer_id, e)
+        if not stored:
+            log.warning("round %d: no DHT node stored the announcement of %s's packet; peers reach it through "
+                        "the coordinator's manifest", round, peer_id)
 
     async def announcements(self, round: int) -> dict[str, Announcement]:
         return {a.peer_id: a for a in await self._read(packets_key(self.config.run_id, round), round, None)}
@@ -399,6 +415,8 @@ class P2PExchange:
                     self._announce_holder(state, len(outcome))
                     return outcome
                 if isinstance(outcome, HolderBusy):  # try the peers it named first: they have copies
+                    log.debug("round %d: %s's packet: holder %s busy, names %d", state.round, state.publisher,
+                              holder.holder[-8:], len(outcome.holders))
                     busy = True
                     named = [self._holder_named(h, state) for h in outcome.holders]
                     for h in named:
@@ -407,13 +425,19 @@ class P2PExchange:
             passes += 1
             if busy:  # copies exist but every holder is sending: ask again shortly
                 await asyncio.sleep(min(busy_pause_s * (0.5 + self._rng.random()), max(0.0, deadline - loop.time())))
-                busy_pause_s = min(busy_pause_s * 2, 16 * self.config.busy_pause_s)
+                busy_pause_s = min(busy_pause_s * 2, 8 * self.config.busy_pause_s)
                 continue
             if not looked_up:
                 continue  # the hinted holders failed: wait for the DHT's
-            # Every known holder failed: wait for new ones (other peers finishing their fetches).
+            # Every known holder failed: wait for new ones (other peers finishing their fetches, or
+            # the publisher's announcement, which is stored beside the round and may come late).
             await asyncio.sleep(min(self.config.holder_refresh_s, max(0.0, deadline - loop.time())))
             try:
+                if ann is None or ann.digest != state.digest:
+                    ann = (await self.announcements(state.round)).get(state.publisher)
+                    if ann is not None and ann.digest == state.digest:
+                        state.size_bytes = ann.size_bytes
+                        known[ann.holder] = ann
                 for h in await self.holders(state.round, state.publisher):
                     known[h.holder] = h
             except OSError as e:
@@ -504,6 +528,7 @@ class P2PExchange:
             if hasher.hexdigest() != state.digest:
                 raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
                                      f"wanted {state.digest[:16]}...")
+            writer.write(RECEIPT)  # frees the holder's upload slot; a lost receipt only delays that
             done = loop.time()
             log.debug("round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps)",
                       state.round, state.publisher, holder.holder[-8:], length, answered - started, done - answered,
@@ -578,8 +603,10 @@ class P2PExchange:
                 await asyncio.wait_for(writer.drain(), cfg.stall_timeout_s)
                 traffic.uploaded_bytes += len(piece)
             traffic.num_served += 1
+            # The slot is held until the fetcher says it has the verified bytes (or gives up).
+            receipt = await asyncio.wait_for(reader.read(len(RECEIPT)), cfg.stall_timeout_s)
             requester = stream_info.peer_id.to_base58()
-            if requester not in held.sent_to:
+            if receipt == RECEIPT and requester not in held.sent_to:
                 held.sent_to.append(requester)
         except ProtocolError as e:
             message = str(e).encode()[:MAX_ERROR_BYTES]

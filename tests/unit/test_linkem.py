@@ -71,7 +71,7 @@ def test_a_full_queue_drops_the_tail_and_counts_it():
     fits = int(QUEUE_LIMIT_S / (size * 1e-6)) + 1  # packets whose queueing stays within the limit
     for _ in range(fits + 5):
         em.sent(0, ipv4_packet("10.9.0.2", 960), now=0.0)
-    assert em.hosts[0].counters.dropped_queue == 5
+    assert em.hosts[0].counters.dropped_uplink == 5
     assert len(em.events) == fits
 
 
