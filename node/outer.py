@@ -160,12 +160,14 @@ class SparseLoCoOuter(OuterStep):
             buffer.zero_()
         super().load_snapshot_state(tensors)
 
-    def make_payload(self, *, run_id: str, round: int, peer_id: str, base_digest: str, key: PeerKey) -> bytes:
-        """Fold this round's delta into the error buffers and encode what leaves them."""
+    def make_payload(self, *, run_id: str, round: int, peer_id: str, base_digest: str, key: PeerKey,
+                     deltas: Mapping[str, torch.Tensor] | None = None) -> bytes:
+        """Fold this round's delta (given, or the parameters' since the round began) into the error
+        buffers and encode what leaves them."""
         sparse = {
             name: error_feedback_step(self.error_buffers[name], delta.float(), self.layouts[name],
                                       self.cfg.error_decay, self.cfg.outer_lr)
-            for name, delta in self.deltas()
+            for name, delta in (deltas.items() if deltas is not None else self.deltas())
         }
         return encode_packet(run_id, round, peer_id, bytes.fromhex(base_digest), self.spec, sparse, key)
 
@@ -237,10 +239,11 @@ class DiLoCoOuter(OuterStep):
             m.copy_(saved)
         super().load_snapshot_state(tensors)
 
-    def make_payload(self, **_) -> bytes:
+    def make_payload(self, *, deltas: Mapping[str, torch.Tensor] | None = None, **_) -> bytes:
         from safetensors.torch import save
 
-        return save({name: delta.float().contiguous().cpu() for name, delta in self.deltas()})
+        pairs = deltas.items() if deltas is not None else self.deltas()
+        return save({name: delta.float().contiguous().cpu() for name, delta in pairs})
 
     def prepare(self, payloads: Mapping[str, bytes], public_key=None, **_) -> Prepared:
         """Check the dense deltas and average them (peer-id order); touches no parameter."""

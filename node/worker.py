@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,7 @@ class RoundTimes:
     hidden_wait_s: float = 0.0  # with overlap: waiting for the previous round's manifest, behind compute
     hidden_transfer_s: float = 0.0  # with overlap: fetching the previous round's packets, behind compute
     hidden_aggregate_s: float = 0.0  # with overlap: verifying and aggregating them, behind compute
+    hidden_encode_s: float = 0.0  # with overlap: encoding and sending this round's packet, behind compute
 
 
 @dataclass(slots=True)
@@ -117,6 +119,8 @@ class Node:
         self._in_flight: asyncio.Task | None = None  # with overlap: the previous round's manifest and packets
         self._in_flight_times = RoundTimes()
         self._background: set[asyncio.Task] = set()  # snapshot publications
+        self._encode_lock = asyncio.Lock()  # with overlap, round r+1's encoding waits for round r's
+        self._buffers_lock = threading.Lock()  # the error buffers: held by an encode and by a reset
         self._state, self._round, self._last_loss = "joining", 0, None
         self._bandwidth_mbps: float | None = None  # measured on the last round's packet downloads
 
@@ -402,11 +406,15 @@ class Node:
             with torch_no_grad():
                 for name, p in params.items():
                     p.copy_(tensors[name])
-            self.outer.load_snapshot_state(tensors)
+            await asyncio.to_thread(self._load_outer_state, tensors)
             self.params_round = round
             log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], len(data))
             return True
         return False
+
+    def _load_outer_state(self, tensors) -> None:
+        with self._buffers_lock:  # an encode cancelled by the catch-up may still be running
+            self.outer.load_snapshot_state(tensors)
 
     def _save_checkpoint(self, run_id: str, round: int) -> None:
         """Parameters and state after applying `round`; a failure is logged and training goes on."""
@@ -431,13 +439,41 @@ class Node:
         return save(tensors)
 
     async def _one_round(self, client, exchange, round: int, key, opened: bool = True) -> RoundReport:
-        from node.coordinator_client import Refused
-        from node.inner import run_inner_steps
+        """Train round r, send its packet, and apply a round: r itself, or with overlap r-1 (round r's
+        packet is then encoded, sent and its round collected while round r+1 trains)."""
         from node.params import param_digest
 
         base_digest = param_digest(self.outer.start)
-        times, started_at = RoundTimes(), time.time()
+        report = RoundReport(round, 0.0, "", 0, started_at=time.time())
         self.outer.begin_round()
+        report.train_loss = await self._train(round, report.times)
+        self.faults.tamper_update(round, self.outer)
+        if not self.overlap:
+            await self._send(client, exchange, round, key, base_digest, report, opened)
+            view, payloads = await self._collect(client, exchange, round, report.times)
+            return await self._apply_and_report(client, exchange, report, round, view, payloads)
+
+        deltas = {name: delta.float().clone() for name, delta in self.outer.deltas()}  # before r-1 lands
+        pending, pending_times = self._in_flight, self._in_flight_times
+        self._in_flight_times = RoundTimes()
+        self._in_flight = asyncio.create_task(self._send_and_collect(
+            client, exchange, round, key, base_digest, report, opened, deltas, self._in_flight_times))
+        if pending is None:
+            self.params_round = round + 1
+            report.ended_at = time.time()
+            return report
+        view, payloads, prepared = await pending
+        times = report.times
+        times.hidden_wait_s, times.hidden_transfer_s = pending_times.wait_s, pending_times.transfer_s
+        times.hidden_aggregate_s = pending_times.aggregate_s
+        report = await self._apply_and_report(client, exchange, report, round - 1, view, payloads, prepared)
+        self.params_round = round + 1  # the start of round r+1, with round r still to land on it
+        return report
+
+    async def _train(self, round: int, times: RoundTimes) -> float:
+        """The round's H inner steps, in a worker thread; returns the mean loss."""
+        from node.inner import run_inner_steps
+
         self._state = "training"
         H = self.run_config.inner_steps
         batches = self.shard.batches(self.inner.batch_size, self.inner.seq_len, self.run_config.seed, self.device,
@@ -452,62 +488,65 @@ class Node:
             bar.close()
         times.compute_s = await self.faults.pad_compute(round, result.compute_s)
         self._last_loss = result.mean_loss
+        return result.mean_loss
 
-        self._state = "encoding"
+    async def _send(self, client, exchange, round: int, key, base_digest: str, report: RoundReport, opened: bool,
+                    deltas: dict | None = None) -> None:
+        """Encode the round's update (the given deltas, or the parameters' since the round began),
+        publish the packet and submit it. With `deltas` it runs beside the next round's training."""
+        from node.coordinator_client import Refused
+
+        foreground = deltas is None
+        if foreground:
+            self._state = "encoding"
         start = time.perf_counter()
-        self.faults.tamper_update(round, self.outer)
-        payload = await asyncio.to_thread(self.outer.make_payload, run_id=client.run_id, round=round,
-                                          peer_id=self.peer_id, base_digest=base_digest, key=key)
+        def encode() -> bytes:
+            with self._buffers_lock:  # a catch-up resetting the buffers waits for a running encode
+                return self.outer.make_payload(run_id=client.run_id, round=round, peer_id=self.peer_id,
+                                               base_digest=base_digest, key=key, deltas=deltas)
+
+        async with self._encode_lock:  # error feedback folds rounds in order
+            payload = await asyncio.to_thread(encode)
         payload = self.faults.tamper_packet(round, payload)
         digest = hashlib.sha256(payload).hexdigest()
         announcement = await exchange.publish(round, self.peer_id, payload)
-        times.encode_s = time.perf_counter() - start
-
-        self._state = "submitting"
-        submitted = True
+        encode_s = time.perf_counter() - start
+        if foreground:
+            report.times.encode_s = encode_s
+            self._state = "submitting"
+        else:
+            report.times.hidden_encode_s = encode_s
+        report.packet_bytes = len(payload)
         if not opened:  # trained ahead of the round's opening (overlap): submit once it opens
             await self._wait_open(client, round)
         await self.faults.before_submit(round, client)
         try:
             await self._signed(client.submit, round, packet_digest=digest, packet_size_bytes=len(payload),
-                                train_loss=result.mean_loss, compute_s=times.compute_s, encode_s=times.encode_s,
+                                train_loss=report.train_loss, compute_s=report.times.compute_s, encode_s=encode_s,
                                 multiaddrs=announcement.multiaddrs)
         except Refused as e:
             if e.code not in ("late", "stale_round", "round_not_open"):
                 raise
-            submitted = False
+            report.submitted = False
             log.warning("round %d: submission refused (%s); applying the round without this packet", round, e.code)
 
-        report = RoundReport(round, result.mean_loss, "", 0, times=times, submitted=submitted,
-                             packet_bytes=len(payload), started_at=started_at)
-        if not self.overlap:
-            view, payloads = await self._collect(client, exchange, round, times)
-            applied_round, prepared = round, None
-        else:
-            # Round r's packets move while round r+1 trains: apply round r-1's, now in hand.
-            pending, pending_times = self._in_flight, self._in_flight_times
-            self._in_flight_times = RoundTimes()
-            self._in_flight = asyncio.create_task(
-                self._collect_and_prepare(client, exchange, round, self._in_flight_times))
-            if pending is None:
-                self.params_round = round + 1
-                report.ended_at = time.time()
-                return report
-            view, payloads, prepared = await pending
-            times.hidden_wait_s, times.hidden_transfer_s = pending_times.wait_s, pending_times.transfer_s
-            times.hidden_aggregate_s = pending_times.aggregate_s
-            applied_round = round - 1
-        applied = await self._apply_manifest(client, exchange, applied_round, view, times, payloads,
-                                             prepared)
-        if self.overlap:
-            self.params_round = round + 1  # the start of round r+1, with round r still to land on it
+    async def _send_and_collect(self, client, exchange, round: int, key, base_digest: str, report: RoundReport,
+                                opened: bool, deltas: dict, times: RoundTimes):
+        """With overlap: everything of round r after its training, beside round r+1's."""
+        await self._send(client, exchange, round, key, base_digest, report, opened, deltas)
+        return await self._collect_and_prepare(client, exchange, round, times)
+
+    async def _apply_and_report(self, client, exchange, report: RoundReport, applied_round: int, view, payloads,
+                                prepared=None) -> RoundReport:
+        times = report.times
+        applied = await self._apply_manifest(client, exchange, applied_round, view, times, payloads, prepared)
         traffic = exchange.traffic(applied_round)
         report.digest, report.num_packets, report.refused = self._digest, len(applied.accepted), applied.refused
         report.downloaded_bytes, report.fetching_s = traffic.downloaded_bytes, traffic.fetching_s()
         transfer_s = times.transfer_s or times.hidden_transfer_s
         if traffic.downloaded_bytes and transfer_s > 0.01:  # goes to the coordinator with the heartbeats
             self._bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / transfer_s / 1e6)
-        report.uploaded_bytes = exchange.traffic(round).uploaded_bytes
+        report.uploaded_bytes = exchange.traffic(report.round).uploaded_bytes
         report.ended_at, report.applied_round = time.time(), applied_round
         return report
 
