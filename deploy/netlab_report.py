@@ -20,7 +20,8 @@ Per round, averaged over the peers that report it (every peer times its own roun
 - download_bytes: what one peer must fetch, the packets of every other peer in the round (its own
   is local); ideal_transfer_s = download_bytes * 8 / link rate; transfer_over_ideal, per peer then
   averaged; 1.0 is a link kept full whenever a fetch was in progress (fetching_s; transfer_s
-  for reports that lack it);
+  for reports that lack it); after_close_over_ideal = transfer_s / ideal: the part left after
+  the round closed (0 with overlap, where it runs behind compute);
 - compute_utilization = compute_s / round_s, per peer then averaged;
 - swarm_cycle_s: the coordinator's time from the previous round's close to this one's (rounds close
   when the last packet is submitted, so this is the swarm's round time, slowest peer included).
@@ -55,7 +56,8 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> 
             "rounds_averaged": [row["round"] for row in steady],
             **{name: _mean(row[name] for row in steady) for name in (
                 *TIMERS, "transfer_max_s", "fetching_s", "round_s", "idle_s", "packet_bytes", "download_bytes",
-                "ideal_transfer_s", "transfer_over_ideal", "compute_utilization", "swarm_cycle_s")},
+                "ideal_transfer_s", "transfer_over_ideal", "after_close_over_ideal", "compute_utilization",
+                "swarm_cycle_s")},
             "digests_agree_every_round": bool(rows) and all(row["digests_agree"] for row in rows),
         },
     }
@@ -100,6 +102,8 @@ def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[i
         "ideal_transfer_s": _mean(s for s in ideal_s if s is not None) if rate_bytes_per_s else None,
         "transfer_over_ideal": _mean(f / s for r, s in zip(per_peer, ideal_s) if s and (f := _fetching_s(r)))
         if rate_bytes_per_s else None,
+        "after_close_over_ideal": _mean(t["transfer_s"] / s for t, s in zip(times, ideal_s) if s)
+        if rate_bytes_per_s else None,
         "compute_utilization": _mean(t["compute_s"] / total for t, total in zip(times, round_s) if total > 0),
         "swarm_cycle_s": closed_at[k] - closed_at[k - 1] if k in closed_at and k - 1 in closed_at else None,
         "digests_agree": len({r["digest"] for r in per_peer}) == 1,
@@ -130,6 +134,7 @@ COLUMNS = (  # (heading, key, format)
     ("download/peer", "download_bytes", "{:,.0f}B"),
     ("ideal", "ideal_transfer_s", "{:.3f}s"),
     ("xfer/ideal", "transfer_over_ideal", "{:.1f}x"),
+    ("close/ideal", "after_close_over_ideal", "{:.1f}x"),
     ("util", "compute_utilization", "{:.0%}"),
     ("cycle", "swarm_cycle_s", "{:.2f}s"),
     ("digests", "digests_agree", "{}"),

@@ -440,7 +440,7 @@ class P2PExchange:
                         known[ann.holder] = ann
                 for h in await self.holders(state.round, state.publisher):
                     known[h.holder] = h
-            except OSError as e:
+            except Exception as e:  # a DHT hiccup: the next pass reads again
                 log.debug("reading holders of %s failed: %r", state.publisher, e)
 
     def _holder_named(self, holder: str, state: _FetchState) -> Announcement:

@@ -47,3 +47,28 @@ def test_a_diverged_round_and_an_unshaped_link():
     assert not row["digests_agree"] and not result["summary"]["digests_agree_every_round"]
     assert row["ideal_transfer_s"] is None and row["transfer_over_ideal"] is None
     assert "DIFFER" in format_table(result)
+
+
+def test_fetching_time_start_to_start_rounds_and_the_part_after_the_close():
+    """Reports from current nodes: the ratio uses the time any fetch was in progress (early fetches
+    included), a round runs until the same node's next one starts, and the part of the transfer
+    left after the close gets its own ratio. With overlap, a first round that fetched nothing has
+    no ratio rather than 0."""
+    def timed(k, start, fetching, transfer):
+        r = _round(k, compute=4.0, transfer=transfer, packet_bytes=1_000_000)
+        return r | {"started_at": start, "ended_at": start + 5.0, "fetching_s": fetching}
+
+    reports = [{"rounds": [timed(0, 100.0, 1.6, 0.4), timed(1, 106.0, 1.2, 0.3), timed(2, 112.0, 1.4, 0.5)]}]
+    reports.append({"rounds": [timed(0, 100.0, 1.6, 0.4), timed(1, 106.0, 1.2, 0.3), timed(2, 112.0, 1.4, 0.5)]})
+    result = summarize(reports, [], rate_mbps=8.0)  # ideal: 1 s for the other peer's 1 MB
+    first, second, last = result["per_round"]
+    assert second["fetching_s"] == pytest.approx(1.2) and second["transfer_over_ideal"] == pytest.approx(1.2)
+    assert second["after_close_over_ideal"] == pytest.approx(0.3)
+    assert first["round_s"] == pytest.approx(6.0) and second["round_s"] == pytest.approx(6.0)  # start to start
+    assert last["round_s"] == pytest.approx(5.0)  # the last round: to the end of its outer step
+    assert second["compute_utilization"] == pytest.approx(4.0 / 6.0)
+    assert "close/ideal" in format_table(result)
+
+    overlapped = [{"rounds": [timed(0, 100.0, 0.0, 0.0)]} for _ in range(2)]  # applied nothing yet
+    row = summarize(overlapped, [], rate_mbps=8.0)["per_round"][0]
+    assert row["ideal_transfer_s"] == pytest.approx(1.0) and row["transfer_over_ideal"] is None
