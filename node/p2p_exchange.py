@@ -72,6 +72,7 @@ import ipaddress
 import logging
 import random
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -336,9 +337,15 @@ class P2PExchange:
                 log.warning("round %d: leaving out %r: %s", round, publisher, e)
                 del todo[publisher]
         # One batched DHT search for the round's announcements and every wanted packet's extra
-        # holders, run beside the first downloads: a packet with hinted holders (the manifest's
-        # addresses) starts at once and needs the DHT only if they fail.
-        lookup = asyncio.ensure_future(self._lookup(keys, round, deadline))
+        # holders, made only when some packet needs it: one with hinted holders (the manifest's
+        # addresses) starts at once and asks the DHT only if they fail.
+        lookup_task: asyncio.Future | None = None
+
+        def lookup() -> asyncio.Future:
+            nonlocal lookup_task
+            if lookup_task is None:
+                lookup_task = asyncio.ensure_future(self._lookup(keys, round, deadline))
+            return lookup_task
 
         for maddrs in (holders_hint or {}).values():  # to reach the peers a busy holder names
             for holder in _hinted_holders(maddrs, _FetchState(round, "", "", None)):
@@ -363,7 +370,8 @@ class P2PExchange:
         try:
             fetched = await asyncio.gather(*(one(p, d) for p, d in order))
         finally:
-            lookup.cancel()
+            if lookup_task is not None:
+                lookup_task.cancel()
         result |= {p: data for (p, _), data in zip(order, fetched) if data is not None}
         return result
 
@@ -381,7 +389,7 @@ class P2PExchange:
         extra = {p: self._parse_found(k, found.get(k), round, p) for p, k in keys.items() if p is not None}
         return announced, extra
 
-    async def _fetch_one(self, state: _FetchState, hints: list[Announcement], lookup: asyncio.Future,
+    async def _fetch_one(self, state: _FetchState, hints: list[Announcement], lookup: Callable[[], asyncio.Future],
                          deadline: float) -> bytes:
         """Try the hinted holders, then those the DHT knows and those busy holders name, re-reading
         the DHT for new ones, until one serves or the caller times out."""
@@ -389,8 +397,8 @@ class P2PExchange:
         known = {h.holder: h for h in hints}
         ann, looked_up, passes, busy_pause_s = None, False, 0, self.config.busy_pause_s
         while True:
-            if not looked_up and (passes or not hints or lookup.done()):
-                announced, extra = await asyncio.shield(lookup)
+            if not looked_up and (passes or not hints):
+                announced, extra = await asyncio.shield(lookup())
                 looked_up = True
                 ann = announced.get(state.publisher)
                 if ann is not None and ann.digest == state.digest:
