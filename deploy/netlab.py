@@ -243,6 +243,13 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         result |= summarize(reports, status.get("history", []), rate_mbps=link.rate_mbps)
         node_rx = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(bytes_after[1:], bytes_before[1:])]
         result["summary"]["interface_rx_bytes_per_peer_round"] = sum(node_rx) / len(node_rx) / args.rounds
+        if args.peers >= 2 and result["summary"]["packet_bytes"]:
+            # The baseline, measured in the same lab: the round's bytes over plain TCP, all at once.
+            baseline = topology.probe_alltoall(list(range(1, args.peers + 1)), int(result["summary"]["packet_bytes"]))
+            ideal_s = result["summary"]["ideal_transfer_s"]
+            baseline["over_ideal"] = baseline["mean_s"] / ideal_s if ideal_s else None
+            result["tcp_alltoall"] = baseline
+            result["summary"]["tcp_alltoall_over_ideal"] = baseline["over_ideal"]
         result |= {
             "completed": len(result["per_round"]) == args.rounds and not swarm.stragglers
             and all(row["num_peers"] == args.peers for row in result["per_round"]),
@@ -359,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
                               for k in ("dropped_uplink", "dropped_downlink", "dropped_loss"))
             print(f"link emulator: {carried:,} packets carried; dropped by full queues: {up:,} on uplinks, "
                   f"{down:,} on downlinks; {lost:,} lost")
+        if baseline := result.get("tcp_alltoall"):
+            ratio = f" ({baseline['over_ideal']:.1f}x ideal)" if baseline["over_ideal"] else ""
+            print(f"baseline: the same bytes over plain TCP, every host to every other at once: "
+                  f"{baseline['mean_s']:.2f} s{ratio}")
         for straggler in result["stragglers"]:
             print(f"INCOMPLETE: {straggler['host']} {straggler['reason']}")
         print(f"\n{args.peers} peers, {link['rate_mbps']:g} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "

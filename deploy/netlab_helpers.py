@@ -4,6 +4,7 @@
     python -m deploy.netlab_helpers sink HOST                           prints "port P", then the result
     python -m deploy.netlab_helpers source HOST PORT NUM_BYTES
     python -m deploy.netlab_helpers rtt HOST                            prints {"rtt_ms": median of 5}
+    python -m deploy.netlab_helpers alltoall OWN_IP PORT BYTES START_AT PEER_IP...
 
 The lab's own process stays in the root namespace, where the lab's addresses do not exist, so
 every request to the coordinator and every throughput probe runs as one of these short-lived
@@ -14,7 +15,11 @@ tens of milliseconds, so polling the coordinator this way costs little.
 the HTTP status (non-zero only when no answer came). `sink` accepts one connection, reads to EOF
 and prints {"bytes": n, "seconds": s} timed from the first byte to EOF, so connection set-up and
 the sender's start-up do not count. `rtt` times TCP connection attempts to a port nobody listens on
-(the refusal comes back after one round trip).
+(the refusal comes back after one round trip). `alltoall` is one host's part of a plain-TCP
+exchange among all hosts: it listens on OWN_IP:PORT, waits until the unix time START_AT, sends
+BYTES to each PEER_IP on a fresh connection (all at once) and prints {"seconds": s} from START_AT
+to the last byte received from every peer: the transfer a round's packets would take with no
+protocol at all.
 """
 
 from __future__ import annotations
@@ -92,12 +97,69 @@ def rtt(host: str, closed_port: int = 9, tries: int = 5) -> int:
     return 0
 
 
+def alltoall(own_ip: str, port: int, num_bytes: int, start_at: float, peers: list[str]) -> int:
+    import threading
+
+    received_at: list[float] = []
+    lock = threading.Lock()
+
+    def receive(connection: socket.socket) -> None:
+        with connection:
+            while connection.recv(RECV_BYTES):
+                pass
+        with lock:
+            received_at.append(time.time())
+
+    def send(peer: str) -> None:
+        block = os.urandom(RECV_BYTES)
+        for _ in range(100):  # the peer's listener may not be up yet
+            try:
+                connection = socket.create_connection((peer, port), timeout=60)
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        else:
+            raise ConnectionRefusedError(f"{peer}:{port}")
+        with connection:
+            sent = 0
+            while sent < num_bytes:
+                piece = block[: min(len(block), num_bytes - sent)]
+                connection.sendall(piece)
+                sent += len(piece)
+
+    with socket.create_server((own_ip, port), backlog=len(peers)) as server:
+        receivers = []
+
+        def accept_all() -> None:
+            for _ in peers:
+                connection, _ = server.accept()
+                thread = threading.Thread(target=receive, args=(connection,))
+                thread.start()
+                receivers.append(thread)
+
+        acceptor = threading.Thread(target=accept_all)
+        acceptor.start()
+        time.sleep(max(0.0, start_at - time.time()))
+        senders = [threading.Thread(target=send, args=(peer,)) for peer in peers]
+        for thread in senders:
+            thread.start()
+        for thread in senders:
+            thread.join()
+        acceptor.join()
+        for thread in receivers:
+            thread.join()
+    print(json.dumps({"seconds": max(received_at) - start_at}), flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[0] == "http":
         token_env = argv[4] if len(argv) == 5 and argv[3] == "--token-env" else None
         return http(argv[1], argv[2], token_env)
     if len(argv) == 2 and argv[0] == "sink":
         return sink(argv[1])
+    if len(argv) >= 6 and argv[0] == "alltoall":
+        return alltoall(argv[1], int(argv[2]), int(argv[3]), float(argv[4]), argv[5:])
     if len(argv) == 2 and argv[0] == "rtt":
         return rtt(argv[1])
     if len(argv) == 4 and argv[0] == "source":

@@ -307,6 +307,32 @@ class Topology:
         self.emulator = None
         return errors
 
+    def probe_alltoall(self, hosts: list[int], num_bytes: int, timeout_s: float = 120.0) -> dict:
+        """Plain TCP among `hosts`, all at once: each sends `num_bytes` to every other; the seconds
+        until each host had all its bytes (the same exchange as a round's packets, no protocol)."""
+        helper = [sys.executable, "-m", "deploy.netlab_helpers", "alltoall"]
+        start_at = time.time() + 3.0  # every helper started and listening by then
+        port = str(_alltoall_port())
+        children = []
+        try:
+            for i in hosts:
+                peers = [self.hosts[j].ip for j in hosts if j != i]
+                children.append(subprocess.Popen(
+                    [*self.exec_args(i), *helper, self.hosts[i].ip, port, str(num_bytes), f"{start_at:.3f}", *peers],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT))
+            seconds = []
+            for child in children:
+                out, err = child.communicate(timeout=timeout_s)
+                if child.returncode != 0:
+                    raise LabError(f"all-to-all probe failed: {err.strip()[-300:]}")
+                seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+        return {"bytes_per_pair": num_bytes, "seconds": seconds, "mean_s": sum(seconds) / len(seconds)}
+
     def probe_rate(self, sender: int, receiver: int) -> dict:
         """TCP throughput from one host to another through both hosts' shapers, and the round trip."""
         num_bytes = max(1 << 18, int(self.link.rate_mbps * 1e6 / 8 * PROBE_SECONDS)) if self.link.rate_mbps else 8 << 20
@@ -327,6 +353,10 @@ class Topology:
         result["rtt_ms"] = json.loads(rtt.stdout.strip().splitlines()[-1])["rtt_ms"]
         return {"bytes": result["bytes"], "seconds": result["seconds"], "mbps": mbps, "rtt_ms": result["rtt_ms"],
                 "ratio_to_rate": mbps / self.link.rate_mbps if mbps and self.link.rate_mbps else None}
+
+
+def _alltoall_port() -> int:
+    return 20000 + os.getpid() % 20000
 
 
 def read_line(stream, timeout_s: float, prefix: str) -> str:
