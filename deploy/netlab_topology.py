@@ -68,24 +68,32 @@ def _run(args: list[str], timeout_s: float = 30.0) -> subprocess.CompletedProces
     return result
 
 
+def _probe(name: str, steps: list[tuple[list[str], str]]) -> tuple[bool, str]:
+    """Run `steps` (command, what its failure means) in a throwaway namespace with a veth pair
+    ("probe0", "probe1"); the first failure's meaning and error, or (True, "ok")."""
+    probe = f"{LAB_PREFIX}{os.getpid()}-{name}"
+    steps = [(["ip", "netns", "add", probe], "`ip netns` does not work here"),
+             (["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"],
+              "veth pairs cannot be created here"),
+             *[([c.replace("{ns}", probe) for c in command], meaning) for command, meaning in steps]]
+    try:
+        for command, meaning in steps:
+            try:
+                _run(command)
+            except LabError as e:
+                return False, f"{meaning}: {e}"
+    finally:
+        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return True, "ok"
+
+
 def lab_available() -> tuple[bool, str]:
     """Whether this machine can build a lab (root, iproute2, network namespaces), and if not, why."""
     if os.geteuid() != 0:
         return False, "the network lab needs root (network namespaces, veth pairs, tc)"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return False, "the network lab needs iproute2 (`ip` and `tc`)"
-    probe = f"{LAB_PREFIX}{os.getpid()}-probe"
-    try:
-        _run(["ip", "netns", "add", probe])
-    except LabError as e:
-        return False, f"`ip netns` does not work here: {e}"
-    try:
-        _run(["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"])
-    except LabError as e:
-        return False, f"veth pairs cannot be created here: {e}"
-    finally:
-        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
-    return True, "ok"
+    return _probe("probe", [])
 
 
 def lab_namespaces(prefix: str = LAB_PREFIX) -> list[str]:
@@ -126,16 +134,8 @@ def _kill_namespace_processes(namespace: str, grace_s: float = 3.0) -> list[int]
 
 def netem_available() -> tuple[bool, str]:
     """Whether this kernel has the netem qdisc, tried on a veth in a namespace of its own."""
-    probe = f"{LAB_PREFIX}{os.getpid()}-netem"
-    try:
-        _run(["ip", "netns", "add", probe])
-        _run(["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"])
-        _run(["tc", "-n", probe, "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms"])
-    except LabError as e:
-        return False, f"this kernel has no usable netem qdisc (sch_netem): {e}"
-    finally:
-        subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
-    return True, "ok"
+    return _probe("netem", [(["tc", "-n", "{ns}", "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms"],
+                             "this kernel has no usable netem qdisc (sch_netem)")])
 
 
 SHAPERS = ("auto", "tc", "userspace")
