@@ -36,7 +36,7 @@ import signal
 import struct
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
@@ -53,8 +53,7 @@ DEVICE = "eth0"
 
 @dataclass(slots=True)
 class Counters:
-    sent_bytes: int = 0  # wire bytes this host sent that reached their destination
-    received_bytes: int = 0
+    rx_bytes: int = 0  # wire bytes delivered to this host
     packets: int = 0
     dropped_loss: int = 0
     dropped_uplink: int = 0  # sent by this host into its full uplink queue
@@ -82,7 +81,7 @@ class LinkEmulator:
         self.loss = loss_pct / 100
         self.offload = self.loss == 0
         self.rng = random.Random(seed)
-        self.events: list[tuple[float, int, int, int, bytes]] = []  # (due, seq, kind, host, packet)
+        self.events: list[tuple[float, int, int, int, int, bytes]] = []  # (due, seq, kind, host, wire bytes, packet)
         self.seq = 0
         self.running = True
 
@@ -122,9 +121,9 @@ class LinkEmulator:
         segments = -(-(length - hdr_len) // gso_size)
         return length + (segments - 1) * hdr_len + segments * ETHERNET_OVERHEAD
 
-    def _push(self, due: float, kind: int, host: int, packet: bytes) -> None:
+    def _push(self, due: float, kind: int, host: int, size: int, packet: bytes) -> None:
         self.seq += 1
-        heapq.heappush(self.events, (due, self.seq, kind, host, packet))
+        heapq.heappush(self.events, (due, self.seq, kind, host, size, packet))
 
     def sent(self, source: int, packet: bytes, now: float) -> None:
         """Host `source` sent `packet` (read from its device): queue it on its uplink."""
@@ -146,26 +145,27 @@ class LinkEmulator:
             src.counters.dropped_uplink += 1
             return
         src.uplink_free_at = start + size * self.seconds_per_byte
-        self._push(src.uplink_free_at + self.delay_s, 0, dest, packet)
+        self._push(src.uplink_free_at + self.delay_s, 0, dest, size, packet)
 
-    def arrived(self, dest: int, packet: bytes, now: float) -> None:
-        """The packet reached the far end of the path: queue it on the destination's downlink."""
+    def arrived(self, dest: int, size: int, packet: bytes, now: float) -> None:
+        """The packet (`size` wire bytes) reached the far end of the path: queue it on the
+        destination's downlink."""
         dst = self.hosts[dest]
         start = max(now, dst.downlink_free_at)
         if start - now > QUEUE_LIMIT_S:
             dst.counters.dropped_downlink += 1
             return
-        dst.downlink_free_at = start + self.wire_bytes(packet) * self.seconds_per_byte
-        self._push(dst.downlink_free_at, 1, dest, packet)
+        dst.downlink_free_at = start + size * self.seconds_per_byte
+        self._push(dst.downlink_free_at, 1, dest, size, packet)
 
-    def deliver(self, dest: int, packet: bytes) -> None:
+    def deliver(self, dest: int, size: int, packet: bytes) -> None:
         dst = self.hosts[dest]
         try:
             os.write(dst.fd, packet)
         except (BlockingIOError, OSError):
             dst.counters.dropped_downlink += 1
             return
-        dst.counters.received_bytes += self.wire_bytes(packet)
+        dst.counters.rx_bytes += size
         dst.counters.packets += 1
 
     # -- the loop -----------------------------------------------------------------------------
@@ -180,11 +180,11 @@ class LinkEmulator:
         while self.running:
             now = time.monotonic()
             while self.events and self.events[0][0] <= now:
-                _, _, kind, host, packet = heapq.heappop(self.events)
+                due, _, kind, host, size, packet = heapq.heappop(self.events)
                 if kind == 0:
-                    self.arrived(host, packet, now)
+                    self.arrived(host, size, packet, due)  # it arrived when due, not when the loop woke
                 else:
-                    self.deliver(host, packet)
+                    self.deliver(host, size, packet)
             timeout_ms = None
             if self.events:
                 timeout_ms = max(0.0, (self.events[0][0] - time.monotonic()) * 1000)
@@ -206,10 +206,7 @@ class LinkEmulator:
         self.running = False
 
     def counters(self) -> dict:
-        return {h.namespace: {"rx_bytes": h.counters.received_bytes, "packets": h.counters.packets,
-                              "dropped_loss": h.counters.dropped_loss, "dropped_uplink": h.counters.dropped_uplink,
-                              "dropped_downlink": h.counters.dropped_downlink,
-                              "dropped_unroutable": h.counters.dropped_unroutable} for h in self.hosts}
+        return {h.namespace: asdict(h.counters) for h in self.hosts}
 
 
 def main(argv: list[str] | None = None) -> int:

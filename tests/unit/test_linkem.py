@@ -28,9 +28,9 @@ def drain(em: LinkEmulator) -> list[tuple[float, int, bytes]]:
     """Run the event queue to its end; return (time, host, packet) for each delivery."""
     delivered = []
     while em.events:
-        due, _, kind, host, packet = heapq.heappop(em.events)
+        due, _, kind, host, size, packet = heapq.heappop(em.events)
         if kind == 0:
-            em.arrived(host, packet, due)
+            em.arrived(host, size, packet, due)
         else:
             delivered.append((due, host, packet))
     return delivered
