@@ -39,15 +39,12 @@ TIMERS = ("compute_s", "encode_s", "wait_s", "transfer_s", "aggregate_s")
 
 def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> dict:
     """Per-round rows and a steady-state summary; `reports` are the nodes' --report objects."""
-    rounds = sorted({r["round"] for report in reports for r in report["rounds"]})
-    for report in reports:  # each round lasts until the same node's next one starts
-        for r, following in zip(report["rounds"], report["rounds"][1:]):
-            if r.get("started_at") and following.get("started_at") and following["round"] == r["round"] + 1:
-                r["next_started_at"] = following["started_at"]
+    node_rounds = [_with_next_start(report["rounds"]) for report in reports]
+    rounds = sorted({r["round"] for per_node in node_rounds for r in per_node})
     closed_at = {h["round"]: h["closed_at"] for h in history}
     rows = []
     for k in rounds:
-        per_peer = [r for report in reports for r in report["rounds"] if r["round"] == k]
+        per_peer = [r for per_node in node_rounds for r in per_node if r["round"] == k]
         rows.append(_round_row(k, per_peer, rate_mbps, closed_at))
     steady = rows[1:] if len(rows) > 1 else rows
     return {
@@ -61,6 +58,15 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> 
             "digests_agree_every_round": bool(rows) and all(row["digests_agree"] for row in rows),
         },
     }
+
+
+def _with_next_start(rounds: list[dict]) -> list[dict]:
+    """One node's rounds (copies), each with when that node's next round started: where it ended."""
+    rounds = [dict(r) for r in rounds]
+    for r, following in zip(rounds, rounds[1:]):
+        if r.get("started_at") and following.get("started_at") and following["round"] == r["round"] + 1:
+            r["next_started_at"] = following["started_at"]
+    return rounds
 
 
 def _transfer_s(t: dict) -> float:
