@@ -22,7 +22,6 @@ Decisions at the boundaries, each logged:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
@@ -500,6 +499,7 @@ class Node:
         if foreground:
             self._state = "encoding"
         start = time.perf_counter()
+
         def encode() -> bytes:
             with self._buffers_lock:  # a catch-up resetting the buffers waits for a running encode
                 return self.outer.make_payload(run_id=client.run_id, round=round, peer_id=self.peer_id,
@@ -508,7 +508,6 @@ class Node:
         async with self._encode_lock:  # error feedback folds rounds in order
             payload = await asyncio.to_thread(encode)
         payload = self.faults.tamper_packet(round, payload)
-        digest = hashlib.sha256(payload).hexdigest()
         announcement = await exchange.publish(round, self.peer_id, payload)
         encode_s = time.perf_counter() - start
         if foreground:
@@ -521,8 +520,9 @@ class Node:
             await self._wait_open(client, round)
         await self.faults.before_submit(round, client)
         try:
-            await self._signed(client.submit, round, packet_digest=digest, packet_size_bytes=len(payload),
-                                train_loss=report.train_loss, compute_s=report.times.compute_s, encode_s=encode_s,
+            await self._signed(client.submit, round, packet_digest=announcement.digest,
+                                packet_size_bytes=len(payload), train_loss=report.train_loss,
+                                compute_s=report.times.compute_s, encode_s=encode_s,
                                 multiaddrs=announcement.multiaddrs)
         except Refused as e:
             if e.code not in ("late", "stale_round", "round_not_open"):
@@ -543,9 +543,9 @@ class Node:
         traffic = exchange.traffic(applied_round)
         report.digest, report.num_packets, report.refused = self._digest, len(applied.accepted), applied.refused
         report.downloaded_bytes, report.fetching_s = traffic.downloaded_bytes, traffic.fetching_s()
-        transfer_s = times.transfer_s or times.hidden_transfer_s
-        if traffic.downloaded_bytes and transfer_s > 0.01:  # goes to the coordinator with the heartbeats
-            self._bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / transfer_s / 1e6)
+        # Over the time any fetch ran: with early fetches, the bytes span more than the transfer timer.
+        if traffic.downloaded_bytes and report.fetching_s > 0.01:  # goes to the coordinator with the heartbeats
+            self._bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / report.fetching_s / 1e6)
         report.uploaded_bytes = exchange.traffic(report.round).uploaded_bytes
         report.ended_at, report.applied_round = time.time(), applied_round
         return report
@@ -597,11 +597,15 @@ class Node:
         prepared = None
         if {e.peer_id for e in view.manifest} <= set(payloads):
             start = time.perf_counter()
-            public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
-            prepared = await asyncio.to_thread(self.outer.prepare, payloads, public_keys.__getitem__,
-                                               run_id=client.run_id, round=round)
+            prepared = await self._prepare(client, view, payloads)
             times.aggregate_s = time.perf_counter() - start
         return view, payloads, prepared
+
+    async def _prepare(self, client, view, payloads: dict[str, bytes]):
+        """Verify, decode and aggregate the manifest's packets, in a worker thread; no parameter changes."""
+        public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
+        return await asyncio.to_thread(self.outer.prepare, payloads, public_keys.__getitem__,
+                                       run_id=client.run_id, round=view.round)
 
     async def drain_in_flight(self, client, exchange) -> None:
         """With overlap, land the last round's aggregate before leaving."""
@@ -621,7 +625,6 @@ class Node:
 
         if payloads is None:
             payloads = await self._fetch_manifest(exchange, round, view, times)
-        public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
         await self.faults.at_phase(Phase.TRANSFER, round, exchange=exchange, peer_id=self.peer_id)
         missing = sorted({e.peer_id for e in view.manifest} - set(payloads))
         if missing:
@@ -631,8 +634,7 @@ class Node:
         self._state = "aggregating"
         start = time.perf_counter()
         if prepared is None:
-            prepared = await asyncio.to_thread(self.outer.prepare, payloads, public_keys.__getitem__,
-                                               run_id=client.run_id, round=round)
+            prepared = await self._prepare(client, view, payloads)
         applied = self.outer.commit(prepared)
         self._digest = await asyncio.to_thread(param_digest, self.outer.start)
         self.params_round = round + 1
