@@ -347,9 +347,8 @@ class P2PExchange:
                 lookup_task = asyncio.ensure_future(self._lookup(keys, round, deadline))
             return lookup_task
 
-        for maddrs in (holders_hint or {}).values():  # to reach the peers a busy holder names
-            for holder in _hinted_holders(maddrs, _FetchState(round, "", "", None)):
-                self._addresses[holder.holder] = holder.multiaddrs
+        for maddrs in (holders_hint or {}).values():  # to reach the peers busy holders name
+            self._addresses.update(_addresses_by_holder(maddrs))
 
         async def one(publisher: str, digest: str) -> bytes | None:
             state = _FetchState(round, publisher, digest, None)
@@ -396,14 +395,19 @@ class P2PExchange:
         loop = asyncio.get_running_loop()
         known = {h.holder: h for h in hints}
         ann, looked_up, passes, busy_pause_s = None, False, 0, self.config.busy_pause_s
+
+        def take_announcement(found: Announcement | None) -> Announcement | None:
+            """The publisher's own record: its size bounds the download, and it is a holder."""
+            if found is not None and found.digest == state.digest:
+                state.size_bytes = found.size_bytes
+                known.setdefault(found.holder, found)
+            return found
+
         while True:
             if not looked_up and (passes or not hints):
                 announced, extra = await asyncio.shield(lookup())
                 looked_up = True
-                ann = announced.get(state.publisher)
-                if ann is not None and ann.digest == state.digest:
-                    state.size_bytes = ann.size_bytes
-                    known.setdefault(ann.holder, ann)
+                ann = take_announcement(announced.get(state.publisher))
                 for h in extra.get(state.publisher, []):
                     known.setdefault(h.holder, h)
             candidates = [h for h in known.values() if h.digest == state.digest]
@@ -442,10 +446,7 @@ class P2PExchange:
             await asyncio.sleep(min(self.config.holder_refresh_s, max(0.0, deadline - loop.time())))
             try:
                 if ann is None or ann.digest != state.digest:
-                    ann = (await self.announcements(state.round)).get(state.publisher)
-                    if ann is not None and ann.digest == state.digest:
-                        state.size_bytes = ann.size_bytes
-                        known[ann.holder] = ann
+                    ann = take_announcement((await self.announcements(state.round)).get(state.publisher))
                 for h in await self.holders(state.round, state.publisher):
                     known[h.holder] = h
             except Exception as e:  # a DHT hiccup: the next pass reads again
@@ -648,8 +649,6 @@ class P2PExchange:
             raise WrongRound(f"this node serves run {self.config.run_id!r}, not {run!r}")
         return round, publisher, digest
 
-    # -- lifecycle ----------------------------------------------------------------------------
-
     # -- parameter snapshots ----------------------------------------------------------------------
 
     async def publish_params(self, round: int, data: bytes) -> Announcement:
@@ -676,6 +675,8 @@ class P2PExchange:
     async def fetch_params(self, round: int, digest: str, timeout_s: float = 120.0) -> bytes | None:
         """The snapshot for `round` whose sha256 is `digest`, from any holder; None if none served it."""
         return (await self.fetch(round, {PARAMS_ID: digest}, timeout_s=timeout_s)).get(PARAMS_ID)
+
+    # -- lifecycle ----------------------------------------------------------------------------
 
     async def forget_before(self, round: int) -> None:
         for key in [k for k in self._held if k[0] < round]:
@@ -765,8 +766,8 @@ def _parse_busy(raw: bytes) -> list[str]:
     return valid
 
 
-def _hinted_holders(maddrs: list[str], state: _FetchState) -> list[Announcement]:
-    """Holders named by the caller, as multiaddrs ending in /p2p/<libp2p id>."""
+def _addresses_by_holder(maddrs: list[str]) -> dict[str, list[str]]:
+    """Multiaddrs ending in /p2p/<libp2p id>, grouped by that id (others are logged and skipped)."""
     by_holder: dict[str, list[str]] = {}
     for text in maddrs:
         try:
@@ -775,8 +776,13 @@ def _hinted_holders(maddrs: list[str], state: _FetchState) -> list[Announcement]
             log.warning("ignoring hinted holder %r: not a multiaddr with /p2p/<id>", text)
             continue
         by_holder.setdefault(holder, []).append(text)
+    return by_holder
+
+
+def _hinted_holders(maddrs: list[str], state: _FetchState) -> list[Announcement]:
+    """Holders named by the caller, as multiaddrs ending in /p2p/<libp2p id>."""
     return [Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0, addrs, holder)
-            for holder, addrs in by_holder.items()]
+            for holder, addrs in _addresses_by_holder(maddrs).items()]
 
 
 def _order_holders(
