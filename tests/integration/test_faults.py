@@ -203,9 +203,11 @@ def test_crash_in_transfer_beside_corrupt_and_slow_peers(tmp_path):
 def test_paused_node_is_refused_as_stale_and_catches_up(tmp_path):
     """Node 2 is SIGSTOPped (its whole process group, p2pd included) after round 0 and resumed two
     rounds later: its submission for the round it was training is refused as stale or late, it
-    applies and replays the rounds it missed instead, and its digests agree afterwards."""
+    applies and replays the rounds it missed instead, and its digests agree afterwards. Its round-1
+    inner steps take at least 3 s (slow-compute), so the pause lands while it trains round 1: at
+    H=5 the tiny model could otherwise train and submit round 1 between two status polls."""
     rounds = 5
-    with swarm_for(tmp_path, 3, rounds) as swarm:
+    with swarm_for(tmp_path, 3, rounds, {2: ("--inject", "slow-compute@round=1,min_s=3")}) as swarm:
         start_swarm(swarm, heartbeat_timeout_s=120.0, deadline_policy={"kind": "fixed", "round_timeout_s": 8.0})
         wait_until(swarm, lambda s: s["history"] and s["history"][0]["num_applied"] == 3, "round 0 applied by all")
         paused = swarm.nodes[2]
