@@ -21,12 +21,14 @@ host each DHT traversal costs tens of milliseconds of every node's CPU.
 Packet stream, protocol "locoswarm.packet.v1" (a libp2p stream opened through the daemon):
 
     request   u32 big-endian length L (at most 1024), then L bytes of msgpack map
-              {"run": str, "round": int, "peer": str (publisher peer id), "digest": hex str}
+              {"run": str, "round": int, "peer": str (publisher peer id), "digest": hex str,
+               "wait": bool (optional; true: queue for an upload slot rather than be answered busy)}
     response  u8 status, u64 big-endian length N, then N bytes:
               status 0: the packet bytes (written in `chunk_bytes` pieces, 512 KiB by default)
               status 1: a UTF-8 error message (N at most 512), e.g. "not held"
               status 2: busy: every upload slot is taken; N bytes (at most 512) of msgpack list
-                        of up to 8 libp2p peer ids (base58) that confirmed a verified copy
+                        of up to 8 libp2p peer ids (base58) with a copy: those that confirmed a
+                        verified one first, then those it is being sent to now
     receipt   after status 0, the fetcher sends one byte 0x01 once the bytes hash to the digest; the
               holder keeps the upload slot until it reads it (or EOF, or `stall_timeout_s`)
 
@@ -39,13 +41,23 @@ digest mismatch bans that holder for this fetch and tries the next one. A verifi
 served, and announced under the holders key, so later fetchers spread their load over it.
 
 Swarming: a holder serves at most `max_uploads` streams at once, so each gets a fair share of its
-uplink, and answers further requests "busy" with the peers that confirmed a verified copy. A slot
+uplink, and answers further requests "busy" with the peers that confirmed a verified copy. One
+exception: a publisher whose packet nobody has confirmed yet serves it on up to SEED_STREAMS
+extra streams, so that a fresh packet (the last one submitted is on every peer's critical path)
+starts its tree at once instead of queueing behind copies of older packets this node forwards. A slot
 is held until the fetcher's receipt, not until the bytes left the process: p2pd and the kernel
 buffer hundreds of kilobytes, so "written" says little about "received". The
 fetcher tries those at once (they hold verified copies, or will in a moment), so a packet spreads
 as a tree, each copy feeding the next, instead of every peer pulling it through the publisher's
-uplink at 1/(N-1) of its rate; only when every holder it knows is busy does it pause briefly
-(`busy_pause_s`, doubling) and ask again.
+uplink at 1/(N-1) of its rate. When every holder it asked is busy, it asks one of them again with
+"wait", and waits in that holder's queue (first come, first served, up to `request_timeout_s`)
+for the next free slot; a holder with nobody to name queues every request the same way. Only a
+queue that times out sends the fetcher into a short pause (`busy_pause_s`, doubling). Busy
+answers followed by pauses had left the download link idle between transfers. The tree is cut-through: a peer asked for a packet it
+is still receiving sends each piece on as it arrives, holding back the last byte until the whole
+packet hashed to its digest; if its own copy fails, the onward stream ends short, and the
+fetcher (which never saw a bad byte count as a whole packet) tries another holder without
+banning this one. So a hop costs a piece's latency, not a whole packet's transfer time.
 
 Things hivemind 1.1.12 does not do for us, and how this module copes:
 
@@ -72,6 +84,7 @@ import ipaddress
 import logging
 import random
 import struct
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -93,6 +106,7 @@ RESPONSE_HEADER = struct.Struct(">BQ")
 STATUS_OK, STATUS_ERROR, STATUS_BUSY = 0, 1, 2
 RECEIPT = b"\x01"  # the fetcher's "verified" after a packet
 MAX_BUSY_NAMES = 8  # peers named in a busy answer
+SEED_STREAMS = 2  # streams a publisher may add beyond max_uploads for its packet's first copies
 MAX_REQUEST_BYTES = 1024
 MAX_ERROR_BYTES = 512
 REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
@@ -132,7 +146,7 @@ class ExchangeConfig:
     nat_port_map: bool | None = None  # UPnP/NAT-PMP; None = on unless every host address is loopback
     announce_ttl_s: float = 600.0  # DHT records expire this long after publication (a few rounds)
     max_parallel_fetches: int = 3  # packets transferred at once, over all fetch() calls
-    max_uploads: int = 2  # streams served at once; further requests are answered busy
+    max_uploads: int = 2  # streams served at once; further requests are answered busy, or queue
     busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.4 s)
     chunk_bytes: int = 512 << 10  # stream write size
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # refuse larger packets before buffering them
@@ -189,7 +203,36 @@ class Reachability:
 class _Held:
     digest: str
     data: bytes
-    sent_to: list[str] = field(default_factory=list)  # libp2p ids of peers that received all of it
+    sent_to: list[str] = field(default_factory=list)  # libp2p ids of peers that confirmed all of it
+    receiving: list[str] = field(default_factory=list)  # libp2p ids of peers being sent it now
+    own: bool = False  # published by this node
+
+
+@dataclass(slots=True)
+class _Partial:
+    """A packet still arriving, served onward as it arrives (cut-through).
+
+    Its last byte is held back from every onward stream until the whole packet hashed to its
+    digest, so a copy that fails here ends those streams short (the receivers try another
+    holder) instead of handing them bad bytes that would get this honest peer banned.
+    """
+
+    digest: str
+    length: int
+    buffer: bytearray = field(default_factory=bytearray)
+    sent_to: list[str] = field(default_factory=list)  # shared with the _Held that replaces it
+    receiving: list[str] = field(default_factory=list)
+    verified: bool = False
+    failed: bool = False
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # replaced at every notify
+
+    def servable(self) -> int:
+        """Bytes that may go onward now."""
+        return len(self.buffer) if self.verified else min(len(self.buffer), self.length - 1)
+
+    def notify(self) -> None:
+        self.arrived.set()
+        self.arrived = asyncio.Event()
 
 
 @dataclass(slots=True)
@@ -208,6 +251,7 @@ class P2PExchange:
         self.config = config
         self._p2p, self._dht, self._maddrs = p2p, dht, maddrs
         self._held: dict[tuple[int, str], _Held] = {}
+        self._partial: dict[tuple[int, str], _Partial] = {}  # packets arriving now, served as they arrive
         self._traffic: dict[int, Traffic] = {}
         self._background: set[asyncio.Task] = set()
         self._closed = False
@@ -217,6 +261,7 @@ class P2PExchange:
         self._flusher: asyncio.Task | None = None
         self._fetch_slots = asyncio.Semaphore(config.max_parallel_fetches)  # shared by every fetch() call
         self._uploads = 0  # streams being served now (at most config.max_uploads)
+        self._upload_queue: deque[asyncio.Future] = deque()  # requests waiting for a slot, oldest first
         self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
 
     @classmethod
@@ -278,7 +323,7 @@ class P2PExchange:
         digest = packet_digest(data)
         key = packets_key(self.config.run_id, round)
         holders_key(self.config.run_id, round, peer_id)  # fetchers must be able to announce copies under it
-        self._held[(round, peer_id)] = _Held(digest, data)
+        self._held[(round, peer_id)] = _Held(digest, data, own=True)
         record = make_record(digest, len(data), self._maddrs, self.holder_id)
         # Announced beside the round, not before it: fetchers start from the addresses in the
         # coordinator's manifest and need the DHT only for other holders, or without a manifest.
@@ -413,29 +458,34 @@ class P2PExchange:
             candidates = [h for h in known.values() if h.digest == state.digest]
             queue = _order_holders(candidates, state.banned, self.holder_id,
                                    ann.holder if ann is not None else None, self._rng)
-            tried, busy = set(), False
-            while queue:
-                holder = queue.pop(0)
-                if holder.holder in tried or holder.holder in state.banned or holder.holder == self.holder_id:
-                    continue
+            tried, busy_at, queued = set(), [], False
+            while True:
+                if queue:
+                    holder, wait = queue.pop(0), False
+                    if holder.holder in tried or holder.holder in state.banned or holder.holder == self.holder_id:
+                        continue
+                elif busy_at and not queued:
+                    # Every holder asked is sending: wait in one's queue rather than ask again later.
+                    holder, wait, queued = self._rng.choice(busy_at), True, True
+                else:
+                    break
                 tried.add(holder.holder)
                 async with self._fetch_slots:
-                    outcome = await self._try_holder(holder, state, deadline)
-                if isinstance(outcome, bytes):
-                    self._held[(state.round, state.publisher)] = _Held(state.digest, outcome)
+                    outcome = await self._try_holder(holder, state, deadline, wait)
+                if isinstance(outcome, bytes):  # held and served from now on (_download)
                     self.traffic(state.round).num_fetched += 1
                     self._announce_holder(state, len(outcome))
                     return outcome
                 if isinstance(outcome, HolderBusy):  # try the peers it named first: they have copies
                     log.debug("round %d: %s's packet: holder %s busy, names %d", state.round, state.publisher,
                               holder.holder[-8:], len(outcome.holders))
-                    busy = True
+                    busy_at.append(holder)
                     named = [self._holder_named(h, state) for h in outcome.holders]
                     for h in named:
                         known.setdefault(h.holder, h)
                     queue[:0] = [h for h in named if h.holder not in tried]
             passes += 1
-            if busy:  # copies exist but every holder is sending: ask again shortly
+            if busy_at:  # copies exist but every holder is sending: ask again shortly
                 await asyncio.sleep(min(busy_pause_s * (0.5 + self._rng.random()), max(0.0, deadline - loop.time())))
                 busy_pause_s = min(busy_pause_s * 2, 8 * self.config.busy_pause_s)
                 continue
@@ -457,11 +507,12 @@ class P2PExchange:
         return Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0,
                             self._addresses.get(holder, []), holder)
 
-    async def _try_holder(self, holder: Announcement, state: _FetchState,
-                          deadline: float) -> bytes | HolderBusy | None:
-        """The verified packet; HolderBusy when the holder has no free upload slot; None on failure."""
+    async def _try_holder(self, holder: Announcement, state: _FetchState, deadline: float,
+                          wait: bool = False) -> bytes | HolderBusy | None:
+        """The verified packet; HolderBusy when the holder has no free upload slot (with `wait`: none
+        freed within its queue time); None on failure."""
         try:
-            return await self._download(holder, state, deadline)
+            return await self._download(holder, state, deadline, wait)
         except HolderBusy as busy:
             return busy
         except (DigestMismatch, MalformedPacket, OversizedPacket) as e:
@@ -479,7 +530,7 @@ class P2PExchange:
                      state.publisher, e)
         return None
 
-    async def _download(self, holder: Announcement, state: _FetchState, deadline: float) -> bytes:
+    async def _download(self, holder: Announcement, state: _FetchState, deadline: float, wait: bool = False) -> bytes:
         loop = asyncio.get_running_loop()
         cfg = self.config
 
@@ -501,7 +552,7 @@ class P2PExchange:
             self._p2p.call_binary_stream_handler(peer, HANDLER_NAME), budget(cfg.connect_timeout_s))
         try:
             request = msgpack.packb({"run": cfg.run_id, "round": state.round, "peer": state.publisher,
-                                     "digest": state.digest})
+                                     "digest": state.digest, "wait": wait})
             writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             await asyncio.wait_for(writer.drain(), budget(cfg.connect_timeout_s))
             status, length = RESPONSE_HEADER.unpack(
@@ -522,27 +573,45 @@ class P2PExchange:
                 raise MalformedPacket(f"holder offers {length} bytes, the announcement says {state.size_bytes}")
             answered = loop.time()
             # Grown as bytes arrive, not allocated from the claimed length: a hostile holder
-            # announcing 256 MB costs us only what it actually sends before it is dropped.
-            buffer, hasher, received = bytearray(), hashlib.sha256(), 0
-            traffic = self.traffic(state.round)
-            while received < length:
-                piece = await asyncio.wait_for(reader.read(min(cfg.chunk_bytes << 1, length - received)),
-                                               budget(cfg.stall_timeout_s))
-                if not piece:
-                    raise asyncio.IncompleteReadError(b"", length)
-                buffer += piece
-                hasher.update(piece)
-                received += len(piece)
-                traffic.downloaded_bytes += len(piece)
-            if hasher.hexdigest() != state.digest:
-                raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
-                                     f"wanted {state.digest[:16]}...")
+            # announcing 256 MB costs us only what it actually sends before it is dropped. Peers
+            # may be served from it while it grows (see _Partial), unless another download of
+            # the same packet already offers that.
+            key = (state.round, state.publisher)
+            partial = _Partial(state.digest, length)
+            if key not in self._partial:
+                self._partial[key] = partial
+            hasher, traffic = hashlib.sha256(), self.traffic(state.round)
+            try:
+                while len(partial.buffer) < length:
+                    piece = await asyncio.wait_for(
+                        reader.read(min(cfg.chunk_bytes << 1, length - len(partial.buffer))),
+                        budget(cfg.stall_timeout_s))
+                    if not piece:
+                        raise asyncio.IncompleteReadError(b"", length)
+                    partial.buffer += piece
+                    hasher.update(piece)
+                    traffic.downloaded_bytes += len(piece)
+                    partial.notify()
+                if hasher.hexdigest() != state.digest:
+                    raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
+                                         f"wanted {state.digest[:16]}...")
+                data = bytes(partial.buffer)
+                if (held := self._held.get(key)) is None or held.digest != state.digest:
+                    self._held[key] = _Held(state.digest, data, partial.sent_to, partial.receiving)
+                partial.verified = True
+            except BaseException:
+                partial.failed = True
+                raise
+            finally:
+                partial.notify()
+                if self._partial.get(key) is partial:
+                    del self._partial[key]
             writer.write(RECEIPT)  # frees the holder's upload slot; a lost receipt only delays that
             done = loop.time()
             log.debug("round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps)",
                       state.round, state.publisher, holder.holder[-8:], length, answered - started, done - answered,
                       length * 8 / max(done - answered, 1e-6) / 1e6)
-            return bytes(buffer)
+            return data
         finally:
             writer.close()
 
@@ -591,32 +660,44 @@ class P2PExchange:
             if length > MAX_REQUEST_BYTES:
                 raise MalformedPacket(f"request of {length} bytes")
             raw = await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s)
-            round, publisher, digest = self._parse_request(raw)
-            held = self._held.get((round, publisher))
-            if held is None or held.digest != digest:
+            round, publisher, digest, wait = self._parse_request(raw)
+            copy: _Held | _Partial | None = self._held.get((round, publisher))
+            if copy is None or copy.digest != digest:
+                copy = self._partial.get((round, publisher))
+            if copy is None or copy.digest != digest:
                 raise HolderRefused("not held")
-            if self._uploads >= cfg.max_uploads:
-                names = self._rng.sample(held.sent_to, min(MAX_BUSY_NAMES, len(held.sent_to)))
-                answer = msgpack.packb(names)
+            # With every slot taken, name the peers with a copy (whole ones first), or queue the
+            # request if it asks to wait or there is nobody to name.
+            names = self._copy_holders(copy)
+            # A packet only its publisher has yet starts its tree at once, beside the other uploads.
+            seed = isinstance(copy, _Held) and copy.own and not copy.sent_to and len(copy.receiving) < SEED_STREAMS
+            uploading = await self._take_upload_slot(cfg.request_timeout_s if wait or not names else 0.0, seed)
+            if not uploading:
+                answer = msgpack.packb(self._copy_holders(copy))
                 writer.write(RESPONSE_HEADER.pack(STATUS_BUSY, len(answer)) + answer)
                 await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
                 return
-            self._uploads += 1
-            uploading = True
-            payload = memoryview(self._payload_for(round, publisher, held.data))
-            writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(payload)))
-            traffic = self.traffic(round)
-            for offset in range(0, len(payload), cfg.chunk_bytes):
-                piece = payload[offset: offset + cfg.chunk_bytes]
-                writer.write(piece)
-                await asyncio.wait_for(writer.drain(), cfg.stall_timeout_s)
-                traffic.uploaded_bytes += len(piece)
-            traffic.num_served += 1
-            # The slot is held until the fetcher says it has the verified bytes (or gives up).
-            receipt = await asyncio.wait_for(reader.read(len(RECEIPT)), cfg.stall_timeout_s)
             requester = stream_info.peer_id.to_base58()
-            if receipt == RECEIPT and requester not in held.sent_to:
-                held.sent_to.append(requester)
+            copy.receiving.append(requester)
+            try:
+                traffic = self.traffic(round)
+                if isinstance(copy, _Held):
+                    payload = memoryview(self._payload_for(round, publisher, copy.data))
+                    writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(payload)))
+                    for offset in range(0, len(payload), cfg.chunk_bytes):
+                        piece = payload[offset: offset + cfg.chunk_bytes]
+                        writer.write(piece)
+                        await asyncio.wait_for(writer.drain(), cfg.stall_timeout_s)
+                        traffic.uploaded_bytes += len(piece)
+                else:
+                    await self._forward(copy, writer, traffic)
+                traffic.num_served += 1
+                # The slot is held until the fetcher says it has the verified bytes (or gives up).
+                receipt = await asyncio.wait_for(reader.read(len(RECEIPT)), cfg.stall_timeout_s)
+                if receipt == RECEIPT and requester not in copy.sent_to:
+                    copy.sent_to.append(requester)
+            finally:
+                copy.receiving.remove(requester)
         except ProtocolError as e:
             message = str(e).encode()[:MAX_ERROR_BYTES]
             try:
@@ -630,24 +711,80 @@ class P2PExchange:
             log.exception("packet stream handler failed")
         finally:
             if uploading:
-                self._uploads -= 1
+                self._release_upload_slot()
             writer.close()
 
-    def _parse_request(self, raw: bytes) -> tuple[int, str, str]:
+    def _copy_holders(self, copy: _Held | _Partial) -> list[str]:
+        """Up to MAX_BUSY_NAMES peers with a copy: those that confirmed one first, then those receiving one."""
+        confirmed = self._rng.sample(copy.sent_to, min(MAX_BUSY_NAMES, len(copy.sent_to)))
+        arriving = [p for p in dict.fromkeys(copy.receiving) if p not in confirmed]
+        return confirmed + self._rng.sample(arriving, min(MAX_BUSY_NAMES - len(confirmed), len(arriving)))
+
+    async def _take_upload_slot(self, wait_s: float, seed: bool = False) -> bool:
+        """An upload slot, waiting up to `wait_s` in first-come order for one to free; a `seed`
+        stream may take one of SEED_STREAMS extra slots instead of waiting."""
+        if self._uploads < self.config.max_uploads + (SEED_STREAMS if seed else 0):
+            self._uploads += 1
+            return True
+        if wait_s <= 0:
+            return False
+        handed = asyncio.get_running_loop().create_future()  # resolved by _release_upload_slot
+        self._upload_queue.append(handed)
+        try:
+            await asyncio.wait_for(asyncio.shield(handed), wait_s)
+        except asyncio.TimeoutError:
+            if not handed.done():
+                handed.cancel()
+                return False
+        except BaseException:
+            if handed.done() and not handed.cancelled():
+                self._release_upload_slot()  # handed over as this handler was being cancelled
+            handed.cancel()
+            raise
+        return True
+
+    def _release_upload_slot(self) -> None:
+        """Hand the slot to the longest-waiting request, or free it (an extra one always)."""
+        while self._uploads <= self.config.max_uploads and self._upload_queue:
+            handed = self._upload_queue.popleft()
+            if not handed.done():
+                handed.set_result(None)
+                return
+        self._uploads -= 1
+
+    async def _forward(self, partial: _Partial, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
+        """Send a packet that is still arriving, each piece as it comes, the last byte once verified."""
+        writer.write(RESPONSE_HEADER.pack(STATUS_OK, partial.length))
+        sent = 0
+        while sent < partial.length:
+            if partial.failed:
+                raise ConnectionError("the copy being forwarded failed upstream")
+            upto = partial.servable()
+            if upto > sent:
+                piece = bytes(partial.buffer[sent:upto])
+                writer.write(piece)
+                await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
+                traffic.uploaded_bytes += len(piece)
+                sent = upto
+            else:
+                await asyncio.wait_for(partial.arrived.wait(), self.config.stall_timeout_s)
+
+    def _parse_request(self, raw: bytes) -> tuple[int, str, str, bool]:
         try:
             request = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=MAX_REQUEST_BYTES,
                                       max_bin_len=0, max_array_len=0, max_map_len=8)
         except Exception as e:  # msgpack raises a zoo of types on bad input
             raise MalformedPacket(f"request does not parse: {type(e).__name__}") from None
-        if not isinstance(request, dict) or set(request) != REQUEST_KEYS:
-            raise MalformedPacket("request is not a map with exactly run, round, peer, digest")
+        if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | {"wait"}:
+            raise MalformedPacket("request is not a map with exactly run, round, peer, digest (and optionally wait)")
         run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
+        wait = request.get("wait", False)
         if not (isinstance(run, str) and isinstance(publisher, str) and isinstance(digest, str)
-                and isinstance(round, int) and not isinstance(round, bool)):
+                and isinstance(round, int) and not isinstance(round, bool) and isinstance(wait, bool)):
             raise MalformedPacket("request fields have the wrong types")
         if run != self.config.run_id:
             raise WrongRound(f"this node serves run {self.config.run_id!r}, not {run!r}")
-        return round, publisher, digest
+        return round, publisher, digest, wait
 
     # -- parameter snapshots ----------------------------------------------------------------------
 

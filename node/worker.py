@@ -7,8 +7,9 @@ One round r, as DESIGN.md describes it: snapshot theta_r, run H inner AdamW step
 thread, so the exchange keeps serving and heartbeats keep flowing), fold the delta into the error
 buffers and encode a signed packet, publish it (DHT announcement + libp2p stream), submit its
 digest to the coordinator, wait for the round's manifest, fetch every listed packet (from the
-publisher or any verified holder), decode, aggregate, take the outer step, report the new
-parameter digest. Every peer applies the same manifest to the same start, so every digest agrees.
+publisher or any verified holder; each as soon as its publisher submitted it, from the start of
+this node's own training), decode, aggregate, take the outer step, report the new parameter
+digest. Every peer applies the same manifest to the same start, so every digest agrees.
 
 Decisions at the boundaries, each logged:
 - a submission refused as late or stale: the round goes on without this packet; the node still
@@ -25,6 +26,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +89,24 @@ class RoundReport:
     started_at: float = 0.0  # unix time the round's inner steps began
     ended_at: float = 0.0  # unix time its outer step (or, with overlap, the previous round's) was applied
     applied_round: int = -1  # the round whose aggregate this report's digest follows (r, or r-1 with overlap)
+
+
+@dataclass(slots=True)
+class _Watch:
+    """A round's submissions being watched, and the fetches started for them by (peer, digest)."""
+
+    task: asyncio.Task
+    early: dict[tuple[str, str], asyncio.Task]
+
+    @classmethod
+    def start(cls, watch: Callable[[dict], Awaitable]) -> "_Watch":
+        early: dict[tuple[str, str], asyncio.Task] = {}
+        return cls(asyncio.create_task(watch(early)), early)
+
+    def cancel(self) -> None:
+        self.task.cancel()
+        for fetch in self.early.values():
+            fetch.cancel()
 
 
 class CatchUpNeeded(Exception):
@@ -445,18 +465,25 @@ class Node:
         base_digest = param_digest(self.outer.start)
         report = RoundReport(round, 0.0, "", 0, started_at=time.time())
         self.outer.begin_round()
-        report.train_loss = await self._train(round, report.times)
-        self.faults.tamper_update(round, self.outer)
-        if not self.overlap:
-            await self._send(client, exchange, round, key, base_digest, report, opened)
-            view, payloads = await self._collect(client, exchange, round, report.times)
-            return await self._apply_and_report(client, exchange, report, round, view, payloads)
+        # Others' packets are fetched as they are submitted, from the start of our own training:
+        # the last peer to finish then has only its own packet left to spread.
+        watch = _Watch.start(lambda early: self._watch_submissions(client, exchange, round, early))
+        try:
+            report.train_loss = await self._train(round, report.times)
+            self.faults.tamper_update(round, self.outer)
+            if not self.overlap:
+                await self._send(client, exchange, round, key, base_digest, report, opened)
+                view, payloads = await self._collect(exchange, round, report.times, watch)
+                return await self._apply_and_report(client, exchange, report, round, view, payloads)
+        except BaseException:
+            watch.cancel()
+            raise
 
         deltas = {name: delta.float().clone() for name, delta in self.outer.deltas()}  # before r-1 lands
         pending, pending_times = self._in_flight, self._in_flight_times
         self._in_flight_times = RoundTimes()
         self._in_flight = asyncio.create_task(self._send_and_collect(
-            client, exchange, round, key, base_digest, report, opened, deltas, self._in_flight_times))
+            client, exchange, round, key, base_digest, report, opened, deltas, self._in_flight_times, watch))
         if pending is None:
             self.params_round = round + 1
             report.ended_at = time.time()
@@ -531,10 +558,14 @@ class Node:
             log.warning("round %d: submission refused (%s); applying the round without this packet", round, e.code)
 
     async def _send_and_collect(self, client, exchange, round: int, key, base_digest: str, report: RoundReport,
-                                opened: bool, deltas: dict, times: RoundTimes):
+                                opened: bool, deltas: dict, times: RoundTimes, watch: "_Watch"):
         """With overlap: everything of round r after its training, beside round r+1's."""
-        await self._send(client, exchange, round, key, base_digest, report, opened, deltas)
-        return await self._collect_and_prepare(client, exchange, round, times)
+        try:
+            await self._send(client, exchange, round, key, base_digest, report, opened, deltas)
+        except BaseException:
+            watch.cancel()
+            raise
+        return await self._collect_and_prepare(client, exchange, round, times, watch)
 
     async def _apply_and_report(self, client, exchange, report: RoundReport, applied_round: int, view, payloads,
                                 prepared=None) -> RoundReport:
@@ -550,30 +581,35 @@ class Node:
         report.ended_at, report.applied_round = time.time(), applied_round
         return report
 
-    async def _collect(self, client, exchange, round: int, times: RoundTimes):
-        """Wait for the round's manifest, fetching each packet as soon as it is submitted; then
-        fetch whatever the manifest lists that is not in hand yet (a subset if some holder failed).
+    async def _watch_submissions(self, client, exchange, round: int,
+                                 early: dict[tuple[str, str], asyncio.Task]):
+        """Fetch each of the round's packets as soon as it is submitted, into `early`, until the
+        round closes; returns the closed round's view.
 
         The coordinator's long-poll answers at every new submission, so packets move while the
-        slower peers still train; only the last ones are left for after the round closes.
+        slower peers (and this node) still train; only the last ones are left for after the close.
         """
+        view = await client.round(round, wait_s=30, submitted_gt=0)
+        while view.state != "closed":
+            for e in view.submitted:
+                if e.peer_id != self.peer_id and (e.peer_id, e.packet_digest) not in early:
+                    early[e.peer_id, e.packet_digest] = asyncio.create_task(exchange.fetch(
+                        round, {e.peer_id: e.packet_digest}, {e.peer_id: e.multiaddrs},
+                        timeout_s=self.config.fetch_timeout_s))
+            view = await client.round(round, wait_s=30, submitted_gt=view.num_submitted)
+        return view
+
+    async def _collect(self, exchange, round: int, times: RoundTimes, watch: "_Watch"):
+        """Wait for the round's manifest (the watch fetching packets as they come), then fetch
+        whatever the manifest lists that is not in hand yet (a subset if some holder failed)."""
         self._state = "waiting"
         start = time.perf_counter()
-        early: dict[tuple[str, str], asyncio.Task] = {}  # (peer, digest) -> its fetch, started before the close
         try:
-            view = await client.round(round, wait_s=30, submitted_gt=0)
-            while view.state != "closed":
-                for e in view.submitted:
-                    if e.peer_id != self.peer_id and (e.peer_id, e.packet_digest) not in early:
-                        early[e.peer_id, e.packet_digest] = asyncio.create_task(exchange.fetch(
-                            round, {e.peer_id: e.packet_digest}, {e.peer_id: e.multiaddrs},
-                            timeout_s=self.config.fetch_timeout_s))
-                view = await client.round(round, wait_s=30, submitted_gt=view.num_submitted)
+            view = await watch.task
             times.wait_s = time.perf_counter() - start
-            return view, await self._fetch_manifest(exchange, round, view, times, early)
+            return view, await self._fetch_manifest(exchange, round, view, times, watch.early)
         finally:
-            for task in early.values():  # packets that did not make the manifest, or a stop
-                task.cancel()
+            watch.cancel()  # fetches of packets that did not make the manifest, or a stop
 
     async def _fetch_manifest(self, exchange, round: int, view, times: RoundTimes,
                               early: dict[tuple[str, str], asyncio.Task] | None = None) -> dict[str, bytes]:
@@ -591,9 +627,9 @@ class Node:
         times.transfer_s = time.perf_counter() - start
         return payloads
 
-    async def _collect_and_prepare(self, client, exchange, round: int, times: RoundTimes):
+    async def _collect_and_prepare(self, client, exchange, round: int, times: RoundTimes, watch: "_Watch"):
         """With overlap, all of a round's outer work that needs no parameter, beside the next round's training."""
-        view, payloads = await self._collect(client, exchange, round, times)
+        view, payloads = await self._collect(exchange, round, times, watch)
         prepared = None
         if {e.peer_id for e in view.manifest} <= set(payloads):
             start = time.perf_counter()

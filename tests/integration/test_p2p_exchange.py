@@ -56,12 +56,41 @@ class StallingExchange(P2PExchange):
 
     async def _serve(self, _info, reader, writer):
         (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(REQUEST_PREFIX.size))
-        round, publisher, _ = self._parse_request(await reader.readexactly(length))
+        round, publisher, *_ = self._parse_request(await reader.readexactly(length))
         data = self._held[(round, publisher)].data
         writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(data)) + data[: len(data) // 2])
         await writer.drain()
         self.started.set()
         await self.release.wait()
+        writer.close()
+
+
+class PausingExchange(P2PExchange):
+    """Answers its first request with half a packet, then waits for `release`; then sends the rest
+    ("rest"), the rest with one byte flipped ("corrupt"), or nothing ("cut"). Later requests are
+    served as usual."""
+
+    paused: asyncio.Event
+    release: asyncio.Event
+    mode = "rest"
+
+    async def _serve(self, info, reader, writer):
+        if self.paused.is_set():
+            return await super()._serve(info, reader, writer)
+        self.paused.set()
+        (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(REQUEST_PREFIX.size))
+        round, publisher, *_ = self._parse_request(await reader.readexactly(length))
+        data = bytearray(self._held[(round, publisher)].data)
+        half = len(data) // 2
+        writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(data)) + data[:half])
+        await writer.drain()
+        await self.release.wait()
+        if self.mode != "cut":
+            if self.mode == "corrupt":
+                data[-1] ^= 0xFF
+            writer.write(data[half:])
+            await writer.drain()
+            await reader.read(1)  # the receipt
         writer.close()
 
 
@@ -204,18 +233,70 @@ def test_a_busy_holder_names_who_it_served_and_the_fetcher_gets_the_packet_there
             assert status == STATUS_OK
             await poll(lambda: publisher._uploads == 1, what="the stalled upload holding the slot")
 
-            # A plain request now gets the busy answer, naming the first fetcher.
+            # A plain request now gets the busy answer, naming the first fetcher (a whole copy) before
+            # the staller (a copy still arriving).
             _, busy_reader, busy_writer = await second._p2p.call_binary_stream_handler(
                 PeerID.from_base58(publisher.holder_id), HANDLER_NAME)
             busy_writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             status, length = RESPONSE_HEADER.unpack(await busy_reader.readexactly(RESPONSE_HEADER.size))
             assert status == STATUS_BUSY
-            assert msgpack.unpackb(await busy_reader.readexactly(length)) == [first.holder_id]
+            assert msgpack.unpackb(await busy_reader.readexactly(length)) == [first.holder_id, staller.holder_id]
             busy_writer.close()
 
             # The fetcher follows the name: the first fetcher serves it, the publisher sends nothing more.
             assert await second.fetch(0, {"peer0": sha(data)}, hint, timeout_s=20) == {"peer0": data}
             assert first.traffic(0).num_served == 1 and publisher.traffic(0).num_served == 1
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_fetcher_that_finds_every_holder_busy_queues_for_the_next_free_slot():
+    """A holder's one slot is held by a stalled reader, and the only peer it can name has no copy:
+    the fetcher asks again with "wait", queues, and is served the moment the slot frees."""
+    async def scenario():
+        async with swarm(*[P2PExchange] * 4, max_uploads=1, busy_pause_s=5.0) as peers:
+            publisher, holder, staller, fetcher = peers
+            data = packet(15)
+            ann = await publisher.publish(0, "peer0", data)
+            assert await holder.fetch(0, {"peer0": ann.digest}, {"peer0": ann.multiaddrs}, timeout_s=20)
+            _, reader, writer = await staller._p2p.call_binary_stream_handler(
+                PeerID.from_base58(holder.holder_id), HANDLER_NAME)
+            request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "peer0", "digest": ann.digest})
+            writer.write(REQUEST_PREFIX.pack(len(request)) + request)
+            status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
+            assert status == STATUS_OK
+
+            fetch = asyncio.create_task(fetcher.fetch(0, {"peer0": ann.digest}, {"peer0": holder.visible_maddrs},
+                                                      timeout_s=20))
+            await poll(lambda: len(holder._upload_queue) == 1, what="the fetcher in the holder's queue")
+            freed = time.monotonic()
+            writer.close()  # the stalled reader gives up its slot
+            assert await fetch == {"peer0": data}
+            assert time.monotonic() - freed < 4.0  # served from the queue, not after a 5 s busy pause
+            assert fetcher.traffic(0).downloaded_bytes == len(data) and holder.traffic(0).num_served == 1
+            await poll(lambda: not holder._upload_queue and holder._uploads == 0, what="every slot free")
+
+    asyncio.run(scenario())
+
+
+def test_a_publisher_seeds_its_fresh_packet_beside_busy_slots():
+    """With its one slot taken, a publisher still serves its own packet that nobody has confirmed
+    yet (on a seed stream) rather than queueing it behind other uploads."""
+    async def scenario():
+        async with swarm(*[P2PExchange] * 3, max_uploads=1) as (publisher, staller, fetcher):
+            old, fresh = packet(16), packet(17)
+            old_ann = await publisher.publish(0, "old", old)
+            fresh_ann = await publisher.publish(0, "fresh", fresh)
+            _, reader, writer = await staller._p2p.call_binary_stream_handler(
+                PeerID.from_base58(publisher.holder_id), HANDLER_NAME)
+            request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "old", "digest": old_ann.digest})
+            writer.write(REQUEST_PREFIX.pack(len(request)) + request)
+            status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
+            assert status == STATUS_OK and publisher._uploads == 1
+            got = await fetcher.fetch(0, {"fresh": fresh_ann.digest}, {"fresh": fresh_ann.multiaddrs}, timeout_s=3)
+            assert got == {"fresh": fresh}
+            assert not publisher._upload_queue
             writer.close()
 
     asyncio.run(scenario())
@@ -292,6 +373,60 @@ def test_holder_shut_down_mid_transfer_falls_back_to_another():
             assert len(data) < fetcher.traffic(0).downloaded_bytes < 3 * len(data)
 
     asyncio.run(scenario())
+
+
+async def _forwarding_half(publisher: PausingExchange, middle: P2PExchange, fetcher: P2PExchange, data: bytes,
+                           middle_timeout_s: float) -> tuple[asyncio.Task, asyncio.Task]:
+    """The middle fetches `data` from the pausing publisher, which stops after half; the fetcher,
+    told only of the middle, asks it for the packet. Returns both fetches once the fetcher has
+    that half."""
+    publisher.paused, publisher.release = asyncio.Event(), asyncio.Event()
+    ann = await publisher.publish(0, "pub", data)
+    first = asyncio.create_task(middle.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs},
+                                             timeout_s=middle_timeout_s))
+    await poll(lambda: middle.traffic(0).downloaded_bytes == len(data) // 2, what="half the packet")
+    second = asyncio.create_task(fetcher.fetch(0, {"pub": ann.digest}, {"pub": middle.visible_maddrs}, timeout_s=30))
+    await poll(lambda: fetcher.traffic(0).downloaded_bytes == len(data) // 2, what="the half forwarded")
+    return first, second
+
+
+def test_a_packet_still_arriving_is_forwarded_as_it_arrives_but_its_last_byte_only_once_verified():
+    """Cut-through: a peer asked for a packet it is still receiving sends what it has at once,
+    holding back the last byte until the whole packet hashed to its digest."""
+    async def scenario():
+        async with swarm(PausingExchange, P2PExchange, P2PExchange) as (publisher, middle, fetcher):
+            data = packet(13)
+            first, second = await _forwarding_half(publisher, middle, fetcher, data, middle_timeout_s=30)
+            assert not first.done() and not second.done()
+            publisher.release.set()
+            assert await first == {"pub": data} and await second == {"pub": data}
+            assert fetcher.traffic(0).downloaded_bytes == len(data)  # one copy, all of it through the middle
+            assert middle.traffic(0).num_served == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["cut", "corrupt"])
+def test_a_forwarded_copy_that_fails_upstream_ends_short_and_the_forwarder_is_not_blamed(mode, caplog):
+    """When the copy being forwarded is cut off or fails its digest check, the onward stream ends
+    without its last byte: the fetcher tries another holder and bans nobody for it."""
+    async def scenario():
+        async with swarm(PausingExchange, P2PExchange, P2PExchange) as (publisher, middle, fetcher):
+            publisher.mode = mode
+            data = packet(14)
+            first, second = await _forwarding_half(publisher, middle, fetcher, data, middle_timeout_s=5)
+            publisher.release.set()
+            assert await second == {"pub": data}
+            # What the middle had (never the last byte), then a whole copy from the publisher.
+            assert len(data) // 2 + len(data) <= fetcher.traffic(0).downloaded_bytes < 2 * len(data)
+            await first
+            return publisher.holder_id
+
+    with caplog.at_level("INFO", logger="node.p2p_exchange"):
+        publisher_id = asyncio.run(scenario())
+    banned = [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
+    # Only the middle bans, and only the publisher that sent it bad bytes; nobody bans the middle.
+    assert [m.split()[3] for m in banned] == ([publisher_id] if mode == "corrupt" else [])
 
 
 def test_unheld_packet_is_left_out_within_the_timeout():
