@@ -46,7 +46,9 @@ counts and raises `protocol.errors.MalformedPacket` (or `OversizedPacket`) on an
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -103,6 +105,30 @@ class Exchange(Protocol):
 
     async def shutdown(self) -> None:
         ...
+
+
+def tree_parent(round: int, publisher: str, peer: str, members: Iterable[str], fanout: int = 2) -> str | None:
+    """Whom `peer` should fetch `publisher`'s round-`round` packet from: its parent in a tree of
+    the round's members rooted at the publisher (None: `peer` is the publisher or not a member).
+
+    Every peer computes the same trees from the same member list, without talking. The members
+    are put in a ring, shuffled by a hash of the round (so positions change from round to round);
+    the tree of a packet lays out the members that follow its publisher on the ring as a heap of
+    the given fan-out. Over one round's trees every member takes every position once, so each
+    forwards the same number of copies (N-1 per round, counting its own packet's first ones), as
+    many as it receives: no uplink carries more than its share. Copies are forwarded while they
+    arrive (cut-through), so a hop costs a piece's latency. A peer with another member list
+    computes other trees: it may ask a peer that does not expect it, which costs time, never
+    correctness (any holder serves any verified copy).
+    """
+    if fanout < 1:
+        raise ValueError("fanout must be at least 1")
+    ring = sorted(set(members) | {publisher}, key=lambda m: hashlib.sha256(f"{round}/{m}".encode()).digest())
+    if peer == publisher or peer not in ring:
+        return None
+    start = ring.index(publisher)
+    heap = ring[start:] + ring[:start]  # the publisher first, then the members after it
+    return heap[(heap.index(peer) - 1) // fanout]
 
 
 def _key_part(value: str, what: str) -> str:

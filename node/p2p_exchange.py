@@ -84,7 +84,7 @@ import ipaddress
 import logging
 import random
 import struct
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -106,10 +106,13 @@ RESPONSE_HEADER = struct.Struct(">BQ")
 STATUS_OK, STATUS_ERROR, STATUS_BUSY = 0, 1, 2
 RECEIPT = b"\x01"  # the fetcher's "verified" after a packet
 MAX_BUSY_NAMES = 8  # peers named in a busy answer
+WANT_GRACE_S = 1.0  # how long a request for a packet this node does not have waits for it to want it
+MAX_CHILD_STREAMS = 16  # streams to tree children served at once, beside the upload slots
 SEED_STREAMS = 2  # streams a publisher may add beyond max_uploads for its packet's first copies
 MAX_REQUEST_BYTES = 1024
 MAX_ERROR_BYTES = 512
 REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
+OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child"})
 
 
 class DigestMismatch(ProtocolError):
@@ -252,6 +255,8 @@ class P2PExchange:
         self._p2p, self._dht, self._maddrs = p2p, dht, maddrs
         self._held: dict[tuple[int, str], _Held] = {}
         self._partial: dict[tuple[int, str], _Partial] = {}  # packets arriving now, served as they arrive
+        self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched
+        self._copy_added = asyncio.Event()  # replaced each time a copy (whole or arriving) is added
         self._traffic: dict[int, Traffic] = {}
         self._background: set[asyncio.Task] = set()
         self._closed = False
@@ -262,6 +267,7 @@ class P2PExchange:
         self._fetch_slots = asyncio.Semaphore(config.max_parallel_fetches)  # shared by every fetch() call
         self._uploads = 0  # streams being served now (at most config.max_uploads)
         self._upload_queue: deque[asyncio.Future] = deque()  # requests waiting for a slot, oldest first
+        self._child_uploads = 0  # streams to tree children now (at most MAX_CHILD_STREAMS)
         self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
 
     @classmethod
@@ -324,6 +330,7 @@ class P2PExchange:
         key = packets_key(self.config.run_id, round)
         holders_key(self.config.run_id, round, peer_id)  # fetchers must be able to announce copies under it
         self._held[(round, peer_id)] = _Held(digest, data, own=True)
+        self._notify_copy()
         record = make_record(digest, len(data), self._maddrs, self.holder_id)
         # Announced beside the round, not before it: fetchers start from the addresses in the
         # coordinator's manifest and need the DHT only for other holders, or without a manifest.
@@ -365,8 +372,15 @@ class P2PExchange:
 
     async def fetch(
         self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
-        timeout_s: float = 60,
+        timeout_s: float = 60, parents: dict[str, list[str]] | None = None,
     ) -> dict[str, bytes]:
+        """The wanted packets ({publisher: digest}) that some holder served and that verified.
+
+        `holders_hint` names holders to try before asking the DHT (a manifest's addresses);
+        `parents` names one holder per packet to ask first, waiting in its queue and for its copy
+        to start arriving (this node's parent in the packet's distribution tree, node.exchange.
+        tree_parent); without a parent, or if it fails, the search goes on as without one.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         result = {p: h.data for p, d in wanted.items() if (h := self._held.get((round, p))) and h.digest == d}
@@ -392,15 +406,18 @@ class P2PExchange:
                 lookup_task = asyncio.ensure_future(self._lookup(keys, round, deadline))
             return lookup_task
 
-        for maddrs in (holders_hint or {}).values():  # to reach the peers busy holders name
+        for maddrs in [*(holders_hint or {}).values(), *(parents or {}).values()]:  # to reach peers named later
             self._addresses.update(_addresses_by_holder(maddrs))
 
         async def one(publisher: str, digest: str) -> bytes | None:
             state = _FetchState(round, publisher, digest, None)
             hints = _hinted_holders((holders_hint or {}).get(publisher, []), state)
+            parent = next(iter(_hinted_holders((parents or {}).get(publisher, []), state)), None)
             started = loop.time()
+            log.debug("round %d: fetching %s's packet, parent %s", round, publisher,
+                      parent.holder[-8:] if parent else None)
             try:
-                data = await asyncio.wait_for(self._fetch_one(state, hints, lookup, deadline),
+                data = await asyncio.wait_for(self._fetch_one(state, hints, lookup, deadline, parent),
                                               timeout=max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 log.warning("round %d: no holder served %s's packet within %.1f s", round, publisher, timeout_s)
@@ -434,11 +451,38 @@ class P2PExchange:
         return announced, extra
 
     async def _fetch_one(self, state: _FetchState, hints: list[Announcement], lookup: Callable[[], asyncio.Future],
-                         deadline: float) -> bytes:
-        """Try the hinted holders, then those the DHT knows and those busy holders name, re-reading
-        the DHT for new ones, until one serves or the caller times out."""
+                         deadline: float, parent: Announcement | None = None) -> bytes:
+        """Try the parent, the hinted holders, then those the DHT knows and those busy holders name,
+        re-reading the DHT for new ones, until one serves or the caller times out."""
         loop = asyncio.get_running_loop()
         known = {h.holder: h for h in hints}
+        key = (state.round, state.publisher, state.digest)
+        self._wanted[key] += 1  # a tree child asking us for it waits for our copy
+        try:
+            if parent is not None and parent.holder != self.holder_id:
+                # No fetch slot: the tree gives each packet one stream into this node.
+                outcome = await self._try_holder(parent, state, deadline, wait=True, child=True)
+                if isinstance(outcome, bytes):
+                    return self._fetched(state, outcome)
+                if isinstance(outcome, HolderBusy):
+                    for name in outcome.holders:
+                        known.setdefault(name, self._holder_named(name, state))
+            return await self._search(state, known, lookup, deadline)
+        finally:
+            self._wanted[key] -= 1
+            if not self._wanted[key]:
+                del self._wanted[key]
+
+    def _fetched(self, state: _FetchState, data: bytes) -> bytes:
+        """A verified packet, held and served from now on (_download); its copy announced."""
+        self.traffic(state.round).num_fetched += 1
+        self._announce_holder(state, len(data))
+        return data
+
+    async def _search(self, state: _FetchState, known: dict[str, Announcement], lookup: Callable[[], asyncio.Future],
+                      deadline: float) -> bytes:
+        loop = asyncio.get_running_loop()
+        hints = list(known.values())
         ann, looked_up, passes, busy_pause_s = None, False, 0, self.config.busy_pause_s
 
         def take_announcement(found: Announcement | None) -> Announcement | None:
@@ -472,10 +516,8 @@ class P2PExchange:
                 tried.add(holder.holder)
                 async with self._fetch_slots:
                     outcome = await self._try_holder(holder, state, deadline, wait)
-                if isinstance(outcome, bytes):  # held and served from now on (_download)
-                    self.traffic(state.round).num_fetched += 1
-                    self._announce_holder(state, len(outcome))
-                    return outcome
+                if isinstance(outcome, bytes):
+                    return self._fetched(state, outcome)
                 if isinstance(outcome, HolderBusy):  # try the peers it named first: they have copies
                     log.debug("round %d: %s's packet: holder %s busy, names %d", state.round, state.publisher,
                               holder.holder[-8:], len(outcome.holders))
@@ -508,11 +550,11 @@ class P2PExchange:
                             self._addresses.get(holder, []), holder)
 
     async def _try_holder(self, holder: Announcement, state: _FetchState, deadline: float,
-                          wait: bool = False) -> bytes | HolderBusy | None:
+                          wait: bool = False, child: bool = False) -> bytes | HolderBusy | None:
         """The verified packet; HolderBusy when the holder has no free upload slot (with `wait`: none
         freed within its queue time); None on failure."""
         try:
-            return await self._download(holder, state, deadline, wait)
+            return await self._download(holder, state, deadline, wait, child)
         except HolderBusy as busy:
             return busy
         except (DigestMismatch, MalformedPacket, OversizedPacket) as e:
@@ -530,7 +572,8 @@ class P2PExchange:
                      state.publisher, e)
         return None
 
-    async def _download(self, holder: Announcement, state: _FetchState, deadline: float, wait: bool = False) -> bytes:
+    async def _download(self, holder: Announcement, state: _FetchState, deadline: float, wait: bool = False,
+                        child: bool = False) -> bytes:
         loop = asyncio.get_running_loop()
         cfg = self.config
 
@@ -552,7 +595,7 @@ class P2PExchange:
             self._p2p.call_binary_stream_handler(peer, HANDLER_NAME), budget(cfg.connect_timeout_s))
         try:
             request = msgpack.packb({"run": cfg.run_id, "round": state.round, "peer": state.publisher,
-                                     "digest": state.digest, "wait": wait})
+                                     "digest": state.digest, "wait": wait, "child": child})
             writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             await asyncio.wait_for(writer.drain(), budget(cfg.connect_timeout_s))
             status, length = RESPONSE_HEADER.unpack(
@@ -580,6 +623,7 @@ class P2PExchange:
             partial = _Partial(state.digest, length)
             if key not in self._partial:
                 self._partial[key] = partial
+                self._notify_copy()
             hasher, traffic = hashlib.sha256(), self.traffic(state.round)
             try:
                 while len(partial.buffer) < length:
@@ -653,26 +697,30 @@ class P2PExchange:
 
     async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         cfg = self.config
-        uploading = False
+        slot: str | None = None  # "upload" (of max_uploads, or a seed stream) or "child"
         try:
             (length,) = REQUEST_PREFIX.unpack(
                 await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s))
             if length > MAX_REQUEST_BYTES:
                 raise MalformedPacket(f"request of {length} bytes")
             raw = await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s)
-            round, publisher, digest, wait = self._parse_request(raw)
-            copy: _Held | _Partial | None = self._held.get((round, publisher))
-            if copy is None or copy.digest != digest:
-                copy = self._partial.get((round, publisher))
-            if copy is None or copy.digest != digest:
+            round, publisher, digest, wait, child = self._parse_request(raw)
+            copy = await self._copy_for(round, publisher, digest, cfg.request_timeout_s)
+            if copy is None:
                 raise HolderRefused("not held")
-            # With every slot taken, name the peers with a copy (whole ones first), or queue the
-            # request if it asks to wait or there is nobody to name.
-            names = self._copy_holders(copy)
-            # A packet only its publisher has yet starts its tree at once, beside the other uploads.
-            seed = isinstance(copy, _Held) and copy.own and not copy.sent_to and len(copy.receiving) < SEED_STREAMS
-            uploading = await self._take_upload_slot(cfg.request_timeout_s if wait or not names else 0.0, seed)
-            if not uploading:
+            if child and self._child_uploads < MAX_CHILD_STREAMS:
+                # The packet's tree bounds these (a few children per packet), so no slot is taken.
+                self._child_uploads += 1
+                slot = "child"
+            else:
+                # With every slot taken, name the peers with a copy (whole ones first), or queue the
+                # request if it asks to wait or there is nobody to name. A packet only its
+                # publisher has yet starts its tree at once, beside the other uploads.
+                names = self._copy_holders(copy)
+                seed = isinstance(copy, _Held) and copy.own and not copy.sent_to and len(copy.receiving) < SEED_STREAMS
+                wait_s = cfg.request_timeout_s if wait or not names else 0.0
+                slot = "upload" if await self._take_upload_slot(wait_s, seed) else None
+            if slot is None:
                 answer = msgpack.packb(self._copy_holders(copy))
                 writer.write(RESPONSE_HEADER.pack(STATUS_BUSY, len(answer)) + answer)
                 await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
@@ -710,9 +758,35 @@ class P2PExchange:
         except Exception:  # a bug here must not take the node down with it
             log.exception("packet stream handler failed")
         finally:
-            if uploading:
+            if slot == "upload":
                 self._release_upload_slot()
+            elif slot == "child":
+                self._child_uploads -= 1
             writer.close()
+
+    def _notify_copy(self) -> None:
+        self._copy_added.set()
+        self._copy_added = asyncio.Event()
+
+    async def _copy_for(self, round: int, publisher: str, digest: str, wait_s: float) -> _Held | _Partial | None:
+        """This node's copy of the packet, whole or arriving. If none yet, a tree child may have
+        asked before our own copy started: waits up to `wait_s` for one while this node fetches
+        the packet, and up to WANT_GRACE_S for it to start fetching (it learns of packets from
+        the coordinator at about the moment its children do)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline, grace = now + wait_s, now + min(wait_s, WANT_GRACE_S)
+        while True:
+            for copy in (self._held.get((round, publisher)), self._partial.get((round, publisher))):
+                if copy is not None and copy.digest == digest:
+                    return copy
+            wanted = (round, publisher, digest) in self._wanted
+            if loop.time() >= (deadline if wanted else grace):
+                return None
+            try:
+                await asyncio.wait_for(self._copy_added.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                pass
 
     def _copy_holders(self, copy: _Held | _Partial) -> list[str]:
         """Up to MAX_BUSY_NAMES peers with a copy: those that confirmed one first, then those receiving one."""
@@ -769,22 +843,23 @@ class P2PExchange:
             else:
                 await asyncio.wait_for(partial.arrived.wait(), self.config.stall_timeout_s)
 
-    def _parse_request(self, raw: bytes) -> tuple[int, str, str, bool]:
+    def _parse_request(self, raw: bytes) -> tuple[int, str, str, bool, bool]:
         try:
             request = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=MAX_REQUEST_BYTES,
                                       max_bin_len=0, max_array_len=0, max_map_len=8)
         except Exception as e:  # msgpack raises a zoo of types on bad input
             raise MalformedPacket(f"request does not parse: {type(e).__name__}") from None
-        if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | {"wait"}:
-            raise MalformedPacket("request is not a map with exactly run, round, peer, digest (and optionally wait)")
+        if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | OPTIONAL_REQUEST_KEYS:
+            raise MalformedPacket("request is not a map with run, round, peer, digest (and optionally wait, child)")
         run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
-        wait = request.get("wait", False)
+        wait, child = request.get("wait", False), request.get("child", False)
         if not (isinstance(run, str) and isinstance(publisher, str) and isinstance(digest, str)
-                and isinstance(round, int) and not isinstance(round, bool) and isinstance(wait, bool)):
+                and isinstance(round, int) and not isinstance(round, bool) and isinstance(wait, bool)
+                and isinstance(child, bool)):
             raise MalformedPacket("request fields have the wrong types")
         if run != self.config.run_id:
             raise WrongRound(f"this node serves run {self.config.run_id!r}, not {run!r}")
-        return round, publisher, digest, wait
+        return round, publisher, digest, wait, child
 
     # -- parameter snapshots ----------------------------------------------------------------------
 

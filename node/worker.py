@@ -589,15 +589,37 @@ class Node:
         The coordinator's long-poll answers at every new submission, so packets move while the
         slower peers (and this node) still train; only the last ones are left for after the close.
         """
+        from node.exchange import tree_parent
+
+        members = await self._live_members(client)
         view = await client.round(round, wait_s=30, submitted_gt=0)
-        while view.state != "closed":
-            for e in view.submitted:
+        while True:
+            # A closed round lists its packets in the manifest only: the last submission is seen
+            # there, and its fetch starts here too, beside those still running.
+            for e in view.manifest if view.state == "closed" else view.submitted:
                 if e.peer_id != self.peer_id and (e.peer_id, e.packet_digest) not in early:
+                    # Each packet spreads down its own tree of the members, each copy forwarded
+                    # as it arrives; this node asks its parent there first.
+                    parent = tree_parent(round, e.peer_id, self.peer_id, members)
+                    parent_maddrs = e.multiaddrs if parent == e.peer_id else members.get(parent, [])
                     early[e.peer_id, e.packet_digest] = asyncio.create_task(exchange.fetch(
                         round, {e.peer_id: e.packet_digest}, {e.peer_id: e.multiaddrs},
-                        timeout_s=self.config.fetch_timeout_s))
+                        timeout_s=self.config.fetch_timeout_s,
+                        parents={e.peer_id: parent_maddrs} if parent_maddrs else None))
+            if view.state == "closed":
+                return view
             view = await client.round(round, wait_s=30, submitted_gt=view.num_submitted)
-        return view
+
+    async def _live_members(self, client) -> dict[str, list[str]]:
+        """The run's live peers (this node included) and their addresses, by peer id; {} if the
+        coordinator does not answer (packets are then fetched without a tree)."""
+        try:
+            status = await client.status()
+        except Exception as e:  # the tree is an optimisation; fetching works without it
+            log.debug("reading the run's members failed: %r", e)
+            return {}
+        members = {p["peer_id"]: p["listen_multiaddrs"] for p in status["peers"] if p["status"] == "live"}
+        return members | {self.peer_id: members.get(self.peer_id, [])}
 
     async def _collect(self, exchange, round: int, times: RoundTimes, watch: "_Watch"):
         """Wait for the round's manifest (the watch fetching packets as they come), then fetch

@@ -251,6 +251,25 @@ def test_a_busy_holder_names_who_it_served_and_the_fetcher_gets_the_packet_there
     asyncio.run(scenario())
 
 
+def test_a_tree_child_that_asks_before_its_parent_has_a_copy_is_served_by_the_parent():
+    """A child asks its parent in the packet's tree before the parent started fetching: the parent
+    waits for its own copy and forwards it as it arrives; the publisher uploads one copy."""
+    async def scenario():
+        async with swarm(*[P2PExchange] * 3) as (publisher, parent, child):
+            data = packet(18)
+            ann = await publisher.publish(0, "pub", data)
+            fetch = asyncio.create_task(child.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20,
+                                                    parents={"pub": parent.visible_maddrs}))
+            await asyncio.sleep(0.3)  # the request waits at the parent, which does not want the packet yet
+            assert not fetch.done() and child.traffic(0).downloaded_bytes == 0
+            assert await parent.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
+            assert await fetch == {"pub": data}
+            assert child.traffic(0).downloaded_bytes == len(data) and parent.traffic(0).num_served == 1
+            assert publisher.traffic(0).uploaded_bytes == len(data)
+
+    asyncio.run(scenario())
+
+
 def test_a_fetcher_that_finds_every_holder_busy_queues_for_the_next_free_slot():
     """A holder's one slot is held by a stalled reader, and the only peer it can name has no copy:
     the fetcher asks again with "wait", queues, and is served the moment the slot frees."""

@@ -1,0 +1,55 @@
+"""The distribution trees of node.exchange.tree_parent: one per packet, computed alike by every peer."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from node.exchange import tree_parent
+
+MEMBERS = [f"peer-{i}" for i in range(8)]
+
+
+def parents(round: int, publisher: str, members: list[str], fanout: int) -> dict[str, str]:
+    return {m: tree_parent(round, publisher, m, members, fanout) for m in members if m != publisher}
+
+
+@pytest.mark.parametrize("n, fanout", [(2, 2), (3, 2), (8, 2), (8, 1), (13, 3), (40, 2)])
+def test_each_packet_has_a_tree_rooted_at_its_publisher(n, fanout):
+    members = MEMBERS[:n] if n <= len(MEMBERS) else [f"m{i}" for i in range(n)]
+    for round in range(3):
+        for publisher in members:
+            tree = parents(round, publisher, members, fanout)
+            assert tree_parent(round, publisher, publisher, members, fanout) is None
+            assert max(Counter(tree.values()).values()) <= fanout
+            for member in tree:  # every chain of parents reaches the publisher, none loops
+                hops, node = 0, member
+                while node != publisher:
+                    node, hops = tree[node], hops + 1
+                    assert hops < n
+                # a heap of this fan-out is shallow: one stream's latency per level
+                assert hops <= (n - 1 if fanout == 1 else math.ceil(math.log(n * (fanout - 1) + 1, fanout)))
+
+
+@pytest.mark.parametrize("fanout", [1, 2, 3])
+def test_over_a_round_every_member_forwards_as_many_copies_as_it_receives(fanout):
+    for round in range(4):
+        sent = Counter(p for publisher in MEMBERS for p in parents(round, publisher, MEMBERS, fanout).values())
+        assert sent == {m: len(MEMBERS) - 1 for m in MEMBERS}
+
+
+def test_positions_change_from_round_to_round():
+    seen = {tree_parent(round, "peer-0", "peer-5", MEMBERS) for round in range(20)}
+    assert len(seen) > 2
+
+
+def test_a_peer_outside_the_member_list_has_no_parent_and_order_of_the_list_does_not_matter():
+    assert tree_parent(0, "peer-0", "stranger", MEMBERS) is None
+    shuffled = MEMBERS[::-1]
+    assert parents(5, "peer-3", MEMBERS, 2) == parents(5, "peer-3", shuffled, 2)
+    # A publisher missing from the list (it left after submitting) still roots its packet's tree.
+    assert set(parents(1, "gone", MEMBERS, 2).values()) <= set(MEMBERS) | {"gone"}
+    with pytest.raises(ValueError):
+        tree_parent(0, "peer-0", "peer-1", MEMBERS, fanout=0)
