@@ -44,10 +44,10 @@ class LabSwarm:
 
     def __init__(self, topology: Topology, workdir: Path, *, rounds: int, preset: str, inner_steps: int,
                  top_k: int, batch_size: int, seq_len: int, overlap: bool, say,
-                 linger_s: float = 30.0, compute_floor_s: float = 0.0):
+                 linger_s: float = 30.0, compute_floor_s: float = 0.0, tree_fanout: int = 2):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
         self.run_options = {"preset": preset, "inner_steps": inner_steps, "top_k": top_k,
-                            "batch_size": batch_size, "seq_len": seq_len}
+                            "batch_size": batch_size, "seq_len": seq_len, "tree_fanout": tree_fanout}
         self.overlap = overlap
         self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
         self.num_peers = len(topology.hosts) - 1
@@ -224,7 +224,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
                      top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
                      overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger,
-                     compute_floor_s=args.compute_floor)
+                     compute_floor_s=args.compute_floor, tree_fanout=args.tree_fanout)
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
     teardown_errors: list[str] = []
@@ -314,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "time, emulated with the slow-compute fault, so that N nodes need not share the "
                              "CPU for compute); 0: off")
     parser.add_argument("--overlap", action="store_true", help="run option overlap=true (one-round-delayed outer step)")
+    parser.add_argument("--tree-fanout", type=int, default=2,
+                        help="run option tree_fanout: copies each peer forwards of a packet (1: a chain)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole swarm run")
     parser.add_argument("--linger", type=float, default=30.0,
                         help="seconds nodes may run on after the last round closed before the lab stops them")

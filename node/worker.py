@@ -600,7 +600,7 @@ class Node:
                 if e.peer_id != self.peer_id and (e.peer_id, e.packet_digest) not in early:
                     # Each packet spreads down its own tree of the members, each copy forwarded
                     # as it arrives; this node asks its parent there first.
-                    parent = tree_parent(round, e.peer_id, self.peer_id, members)
+                    parent = tree_parent(round, e.peer_id, self.peer_id, members, self.run_config.tree_fanout)
                     parent_maddrs = e.multiaddrs if parent == e.peer_id else members.get(parent, [])
                     early[e.peer_id, e.packet_digest] = asyncio.create_task(exchange.fetch(
                         round, {e.peer_id: e.packet_digest}, {e.peer_id: e.multiaddrs},

@@ -212,6 +212,11 @@ class RunConfig(RequestModel):
     overlap: bool = Field(
         False, description="One-round-delayed outer step: train round r+1 while round r's packets move."
     )
+    tree_fanout: int = Field(
+        2, ge=1, le=64,
+        description="Copies each peer forwards of a packet in its distribution tree: 1 is a chain (the"
+        " fastest on even links; a slow peer slows every peer after it), 2 a binary tree.",
+    )
     min_peers: int = Field(1, ge=1, le=100_000, description="Peers needed before round 0 opens.")
     max_rounds: int | None = Field(
         None, ge=1, le=100_000_000, description="The run finishes after this many rounds."
