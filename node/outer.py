@@ -27,6 +27,7 @@ import logging
 import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -95,6 +96,34 @@ class OuterStep:
         self.cfg = cfg
         self.start = {name: p.detach().clone() for name, p in self.params.items()}
         self.local_start = {name: p.detach().clone() for name, p in self.params.items()}
+
+    # The payload errors `decode` raises for a hostile or broken payload (it is refused, not fatal).
+    refusable: tuple[type[Exception], ...] = (ProtocolError,)
+
+    def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
+               round: int) -> Mapping[str, Any]:
+        """Verify and decode one peer's payload into what `prepare` aggregates; raises one of
+        `refusable`. Pure: may run in a worker thread as each packet arrives."""
+        raise NotImplementedError
+
+    def _decode_all(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], run_id: str,
+                    round: int, decoded: Mapping[str, Any] | None) -> tuple[dict[str, Mapping[str, Any]], ApplyResult]:
+        """Every payload decoded (taken from `decoded` where a payload was decoded on arrival: its
+        tensors, or the exception its decoding raised), in peer-id order; refusals recorded."""
+        out: dict[str, Mapping[str, Any]] = {}
+        result = ApplyResult(accepted=[])
+        for peer_id in sorted(payloads):
+            try:
+                early = (decoded or {}).get(peer_id)
+                if isinstance(early, BaseException):
+                    raise early
+                out[peer_id] = early if early is not None else self.decode(
+                    payloads[peer_id], public_key, peer_id=peer_id, run_id=run_id, round=round)
+            except self.refusable as e:
+                result.refused[peer_id] = f"{type(e).__name__}: {e}"
+                log.warning("round %d: refusing packet of %s: %s", round, peer_id, result.refused[peer_id])
+        result.accepted = sorted(out)
+        return out, result
 
     def begin_round(self) -> None:
         """Mark the start of this peer's inner steps (without overlap also the global model)."""
@@ -171,23 +200,19 @@ class SparseLoCoOuter(OuterStep):
         }
         return encode_packet(run_id, round, peer_id, bytes.fromhex(base_digest), self.spec, sparse, key)
 
+    def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
+               round: int) -> dict[str, SparseTensor]:
+        packet = decode_packet(payload, self.spec, public_key, run_id=run_id, round=round,
+                               max_bytes=self.cfg.max_packet_bytes)
+        if packet.peer_id != peer_id:
+            raise ProtocolError(f"packet names peer {packet.peer_id!r}")
+        return packet.tensors
+
     def prepare(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
-                round: int) -> Prepared:
-        """Verify, decode and aggregate the round's packets; touches no parameter (runs beside training)."""
-        decoded: dict[str, dict[str, SparseTensor]] = {}
-        result = ApplyResult(accepted=[])
-        for peer_id in sorted(payloads):
-            try:
-                packet = decode_packet(payloads[peer_id], self.spec, public_key, run_id=run_id, round=round,
-                                       max_bytes=self.cfg.max_packet_bytes)
-                if packet.peer_id != peer_id:
-                    raise ProtocolError(f"packet names peer {packet.peer_id!r}")
-            except ProtocolError as e:
-                result.refused[peer_id] = f"{type(e).__name__}: {e}"
-                log.warning("round %d: refusing packet of %s: %s", round, peer_id, result.refused[peer_id])
-                continue
-            decoded[peer_id] = packet.tensors
-        result.accepted = sorted(decoded)
+                round: int, decoded: Mapping[str, Any] | None = None) -> Prepared:
+        """Verify, decode and aggregate the round's packets; touches no parameter (runs beside training).
+        `decoded` holds what `decode` already made of some payloads (or raised for them)."""
+        decoded, result = self._decode_all(payloads, public_key, run_id, round, decoded)
         if not decoded:
             return Prepared(result, None)
         scales = self._clip_scales(decoded) if self.cfg.clip_to_median_norm else None
@@ -245,25 +270,24 @@ class DiLoCoOuter(OuterStep):
         pairs = deltas.items() if deltas is not None else self.deltas()
         return save({name: delta.float().contiguous().cpu() for name, delta in pairs})
 
-    def prepare(self, payloads: Mapping[str, bytes], public_key=None, **_) -> Prepared:
-        """Check the dense deltas and average them (peer-id order); touches no parameter."""
+    refusable = (Exception,)  # safetensors raises its own and OS errors on hostile bytes
+
+    def decode(self, payload: bytes, public_key=None, **_) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
 
-        deltas, result = {}, ApplyResult(accepted=[])
-        for peer_id in sorted(payloads):
-            try:
-                if len(payloads[peer_id]) > self.cfg.max_packet_bytes:
-                    raise ValueError("payload exceeds the size limit")
-                tensors = load(payloads[peer_id])
-                if {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
-                    raise ValueError("tensor names or shapes differ from the model's")
-                if any(t.dtype != torch.float32 or not bool(torch.isfinite(t).all()) for t in tensors.values()):
-                    raise ValueError("tensors are not finite float32")
-            except Exception as e:  # safetensors raises its own and OS errors on hostile bytes
-                result.refused[peer_id] = f"{type(e).__name__}: {e}"
-                continue
-            deltas[peer_id] = tensors
-        result.accepted = sorted(deltas)
+        if len(payload) > self.cfg.max_packet_bytes:
+            raise ValueError("payload exceeds the size limit")
+        tensors = load(payload)
+        if {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
+            raise ValueError("tensor names or shapes differ from the model's")
+        if any(t.dtype != torch.float32 or not bool(torch.isfinite(t).all()) for t in tensors.values()):
+            raise ValueError("tensors are not finite float32")
+        return tensors
+
+    def prepare(self, payloads: Mapping[str, bytes], public_key=None, *, run_id: str = "", round: int = 0,
+                decoded: Mapping[str, Any] | None = None, **_) -> Prepared:
+        """Check the dense deltas and average them (peer-id order); touches no parameter."""
+        deltas, result = self._decode_all(payloads, public_key, run_id, round, decoded)
         if not deltas:
             return Prepared(result, None)
         means = {}

@@ -139,6 +139,8 @@ class Node:
         self._in_flight_times = RoundTimes()
         self._background: set[asyncio.Task] = set()  # snapshot publications
         self._encode_lock = asyncio.Lock()  # with overlap, round r+1's encoding waits for round r's
+        self._decoding: dict[int, dict[tuple[str, str], asyncio.Task]] = {}  # round -> (peer, digest) -> decode
+        self._decode_slot = asyncio.Semaphore(1)
         self._buffers_lock = threading.Lock()  # the error buffers: held by an encode and by a reset
         self._state, self._round, self._last_loss = "joining", 0, None
         self._bandwidth_mbps: float | None = None  # measured on the last round's packet downloads
@@ -602,13 +604,30 @@ class Node:
                     # as it arrives; this node asks its parent there first.
                     parent = tree_parent(round, e.peer_id, self.peer_id, members, self.run_config.tree_fanout)
                     parent_maddrs = e.multiaddrs if parent == e.peer_id else members.get(parent, [])
-                    early[e.peer_id, e.packet_digest] = asyncio.create_task(exchange.fetch(
-                        round, {e.peer_id: e.packet_digest}, {e.peer_id: e.multiaddrs},
-                        timeout_s=self.config.fetch_timeout_s,
-                        parents={e.peer_id: parent_maddrs} if parent_maddrs else None))
+                    early[e.peer_id, e.packet_digest] = asyncio.create_task(self._fetch_early(
+                        client, exchange, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None))
             if view.state == "closed":
                 return view
             view = await client.round(round, wait_s=30, submitted_gt=view.num_submitted)
+
+    async def _fetch_early(self, client, exchange, round: int, entry, parents) -> dict[str, bytes]:
+        """One submitted packet, fetched; its decoding starts at once, off the round's critical path."""
+        got = await exchange.fetch(round, {entry.peer_id: entry.packet_digest}, {entry.peer_id: entry.multiaddrs},
+                                   timeout_s=self.config.fetch_timeout_s, parents=parents)
+        if (payload := got.get(entry.peer_id)) is not None:
+            decoding = self._decoding.setdefault(round, {})
+            decoding[entry.peer_id, entry.packet_digest] = asyncio.create_task(self._decode(
+                payload, entry.peer_id, bytes.fromhex(entry.public_key), client.run_id, round))
+        return got
+
+    async def _decode(self, payload: bytes, peer_id: str, public_key: bytes, run_id: str, round: int):
+        """What outer.decode makes of one payload, or the refusal it raised (for outer.prepare)."""
+        async with self._decode_slot:  # one at a time: decoding shares the CPU with training
+            try:
+                return await asyncio.to_thread(self.outer.decode, payload, public_key, peer_id=peer_id,
+                                               run_id=run_id, round=round)
+            except self.outer.refusable as e:
+                return e
 
     async def _live_members(self, client) -> dict[str, list[str]]:
         """The run's live peers (this node included) and their addresses, by peer id; {} if the
@@ -660,10 +679,16 @@ class Node:
         return view, payloads, prepared
 
     async def _prepare(self, client, view, payloads: dict[str, bytes]):
-        """Verify, decode and aggregate the manifest's packets, in a worker thread; no parameter changes."""
+        """Verify, decode and aggregate the manifest's packets, in a worker thread; no parameter changes.
+        Packets decoded as they arrived are not decoded again."""
         public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
+        decoding = self._decoding.pop(view.round, {})
+        for r in [r for r in self._decoding if r < view.round]:  # rounds left behind (a catch-up)
+            del self._decoding[r]
+        decoded = {e.peer_id: await task for e in view.manifest
+                   if (task := decoding.get((e.peer_id, e.packet_digest))) is not None}
         return await asyncio.to_thread(self.outer.prepare, payloads, public_keys.__getitem__,
-                                       run_id=client.run_id, round=view.round)
+                                       run_id=client.run_id, round=view.round, decoded=decoded)
 
     async def drain_in_flight(self, client, exchange) -> None:
         """With overlap, land the last round's aggregate before leaving."""

@@ -79,6 +79,28 @@ def test_bad_packets_are_left_out_by_every_peer():
     assert len({param_digest(m) for m in models}) == 1
 
 
+@pytest.mark.parametrize("strategy", ["sparseloco", "diloco"])
+def test_payloads_decoded_on_arrival_aggregate_exactly_like_those_decoded_at_the_end(strategy):
+    """A node decodes each packet as it arrives (outer.decode, the refusal kept as the exception)
+    and hands those to prepare: the aggregate and the refusals are the same bits."""
+    models, outers = swarm(OuterConfig(strategy=strategy))
+    payloads = payloads_for(models, outers, 0, param_digest(models[0]))
+    payloads["p1"] = payloads["p1"][: len(payloads["p1"]) // 2]  # cut short
+    outer = outers[0]
+    early = {}
+    for peer in ("p0", "p1"):  # p2 arrived last: decoded by prepare itself
+        try:
+            early[peer] = outer.decode(payloads[peer], public(peer), peer_id=peer, run_id="r", round=0)
+        except outer.refusable as e:
+            early[peer] = e
+    assert isinstance(early["p1"], Exception)
+    late = outer.prepare(payloads, public, run_id="r", round=0)
+    ahead = outer.prepare(payloads, public, run_id="r", round=0, decoded=early)
+    assert ahead.result.accepted == late.result.accepted == ["p0", "p2"]
+    assert ahead.result.refused == late.result.refused and "p1" in ahead.result.refused
+    assert all(torch.equal(ahead.aggregates[n], late.aggregates[n]) for n in late.aggregates)
+
+
 def test_median_norm_clipping_bounds_a_poisoned_peer():
     cfg = OuterConfig(strategy="sparseloco", clip_to_median_norm=True)
     models, outers = swarm(cfg)
