@@ -22,7 +22,9 @@ Packet stream, protocol "locoswarm.packet.v1" (a libp2p stream opened through th
 
     request   u32 big-endian length L (at most 1024), then L bytes of msgpack map
               {"run": str, "round": int, "peer": str (publisher peer id), "digest": hex str,
-               "wait": bool (optional; true: queue for an upload slot rather than be answered busy)}
+               "wait": bool (optional; true: queue for an upload slot rather than be answered busy),
+               "child": bool (optional; true: the fetcher is the holder's child in the packet's
+                              tree, served on one of MAX_CHILD_STREAMS streams beside the slots)}
     response  u8 status, u64 big-endian length N, then N bytes:
               status 0: the packet bytes (written in `chunk_bytes` pieces, 512 KiB by default)
               status 1: a UTF-8 error message (N at most 512), e.g. "not held"
@@ -58,6 +60,13 @@ is still receiving sends each piece on as it arrives, holding back the last byte
 packet hashed to its digest; if its own copy fails, the onward stream ends short, and the
 fetcher (which never saw a bad byte count as a whole packet) tries another holder without
 banning this one. So a hop costs a piece's latency, not a whole packet's transfer time.
+
+Trees: a caller that knows the round's members passes each packet's parent (node.exchange.
+tree_parent), which the fetch asks first, as a "child", waiting in its queue. A holder asked for a
+packet it does not have yet waits for its own copy to start arriving while it fetches that packet
+(up to `request_timeout_s`), and up to WANT_GRACE_S for it to start fetching: children learn of a
+packet at about the moment their parent does. A parent that fails sends the fetch on to the
+search above.
 
 Things hivemind 1.1.12 does not do for us, and how this module copes:
 
