@@ -725,9 +725,9 @@ class P2PExchange:
                 # With every slot taken, name the peers with a copy (whole ones first), or queue the
                 # request if it asks to wait or there is nobody to name. A packet only its
                 # publisher has yet starts its tree at once, beside the other uploads.
-                names = self._copy_holders(copy)
+                can_name = bool(copy.sent_to or copy.receiving)  # what a busy answer would list
                 seed = isinstance(copy, _Held) and copy.own and not copy.sent_to and len(copy.receiving) < SEED_STREAMS
-                wait_s = cfg.request_timeout_s if wait or not names else 0.0
+                wait_s = cfg.request_timeout_s if wait or not can_name else 0.0
                 slot = "upload" if await self._take_upload_slot(wait_s, seed) else None
             if slot is None:
                 answer = msgpack.packb(self._copy_holders(copy))
