@@ -66,6 +66,13 @@ function text(v, digits) {
   if (v === null || v === undefined) return "-";
   return typeof v === "number" && digits !== undefined ? v.toFixed(digits) : String(v);
 }
+function bandwidth(measured, uplink) {
+  // Measured on the peer's downloads; the uplink as its operator stated it.
+  const parts = [];
+  if (measured !== null && measured !== undefined) parts.push(measured.toFixed(0) + " Mbps");
+  if (uplink !== null && uplink !== undefined) parts.push("up " + uplink.toFixed(0));
+  return parts.length ? parts.join(", ") : "-";
+}
 function cell(row, value, cls) {
   const td = document.createElement("td");
   td.textContent = value;
@@ -157,7 +164,7 @@ function render(s) {
     row.className = "peer-row";
     cell(row, p.peer_id); cell(row, p.peer_index); cell(row, p.status, p.status);
     cell(row, p.activity); cell(row, p.device); cell(row, text(p.last_loss, 4));
-    cell(row, p.bandwidth_mbps === null ? "-" : p.bandwidth_mbps.toFixed(0) + " Mbps");
+    cell(row, bandwidth(p.bandwidth_mbps, p.uplink_mbps));
     cell(row, text(p.lag_rounds));
     const note = p.flags.map(f => f + (p.mismatch_round !== null ? " @" + p.mismatch_round : ""));
     if (p.reason) note.push(p.reason);

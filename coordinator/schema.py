@@ -89,6 +89,11 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         # Packets a peer left out of round r, as JSON {peer id: reason}; NULL: none.
         ("ALTER TABLE applied ADD COLUMN refused TEXT",),
     ),
+    (
+        3,
+        # The upload rate a peer's operator stated at join (Mbps); NULL: not stated.
+        ("ALTER TABLE peers ADD COLUMN uplink_mbps DOUBLE PRECISION",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -272,6 +272,7 @@ class CoordinatorService(Views):
                         last_seen_at=now,
                         member_since_round=first_round,
                         progress_round=None,
+                        uplink_mbps=request.uplink_mbps,
                     )
                 )
             else:
@@ -285,6 +286,7 @@ class CoordinatorService(Views):
                     device=request.device,
                     listen_multiaddrs=addrs,
                     bandwidth_mbps=request.bandwidth_mbps,
+                    uplink_mbps=request.uplink_mbps,
                     last_seen_at=now,
                     member_since_round=first_round if rejoining else existing.member_since_round,
                 )

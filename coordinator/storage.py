@@ -56,6 +56,7 @@ class PeerRow:
     last_seen_at: float
     member_since_round: int  # first round it is expected to submit to
     progress_round: int | None  # latest round it reported working on
+    uplink_mbps: float | None = None  # stated by its operator at join
 
 
 @dataclass(slots=True)

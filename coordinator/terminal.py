@@ -20,6 +20,12 @@ def _fmt(value: Any, digits: int | None = None) -> str:
     return str(value)
 
 
+def bandwidth(measured: float | None, uplink: float | None) -> str:
+    """The bandwidth column: measured on the peer's downloads, and the uplink its operator stated."""
+    parts = ([f"{measured:.0f} Mbps"] if measured is not None else []) + ([f"up {uplink:.0f}"] if uplink else [])
+    return ", ".join(parts) or "-"
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """Left-aligned columns, each as wide as its widest cell."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
@@ -56,14 +62,13 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         notes = list(peer["flags"])
         if peer.get("reason"):
             notes.append(peer["reason"])
-        bandwidth = peer["bandwidth_mbps"]
         peer_rows.append([
             peer["peer_id"],
             str(peer["peer_index"]),
             peer["status"],
             peer["activity"],
             _fmt(peer["last_loss"], 4),
-            "-" if bandwidth is None else f"{bandwidth:.0f} Mbps",
+            bandwidth(peer["bandwidth_mbps"], peer.get("uplink_mbps")),
             _fmt(peer["lag_rounds"]),
             "; ".join(notes),
         ])

@@ -224,6 +224,7 @@ class Views:
                     activity=peer.activity,
                     device=peer.device,
                     bandwidth_mbps=peer.bandwidth_mbps,
+                    uplink_mbps=peer.uplink_mbps,
                     last_loss=peer.last_loss,
                     last_seen_at=peer.last_seen_at,
                     lag_rounds=(

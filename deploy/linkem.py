@@ -1,6 +1,7 @@
 """A userspace link emulator for the network lab: per-host rate, one-way delay and loss, on TUN devices.
 
     python -m deploy.linkem --host NS=IP --host NS=IP ... --rate-mbps 100 --delay-ms 20 [--loss-pct 0.5]
+    python -m deploy.linkem --host NS=IP=RATE ...   # a host's own rate in Mbps (0: unshaped)
 
 For kernels without netem (sch_netem), which cannot add delay or loss with `tc`. Each lab host gets
 a TUN device `eth0` in its namespace instead of a veth on a bridge; this process holds all of them
@@ -65,6 +66,7 @@ class Counters:
 class HostLink:
     namespace: str
     ip: bytes  # 4 bytes
+    seconds_per_byte: float = 0.0  # both directions; 0 = unshaped
     fd: int = -1
     uplink_free_at: float = 0.0  # when the uplink finishes sending what is queued on it
     downlink_free_at: float = 0.0
@@ -72,11 +74,12 @@ class HostLink:
 
 
 class LinkEmulator:
-    def __init__(self, hosts: list[tuple[str, str]], *, rate_mbps: float, delay_ms: float, loss_pct: float,
+    def __init__(self, hosts: list[tuple[str, str, float]], *, delay_ms: float, loss_pct: float,
                  seed: int | None = None):
-        self.hosts = [HostLink(ns, bytes(int(x) for x in ip.split("."))) for ns, ip in hosts]
+        """`hosts`: (namespace, IPv4 address, link rate in Mbps, 0 for unshaped) for each host."""
+        self.hosts = [HostLink(ns, bytes(int(x) for x in ip.split(".")), 8 / (rate * 1e6) if rate > 0 else 0.0)
+                      for ns, ip, rate in hosts]
         self.by_ip = {h.ip: i for i, h in enumerate(self.hosts)}
-        self.seconds_per_byte = 8 / (rate_mbps * 1e6) if rate_mbps > 0 else 0.0
         self.delay_s = delay_ms / 1000
         self.loss = loss_pct / 100
         self.offload = self.loss == 0
@@ -144,7 +147,7 @@ class LinkEmulator:
         if start - now > QUEUE_LIMIT_S:
             src.counters.dropped_uplink += 1
             return
-        src.uplink_free_at = start + size * self.seconds_per_byte
+        src.uplink_free_at = start + size * src.seconds_per_byte
         self._push(src.uplink_free_at + self.delay_s, 0, dest, size, packet)
 
     def arrived(self, dest: int, size: int, packet: bytes, now: float) -> None:
@@ -155,7 +158,7 @@ class LinkEmulator:
         if start - now > QUEUE_LIMIT_S:
             dst.counters.dropped_downlink += 1
             return
-        dst.downlink_free_at = start + size * self.seconds_per_byte
+        dst.downlink_free_at = start + size * dst.seconds_per_byte
         self._push(dst.downlink_free_at, 1, dest, size, packet)
 
     def deliver(self, dest: int, size: int, packet: bytes) -> None:
@@ -211,16 +214,22 @@ class LinkEmulator:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deploy.linkem", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--host", action="append", required=True, metavar="NAMESPACE=IP",
-                        help="a lab host: its namespace (holding TUN device eth0) and IPv4 address")
-    parser.add_argument("--rate-mbps", type=float, default=0.0, help="each host's link, both directions (0: unshaped)")
+    parser.add_argument("--host", action="append", required=True, metavar="NAMESPACE=IP[=MBPS]",
+                        help="a lab host: its namespace (holding TUN device eth0), IPv4 address, and its own "
+                             "link rate if it differs from --rate-mbps")
+    parser.add_argument("--rate-mbps", type=float, default=0.0,
+                        help="each host's link, both directions, unless its --host gives one (0: unshaped)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay between a host and the network")
     parser.add_argument("--loss-pct", type=float, default=0.0, help="loss on each host's uplink, percent")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
-    hosts = [tuple(spec.split("=", 1)) for spec in args.host]
-    emulator = LinkEmulator(hosts, rate_mbps=args.rate_mbps, delay_ms=args.delay_ms, loss_pct=args.loss_pct,
-                            seed=args.seed)
+    hosts = []
+    for spec in args.host:
+        namespace, ip, *rate = spec.split("=")
+        if len(rate) > 1:
+            parser.error(f"--host {spec!r} is not NAMESPACE=IP[=MBPS]")
+        hosts.append((namespace, ip, float(rate[0]) if rate else args.rate_mbps))
+    emulator = LinkEmulator(hosts, delay_ms=args.delay_ms, loss_pct=args.loss_pct, seed=args.seed)
     signal.signal(signal.SIGTERM, emulator.stop)
     signal.signal(signal.SIGINT, emulator.stop)
     # The lab owns this process: if the lab dies (SIGKILL), so does the emulator.

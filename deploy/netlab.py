@@ -1,6 +1,7 @@
 """Network lab: a swarm on shaped links, N hosts as Linux network namespaces on one machine.
 
     sudo .venv/bin/python -m deploy.netlab --peers 8 --rate-mbps 100 --delay-ms 20 --rounds 3 [--json] [--overlap]
+    sudo .venv/bin/python -m deploy.netlab --peers 8 --rate-mbps 10,100,100,100   # each node's link, in turn
     sudo .venv/bin/python -m deploy.netlab --cleanup-stale     # labs left by a process killed with SIGKILL
 
 Builds hosts h0..hN (namespaces `lsnl-<pid>-h0` ...) joined by veth pairs to a bridge that lives in
@@ -44,12 +45,14 @@ class LabSwarm:
 
     def __init__(self, topology: Topology, workdir: Path, *, rounds: int, preset: str, inner_steps: int,
                  top_k: int, batch_size: int, seq_len: int, overlap: bool, say,
-                 linger_s: float = 30.0, compute_floor_s: float = 0.0, tree_fanout: int = 2):
+                 linger_s: float = 30.0, compute_floor_s: float = 0.0, tree_fanout: int = 2,
+                 state_uplinks: bool = True):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
         self.run_options = {"preset": preset, "inner_steps": inner_steps, "top_k": top_k,
                             "batch_size": batch_size, "seq_len": seq_len, "tree_fanout": tree_fanout}
         self.overlap = overlap
         self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
+        self.state_uplinks = state_uplinks  # each node states its host's link rate at join (--uplink-mbps)
         self.num_peers = len(topology.hosts) - 1
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
@@ -111,11 +114,12 @@ class LabSwarm:
         return self.run_id
 
     def start_node(self, host: int) -> None:
-        ip = self.topology.hosts[host].ip
+        ip, rate = self.topology.hosts[host].ip, self.topology.rates_mbps[host]
+        uplink = ["--uplink-mbps", f"{rate:g}"] if self.state_uplinks and rate > 0 else []
         self.nodes.append(self._spawn(host, [
             "node.cli", "node", "join", "--coordinator", self.url, "--run", self.run_id, "--device", "cpu",
             "--key", str(self.workdir / f"node{host}.key"), "--host-maddrs", f"/ip4/{ip}/tcp/0",
-            "--threads", "1", "--no-progress", "--report", str(self.report_path(host)),
+            "--threads", "1", "--no-progress", "--report", str(self.report_path(host)), *uplink,
             *(["--inject", f"slow-compute@min_s={self.compute_floor_s}"] if self.compute_floor_s > 0 else [])],
             f"node{host}.log"))
 
@@ -213,34 +217,55 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
+def host_rates(rates_mbps: list[float], peers: int) -> list[float]:
+    """Each host's link rate: the nodes' h1..hN take the given rates in turn; the coordinator's h0,
+    a server, takes the fastest."""
+    nodes = [rates_mbps[i % len(rates_mbps)] for i in range(peers)]
+    return [0.0 if 0.0 in rates_mbps else max(rates_mbps), *nodes]
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate or a comma-separated list of rates") from None
+    if any(r < 0 for r in rates):
+        raise argparse.ArgumentTypeError("rates are >= 0 (0: unshaped)")
+    return rates
+
+
 def run_lab(args: argparse.Namespace, say) -> dict:
-    link = LinkSpec(rate_mbps=args.rate_mbps, delay_ms=args.delay_ms, loss_pct=args.loss_pct)
+    rates = host_rates(args.rate_mbps, args.peers)
+    link = LinkSpec(rate_mbps=rates[0], delay_ms=args.delay_ms, loss_pct=args.loss_pct)
     overlap_ok, overlap_reason = overlap_support() if args.overlap else (False, None)
     if args.overlap and not overlap_ok:
         say(overlap_reason)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-netlab-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    topology = Topology(args.peers + 1, link, shaper=args.shaper, sysctls=args.sysctl)
+    topology = Topology(args.peers + 1, link, shaper=args.shaper, sysctls=args.sysctl, rates_mbps=rates)
+    rate_text = "/".join(f"{r:g}" for r in args.rate_mbps)
     swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
                      top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
                      overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger,
-                     compute_floor_s=args.compute_floor, tree_fanout=args.tree_fanout)
+                     compute_floor_s=args.compute_floor, tree_fanout=args.tree_fanout,
+                     state_uplinks=args.state_uplinks)
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
     teardown_errors: list[str] = []
     try:
         topology.up()
         say(f"lab {topology.prefix}*: {args.peers + 1} hosts on {topology.subnet}.0/24, "
-            f"{link.rate_mbps:g} Mbps each way per host, {link.delay_ms:g} ms one-way, {link.loss_pct:g} % loss "
+            f"{rate_text} Mbps each way per host, {link.delay_ms:g} ms one-way, {link.loss_pct:g} % loss "
             f"({SHAPING[topology.shaper]})")
         if topology.delay_requested and not topology.delay_applied:
             say(f"NOTE: --delay-ms {link.delay_ms:g} / --loss-pct {link.loss_pct:g} NOT applied. {topology.delay_reason}")
         link_check = topology.probe_rate(sender=1, receiver=2 if args.peers >= 2 else 0)
-        say(f"link check h1 -> h2: {link_check['mbps']:.1f} Mbps, round trip {link_check['rtt_ms']:.1f} ms measured")
+        say(f"link check h1 -> h2: {link_check['mbps']:.1f} Mbps (path {link_check['rate_mbps']:g} Mbps), "
+            f"round trip {link_check['rtt_ms']:.1f} ms measured")
         bytes_before = topology.interface_bytes()
         reports, status = swarm.run(args.timeout)
         bytes_after = topology.interface_bytes()
-        result |= summarize(reports, status.get("history", []), rate_mbps=link.rate_mbps)
+        result |= summarize(reports, status.get("history", []), rate_mbps=rates[1:])
         node_rx = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(bytes_after[1:], bytes_before[1:])]
         result["summary"]["interface_rx_bytes_per_peer_round"] = sum(node_rx) / len(node_rx) / args.rounds
         if args.peers >= 2 and result["summary"]["packet_bytes"]:
@@ -272,9 +297,11 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     return result | {
         "peers": args.peers, "rounds": args.rounds, "preset": args.preset, "inner_steps": args.inner_steps,
         "top_k": args.top_k, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "compute_floor_s": args.compute_floor, "sysctls": args.sysctl,
+        "compute_floor_s": args.compute_floor, "sysctls": args.sysctl, "state_uplinks": args.state_uplinks,
+        "tree_fanout": args.tree_fanout,
         "namespace_prefix": topology.prefix, "subnet": f"{topology.subnet}.0/24",
-        "link": {"rate_mbps": link.rate_mbps, "delay_ms": link.delay_ms, "loss_pct": link.loss_pct,
+        "link": {"rate_mbps": args.rate_mbps[0] if len(args.rate_mbps) == 1 else args.rate_mbps,
+                 "host_rates_mbps": rates, "delay_ms": link.delay_ms, "loss_pct": link.loss_pct,
                  "delay_applied": topology.delay_applied, "delay_reason": topology.delay_reason,
                  "shaper": topology.shaper, "shaping": SHAPING.get(topology.shaper),
                  "emulator_counters": topology.emulator_counters},
@@ -294,7 +321,9 @@ SHAPING = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deploy.netlab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=4, help="nodes, one per host h1..hN (h0 runs the coordinator)")
-    parser.add_argument("--rate-mbps", type=float, default=100.0, help="each host's link, both directions (0: unshaped)")
+    parser.add_argument("--rate-mbps", type=_rates, default=[100.0], metavar="R[,R...]",
+                        help="each host's link, both directions (0: unshaped); a list gives the nodes' hosts "
+                             "these rates in turn (h1 the first, ...) and the coordinator's the fastest")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per host link")
     parser.add_argument("--loss-pct", type=float, default=0.0, help="packet loss per host link, percent")
     parser.add_argument("--shaper", choices=SHAPERS, default="auto",
@@ -316,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap", action="store_true", help="run option overlap=true (one-round-delayed outer step)")
     parser.add_argument("--tree-fanout", type=int, default=2,
                         help="run option tree_fanout: copies each peer forwards of a packet (1: a chain)")
+    parser.add_argument("--state-uplinks", action=argparse.BooleanOptionalAction, default=True,
+                        help="each node states its link's rate at join (node option uplink_mbps), so that the "
+                             "packet trees put slower uplinks at the leaves (default on)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole swarm run")
     parser.add_argument("--linger", type=float, default=30.0,
                         help="seconds nodes may run on after the last round closed before the lab stops them")
@@ -374,12 +406,23 @@ def main(argv: list[str] | None = None) -> int:
                   f"{baseline['mean_s']:.2f} s{ratio}")
         for straggler in result["stragglers"]:
             print(f"INCOMPLETE: {straggler['host']} {straggler['reason']}")
-        print(f"\n{args.peers} peers, {link['rate_mbps']:g} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "
+        for group in result["summary"].get("by_rate", []):
+            print(f"peers on {group['rate_mbps']:g} Mbps ({group['num_peers']}): fetching {_fmt(group['fetching_s'], 's')}"
+                  f", ideal {_fmt(group['ideal_transfer_s'], 's', 3)}, xfer/ideal {_fmt(group['transfer_over_ideal'], 'x', 1)}"
+                  f", round {_fmt(group['round_s'], 's')}, util {_fmt(group['compute_utilization'], '%')}")
+        rate_text = "/".join(f"{r:g}" for r in args.rate_mbps)
+        print(f"\n{args.peers} peers, {rate_text} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "
               f"round trip {result['link_check']['rtt_ms']:.1f} ms), "
               f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}"
               + (f"; compute at least {args.compute_floor:g} s a round (emulated)" if args.compute_floor else "")
               + f"; logs in {result['workdir']}")
     return 0 if result["completed"] and result["summary"]["digests_agree_every_round"] else 1
+
+
+def _fmt(value: float | None, unit: str, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0%}" if unit == "%" else f"{value:.{digits}f}{unit}"
 
 
 if __name__ == "__main__":

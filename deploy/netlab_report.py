@@ -1,6 +1,7 @@
 """The network lab's numbers: per-round times, bytes and ratios from the nodes' --report files.
 
     result = summarize(reports, history, rate_mbps=100.0)   # reports: one parsed --report per node
+    result = summarize(reports, history, rate_mbps=[50.0, 1000.0, ...])  # each node's own link
     print(format_table(result))
 
 Per round, averaged over the peers that report it (every peer times its own round):
@@ -18,8 +19,9 @@ Per round, averaged over the peers that report it (every peer times its own roun
 - idle_s = round_s - compute_s - encode_s - aggregate_s: time the node's CPU waits on the network
   and on the other peers;
 - download_bytes: what one peer must fetch, the packets of every other peer in the round (its own
-  is local); ideal_transfer_s = download_bytes * 8 / link rate; transfer_over_ideal, per peer then
-  averaged; 1.0 is a link kept full whenever a fetch was in progress (fetching_s; transfer_s
+  is local); ideal_transfer_s: the least time the links allow, download_bytes * 8 / the peer's link
+  rate, or, where a slower uplink binds, the slowest other publisher's packet over its uplink (its
+  first copy has to leave it); transfer_over_ideal, per peer then averaged; 1.0 is a link kept full whenever a fetch was in progress (fetching_s; transfer_s
   for reports that lack it); after_close_over_ideal = transfer_s / ideal: the part left after
   the round closed (0 with overlap, where it runs behind compute);
 - compute_utilization = compute_s / round_s, per peer then averaged;
@@ -27,7 +29,8 @@ Per round, averaged over the peers that report it (every peer times its own roun
   when the last packet is submitted, so this is the swarm's round time, slowest peer included).
 
 The summary averages rounds 1.. (round 0 carries start-up: first-step allocation, DHT warm-up)
-when there is more than one round.
+when there is more than one round. With links of several rates, `summary["by_rate"]` gives the
+same steady-state means for the peers of each rate.
 """
 
 from __future__ import annotations
@@ -37,27 +40,39 @@ import statistics
 TIMERS = ("compute_s", "encode_s", "wait_s", "transfer_s", "aggregate_s")
 
 
-def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float) -> dict:
-    """Per-round rows and a steady-state summary; `reports` are the nodes' --report objects."""
-    node_rounds = [_with_next_start(report["rounds"]) for report in reports]
+SUMMARY_KEYS = (*TIMERS, "transfer_max_s", "fetching_s", "round_s", "idle_s", "packet_bytes", "download_bytes",
+                "ideal_transfer_s", "transfer_over_ideal", "after_close_over_ideal", "compute_utilization")
+
+
+def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float | list[float]) -> dict:
+    """Per-round rows and a steady-state summary; `reports` are the nodes' --report objects, and
+    `rate_mbps` their links' rate (one for all, or one per report; 0: unshaped)."""
+    rates = list(rate_mbps) if isinstance(rate_mbps, (list, tuple)) else [rate_mbps] * len(reports)
+    if len(rates) != len(reports):
+        raise ValueError(f"{len(rates)} rates for {len(reports)} reports")
+    node_rounds = [[r | {"rate_mbps": rate} for r in _with_next_start(report["rounds"])]
+                   for report, rate in zip(reports, rates)]
     rounds = sorted({r["round"] for per_node in node_rounds for r in per_node})
     closed_at = {h["round"]: h["closed_at"] for h in history}
-    rows = []
+    rows, by_rate_rows = [], {rate: [] for rate in sorted(set(rates))}
     for k in rounds:
         per_peer = [r for per_node in node_rounds for r in per_node if r["round"] == k]
-        rows.append(_round_row(k, per_peer, rate_mbps, closed_at))
-    steady = rows[1:] if len(rows) > 1 else rows
-    return {
-        "per_round": rows,
-        "summary": {
-            "rounds_averaged": [row["round"] for row in steady],
-            **{name: _mean(row[name] for row in steady) for name in (
-                *TIMERS, "transfer_max_s", "fetching_s", "round_s", "idle_s", "packet_bytes", "download_bytes",
-                "ideal_transfer_s", "transfer_over_ideal", "after_close_over_ideal", "compute_utilization",
-                "swarm_cycle_s")},
-            "digests_agree_every_round": bool(rows) and all(row["digests_agree"] for row in rows),
-        },
-    }
+        rows.append(_round_row(k, per_peer, closed_at))
+        if len(by_rate_rows) > 1:
+            for rate, rate_rows in by_rate_rows.items():
+                # Every peer's ideal depends on the others' uplinks: compute it over all, average a few.
+                rate_rows.append(_round_row(k, per_peer, closed_at, only=lambda r: r["rate_mbps"] == rate))
+    steady = slice(1, None) if len(rows) > 1 else slice(None)
+    summary = {"rounds_averaged": [row["round"] for row in rows[steady]], **_means(rows[steady], "swarm_cycle_s"),
+               "digests_agree_every_round": bool(rows) and all(row["digests_agree"] for row in rows)}
+    if len(by_rate_rows) > 1:
+        summary["by_rate"] = [{"rate_mbps": rate, "num_peers": rates.count(rate), **_means(rate_rows[steady])}
+                              for rate, rate_rows in by_rate_rows.items()]
+    return {"per_round": rows, "summary": summary}
+
+
+def _means(rows: list[dict], *extra: str) -> dict:
+    return {name: _mean(row[name] for row in rows) for name in (*SUMMARY_KEYS, *extra)}
 
 
 def _with_next_start(rounds: list[dict]) -> list[dict]:
@@ -80,7 +95,29 @@ def _fetching_s(r: dict) -> float | None:
     return r.get("fetching_s") or _transfer_s(r["times"]) or None
 
 
-def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[int, float]) -> dict:
+def _ideal_s(per_peer: list[dict]) -> list[float | None]:
+    """Each peer's least transfer time: its own downlink carrying every other packet, or the
+    slowest other publisher's uplink sending its packet once (None for an unshaped peer)."""
+    ideal = []
+    for r in per_peer:
+        others = [o for o in per_peer if o is not r]
+        bounds = [o["packet_bytes"] * 8 / (o["rate_mbps"] * 1e6) for o in others if o["rate_mbps"] > 0]
+        if r["rate_mbps"] > 0:
+            bounds.append(sum(o["packet_bytes"] for o in others) * 8 / (r["rate_mbps"] * 1e6))
+        ideal.append(max(bounds) if bounds and r["rate_mbps"] > 0 else None)
+    return ideal
+
+
+def _round_row(k: int, per_peer: list[dict], closed_at: dict[int, float], only=None) -> dict:
+    """Round k's means over the peers (`only`: over those it selects; ideals use everyone)."""
+    # Each peer downloads every other peer's packet: the round's total less its own.
+    total_bytes = sum(r["packet_bytes"] for r in per_peer)
+    download_bytes = [total_bytes - r["packet_bytes"] for r in per_peer]
+    ideal_s = _ideal_s(per_peer)
+    if only is not None:
+        chosen = [only(r) for r in per_peer]
+        per_peer, download_bytes, ideal_s = ([x for x, c in zip(xs, chosen) if c]
+                                             for xs in (per_peer, download_bytes, ideal_s))
     times = [r["times"] for r in per_peer]
     # A peer's round: wall clock from the start of its inner steps to the end of its outer step
     # (reports from older nodes lack the clock: the sum of the timers stands in).
@@ -88,10 +125,6 @@ def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[i
                else r["ended_at"] - r["started_at"] if r.get("ended_at") and r.get("started_at")
                else sum(t[name] for name in TIMERS) for r, t in zip(per_peer, times)]
     packet_bytes = [r["packet_bytes"] for r in per_peer]
-    # Each peer downloads every other peer's packet: the round's total less its own.
-    download_bytes = [sum(packet_bytes) - own for own in packet_bytes]
-    rate_bytes_per_s = rate_mbps * 1e6 / 8 if rate_mbps > 0 else None
-    ideal_s = [b / rate_bytes_per_s if rate_bytes_per_s else None for b in download_bytes]
     measured = [r["downloaded_bytes"] for r in per_peer if r.get("downloaded_bytes") is not None]
     row = {
         "round": k,
@@ -105,11 +138,9 @@ def _round_row(k: int, per_peer: list[dict], rate_mbps: float, closed_at: dict[i
         "packet_bytes": _mean(packet_bytes),
         "download_bytes": _mean(download_bytes),
         "measured_download_bytes": _mean(measured) if measured else None,
-        "ideal_transfer_s": _mean(s for s in ideal_s if s is not None) if rate_bytes_per_s else None,
-        "transfer_over_ideal": _mean(f / s for r, s in zip(per_peer, ideal_s) if s and (f := _fetching_s(r)))
-        if rate_bytes_per_s else None,
-        "after_close_over_ideal": _mean(t["transfer_s"] / s for t, s in zip(times, ideal_s) if s)
-        if rate_bytes_per_s else None,
+        "ideal_transfer_s": _mean(ideal_s),
+        "transfer_over_ideal": _mean(f / s for r, s in zip(per_peer, ideal_s) if s and (f := _fetching_s(r))),
+        "after_close_over_ideal": _mean(t["transfer_s"] / s for t, s in zip(times, ideal_s) if s),
         "compute_utilization": _mean(t["compute_s"] / total for t, total in zip(times, round_s) if total > 0),
         "swarm_cycle_s": closed_at[k] - closed_at[k - 1] if k in closed_at and k - 1 in closed_at else None,
         "digests_agree": len({r["digest"] for r in per_peer}) == 1,

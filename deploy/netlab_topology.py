@@ -1,6 +1,7 @@
 """The network lab's hosts: Linux network namespaces on a bridge, links shaped by tc.
 
     topology = Topology(num_hosts=4, link=LinkSpec(rate_mbps=100, delay_ms=20))
+    topology = Topology(num_hosts=4, link=LinkSpec(rate_mbps=100), rates_mbps=[1000, 50, 100, 100])  # per host
     topology.up()                       # namespaces lsnl-<pid>-h0..h3 and lsnl-<pid>-br
     subprocess.run([*topology.exec_args(1), "python", ...])   # a program on host h1
     topology.probe_rate(sender=1, receiver=2)                 # measured TCP rate, Mbps
@@ -48,7 +49,7 @@ class LabError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkSpec:
-    """One host's access link; every host gets the same."""
+    """The hosts' access links: every host gets this, bar the rates `Topology(rates_mbps=...)` sets."""
 
     rate_mbps: float  # both directions; 0 = unshaped
     delay_ms: float = 0.0  # one-way, added on the host's egress
@@ -144,9 +145,14 @@ SHAPERS = ("auto", "tc", "userspace")
 class Topology:
     """The lab's namespaces and links; `up()` builds, `down()` removes."""
 
-    def __init__(self, num_hosts: int, link: LinkSpec, shaper: str = "auto", sysctls: list[str] = ()):
+    def __init__(self, num_hosts: int, link: LinkSpec, shaper: str = "auto", sysctls: list[str] = (),
+                 rates_mbps: list[float] | None = None):
         if shaper not in SHAPERS:
             raise ValueError(f"shaper must be one of {SHAPERS}, not {shaper!r}")
+        if rates_mbps is not None and (len(rates_mbps) != num_hosts or any(r < 0 for r in rates_mbps)):
+            raise ValueError(f"rates_mbps needs one rate >= 0 per host ({num_hosts}), got {rates_mbps}")
+        # Each host's link rate, both directions (0: unshaped).
+        self.rates_mbps = list(rates_mbps) if rates_mbps is not None else [link.rate_mbps] * num_hosts
         if any("=" not in setting or "/" in setting for setting in sysctls):
             raise ValueError(f"sysctls are KEY=VALUE with a dotted key: {list(sysctls)}")
         self.sysctls = list(sysctls)  # set in every host's namespace
@@ -190,8 +196,9 @@ class Topology:
             _run(["ip", "-n", host.namespace, "tuntap", "add", "mode", "tun", "name", "eth0", "vnet_hdr"])
             _run(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
             _run(["ip", "-n", host.namespace, "link", "set", "eth0", "up"])
-        args = [sys.executable, "-m", "deploy.linkem", *(f"--host={h.namespace}={h.ip}" for h in self.hosts),
-                f"--rate-mbps={self.link.rate_mbps}", f"--delay-ms={self.link.delay_ms}",
+        args = [sys.executable, "-m", "deploy.linkem",
+                *(f"--host={h.namespace}={h.ip}={rate:g}" for h, rate in zip(self.hosts, self.rates_mbps)),
+                f"--delay-ms={self.link.delay_ms}",
                 f"--loss-pct={self.link.loss_pct}"]
         self.emulator = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
                                          start_new_session=True)
@@ -217,7 +224,7 @@ class Topology:
             _run(["ip", "-n", self.bridge_ns, "link", "set", f"h{i}", "up"])
             _run(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
             _run(["ip", "-n", host.namespace, "link", "set", "eth0", "up"])
-        if self.link.rate_mbps > 0 or self.delay_requested:
+        if any(self.rates_mbps) or self.delay_requested:
             self._shape_all()
 
     def _add_namespace(self, name: str) -> None:
@@ -234,16 +241,17 @@ class Topology:
         for i, host in enumerate(self.hosts):
             if use_netem and i > 0:
                 self._netem(host.namespace)
-            if self.link.rate_mbps > 0:
+            if rate := self.rates_mbps[i]:
                 parent = ["parent", "1:1", "handle", "10:"] if use_netem else ["root", "handle", "1:"]
-                _run(["tc", "-n", host.namespace, "qdisc", "add", "dev", "eth0", *parent, *self._tbf()])
+                _run(["tc", "-n", host.namespace, "qdisc", "add", "dev", "eth0", *parent, *self._tbf(rate)])
                 _run(["tc", "-n", self.bridge_ns, "qdisc", "add", "dev", f"h{i}", "root", "handle", "1:",
-                      *self._tbf()])
+                      *self._tbf(rate)])
 
-    def _tbf(self) -> list[str]:
-        rate_bytes_per_s = self.link.rate_mbps * 1e6 / 8
+    @staticmethod
+    def _tbf(rate_mbps: float) -> list[str]:
+        rate_bytes_per_s = rate_mbps * 1e6 / 8
         burst_bytes = max(TBF_MIN_BURST_BYTES, int(rate_bytes_per_s * 0.005))
-        return ["tbf", "rate", f"{self.link.rate_mbps * 1000:.0f}kbit", "burst", str(burst_bytes),
+        return ["tbf", "rate", f"{rate_mbps * 1000:.0f}kbit", "burst", str(burst_bytes),
                 "latency", f"{TBF_LATENCY_MS}ms"]
 
     def _netem(self, namespace: str) -> None:
@@ -335,14 +343,16 @@ class Topology:
 
     def probe_rate(self, sender: int, receiver: int) -> dict:
         """TCP throughput from one host to another through both hosts' shapers, and the round trip."""
-        num_bytes = max(1 << 18, int(self.link.rate_mbps * 1e6 / 8 * PROBE_SECONDS)) if self.link.rate_mbps else 8 << 20
+        shaped = [r for r in (self.rates_mbps[sender], self.rates_mbps[receiver]) if r]
+        rate_mbps = min(shaped) if shaped else 0.0  # the path's bottleneck
+        num_bytes = max(1 << 18, int(rate_mbps * 1e6 / 8 * PROBE_SECONDS)) if rate_mbps else 8 << 20
         helper = [sys.executable, "-m", "deploy.netlab_helpers"]
         sink = subprocess.Popen([*self.exec_args(receiver), *helper, "sink", self.hosts[receiver].ip],
                                 stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
         try:
             port = read_line(sink.stdout, 30.0, "port ").split()[1]
             _run([*self.exec_args(sender), *helper, "source", self.hosts[receiver].ip, port, str(num_bytes)],
-                 timeout_s=60 + 10 * num_bytes * 8 / max(1e6, self.link.rate_mbps * 1e6))
+                 timeout_s=60 + 10 * num_bytes * 8 / max(1e6, rate_mbps * 1e6))
             result = json.loads(sink.communicate(timeout=30)[0].strip().splitlines()[-1])
         finally:
             if sink.poll() is None:
@@ -352,7 +362,7 @@ class Topology:
         rtt = _run([*self.exec_args(sender), *helper, "rtt", self.hosts[receiver].ip])
         result["rtt_ms"] = json.loads(rtt.stdout.strip().splitlines()[-1])["rtt_ms"]
         return {"bytes": result["bytes"], "seconds": result["seconds"], "mbps": mbps, "rtt_ms": result["rtt_ms"],
-                "ratio_to_rate": mbps / self.link.rate_mbps if mbps and self.link.rate_mbps else None}
+                "rate_mbps": rate_mbps, "ratio_to_rate": mbps / rate_mbps if mbps and rate_mbps else None}
 
 
 def _alltoall_port() -> int:

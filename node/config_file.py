@@ -92,6 +92,7 @@ CHECKS: dict[str, Callable[[Any], str | None]] = {
     "threads": _between(0, 1024),
     "max_rounds": _between(1, 100_000_000),
     "fetch_timeout_s": _positive_at_most(86_400),
+    "uplink_mbps": _positive_at_most(1e7),
 }
 
 

@@ -95,9 +95,10 @@ class CoordinatorClient:
                                 retry_for_s=retry_for_s)
 
     async def join(self, run_id: str, *, join_token: str | None, device: str, multiaddrs: list[str],
-                   bandwidth_mbps: float | None = None) -> JoinResponse:
+                   bandwidth_mbps: float | None = None, uplink_mbps: float | None = None) -> JoinResponse:
         request = JoinRequest(public_key=self.key.public_hex, join_token=join_token, device=device[:256],
-                              listen_multiaddrs=multiaddrs[:16], bandwidth_mbps=bandwidth_mbps)
+                              listen_multiaddrs=multiaddrs[:16], bandwidth_mbps=bandwidth_mbps,
+                              uplink_mbps=uplink_mbps)
         joined = JoinResponse.model_validate(await self._call("POST", f"/runs/{run_id}/join", request))
         self.run_id = joined.run_id
         return joined

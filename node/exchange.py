@@ -47,8 +47,9 @@ counts and raises `protocol.errors.MalformedPacket` (or `OversizedPacket`) on an
 from __future__ import annotations
 
 import hashlib
+import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -107,7 +108,14 @@ class Exchange(Protocol):
         ...
 
 
-def tree_parent(round: int, publisher: str, peer: str, members: Iterable[str], fanout: int = 2) -> str | None:
+def uplink_class(uplink_mbps: float | None) -> float:
+    """Which uplinks `tree_parent` treats as equals: rates within a factor of two (floor of log2);
+    an unstated rate counts as the fastest."""
+    return math.inf if not uplink_mbps or uplink_mbps <= 0 else math.floor(math.log2(uplink_mbps))
+
+
+def tree_parent(round: int, publisher: str, peer: str, members: Iterable[str], fanout: int = 2,
+                uplinks: Mapping[str, float | None] | None = None) -> str | None:
     """Whom `peer` should fetch `publisher`'s round-`round` packet from: its parent in a tree of
     the round's members rooted at the publisher (None: `peer` is the publisher or not a member).
 
@@ -120,6 +128,13 @@ def tree_parent(round: int, publisher: str, peer: str, members: Iterable[str], f
     arrive (cut-through), so a hop costs a piece's latency. A peer with another member list
     computes other trees: it may ask a peer that does not expect it, which costs time, never
     correctness (any holder serves any verified copy).
+
+    With `uplinks` (the members' stated upload rates in Mbps, as the coordinator lists them), each
+    tree takes the publisher's successors by `uplink_class`, fastest first, ring order within a
+    class: the slow links sit at the leaves, where they forward nothing, and the members of each
+    class share the forwarding evenly. A publisher slower than the fastest of the others sends
+    one copy, to the first of them, which roots the rest of the tree: its uplink carries the
+    packet once, at its full rate, instead of `fanout` times at a fraction of it.
     """
     if fanout < 1:
         raise ValueError("fanout must be at least 1")
@@ -128,7 +143,12 @@ def tree_parent(round: int, publisher: str, peer: str, members: Iterable[str], f
         return None
     start = ring.index(publisher)
     heap = ring[start:] + ring[:start]  # the publisher first, then the members after it
-    return heap[(heap.index(peer) - 1) // fanout]
+    if uplinks:
+        heap[1:] = sorted(heap[1:], key=lambda m: -uplink_class(uplinks.get(m)))  # stable: ring order within
+    position = heap.index(peer)
+    if uplinks and len(heap) > 2 and uplink_class(uplinks.get(publisher)) < uplink_class(uplinks.get(heap[1])):
+        return publisher if position == 1 else heap[1 + (position - 2) // fanout]  # heap[1] roots the rest
+    return heap[(position - 1) // fanout]
 
 
 def _key_part(value: str, what: str) -> str:

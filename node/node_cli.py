@@ -54,6 +54,9 @@ def register(subparsers) -> None:
     join.add_argument("--auto-relay", dest="use_auto_relay", action=argparse.BooleanOptionalAction, default=None,
                       help="behind NAT: be reachable through a relay")
     join.add_argument("--threads", type=int, default=None, help="torch CPU threads (0, the default: torch's choice)")
+    join.add_argument("--uplink-mbps", type=float, default=None,
+                      help="this link's upload rate in Mbps (a speed test's figure): the swarm has faster "
+                           "uplinks forward more of each packet's copies; unset: counted as fast")
     join.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds")
     join.add_argument("--fetch-timeout", dest="fetch_timeout_s", type=float, default=None,
                       help="seconds to fetch a round's packets (default 60)")
@@ -81,7 +84,7 @@ def register(subparsers) -> None:
 
 # Flags of `node join` that set NodeConfig fields (argparse dest == field name).
 JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "key_path", "host_maddrs",
-                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "max_rounds",
+                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "uplink_mbps", "max_rounds",
                      "fetch_timeout_s", "checkpoint_dir", "progress", "inject")
 
 

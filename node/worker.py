@@ -52,6 +52,7 @@ class NodeConfig:
     client_mode: bool = False  # join the DHT without serving it (behind NAT)
     use_auto_relay: bool = False  # behind NAT: be reachable through a relay
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    uplink_mbps: float | None = None  # this link's upload rate, stated at join: faster uplinks forward more
     max_rounds: int | None = None  # leave after this many rounds (demos, tests)
     fetch_timeout_s: float = 60.0  # per round, for the manifest's packets
     checkpoint_dir: Path | None = None  # save parameters and state here after every round
@@ -181,7 +182,7 @@ class Node:
             log.info("reachability: %s", reach.advice if hasattr(reach, "advice") else reach)
             # Kept for rejoining: a node the coordinator dropped (paused, partitioned) joins again.
             self._join = lambda: client.join(run_id, join_token=cfg.join_token, device=_device_name(cfg.device),
-                                             multiaddrs=exchange.visible_maddrs)
+                                             multiaddrs=exchange.visible_maddrs, uplink_mbps=cfg.uplink_mbps)
             joined = await self._join()
             self.peer_id = joined.peer_id
             log.info("joined run %s as %s (index %d, shard %d/%d) at round %d", run_id, joined.peer_id,
@@ -593,7 +594,7 @@ class Node:
         """
         from node.exchange import tree_parent
 
-        members = await self._live_members(client)
+        members, uplinks = await self._live_members(client)
         view = await client.round(round, wait_s=30, submitted_gt=0)
         while True:
             # A closed round lists its packets in the manifest only: the last submission is seen
@@ -602,7 +603,8 @@ class Node:
                 if e.peer_id != self.peer_id and (e.peer_id, e.packet_digest) not in early:
                     # Each packet spreads down its own tree of the members, each copy forwarded
                     # as it arrives; this node asks its parent there first.
-                    parent = tree_parent(round, e.peer_id, self.peer_id, members, self.run_config.tree_fanout)
+                    parent = tree_parent(round, e.peer_id, self.peer_id, members, self.run_config.tree_fanout,
+                                         uplinks)
                     parent_maddrs = e.multiaddrs if parent == e.peer_id else members.get(parent, [])
                     early[e.peer_id, e.packet_digest] = asyncio.create_task(self._fetch_early(
                         client, exchange, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None))
@@ -629,16 +631,19 @@ class Node:
             except self.outer.refusable as e:
                 return e
 
-    async def _live_members(self, client) -> dict[str, list[str]]:
-        """The run's live peers (this node included) and their addresses, by peer id; {} if the
-        coordinator does not answer (packets are then fetched without a tree)."""
+    async def _live_members(self, client) -> tuple[dict[str, list[str]], dict[str, float | None]]:
+        """The run's live peers (this node included): their addresses and their stated uplink rates,
+        by peer id; ({}, {}) if the coordinator does not answer (packets are then fetched without
+        a tree)."""
         try:
             status = await client.status()
         except Exception as e:  # the tree is an optimisation; fetching works without it
             log.debug("reading the run's members failed: %r", e)
-            return {}
-        members = {p["peer_id"]: p["listen_multiaddrs"] for p in status["peers"] if p["status"] == "live"}
-        return members | {self.peer_id: members.get(self.peer_id, [])}
+            return {}, {}
+        live = [p for p in status["peers"] if p["status"] == "live"]
+        members = {p["peer_id"]: p["listen_multiaddrs"] for p in live}
+        uplinks = {p["peer_id"]: p.get("uplink_mbps") for p in live}
+        return members | {self.peer_id: members.get(self.peer_id, [])}, uplinks
 
     async def _collect(self, exchange, round: int, times: RoundTimes, watch: "_Watch"):
         """Wait for the round's manifest (the watch fetching packets as they come), then fetch

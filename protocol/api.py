@@ -48,7 +48,8 @@ digest it is 0 with ``digest`` null: start from the seeded initialisation.
 
 A node's loop, in JSON (digests shortened)::
 
-    POST join {"public_key": "9f3a..", "device": "cuda:H100", "listen_multiaddrs": ["/ip4/.."]}
+    POST join {"public_key": "9f3a..", "device": "cuda:H100", "listen_multiaddrs": ["/ip4/.."],
+               "uplink_mbps": 100.0}                                  (uplink_mbps: optional)
       -> {"run_id": "run-1a2b3c4d5e", "peer_id": "p1c2d..", "peer_index": 3, "data_shard": 3,
           "num_shards": 1024, "config": {RunConfig, join_tokens []}, "run_state": "running",
           "current_round": 7, "params": {"round": 7, "digest": "ab12..",
@@ -315,6 +316,9 @@ class JoinRequest(RequestModel):
     device: ShortText = Field("unknown", description="Accelerator description, for display.")
     listen_multiaddrs: list[Multiaddr] = Field(default_factory=list, max_length=MAX_ADDRS)
     bandwidth_mbps: float | None = Field(None, ge=0.0, le=1e7)
+    uplink_mbps: float | None = Field(
+        None, gt=0.0, le=1e7, description="The upload rate the peer's operator states for its link; peers "
+        "lay out each packet's distribution tree with faster uplinks forwarding (node.exchange.tree_parent).")
 
 
 class PeerAddress(ResponseModel):
@@ -454,7 +458,8 @@ class PeerView(ResponseModel):
     reason: str | None = Field(description="Why it is gone or left.")
     activity: str
     device: str
-    bandwidth_mbps: float | None
+    bandwidth_mbps: float | None = Field(description="Measured on its last round's packet downloads.")
+    uplink_mbps: float | None = Field(None, description="Its upload rate, as its operator stated it at join.")
     last_loss: float | None
     last_seen_at: float
     lag_rounds: int | None = Field(description="Current round minus the peer's latest round.")

@@ -1,5 +1,6 @@
 """The network lab for real: namespaces, shaped links (tc, or the userspace emulator on kernels
-without netem), a coordinator and 3 nodes, 2 rounds at 50 Mbps with 20 ms one-way delay. Checks
+without netem), a coordinator and 3 nodes, 2 rounds on links of 50 and 100 Mbps (h1 and h3 at 50,
+h2 and the coordinator's h0 at 100) with 20 ms one-way delay. Checks
 that the swarm completes with agreeing digests, that the links really carry no more than the rate
 (a TCP probe, and every peer's packet fetches take at least the ideal time for their bytes), that
 the round trip is the delay's, and that nothing the lab made is left afterwards, also after
@@ -22,11 +23,12 @@ from deploy.netlab_topology import LAB_PREFIX, lab_available, lab_namespaces
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RATE_MBPS = 50.0
+RATE_MBPS = 50.0  # the probe's path, h1 -> h2, is bound by h1's link
+FAST_MBPS = 100.0
 # mini at top_k 2048 sends ~1 MB packets: each peer downloads ~2 MB a round, ~0.33 s at 50 Mbps,
 # well above the few tens of milliseconds the same transfer takes on an unshaped veth.
 DELAY_MS = 20.0
-LAB_ARGS = ["--peers", "3", "--rounds", "2", "--rate-mbps", str(RATE_MBPS), "--delay-ms", str(DELAY_MS),
+LAB_ARGS = ["--peers", "3", "--rounds", "2", "--rate-mbps", f"{RATE_MBPS},{FAST_MBPS}", "--delay-ms", str(DELAY_MS),
             "--preset", "mini", "--top-k", "2048", "--inner-steps", "3", "--batch-size", "4"]
 
 
@@ -62,7 +64,9 @@ def test_three_peers_two_rounds_on_shaped_links(tmp_path):
         assert all(key in row for row in result["per_round"]), key
     assert [row["round"] for row in result["per_round"]] == [0, 1]
     link = result["link"]
-    assert link["rate_mbps"] == RATE_MBPS and link["shaper"] in ("tc", "userspace")
+    assert link["rate_mbps"] == [RATE_MBPS, FAST_MBPS] and link["shaper"] in ("tc", "userspace")
+    assert link["host_rates_mbps"] == [FAST_MBPS, RATE_MBPS, FAST_MBPS, RATE_MBPS]
+    assert [(g["rate_mbps"], g["num_peers"]) for g in result["summary"]["by_rate"]] == [(RATE_MBPS, 2), (FAST_MBPS, 1)]
     # netem where the kernel has it, the userspace emulator where not: either way the delay is real.
     assert link["delay_applied"], link
     rtt_ms = result["link_check"]["rtt_ms"]

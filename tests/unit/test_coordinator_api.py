@@ -160,6 +160,8 @@ def test_malformed_oversized_and_mistyped_requests_are_4xx(coordinator_client, f
     assert error_of(client.delete("/v1/runs")) == "method_not_allowed"
     assert error_of(client.get("/nowhere")) == "not_found"
     assert error_of(peer.submit(run_id, 0, packet_size_bytes=2**41)) == "invalid_request"
+    for uplink in (0.0, -5.0, 1e9, "fast"):
+        assert error_of(peer.join(run_id, uplink_mbps=uplink)) == "invalid_request"
 
 
 def test_rate_limit_per_peer(tmp_path, fake_clock):
@@ -186,14 +188,14 @@ def test_status_metrics_health_and_page(coordinator_client, fake_clock):
     client = coordinator_client
     run_id = create_run(client, min_peers=1)
     peer = SignedPeer(client, clock=fake_clock)
-    peer.join(run_id, bandwidth_mbps=250.0)
+    peer.join(run_id, bandwidth_mbps=250.0, uplink_mbps=40.0)
     peer.submit(run_id, 0, train_loss=4.25)
     status = client.get(f"/v1/runs/{run_id}/status").json()
     assert status["run"]["run_id"] == run_id and status["current_round"]["round"] == 1
     assert RunStatus.model_validate(status).peers[0].peer_id == peer.peer_id
     [row] = status["peers"]
-    assert (row["peer_id"], row["status"], row["last_loss"], row["bandwidth_mbps"]) == (
-        peer.peer_id, "live", 4.25, 250.0)
+    assert (row["peer_id"], row["status"], row["last_loss"], row["bandwidth_mbps"], row["uplink_mbps"]) == (
+        peer.peer_id, "live", 4.25, 250.0, 40.0)
     [first] = status["history"]
     assert first["num_contributors"] == 1 and first["mean_loss"] == 4.25
     assert client.get("/healthz").json() == {"status": "ok"}

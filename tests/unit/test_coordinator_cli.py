@@ -116,7 +116,7 @@ def test_terminal_status_table():
                           "num_expected": 2, "opened_at": 90.0},
         "peers": [
             {"peer_id": "p" + "1" * 16, "peer_index": 0, "status": "live", "activity": "training",
-             "last_loss": 2.5, "bandwidth_mbps": 950.0, "lag_rounds": 0, "flags": [],
+             "last_loss": 2.5, "bandwidth_mbps": 950.0, "uplink_mbps": 100.0, "lag_rounds": 0, "flags": [],
              "reason": None},
             {"peer_id": "p" + "2" * 16, "peer_index": 1, "status": "gone", "activity": "training",
              "last_loss": None, "bandwidth_mbps": None, "lag_rounds": 2,
@@ -127,5 +127,5 @@ def test_terminal_status_table():
     }
     text = render_status(status)
     assert "round 3 open: 1/2 submitted, deadline in 30 s" in text
-    assert "950 Mbps" in text and "params_mismatch; no heartbeat for 70 s" in text
+    assert "950 Mbps, up 100" in text and "params_mismatch; no heartbeat for 70 s" in text
     assert "2.7500" in text and "12.5 s" in text

@@ -20,8 +20,10 @@ def ipv4_packet(dest: str, payload_bytes: int, gso_size: int = 0, hdr_len: int =
     return vnet + bytes(header) + bytes(20 + payload_bytes)  # IP header, TCP header, payload
 
 
-def emulator(**kwargs) -> LinkEmulator:
-    return LinkEmulator(HOSTS, **({"rate_mbps": 8.0, "delay_ms": 20.0, "loss_pct": 0.0} | kwargs), seed=0)
+def emulator(rate_mbps: float = 8.0, rates_mbps: list[float] | None = None, **kwargs) -> LinkEmulator:
+    rates = rates_mbps or [rate_mbps] * len(HOSTS)
+    return LinkEmulator([(ns, ip, rate) for (ns, ip), rate in zip(HOSTS, rates)],
+                        **({"delay_ms": 20.0, "loss_pct": 0.0} | kwargs), seed=0)
 
 
 def drain(em: LinkEmulator) -> list[tuple[float, int, bytes]]:
@@ -54,6 +56,17 @@ def test_back_to_back_packets_queue_on_the_uplink_and_arrive_spaced_by_the_rate(
     times = [t for t, _, _ in delivered]
     gap = (1000 + ETHERNET_OVERHEAD) * 1e-6
     assert times[1] - times[0] == pytest.approx(gap) and times[2] - times[1] == pytest.approx(gap)
+
+
+def test_each_host_has_its_own_rate_on_its_uplink_and_downlink():
+    em = emulator(rates_mbps=[8.0, 80.0, 0.8])  # a byte per 1, 0.1 and 10 microseconds
+    wire = 1000 + ETHERNET_OVERHEAD
+    em.sent(0, ipv4_packet("10.9.0.2", 960), now=0.0)  # slow-ish uplink, fast downlink
+    em.sent(1, ipv4_packet("10.9.0.3", 960), now=0.0)  # fast uplink, slow downlink
+    (t_b, host_b, _), (t_c, host_c, _) = sorted(drain(em))
+    assert (host_b, host_c) == (1, 2)
+    assert t_b == pytest.approx(wire * 1e-6 + 0.020 + wire * 0.1e-6)
+    assert t_c == pytest.approx(wire * 0.1e-6 + 0.020 + wire * 10e-6)
 
 
 def test_two_senders_share_the_receivers_downlink():

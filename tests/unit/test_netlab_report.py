@@ -72,3 +72,24 @@ def test_fetching_time_start_to_start_rounds_and_the_part_after_the_close():
     overlapped = [{"rounds": [timed(0, 100.0, 0.0, 0.0)]} for _ in range(2)]  # applied nothing yet
     row = summarize(overlapped, [], rate_mbps=8.0)["per_round"][0]
     assert row["ideal_transfer_s"] == pytest.approx(1.0) and row["transfer_over_ideal"] is None
+
+
+def test_links_of_several_rates_bound_each_peer_by_its_downlink_or_the_slowest_uplink():
+    """Three peers with 1 MB packets: one on 8 Mbps (1 MB/s), two on 80 Mbps. The slow peer needs
+    2 s to download two packets; a fast one needs 0.2 s on its own link, but the slow peer's packet
+    cannot leave its uplink in under 1 s, so 1 s is its ideal. `by_rate` splits the means."""
+    reports = [{"rounds": [_round(k, compute=4.0, transfer=t, packet_bytes=1_000_000) for k in (0, 1)]}
+               for t in (3.0, 1.5, 2.0)]
+    result = summarize(reports, [], rate_mbps=[8.0, 80.0, 80.0])
+    row = result["per_round"][1]
+    assert row["download_bytes"] == 2_000_000
+    assert row["ideal_transfer_s"] == pytest.approx((2.0 + 1.0 + 1.0) / 3)
+    assert row["transfer_over_ideal"] == pytest.approx((3.0 / 2.0 + 1.5 + 2.0) / 3)
+    slow, fast = result["summary"]["by_rate"]
+    assert (slow["rate_mbps"], slow["num_peers"], fast["rate_mbps"], fast["num_peers"]) == (8.0, 1, 80.0, 2)
+    assert slow["ideal_transfer_s"] == pytest.approx(2.0) and slow["transfer_over_ideal"] == pytest.approx(1.5)
+    assert fast["ideal_transfer_s"] == pytest.approx(1.0) and fast["transfer_over_ideal"] == pytest.approx(1.75)
+    assert fast["download_bytes"] == 2_000_000
+    assert "by_rate" not in summarize(reports, [], rate_mbps=8.0)["summary"]
+    with pytest.raises(ValueError, match="2 rates for 3 reports"):
+        summarize(reports, [], rate_mbps=[8.0, 80.0])

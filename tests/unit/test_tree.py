@@ -53,3 +53,35 @@ def test_a_peer_outside_the_member_list_has_no_parent_and_order_of_the_list_does
     assert set(parents(1, "gone", MEMBERS, 2).values()) <= set(MEMBERS) | {"gone"}
     with pytest.raises(ValueError):
         tree_parent(0, "peer-0", "peer-1", MEMBERS, fanout=0)
+
+
+def test_stated_uplinks_put_the_slow_links_at_the_leaves_and_the_fast_ones_share_the_forwarding():
+    """Two 10 Mbps members among six at 100 and 120 Mbps (one class): the slow ones forward
+    nothing but their own packet's first copy, the fast ones share the rest, and every tree is
+    still a tree of fan-out 2 rooted at its publisher."""
+    uplinks = {m: 10.0 if m in ("peer-1", "peer-6") else 100.0 + 20 * (i % 2) for i, m in enumerate(MEMBERS)}
+    for round in range(4):
+        trees = {p: {m: tree_parent(round, p, m, MEMBERS, 2, uplinks) for m in MEMBERS if m != p} for p in MEMBERS}
+        for publisher, tree in trees.items():
+            assert max(Counter(tree.values()).values()) <= 2
+            assert all(tree[slow] != slow for slow in ("peer-1", "peer-6") if slow in tree)
+            for member in tree:
+                hops, node = 0, member
+                while node != publisher:
+                    node, hops = tree[node], hops + 1
+                    assert hops <= 3
+            forwarders = set(tree.values()) - {publisher}
+            assert not forwarders & {"peer-1", "peer-6"}
+            if uplinks[publisher] == 10.0:  # a slow publisher sends one copy, to a fast member
+                [(first, _)] = [(m, p) for m, p in tree.items() if p == publisher]
+                assert uplinks[first] > 10.0
+        sent = Counter(p for publisher, tree in trees.items() for p in tree.values() if p != publisher)
+        fast_sent = [sent[m] for m in MEMBERS if uplinks[m] > 10]
+        # Even over the fast publishers' trees; a slow publisher's tree adds up to 2 x fan-out to
+        # the fast members that follow it on the ring.
+        assert max(fast_sent) - min(fast_sent) <= 4 and sum(fast_sent) == sum(sent.values())
+    # Unstated uplinks count as fast; with none stated, the trees are the plain ones.
+    assert parents(2, "peer-0", MEMBERS, 2) == {m: tree_parent(2, "peer-0", m, MEMBERS, 2, {}) for m in MEMBERS[1:]}
+    partly = {"peer-1": 10.0}
+    assert all(tree_parent(r, p, m, MEMBERS, 2, partly) != "peer-1"
+               for r in range(3) for p in MEMBERS if p != "peer-1" for m in MEMBERS if m != p)
