@@ -32,6 +32,7 @@ from coordinator.auth import Authenticator
 from coordinator.service import CoordinatorService
 from coordinator.body_limit import BodyLimitMiddleware
 from coordinator.storage import Storage
+from coordinator.views import HISTORY_LIMIT
 from protocol.api import (
     API_PREFIX,
     MAX_LONG_POLL_S,
@@ -213,9 +214,13 @@ def create_app(
 
     @app.get(f"{API_PREFIX}/runs/{{run_id}}/status", response_model=RunStatus,
              responses=ERROR_RESPONSES, tags=["runs"])
-    async def run_status(run_id: RunIdPath) -> RunStatus:
+    async def run_status(
+        run_id: RunIdPath, history: Annotated[int, Query(ge=0, le=HISTORY_LIMIT)] = HISTORY_LIMIT,
+    ) -> RunStatus:
+        """`history`: how many of the latest closed rounds to summarize (0: none, for a peer that
+        needs only the members)."""
         service.advance(run_id)
-        return service.status(run_id, now=clock())
+        return service.status(run_id, now=clock(), history_limit=history)
 
     # -- peers ------------------------------------------------------------------------------
 

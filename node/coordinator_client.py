@@ -89,9 +89,12 @@ class CoordinatorClient:
     async def run_info(self, run_id: str) -> dict:
         return await self._call("GET", f"/runs/{run_id}", signed=False)
 
-    async def status(self, run_id: str | None = None, retry_for_s: float | None = None) -> dict:
-        """The run's status JSON (protocol.api.RunStatus), as the status page reads it."""
+    async def status(self, run_id: str | None = None, retry_for_s: float | None = None,
+                     history: int | None = None) -> dict:
+        """The run's status JSON (protocol.api.RunStatus), as the status page reads it; `history`:
+        how many closed rounds it summarizes (default: the coordinator's limit, 1000)."""
         return await self._call("GET", f"/runs/{run_id or self.run_id}/status", signed=False,
+                                params={"history": history} if history is not None else None,
                                 retry_for_s=retry_for_s)
 
     async def join(self, run_id: str, *, join_token: str | None, device: str, multiaddrs: list[str],

@@ -636,7 +636,7 @@ class Node:
         by peer id; ({}, {}) if the coordinator does not answer (packets are then fetched without
         a tree)."""
         try:
-            status = await client.status()
+            status = await client.status(history=0)  # the members only: no round history
         except Exception as e:  # the tree is an optimisation; fetching works without it
             log.debug("reading the run's members failed: %r", e)
             return {}, {}

@@ -18,7 +18,7 @@ POST /v1/runs/{run_id}/leave                S     LeaveRequest         LeaveResp
 POST /v1/runs/{run_id}/rounds/{r}/submit    S     SubmitRequest        SubmitResponse
 GET  /v1/runs/{run_id}/rounds/{r}?wait_s=W  -                          RoundView
 POST /v1/runs/{run_id}/rounds/{r}/applied   S     AppliedRequest       AppliedResponse
-GET  /v1/runs/{run_id}/status               -                          RunStatus
+GET  /v1/runs/{run_id}/status?history=N     -                          RunStatus
 GET  /healthz, GET /metrics, GET /?run=ID   -     (JSON, Prometheus text, HTML page)
 ==========================================  ====  ===================  =====================
 

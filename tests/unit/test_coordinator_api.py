@@ -198,6 +198,10 @@ def test_status_metrics_health_and_page(coordinator_client, fake_clock):
         peer.peer_id, "live", 4.25, 250.0, 40.0)
     [first] = status["history"]
     assert first["num_contributors"] == 1 and first["mean_loss"] == 4.25
+    members_only = client.get(f"/v1/runs/{run_id}/status", params={"history": 0}).json()
+    assert members_only["history"] == [] and members_only["peers"] == status["peers"]
+    for bad in (-1, 1001, "all"):
+        assert error_of(client.get(f"/v1/runs/{run_id}/status", params={"history": bad})) == "invalid_request"
     assert client.get("/healthz").json() == {"status": "ok"}
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
