@@ -38,7 +38,8 @@ A holder answers only for a packet it holds with exactly the requested digest; a
 malformed, for another run, or for a packet not held gets an error frame, and one that does not
 arrive within `request_timeout_s` just closes the stream; the handler never raises. The fetcher
 refuses a length that differs from the announced size (or exceeds `max_packet_bytes`)
-before buffering, hashes while reading, drops a holder that stalls for `stall_timeout_s`, and on a
+before buffering, hashes while reading, drops a holder that stalls for `stall_timeout_s` or
+trickles (under `min_rate_bytes_per_s` on average once `stall_timeout_s` has passed), and on a
 digest mismatch bans that holder for this fetch and tries the next one. A verified copy is kept,
 served, and announced under the holders key, so later fetchers spread their load over it.
 
@@ -164,6 +165,9 @@ class ExchangeConfig:
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # refuse larger packets before buffering them
     connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
     stall_timeout_s: float = 10.0  # a holder silent this long mid-transfer is dropped
+    # ...and one whose bytes, stall_timeout_s after its answer, average less than this (a trickle
+    # that never falls silent would otherwise hold the fetch until the round's time-out)
+    min_rate_bytes_per_s: float = 16 << 10
     request_timeout_s: float = 5.0  # a server waits this long for a request
     holder_refresh_s: float = 1.0  # with every holder failed, re-read the DHT for new holders this often
     holder_batch_s: float = 0.05  # verified copies are announced together after this pause
@@ -178,6 +182,8 @@ class ExchangeConfig:
             raise ValueError("max_parallel_fetches, max_uploads, chunk_bytes and max_packet_bytes must be positive")
         if min(self.announce_ttl_s, self.connect_timeout_s, self.stall_timeout_s, self.request_timeout_s) <= 0:
             raise ValueError("time-outs and the announcement lifetime must be positive")
+        if self.min_rate_bytes_per_s < 0:
+            raise ValueError("min_rate_bytes_per_s must be >= 0 (0: no floor)")
 
 
 @dataclass(slots=True)
@@ -645,6 +651,10 @@ class P2PExchange:
                     hasher.update(piece)
                     traffic.downloaded_bytes += len(piece)
                     partial.notify()
+                    if (elapsed := loop.time() - answered) > cfg.stall_timeout_s and len(partial.buffer) < length \
+                            and len(partial.buffer) < cfg.min_rate_bytes_per_s * elapsed:
+                        raise asyncio.TimeoutError(f"{len(partial.buffer)} bytes in {elapsed:.1f} s: under the "
+                                                   f"floor of {cfg.min_rate_bytes_per_s:.0f} B/s")
                 if hasher.hexdigest() != state.digest:
                     raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
                                          f"wanted {state.digest[:16]}...")

@@ -65,6 +65,25 @@ class StallingExchange(P2PExchange):
         writer.close()
 
 
+class TricklingExchange(P2PExchange):
+    """Sends the header, then the packet 256 bytes every 0.1 s: never silent, never done."""
+
+    async def _serve(self, _info, reader, writer):
+        (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(REQUEST_PREFIX.size))
+        round, publisher, *_ = self._parse_request(await reader.readexactly(length))
+        data = self._held[(round, publisher)].data
+        writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(data)))
+        try:
+            for start in range(0, len(data), 256):
+                writer.write(data[start:start + 256])
+                await writer.drain()
+                await asyncio.sleep(0.1)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+
 class PausingExchange(P2PExchange):
     """Answers its first request with half a packet, then waits for `release`; then sends the rest
     ("rest"), the rest with one byte flipped ("corrupt"), or nothing ("cut"). Later requests are
@@ -390,6 +409,28 @@ def test_holder_shut_down_mid_transfer_falls_back_to_another():
             # Part of the first half may die in the daemons' buffers; all of a second copy arrives. On a
             # loaded machine a slow transfer can also be dropped and retried once: waste stays bounded.
             assert len(data) < fetcher.traffic(0).downloaded_bytes < 3 * len(data)
+
+    asyncio.run(scenario())
+
+
+def test_a_holder_that_trickles_is_dropped_for_another():
+    """2.5 kB/s is never silent for stall_timeout_s, but it is under min_rate_bytes_per_s: once
+    stall_timeout_s has passed, the fetcher leaves it for the publisher."""
+    async def scenario():
+        async with swarm(P2PExchange, TricklingExchange, P2PExchange, stall_timeout_s=1.5) as peers:
+            publisher, trickler, fetcher = peers
+            data = packet(9)
+            ann = await publisher.publish(0, "pub", data)
+            assert await trickler.fetch(0, {"pub": ann.digest}, timeout_s=20) == {"pub": data}
+            await trickler.wait_background()
+            await poll(lambda: _holders_if(fetcher, "pub", 1), what="the trickler's holder record")
+
+            fetcher._rng = FirstHolder(trickler.holder_id)
+            started = time.monotonic()
+            assert await fetcher.fetch(0, {"pub": ann.digest}, timeout_s=30) == {"pub": data}
+            assert time.monotonic() - started < 15  # the trickle alone would take over a minute
+            assert len(data) < fetcher.traffic(0).downloaded_bytes < len(data) + 20_000
+            assert publisher.traffic(0).uploaded_bytes == 2 * len(data)
 
     asyncio.run(scenario())
 
