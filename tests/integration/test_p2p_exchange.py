@@ -388,19 +388,25 @@ def test_bad_copy_is_refused_and_fetched_from_an_honest_holder(faulty):
     asyncio.run(scenario())
 
 
+async def _held_by(publisher: P2PExchange, holder: P2PExchange, fetcher: P2PExchange, seed: int):
+    """A packet the publisher published and `holder` fetched and announced; the fetcher, which has
+    seen that holder's record, will try it first. Returns (data, digest)."""
+    data = packet(seed)
+    ann = await publisher.publish(0, "pub", data)
+    assert await holder.fetch(0, {"pub": ann.digest}, timeout_s=20) == {"pub": data}
+    await holder.wait_background()
+    await poll(lambda: _holders_if(fetcher, "pub", 1), what="the holder's record")
+    fetcher._rng = FirstHolder(holder.holder_id)
+    return data, ann.digest
+
+
 def test_holder_shut_down_mid_transfer_falls_back_to_another():
     async def scenario():
         async with swarm(P2PExchange, StallingExchange, P2PExchange) as peers:
             publisher, staller, fetcher = peers
             staller.started, staller.release = asyncio.Event(), asyncio.Event()
-            data = packet(8)
-            ann = await publisher.publish(0, "pub", data)
-            assert await staller.fetch(0, {"pub": ann.digest}, timeout_s=20) == {"pub": data}
-            await staller.wait_background()
-            await poll(lambda: _holders_if(fetcher, "pub", 1), what="the staller's holder record")
-
-            fetcher._rng = FirstHolder(staller.holder_id)
-            fetch = asyncio.create_task(fetcher.fetch(0, {"pub": ann.digest}, timeout_s=30))
+            data, digest = await _held_by(publisher, staller, fetcher, seed=8)
+            fetch = asyncio.create_task(fetcher.fetch(0, {"pub": digest}, timeout_s=30))
             await asyncio.wait_for(staller.started.wait(), 20)
             await poll(lambda: fetcher.traffic(0).downloaded_bytes > 0, what="the first bytes from the staller")
             await staller.shutdown()  # p2pd dies mid-transfer
@@ -419,15 +425,9 @@ def test_a_holder_that_trickles_is_dropped_for_another():
     async def scenario():
         async with swarm(P2PExchange, TricklingExchange, P2PExchange, stall_timeout_s=1.5) as peers:
             publisher, trickler, fetcher = peers
-            data = packet(9)
-            ann = await publisher.publish(0, "pub", data)
-            assert await trickler.fetch(0, {"pub": ann.digest}, timeout_s=20) == {"pub": data}
-            await trickler.wait_background()
-            await poll(lambda: _holders_if(fetcher, "pub", 1), what="the trickler's holder record")
-
-            fetcher._rng = FirstHolder(trickler.holder_id)
+            data, digest = await _held_by(publisher, trickler, fetcher, seed=9)
             started = time.monotonic()
-            assert await fetcher.fetch(0, {"pub": ann.digest}, timeout_s=30) == {"pub": data}
+            assert await fetcher.fetch(0, {"pub": digest}, timeout_s=30) == {"pub": data}
             assert time.monotonic() - started < 15  # the trickle alone would take over a minute
             assert len(data) < fetcher.traffic(0).downloaded_bytes < len(data) + 20_000
             assert publisher.traffic(0).uploaded_bytes == 2 * len(data)
