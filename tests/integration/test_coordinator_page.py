@@ -77,7 +77,8 @@ def populate(url: str) -> str:
         run_id = create_run(client, name="page-demo", min_peers=3, heartbeat_timeout_s=300.0)
         peers = [SignedPeer(client) for _ in range(3)]
         for i, peer in enumerate(peers):
-            peer.join(run_id, bandwidth_mbps=100.0 * (i + 1), device=f"gpu-{i}")
+            peer.join(run_id, bandwidth_mbps=100.0 * (i + 1), device=f"gpu-{i}",
+                      **({"uplink_mbps": 40.0} if i == 0 else {}))
         for round_index in range(8):
             for i, peer in enumerate(peers):
                 loss = 5.0 - 0.35 * round_index + 0.05 * i
@@ -110,6 +111,7 @@ def test_status_page_renders_in_headless_chromium(start_coordinator, tmp_path: P
     assert dom.count('class="round-row"') == 8
     assert 'class="series-loss"' in dom and 'class="series-time"' in dom
     assert "params_mismatch @7" in dom
+    assert "100 Mbps, up 40" in dom and "200 Mbps<" in dom  # measured, and the uplink where stated
     assert '<span id="error"></span>' in dom, "the status fetch failed"
 
     width, height, rows = decode_png(screenshot.read_bytes())
