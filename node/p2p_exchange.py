@@ -39,7 +39,7 @@ malformed, for another run, or for a packet not held gets an error frame, and on
 arrive within `request_timeout_s` just closes the stream; the handler never raises. The fetcher
 refuses a length that differs from the announced size (or exceeds `max_packet_bytes`)
 before buffering, hashes while reading, drops a holder that stalls for `stall_timeout_s` or
-trickles (under `min_rate_bytes_per_s` on average once `stall_timeout_s` has passed), and on a
+trickles (under `min_rate_bytes_per_s` for `stall_timeout_s` while no other download runs), and on a
 digest mismatch bans that holder for this fetch and tries the next one. A verified copy is kept,
 served, and announced under the holders key, so later fetchers spread their load over it.
 
@@ -165,8 +165,10 @@ class ExchangeConfig:
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # refuse larger packets before buffering them
     connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
     stall_timeout_s: float = 10.0  # a holder silent this long mid-transfer is dropped
-    # ...and one whose bytes, stall_timeout_s after its answer, average less than this (a trickle
-    # that never falls silent would otherwise hold the fetch until the round's time-out)
+    # ...and one that sends less than this on average for stall_timeout_s while its stream is the
+    # only download in progress here (a trickle that never falls silent would otherwise hold the
+    # fetch until the round's time-out; with other downloads beside it, a slow stream may just be
+    # sharing the link)
     min_rate_bytes_per_s: float = 16 << 10
     request_timeout_s: float = 5.0  # a server waits this long for a request
     holder_refresh_s: float = 1.0  # with every holder failed, re-read the DHT for new holders this often
@@ -283,6 +285,7 @@ class P2PExchange:
         self._uploads = 0  # streams being served now (at most config.max_uploads)
         self._upload_queue: deque[asyncio.Future] = deque()  # requests waiting for a slot, oldest first
         self._child_uploads = 0  # streams to tree children now (at most MAX_CHILD_STREAMS)
+        self._downloads = 0  # packet bodies being read now
         self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
 
     @classmethod
@@ -640,6 +643,8 @@ class P2PExchange:
                 self._partial[key] = partial
                 self._notify_copy()
             hasher, traffic = hashlib.sha256(), self.traffic(state.round)
+            alone: tuple[float, int] | None = None  # since when (and from how many bytes) no other download ran
+            self._downloads += 1
             try:
                 while len(partial.buffer) < length:
                     piece = await asyncio.wait_for(
@@ -651,10 +656,15 @@ class P2PExchange:
                     hasher.update(piece)
                     traffic.downloaded_bytes += len(piece)
                     partial.notify()
-                    if (elapsed := loop.time() - answered) > cfg.stall_timeout_s and len(partial.buffer) < length \
-                            and len(partial.buffer) < cfg.min_rate_bytes_per_s * elapsed:
-                        raise asyncio.TimeoutError(f"{len(partial.buffer)} bytes in {elapsed:.1f} s: under the "
-                                                   f"floor of {cfg.min_rate_bytes_per_s:.0f} B/s")
+                    now = loop.time()
+                    if self._downloads > 1:
+                        alone = None
+                    elif alone is None:
+                        alone = (now, len(partial.buffer))
+                    elif (elapsed := now - alone[0]) > cfg.stall_timeout_s and len(partial.buffer) < length \
+                            and len(partial.buffer) - alone[1] < cfg.min_rate_bytes_per_s * elapsed:
+                        raise asyncio.TimeoutError(f"{len(partial.buffer) - alone[1]} bytes in {elapsed:.1f} s "
+                                                   f"alone: under the floor of {cfg.min_rate_bytes_per_s:.0f} B/s")
                 if hasher.hexdigest() != state.digest:
                     raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
                                          f"wanted {state.digest[:16]}...")
@@ -666,6 +676,7 @@ class P2PExchange:
                 partial.failed = True
                 raise
             finally:
+                self._downloads -= 1
                 partial.notify()
                 if self._partial.get(key) is partial:
                     del self._partial[key]

@@ -420,8 +420,8 @@ def test_holder_shut_down_mid_transfer_falls_back_to_another():
 
 
 def test_a_holder_that_trickles_is_dropped_for_another():
-    """2.5 kB/s is never silent for stall_timeout_s, but it is under min_rate_bytes_per_s: once
-    stall_timeout_s has passed, the fetcher leaves it for the publisher."""
+    """2.5 kB/s is never silent for stall_timeout_s, but it is under min_rate_bytes_per_s: after
+    stall_timeout_s of it as the only download in progress, the fetcher leaves it for the publisher."""
     async def scenario():
         async with swarm(P2PExchange, TricklingExchange, P2PExchange, stall_timeout_s=1.5) as peers:
             publisher, trickler, fetcher = peers
