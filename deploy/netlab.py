@@ -243,7 +243,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-netlab-"))
     workdir.mkdir(parents=True, exist_ok=True)
     topology = Topology(args.peers + 1, link, shaper=args.shaper, sysctls=args.sysctl, rates_mbps=rates)
-    rate_text = "/".join(f"{r:g}" for r in args.rate_mbps)
+    rate_text = _rates_text(args.rate_mbps)
     swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
                      top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
                      overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger,
@@ -410,13 +410,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"peers on {group['rate_mbps']:g} Mbps ({group['num_peers']}): fetching {_fmt(group['fetching_s'], 's')}"
                   f", ideal {_fmt(group['ideal_transfer_s'], 's', 3)}, xfer/ideal {_fmt(group['transfer_over_ideal'], 'x', 1)}"
                   f", round {_fmt(group['round_s'], 's')}, util {_fmt(group['compute_utilization'], '%')}")
-        rate_text = "/".join(f"{r:g}" for r in args.rate_mbps)
-        print(f"\n{args.peers} peers, {rate_text} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "
+        print(f"\n{args.peers} peers, {_rates_text(args.rate_mbps)} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "
               f"round trip {result['link_check']['rtt_ms']:.1f} ms), "
               f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}"
               + (f"; compute at least {args.compute_floor:g} s a round (emulated)" if args.compute_floor else "")
               + f"; logs in {result['workdir']}")
     return 0 if result["completed"] and result["summary"]["digests_agree_every_round"] else 1
+
+
+def _rates_text(rates_mbps: list[float]) -> str:
+    return "/".join(f"{r:g}" for r in rates_mbps)
 
 
 def _fmt(value: float | None, unit: str, digits: int = 2) -> str:

@@ -21,9 +21,10 @@ Per round, averaged over the peers that report it (every peer times its own roun
 - download_bytes: what one peer must fetch, the packets of every other peer in the round (its own
   is local); ideal_transfer_s: the least time the links allow, download_bytes * 8 / the peer's link
   rate, or, where a slower uplink binds, the slowest other publisher's packet over its uplink (its
-  first copy has to leave it); transfer_over_ideal, per peer then averaged; 1.0 is a link kept full whenever a fetch was in progress (fetching_s; transfer_s
-  for reports that lack it); after_close_over_ideal = transfer_s / ideal: the part left after
-  the round closed (0 with overlap, where it runs behind compute);
+  first copy has to leave it); transfer_over_ideal, per peer then averaged; 1.0 is a link kept
+  full whenever a fetch was in progress (fetching_s; transfer_s for reports that lack it);
+  after_close_over_ideal = transfer_s / ideal: the part left after the round closed (0 with
+  overlap, where it runs behind compute);
 - compute_utilization = compute_s / round_s, per peer then averaged;
 - swarm_cycle_s: the coordinator's time from the previous round's close to this one's (rounds close
   when the last packet is submitted, so this is the swarm's round time, slowest peer included).

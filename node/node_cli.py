@@ -84,8 +84,8 @@ def register(subparsers) -> None:
 
 # Flags of `node join` that set NodeConfig fields (argparse dest == field name).
 JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "key_path", "host_maddrs",
-                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "uplink_mbps", "max_rounds",
-                     "fetch_timeout_s", "checkpoint_dir", "progress", "inject")
+                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "uplink_mbps",
+                     "max_rounds", "fetch_timeout_s", "checkpoint_dir", "progress", "inject")
 
 
 def _join(args: argparse.Namespace) -> int:
