@@ -1,6 +1,6 @@
 """The coordinator's HTTP surface: `create_app(storage, admin_token, clock=...)` builds it.
 
-Routes are thin: authenticate, call `CoordinatorService`, return a `protocol.api` model. Service
+Routes are thin: authenticate, call `CoordinatorService`, return a `protocol.http` model. Service
 calls are synchronous and run on the event loop itself, one at a time. That is deliberate: every
 state change is a short local transaction (SQLite or a nearby PostgreSQL), and serialising them
 makes the round rules race-free without locks. Only long-polls wait, and they wait on a per-run
@@ -33,28 +33,8 @@ from coordinator.service import CoordinatorService
 from coordinator.body_limit import BodyLimitMiddleware
 from coordinator.storage import Storage
 from coordinator.views import HISTORY_LIMIT
-from protocol.api import (
-    API_PREFIX,
-    MAX_LONG_POLL_S,
-    AppliedRequest,
-    AppliedResponse,
-    ErrorBody,
-    Health,
-    HeartbeatRequest,
-    HeartbeatResponse,
-    JoinRequest,
-    JoinResponse,
-    LeaveRequest,
-    LeaveResponse,
-    RoundView,
-    RunConfig,
-    RunCreated,
-    RunInfo,
-    RunList,
-    RunStatus,
-    SubmitRequest,
-    SubmitResponse,
-)
+from protocol.http import API_PREFIX, MAX_LONG_POLL_S, AppliedRequest, AppliedResponse, ErrorBody, Health, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, RoundView, RunCreated, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse
+from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
 

@@ -1,7 +1,7 @@
 """Who is calling: admin bearer tokens, signed peer requests, and a per-peer rate limit.
 
 Peer requests carry an Ed25519 signature over method, path, nonce and body hash (the scheme is
-`protocol.api.canonical_request_bytes`). Checks run cheapest-first and write nothing until the
+`protocol.http.canonical_request_bytes`). Checks run cheapest-first and write nothing until the
 signature verifies, so a forged request can neither burn a peer's nonces nor drain its rate
 budget: header shape -> public key -> signature -> rate limit -> nonce window and replay.
 """
@@ -15,13 +15,7 @@ from collections.abc import Mapping
 
 from coordinator import errors
 from coordinator.service import CoordinatorService
-from protocol.api import (
-    NONCE_HEADER,
-    PEER_HEADER,
-    SIGNATURE_HEADER,
-    peer_id_from_public_key,
-    verify_request,
-)
+from protocol.http import NONCE_HEADER, PEER_HEADER, SIGNATURE_HEADER, peer_id_from_public_key, verify_request
 from protocol.errors import BadSignature
 
 _PEER_ID = re.compile(r"^p[0-9a-f]{16}$")

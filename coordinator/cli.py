@@ -158,7 +158,7 @@ def _request(method: str, url: str, **kwargs: object) -> dict:
 
 
 def _run_create(args: argparse.Namespace) -> int:
-    from protocol.api import ConfigError, load_run_config
+    from protocol.run_config import ConfigError, load_run_config
 
     try:
         config = load_run_config(Path(args.config))

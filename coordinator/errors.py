@@ -2,7 +2,7 @@
 
 The service raises these; the HTTP layer turns every one into ``{"error": code, "detail": text}``
 with the class's status. Nodes branch on the code (e.g. ``late`` -> skip the round, ``peer_gone``
--> rejoin), so codes are part of the contract in `protocol.api` and never change meaning.
+-> rejoin), so codes are part of the contract in `protocol.http` and never change meaning.
 """
 
 from __future__ import annotations

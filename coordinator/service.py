@@ -3,7 +3,7 @@
 Time comes from an injected clock (unix seconds) so tests can drive deadlines and liveness.
 Everything is a transaction on `Storage`; nothing is kept only in memory except parsed configs.
 
-Rules (the contract is written out in `protocol.api`):
+Rules (the contract is written out in `protocol.http`):
 
 - Round 0 opens once ``min_peers`` peers are live. Round r closes at its deadline, or as soon as
   every live peer that was a member when r opened has submitted (an empty set never closes a round
@@ -34,21 +34,8 @@ from typing import Callable, Iterator
 from coordinator import errors
 from coordinator.storage import AppliedRow, PeerRow, RoundRow, RunRow, Storage, SubmissionRow
 from coordinator.views import Views
-from protocol.api import (
-    NONCE_WINDOW_S,
-    AppliedRequest,
-    AppliedResponse,
-    HeartbeatRequest,
-    HeartbeatResponse,
-    JoinRequest,
-    JoinResponse,
-    LeaveRequest,
-    LeaveResponse,
-    RunConfig,
-    SubmitRequest,
-    SubmitResponse,
-    peer_id_from_public_key,
-)
+from protocol.http import NONCE_WINDOW_S, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, SubmitRequest, SubmitResponse, peer_id_from_public_key
+from protocol.run_config import RunConfig
 
 Clock = Callable[[], float]
 ACTIVE_STATES = ("waiting", "running")

@@ -1,4 +1,4 @@
-"""The coordinator's read side: stored rows turned into the response models of `protocol.api`.
+"""The coordinator's read side: stored rows turned into the response models of `protocol.http`.
 
 Kept apart from the rules in `coordinator.service` so that what a peer or a monitor sees (status
 JSON, round views with manifests, the join answer) reads in one place. Nothing here writes.
@@ -10,20 +10,8 @@ import json
 
 from coordinator import errors
 from coordinator.storage import PeerRow, RoundRow, RunRow, Storage
-from protocol.api import (
-    CurrentRound,
-    JoinResponse,
-    ManifestEntry,
-    ParamsSource,
-    PeerAddress,
-    PeerView,
-    RoundSummary,
-    RoundView,
-    RunConfig,
-    RunInfo,
-    RunList,
-    RunStatus,
-)
+from protocol.http import CurrentRound, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus
+from protocol.run_config import RunConfig
 
 HISTORY_LIMIT = 1000
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from deploy.netlab_report import format_table, summarize
 from deploy.netlab_topology import (REPO_ROOT, SHAPERS, LabError, LinkSpec, Topology, cleanup_stale,
                                     lab_available, read_line)
-from node.processes import stop_processes
+from node.cli.processes import stop_processes
 
 
 class LabSwarm:
@@ -74,7 +74,7 @@ class LabSwarm:
 
     def start_coordinator(self, timeout_s: float = 90.0) -> None:
         h0 = self.topology.hosts[0]
-        self.coordinator = self._spawn(0, ["node.cli", "coordinator", "serve", "--db",
+        self.coordinator = self._spawn(0, ["locoswarm", "coordinator", "serve", "--db",
                                            f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", h0.ip,
                                            "--port", "0"], "coordinator.log", stdout=subprocess.PIPE)
         stdout = self.coordinator.stdout
@@ -117,7 +117,7 @@ class LabSwarm:
         ip, rate = self.topology.hosts[host].ip, self.topology.rates_mbps[host]
         uplink = ["--uplink-mbps", f"{rate:g}"] if self.state_uplinks and rate > 0 else []
         self.nodes.append(self._spawn(host, [
-            "node.cli", "node", "join", "--coordinator", self.url, "--run", self.run_id, "--device", "cpu",
+            "locoswarm", "node", "join", "--coordinator", self.url, "--run", self.run_id, "--device", "cpu",
             "--key", str(self.workdir / f"node{host}.key"), "--host-maddrs", f"/ip4/{ip}/tcp/0",
             "--threads", "1", "--no-progress", "--report", str(self.report_path(host)), *uplink,
             *(["--inject", f"slow-compute@min_s={self.compute_floor_s}"] if self.compute_floor_s > 0 else [])],
@@ -204,11 +204,11 @@ def _progress_line(status: dict) -> str:
 
 
 def overlap_support() -> tuple[bool, str | None]:
-    from protocol.api import RunConfig
+    from protocol.run_config import RunConfig
 
     if "overlap" in RunConfig.model_fields:
         return True, None
-    return False, "overlap is unavailable: protocol.api.RunConfig has no 'overlap' field in this version"
+    return False, "overlap is unavailable: protocol.run_config.RunConfig has no 'overlap' field in this version"
 
 
 # -- the command ---------------------------------------------------------------------------------

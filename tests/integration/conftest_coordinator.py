@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from protocol.api import sign_request
+from protocol.http import sign_request
 from protocol.signing import PeerKey
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ class SignedPeer:
 
     @property
     def peer_id(self) -> str:
-        from protocol.api import peer_id_from_public_key
+        from protocol.http import peer_id_from_public_key
 
         return peer_id_from_public_key(self.key.public_bytes)
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.api import sign_request
+from protocol.http import sign_request
 from tests.integration.conftest_coordinator import (
     ADMIN_HEADERS,
     SignedPeer,

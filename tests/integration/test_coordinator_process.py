@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from protocol.api import sign_request
+from protocol.http import sign_request
 from protocol.signing import PeerKey
 from tests.integration.conftest_coordinator import (
     ADMIN_TOKEN,

@@ -20,7 +20,8 @@ from coordinator.storage import (
     SubmissionRow,
     open_storage,
 )
-from protocol.api import JoinRequest, RunConfig, SubmitRequest
+from protocol.http import JoinRequest, SubmitRequest
+from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
 from tests.integration.conftest_coordinator import FakeClock
 
@@ -141,7 +142,7 @@ def test_service_round_flow_on_both_backends(storage_url):
 
 
 def _join(key: PeerKey) -> tuple[str, JoinRequest]:
-    from protocol.api import peer_id_from_public_key
+    from protocol.http import peer_id_from_public_key
 
     return peer_id_from_public_key(key.public_bytes), JoinRequest(public_key=key.public_hex)
 

@@ -1,6 +1,6 @@
 """Faults a swarm must survive, with real processes on 127.0.0.1 (coordinator, nodes, p2pd daemons,
 SQLite), port 0, tiny preset, H = 5, threads 1. Faults come from the node's own injector
-(`--inject`, node/faults.py) or from the test's signals sent through each process's handle;
+(`--inject`, node/testing/faults.py) or from the test's signals sent through each process's handle;
 readiness and progress are read from the coordinator's status, never waited for by sleeping.
 
 - a node crashes (SIGKILL) in training; a new node joins mid-run and catches up;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from node.node_cli import LocalSwarm
+from node.cli.demo import LocalSwarm
 
 pytestmark = [pytest.mark.slow]
 
@@ -292,12 +292,12 @@ def test_median_norm_clipping_keeps_a_poisoned_swarm_on_course():
 def _poison_sim(*, poisoned: bool, clip: bool, num_rounds: int = 5, num_peers: int = 4) -> float:
     import torch
 
-    from node.data import evaluate, load_corpus
-    from node.faults import FaultInjector
-    from node.inner import InnerConfig, make_inner_optimizer, run_inner_steps
-    from node.model import build_model
-    from node.outer import OuterConfig, make_outer
-    from node.params import flat_named_params, param_digest
+    from node.training.data import evaluate, load_corpus
+    from node.testing.faults import FaultInjector
+    from node.training.inner import InnerConfig, make_inner_optimizer, run_inner_steps
+    from node.training.model import build_model
+    from node.training.outer import OuterConfig, make_outer
+    from node.training.params import flat_named_params, param_digest
     from protocol.signing import PeerKey
 
     torch.set_num_threads(1)

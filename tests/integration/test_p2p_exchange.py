@@ -19,11 +19,11 @@ import time
 
 import pytest
 
-from node.exchange import packets_key
+from protocol.dht_records import packets_key
 import msgpack
 from hivemind.p2p import PeerID
 
-from node.p2p_exchange import (HANDLER_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
+from node.exchange.p2p import (HANDLER_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
                                ExchangeConfig, P2PExchange)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
@@ -343,7 +343,7 @@ def test_a_publisher_seeds_its_fresh_packet_beside_busy_slots():
 @pytest.mark.parametrize("raw", [b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([1, 2]),
                                  msgpack.packb(["not-a-peer-id"]), msgpack.packb(["x"] * 9)])
 def test_busy_answers_that_are_not_lists_of_peer_ids_are_malformed(raw):
-    from node.p2p_exchange import _parse_busy
+    from node.exchange.p2p import _parse_busy
     from protocol.errors import MalformedPacket
 
     with pytest.raises(MalformedPacket):
@@ -482,7 +482,7 @@ def test_a_forwarded_copy_that_fails_upstream_ends_short_and_the_forwarder_is_no
             await first
             return publisher.holder_id
 
-    with caplog.at_level("INFO", logger="node.p2p_exchange"):
+    with caplog.at_level("INFO", logger="node.exchange.p2p"):
         publisher_id = asyncio.run(scenario())
     banned = [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
     # Only the middle bans, and only the publisher that sent it bad bytes; nobody bans the middle.
@@ -571,7 +571,7 @@ def _request(fields: dict) -> bytes:
 
 
 def test_plain_hivemind_dht_reads_the_round_announcements():
-    """A `hivemind.DHT` that knows nothing of this project reads the schema of node/exchange.py."""
+    """A `hivemind.DHT` that knows nothing of this project reads the schema of protocol/dht_records.py."""
     import hivemind
 
     async def scenario():

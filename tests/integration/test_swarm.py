@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from node.node_cli import LocalSwarm
+from node.cli.demo import LocalSwarm
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

@@ -6,7 +6,7 @@ from fastapi.testclient import TestClient
 
 from coordinator.app import create_app
 from coordinator.storage import open_storage
-from protocol.api import RunConfig
+from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
 from tests.integration.conftest_coordinator import FakeClock, SignedPeer
 

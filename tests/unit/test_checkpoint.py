@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-import node.checkpoint as checkpoint_module
-from node.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from node.inner import InnerConfig, make_inner_optimizer, run_inner_steps
-from node.model import build_model
-from node.params import flat_named_params, param_digest
+import node.training.checkpoint as checkpoint_module
+from node.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from node.training.inner import InnerConfig, make_inner_optimizer, run_inner_steps
+from node.training.model import build_model
+from node.training.params import flat_named_params, param_digest
 
 CFG = InnerConfig(warmup_steps=2, total_steps=10, batch_size=2, seq_len=16)
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from protocol.api import NONCE_WINDOW_S, JoinResponse, RunStatus, sign_request
+from protocol.http import NONCE_WINDOW_S, JoinResponse, RunStatus, sign_request
 from protocol.signing import PeerKey
 from tests.integration.conftest_coordinator import (
     ADMIN_HEADERS,
@@ -254,7 +254,7 @@ def test_coordinator_never_imports_torch():
 
 
 def test_peer_id_is_stable_per_key():
-    from protocol.api import peer_id_from_public_key
+    from protocol.http import peer_id_from_public_key
 
     key = PeerKey.from_seed(b"seed")
     assert peer_id_from_public_key(key.public_bytes) == peer_id_from_public_key(

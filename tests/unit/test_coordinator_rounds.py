@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from protocol.api import RoundView
+from protocol.http import RoundView
 
 from tests.integration.conftest_coordinator import (
     ADMIN_TOKEN,

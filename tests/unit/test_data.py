@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from node.data import (BIN_HEADER_BYTES, DataNotFound, EmptyData, MalformedShard, TokenDataset, evaluate,
+from node.training.data import (BIN_HEADER_BYTES, DataNotFound, EmptyData, MalformedShard, TokenDataset, evaluate,
                        load_corpus, open_bin_shard, stdlib_files, write_bin_shard)
-from node.model import build_model
+from node.training.model import build_model
 
 
 @pytest.fixture(scope="module")

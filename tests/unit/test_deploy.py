@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from node.cli import build_parser, main
-from node.config_file import NodeConfigError, format_node_config, load_node_config
-from node.worker import NodeConfig
-from protocol.api import ConfigError, FixedDeadline, RunConfig, load_run_config
+from locoswarm.cli import build_parser, main
+from node.config import NodeConfigError, format_node_config, load_node_config
+from node.round.loop import NodeConfig
+from protocol.run_config import ConfigError, FixedDeadline, RunConfig, load_run_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -199,7 +199,7 @@ def test_run_config_names_a_bad_key(tmp_path):
         load_run_config(tmp_path / "run.toml")
 
 
-# -- node.toml and node/config_file.py -------------------------------------------------------------
+# -- node.toml and node/config.py -------------------------------------------------------------
 
 
 def test_sample_node_config_loads_and_names_every_field():
@@ -261,7 +261,7 @@ def test_node_join_flags_reach_the_config(tmp_path):
     path = write(tmp_path, 'coordinator = "http://c:8000"\nprogress = true\n')
     args = parses(["node", "join", "--config", str(path), "--no-progress", "--fetch-timeout", "5",
                    "--auto-relay", "--run", "r1", "--key", str(tmp_path / "k")])
-    from node.node_cli import JOIN_CONFIG_FLAGS
+    from node.cli.join import JOIN_CONFIG_FLAGS
 
     assert set(JOIN_CONFIG_FLAGS) <= {f.name for f in dataclasses.fields(NodeConfig)}
     config = load_node_config(path, {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})
@@ -280,7 +280,7 @@ def test_node_join_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
 def test_doctor_runs_and_prints_its_checks(tmp_path):
     closed_port = _free_port()  # nothing listens there: the coordinator check must FAIL
     result = subprocess.run(
-        [sys.executable, "-m", "node.cli", "doctor", "--coordinator", f"http://127.0.0.1:{closed_port}",
+        [sys.executable, "-m", "locoswarm", "doctor", "--coordinator", f"http://127.0.0.1:{closed_port}",
          "--key", str(tmp_path / "keys" / "peer.key"), "--device", "cpu"],
         capture_output=True, text=True, timeout=120, cwd=REPO)
     lines = result.stdout.splitlines()
@@ -294,7 +294,7 @@ def test_doctor_runs_and_prints_its_checks(tmp_path):
 
 
 def test_doctor_coordinator_check_reads_healthz_and_runs():
-    from node.doctor import OK, WARN, check_coordinator
+    from node.cli.doctor import OK, WARN, check_coordinator
 
     runs = {"runs": []}
 
@@ -325,7 +325,7 @@ def test_doctor_coordinator_check_reads_healthz_and_runs():
 
 
 def test_doctor_reachability():
-    from node.doctor import OK, WARN, check_reachability
+    from node.cli.doctor import OK, WARN, check_reachability
 
     loopback = load_node_config(None, {"coordinator": "http://c:1", "device": "cpu"})
     assert check_reachability(loopback).status == WARN

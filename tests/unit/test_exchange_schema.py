@@ -1,4 +1,4 @@
-"""The DHT record schema of node/exchange.py: keys, records, and refusal of malformed records."""
+"""The DHT record schema of protocol/dht_records.py: keys, records, and refusal of malformed records."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import msgpack
 import pytest
 
-from node.exchange import Announcement, holders_key, make_record, packets_key, parse_record
-from node.p2p_exchange import assess_reachability
+from protocol.dht_records import Announcement, holders_key, make_record, packets_key, parse_record
+from node.exchange.p2p import assess_reachability
 from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError
 
 DIGEST = hashlib.sha256(b"packet").hexdigest()

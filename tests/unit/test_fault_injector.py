@@ -1,4 +1,4 @@
-"""The fault injector (node/faults.py): spec parsing, each hook's effect, and that an unarmed
+"""The fault injector (node/testing/faults.py): spec parsing, each hook's effect, and that an unarmed
 injector changes nothing; the `--inject` flag and NodeConfig field; refusals reported to the
 coordinator reaching its status (and their bounds)."""
 
@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from node.faults import Fault, FaultInjector, FaultSpecError, Phase, parse_fault
-from node.model import build_model
-from node.outer import OuterConfig, make_outer
-from node.params import flat_named_params, param_digest
+from node.testing.faults import Fault, FaultInjector, FaultSpecError, Phase, parse_fault
+from node.training.model import build_model
+from node.training.outer import OuterConfig, make_outer
+from node.training.params import flat_named_params, param_digest
 from protocol import errors
 from protocol.packet import decode_packet
 from protocol.signing import PeerKey
@@ -150,7 +150,7 @@ def test_slow_upload_delays_every_served_stream():
 def test_crash_kills_the_process_with_sigkill_at_its_round_and_phase():
     script = (
         "import asyncio\n"
-        "from node.faults import FaultInjector, Phase\n"
+        "from node.testing.faults import FaultInjector, Phase\n"
         "faults = FaultInjector.parse(['crash@round=2,phase=training'])\n"
         "asyncio.run(faults.at_phase(Phase.TRAINING, 1))\n"
         "asyncio.run(faults.at_phase(Phase.TRANSFER, 2))\n"
@@ -167,8 +167,8 @@ def test_crash_kills_the_process_with_sigkill_at_its_round_and_phase():
 def test_inject_flag_and_node_config_field():
     import argparse
 
-    from node import node_cli
-    from node.config_file import load_node_config
+    from node.cli import join as node_cli
+    from node.config import load_node_config
 
     parser = argparse.ArgumentParser()
     node_cli.register(parser.add_subparsers())

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from node.data import load_corpus
-from node.inner import InnerConfig, lr_at, make_inner_optimizer, run_inner_steps
-from node.model import build_model
+from node.training.data import load_corpus
+from node.training.inner import InnerConfig, lr_at, make_inner_optimizer, run_inner_steps
+from node.training.model import build_model
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

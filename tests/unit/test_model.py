@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from node.model import PRESETS, ModelConfig, build_model, llama_tensor_shapes, lm_loss, num_parameters
-from node.params import flat_named_params, param_digest
+from node.training.model import PRESETS, ModelConfig, build_model, llama_tensor_shapes, lm_loss, num_parameters
+from node.training.params import flat_named_params, param_digest
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kernels.sparse import scatter_mean
-from node.model import build_model
-from node.outer import OuterConfig, make_outer
-from node.params import flat_named_params, param_digest
-from node.sim import SimConfig, simulate
+from node.training.model import build_model
+from node.training.outer import OuterConfig, make_outer
+from node.training.params import flat_named_params, param_digest
+from node.round.sim import SimConfig, simulate
 from protocol.packet import decode_packet
 from protocol.signing import PeerKey
 

@@ -1,4 +1,4 @@
-"""`node.processes.stop_processes` on real child processes: SIGINT within the grace, SIGKILL to
+"""`node.cli.processes.stop_processes` on real child processes: SIGINT within the grace, SIGKILL to
 the whole session after it, and the sweep of a session whose leader already exited.
 
 The test process makes itself a child subreaper for the duration, so that a grandchild orphaned
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from node.processes import stop_processes
+from node.cli.processes import stop_processes
 
 pytestmark = [pytest.mark.timeout(30),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (prctl, sessions)")]

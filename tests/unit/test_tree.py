@@ -1,4 +1,4 @@
-"""The distribution trees of node.exchange.tree_parent: one per packet, computed alike by every peer."""
+"""The distribution trees of node.exchange.topology.tree_parent: one per packet, computed alike by every peer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from node.exchange import tree_parent
+from node.exchange.topology import tree_parent
 
 MEMBERS = [f"peer-{i}" for i in range(8)]
 

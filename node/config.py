@@ -3,7 +3,7 @@
     config = load_node_config(Path("node.toml"), overrides={"device": "cuda:1"})
     print(format_node_config(config))          # the resolved config, printed at start-up
 
-The file's keys are exactly the fields of `node.worker.NodeConfig`, at the top level (see
+The file's keys are exactly the fields of `node.round.loop.NodeConfig`, at the top level (see
 deploy/node.toml for a commented sample). Precedence, lowest first: the dataclass defaults, the
 file, the command line (`overrides`, already mapped to field names; a value of None means "not
 given"). Every value is checked for its type and range after merging, so a bad value is refused
@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from node.worker import NodeConfig
-from protocol.api import ConfigError
+from node.round.loop import NodeConfig
+from protocol.run_config import ConfigError
 
 AUTO_DEVICE = "auto"
 _DEVICE = re.compile(r"^(auto|cpu|mps|cuda(:\d{1,3})?)$")

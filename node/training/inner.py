@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from node.model import autocast_for, lm_loss
-from node.params import flat_named_params
+from node.training.model import autocast_for, lm_loss
+from node.training.params import flat_named_params
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,7 +1,7 @@
 """The packet exchange over hivemind 1.1.12: a DHTNode for announcements, libp2p streams for bytes.
 
     exchange = await P2PExchange.create(ExchangeConfig(run_id="r1", initial_peers=(bootstrap,)))
-    await exchange.publish(r, "peer-a", packet)             # serve + announce (node/exchange.py schema)
+    await exchange.publish(r, "peer-a", packet)             # serve + announce (protocol/dht_records.py schema)
     packets = await exchange.fetch(r, {"peer-b": digest_b})  # verified bytes, or left out
     await exchange.shutdown()                                # stops the DHT node and the p2pd child
 
@@ -10,7 +10,7 @@ p2pd libp2p daemon process) and one `hivemind.dht.DHTNode` on top of it. Not the
 wrapper: it runs the node in a forked process and passes values through a pipe, which crashes on
 values above ~16 KB; in-loop, nothing is pickled and the daemon is a child of the node process.
 
-DHT records follow the schema in node/exchange.py (packets key per round, holders key per
+DHT records follow the schema in protocol/dht_records.py (packets key per round, holders key per
 publisher), written with `DHTNode.store(key, value, expiration, subkey=...)` and read with
 `latest=True` (`sufficient_expiration_time=inf`), so that the subkeys held by every node near the
 key are merged; a plain get stops at the first non-expired copy, which may be this node's own
@@ -104,7 +104,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
-from node.exchange import PARAMS_ID, Announcement, holders_key, make_record, packets_key, parse_record
+from protocol.dht_records import PARAMS_ID, Announcement, holders_key, make_record, packets_key, parse_record
 from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, WrongRound
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, packet_digest
 

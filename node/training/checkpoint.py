@@ -7,7 +7,7 @@ A checkpoint is a directory of three files:
   (`exp_avg`, `exp_avg_sq`, `step`), error-feedback buffers as `error_buffer.<param name>`, and
   the outer momentum (DiLoCo) as `outer_momentum.<param name>`. Names, not positions, so a
   checkpoint survives a reordering of the optimizer's parameter list.
-- `meta.json`: format version, round, the parameter digest (`node.params.param_digest`), the
+- `meta.json`: format version, round, the parameter digest (`node.training.params.param_digest`), the
   model config, the optimizer's hyper-parameters per group (by parameter name), and `extra`
   (caller's JSON: run id, inner step, strategy...).
 
@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from node.params import param_digest
+from node.training.params import param_digest
 
 FORMAT_VERSION = 1
 PARAMS_FILE = "params.safetensors"

@@ -12,12 +12,12 @@ One line per check, `OK`, `WARN` or `FAIL`, what was found, and for anything not
     coordinator   GET /healthz answers (only with --coordinator or `coordinator` in --config),
                   and how many runs are open
     reachability  whether the addresses the node would announce can be dialled from other
-                  networks (node.p2p_exchange.assess_reachability); a fixed listen port is free
+                  networks (node.exchange.p2p.assess_reachability); a fixed listen port is free
     disk          free space where the key, the data cache and checkpoints are written
     key           the key directory is writable; an existing key file loads (its peer id shown)
 
 The exit code is 1 when any check FAILs, else 0; a WARN does not fail (a node behind NAT can
-still train in client mode). The flags and --config are those of `node join` (node/config_file.py),
+still train in client mode). The flags and --config are those of `node join` (node/config.py),
 so the doctor checks the set-up the node would use. The only network traffic is the request to
 the coordinator and loopback traffic to the local daemon.
 """
@@ -73,7 +73,7 @@ def _doctor(args: argparse.Namespace) -> int:
     print(python.line(), flush=True)
     if python.status == FAIL:
         return 1
-    from node.config_file import NodeConfigError, load_node_config, read_node_config_file
+    from node.config import NodeConfigError, load_node_config, read_node_config_file
 
     path = Path(args.config) if args.config else None
     overrides = {name: getattr(args, name) for name in (
@@ -153,7 +153,7 @@ def check_device(device: str) -> Check:
 def check_libp2p() -> Check:
     import asyncio
 
-    from node.p2p_exchange import ExchangeConfig, P2PExchange
+    from node.exchange.p2p import ExchangeConfig, P2PExchange
 
     async def start_and_stop() -> tuple[float, float, int]:
         start = time.perf_counter()
@@ -199,7 +199,7 @@ def check_coordinator(url: str) -> Check:
 
 
 def check_reachability(config) -> Check:
-    from node.p2p_exchange import assess_reachability
+    from node.exchange.p2p import assess_reachability
 
     if config.client_mode:
         return Check("reachability", OK, "client mode: this node fetches but serves neither DHT nor packets")
@@ -230,7 +230,7 @@ def check_disk(dirs: dict[str, Path]) -> Check:
 
 
 def check_key(key_path: Path) -> Check:
-    from protocol.api import peer_id_from_public_key
+    from protocol.http import peer_id_from_public_key
     from protocol.signing import PeerKey
 
     if key_path.exists():
@@ -255,7 +255,7 @@ def check_key(key_path: Path) -> Check:
 
 
 def _disk_dirs(config) -> dict[str, Path]:
-    from node.data import default_cache_dir
+    from node.training.data import default_cache_dir
 
     dirs = {"key": config.key_path.parent, "data cache": default_cache_dir()}
     if config.checkpoint_dir is not None:

@@ -1,6 +1,6 @@
-"""Codec benchmark: packet size and speed against the SparseLoCo authors' plain path.
+"""Codec benchmark: packet size and speed against the plain path (torch.topk + int64 + uint8).
 
-    python -m kernels.bench [--json] [--device cpu|cuda] [--repeats 5] [--peers 16]
+    locoswarm bench codec [--json] [--device cpu|cuda] [--repeats 5] [--peers 16]
 
 On a LLaMA-shaped set of tensors of about 50M parameters (hidden 640, 8 layers, intermediate
 1728, vocabulary 8192, untied), with Gaussian pseudo-gradients of a different scale per tensor,
@@ -11,9 +11,11 @@ it measures, median over repeats:
   quantize + entropy-code + pack + sign;
 - decode_aggregate_s: verify and decode `--peers` packets and form their scatter-mean;
 
-and the same for the authors' path in the same run (`baseline_*`): chunking by copy, torch.topk,
+and the same for the plain path in the same run (`baseline_*`): chunking by copy, torch.topk,
 the local reconstruction through a dense scatter_reduce, int64 indices and uint8 codes on the
-wire, aggregation by one scatter_reduce over all peers' values.
+wire (what the SparseLoCo authors' code sends), aggregation by one scatter_reduce over all peers'
+values. The plain path is built from this project's chunking and quantizer, not from the
+authors' code: it measures the wire format and the aggregation, not their implementation.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def _paired_medians(ours, baseline, repeats: int, device: torch.device) -> tuple
 
 
 def baseline_encode(error_buffer: torch.Tensor, delta: torch.Tensor, layout: ChunkLayout) -> bytes:
-    """The authors' path for one tensor, serialized as their all-gather would send it."""
+    """The plain path for one tensor: int64 indices and uint8 codes, as an all-gather would send them."""
     error_buffer.mul_(BETA).add_(delta, alpha=OUTER_LR)
     chunks = to_chunks(error_buffer, layout).clone()  # rearrange copies
     idx = torch.topk(chunks.abs(), layout.k, dim=-1, largest=True, sorted=False).indices
@@ -137,14 +139,15 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peers", type=int, default=16)
     parser.add_argument("--top-k", type=int, nargs="+", default=[64, 128])
-    args = parser.parse_args(argv)
+
+
+def run_cli(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     results = {f"top_k_{k}": run(k, device, args.repeats, args.peers) for k in args.top_k}
     first = results[f"top_k_{args.top_k[0]}"]
@@ -178,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['baseline_encode_s'] / r['encode_s']:>8.2f}x {'':>12} "
               f"{r['baseline_decode_aggregate_s'] / r['decode_aggregate_s']:>9.2f}x")
     return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

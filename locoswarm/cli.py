@@ -9,17 +9,13 @@ no hivemind) so that `locoswarm --help` answers at once; the heavy imports happe
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+from coordinator import cli as coordinator_cli
+from node.cli import bench, codec_demo, demo, doctor, join, sim
+
 # Modules that contribute subcommands, in the order --help lists them.
-COMMAND_MODULES = (
-    "node.codec_demo",
-    "coordinator.cli",
-    "node.sim",
-    "node.node_cli",
-    "node.doctor",
-)
+COMMAND_MODULES = (codec_demo, coordinator_cli, sim, join, demo, doctor, bench)
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -43,14 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     version_parser = subparsers.add_parser("version", help="print the version and wire version")
     version_parser.set_defaults(func=_version)
-    for module_name in COMMAND_MODULES:
-        importlib.import_module(module_name).register(subparsers)
+    for module in COMMAND_MODULES:
+        module.register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if hasattr(args, "passthrough"):  # a subcommand with a parser of its own (`bench codec --help`)
+        args.passthrough = unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not hasattr(args, "func"):
         parser.print_help()
         return 2

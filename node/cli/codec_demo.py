@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kernels.sparse import decompress, error_feedback_step
-    from node.model import llama_tensor_shapes, num_parameters
+    from node.training.model import llama_tensor_shapes, num_parameters
     from protocol.packet import ModelSpec, decode_packet, encode_packet
     from protocol.signing import PeerKey
 

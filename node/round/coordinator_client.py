@@ -1,6 +1,6 @@
 """The node's client of the coordinator: signed requests, typed refusals, retries with backoff.
 
-Every peer call is signed with the peer key (protocol.api.sign_request, a fresh nonce per
+Every peer call is signed with the peer key (protocol.http.sign_request, a fresh nonce per
 attempt). Transport failures, 5xx and 429 answers are retried with exponential backoff and
 jitter for up to `retry_for_s`, so a node rides out a coordinator restart; a 4xx refusal is
 final and raised as `Refused` with the coordinator's error code (`late`, `stale_round`, ...),
@@ -17,9 +17,7 @@ import time
 
 import httpx
 
-from protocol.api import (API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse,
-                          JoinRequest, JoinResponse, LeaveRequest, RoundView, RunList, SubmitRequest, SubmitResponse,
-                          sign_request)
+from protocol.http import API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, RoundView, RunList, SubmitRequest, SubmitResponse, sign_request
 from protocol.signing import PeerKey
 
 log = logging.getLogger(__name__)
@@ -91,7 +89,7 @@ class CoordinatorClient:
 
     async def status(self, run_id: str | None = None, retry_for_s: float | None = None,
                      history: int | None = None) -> dict:
-        """The run's status JSON (protocol.api.RunStatus), as the status page reads it; `history`:
+        """The run's status JSON (protocol.http.RunStatus), as the status page reads it; `history`:
         how many closed rounds it summarizes (default: the coordinator's limit, 1000)."""
         return await self._call("GET", f"/runs/{run_id or self.run_id}/status", signed=False,
                                 params={"history": history} if history is not None else None,

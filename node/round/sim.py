@@ -1,7 +1,7 @@
 """The multi-peer simulator: R peers in one process, through the real codec and packet bytes.
 
     locoswarm sim --algos sparseloco,diloco,ddp [--json] [--peers 4 --inner-steps 15 --rounds 20]
-    python -m node.sim ...
+    (the command line is node/cli/sim.py)
 
 Each strategy trains R identical models (same seed) on R disjoint shards of the corpus:
 
@@ -21,10 +21,9 @@ what a ring all-reduce of fp32 gradients sends per peer over H steps, 2 (R-1)/R 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ALGOS = ("sparseloco", "diloco", "ddp")
@@ -33,7 +32,7 @@ ALGOS = ("sparseloco", "diloco", "ddp")
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimConfig:
     algos: tuple[str, ...] = ALGOS  # strategies to run, in order
-    preset: str = "mini"  # model preset (node.model.PRESETS)
+    preset: str = "mini"  # model preset (node.training.model.PRESETS)
     num_peers: int = 4  # R, peers in the swarm
     inner_steps: int = 15  # H, inner steps per round
     num_rounds: int = 20  # rounds; the inner-step budget per peer is num_rounds * inner_steps
@@ -70,14 +69,14 @@ class StrategyResult:
 
 
 def _inner_config(cfg: SimConfig, lr: float):
-    from node.inner import InnerConfig
+    from node.training.inner import InnerConfig
 
     return InnerConfig(lr=lr, warmup_steps=max(1, int(cfg.total_steps * cfg.warmup_fraction)),
                        total_steps=cfg.total_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
 
 
 def _evaluate(model, corpus, cfg: SimConfig) -> float:
-    from node.data import evaluate
+    from node.training.data import evaluate
 
     return evaluate(model, corpus.val, cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                     device=cfg.device)
@@ -87,10 +86,10 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     """sparseloco or diloco: H local steps, exchange payload bytes, every peer applies the outer step."""
     import torch
 
-    from node.inner import make_inner_optimizer, run_inner_steps
-    from node.model import build_model
-    from node.outer import OuterConfig, make_outer
-    from node.params import flat_named_params, param_digest
+    from node.training.inner import make_inner_optimizer, run_inner_steps
+    from node.training.model import build_model
+    from node.training.outer import OuterConfig, make_outer
+    from node.training.params import flat_named_params, param_digest
     from protocol.signing import PeerKey
 
     if algo == "sparseloco":
@@ -150,7 +149,7 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
 
 def _apply_everywhere(outers, payloads: dict[str, bytes], public: dict[str, bytes], round: int) -> str:
     """Every peer applies the round's payloads; they must agree bit for bit on the global model."""
-    from node.params import param_digest
+    from node.training.params import param_digest
 
     for outer in outers:
         applied = outer.apply(payloads, public.__getitem__, run_id="sim", round=round)
@@ -166,8 +165,8 @@ def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
     """Every step: each peer's gradient on its own batch, averaged (fixed order), one AdamW step."""
     import torch
 
-    from node.inner import lr_at, make_inner_optimizer
-    from node.model import autocast_for, build_model, lm_loss, num_parameters
+    from node.training.inner import lr_at, make_inner_optimizer
+    from node.training.model import autocast_for, build_model, lm_loss, num_parameters
 
     inner = _inner_config(cfg, cfg.ddp_lr)
     model = build_model(cfg.preset, cfg.seed).to(cfg.device)
@@ -204,7 +203,7 @@ def simulate(cfg: SimConfig, out_dir: Path | None = None, show_progress: bool = 
     import torch
     from tqdm import tqdm
 
-    from node.data import load_corpus
+    from node.training.data import load_corpus
 
     torch.set_num_threads(cfg.threads)
     corpus = load_corpus(cfg.data)
@@ -244,81 +243,3 @@ def _plot(results: dict[str, StrategyResult], path: Path, cfg: SimConfig) -> Non
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("sim", help="simulate R peers in one process and compare strategies")
-    add_arguments(parser)
-    parser.set_defaults(func=lambda args: run_cli(args))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = SimConfig()
-    parser.add_argument("--algos", default=",".join(d.algos), help="comma-separated: sparseloco,diloco,ddp")
-    parser.add_argument("--preset", default=d.preset)
-    parser.add_argument("--peers", type=int, default=d.num_peers)
-    parser.add_argument("--inner-steps", type=int, default=d.inner_steps, help="H")
-    parser.add_argument("--rounds", type=int, default=d.num_rounds)
-    parser.add_argument("--batch-size", type=int, default=d.batch_size)
-    parser.add_argument("--seq-len", type=int, default=d.seq_len)
-    parser.add_argument("--top-k", type=int, default=d.top_k)
-    parser.add_argument("--error-decay", type=float, default=d.error_decay)
-    parser.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
-    parser.add_argument("--sparseloco-inner-lr", type=float, default=d.sparseloco_inner_lr)
-    parser.add_argument("--diloco-inner-lr", type=float, default=d.diloco_inner_lr)
-    parser.add_argument("--diloco-outer-lr", type=float, default=d.diloco_outer_lr)
-    parser.add_argument("--ddp-lr", type=float, default=d.ddp_lr)
-    parser.add_argument("--eval-every", type=int, default=d.eval_every_rounds, help="rounds between evaluations")
-    parser.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--data", default=None, help="text file, directory or .bin shards (default: stdlib sources)")
-    parser.add_argument("--threads", type=int, default=d.threads)
-    parser.add_argument("--device", default=d.device)
-    parser.add_argument("--out", default="runs/sim", help="where summary.json and val_loss.png go")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    algos = tuple(a.strip() for a in args.algos.split(",") if a.strip())
-    unknown = [a for a in algos if a not in ALGOS]
-    if unknown:
-        raise SystemExit(f"unknown strategy {unknown[0]!r}; choose from {', '.join(ALGOS)}")
-    return replace(
-        SimConfig(), algos=algos, preset=args.preset, num_peers=args.peers, inner_steps=args.inner_steps,
-        num_rounds=args.rounds, batch_size=args.batch_size, seq_len=args.seq_len, top_k=args.top_k,
-        error_decay=args.error_decay, overlap=args.overlap, sparseloco_inner_lr=args.sparseloco_inner_lr,
-        diloco_inner_lr=args.diloco_inner_lr, diloco_outer_lr=args.diloco_outer_lr, ddp_lr=args.ddp_lr,
-        eval_every_rounds=args.eval_every, eval_batches=args.eval_batches, seed=args.seed, data=args.data,
-        threads=args.threads, device=args.device,
-    )
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    if not args.json:
-        print("resolved config:", json.dumps(asdict(cfg)))
-    summary = simulate(cfg, Path(args.out), show_progress=True)
-    per_strategy = {
-        algo: {k: r[k] for k in ("final_val_loss", "tokens", "bytes_sent_per_peer_per_round", "wall_s")}
-        for algo, r in summary["strategies"].items()
-    }
-    if args.json:
-        print(json.dumps(per_strategy))
-        return 0
-    print(f"{'strategy':<12} {'val loss':>9} {'tokens':>11} {'bytes/peer/round':>17} {'wall s':>8}")
-    for algo, r in per_strategy.items():
-        print(f"{algo:<12} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>17,.0f} "
-              f"{r['wall_s']:>8.1f}")
-    print(f"wrote {args.out}/summary.json and {args.out}/val_loss.png")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m node.sim", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run_cli(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,5 @@
-"""`locoswarm node join` (a volunteer joins a run) and `locoswarm demo` (a local swarm in one command).
+"""`locoswarm demo`: a local swarm in one command.
 
-    locoswarm node join --coordinator URL [--run ID] [--token T] [--device cpu|cuda] [--data PATH]
-    locoswarm node join --config node.toml [--device cuda:1 ...]   (flags override the file)
     locoswarm demo [--peers 3] [--rounds 4] [--preset tiny] [--json]
 
 The demo starts a coordinator on a free port with a SQLite file in a temporary folder, creates a
@@ -14,62 +12,18 @@ starts, it stops (SIGINT, then SIGKILL after a grace period), by its own handle.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from node.processes import stop_processes
+from node.cli.processes import stop_processes
 
 
 def register(subparsers) -> None:
-    node = subparsers.add_parser("node", help="run a volunteer node")
-    node_sub = node.add_subparsers(dest="node_command", metavar="COMMAND", required=True)
-    join = node_sub.add_parser(
-        "join", help="join a run and train until it ends or Ctrl+C",
-        description="Join a run. Settings come from --config (a TOML file, see deploy/node.toml), then from "
-                    "these flags, which override the file; defaults are NodeConfig's (node/worker.py).")
-    # Defaults are None ("not given") so that a flag overrides the file only when it is passed;
-    # node/config_file.py applies the real defaults and checks every value.
-    join.add_argument("--config", default=None, help="node config file, TOML (keys: NodeConfig's fields)")
-    join.add_argument("--coordinator", default=None, help="coordinator URL, http://host:port (required here or in --config)")
-    join.add_argument("--run", dest="run_id", default=None, help="run id (default: the coordinator's only open run)")
-    join.add_argument("--token", dest="join_token", default=None, help="join token, for runs that need one")
-    join.add_argument("--device", default=None, help="auto (default: cuda if torch sees a GPU), cpu, cuda or cuda:N")
-    join.add_argument("--data", default=None, help="text file, directory or .bin shards (default: the run's)")
-    join.add_argument("--key", dest="key_path", default=None,
-                      help="Ed25519 identity file, created if absent (default: ~/.locoswarm/peer.key)")
-    join.add_argument("--host-maddrs", nargs="+", default=None,
-                      help="libp2p listen addresses (default /ip4/127.0.0.1/tcp/0; a public node: /ip4/0.0.0.0/tcp/PORT)")
-    join.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to advertise instead")
-    join.add_argument("--initial-peers", nargs="*", default=None, help="DHT bootstrap multiaddrs")
-    join.add_argument("--client-mode", action=argparse.BooleanOptionalAction, default=None,
-                      help="behind NAT: do not serve the DHT")
-    join.add_argument("--auto-relay", dest="use_auto_relay", action=argparse.BooleanOptionalAction, default=None,
-                      help="behind NAT: be reachable through a relay")
-    join.add_argument("--threads", type=int, default=None, help="torch CPU threads (0, the default: torch's choice)")
-    join.add_argument("--uplink-mbps", type=float, default=None,
-                      help="this link's upload rate in Mbps (a speed test's figure): the swarm has faster "
-                           "uplinks forward more of each packet's copies; unset: counted as fast")
-    join.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds")
-    join.add_argument("--fetch-timeout", dest="fetch_timeout_s", type=float, default=None,
-                      help="seconds to fetch a round's packets (default 60)")
-    join.add_argument("--checkpoint-dir", default=None, help="save parameters and state here after every round")
-    join.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                      help="a progress bar for the inner steps (default on; --no-progress: logs only)")
-    join.add_argument("--inject", action="append", default=None, metavar="FAULT",
-                      help="inject a fault, for tests and demos (repeatable): crash@round=3,phase=training, "
-                           "slow-upload@delay_s=5, corrupt-packet@round=1, poison@factor=1000, stale-submit@round=2 "
-                           "(node/faults.py)")
-    join.add_argument("--report", default=None, help="write the per-round reports as JSON here on exit")
-    join.set_defaults(func=_join)
-
     demo = subparsers.add_parser("demo", help="a local swarm: coordinator + N nodes on 127.0.0.1")
     demo.add_argument("--peers", type=int, default=3)
     demo.add_argument("--rounds", type=int, default=4)
@@ -82,65 +36,7 @@ def register(subparsers) -> None:
     demo.set_defaults(func=_demo)
 
 
-# Flags of `node join` that set NodeConfig fields (argparse dest == field name).
-JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "key_path", "host_maddrs",
-                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "uplink_mbps",
-                     "max_rounds", "fetch_timeout_s", "checkpoint_dir", "progress", "inject")
 
-
-def _join(args: argparse.Namespace) -> int:
-    from node.config_file import NodeConfigError, format_node_config, load_node_config
-    from node.worker import Node
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
-    # LOCOSWARM_LOG_LEVEL=DEBUG adds a line per packet fetched (holder, bytes, latency, rate).
-    level = os.environ.get("LOCOSWARM_LOG_LEVEL", "INFO").upper()
-    for name in ("locoswarm", "node"):  # the round loop's logger, and the modules' own
-        logging.getLogger(name).setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
-    try:
-        config = load_node_config(Path(args.config) if args.config else None,
-                                  {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})
-    except NodeConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_node_config(config), file=sys.stderr, flush=True)
-    node = Node(config)
-
-    async def main() -> list:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, node.stop)
-        return await node.run()
-
-    reports = asyncio.run(main())
-    if args.report:
-        _write_report(Path(args.report), node, reports)
-    return 0
-
-
-def _write_report(path: Path, node, reports) -> None:
-    """Per-round reports as JSON, and the final parameters beside them (PATH.safetensors)."""
-    from safetensors.torch import save_file
-
-    from node.params import flat_named_params
-
-    path.write_text(json.dumps({
-        "peer_id": getattr(node, "peer_id", None),
-        "preset": node.run_config.preset if hasattr(node, "run_config") else None,
-        "rounds": [vars_of(r) | {"times": vars_of(r.times)} for r in reports],
-    }))
-    if hasattr(node, "model"):
-        save_file({n: p.detach().cpu().contiguous() for n, p in flat_named_params(node.model).items()},
-                  str(path.with_suffix(".safetensors")))
-
-
-def vars_of(obj) -> dict:
-    return {name: getattr(obj, name) for name in obj.__slots__}
-
-
-# -- demo ----------------------------------------------------------------------------------------
 
 def _demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-demo-"))
@@ -194,7 +90,7 @@ class LocalSwarm:
         """Start the coordinator (port 0: a free one; a restart passes the old port) on the swarm's database."""
         log = open(self.workdir / "coordinator.log", "ab")
         self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "node.cli", "coordinator", "serve", "--db",
+            [sys.executable, "-m", "locoswarm", "coordinator", "serve", "--db",
              f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", "127.0.0.1", "--port", str(port)],
             stdout=subprocess.PIPE, stderr=log, env=self._env(), cwd=_repo_root())
         deadline = time.monotonic() + timeout_s
@@ -227,7 +123,7 @@ class LocalSwarm:
     def start_node(self, index: int) -> subprocess.Popen:
         log = open(self.workdir / f"node{index}.log", "ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", "node.cli", "node", "join", "--coordinator", self.url, "--run", self.run_id,
+            [sys.executable, "-m", "locoswarm", "node", "join", "--coordinator", self.url, "--run", self.run_id,
              "--device", "cpu", "--key", str(self.workdir / f"node{index}.key"), "--threads", "1",
              "--no-progress", "--report", str(self.workdir / f"node{index}.report.json"),
              *self.extra_node_args.get(index, ())],
@@ -255,8 +151,8 @@ class LocalSwarm:
                 raise RuntimeError(f"node {i} exited with {node.returncode}; see {self.workdir / f'node{i}.log'}")
 
     def run(self, timeout_s: float = 1800.0) -> dict:
-        from node.data import evaluate, load_corpus
-        from node.model import build_model
+        from node.training.data import evaluate, load_corpus
+        from node.training.model import build_model
 
         self.start_coordinator()
         self.create_run(**self.run_overrides)
@@ -311,8 +207,8 @@ class LocalSwarm:
 def _final_val_loss(path: Path, preset: str, corpus) -> float:
     from safetensors.torch import load_file
 
-    from node.data import evaluate
-    from node.model import build_model
+    from node.training.data import evaluate
+    from node.training.model import build_model
 
     model = build_model(preset, 0)
     model.load_state_dict(load_file(str(path)), strict=False)  # tied weights are saved once
@@ -331,4 +227,4 @@ def _progress_line(status: dict, rounds: int) -> str:
 
 
 def _repo_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[2])

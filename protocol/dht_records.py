@@ -1,26 +1,10 @@
-"""The packet exchange a volunteer node uses in its round loop, independent of the transport.
+"""The DHT record schema of the packet exchange: keys, subkeys, values, and their strict parsing.
 
-A round's packets move in two layers (DESIGN.md, "Bytes on the wire" and "A round"):
-
-- announcements, small records in a DHT that say "peer P published a packet with this digest and
-  size for round r; fetch it from these multiaddrs", and "holder H verified a copy of P's packet";
-- the packet bytes themselves, served by the publisher and by every peer that fetched and verified
-  a copy (swarming), so that the publisher does not upload N-1 copies alone.
-
-The round loop uses the `Exchange` protocol:
-
-    announcement = await exchange.publish(r, my_peer_id, packet_bytes)
-    ...coordinator closes round r and lists {peer_id: digest} in its manifest...
-    packets = await exchange.fetch(r, manifest, timeout_s=60)   # a subset of the manifest
-    await exchange.forget_before(r - keep_rounds)
-
-`fetch` never returns bytes whose sha256 differs from the digest asked for, and never hangs: a
-packet that no holder serves in time is left out of the result, and the caller decides (DESIGN.md:
-the manifest is fixed, so a missing packet means this peer skips the round and catches up).
-
-This module also holds the DHT record schema (keys, subkeys, values), so that any DHT client, in
-this project or not, reads and writes the same records. Schema, for run id RUN and round R (an
-int written in decimal):
+A round's packets move in two layers: announcements, small records in a DHT that say "peer P
+published a packet with this digest and size for round r; fetch it from these multiaddrs" (and
+"holder H verified a copy of P's packet"), and the bytes themselves over libp2p streams
+(protocol/stream.py). Any DHT client, in this project or not, reads and writes these records.
+Schema, for run id RUN and round R (an int written in decimal):
 
     key    "locoswarm/RUN/round/R/packets"
     subkey the publisher's peer id (the project's peer id, as in the coordinator's manifest)
@@ -40,18 +24,15 @@ int written in decimal):
 
 Values are msgpack maps of a few hundred bytes (hivemind's DHT serializes them with msgpack), with
 exactly these four keys; they expire a few rounds after publication (see `ExchangeConfig` in
-node/p2p_exchange.py). Readers treat records as hostile: `parse_record` checks types, lengths and
+node/exchange/p2p.py). Readers treat records as hostile: `parse_record` checks types, lengths and
 counts and raises `protocol.errors.MalformedPacket` (or `OversizedPacket`) on anything else.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import re
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from protocol.errors import MalformedPacket, OversizedPacket
 
@@ -77,78 +58,6 @@ class Announcement:
     size_bytes: int
     multiaddrs: list[str]  # where to fetch: libp2p multiaddrs of the holder, with /p2p/<id>
     holder: str = ""  # libp2p peer id (base58) of the node serving this copy
-
-
-class Exchange(Protocol):
-    """What the round loop needs from a packet exchange (see the module docstring)."""
-
-    async def publish(self, round: int, peer_id: str, data: bytes) -> Announcement:
-        """Keep `data` locally, serve it, and announce it for `round` under `peer_id` (in the background)."""
-        ...
-
-    async def announcements(self, round: int) -> dict[str, Announcement]:
-        """The publishers' announcements for `round` found in the DHT, by publisher peer id."""
-        ...
-
-    async def fetch(
-        self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
-        timeout_s: float = 60,
-    ) -> dict[str, bytes]:
-        """Bytes for each `wanted` peer id whose sha256 equals the wanted digest; missing ones are left out.
-
-        `holders_hint` maps a publisher's peer id to holder multiaddrs to try besides the DHT's.
-        """
-        ...
-
-    async def forget_before(self, round: int) -> None:
-        """Stop serving, and drop, packets of rounds before `round`."""
-        ...
-
-    async def shutdown(self) -> None:
-        ...
-
-
-def uplink_class(uplink_mbps: float | None) -> float:
-    """Which uplinks `tree_parent` treats as equals: rates within a factor of two (floor of log2);
-    an unstated rate counts as the fastest."""
-    return math.inf if not uplink_mbps or uplink_mbps <= 0 else math.floor(math.log2(uplink_mbps))
-
-
-def tree_parent(round: int, publisher: str, peer: str, members: Iterable[str], fanout: int = 2,
-                uplinks: Mapping[str, float | None] | None = None) -> str | None:
-    """Whom `peer` should fetch `publisher`'s round-`round` packet from: its parent in a tree of
-    the round's members rooted at the publisher (None: `peer` is the publisher or not a member).
-
-    Every peer computes the same trees from the same member list, without talking. The members
-    are put in a ring, shuffled by a hash of the round (so positions change from round to round);
-    the tree of a packet lays out the members that follow its publisher on the ring as a heap of
-    the given fan-out. Over one round's trees every member takes every position once, so each
-    forwards the same number of copies (N-1 per round, counting its own packet's first ones), as
-    many as it receives: no uplink carries more than its share. Copies are forwarded while they
-    arrive (cut-through), so a hop costs a piece's latency. A peer with another member list
-    computes other trees: it may ask a peer that does not expect it, which costs time, never
-    correctness (any holder serves any verified copy).
-
-    With `uplinks` (the members' stated upload rates in Mbps, as the coordinator lists them), each
-    tree takes the publisher's successors by `uplink_class`, fastest first, ring order within a
-    class: the slow links sit at the leaves, where they forward nothing, and the members of each
-    class share the forwarding evenly. A publisher slower than the fastest of the others sends
-    one copy, to the first of them, which roots the rest of the tree: its uplink carries the
-    packet once, at its full rate, instead of `fanout` times at a fraction of it.
-    """
-    if fanout < 1:
-        raise ValueError("fanout must be at least 1")
-    ring = sorted(set(members) | {publisher}, key=lambda m: hashlib.sha256(f"{round}/{m}".encode()).digest())
-    if peer == publisher or peer not in ring:
-        return None
-    start = ring.index(publisher)
-    heap = ring[start:] + ring[:start]  # the publisher first, then the members after it
-    if uplinks:
-        heap[1:] = sorted(heap[1:], key=lambda m: -uplink_class(uplinks.get(m)))  # stable: ring order within
-    position = heap.index(peer)
-    if uplinks and len(heap) > 2 and uplink_class(uplinks.get(publisher)) < uplink_class(uplinks.get(heap[1])):
-        return publisher if position == 1 else heap[1 + (position - 2) // fanout]  # heap[1] roots the rest
-    return heap[(position - 1) // fanout]
 
 
 def _key_part(value: str, what: str) -> str:
@@ -209,5 +118,5 @@ def _check_record(value: Any, max_size_bytes: int | None) -> None:
 
 
 __all__ = [
-    "Announcement", "Exchange", "packets_key", "holders_key", "make_record", "parse_record",
+    "Announcement", "packets_key", "holders_key", "make_record", "parse_record",
 ]

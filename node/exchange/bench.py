@@ -1,10 +1,10 @@
 """Exchange benchmark: N node processes swap one round's packets over the real DHT and libp2p streams.
 
-    python -m node.bench_exchange --peers 8 --json [--rounds 3] [--packet-bytes N]
+    locoswarm bench exchange --peers 8 --json [--rounds 3] [--packet-bytes N]
 
 Each peer is its own process (multiprocessing spawn) with its own p2pd and DHTNode on 127.0.0.1,
 bootstrapped from peer 0. Each makes one real packet: a LLaMA-shaped model of about 50M parameters
-(kernels.bench.llama_shapes), Gaussian pseudo-gradients, error feedback and top_k 64, encoded and
+(protocol.bench.llama_shapes), Gaussian pseudo-gradients, error feedback and top_k 64, encoded and
 signed by protocol.packet (about 0.85 MB); `--packet-bytes` replaces it with random bytes of that
 size. Per round every peer publishes, then fetches the other peers' packets by digest (the
 manifest), as the node's round loop does.
@@ -47,7 +47,7 @@ def make_packet(index: int, packet_bytes: int | None) -> bytes:
         return random.Random(SEED * 1000 + index).randbytes(packet_bytes)
     import torch
 
-    from kernels.bench import BETA, OUTER_LR, llama_shapes
+    from protocol.bench import BETA, OUTER_LR, llama_shapes
     from kernels.sparse import error_feedback_step
     from protocol.packet import ModelSpec, encode_packet
     from protocol.signing import PeerKey
@@ -72,7 +72,7 @@ def peer_main(index: int, conn, initial_peers: list[str], packet_bytes: int | No
 
 
 async def _peer_loop(index: int, conn, initial_peers: list[str], packet_bytes: int | None) -> None:
-    from node.p2p_exchange import ExchangeConfig, P2PExchange
+    from node.exchange.p2p import ExchangeConfig, P2PExchange
 
     name = f"peer{index}"
     exchange = await P2PExchange.create(ExchangeConfig(run_id="bench", initial_peers=tuple(initial_peers)))
@@ -230,17 +230,18 @@ def round_(x: float) -> float:
     return round(x, 4)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--packet-bytes", type=int, default=None, help="random packets of this size instead of real ones")
     parser.add_argument("--baseline-bytes", type=int, default=64 << 20)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per fetch")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+
+
+def run_cli(args: argparse.Namespace) -> int:
     if args.peers < 2:
-        parser.error("--peers must be at least 2")
+        raise SystemExit("--peers must be at least 2")
     report = run(args.peers, args.rounds, args.packet_bytes, args.baseline_bytes, args.timeout_s)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -255,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['round']:>5} {'all':>6} {'':>8} {'':>8} {r['transfer_s']:>7.3f} {r['ratio']:>6.2f}"
                   f"{'' if r['complete'] else '  INCOMPLETE'}")
     return 0 if all(r["complete"] for r in report["results"]) and not report["p2pd_left_alive"] else 1
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Fault injection for a node: crash, slow upload or compute, corrupt or poisoned packets, stale submissions.
 
     locoswarm node join ... --inject crash@round=3,phase=training --inject poison@factor=1000
-    faults = FaultInjector.parse(["corrupt-packet@round=1"])       # what node.worker does
+    faults = FaultInjector.parse(["corrupt-packet@round=1"])       # what node.round.loop does
 
 In the style of hivemind's FaultyAverager and torchft's EventInjector: a small enum of faults, each
 armed for one round or for every round, and a handful of explicit calls that the round loop makes

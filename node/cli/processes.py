@@ -1,6 +1,6 @@
 """Stopping the child processes a launcher started: SIGINT first, then SIGKILL to their sessions.
 
-Used by `node.node_cli.LocalSwarm` (the one-machine demo swarm) and `deploy.netlab` (the network
+Used by `node.cli.demo.LocalSwarm` (the one-machine demo swarm) and `deploy.netlab` (the network
 lab). Standard library only, so that importing it (and so `deploy/netlab.py`) stays cheap.
 """
 

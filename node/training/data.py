@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from node.model import autocast_for, lm_loss
+from node.training.model import autocast_for, lm_loss
 
 log = logging.getLogger(__name__)
 

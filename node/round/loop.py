@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.faults import FaultInjector, Phase
+from node.testing.faults import FaultInjector, Phase
 
 log = logging.getLogger("locoswarm.node")
 
@@ -57,7 +57,7 @@ class NodeConfig:
     fetch_timeout_s: float = 60.0  # per round, for the manifest's packets
     checkpoint_dir: Path | None = None  # save parameters and state here after every round
     progress: bool = True  # a progress bar for the inner steps on stderr
-    inject: tuple[str, ...] = ()  # faults to inject, for tests and demos (node/faults.py): "crash@round=3"
+    inject: tuple[str, ...] = ()  # faults to inject, for tests and demos (node/testing/faults.py): "crash@round=3"
 
 
 @dataclass(slots=True)
@@ -153,8 +153,8 @@ class Node:
     async def run(self) -> list[RoundReport]:
         import torch
 
-        from node.coordinator_client import CoordinatorClient
-        from node.p2p_exchange import ExchangeConfig, P2PExchange
+        from node.round.coordinator_client import CoordinatorClient
+        from node.exchange.p2p import ExchangeConfig, P2PExchange
         from protocol.signing import PeerKey
 
         cfg = self.config
@@ -213,7 +213,7 @@ class Node:
         Leaving at once would take this node's packet with it while slower peers still fetch it;
         when it is the only holder, nobody could apply the round.
         """
-        from node.coordinator_client import CoordinatorError
+        from node.round.coordinator_client import CoordinatorError
 
         self._state = "serving"
         deadline = time.monotonic() + self.config.fetch_timeout_s
@@ -239,11 +239,11 @@ class Node:
     def _setup_training(self, joined) -> None:
         import torch
 
-        from node.data import load_corpus
-        from node.inner import InnerConfig, make_inner_optimizer
-        from node.model import build_model
-        from node.outer import OuterConfig, make_outer
-        from node.params import flat_named_params
+        from node.training.data import load_corpus
+        from node.training.inner import InnerConfig, make_inner_optimizer
+        from node.training.model import build_model
+        from node.training.outer import OuterConfig, make_outer
+        from node.training.params import flat_named_params
 
         run = joined.config
         if run.strategy == "ddp":
@@ -264,7 +264,7 @@ class Node:
         self.shard = self.corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
 
     async def _heartbeats(self, client, interval_s: float) -> None:
-        from node.coordinator_client import CoordinatorError
+        from node.round.coordinator_client import CoordinatorError
 
         while True:
             await asyncio.sleep(max(0.5, interval_s))
@@ -280,7 +280,7 @@ class Node:
         A node paused (SIGSTOP, a suspended laptop) or cut off past heartbeat_timeout_s is marked
         gone; it keeps its id and shard when it rejoins, and the round loop catches up as usual.
         """
-        from node.coordinator_client import Refused
+        from node.round.coordinator_client import Refused
 
         try:
             return await call(*args, **kwargs)
@@ -306,7 +306,7 @@ class Node:
         return None
 
     async def _loop(self, client, exchange, joined, key) -> None:
-        from node.coordinator_client import Refused
+        from node.round.coordinator_client import Refused
 
         # The parameters this node holds are the start of `self.params_round` (None: unknown).
         self.params_round = 0 if joined.params.digest is None else None
@@ -406,7 +406,7 @@ class Node:
 
         from safetensors.torch import load
 
-        from node.params import flat_named_params, param_digest
+        from node.training.params import flat_named_params, param_digest
 
         holders = await exchange.params_holders(round)
         for blob_digest, _ in Counter(h.digest for h in holders).most_common():
@@ -440,7 +440,7 @@ class Node:
 
     def _save_checkpoint(self, run_id: str, round: int) -> None:
         """Parameters and state after applying `round`; a failure is logged and training goes on."""
-        from node.checkpoint import CheckpointError, save_checkpoint
+        from node.training.checkpoint import CheckpointError, save_checkpoint
 
         try:
             save_checkpoint(self.config.checkpoint_dir, round + 1, self.model, self.optimizer,
@@ -453,7 +453,7 @@ class Node:
     def _snapshot_bytes(self) -> bytes:
         from safetensors.torch import save
 
-        from node.params import flat_named_params
+        from node.training.params import flat_named_params
 
         # The global model (equal to the parameters, except with overlap, where they run ahead).
         tensors = {n: self.outer.start[n].detach().cpu().contiguous() for n in flat_named_params(self.model)}
@@ -463,7 +463,7 @@ class Node:
     async def _one_round(self, client, exchange, round: int, key, opened: bool = True) -> RoundReport:
         """Train round r, send its packet, and apply a round: r itself, or with overlap r-1 (round r's
         packet is then encoded, sent and its round collected while round r+1 trains)."""
-        from node.params import param_digest
+        from node.training.params import param_digest
 
         base_digest = param_digest(self.outer.start)
         report = RoundReport(round, 0.0, "", 0, started_at=time.time())
@@ -501,7 +501,7 @@ class Node:
 
     async def _train(self, round: int, times: RoundTimes) -> float:
         """The round's H inner steps, in a worker thread; returns the mean loss."""
-        from node.inner import run_inner_steps
+        from node.training.inner import run_inner_steps
 
         self._state = "training"
         H = self.run_config.inner_steps
@@ -523,7 +523,7 @@ class Node:
                     deltas: dict | None = None) -> None:
         """Encode the round's update (the given deltas, or the parameters' since the round began),
         publish the packet and submit it. With `deltas` it runs beside the next round's training."""
-        from node.coordinator_client import Refused
+        from node.round.coordinator_client import Refused
 
         foreground = deltas is None
         if foreground:
@@ -592,7 +592,7 @@ class Node:
         The coordinator's long-poll answers at every new submission, so packets move while the
         slower peers (and this node) still train; only the last ones are left for after the close.
         """
-        from node.exchange import tree_parent
+        from node.exchange.topology import tree_parent
 
         members, uplinks = await self._live_members(client)
         view = await client.round(round, wait_s=30, submitted_gt=0)
@@ -709,7 +709,7 @@ class Node:
                               prepared=None):
         """Verify and aggregate the round's manifest (fetching and aggregating it unless given); take
         the outer step; report the digest of the global model; serve a snapshot of it."""
-        from node.params import param_digest
+        from node.training.params import param_digest
 
         if payloads is None:
             payloads = await self._fetch_manifest(exchange, round, view, times)

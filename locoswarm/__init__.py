@@ -1,0 +1,1 @@
+"""The `locoswarm` command: the one entry point above the node and the coordinator."""

@@ -1,0 +1,30 @@
+"""`locoswarm bench codec|exchange`: the benchmarks that performance claims cite.
+
+    locoswarm bench codec [--json] [--device cpu|cuda] [--repeats 5] [--peers 16]
+    locoswarm bench exchange [--json] [--peers 8] [--rounds 3] [--packet-bytes N]
+
+Each prints its figures beside a baseline measured in the same run: the codec against the plain
+path (torch.topk + int64 indices + uint8 codes; protocol/bench.py), the exchange against one
+unloaded libp2p stream (node/exchange/bench.py). The arguments go to the benchmark's own parser
+(`locoswarm bench codec --help` lists them), which is imported only when it runs: the codec
+benchmark imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHMARKS = {  # name: (module, help)
+    "codec": ("protocol.bench", "packet size and encode/decode speed against the plain path"),
+    "exchange": ("node.exchange.bench", "N node processes swap packets over the real DHT and libp2p streams"),
+}
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: the codec, the packet exchange")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        parser = bench_sub.add_parser(name, help=help_text, add_help=False)
+        # Every argument after the benchmark's name is its own parser's (locoswarm.cli passes them on).
+        parser.set_defaults(func=lambda args, module_name=module_name: importlib.import_module(module_name).main(
+            args.passthrough, prog=f"locoswarm bench {args.bench_command}"), passthrough=[])

@@ -1,0 +1,92 @@
+"""`locoswarm sim`: the multi-peer simulator's command line (the simulator is node/round/sim.py).
+
+    locoswarm sim --algos sparseloco,diloco,ddp [--json] [--peers 4 --inner-steps 15 --rounds 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from node.round import sim as simulator
+from node.round.sim import ALGOS, SimConfig, simulate
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("sim", help="simulate R peers in one process and compare strategies")
+    add_arguments(parser)
+    parser.set_defaults(func=lambda args: run_cli(args))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = SimConfig()
+    parser.add_argument("--algos", default=",".join(d.algos), help="comma-separated: sparseloco,diloco,ddp")
+    parser.add_argument("--preset", default=d.preset)
+    parser.add_argument("--peers", type=int, default=d.num_peers)
+    parser.add_argument("--inner-steps", type=int, default=d.inner_steps, help="H")
+    parser.add_argument("--rounds", type=int, default=d.num_rounds)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--seq-len", type=int, default=d.seq_len)
+    parser.add_argument("--top-k", type=int, default=d.top_k)
+    parser.add_argument("--error-decay", type=float, default=d.error_decay)
+    parser.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
+    parser.add_argument("--sparseloco-inner-lr", type=float, default=d.sparseloco_inner_lr)
+    parser.add_argument("--diloco-inner-lr", type=float, default=d.diloco_inner_lr)
+    parser.add_argument("--diloco-outer-lr", type=float, default=d.diloco_outer_lr)
+    parser.add_argument("--ddp-lr", type=float, default=d.ddp_lr)
+    parser.add_argument("--eval-every", type=int, default=d.eval_every_rounds, help="rounds between evaluations")
+    parser.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--data", default=None, help="text file, directory or .bin shards (default: stdlib sources)")
+    parser.add_argument("--threads", type=int, default=d.threads)
+    parser.add_argument("--device", default=d.device)
+    parser.add_argument("--out", default="runs/sim", help="where summary.json and val_loss.png go")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    algos = tuple(a.strip() for a in args.algos.split(",") if a.strip())
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown:
+        raise SystemExit(f"unknown strategy {unknown[0]!r}; choose from {', '.join(ALGOS)}")
+    return replace(
+        SimConfig(), algos=algos, preset=args.preset, num_peers=args.peers, inner_steps=args.inner_steps,
+        num_rounds=args.rounds, batch_size=args.batch_size, seq_len=args.seq_len, top_k=args.top_k,
+        error_decay=args.error_decay, overlap=args.overlap, sparseloco_inner_lr=args.sparseloco_inner_lr,
+        diloco_inner_lr=args.diloco_inner_lr, diloco_outer_lr=args.diloco_outer_lr, ddp_lr=args.ddp_lr,
+        eval_every_rounds=args.eval_every, eval_batches=args.eval_batches, seed=args.seed, data=args.data,
+        threads=args.threads, device=args.device,
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if not args.json:
+        print("resolved config:", json.dumps(asdict(cfg)))
+    summary = simulate(cfg, Path(args.out), show_progress=True)
+    per_strategy = {
+        algo: {k: r[k] for k in ("final_val_loss", "tokens", "bytes_sent_per_peer_per_round", "wall_s")}
+        for algo, r in summary["strategies"].items()
+    }
+    if args.json:
+        print(json.dumps(per_strategy))
+        return 0
+    print(f"{'strategy':<12} {'val loss':>9} {'tokens':>11} {'bytes/peer/round':>17} {'wall s':>8}")
+    for algo, r in per_strategy.items():
+        print(f"{algo:<12} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>17,.0f} "
+              f"{r['wall_s']:>8.1f}")
+    print(f"wrote {args.out}/summary.json and {args.out}/val_loss.png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m node.cli.sim", description=simulator.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
