@@ -92,7 +92,7 @@ class Authenticator:
         if not _SIGNATURE.match(signature_hex):
             raise errors.BadRequestSignature(f"{SIGNATURE_HEADER} must be 64 bytes in hex")
         if public_key is None:
-            public_key = self.service.public_key_of(peer_id)
+            public_key = self.service.views.public_key_of(peer_id)
             if public_key is None:
                 raise errors.UnknownPeer(f"peer {peer_id} has never joined")
         elif peer_id_from_public_key(public_key) != peer_id:

@@ -12,6 +12,8 @@ import json
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
+from coordinator import errors
+
 Scope = dict[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -66,16 +68,16 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, counting_send)
 
     async def _refuse(self, send: Send, too_large: bool) -> None:
-        status, code, detail = (
-            (413, "body_too_large", f"request bodies are limited to {self.max_body_bytes} bytes")
+        error = (
+            errors.BodyTooLarge(f"request bodies are limited to {self.max_body_bytes} bytes")
             if too_large
-            else (400, "bad_request", "Content-Length is not a number")
+            else errors.BadRequest("Content-Length is not a number")
         )
-        payload = json.dumps({"error": code, "detail": detail}).encode()
+        payload = json.dumps({"error": error.code, "detail": error.detail}).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": status,
+                "status": error.status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(payload)).encode()),

@@ -1,22 +1,42 @@
 """Typed refusals of the coordinator, each with its HTTP status and machine-readable code.
 
 The service raises these; the HTTP layer turns every one into ``{"error": code, "detail": text}``
-with the class's status. Nodes branch on the code (e.g. ``late`` -> skip the round, ``peer_gone``
--> rejoin), so codes are part of the contract in `protocol.http` and never change meaning.
+with the class's status, and answers what it refuses itself (malformed JSON, unknown routes and
+methods, a body over the limit, an unhandled error) with these classes too. Nodes branch on the code
+(e.g. ``late`` -> skip the round, ``peer_gone`` -> rejoin), so every code is a member of
+`protocol.http.ErrorCode`, the contract, and never changes meaning; a class whose code is not
+one fails at import.
 """
 
 from __future__ import annotations
+
+from typing import get_args
+
+from protocol.http import ErrorCode
 
 
 class CoordinatorError(Exception):
     """A request was refused. Subclasses fix `status` and `code`."""
 
     status = 400
-    code = "bad_request"
+    code: ErrorCode = "bad_request"
 
     def __init__(self, detail: str):
         super().__init__(detail)
         self.detail = detail
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.code not in get_args(ErrorCode):
+            raise TypeError(f"{cls.__name__}.code {cls.code!r} is not in protocol.http.ErrorCode")
+
+
+class BadRequest(CoordinatorError):
+    """The request cannot be read: its framing, or (`MalformedJson`) its body."""
+
+
+class MalformedJson(BadRequest):
+    code = "malformed_json"
 
 
 class Unauthenticated(CoordinatorError):
@@ -140,6 +160,24 @@ class InvalidConfig(InvalidRequest):
 class RateLimited(CoordinatorError):
     status = 429
     code = "rate_limited"
+
+
+class MethodNotAllowed(CoordinatorError):
+    status = 405
+    code = "method_not_allowed"
+
+
+class HttpError(CoordinatorError):
+    """Another error status raised by the HTTP framework; the answer keeps that status."""
+
+    code = "http_error"
+
+
+class Internal(CoordinatorError):
+    """Not a refusal: an unhandled error (a bug), answered without its details."""
+
+    status = 500
+    code = "internal"
 
 
 class StorageError(Exception):

@@ -1,16 +1,18 @@
 """`GET /metrics`: the coordinator's state in the Prometheus text exposition format (v0.0.4).
 
 Written by hand: a dozen gauges do not justify a dependency. Values are read from the same
-status views the page uses, so the two never disagree. Per-run series are emitted for runs that
-are still active, which keeps the series count bounded on a long-lived coordinator.
+status views the page uses (`coordinator.views`), so the two never disagree. Per-run series are
+emitted for runs that are still active, which keeps the series count bounded on a long-lived
+coordinator.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from coordinator.service import ACTIVE_STATES, CoordinatorService
+from coordinator.service import ACTIVE_STATES
 from coordinator.storage import Storage
+from coordinator.views import Views
 
 _HELP = {
     "locoswarm_http_responses_total": ("counter", "HTTP responses sent, by status code."),
@@ -54,18 +56,17 @@ class _Exposition:
         return "\n".join(lines) + "\n"
 
 
-def render(storage: Storage, service: CoordinatorService, response_counts: Counter[int]) -> str:
+def render(storage: Storage, views: Views, now: float, response_counts: Counter[int]) -> str:
     out = _Exposition()
     for code, count in sorted(response_counts.items()):
         out.add("locoswarm_http_responses_total", count, code=str(code))
     runs = storage.list_runs()
     for state, count in sorted(Counter(run.state for run in runs).items()):
         out.add("locoswarm_runs", count, state=state)
-    now = service.clock()
     for run in runs:
         if run.state not in ACTIVE_STATES:
             continue
-        status = service.status(run.run_id, now=now, history_limit=1)
+        status = views.status(run.run_id, now=now, history_limit=1)
         labels = {"run": run.run_id}
         out.add("locoswarm_run_current_round", run.current_round, **labels)
         for peer_status, count in sorted(Counter(p.status for p in status.peers).items()):

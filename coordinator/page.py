@@ -140,10 +140,10 @@ function render(s) {
   document.getElementById("run-state").textContent = run.state;
   const c = run.config;
   document.getElementById("run-info").textContent =
-    c.preset + " / " + c.strategy + " / H=" + c.inner_steps + " / top-k " + c.top_k +
-    " / deadline " + (c.deadline_policy.kind === "fixed" ? c.deadline_policy.round_timeout_s + " s"
-      : "adaptive (q" + c.deadline_policy.quantile + " x" + c.deadline_policy.margin + ")") +
-    (c.overlap ? " / overlap" : "") + " / min peers " + c.min_peers;
+    c.model.preset + " / " + c.outer.strategy + " / H=" + c.inner.steps + " / top-k " + c.outer.top_k +
+    " / deadline " + (c.deadline.kind === "fixed" ? c.deadline.round_timeout_s + " s"
+      : "adaptive (q" + c.deadline.quantile + " x" + c.deadline.margin + ")") +
+    (c.outer.overlap ? " / overlap" : "") + " / min peers " + c.membership.min_peers;
   const cur = s.current_round;
   const bar = document.getElementById("round-bar");
   if (cur) {

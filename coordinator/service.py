@@ -18,7 +18,8 @@ Rules (the contract is written out in `protocol.http`):
   it on the first tick after a restart.
 
 `on_change(run_id)` is called after a commit that opened or closed a round or accepted a
-submission; the HTTP layer uses it to wake long-polls.
+submission; the HTTP layer uses it to wake long-polls. What is read back (status, round views,
+the join answer) is `coordinator.views.Views`, held as ``service.views``.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def hash_join_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class CoordinatorService(Views):
-    """The write side; the read side (status, round views) is inherited from `Views`."""
+class CoordinatorService:
+    """The write side. The read side (status, round views) is `self.views`, which the rules here
+    also read runs and configs through."""
 
     def __init__(
         self,
@@ -61,7 +63,8 @@ class CoordinatorService(Views):
         clock: Clock = time.time,
         on_change: Callable[[str], None] | None = None,
     ):
-        super().__init__(storage)
+        self.storage = storage
+        self.views = Views(storage)
         self.clock = clock
         self.on_change = on_change or (lambda run_id: None)
         self._changed: set[str] = set()
@@ -79,9 +82,9 @@ class CoordinatorService(Views):
     # -- runs ---------------------------------------------------------------------------------
 
     def create_run(self, config: RunConfig) -> str:
-        if config.join_policy == "token" and not config.join_tokens:
-            raise errors.InvalidConfig("join_policy 'token' needs at least one join token")
-        token_hashes = sorted({hash_join_token(t) for t in config.join_tokens})
+        if config.membership.join_policy == "token" and not config.membership.join_tokens:
+            raise errors.InvalidConfig("membership.join_policy 'token' needs at least one join token")
+        token_hashes = sorted({hash_join_token(t) for t in config.membership.join_tokens})
         run_id = f"run-{secrets.token_hex(5)}"
         with self._tx():
             self.storage.insert_run(
@@ -96,13 +99,13 @@ class CoordinatorService(Views):
                     current_round=0,
                 )
             )
-            self._advance(self._require_run(run_id), self.clock())
+            self._advance(self.views.require_run(run_id), self.clock())
         return run_id
 
     def close_run(self, run_id: str) -> None:
         """Stop a run: its open round closes now with what was submitted; nobody can join."""
         with self._tx():
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             if run.state not in ACTIVE_STATES:
                 return
             now = self.clock()
@@ -115,7 +118,7 @@ class CoordinatorService(Views):
 
     def advance(self, run_id: str) -> None:
         with self._tx():
-            self._advance(self._require_run(run_id), self.clock())
+            self._advance(self.views.require_run(run_id), self.clock())
 
     def tick(self) -> None:
         """Apply deadlines and liveness to every active run; forget nonces past the window."""
@@ -141,20 +144,20 @@ class CoordinatorService(Views):
     def _advance(self, run: RunRow, now: float) -> None:
         if run.state not in ACTIVE_STATES:
             return
-        config = self.config_of(run)
+        config = self.views.config_of(run)
         for peer in self.storage.list_peers(run.run_id):
             silent_s = now - peer.last_seen_at
-            if peer.status == "live" and silent_s > config.heartbeat_timeout_s:
+            if peer.status == "live" and silent_s > config.membership.heartbeat_timeout_s:
                 self.storage.update_peer(
                     run.run_id,
                     peer.peer_id,
                     status="gone",
                     reason=f"no heartbeat for {silent_s:.0f} s"
-                    f" (timeout {config.heartbeat_timeout_s:g} s)",
+                    f" (timeout {config.membership.heartbeat_timeout_s:g} s)",
                 )
         if run.state == "waiting":
             num_live = sum(p.status == "live" for p in self.storage.list_peers(run.run_id))
-            if num_live >= config.min_peers:
+            if num_live >= config.membership.min_peers:
                 self._open_round(run.run_id, 0, now, config)
                 self.storage.update_run(run.run_id, state="running", current_round=0)
             return
@@ -175,7 +178,7 @@ class CoordinatorService(Views):
 
     def _round_timeout_s(self, run_id: str, round_index: int, config: RunConfig) -> float:
         """The fixed timeout, or the adaptive one from recent submission times (see AdaptiveDeadline)."""
-        policy = config.deadline_policy
+        policy = config.deadline
         if policy.kind == "fixed":
             return policy.round_timeout_s
         took_s = []
@@ -206,10 +209,6 @@ class CoordinatorService(Views):
 
     # -- authentication support ---------------------------------------------------------------
 
-    def public_key_of(self, peer_id: str) -> bytes | None:
-        key_hex = self.storage.find_public_key(peer_id)
-        return bytes.fromhex(key_hex) if key_hex else None
-
     def record_nonce(self, peer_id: str, nonce: int) -> None:
         """Refuse a nonce outside the time window or already used by this peer."""
         now = self.clock()
@@ -231,9 +230,9 @@ class CoordinatorService(Views):
             raise errors.PeerMismatch("the join must be signed by the key it registers")
         now = self.clock()
         with self._tx():
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             self._advance(run, now)
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             if run.state not in ACTIVE_STATES:
                 raise errors.RunClosed(f"run {run_id} is {run.state}")
             self._check_join_token(run, request.join_token)
@@ -277,11 +276,11 @@ class CoordinatorService(Views):
                     last_seen_at=now,
                     member_since_round=first_round if rejoining else existing.member_since_round,
                 )
-            self._advance(self._require_run(run_id), now)
-            return self._join_response(self._require_run(run_id), peer_id)
+            self._advance(self.views.require_run(run_id), now)
+            return self.views.join_response(self.views.require_run(run_id), peer_id)
 
     def _check_join_token(self, run: RunRow, token: str | None) -> None:
-        if self.config_of(run).join_policy == "open":
+        if self.views.config_of(run).membership.join_policy == "open":
             return
         if token is None:
             raise errors.JoinRefused("this run needs a join token")
@@ -290,7 +289,7 @@ class CoordinatorService(Views):
 
     def heartbeat(self, run_id: str, peer_id: str, request: HeartbeatRequest) -> HeartbeatResponse:
         with self._tx():
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             self._advance(run, self.clock())
             self._require_live_member(run_id, peer_id)
             fields: dict = {"activity": request.state, "progress_round": request.round}
@@ -301,7 +300,7 @@ class CoordinatorService(Views):
             if request.listen_multiaddrs is not None:
                 fields["listen_multiaddrs"] = json.dumps(request.listen_multiaddrs)
             self.storage.update_peer(run_id, peer_id, **fields)
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             round_row = self.storage.get_round(run_id, run.current_round)
             round_state = "pending" if round_row is None else (
                 "closed" if round_row.closed_at is not None else "open"
@@ -315,7 +314,7 @@ class CoordinatorService(Views):
 
     def leave(self, run_id: str, peer_id: str, request: LeaveRequest) -> LeaveResponse:
         with self._tx():
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             self._require_live_member(run_id, peer_id)
             self.storage.update_peer(
                 run_id, peer_id, status="left", reason=f"left: {request.reason}", activity="left"
@@ -343,9 +342,9 @@ class CoordinatorService(Views):
             raise errors.PeerMismatch(f"peer {peer_id} cannot submit for {request.peer_id}")
         now = self.clock()
         with self._tx():
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             self._advance(run, now)
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             peer = self._require_live_member(run_id, peer_id)
             existing = self.storage.get_submission(run_id, round_index, peer_id)
             if existing is not None:
@@ -357,11 +356,11 @@ class CoordinatorService(Views):
                 # A retried submission that already counts: answer as the first time.
                 return self._submit_response(run_id, round_index, peer_id)
             self._check_round_accepts(run, round_index, now)
-            config = self.config_of(run)
-            if request.packet_size_bytes > config.max_packet_bytes:
+            config = self.views.config_of(run)
+            if request.packet_size_bytes > config.exchange.max_packet_bytes:
                 raise errors.PacketTooLarge(
-                    f"packet of {request.packet_size_bytes} bytes exceeds max_packet_bytes"
-                    f" {config.max_packet_bytes}"
+                    f"packet of {request.packet_size_bytes} bytes exceeds exchange.max_packet_bytes"
+                    f" {config.exchange.max_packet_bytes}"
                 )
             multiaddrs = (
                 json.dumps(request.multiaddrs)
@@ -398,7 +397,7 @@ class CoordinatorService(Views):
         if run.state in ("finished", "closed"):
             raise errors.RunClosed(f"run {run.run_id} is {run.state}")
         if run.state == "waiting":
-            raise errors.RoundNotOpen(f"round 0 opens when {self.config_of(run).min_peers} joined")
+            raise errors.RoundNotOpen(f"round 0 opens when {self.views.config_of(run).membership.min_peers} joined")
         if round_index > run.current_round:
             raise errors.FutureRound(f"round {round_index} is not open; open: {run.current_round}")
         round_row = self.storage.get_round(run.run_id, round_index)
@@ -434,7 +433,7 @@ class CoordinatorService(Views):
         """Record a peer's parameter digest after applying round r; recompute the majority."""
         now = self.clock()
         with self._tx():
-            run = self._require_run(run_id)
+            run = self.views.require_run(run_id)
             self._advance(run, now)
             peer = self._require_live_member(run_id, peer_id)
             round_row = self.storage.get_round(run_id, round_index)

@@ -42,14 +42,14 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
     config = run["config"]
     out = [
         f"run {run['run_id']} ({run['name']})  state {run['state']}  "
-        f"{config['preset']}/{config['strategy']} H={config['inner_steps']}",
+        f"{config['model']['preset']}/{config['outer']['strategy']} H={config['inner']['steps']}",
     ]
     current = status.get("current_round")
     if current is None:
         out.append("no open round")
     elif current["deadline"] is None:
         out.append(f"round {current['round']} pending: {current['num_expected']} peers live, "
-                   f"waiting for {config['min_peers']}")
+                   f"waiting for {config['membership']['min_peers']}")
     else:
         left_s = max(0.0, current["deadline"] - now)
         out.append(

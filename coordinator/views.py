@@ -1,7 +1,9 @@
 """The coordinator's read side: stored rows turned into the response models of `protocol.http`.
 
 Kept apart from the rules in `coordinator.service` so that what a peer or a monitor sees (status
-JSON, round views with manifests, the join answer) reads in one place. Nothing here writes.
+JSON, round views with manifests, the join answer) reads in one place. Nothing here writes. The
+service holds one `Views` as ``service.views``; the routes, `/metrics` and the authenticator read
+through it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ HISTORY_LIMIT = 1000
 
 
 class Views:
+    """Read-only answers from `storage`; also what the service's rules read (configs, runs)."""
+
     def __init__(self, storage: Storage):
         self.storage = storage
         self._configs: dict[str, RunConfig] = {}  # configs never change after creation
@@ -24,20 +28,25 @@ class Views:
     def config_of(self, run: RunRow) -> RunConfig:
         config = self._configs.get(run.run_id)
         if config is None:
-            config = RunConfig.model_validate_json(run.config_json)
+            config = RunConfig.from_stored(run.config_json)  # also a flat one from before the sections
             self._configs[run.run_id] = config
         return config
 
-    def _require_run(self, run_id: str) -> RunRow:
+    def require_run(self, run_id: str) -> RunRow:
         run = self.storage.get_run(run_id)
         if run is None:
             raise errors.RunNotFound(f"no run {run_id!r}")
         return run
 
+    def public_key_of(self, peer_id: str) -> bytes | None:
+        """The key a peer joined with (any run), to verify its signed requests."""
+        key_hex = self.storage.find_public_key(peer_id)
+        return bytes.fromhex(key_hex) if key_hex else None
+
     # -- runs ---------------------------------------------------------------------------------
 
     def run_info(self, run_id: str) -> RunInfo:
-        return self._run_info(self._require_run(run_id))
+        return self._run_info(self.require_run(run_id))
 
     def _run_info(self, run: RunRow) -> RunInfo:
         return RunInfo(
@@ -60,7 +69,7 @@ class Views:
     # -- rounds -------------------------------------------------------------------------------
 
     def round_view(self, run_id: str, round_index: int) -> RoundView:
-        run = self._require_run(run_id)
+        run = self.require_run(run_id)
         round_row = self.storage.get_round(run_id, round_index)
         if round_row is None:
             if run.state in ("waiting", "running"):
@@ -109,7 +118,7 @@ class Views:
 
     def round_is_settled(self, run_id: str, round_index: int) -> bool:
         """True once a long-poll on this round has nothing left to wait for."""
-        run = self._require_run(run_id)
+        run = self.require_run(run_id)
         round_row = self.storage.get_round(run_id, round_index)
         if round_row is None:
             return run.state not in ("waiting", "running")
@@ -129,7 +138,7 @@ class Views:
         ]
         return ParamsSource(round=agreed.round + 1, digest=agreed.majority_digest, holders=holders)
 
-    def _join_response(self, run: RunRow, peer_id: str) -> JoinResponse:
+    def join_response(self, run: RunRow, peer_id: str) -> JoinResponse:
         config = self.config_of(run)
         peer = self.storage.get_peer(run.run_id, peer_id)
         assert peer is not None  # called right after the join wrote it
@@ -137,21 +146,21 @@ class Views:
             run_id=run.run_id,
             peer_id=peer_id,
             peer_index=peer.peer_index,
-            data_shard=peer.peer_index % config.num_data_shards,
-            num_shards=config.num_data_shards,
+            data_shard=peer.peer_index % config.model.num_data_shards,
+            num_shards=config.model.num_data_shards,
             config=config,
             run_state=run.state,
             current_round=run.current_round,
             params=self._params_source(run.run_id),
-            dht_bootstrap=list(config.dht_bootstrap),
+            dht_bootstrap=list(config.exchange.dht_bootstrap),
             # Four beats per timeout: one lost request never costs a peer its membership.
-            heartbeat_interval_s=config.heartbeat_timeout_s / 4,
+            heartbeat_interval_s=config.membership.heartbeat_timeout_s / 4,
         )
 
     # -- status -------------------------------------------------------------------------------
 
     def status(self, run_id: str, now: float, history_limit: int = HISTORY_LIMIT) -> RunStatus:
-        run = self._require_run(run_id)
+        run = self.require_run(run_id)
         peers = self.storage.list_peers(run_id)
         return RunStatus(
             now=now,
@@ -206,7 +215,7 @@ class Views:
                 PeerView(
                     peer_id=peer.peer_id,
                     peer_index=peer.peer_index,
-                    data_shard=peer.peer_index % self.config_of(run).num_data_shards,
+                    data_shard=peer.peer_index % self.config_of(run).model.num_data_shards,
                     status=peer.status,
                     reason=peer.reason,
                     activity=peer.activity,

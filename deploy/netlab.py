@@ -48,8 +48,8 @@ class LabSwarm:
                  linger_s: float = 30.0, compute_floor_s: float = 0.0, tree_fanout: int = 2,
                  state_uplinks: bool = True):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
-        self.run_options = {"preset": preset, "inner_steps": inner_steps, "top_k": top_k,
-                            "batch_size": batch_size, "seq_len": seq_len, "tree_fanout": tree_fanout}
+        self.preset, self.inner_steps, self.top_k = preset, inner_steps, top_k
+        self.batch_size, self.seq_len, self.tree_fanout = batch_size, seq_len, tree_fanout
         self.overlap = overlap
         self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
         self.state_uplinks = state_uplinks  # each node states its host's link rate at join (--uplink-mbps)
@@ -101,15 +101,17 @@ class LabSwarm:
         return answer["body"]
 
     def create_run(self) -> str:
-        H = self.run_options["inner_steps"]
+        H = self.inner_steps
         config = {
-            "name": "netlab", "strategy": "sparseloco", **self.run_options, "warmup_steps": H,
-            "total_steps": H * self.rounds, "min_peers": self.num_peers, "max_rounds": self.rounds,
-            "num_data_shards": self.num_peers, "heartbeat_timeout_s": 60.0,
-            "deadline_policy": {"kind": "fixed", "round_timeout_s": 300.0},
+            "name": "netlab", "max_rounds": self.rounds,
+            "model": {"preset": self.preset, "num_data_shards": self.num_peers},
+            "inner": {"steps": H, "batch_size": self.batch_size, "seq_len": self.seq_len, "warmup_steps": H,
+                      "total_steps": H * self.rounds},
+            "outer": {"strategy": "sparseloco", "top_k": self.top_k, "overlap": self.overlap},
+            "exchange": {"tree_fanout": self.tree_fanout},
+            "membership": {"min_peers": self.num_peers, "heartbeat_timeout_s": 60.0},
+            "deadline": {"kind": "fixed", "round_timeout_s": 300.0},
         }
-        if self.overlap:
-            config["overlap"] = True
         self.run_id = self.http("POST", "/v1/runs", config)["run_id"]
         return self.run_id
 
@@ -204,11 +206,11 @@ def _progress_line(status: dict) -> str:
 
 
 def overlap_support() -> tuple[bool, str | None]:
-    from protocol.run_config import RunConfig
+    from protocol.run_config import OuterSection
 
-    if "overlap" in RunConfig.model_fields:
+    if "overlap" in OuterSection.model_fields:
         return True, None
-    return False, "overlap is unavailable: protocol.run_config.RunConfig has no 'overlap' field in this version"
+    return False, "overlap is unavailable: the run config has no 'outer.overlap' field in this version"
 
 
 # -- the command ---------------------------------------------------------------------------------
@@ -344,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "CPU for compute); 0: off")
     parser.add_argument("--overlap", action="store_true", help="run option overlap=true (one-round-delayed outer step)")
     parser.add_argument("--tree-fanout", type=int, default=2,
-                        help="run option tree_fanout: copies each peer forwards of a packet (1: a chain)")
+                        help="run option exchange.tree_fanout: copies each peer forwards of a packet (1: a chain)")
     parser.add_argument("--state-uplinks", action=argparse.BooleanOptionalAction, default=True,
                         help="each node states its link's rate at join (node option uplink_mbps), so that the "
                              "packet trees put slower uplinks at the leaves (default on)")

@@ -1,14 +1,23 @@
 """SparseLoCo's 2-bit statistical quantizer, per tensor over its selected values.
 
-Following the reference compressor: shift = mean of the values, sigma = unbiased std of the
+Following the authors' compressor (QErywan/RobustDiLoCo `src/tplr/sparseloco.py` at 276fa59;
+README.md, "The algorithm"): shift = mean of the values, sigma = unbiased std of the
 centred values, scale = range_in_sigmas * sigma / num_bins (6 sigma over 4 bins), and
 code = clamp(round(centred / scale + num_bins // 2), 0, num_bins - 1) with round-half-to-even.
 A zero, NaN or infinite scale falls back to 1.0 (a single value, or all values equal). Decoding
 uses a table of num_bins entries: each code decodes to the mean of the centred values that fell
 in its bin (0 for an empty bin), plus shift. The table and shift travel with the tensor.
 
-The arithmetic runs in the values' dtype where the reference does (mean, centring, sigma) and in
-float32 where it does (division by the scale, the table), so results match it bit for bit.
+The arithmetic runs in the values' dtype where the authors' code does (mean, centring, sigma) and in
+float32 where theirs does (division by the scale, the table). The order of the sums differs:
+`kernels.sparse.select_topk` sorts the selected positions ascending inside each chunk (the
+wire's delta coding needs that order) and hands the values over in that order, while the
+authors sum in torch.topk's unsorted order. Float32 addition is not associative, so the results
+are not bit for bit theirs: side by side on the same tensors (fp32, 4 peers, 5 rounds) the
+selected positions and the codes were identical, and the shift and the table differed in the
+last bit (about 1 ulp) in about half of the tensor-rounds. That does not affect agreement: every
+peer decodes a tensor with the shift and table its packet carries, so all peers reconstruct the
+same values, bit for bit, whichever order the sender summed in.
 """
 
 from __future__ import annotations

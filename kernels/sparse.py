@@ -1,7 +1,7 @@
 """The SparseLoCo compressor on whole tensors: error feedback, per-chunk Top-k, 2-bit codes,
 and the scatter-mean aggregation of many peers' selections.
 
-One peer, one round (DESIGN.md; arXiv 2508.15706):
+One peer, one round (arXiv 2508.15706; README.md, "The algorithm"):
 
     e  = beta * e + outer_lr * delta          # error feedback, never sent
     S  = top-k of |e| inside every chunk      # kernels.chunking

@@ -35,8 +35,7 @@ peer, and a header peer that differs from the peer the body speaks for. ``S*``: 
 by the joining key itself; the header peer must equal ``peer_id_from_public_key(public_key)``.
 
 Refusals are JSON ``{"error": code, "detail": text}`` with a 4xx status (see `ErrorBody`);
-codes a node must handle: ``stale_round``/``future_round``/``late``/``round_not_open``/
-``conflicting_submission``/``peer_gone``/``run_closed`` (409), ``rate_limited`` (429).
+`ErrorCode` lists every code, with what it means and what a node does about it.
 
 Rounds: round 0 opens once ``min_peers`` peers are live; round r closes at its deadline, or as soon
 as every live peer that was a member when r opened has submitted; closing fixes the manifest
@@ -318,8 +317,63 @@ class Health(ResponseModel):
     status: Literal["ok"]
 
 
+# ---------------------------------------------------------------------------------------------
+# Refusals
+
+
+# Every code the coordinator answers with, by HTTP status; codes never change meaning. "Stops":
+# the node client raises `Refused` for a final 4xx, and unless the round loop decides on the code
+# the node ends with that error (its heartbeat task only logs refusals and keeps beating).
+ErrorCode = Literal[
+    # 400
+    "bad_request",  # the request cannot be framed (Content-Length not a number). Stops: a client bug.
+    "malformed_json",  # the body is not valid JSON. Stops: a client bug.
+    # 401: who is calling is not established
+    "unauthenticated",  # the 401 family's general code. Stops.
+    "unsigned",  # signature headers missing, or peer id or nonce malformed. Stops: a client bug.
+    "bad_signature",  # the Ed25519 signature does not cover this request. Stops: a wrong key or a proxy.
+    "unknown_peer",  # the signing peer never joined any run, so no key to check. Stops (a node joins first).
+    "stale_nonce",  # the nonce is over NONCE_WINDOW_S from the coordinator's clock. Stops: fix the clock.
+    "replayed_nonce",  # this peer already used this nonce. Stops (a fresh nanosecond nonce per attempt).
+    "admin_required",  # an admin call without 'Authorization: Bearer'. Nodes make none; operators add it.
+    # 403: known caller, not allowed
+    "forbidden",  # the 403 family's general code. Stops.
+    "bad_admin_token",  # wrong admin token. Nodes make no admin calls; the operator checks the token.
+    "peer_mismatch",  # the signer differs from the peer the body names (join key, submit peer_id). Stops.
+    "join_refused",  # the run needs a join token, and none or a wrong one came. Stops: pass a valid token.
+    "not_member",  # the signer never joined this run. Stops (a node joins before any other signed call).
+    # 404
+    "not_found",  # no such route (or the 404 family's general code). Stops: a version mismatch.
+    "run_not_found",  # no run with this id. Stops: a wrong run id.
+    "round_not_found",  # the round never opened: the run ended first. A node waiting for it stops cleanly.
+    # 405
+    "method_not_allowed",  # the route exists, not with this method. Stops: a version mismatch.
+    # 409: the run's state refuses the call
+    "conflict",  # the 409 family's general code. Stops.
+    "stale_round",  # submit to a round closed earlier (not just at its deadline). The node skips its packet.
+    "future_round",  # submit to a round that has not opened. Stops (a node submits to the open round only).
+    "late",  # submit past the round's deadline. The node skips its packet and applies the round.
+    "round_not_open",  # submit while round 0 waits for min_peers. The node skips its packet.
+    "round_not_closed",  # an applied report for a round with no manifest yet. Stops (reports follow it).
+    "conflicting_submission",  # this peer already submitted another digest to the round. Stops: a bug.
+    "peer_gone",  # the peer was marked gone (silent past the timeout) or left. The node rejoins, retries.
+    "run_closed",  # the run is finished or closed: no joins or submissions. A node waiting for a round stops.
+    # 413
+    "body_too_large",  # the body is over the coordinator's limit, refused unread. Stops: a client bug.
+    # 422: well-formed, but not a valid request
+    "invalid_request",  # the body, path or query fails validation. Stops: a version mismatch or a bug.
+    "packet_too_large",  # packet_size_bytes over the run's max_packet_bytes. Stops.
+    "invalid_config",  # a run config the coordinator refuses (admin call). The operator fixes the config.
+    # 429
+    "rate_limited",  # the peer is over its request rate. The node client retries with backoff.
+    # other statuses
+    "http_error",  # another status the HTTP framework raised. Stops if 4xx.
+    "internal",  # 500: a coordinator bug (see its log). The node client retries with backoff, as on 5xx.
+]
+
+
 class ErrorBody(ResponseModel):
-    error: str = Field(description="Machine-readable code, e.g. 'stale_round'.")
+    error: ErrorCode = Field(description="Machine-readable code, e.g. 'stale_round'.")
     detail: str
 
 

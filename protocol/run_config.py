@@ -1,28 +1,127 @@
-"""The run configuration: everything that defines a training run, and its TOML/JSON loader.
+"""The run configuration: everything that defines a training run, in sections, and its loader.
 
 The operator writes it (deploy/run.toml is a commented sample), the coordinator stores it with the
-run and hands it to every peer at join, and the node builds its model and optimizers from it.
-Unknown keys and out-of-range values are refused with the key's name (`ConfigError`).
+run and hands it to every peer at join, and the node builds its model and optimizers from it
+(node/training/build.py). Each section is its own strict model, in the layout of the TOML file:
+
+    name, max_rounds    the run as a whole
+    [model]             what is trained: size preset, seed, data and its sharding
+    [inner]             the inner AdamW steps (H = inner.steps) and their schedule and batches
+    [outer]             the outer step: algorithm, SGD settings, compression, overlap
+    [exchange]          moving packets: their size bound, distribution trees, DHT bootstrap
+    [membership]        who may join, how many before round 0, when a silent peer is gone
+    [deadline]          when a round closes: a tagged policy, "fixed" or "adaptive"
+
+Unknown keys and out-of-range values are refused with the key's dotted name (`ConfigError`:
+`inner.lr: Input should be greater than 0`). Before the sections the config was one flat table;
+`FLAT_KEYS` says where each of its keys went, `RunConfig.from_stored` reads a config a coordinator
+database stored in that shape, and a flat TOML file is refused naming each key's new place.
 """
 
 from __future__ import annotations
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
-    import tomli as tomllib
+import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StringConstraints, Tag, ValidationError
+from pydantic import Discriminator, Field, StringConstraints, Tag
 
+from protocol.config_file import ConfigError, load_config
 from protocol.fields import Beta, Multiaddr, RequestModel
 
+__all__ = ["AdaptiveDeadline", "ConfigError", "DeadlinePolicy", "ExchangeSection", "FixedDeadline",
+           "FLAT_KEYS", "InnerSection", "MembershipSection", "ModelSection", "OuterSection", "RunConfig",
+           "load_run_config", "nest_flat"]
+
+
+class ModelSection(RequestModel):
+    """What is trained: every peer builds the same model from the preset and the seed."""
+
+    preset: Literal["tiny", "mini", "small", "512m", "1b"] = Field(description="Model size preset.")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for initialisation and data order.")
+    data: str | None = Field(None, max_length=1024, description="Dataset name or path.")
+    num_data_shards: int = Field(
+        1024, ge=1, le=1_000_000, description="Dataset shards; a peer reads peer_index % this."
+    )
+
+
+class InnerSection(RequestModel):
+    """The inner optimizer: H local AdamW steps per round, on a schedule counted across rounds."""
+
+    steps: int = Field(15, ge=1, le=100_000, description="H: inner AdamW steps per round.")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="Inner AdamW peak learning rate.")
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.95), strict=False, description="Inner AdamW (beta1, beta2), each in [0, 1)."
+    )
+    weight_decay: float = Field(0.1, ge=0.0, le=10.0, description="Inner AdamW decay.")
+    grad_clip: float = Field(1.0, ge=0.0, le=1e6, description="Grad-norm clip; 0 disables.")
+    warmup_steps: int = Field(100, ge=0, le=10_000_000, description="Linear warm-up steps.")
+    total_steps: int = Field(
+        10_000, ge=1, le=100_000_000, description="Inner steps of the cosine schedule."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of peak.")
+    batch_size: int = Field(8, ge=1, le=65_536, description="Sequences per inner step per peer.")
+    seq_len: int = Field(1024, ge=8, le=131_072, description="Tokens per sequence.")
+
+
+class OuterSection(RequestModel):
+    """The outer step every peer takes on the round's aggregate, and the compression before it."""
+
+    strategy: Literal["sparseloco", "diloco", "ddp"] = Field(
+        "sparseloco", description="Outer algorithm: SparseLoCo or a baseline."
+    )
+    lr: float = Field(1.0, gt=0.0, le=10.0, description="Outer SGD learning rate.")
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Outer SGD momentum.")
+    nesterov: bool = Field(False, description="Nesterov outer momentum (DiLoCo baseline).")
+    top_k: int = Field(64, ge=1, le=4096, description="Values kept per 4096-element chunk.")
+    chunk_size: int = Field(64, ge=1, le=1024, description="Tile side for 2-D tensors.")
+    error_decay: float = Field(0.95, ge=0.0, le=1.0, description="Error-feedback decay beta.")
+    clip_to_median_norm: bool = Field(
+        False,
+        description="Scale down each peer's decoded update whose norm exceeds the round's median"
+        " (bounds a poisoning peer; SparseLoCo only).",
+    )
+    overlap: bool = Field(
+        False, description="One-round-delayed outer step: train round r+1 while round r's packets move."
+    )
+
+
+class ExchangeSection(RequestModel):
+    """How packets move between peers."""
+
+    max_packet_bytes: int = Field(
+        64 * 2**20, ge=1024, le=2**34, description="Largest packet a peer may announce."
+    )
+    tree_fanout: int = Field(
+        2, ge=1, le=64,
+        description="Copies each peer forwards of a packet in its distribution tree: 1 is a chain (the"
+        " fastest on even links; a slow peer slows every peer after it), 2 a binary tree.",
+    )
+    dht_bootstrap: list[Multiaddr] = Field(
+        default_factory=list, max_length=64, description="Multiaddrs of DHT bootstrap peers."
+    )
+
+
+class MembershipSection(RequestModel):
+    """Who may join, and what the coordinator waits for and tolerates."""
+
+    min_peers: int = Field(1, ge=1, le=100_000, description="Peers needed before round 0 opens.")
+    heartbeat_timeout_s: float = Field(
+        60.0, ge=1.0, le=86400.0, description="Silence after which a peer is marked gone."
+    )
+    join_policy: Literal["open", "token"] = Field(
+        "open", description="Whether joining needs one of `join_tokens`."
+    )
+    join_tokens: list[Annotated[str, StringConstraints(min_length=8, max_length=256)]] = Field(
+        default_factory=list,
+        max_length=10_000,
+        description="Join tokens (or 'sha256:<hex>' of one); stored hashed, never returned.",
+    )
 
 
 class FixedDeadline(RequestModel):
     """Each round gets a fixed time from its opening; it closes earlier when all expected peers
-    submitted. A tagged model so an adaptive policy can be added beside it later."""
+    submitted."""
 
     kind: Literal["fixed"] = Field("fixed", description="Deadline policy tag.")
     round_timeout_s: float = Field(
@@ -51,11 +150,13 @@ def _deadline_kind(value) -> str:
     return getattr(value, "kind", "fixed")
 
 
-_DEADLINE_TAGS = ("fixed", "adaptive")
 DeadlinePolicy = Annotated[
     Annotated[FixedDeadline, Tag("fixed")] | Annotated[AdaptiveDeadline, Tag("adaptive")],
     Discriminator(_deadline_kind),
 ]
+# pydantic names a tagged union's tag in an error's path ("deadline.fixed.round_timeout_s"); the
+# messages leave it out.
+_UNIONS = {"deadline": ("fixed", "adaptive")}
 
 
 class RunConfig(RequestModel):
@@ -64,106 +165,85 @@ class RunConfig(RequestModel):
     name: str = Field(
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Human-readable run name."
     )
-    preset: Literal["tiny", "mini", "small", "512m", "1b"] = Field(description="Model size preset.")
-    strategy: Literal["sparseloco", "diloco", "ddp"] = Field(
-        "sparseloco", description="Outer algorithm: SparseLoCo or a baseline."
-    )
-    inner_steps: int = Field(15, ge=1, le=100_000, description="H: inner AdamW steps per round.")
-    inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="Inner AdamW peak learning rate.")
-    inner_betas: tuple[Beta, Beta] = Field(
-        (0.9, 0.95), strict=False, description="Inner AdamW (beta1, beta2), each in [0, 1)."
-    )
-    inner_weight_decay: float = Field(0.1, ge=0.0, le=10.0, description="Inner AdamW decay.")
-    grad_clip: float = Field(1.0, ge=0.0, le=1e6, description="Grad-norm clip; 0 disables.")
-    warmup_steps: int = Field(100, ge=0, le=10_000_000, description="Linear warm-up steps.")
-    total_steps: int = Field(
-        10_000, ge=1, le=100_000_000, description="Inner steps of the cosine schedule."
-    )
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of peak.")
-    batch_size: int = Field(8, ge=1, le=65_536, description="Sequences per inner step per peer.")
-    seq_len: int = Field(1024, ge=8, le=131_072, description="Tokens per sequence.")
-    outer_lr: float = Field(1.0, gt=0.0, le=10.0, description="Outer SGD learning rate.")
-    outer_momentum: float = Field(0.0, ge=0.0, lt=1.0, description="Outer SGD momentum.")
-    nesterov: bool = Field(False, description="Nesterov outer momentum (DiLoCo baseline).")
-    top_k: int = Field(64, ge=1, le=4096, description="Values kept per 4096-element chunk.")
-    chunk_size: int = Field(64, ge=1, le=1024, description="Tile side for 2-D tensors.")
-    error_decay: float = Field(0.95, ge=0.0, le=1.0, description="Error-feedback decay beta.")
-    clip_to_median_norm: bool = Field(
-        False,
-        description="Scale down each peer's decoded update whose norm exceeds the round's median"
-        " (bounds a poisoning peer; SparseLoCo only).",
-    )
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for initialisation and data order.")
-    max_packet_bytes: int = Field(
-        64 * 2**20, ge=1024, le=2**34, description="Largest packet a peer may announce."
-    )
-    deadline_policy: DeadlinePolicy = Field(
-        default_factory=FixedDeadline, description="When a round's deadline falls."
-    )
-    overlap: bool = Field(
-        False, description="One-round-delayed outer step: train round r+1 while round r's packets move."
-    )
-    tree_fanout: int = Field(
-        2, ge=1, le=64,
-        description="Copies each peer forwards of a packet in its distribution tree: 1 is a chain (the"
-        " fastest on even links; a slow peer slows every peer after it), 2 a binary tree.",
-    )
-    min_peers: int = Field(1, ge=1, le=100_000, description="Peers needed before round 0 opens.")
     max_rounds: int | None = Field(
         None, ge=1, le=100_000_000, description="The run finishes after this many rounds."
     )
-    heartbeat_timeout_s: float = Field(
-        60.0, ge=1.0, le=86400.0, description="Silence after which a peer is marked gone."
+    model: ModelSection = Field(description="What is trained: preset, seed, data.")
+    inner: InnerSection = Field(default_factory=InnerSection, description="Inner AdamW steps.")
+    outer: OuterSection = Field(default_factory=OuterSection, description="Outer step and compression.")
+    exchange: ExchangeSection = Field(default_factory=ExchangeSection, description="Packet exchange.")
+    membership: MembershipSection = Field(
+        default_factory=MembershipSection, description="Joining and liveness."
     )
-    num_data_shards: int = Field(
-        1024, ge=1, le=1_000_000, description="Dataset shards; a peer reads peer_index % this."
+    deadline: DeadlinePolicy = Field(
+        default_factory=FixedDeadline, description="When a round's deadline falls."
     )
-    dht_bootstrap: list[Multiaddr] = Field(
-        default_factory=list, max_length=64, description="Multiaddrs of DHT bootstrap peers."
-    )
-    join_policy: Literal["open", "token"] = Field(
-        "open", description="Whether joining needs one of `join_tokens`."
-    )
-    join_tokens: list[Annotated[str, StringConstraints(min_length=8, max_length=256)]] = Field(
-        default_factory=list,
-        max_length=10_000,
-        description="Join tokens (or 'sha256:<hex>' of one); stored hashed, never returned.",
-    )
-    data: str | None = Field(None, max_length=1024, description="Dataset name or path.")
 
     def redacted(self) -> "RunConfig":
         """The config as shown to anyone: join tokens removed."""
-        return self.model_copy(update={"join_tokens": []})
+        membership = self.membership.model_copy(update={"join_tokens": []})
+        return self.model_copy(update={"membership": membership})
+
+    @classmethod
+    def from_stored(cls, json_text: str) -> "RunConfig":
+        """A config as a coordinator database stored it: one written before the sections (a flat
+        table) is nested first (`nest_flat`)."""
+        document = json.loads(json_text)
+        if isinstance(document, dict) and any(key in FLAT_KEYS for key in document):
+            return cls.model_validate(nest_flat(document))
+        return cls.model_validate_json(json_text)
 
 
-class ConfigError(ValueError):
-    """A run config file could not be read or does not validate; the message names the key."""
+# Where each key of the flat config (before the sections) went; `name` and `max_rounds` stayed.
+FLAT_KEYS: dict[str, str] = {
+    "preset": "model.preset",
+    "seed": "model.seed",
+    "data": "model.data",
+    "num_data_shards": "model.num_data_shards",
+    "inner_steps": "inner.steps",
+    "inner_lr": "inner.lr",
+    "inner_betas": "inner.betas",
+    "inner_weight_decay": "inner.weight_decay",
+    "grad_clip": "inner.grad_clip",
+    "warmup_steps": "inner.warmup_steps",
+    "total_steps": "inner.total_steps",
+    "min_lr_ratio": "inner.min_lr_ratio",
+    "batch_size": "inner.batch_size",
+    "seq_len": "inner.seq_len",
+    "strategy": "outer.strategy",
+    "outer_lr": "outer.lr",
+    "outer_momentum": "outer.momentum",
+    "nesterov": "outer.nesterov",
+    "top_k": "outer.top_k",
+    "chunk_size": "outer.chunk_size",
+    "error_decay": "outer.error_decay",
+    "clip_to_median_norm": "outer.clip_to_median_norm",
+    "overlap": "outer.overlap",
+    "max_packet_bytes": "exchange.max_packet_bytes",
+    "tree_fanout": "exchange.tree_fanout",
+    "dht_bootstrap": "exchange.dht_bootstrap",
+    "min_peers": "membership.min_peers",
+    "heartbeat_timeout_s": "membership.heartbeat_timeout_s",
+    "join_policy": "membership.join_policy",
+    "join_tokens": "membership.join_tokens",
+    "deadline_policy": "deadline",
+}
 
 
-def load_run_config(path: Path) -> RunConfig:
-    """Read and validate a TOML (or JSON, by suffix) run config file."""
-    path = Path(path)
-    try:
-        raw_text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
-    try:
-        if path.suffix == ".json":
-            return RunConfig.model_validate_json(raw_text)
-        return RunConfig.model_validate(tomllib.loads(raw_text))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
-    except ValidationError as e:
-        raise ConfigError(f"{path}: {describe_validation_error(e)}") from e
+def nest_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat config table (the layout before the sections) in sections; other keys stay put."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        *sections, leaf = FLAT_KEYS.get(key, key).split(".")
+        table = nested
+        for section in sections:
+            table = table.setdefault(section, {})
+        table[leaf] = value
+    return nested
 
 
-def describe_validation_error(error: ValidationError) -> str:
-    """One line naming each bad key: 'inner_lr: Input should be greater than 0'."""
-    parts = []
-    for item in error.errors():
-        loc = item["loc"]
-        # Drop the tag pydantic puts after a tagged union's field name ("deadline_policy.fixed.x").
-        loc = [p for i, p in enumerate(loc) if not (i and loc[i - 1] == "deadline_policy" and p in _DEADLINE_TAGS)]
-        key = ".".join(str(p) for p in loc) or "(top level)"
-        parts.append(f"{key}: {item['msg']}")
-    return "; ".join(parts)
+def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read and validate a TOML (or JSON, by suffix) run config file; `overrides` by dotted key
+    ("inner.lr") replace the file's values."""
+    return load_config(RunConfig, Path(path), overrides, renamed=FLAT_KEYS, unions=_UNIONS)
+

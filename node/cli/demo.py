@@ -43,7 +43,7 @@ def _demo(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     with LocalSwarm(workdir, num_peers=args.peers, preset=args.preset, rounds=args.rounds,
                     inner_steps=args.inner_steps, top_k=args.top_k, quiet=args.json,
-                    run_overrides={"overlap": args.overlap}) as swarm:
+                    run_overrides={"outer.overlap": args.overlap}) as swarm:
         summary = swarm.run()
     if args.json:
         print(json.dumps(summary))
@@ -62,6 +62,8 @@ class LocalSwarm:
     Each node runs in its own process group, with its p2pd daemon: `stop` signals the group, so a
     node that was SIGKILLed (a fault test) leaves no orphaned daemon behind.
     `extra_node_args` maps a node index to extra `node join` flags (e.g. `--inject crash@round=1`).
+    `run_overrides` change the run config `run` creates, by dotted key (protocol/config_file.py):
+    {"outer.overlap": True, "deadline": {"kind": "fixed", "round_timeout_s": 40.0}}.
     """
 
     def __init__(self, workdir: Path, *, num_peers: int, preset: str, rounds: int, inner_steps: int, top_k: int,
@@ -70,7 +72,7 @@ class LocalSwarm:
         self.workdir, self.num_peers, self.preset, self.rounds = workdir, num_peers, preset, rounds
         self.inner_steps, self.top_k, self.quiet = inner_steps, top_k, quiet
         self.extra_node_args = dict(extra_node_args or {})
-        self.run_overrides = dict(run_overrides or {})  # RunConfig fields for `run`
+        self.run_overrides = dict(run_overrides or {})  # RunConfig fields for `run`, by dotted key
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
@@ -103,17 +105,22 @@ class LocalSwarm:
                 return self.url
         raise TimeoutError("coordinator did not start")
 
-    def create_run(self, **overrides) -> str:
+    def create_run(self, overrides: dict | None = None) -> str:
+        """Create the swarm's run; `overrides` by dotted key ("membership.heartbeat_timeout_s")."""
         import httpx
 
+        from protocol.config_file import with_overrides
+
         H = self.inner_steps
-        config = {
-            "name": "demo", "preset": self.preset, "strategy": "sparseloco", "inner_steps": H,
-            "batch_size": 8, "seq_len": 64, "warmup_steps": max(1, H), "total_steps": H * self.rounds,
-            "top_k": self.top_k, "min_peers": self.num_peers, "max_rounds": self.rounds,
-            "num_data_shards": max(1, self.num_peers), "heartbeat_timeout_s": 60.0,
-            "deadline_policy": {"kind": "fixed", "round_timeout_s": 300.0},
-        } | overrides
+        config = with_overrides({
+            "name": "demo", "max_rounds": self.rounds,
+            "model": {"preset": self.preset, "num_data_shards": max(1, self.num_peers)},
+            "inner": {"steps": H, "batch_size": 8, "seq_len": 64, "warmup_steps": max(1, H),
+                      "total_steps": H * self.rounds},
+            "outer": {"strategy": "sparseloco", "top_k": self.top_k},
+            "membership": {"min_peers": self.num_peers, "heartbeat_timeout_s": 60.0},
+            "deadline": {"kind": "fixed", "round_timeout_s": 300.0},
+        }, overrides)
         response = httpx.post(f"{self.url}/v1/runs", json=config, trust_env=False,
                               headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=30)
         response.raise_for_status()
@@ -155,7 +162,7 @@ class LocalSwarm:
         from node.training.model import build_model
 
         self.start_coordinator()
-        self.create_run(**self.run_overrides)
+        self.create_run(self.run_overrides)
         self._say(f"coordinator at {self.url} (status page: {self.url}/?run={self.run_id}); run {self.run_id}")
         # The first node founds the DHT; the others bootstrap through it (its multiaddrs are in the status).
         self.start_node(0)

@@ -73,7 +73,8 @@ def _doctor(args: argparse.Namespace) -> int:
     print(python.line(), flush=True)
     if python.status == FAIL:
         return 1
-    from node.config import NodeConfigError, load_node_config, read_node_config_file
+    from node.config import load_node_config
+    from protocol.config_file import ConfigError, read_config_file
 
     path = Path(args.config) if args.config else None
     overrides = {name: getattr(args, name) for name in (
@@ -81,10 +82,10 @@ def _doctor(args: argparse.Namespace) -> int:
         "checkpoint_dir")}
     try:
         # A coordinator is required to join, not to be checked: a placeholder stands in for a missing one.
-        if overrides["coordinator"] is None and "coordinator" not in (read_node_config_file(path) if path else {}):
+        if overrides["coordinator"] is None and "coordinator" not in (read_config_file(path) if path else {}):
             overrides["coordinator"] = NO_COORDINATOR
         config = load_node_config(path, overrides)
-    except NodeConfigError as e:
+    except ConfigError as e:
         print(Check("config", FAIL, str(e), "fix the key named above").line())
         return 1
     checks = [("torch", check_torch), ("device", lambda: check_device(config.device)), ("libp2p", check_libp2p)]

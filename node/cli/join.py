@@ -23,7 +23,7 @@ def register(subparsers) -> None:
     join = node_sub.add_parser(
         "join", help="join a run and train until it ends or Ctrl+C",
         description="Join a run. Settings come from --config (a TOML file, see deploy/node.toml), then from "
-                    "these flags, which override the file; defaults are NodeConfig's (node/round/loop.py).")
+                    "these flags, which override the file; defaults are NodeConfig's (node/config.py).")
     # Defaults are None ("not given") so that a flag overrides the file only when it is passed;
     # node/config.py applies the real defaults and checks every value.
     join.add_argument("--config", default=None, help="node config file, TOML (keys: NodeConfig's fields)")
@@ -67,7 +67,8 @@ JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "k
 
 
 def _join(args: argparse.Namespace) -> int:
-    from node.config import NodeConfigError, format_node_config, load_node_config
+    from node.config import format_node_config, load_node_config
+    from protocol.config_file import ConfigError
     from node.round.loop import Node
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -80,7 +81,7 @@ def _join(args: argparse.Namespace) -> int:
     try:
         config = load_node_config(Path(args.config) if args.config else None,
                                   {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})
-    except NodeConfigError as e:
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_node_config(config), file=sys.stderr, flush=True)
@@ -104,13 +105,15 @@ def _write_report(path: Path, node, reports) -> None:
 
     from node.training.params import flat_named_params
 
+    session = node.session  # None when the node never joined
     path.write_text(json.dumps({
-        "peer_id": getattr(node, "peer_id", None),
-        "preset": node.run_config.preset if hasattr(node, "run_config") else None,
+        "peer_id": node.peer_id,
+        "preset": session.run.model.preset if session else None,
         "rounds": [vars_of(r) | {"times": vars_of(r.times)} for r in reports],
     }))
-    if hasattr(node, "model"):
-        save_file({n: p.detach().cpu().contiguous() for n, p in flat_named_params(node.model).items()},
+    if session:
+        model = session.training.model
+        save_file({n: p.detach().cpu().contiguous() for n, p in flat_named_params(model).items()},
                   str(path.with_suffix(".safetensors")))
 
 

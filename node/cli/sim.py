@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, replace
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from node.round import sim as simulator
 from node.round.sim import ALGOS, SimConfig, simulate
+from protocol.config_file import describe_validation_error
 
 
 def register(subparsers) -> None:
@@ -51,8 +53,15 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     unknown = [a for a in algos if a not in ALGOS]
     if unknown:
         raise SystemExit(f"unknown strategy {unknown[0]!r}; choose from {', '.join(ALGOS)}")
-    return replace(
-        SimConfig(), algos=algos, preset=args.preset, num_peers=args.peers, inner_steps=args.inner_steps,
+    try:
+        return _sim_config(args, algos)
+    except ValidationError as e:
+        raise SystemExit(f"error: {describe_validation_error(e)}") from None
+
+
+def _sim_config(args: argparse.Namespace, algos: tuple[str, ...]) -> SimConfig:
+    return SimConfig(
+        algos=algos, preset=args.preset, num_peers=args.peers, inner_steps=args.inner_steps,
         num_rounds=args.rounds, batch_size=args.batch_size, seq_len=args.seq_len, top_k=args.top_k,
         error_decay=args.error_decay, overlap=args.overlap, sparseloco_inner_lr=args.sparseloco_inner_lr,
         diloco_inner_lr=args.diloco_inner_lr, diloco_outer_lr=args.diloco_outer_lr, ddp_lr=args.ddp_lr,
@@ -64,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def run_cli(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if not args.json:
-        print("resolved config:", json.dumps(asdict(cfg)))
+        print("resolved config:", cfg.model_dump_json())
     summary = simulate(cfg, Path(args.out), show_progress=True)
     per_strategy = {
         algo: {k: r[k] for k in ("final_val_loss", "tokens", "bytes_sent_per_peer_per_round", "wall_s")}

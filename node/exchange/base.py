@@ -7,27 +7,73 @@ A round's packets move in two layers (DESIGN.md, "Bytes on the wire" and "A roun
 - the packet bytes themselves, served by the publisher and by every peer that fetched and verified
   a copy (swarming), so that the publisher does not upload N-1 copies alone.
 
-The round loop uses the `Exchange` protocol:
+The round loop (node/round/loop.py) uses the `Exchange` protocol and nothing else:
 
     announcement = await exchange.publish(r, my_peer_id, packet_bytes)
     ...coordinator closes round r and lists {peer_id: digest} in its manifest...
-    packets = await exchange.fetch(r, manifest, timeout_s=60)   # a subset of the manifest
+    packets = await exchange.fetch(r, manifest, hints, timeout_s=60, parents=parents)  # a subset
+    exchange.traffic(r).downloaded_bytes, exchange.traffic(r).fetching_s()             # for its report
+    await exchange.publish_params(r + 1, snapshot)        # for peers catching up, who fetch_params
     await exchange.forget_before(r - keep_rounds)
 
 `fetch` never returns bytes whose sha256 differs from the digest asked for, and never hangs: a
 packet that no holder serves in time is left out of the result, and the caller decides (DESIGN.md:
 the manifest is fixed, so a missing packet means this peer skips the round and catches up).
+
+`node.exchange.p2p.P2PExchange` implements it over hivemind; an in-memory exchange written
+against this protocol (with `Traffic` from here) can stand in for it in unit tests. This module
+imports no transport.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from protocol.dht_records import Announcement
 
 
+@dataclass(frozen=True, slots=True)
+class Reachability:
+    """Whether peers on other networks can dial this node, and what to do if not
+    (node/exchange/reachability.py assesses a libp2p node's addresses)."""
+
+    maddrs: list[str]  # what this node announces
+    public_maddrs: list[str]  # the subset on globally routable IPs
+    relayed: bool  # announces a /p2p-circuit address
+    loopback_only: bool
+    reachable: bool  # can a peer on another network plausibly dial us
+    advice: str
+
+
+@dataclass(slots=True)
+class Traffic:
+    """Stream payload bytes this node moved for one round (failed transfers included)."""
+
+    downloaded_bytes: int = 0
+    uploaded_bytes: int = 0
+    num_fetched: int = 0  # verified packets obtained from others
+    num_served: int = 0  # complete packets sent to others
+    fetch_spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each packet fetched
+
+    def fetching_s(self) -> float:
+        """Wall time during which at least one of the round's packets was being fetched (lookups,
+        dials and transfers included): the time the download link had work."""
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(self.fetch_spans):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        return total
+
+
 class Exchange(Protocol):
     """What the round loop needs from a packet exchange (see the module docstring)."""
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (with /p2p/<id>) others dial: sent to the coordinator when joining."""
+        ...
 
     async def publish(self, round: int, peer_id: str, data: bytes) -> Announcement:
         """Keep `data` locally, serve it, and announce it for `round` under `peer_id` (in the background)."""
@@ -37,19 +83,46 @@ class Exchange(Protocol):
         """The publishers' announcements for `round` found in the DHT, by publisher peer id."""
         ...
 
+    async def holders(self, round: int, publisher: str) -> list[Announcement]:
+        """Peers that announced a verified copy of `publisher`'s packet for `round`."""
+        ...
+
     async def fetch(
         self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
-        timeout_s: float = 60,
+        timeout_s: float = 60, parents: dict[str, list[str]] | None = None,
     ) -> dict[str, bytes]:
         """Bytes for each `wanted` peer id whose sha256 equals the wanted digest; missing ones are left out.
 
-        `holders_hint` maps a publisher's peer id to holder multiaddrs to try besides the DHT's.
+        `holders_hint` maps a publisher's peer id to holder multiaddrs to try besides the DHT's;
+        `parents` maps it to the multiaddrs of this node's parent in the packet's distribution
+        tree (node.exchange.topology.tree_parent), asked first.
         """
         ...
 
+    def traffic(self, round: int) -> Traffic:
+        """This node's transfers for `round` so far (a live object: it grows while packets move)."""
+        ...
+
+    async def publish_params(self, round: int, data: bytes) -> Announcement:
+        """Hold, serve and announce a snapshot of the parameters that start `round`."""
+        ...
+
+    async def params_holders(self, round: int) -> list[Announcement]:
+        """Every announced snapshot of the parameters that start `round` (digests may differ)."""
+        ...
+
+    async def fetch_params(self, round: int, digest: str, timeout_s: float = 120.0) -> bytes | None:
+        """The snapshot for `round` whose sha256 is `digest`, from any holder; None if none served it."""
+        ...
+
     async def forget_before(self, round: int) -> None:
-        """Stop serving, and drop, packets of rounds before `round`."""
+        """Stop serving, and drop, packets and traffic counts of rounds before `round`."""
+        ...
+
+    async def reachability_check(self) -> Reachability:
+        """Refresh the addresses this node announces and say whether peers elsewhere can dial them."""
         ...
 
     async def shutdown(self) -> None:
+        """Stop serving and release the transport (idempotent)."""
         ...

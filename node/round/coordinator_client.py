@@ -17,7 +17,9 @@ import time
 
 import httpx
 
-from protocol.http import API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, RoundView, RunList, SubmitRequest, SubmitResponse, sign_request
+from protocol.http import (API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse,
+                           JoinRequest, JoinResponse, LeaveRequest, RoundView, RunInfo, RunList, RunStatus,
+                           SubmitRequest, SubmitResponse, sign_request)
 from protocol.signing import PeerKey
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,8 @@ class CoordinatorUnavailable(CoordinatorError):
 
 
 class Refused(CoordinatorError):
-    """A final 4xx answer; `code` is the coordinator's error code."""
+    """A final 4xx answer; `code` is the coordinator's error code (protocol.http.ErrorCode; a plain
+    string here, since a newer coordinator may send a code this node does not know)."""
 
     def __init__(self, status: int, code: str, detail: str):
         super().__init__(f"{status} {code}: {detail}")
@@ -40,12 +43,20 @@ class Refused(CoordinatorError):
 
 
 class CoordinatorClient:
-    def __init__(self, base_url: str, key: PeerKey, *, retry_for_s: float = 120.0, timeout_s: float = 90.0):
+    """Every call the node makes to the coordinator, each returning the protocol's typed response.
+
+    `transport` replaces the network (tests pass `httpx.ASGITransport(app)` to talk to an
+    in-process coordinator app); by default it is httpx's own.
+    """
+
+    def __init__(self, base_url: str, key: PeerKey, *, retry_for_s: float = 120.0, timeout_s: float = 90.0,
+                 transport: httpx.AsyncBaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
         self.key = key
         self.retry_for_s = retry_for_s
         self.run_id: str | None = None
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False,
+                                       transport=transport)
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -84,16 +95,16 @@ class CoordinatorClient:
     async def runs(self) -> RunList:
         return RunList.model_validate(await self._call("GET", "/runs", signed=False))
 
-    async def run_info(self, run_id: str) -> dict:
-        return await self._call("GET", f"/runs/{run_id}", signed=False)
+    async def run_info(self, run_id: str) -> RunInfo:
+        return RunInfo.model_validate(await self._call("GET", f"/runs/{run_id}", signed=False))
 
     async def status(self, run_id: str | None = None, retry_for_s: float | None = None,
-                     history: int | None = None) -> dict:
-        """The run's status JSON (protocol.http.RunStatus), as the status page reads it; `history`:
-        how many closed rounds it summarizes (default: the coordinator's limit, 1000)."""
-        return await self._call("GET", f"/runs/{run_id or self.run_id}/status", signed=False,
-                                params={"history": history} if history is not None else None,
-                                retry_for_s=retry_for_s)
+                     history: int | None = None) -> RunStatus:
+        """The run's status; `history`: how many closed rounds it summarizes (default: the
+        coordinator's limit, 1000)."""
+        return RunStatus.model_validate(await self._call(
+            "GET", f"/runs/{run_id or self.run_id}/status", signed=False,
+            params={"history": history} if history is not None else None, retry_for_s=retry_for_s))
 
     async def join(self, run_id: str, *, join_token: str | None, device: str, multiaddrs: list[str],
                    bandwidth_mbps: float | None = None, uplink_mbps: float | None = None) -> JoinResponse:

@@ -25,37 +25,62 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocol.packet import DEFAULT_MAX_PACKET_BYTES
+from protocol.run_config import RunConfig
 
 ALGOS = ("sparseloco", "diloco", "ddp")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SimConfig:
-    algos: tuple[str, ...] = ALGOS  # strategies to run, in order
-    preset: str = "mini"  # model preset (node.training.model.PRESETS)
-    num_peers: int = 4  # R, peers in the swarm
-    inner_steps: int = 15  # H, inner steps per round
-    num_rounds: int = 20  # rounds; the inner-step budget per peer is num_rounds * inner_steps
-    batch_size: int = 8  # sequences per inner step per peer
-    seq_len: int = 64  # tokens per sequence
-    top_k: int = 64  # SparseLoCo density: values kept per 4096-element chunk
-    error_decay: float = 0.95  # SparseLoCo error-feedback beta
-    overlap: bool = False  # one-round-delayed outer step (train round r+1 while round r's packets move)
-    sparseloco_inner_lr: float = 1e-3  # paper: 1e-3
-    diloco_inner_lr: float = 8e-4  # paper: 8e-4
-    diloco_outer_lr: float = 0.7  # paper: 0.6..0.7, Nesterov momentum 0.9
-    ddp_lr: float = 1e-3  # AdamW lr of the every-step baseline
-    warmup_fraction: float = 0.1  # of the inner-step budget
-    eval_every_rounds: int = 4  # validation cadence
-    eval_batches: int = 8  # validation batches per evaluation
-    seed: int = 0  # model init and batch sampling
-    data: str | None = None  # corpus path; None = the Python standard library's sources
-    threads: int = 2  # torch CPU threads
-    device: str = "cpu"
+class SimConfig(BaseModel):
+    """The simulator's settings: the swarm, and each strategy's learning rates (the paper's)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    algos: tuple[Literal["sparseloco", "diloco", "ddp"], ...] = Field(ALGOS, description="Strategies, in order.")
+    preset: str = Field("mini", description="Model preset (node.training.model.PRESETS).")
+    num_peers: int = Field(4, ge=1, le=1024, description="R, peers in the swarm.")
+    inner_steps: int = Field(15, ge=1, description="H, inner steps per round.")
+    num_rounds: int = Field(20, ge=1, description="Rounds; each peer's inner-step budget is rounds * H.")
+    batch_size: int = Field(8, ge=1, description="Sequences per inner step per peer.")
+    seq_len: int = Field(64, ge=8, description="Tokens per sequence.")
+    top_k: int = Field(64, ge=1, le=4096, description="SparseLoCo: values kept per 4096-element chunk.")
+    error_decay: float = Field(0.95, ge=0.0, le=1.0, description="SparseLoCo error-feedback beta.")
+    overlap: bool = Field(False, description="One-round-delayed outer step.")
+    sparseloco_inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="Paper: 1e-3.")
+    diloco_inner_lr: float = Field(8e-4, gt=0.0, le=1.0, description="Paper: 8e-4.")
+    diloco_outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="Paper: 0.6..0.7, Nesterov momentum 0.9.")
+    ddp_lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW lr of the every-step baseline.")
+    warmup_fraction: float = Field(0.1, ge=0.0, le=1.0, description="Warm-up, as a fraction of the step budget.")
+    eval_every_rounds: int = Field(4, ge=1, description="Rounds between validations.")
+    eval_batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
+    seed: int = Field(0, ge=0, description="Model init and batch sampling.")
+    data: str | None = Field(None, description="Corpus path; None: the Python standard library's sources.")
+    threads: int = Field(2, ge=1, description="Torch CPU threads.")
+    device: str = Field("cpu", description="Torch device.")
 
     @property
     def total_steps(self) -> int:
         return self.num_rounds * self.inner_steps
+
+    def run_config(self, algo: str) -> RunConfig:
+        """The run a node would be given for `algo`: the simulator builds its peers from it."""
+        lr = {"sparseloco": self.sparseloco_inner_lr, "diloco": self.diloco_inner_lr, "ddp": self.ddp_lr}[algo]
+        outer = ({"strategy": "diloco", "lr": self.diloco_outer_lr, "momentum": 0.9, "nesterov": True}
+                 if algo == "diloco" else {"strategy": algo, "top_k": self.top_k, "error_decay": self.error_decay})
+        return RunConfig.model_validate({
+            "name": f"sim-{algo}", "max_rounds": self.num_rounds,
+            "model": {"preset": self.preset, "seed": self.seed, "data": self.data},
+            "inner": {"steps": self.inner_steps, "lr": lr, "total_steps": self.total_steps,
+                      "warmup_steps": max(1, int(self.total_steps * self.warmup_fraction)),
+                      "batch_size": self.batch_size, "seq_len": self.seq_len},
+            "outer": outer | {"overlap": self.overlap},
+            "exchange": {"max_packet_bytes": DEFAULT_MAX_PACKET_BYTES},
+            "membership": {"min_peers": self.num_peers},
+        })
 
 
 @dataclass(slots=True)
@@ -68,13 +93,6 @@ class StrategyResult:
     digests_identical_every_round: bool = True
 
 
-def _inner_config(cfg: SimConfig, lr: float):
-    from node.training.inner import InnerConfig
-
-    return InnerConfig(lr=lr, warmup_steps=max(1, int(cfg.total_steps * cfg.warmup_fraction)),
-                       total_steps=cfg.total_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
-
-
 def _evaluate(model, corpus, cfg: SimConfig) -> float:
     from node.training.data import evaluate
 
@@ -83,31 +101,25 @@ def _evaluate(model, corpus, cfg: SimConfig) -> float:
 
 
 def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyResult:
-    """sparseloco or diloco: H local steps, exchange payload bytes, every peer applies the outer step."""
+    """sparseloco or diloco: H local steps, exchange payload bytes, every peer applies the outer step.
+
+    Each peer is built and trained as a node's is (node.training.peer.PeerTraining, from the run
+    config a coordinator would hand out), and overlap follows the node's pipeline
+    (node.round.overlap.Pipeline)."""
     import torch
 
-    from node.training.inner import make_inner_optimizer, run_inner_steps
+    from node.round.overlap import Pipeline
     from node.training.model import build_model
-    from node.training.outer import OuterConfig, make_outer
     from node.training.params import flat_named_params, param_digest
+    from node.training.peer import PeerTraining
     from protocol.signing import PeerKey
 
-    if algo == "sparseloco":
-        inner = _inner_config(cfg, cfg.sparseloco_inner_lr)
-        outer_cfg = OuterConfig(strategy="sparseloco", top_k=cfg.top_k, error_decay=cfg.error_decay,
-                                overlap=cfg.overlap)
-    else:
-        inner = _inner_config(cfg, cfg.diloco_inner_lr)
-        outer_cfg = OuterConfig(strategy="diloco", outer_lr=cfg.diloco_outer_lr, outer_momentum=0.9, nesterov=True,
-                                overlap=cfg.overlap)
+    run = cfg.run_config(algo)
     peer_ids = [f"p{i:02d}" for i in range(cfg.num_peers)]
     keys = {p: PeerKey.from_seed(p.encode()) for p in peer_ids}
     public = {p: k.public_bytes for p, k in keys.items()}
-    models = [build_model(cfg.preset, cfg.seed).to(cfg.device) for _ in peer_ids]
-    optimizers = [make_inner_optimizer(m, inner) for m in models]
-    outers = [make_outer(flat_named_params(m), outer_cfg) for m in models]
-    streams = [corpus.train.shard(i, cfg.num_peers).batches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.device)
-               for i in range(cfg.num_peers)]
+    peers = [PeerTraining.build(run, cfg.device, corpus.train.shard(i, cfg.num_peers)) for i in range(cfg.num_peers)]
+    outers = [peer.outer for peer in peers]
     result = StrategyResult(final_val_loss=float("nan"), tokens=0, bytes_sent_per_peer_per_round=0.0, wall_s=0.0)
     eval_model = build_model(cfg.preset, cfg.seed).to(cfg.device)  # holds the global model for evaluation
 
@@ -119,26 +131,24 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
 
     result.curve.append((0, evaluate_global()))
     start, bytes_sent = time.perf_counter(), 0
-    digest = param_digest(models[0])
-    in_flight: dict[str, bytes] | None = None  # with overlap: the previous round's payloads
+    digest = param_digest(peers[0].model)
+    pipeline: Pipeline[dict[str, bytes]] = Pipeline(cfg.overlap)
     for r in range(cfg.num_rounds):
         for outer in outers:
             outer.begin_round()
         payloads = {}
-        for i, peer in enumerate(peer_ids):
-            run_inner_steps(models[i], optimizers[i], streams[i], r * cfg.inner_steps, cfg.inner_steps, inner,
-                            cfg.device, on_step=lambda *_: progress.update(1))
-            payloads[peer] = outers[i].make_payload(run_id="sim", round=r, peer_id=peer, base_digest=digest,
-                                                    key=keys[peer])
-            bytes_sent += len(payloads[peer])
-        to_apply, applied_round = (in_flight, r - 1) if cfg.overlap else (payloads, r)
-        in_flight = payloads
-        if to_apply is not None:
+        for peer_id, peer in zip(peer_ids, peers):
+            peer.train_round(r, on_step=lambda *_: progress.update(1))
+            payloads[peer_id] = peer.outer.make_payload(run_id="sim", round=r, peer_id=peer_id, base_digest=digest,
+                                                        key=keys[peer_id])
+            bytes_sent += len(payloads[peer_id])
+        if (landed := pipeline.land(r, payloads)) is not None:
+            applied_round, to_apply = landed
             digest = _apply_everywhere(outers, to_apply, public, applied_round)
         result.tokens += cfg.num_peers * cfg.inner_steps * cfg.batch_size * cfg.seq_len
         if (r + 1) % cfg.eval_every_rounds == 0 or r + 1 == cfg.num_rounds:
-            if cfg.overlap and r + 1 == cfg.num_rounds:  # the last round's update lands after training
-                digest = _apply_everywhere(outers, in_flight, public, r)
+            if r + 1 == cfg.num_rounds and (landed := pipeline.drain()) is not None:
+                digest = _apply_everywhere(outers, landed[1], public, landed[0])  # lands after training
             result.curve.append((result.tokens, evaluate_global()))
         progress.set_postfix_str(f"{algo} round {r + 1}/{cfg.num_rounds} val {result.curve[-1][1]:.3f}")
     result.wall_s = time.perf_counter() - start
@@ -165,10 +175,11 @@ def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
     """Every step: each peer's gradient on its own batch, averaged (fixed order), one AdamW step."""
     import torch
 
+    from node.training.build import inner_config
     from node.training.inner import lr_at, make_inner_optimizer
     from node.training.model import autocast_for, build_model, lm_loss, num_parameters
 
-    inner = _inner_config(cfg, cfg.ddp_lr)
+    inner = inner_config(cfg.run_config("ddp"))
     model = build_model(cfg.preset, cfg.seed).to(cfg.device)
     optimizer = make_inner_optimizer(model, inner)
     streams = [corpus.train.shard(i, cfg.num_peers).batches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.device)
@@ -215,7 +226,7 @@ def simulate(cfg: SimConfig, out_dir: Path | None = None, show_progress: bool = 
                 results[algo] = run_ddp(cfg, corpus, progress)
             else:
                 results[algo] = run_local_updates(algo, cfg, corpus, progress)
-    summary = {"config": asdict(cfg), "corpus": corpus.description,
+    summary = {"config": cfg.model_dump(mode="json"), "corpus": corpus.description,
                "strategies": {a: asdict(r) for a, r in results.items()}}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,13 @@
     faults = FaultInjector.parse(["corrupt-packet@round=1"])       # what node.round.loop does
 
 In the style of hivemind's FaultyAverager and torchft's EventInjector: a small enum of faults, each
-armed for one round or for every round, and a handful of explicit calls that the round loop makes
-at its phase boundaries. With no fault configured every call returns at once and changes nothing,
-so an honest node runs exactly the code a faulty one runs, minus the fault.
+armed for one round or for every round. Most are wrappers around the node's collaborators, put in
+place once when the node starts: the coordinator client (stale-submit), the packet exchange
+(corrupt-packet; slow-upload as a subclass of the P2P exchange, whose stream handler it stalls),
+and the peer's training (poison). Two are calls the round loop makes at its phase boundaries
+(crash at a phase; slow-compute, which pads the inner steps' time). With no fault configured
+every wrapper is the object itself and every call returns at once, so an honest node runs
+exactly the code a faulty one runs, minus the fault.
 
 Spec grammar: ``NAME[@key=value[,key=value...]]``; ``round`` absent means every round (a crash:
 the first round that reaches the phase).
@@ -188,39 +192,73 @@ class FaultInjector:
         await asyncio.sleep(max(floors) - compute_s)
         return max(floors)
 
-    def tamper_update(self, round: int, outer) -> None:
+    @staticmethod
+    def _tamper_update(spec: FaultSpec, round: int, outer) -> None:
         """poison: rewrite the local parameters so that `outer.deltas()` yields the poisoned update."""
         import torch
 
-        for spec in self._firing(Fault.POISON, round):
-            log.warning("fault injection: poisoning the update of round %d (%s x%g)", round, spec.mode, spec.factor)
-            generator = torch.Generator().manual_seed(round)
-            with torch.no_grad():
-                for name, p in outer.params.items():
-                    delta = outer.local_start[name] - p  # what outer.deltas() yields
-                    if spec.mode == "scale":
-                        poisoned = delta * spec.factor
-                    else:
-                        spread = delta.float().std() if delta.numel() > 1 else delta.abs().max()
-                        poisoned = torch.randn(delta.shape, generator=generator).to(delta) * spread * spec.factor
-                    p.copy_(outer.local_start[name] - poisoned)
+        log.warning("fault injection: poisoning the update of round %d (%s x%g)", round, spec.mode, spec.factor)
+        generator = torch.Generator().manual_seed(round)
+        with torch.no_grad():
+            for name, p in outer.params.items():
+                delta = outer.local_start[name] - p  # what outer.deltas() yields
+                if spec.mode == "scale":
+                    poisoned = delta * spec.factor
+                else:
+                    spread = delta.float().std() if delta.numel() > 1 else delta.abs().max()
+                    poisoned = torch.randn(delta.shape, generator=generator).to(delta) * spread * spec.factor
+                p.copy_(outer.local_start[name] - poisoned)
 
-    def tamper_packet(self, round: int, payload: bytes) -> bytes:
-        """corrupt-packet: flip one bit in the middle of the signed packet."""
-        if not self._firing(Fault.CORRUPT_PACKET, round):
-            return payload
-        corrupted = bytearray(payload)
-        corrupted[len(corrupted) // 2] ^= 0x01
-        log.warning("fault injection: corrupting the packet of round %d after signing", round)
-        return bytes(corrupted)
+    # -- wrappers around the node's collaborators -----------------------------------------------
 
-    async def before_submit(self, round: int, client) -> None:
-        """stale-submit: wait for the round to close before submitting to it."""
-        if not self._firing(Fault.STALE_SUBMIT, round):
-            return
-        log.warning("fault injection: holding the submission of round %d until the round closes", round)
-        while (await client.round(round, wait_s=30)).state != "closed":
-            pass
+    def wrap_training(self, training):
+        """poison: the peer's training, whose rounds end with the update replaced."""
+        if not any(s.fault is Fault.POISON for s in self.specs):
+            return training
+        injector = self
+
+        class PoisonedTraining(_Proxy):
+            def train_round(self, round: int, on_step=None):
+                result = self._inner.train_round(round, on_step)
+                for spec in injector._firing(Fault.POISON, round):
+                    injector._tamper_update(spec, round, self._inner.outer)
+                return result
+
+        return PoisonedTraining(training)
+
+    def wrap_exchange(self, exchange):
+        """corrupt-packet: an exchange that flips one bit in the middle of the signed packet before
+        publishing it (the announced digest is the corrupted bytes')."""
+        if not any(s.fault is Fault.CORRUPT_PACKET for s in self.specs):
+            return exchange
+        injector = self
+
+        class CorruptingExchange(_Proxy):
+            async def publish(self, round: int, peer_id: str, data: bytes):
+                if injector._firing(Fault.CORRUPT_PACKET, round):
+                    corrupted = bytearray(data)
+                    corrupted[len(corrupted) // 2] ^= 0x01
+                    log.warning("fault injection: corrupting the packet of round %d after signing", round)
+                    data = bytes(corrupted)
+                return await self._inner.publish(round, peer_id, data)
+
+        return CorruptingExchange(exchange)
+
+    def wrap_client(self, client):
+        """stale-submit: a coordinator client that holds a submission until its round has closed."""
+        if not any(s.fault is Fault.STALE_SUBMIT for s in self.specs):
+            return client
+        injector = self
+
+        class StaleClient(_Proxy):
+            async def submit(self, round: int, **fields):
+                if injector._firing(Fault.STALE_SUBMIT, round):
+                    log.warning("fault injection: holding the submission of round %d until the round closes", round)
+                    while (await self._inner.round(round, wait_s=30)).state != "closed":
+                        pass
+                return await self._inner.submit(round, **fields)
+
+        return StaleClient(client)
 
     def exchange_class(self, base: type) -> type:
         """slow-upload: a subclass of the exchange whose stream handler stalls before answering."""
@@ -239,3 +277,13 @@ class FaultInjector:
                 await super()._serve(stream_info, reader, writer)
 
         return SlowUploadExchange
+
+
+class _Proxy:
+    """Stands in for a collaborator: every attribute not overridden is the wrapped object's."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)

@@ -1,9 +1,10 @@
 """The inner optimizer: H local AdamW steps between two outer steps (SparseLoCo / DiLoCo).
 
-Settings follow the SparseLoCo authors' 512M runs (DESIGN.md; their public code, QErywan/
-RobustDiLoCo at 276fa59): AdamW lr 1e-3, betas (0.9, 0.95), weight decay 0.1, gradient norm
-clipped to 1.0, learning rate warmed up linearly from 0.1x to the peak (torch's LinearLR with
-start_factor 0.1), then cosine-decayed to 0.1x of the peak at `total_steps` and held there.
+Settings follow the SparseLoCo authors' 512M runs (README.md, "The algorithm"; their public
+code, QErywan/RobustDiLoCo at 276fa59): AdamW lr 1e-3, betas (0.9, 0.95), weight decay 0.1,
+gradient norm clipped to 1.0, learning rate warmed up linearly from 0.1x to the peak (torch's
+LinearLR with start_factor 0.1), then cosine-decayed to 0.1x of the peak at `total_steps` and
+held there.
 
 Weight decay: the authors' code decays every parameter, RMSNorm gains included, and that is
 the default here (`decay_1d_params=True`). The more customary choice, no decay on 1-D

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest_coordinator import SignedPeer, create_run
+from tests.fixtures.coordinator import SignedPeer, create_run
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -74,7 +74,8 @@ def count_near(rows: list[bytes], rgb: tuple[int, int, int], tolerance: int = 40
 
 def populate(url: str) -> str:
     with httpx.Client(base_url=url, timeout=10) as client:
-        run_id = create_run(client, name="page-demo", min_peers=3, heartbeat_timeout_s=300.0)
+        run_id = create_run(client, {"name": "page-demo", "membership.min_peers": 3,
+                                     "membership.heartbeat_timeout_s": 300.0})
         peers = [SignedPeer(client) for _ in range(3)]
         for i, peer in enumerate(peers):
             peer.join(run_id, bandwidth_mbps=100.0 * (i + 1), device=f"gpu-{i}",

@@ -15,7 +15,7 @@ import pytest
 
 from protocol.http import sign_request
 from protocol.signing import PeerKey
-from tests.integration.conftest_coordinator import (
+from tests.fixtures.coordinator import (
     ADMIN_TOKEN,
     REPO_ROOT,
     SignedPeer,
@@ -29,8 +29,8 @@ def test_sigkill_and_restart_lose_nothing(start_coordinator, tmp_path):
     db_path = tmp_path / "coordinator.db"
     first = start_coordinator(db_path)
     with httpx.Client(base_url=first.url, timeout=10) as client:
-        run_id = create_run(client, min_peers=2, heartbeat_timeout_s=60.0,
-                            deadline_policy={"kind": "fixed", "round_timeout_s": 120.0})
+        run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": 60.0,
+                                    "deadline": {"kind": "fixed", "round_timeout_s": 120.0}})
         a, b = SignedPeer(client), SignedPeer(client)
         assert a.join(run_id).status_code == 200 and b.join(run_id).status_code == 200
         assert a.submit(run_id, 0).status_code == 200
@@ -73,8 +73,8 @@ def test_deadline_that_passed_while_down_closes_after_restart(start_coordinator,
     db_path = tmp_path / "coordinator.db"
     first = start_coordinator(db_path)
     with httpx.Client(base_url=first.url, timeout=10) as client:
-        run_id = create_run(client, min_peers=1,
-                            deadline_policy={"kind": "fixed", "round_timeout_s": 1.0})
+        run_id = create_run(client, {"membership.min_peers": 1,
+                                    "deadline": {"kind": "fixed", "round_timeout_s": 1.0}})
         peer = SignedPeer(client)
         peer.join(run_id)
         round_0 = client.get(f"/v1/runs/{run_id}/rounds/0").json()
@@ -122,8 +122,8 @@ async def _simulated_swarm(url: str, run_id: str, num_peers: int) -> tuple[list[
 def test_32_peers_submit_concurrently(start_coordinator):
     coordinator = start_coordinator()
     with httpx.Client(base_url=coordinator.url, timeout=10) as client:
-        run_id = create_run(client, min_peers=32, heartbeat_timeout_s=120.0,
-                            deadline_policy={"kind": "fixed", "round_timeout_s": 60.0})
+        run_id = create_run(client, {"membership.min_peers": 32, "membership.heartbeat_timeout_s": 120.0,
+                                    "deadline": {"kind": "fixed", "round_timeout_s": 60.0}})
     statuses, round_0 = asyncio.run(_simulated_swarm(coordinator.url, run_id, 32))
     assert statuses == [200] * 64
     assert round_0["state"] == "closed" and len(round_0["manifest"]) == 32
@@ -143,15 +143,15 @@ def _cli(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
 def test_operator_commands_against_a_live_server(start_coordinator, tmp_path):
     coordinator = start_coordinator()
     config = tmp_path / "run.toml"
-    config.write_text('name = "cli-run"\npreset = "small"\nmin_peers = 1\n'
-                      'inner_betas = [0.9, 0.99]\n[deadline_policy]\nkind = "fixed"\nround_timeout_s = 45.0\n')
+    config.write_text('name = "cli-run"\n[model]\npreset = "small"\n[membership]\nmin_peers = 1\n'
+                      '[inner]\nbetas = [0.9, 0.99]\n[deadline]\nkind = "fixed"\nround_timeout_s = 45.0\n')
     created = _cli("run", "create", "--coordinator", coordinator.url, "--config", str(config),
                    "--admin-token", ADMIN_TOKEN)
     assert created.returncode == 0, created.stderr
     run_id = created.stdout.strip()
     with httpx.Client(base_url=coordinator.url, timeout=10) as client:
         info = client.get(f"/v1/runs/{run_id}").json()
-        assert info["config"]["inner_betas"] == [0.9, 0.99]
+        assert info["config"]["inner"]["betas"] == [0.9, 0.99]
         peer = SignedPeer(client)
         peer.join(run_id, bandwidth_mbps=400.0)
         peer.submit(run_id, 0, train_loss=3.5)

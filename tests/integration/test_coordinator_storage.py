@@ -23,7 +23,7 @@ from coordinator.storage import (
 from protocol.http import JoinRequest, SubmitRequest
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
-from tests.integration.conftest_coordinator import FakeClock
+from tests.fixtures.coordinator import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,15 +129,15 @@ def test_service_round_flow_on_both_backends(storage_url):
     clock = FakeClock()
     storage = open_storage(storage_url)
     service = CoordinatorService(storage, clock=clock)
-    run_id = service.create_run(RunConfig(name="both", preset="tiny", min_peers=2))
+    run_id = service.create_run(RunConfig(name="both", model={"preset": "tiny"}, membership={"min_peers": 2}))
     keys = [PeerKey.generate() for _ in range(2)]
     peer_ids = [service.join(run_id, *_join(key)).peer_id for key in keys]
     for peer_id in peer_ids:
         service.submit(run_id, 0, peer_id, SubmitRequest(
             packet_digest="cd" * 32, packet_size_bytes=10, train_loss=1.0))
-    view = service.round_view(run_id, 0)
+    view = service.views.round_view(run_id, 0)
     assert view.state == "closed" and [e.peer_id for e in view.manifest] == sorted(peer_ids)
-    assert service.round_view(run_id, 1).state == "open"
+    assert service.views.round_view(run_id, 1).state == "open"
     storage.close()
 
 

@@ -13,7 +13,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -106,13 +105,17 @@ def test_ctrl_c_tears_everything_down(tmp_path):
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
     try:
         lines = []
-        for line in lab.stdout:  # interrupt once the nodes are starting: namespaces, shapers, processes all up
+        # Interrupt once nodes run: namespaces, shapers, the coordinator and node processes all up. The
+        # lab prints its first progress line ("round 0 ...") once the first node joined from inside its
+        # namespace and the other nodes were started.
+        for line in lab.stdout:
             lines.append(line)
-            if line.startswith("coordinator http://"):
+            if line.startswith("round "):
                 break
+        else:
+            pytest.fail("the lab ended before its first node joined:\n" + "".join(lines))
         prefix = next(line.split()[1].removesuffix("*:") for line in lines if line.startswith("lab "))
         assert prefix.startswith(LAB_PREFIX) and lab_namespaces(prefix)
-        time.sleep(2.0)  # let the first node process start inside its namespace
         lab.send_signal(signal.SIGINT)
         rest, _ = lab.communicate(timeout=60)
     finally:

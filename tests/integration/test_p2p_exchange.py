@@ -23,8 +23,9 @@ from protocol.dht_records import packets_key
 import msgpack
 from hivemind.p2p import PeerID
 
-from node.exchange.p2p import (HANDLER_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
-                               ExchangeConfig, P2PExchange)
+from node.exchange.p2p import ExchangeConfig, P2PExchange
+from protocol.stream import (PROTOCOL_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
+                             decode_request, request_body_length)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
@@ -55,9 +56,7 @@ class StallingExchange(P2PExchange):
     release: asyncio.Event
 
     async def _serve(self, _info, reader, writer):
-        (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(REQUEST_PREFIX.size))
-        round, publisher, *_ = self._parse_request(await reader.readexactly(length))
-        data = self._held[(round, publisher)].data
+        data = await _held_for_request(self, reader)
         writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(data)) + data[: len(data) // 2])
         await writer.drain()
         self.started.set()
@@ -69,9 +68,7 @@ class TricklingExchange(P2PExchange):
     """Sends the header, then the packet 256 bytes every 0.1 s: never silent, never done."""
 
     async def _serve(self, _info, reader, writer):
-        (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(REQUEST_PREFIX.size))
-        round, publisher, *_ = self._parse_request(await reader.readexactly(length))
-        data = self._held[(round, publisher)].data
+        data = await _held_for_request(self, reader)
         writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(data)))
         try:
             for start in range(0, len(data), 256):
@@ -97,9 +94,7 @@ class PausingExchange(P2PExchange):
         if self.paused.is_set():
             return await super()._serve(info, reader, writer)
         self.paused.set()
-        (length,) = REQUEST_PREFIX.unpack(await reader.readexactly(REQUEST_PREFIX.size))
-        round, publisher, *_ = self._parse_request(await reader.readexactly(length))
-        data = bytearray(self._held[(round, publisher)].data)
+        data = bytearray(await _held_for_request(self, reader))
         half = len(data) // 2
         writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(data)) + data[:half])
         await writer.drain()
@@ -111,6 +106,13 @@ class PausingExchange(P2PExchange):
             await writer.drain()
             await reader.read(1)  # the receipt
         writer.close()
+
+
+async def _held_for_request(exchange: P2PExchange, reader) -> bytes:
+    """The held bytes of the packet a stream's request names (what the handler would serve)."""
+    length = request_body_length(await reader.readexactly(REQUEST_PREFIX.size))
+    request = decode_request(await reader.readexactly(length))
+    return exchange._store.held[(request.round, request.publisher)].data
 
 
 class FirstHolder(random.Random):
@@ -243,19 +245,19 @@ def test_a_busy_holder_names_who_it_served_and_the_fetcher_gets_the_packet_there
             assert await first.fetch(0, {"peer0": sha(data)}, hint, timeout_s=20) == {"peer0": data}
 
             # A reader that asks for the packet and never reads holds the publisher's only slot.
-            _, reader, writer = await staller._p2p.call_binary_stream_handler(
-                PeerID.from_base58(publisher.holder_id), HANDLER_NAME)
+            _, reader, writer = await staller._host.p2p.call_binary_stream_handler(
+                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME)
             request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "peer0", "digest": sha(data)})
             writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             await writer.drain()
             status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
             assert status == STATUS_OK
-            await poll(lambda: publisher._uploads == 1, what="the stalled upload holding the slot")
+            await poll(lambda: publisher._server.num_uploads == 1, what="the stalled upload holding the slot")
 
             # A plain request now gets the busy answer, naming the first fetcher (a whole copy) before
             # the staller (a copy still arriving).
-            _, busy_reader, busy_writer = await second._p2p.call_binary_stream_handler(
-                PeerID.from_base58(publisher.holder_id), HANDLER_NAME)
+            _, busy_reader, busy_writer = await second._host.p2p.call_binary_stream_handler(
+                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME)
             busy_writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             status, length = RESPONSE_HEADER.unpack(await busy_reader.readexactly(RESPONSE_HEADER.size))
             assert status == STATUS_BUSY
@@ -277,9 +279,10 @@ def test_a_tree_child_that_asks_before_its_parent_has_a_copy_is_served_by_the_pa
         async with swarm(*[P2PExchange] * 3) as (publisher, parent, child):
             data = packet(18)
             ann = await publisher.publish(0, "pub", data)
+            asked = _signal_copy_lookups(parent)
             fetch = asyncio.create_task(child.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20,
                                                     parents={"pub": parent.visible_maddrs}))
-            await asyncio.sleep(0.3)  # the request waits at the parent, which does not want the packet yet
+            await asyncio.wait_for(asked.wait(), 10)  # the request waits at the parent, which does not want it yet
             assert not fetch.done() and child.traffic(0).downloaded_bytes == 0
             assert await parent.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
             assert await fetch == {"pub": data}
@@ -287,6 +290,19 @@ def test_a_tree_child_that_asks_before_its_parent_has_a_copy_is_served_by_the_pa
             assert publisher.traffic(0).uploaded_bytes == len(data)
 
     asyncio.run(scenario())
+
+
+def _signal_copy_lookups(exchange: P2PExchange) -> asyncio.Event:
+    """An event set when a request reaches `exchange`'s store asking for a copy (PacketStore.copy_for)."""
+    asked = asyncio.Event()
+    copy_for = exchange._store.copy_for
+
+    async def signalling_copy_for(*args):
+        asked.set()
+        return await copy_for(*args)
+
+    exchange._store.copy_for = signalling_copy_for
+    return asked
 
 
 def test_a_fetcher_that_finds_every_holder_busy_queues_for_the_next_free_slot():
@@ -298,8 +314,8 @@ def test_a_fetcher_that_finds_every_holder_busy_queues_for_the_next_free_slot():
             data = packet(15)
             ann = await publisher.publish(0, "peer0", data)
             assert await holder.fetch(0, {"peer0": ann.digest}, {"peer0": ann.multiaddrs}, timeout_s=20)
-            _, reader, writer = await staller._p2p.call_binary_stream_handler(
-                PeerID.from_base58(holder.holder_id), HANDLER_NAME)
+            _, reader, writer = await staller._host.p2p.call_binary_stream_handler(
+                PeerID.from_base58(holder.holder_id), PROTOCOL_NAME)
             request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "peer0", "digest": ann.digest})
             writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
@@ -307,13 +323,14 @@ def test_a_fetcher_that_finds_every_holder_busy_queues_for_the_next_free_slot():
 
             fetch = asyncio.create_task(fetcher.fetch(0, {"peer0": ann.digest}, {"peer0": holder.visible_maddrs},
                                                       timeout_s=20))
-            await poll(lambda: len(holder._upload_queue) == 1, what="the fetcher in the holder's queue")
+            await poll(lambda: len(holder._server.upload_queue) == 1, what="the fetcher in the holder's queue")
             freed = time.monotonic()
             writer.close()  # the stalled reader gives up its slot
             assert await fetch == {"peer0": data}
             assert time.monotonic() - freed < 4.0  # served from the queue, not after a 5 s busy pause
             assert fetcher.traffic(0).downloaded_bytes == len(data) and holder.traffic(0).num_served == 1
-            await poll(lambda: not holder._upload_queue and holder._uploads == 0, what="every slot free")
+            await poll(lambda: not holder._server.upload_queue and holder._server.num_uploads == 0,
+                       what="every slot free")
 
     asyncio.run(scenario())
 
@@ -326,28 +343,18 @@ def test_a_publisher_seeds_its_fresh_packet_beside_busy_slots():
             old, fresh = packet(16), packet(17)
             old_ann = await publisher.publish(0, "old", old)
             fresh_ann = await publisher.publish(0, "fresh", fresh)
-            _, reader, writer = await staller._p2p.call_binary_stream_handler(
-                PeerID.from_base58(publisher.holder_id), HANDLER_NAME)
+            _, reader, writer = await staller._host.p2p.call_binary_stream_handler(
+                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME)
             request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "old", "digest": old_ann.digest})
             writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
-            assert status == STATUS_OK and publisher._uploads == 1
+            assert status == STATUS_OK and publisher._server.num_uploads == 1
             got = await fetcher.fetch(0, {"fresh": fresh_ann.digest}, {"fresh": fresh_ann.multiaddrs}, timeout_s=3)
             assert got == {"fresh": fresh}
-            assert not publisher._upload_queue
+            assert not publisher._server.upload_queue
             writer.close()
 
     asyncio.run(scenario())
-
-
-@pytest.mark.parametrize("raw", [b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([1, 2]),
-                                 msgpack.packb(["not-a-peer-id"]), msgpack.packb(["x"] * 9)])
-def test_busy_answers_that_are_not_lists_of_peer_ids_are_malformed(raw):
-    from node.exchange.p2p import _parse_busy
-    from protocol.errors import MalformedPacket
-
-    with pytest.raises(MalformedPacket):
-        _parse_busy(raw)
 
 
 async def _all_announced(reader: P2PExchange, names: list[str]):
@@ -372,7 +379,7 @@ def test_bad_copy_is_refused_and_fetched_from_an_honest_holder(faulty):
                 await holder.wait_background()
             await poll(lambda: _holders_if(fetcher, "pub", 2), what="two extra holders")
 
-            fetcher._rng = FirstHolder(tamperer.holder_id)
+            fetcher._fetcher.rng = FirstHolder(tamperer.holder_id)
             got = await fetcher.fetch(0, {"pub": ann.digest}, timeout_s=20)
             assert got == {"pub": data}
             if faulty is TamperingExchange:  # caught by digest, after the whole bad copy arrived
@@ -396,7 +403,7 @@ async def _held_by(publisher: P2PExchange, holder: P2PExchange, fetcher: P2PExch
     assert await holder.fetch(0, {"pub": ann.digest}, timeout_s=20) == {"pub": data}
     await holder.wait_background()
     await poll(lambda: _holders_if(fetcher, "pub", 1), what="the holder's record")
-    fetcher._rng = FirstHolder(holder.holder_id)
+    fetcher._fetcher.rng = FirstHolder(holder.holder_id)
     return data, ann.digest
 
 
@@ -482,7 +489,7 @@ def test_a_forwarded_copy_that_fails_upstream_ends_short_and_the_forwarder_is_no
             await first
             return publisher.holder_id
 
-    with caplog.at_level("INFO", logger="node.exchange.p2p"):
+    with caplog.at_level("INFO", logger="node.exchange"):
         publisher_id = asyncio.run(scenario())
     banned = [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
     # Only the middle bans, and only the publisher that sent it bad bytes; nobody bans the middle.
@@ -537,7 +544,7 @@ def test_bad_requests_get_an_error_frame_and_the_server_keeps_serving():
         async with swarm(P2PExchange, P2PExchange) as (server, client):
             data = packet(10, 1 << 16)
             ann = await server.publish(0, "pub", data)
-            p2p = client._p2p
+            p2p = client._host.p2p
             requests = [
                 REQUEST_PREFIX.pack(3) + b"\xc1\xc1\xc1",  # not msgpack
                 REQUEST_PREFIX.pack(1 << 30),  # claims a 1 GiB request
@@ -548,13 +555,13 @@ def test_bad_requests_get_an_error_frame_and_the_server_keeps_serving():
                 _request({"run": RUN_ID, "round": True, "peer": "pub", "digest": ann.digest}),
             ]
             for raw in requests:
-                _, reader, writer = await p2p.call_binary_stream_handler(server._p2p.peer_id, HANDLER_NAME)
+                _, reader, writer = await p2p.call_binary_stream_handler(server._host.p2p.peer_id, PROTOCOL_NAME)
                 writer.write(raw)
                 await writer.drain()
                 status, length = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10))
                 assert status == STATUS_ERROR and 0 < length <= 512
                 writer.close()
-            _, reader, writer = await p2p.call_binary_stream_handler(server._p2p.peer_id, HANDLER_NAME)
+            _, reader, writer = await p2p.call_binary_stream_handler(server._host.p2p.peer_id, PROTOCOL_NAME)
             writer.write(REQUEST_PREFIX.pack(100) + b"\x80")  # a truncated request, then hang up
             await writer.drain()
             writer.close()

@@ -41,7 +41,7 @@ def test_overlapped_rounds_keep_peers_identical(tmp_path):
     global models still agree, and the last aggregate lands before the nodes leave."""
     rounds, peers = 3, 3
     with LocalSwarm(tmp_path, num_peers=peers, preset="tiny", rounds=rounds, inner_steps=10, top_k=64,
-                    quiet=True, run_overrides={"overlap": True}) as swarm:
+                    quiet=True, run_overrides={"outer.overlap": True}) as swarm:
         summary = swarm.run(timeout_s=500)
         codes = [node.wait(timeout=60) for node in swarm.nodes]
         status = swarm.status()

@@ -11,7 +11,7 @@ import pytest
 
 from protocol.http import NONCE_WINDOW_S, JoinResponse, RunStatus, sign_request
 from protocol.signing import PeerKey
-from tests.integration.conftest_coordinator import (
+from tests.fixtures.coordinator import (
     ADMIN_HEADERS,
     REPO_ROOT,
     SignedPeer,
@@ -25,13 +25,13 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_create_list_get_close_run(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, join_policy="token", join_tokens=["secret-token-1"])
+    run_id = create_run(client, {"membership.join_policy": "token", "membership.join_tokens": ["secret-token-1"]})
     runs = client.get("/v1/runs").json()["runs"]
     assert [r["run_id"] for r in runs] == [run_id]
     info = client.get(f"/v1/runs/{run_id}").json()
     assert info["state"] == "waiting" and info["current_round"] == 0
-    assert info["config"]["inner_steps"] == 15 and info["config"]["top_k"] == 64
-    assert info["config"]["join_tokens"] == [], "join tokens must never be shown"
+    assert info["config"]["inner"]["steps"] == 15 and info["config"]["outer"]["top_k"] == 64
+    assert info["config"]["membership"]["join_tokens"] == [], "join tokens must never be shown"
     closed = client.post(f"/v1/runs/{run_id}/close", headers=ADMIN_HEADERS).json()
     assert closed["state"] == "closed" and closed["closed_at"] is not None
     latecomer = SignedPeer(client, clock=fake_clock)
@@ -51,22 +51,23 @@ def test_admin_calls_need_the_admin_token(coordinator_client):
 def test_bad_run_configs_are_refused_naming_the_key(coordinator_client):
     client = coordinator_client
     for bad, key in [
-        ({"inner_lr": -1.0}, "inner_lr"),
-        ({"inner_steps": "15"}, "inner_steps"),  # strict: no string-to-int coercion
-        ({"preset": "huge"}, "preset"),
+        ({"inner.lr": -1.0}, "inner.lr"),
+        ({"inner.steps": "15"}, "inner.steps"),  # strict: no string-to-int coercion
+        ({"model.preset": "huge"}, "model.preset"),
         ({"surprise": 1}, "surprise"),
-        ({"deadline_policy": {"kind": "psychic"}}, "deadline_policy"),
-        ({"deadline_policy": {"kind": "adaptive", "quantile": 2.0}}, "deadline_policy"),
+        ({"inner_lr": 1e-3}, "inner_lr"),  # the flat layout from before the sections
+        ({"deadline": {"kind": "psychic"}}, "deadline"),
+        ({"deadline": {"kind": "adaptive", "quantile": 2.0}}, "deadline"),
     ]:
-        response = client.post("/v1/runs", json=run_config(**bad), headers=ADMIN_HEADERS)
+        response = client.post("/v1/runs", json=run_config(bad), headers=ADMIN_HEADERS)
         assert error_of(response) == "invalid_request" and key in response.json()["detail"]
-    response = client.post("/v1/runs", json=run_config(join_policy="token"), headers=ADMIN_HEADERS)
+    response = client.post("/v1/runs", json=run_config({"membership.join_policy": "token"}), headers=ADMIN_HEADERS)
     assert error_of(response) == "invalid_config"
 
 
 def test_join_open_run_gives_identity_shard_and_params(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=2, num_data_shards=3)
+    run_id = create_run(client, {"membership.min_peers": 2, "model.num_data_shards": 3})
     first, second = SignedPeer(client, clock=fake_clock), SignedPeer(client, clock=fake_clock)
     joined = first.join(run_id, listen_multiaddrs=["/ip4/127.0.0.1/tcp/5000"], bandwidth_mbps=900.0)
     assert joined.status_code == 200, joined.text
@@ -78,7 +79,7 @@ def test_join_open_run_gives_identity_shard_and_params(coordinator_client, fake_
     assert body["dht_bootstrap"] == ["/ip4/127.0.0.1/tcp/4001/p2p/QmBootstrap"]
     assert body["config"]["name"] == "test-run" and body["heartbeat_interval_s"] == 5.0
     # The node parses answers with the shared models; the strict RunConfig must accept them.
-    assert JoinResponse.model_validate(body).config.min_peers == 2
+    assert JoinResponse.model_validate(body).config.membership.min_peers == 2
     assert JoinResponse.model_validate_json(joined.content).peer_id == first.peer_id
     second_body = second.join(run_id).json()
     assert second_body["peer_index"] == 1 and second_body["run_state"] == "running"
@@ -90,7 +91,8 @@ def test_join_open_run_gives_identity_shard_and_params(coordinator_client, fake_
 def test_join_token_policy(coordinator_client, fake_clock):
     client = coordinator_client
     hashed = "sha256:" + __import__("hashlib").sha256(b"hashed-token-2").hexdigest()
-    run_id = create_run(client, join_policy="token", join_tokens=["plain-token-1", hashed])
+    run_id = create_run(client, {"membership.join_policy": "token",
+                                 "membership.join_tokens": ["plain-token-1", hashed]})
     peer = SignedPeer(client, clock=fake_clock)
     assert error_of(peer.join(run_id)) == "join_refused"
     assert error_of(peer.join(run_id, join_token="wrong-token")) == "join_refused"
@@ -101,7 +103,7 @@ def test_join_token_policy(coordinator_client, fake_clock):
 
 def test_peer_auth_refusals(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=2)
+    run_id = create_run(client, {"membership.min_peers": 2})
     alice, bob = SignedPeer(client, clock=fake_clock), SignedPeer(client, clock=fake_clock)
     assert alice.join(run_id).status_code == 200 and bob.join(run_id).status_code == 200
     path = f"/v1/runs/{run_id}/heartbeat"
@@ -136,7 +138,7 @@ def test_peer_auth_refusals(coordinator_client, fake_clock):
     assert error_of(client.post(join_path, content=join_body, headers={**forged, **json_type})) == (
         "peer_mismatch")
     # A peer of another run is not a member of this one.
-    other_run = create_run(client, name="other")
+    other_run = create_run(client, {"name": "other"})
     assert error_of(alice.heartbeat(other_run, 0)) == "not_member"
 
 
@@ -169,7 +171,7 @@ def test_rate_limit_per_peer(tmp_path, fake_clock):
 
     from coordinator.app import create_app
     from coordinator.storage import open_storage
-    from tests.integration.conftest_coordinator import ADMIN_TOKEN
+    from tests.fixtures.coordinator import ADMIN_TOKEN
 
     storage = open_storage(f"sqlite:///{tmp_path / 'c.db'}")
     app = create_app(storage, ADMIN_TOKEN, clock=fake_clock, tick_s=None, rate_per_s=0.001,
@@ -186,7 +188,7 @@ def test_rate_limit_per_peer(tmp_path, fake_clock):
 
 def test_status_metrics_health_and_page(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=1)
+    run_id = create_run(client, {"membership.min_peers": 1})
     peer = SignedPeer(client, clock=fake_clock)
     peer.join(run_id, bandwidth_mbps=250.0, uplink_mbps=40.0)
     peer.submit(run_id, 0, train_loss=4.25)
@@ -241,8 +243,11 @@ def test_openapi_lists_every_route_with_models(coordinator_client):
             assert f"#/components/schemas/{request_model}" in json.dumps(operation["requestBody"])
             assert "#/components/schemas/ErrorBody" in json.dumps(operation["responses"]["409"])
     assert {"/metrics", "/"} <= set(schema["paths"])
-    config_fields = schema["components"]["schemas"]["RunConfig"]["properties"]
+    schemas = schema["components"]["schemas"]
+    config_fields = schemas["RunConfig"]["properties"]
     assert all(field.get("description") for field in config_fields.values())
+    for section in ("ModelSection", "InnerSection", "OuterSection", "ExchangeSection", "MembershipSection"):
+        assert all(field.get("description") for field in schemas[section]["properties"].values()), section
 
 
 def test_coordinator_never_imports_torch():

@@ -3,6 +3,7 @@ terminal status table, and the wiring into `locoswarm`."""
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -16,29 +17,33 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_load_run_config_toml_and_json(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('name = "a"\npreset = "1b"\nstrategy = "diloco"\nouter_momentum = 0.9\n'
-                    'nesterov = true\njoin_policy = "token"\njoin_tokens = ["long-enough-token"]\n')
+    toml.write_text('name = "a"\n[model]\npreset = "1b"\n[outer]\nstrategy = "diloco"\nmomentum = 0.9\n'
+                    'nesterov = true\n[membership]\njoin_policy = "token"\njoin_tokens = ["long-enough-token"]\n')
     config = load_run_config(toml)
-    assert (config.preset, config.strategy, config.nesterov) == ("1b", "diloco", True)
-    assert config.deadline_policy.round_timeout_s == 120.0 and config.inner_steps == 15
+    assert (config.model.preset, config.outer.strategy, config.outer.nesterov) == ("1b", "diloco", True)
+    assert config.deadline.round_timeout_s == 120.0 and config.inner.steps == 15
     as_json = tmp_path / "run.json"
     as_json.write_text(config.model_dump_json())
     assert load_run_config(as_json) == config
 
 
 @pytest.mark.parametrize("text, key", [
-    ('name = "a"\npreset = "tiny"\ninner_lr = 0\n', "inner_lr"),
-    ('name = "a"\npreset = "tiny"\ntop_k = "64"\n', "top_k"),
-    ('name = "a"\npreset = "tiny"\ninner_stepz = 15\n', "inner_stepz"),
-    ('name = "a"\n', "preset"),
-    ('name = "a"\npreset = "tiny"\n[deadline_policy]\nround_timeout_s = -1\n',
-     "deadline_policy.round_timeout_s"),
-    ('name = "a"\npreset = \n', "not valid TOML"),
+    ('name = "a"\n[model]\npreset = "tiny"\n[inner]\nlr = 0\n', "inner.lr: Input should be greater than 0"),
+    ('name = "a"\n[model]\npreset = "tiny"\n[outer]\ntop_k = "64"\n', "outer.top_k"),
+    ('name = "a"\n[model]\npreset = "tiny"\n[inner]\nstepz = 15\n', "inner.stepz: unknown key"),
+    ('name = "a"\n', "model: required"),
+    ('name = "a"\n[model]\n', "model.preset: required"),
+    ('name = "a"\n[model]\npreset = "tiny"\n[deadline]\nround_timeout_s = -1\n',
+     "deadline.round_timeout_s"),
+    ('name = "a"\n[model]\npreset = "tiny"\n[deadline]\nkind = "adaptive"\nquantile = 2.0\n',
+     "deadline.quantile"),
+    ('name = "a"\npreset = "tiny"\ninner_lr = 0.1\n', "inner_lr: unknown key (it is now inner.lr)"),
+    ('name = "a"\n[model]\npreset = \n', "not valid TOML"),
 ])
 def test_bad_config_files_name_the_bad_key(tmp_path, capsys, text, key):
     path = tmp_path / "run.toml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(key)):
         load_run_config(path)
     code = main(["run", "create", "--coordinator", "http://127.0.0.1:9", "--config", str(path),
                  "--admin-token", "x" * 20])
@@ -104,8 +109,8 @@ def test_terminal_status_table():
     status = {
         "now": 100.0,
         "run": {"run_id": "run-1", "name": "demo", "state": "running",
-                "config": {"preset": "tiny", "strategy": "sparseloco", "inner_steps": 15,
-                           "min_peers": 2}},
+                "config": {"model": {"preset": "tiny"}, "outer": {"strategy": "sparseloco"},
+                           "inner": {"steps": 15}, "membership": {"min_peers": 2}}},
         "current_round": {"round": 3, "state": "open", "deadline": 130.0, "num_submitted": 1,
                           "num_expected": 2, "opened_at": 90.0},
         "peers": [

@@ -10,7 +10,7 @@ import pytest
 
 from protocol.http import RoundView
 
-from tests.integration.conftest_coordinator import (
+from tests.fixtures.coordinator import (
     ADMIN_TOKEN,
     SignedPeer,
     create_run,
@@ -48,7 +48,7 @@ def start_parked(client, long_poll) -> threading.Thread:
 
 def test_round_zero_waits_for_min_peers_then_closes_early(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=3)
+    run_id = create_run(client, {"membership.min_peers": 3})
     peers = peers_for(client, fake_clock, run_id, 2)
     assert round_of(client, run_id, 0)["state"] == "pending"
     assert error_of(peers[0].submit(run_id, 0)) == "round_not_open"
@@ -71,7 +71,8 @@ def test_round_zero_waits_for_min_peers_then_closes_early(coordinator_client, fa
 
 def test_deadline_close_and_refusal_codes(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=3, max_packet_bytes=4096, heartbeat_timeout_s=300.0)
+    run_id = create_run(client, {"membership.min_peers": 3, "exchange.max_packet_bytes": 4096,
+                                 "membership.heartbeat_timeout_s": 300.0})
     a, b, c = peers_for(client, fake_clock, run_id, 3)
     assert a.submit(run_id, 0).status_code == 200
     assert a.submit(run_id, 0).status_code == 200, "a retry of the same submission is accepted"
@@ -92,7 +93,7 @@ def test_deadline_close_and_refusal_codes(coordinator_client, fake_clock):
 
 def test_late_joiner_does_not_block_but_may_submit(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=2)
+    run_id = create_run(client, {"membership.min_peers": 2})
     a, b = peers_for(client, fake_clock, run_id, 2)
     late = SignedPeer(client, clock=fake_clock)
     joined = late.join(run_id).json()
@@ -112,7 +113,7 @@ def test_late_joiner_does_not_block_but_may_submit(coordinator_client, fake_cloc
 
 def test_empty_rounds_close_at_deadline_and_max_rounds_finishes(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=1, max_rounds=2, heartbeat_timeout_s=300.0)
+    run_id = create_run(client, {"membership.min_peers": 1, "max_rounds": 2, "membership.heartbeat_timeout_s": 300.0})
     (peer,) = peers_for(client, fake_clock, run_id, 1)
     fake_clock.advance(31.0)
     empty = round_of(client, run_id, 0)
@@ -130,7 +131,7 @@ def test_empty_rounds_close_at_deadline_and_max_rounds_finishes(coordinator_clie
 
 def test_applied_digests_majority_and_flags(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=3)
+    run_id = create_run(client, {"membership.min_peers": 3})
     a, b, c = peers_for(client, fake_clock, run_id, 3)
     assert error_of(a.applied(run_id, 0, "ab" * 16)) == "round_not_closed"
     assert error_of(a.applied(run_id, 7, "ab" * 16)) == "round_not_found"
@@ -155,7 +156,7 @@ def test_applied_digests_majority_and_flags(coordinator_client, fake_clock):
 
 def test_silent_peers_become_gone_and_do_not_block(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=2, heartbeat_timeout_s=20.0)
+    run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": 20.0})
     a, b = peers_for(client, fake_clock, run_id, 2)
     fake_clock.advance(15.0)
     assert a.heartbeat(run_id, 0).json()["current_round"] == 0
@@ -175,7 +176,7 @@ def test_silent_peers_become_gone_and_do_not_block(coordinator_client, fake_cloc
 
 def test_leave_can_close_the_round(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=2)
+    run_id = create_run(client, {"membership.min_peers": 2})
     a, b = peers_for(client, fake_clock, run_id, 2)
     a.submit(run_id, 0)
     left = b.post(f"/v1/runs/{run_id}/leave", {"reason": "shutting down"})
@@ -189,7 +190,7 @@ def test_leave_can_close_the_round(coordinator_client, fake_clock):
 
 def test_long_poll_wakes_when_the_round_closes(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=2)
+    run_id = create_run(client, {"membership.min_peers": 2})
     a, b = peers_for(client, fake_clock, run_id, 2)
     a.submit(run_id, 0)
     started = time.monotonic()
@@ -213,7 +214,7 @@ def test_long_poll_answers_each_submission_with_the_packets_so_far(coordinator_c
     """Peers fetch packets before the round closes: `submitted_gt=n` answers once more than n packets
     came, listing them (not yet a manifest); the list empties into the manifest at the close."""
     client = coordinator_client
-    run_id = create_run(client, min_peers=3)
+    run_id = create_run(client, {"membership.min_peers": 3})
     a, b, c = peers_for(client, fake_clock, run_id, 3)
     started = time.monotonic()
     view = round_of(client, run_id, 0, wait_s=0.2)
@@ -253,7 +254,7 @@ def test_restart_on_the_same_database_resumes(tmp_path, fake_clock):
 
     storage = open_storage(db_url)
     with TestClient(app_on(storage)) as client:
-        run_id = create_run(client, min_peers=2, heartbeat_timeout_s=20.0)
+        run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": 20.0})
         a, b = peers_for(client, fake_clock, run_id, 2)
         a.submit(run_id, 0)
         b.submit(run_id, 0)

@@ -19,7 +19,7 @@ from node.training.params import flat_named_params, param_digest
 from protocol import errors
 from protocol.packet import decode_packet
 from protocol.signing import PeerKey
-from tests.integration.conftest_coordinator import REPO_ROOT, SignedPeer, create_run
+from tests.fixtures.coordinator import REPO_ROOT, SignedPeer, create_run
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,37 +69,70 @@ def _train_a_little(model, seed=1):
             p.add_(torch.randn_like(p) * 1e-3)
 
 
+class _Training:
+    """What the poison wrapper needs of a peer's training: train_round and the outer step."""
+
+    def __init__(self, model, outer):
+        self.model, self.outer = model, outer
+
+    def train_round(self, round, on_step=None):
+        _train_a_little(self.model)  # the same honest update whatever the round
+        return "result"
+
+
+class _Exchange:
+    def __init__(self):
+        self.published = []
+
+    async def publish(self, round, peer_id, data):
+        self.published.append((round, peer_id, data))
+        return "announcement"
+
+
+class _Client:
+    """Answers `round` as open until its third call, and records submissions."""
+
+    def __init__(self):
+        self.calls, self.submitted = 0, []
+
+    async def round(self, round, wait_s=0.0):
+        self.calls += 1
+        return type("View", (), {"state": "closed" if self.calls >= 3 else "open"})()
+
+    async def submit(self, round, **fields):
+        self.submitted.append((round, fields))
+        return "response"
+
+
 def test_unarmed_injector_changes_nothing():
     faults = FaultInjector.parse([])
     assert not faults and faults.describe() == "none"
     model, outer = _outer()
-    _train_a_little(model)
-    before = param_digest(model)
-    faults.tamper_update(0, outer)
-    assert param_digest(model) == before
-    payload = b"packet bytes"
-    assert faults.tamper_packet(0, payload) is payload
+    training, exchange, client = _Training(model, outer), _Exchange(), _Client()
+    assert faults.wrap_training(training) is training
+    assert faults.wrap_exchange(exchange) is exchange
+    assert faults.wrap_client(client) is client
     assert faults.exchange_class(dict) is dict
     asyncio.run(faults.at_phase(Phase.TRAINING, 0))
-    asyncio.run(faults.before_submit(0, client=None))
 
 
 def test_poison_scales_the_update_or_replaces_it_by_noise():
-    model, outer = _outer()
-    _train_a_little(model)
-    honest = {name: delta.clone() for name, delta in outer.deltas()}
-    FaultInjector.parse(["poison@round=2,factor=1000"]).tamper_update(1, outer)  # not its round
-    assert all(torch.equal(honest[n], d) for n, d in outer.deltas())
-    FaultInjector.parse(["poison@round=2,factor=1000"]).tamper_update(2, outer)
-    for name, delta in outer.deltas():
+    def update_after(faults: list[str], round: int) -> dict[str, torch.Tensor]:
+        model, outer = _outer()
+        training = FaultInjector.parse(faults).wrap_training(_Training(model, outer))
+        assert training.train_round(round) == "result" and training.model is model  # the rest: the wrapped's
+        return {name: delta.clone() for name, delta in outer.deltas()}
+
+    honest = update_after([], 1)
+    not_its_round = update_after(["poison@round=2,factor=1000"], 1)
+    assert all(torch.equal(honest[n], d) for n, d in not_its_round.items())
+    for name, delta in update_after(["poison@round=2,factor=1000"], 2).items():
         torch.testing.assert_close(delta, honest[name] * 1000, rtol=1e-3, atol=1e-4)
 
-    model, outer = _outer()
-    _train_a_little(model)
-    FaultInjector.parse(["poison@mode=random,factor=100"]).tamper_update(0, outer)
-    name, delta = max(outer.deltas(), key=lambda nd: nd[1].numel())
-    ratio = float(delta.std() / honest[name].std())
-    assert 50 < ratio < 200 and not torch.allclose(delta, honest[name] * 100)
+    noise = update_after(["poison@mode=random,factor=100"], 1)
+    name = max(noise, key=lambda n: noise[n].numel())
+    ratio = float(noise[name].std() / honest[name].std())
+    assert 50 < ratio < 200 and not torch.allclose(noise[name], honest[name] * 100)
 
 
 def test_corrupt_packet_is_refused_at_the_signature_by_any_decoder():
@@ -107,9 +140,12 @@ def test_corrupt_packet_is_refused_at_the_signature_by_any_decoder():
     _train_a_little(model)
     key = PeerKey.from_seed(b"corrupt")
     payload = outer.make_payload(run_id="r", round=1, peer_id="p0", base_digest="00" * 32, key=key)
-    faults = FaultInjector.parse(["corrupt-packet@round=1"])
-    assert faults.tamper_packet(0, payload) is payload
-    corrupted = faults.tamper_packet(1, payload)
+    inner = _Exchange()
+    exchange = FaultInjector.parse(["corrupt-packet@round=1"]).wrap_exchange(inner)
+    assert asyncio.run(exchange.publish(0, "p0", payload)) == "announcement"
+    asyncio.run(exchange.publish(1, "p0", payload))
+    (_, _, honest), (_, _, corrupted) = inner.published
+    assert honest is payload
     assert len(corrupted) == len(payload) and corrupted != payload
     with pytest.raises(errors.BadSignature):
         decode_packet(corrupted, outer.spec, key.public_bytes, run_id="r", round=1)
@@ -118,19 +154,12 @@ def test_corrupt_packet_is_refused_at_the_signature_by_any_decoder():
 
 
 def test_stale_submit_waits_for_the_round_to_close():
-    class Client:
-        def __init__(self):
-            self.calls = 0
-
-        async def round(self, round, wait_s=0.0):
-            self.calls += 1
-            return type("View", (), {"state": "closed" if self.calls >= 3 else "open"})()
-
-    client = Client()
-    asyncio.run(FaultInjector.parse(["stale-submit@round=4"]).before_submit(3, client))
-    assert client.calls == 0
-    asyncio.run(FaultInjector.parse(["stale-submit@round=4"]).before_submit(4, client))
-    assert client.calls == 3
+    inner = _Client()
+    client = FaultInjector.parse(["stale-submit@round=4"]).wrap_client(inner)
+    assert asyncio.run(client.submit(3, packet_digest="d3")) == "response"
+    assert inner.calls == 0
+    asyncio.run(client.submit(4, packet_digest="d4"))
+    assert inner.calls == 3 and inner.submitted == [(3, {"packet_digest": "d3"}), (4, {"packet_digest": "d4"})]
 
 
 def test_slow_upload_delays_every_served_stream():
@@ -181,7 +210,7 @@ def test_inject_flag_and_node_config_field():
 
 def test_refused_packets_reach_the_status_and_are_bounded(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, min_peers=2)
+    run_id = create_run(client, {"membership.min_peers": 2})
     a, b = (SignedPeer(client, clock=fake_clock) for _ in range(2))
     for peer in (a, b):
         assert peer.join(run_id).status_code == 200

@@ -1,0 +1,385 @@
+"""Fetching packets: which holders to ask, in what order, and the download with its checks.
+
+    fetcher = PacketFetcher(config, host, store, announcer, rng)
+    packets = await fetcher.fetch(round, {publisher: digest}, holders_hint, timeout_s, parents)
+
+Per packet, the search asks this node's parent in the packet's tree first (`parents`, from
+node.exchange.topology.tree_parent), as a "child" that waits in its queue and for its copy to
+start arriving; then the hinted holders (a manifest's addresses); then those the DHT knows (one
+batched lookup per fetch, made only when some packet needs it). Others' verified copies are tried
+in random order before the publisher, which keeps the publisher's uplink for the peers that find
+no other copy yet. A busy holder names peers with a copy: they are tried at once (they hold
+verified copies, or will in a moment), so a packet spreads as a tree, each copy feeding the next,
+instead of every peer pulling it through the publisher's uplink at 1/(N-1) of its rate. When
+every holder asked is busy, the fetcher asks one of them again with "wait" and waits in that
+holder's queue for its next free slot; only a queue that times out sends it into a short pause
+(`busy_pause_s`, doubling): busy answers followed by pauses had left the download link idle
+between transfers. A parent that fails sends the fetch on to this search. With every known
+holder failed, it re-reads the DHT for new ones every `holder_refresh_s`, until one serves or the
+caller's time-out.
+
+Bytes from holders are hostile. The download refuses a length that differs from the announced size
+(or exceeds `max_packet_bytes`) before buffering, hashes while reading, drops a holder that stalls
+for `stall_timeout_s` or trickles (under `min_rate_bytes_per_s` for `stall_timeout_s` while no
+other download runs), and on a digest mismatch or a malformed answer bans that holder for this
+fetch and tries the next one. A copy forwarded cut-through that fails upstream ends short: the
+fetcher, which never counts a short stream as a whole packet, tries another holder without
+banning that one. A verified copy is kept, served, and announced under the holders key, so later
+fetchers spread their load over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hivemind.p2p import PeerID
+
+from node.exchange.announce import Announcer
+from node.exchange.host import Host, dial_addresses
+from node.exchange.reachability import addresses_by_holder
+from node.exchange.store import Held, PacketStore, Partial
+from protocol.dht_records import Announcement, holders_key, packets_key
+from protocol.errors import MalformedPacket, OversizedPacket
+from protocol.stream import (
+    MAX_ERROR_BYTES, RECEIPT, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, DigestMismatch, HolderBusy,
+    HolderRefused, PacketRequest, decode_busy, decode_error, decode_response_header, encode_request,
+)
+
+if TYPE_CHECKING:
+    from node.exchange.p2p import ExchangeConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FetchState:
+    round: int
+    publisher: str
+    digest: str
+    size_bytes: int | None  # from an announcement; None: unknown, bounded by max_packet_bytes
+    banned: set[str] = field(default_factory=set)  # holders that sent bad bytes
+
+
+class PacketFetcher:
+    """Finds holders of wanted packets and downloads verified copies into the store."""
+
+    def __init__(self, config: ExchangeConfig, host: Host, store: PacketStore, announcer: Announcer,
+                 rng: random.Random):
+        self.config = config
+        self._host, self._store, self._announcer = host, store, announcer
+        self.holder_id = host.holder_id
+        self.rng = rng  # packet and holder order; tests replace it to force an order
+        self._fetch_slots = asyncio.Semaphore(config.max_parallel_fetches)  # shared by every fetch() call
+        self._dialed: set[str] = set()  # holders p2pd has addresses for (dialing costs a daemon round trip)
+        self._num_downloads = 0  # packet bodies being read now
+        self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
+
+    async def fetch(
+        self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
+        timeout_s: float = 60, parents: dict[str, list[str]] | None = None,
+    ) -> dict[str, bytes]:
+        """The wanted packets ({publisher: digest}) that some holder served and that verified."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        held = self._store.held
+        result = {p: h.data for p, d in wanted.items() if (h := held.get((round, p))) and h.digest == d}
+        todo = {p: d for p, d in wanted.items() if p not in result}
+        if not todo:
+            return result
+        run_id = self.config.run_id
+        keys: dict[str | None, str] = {None: packets_key(run_id, round)}
+        for publisher in list(todo):
+            try:
+                keys[publisher] = holders_key(run_id, round, publisher)
+            except ValueError as e:  # cannot be announced under that id, so nobody can serve it
+                log.warning("round %d: leaving out %r: %s", round, publisher, e)
+                del todo[publisher]
+        # One batched DHT search for the round's announcements and every wanted packet's extra
+        # holders, made only when some packet needs it: one with hinted holders (the manifest's
+        # addresses) starts at once and asks the DHT only if they fail.
+        lookup_task: asyncio.Future | None = None
+
+        def lookup() -> asyncio.Future:
+            nonlocal lookup_task
+            if lookup_task is None:
+                lookup_task = asyncio.ensure_future(self._announcer.lookup(keys, round, deadline))
+            return lookup_task
+
+        for maddrs in [*(holders_hint or {}).values(), *(parents or {}).values()]:  # to reach peers named later
+            self._addresses.update(addresses_by_holder(maddrs))
+
+        async def one(publisher: str, digest: str) -> bytes | None:
+            state = FetchState(round, publisher, digest, None)
+            hints = hinted_holders((holders_hint or {}).get(publisher, []), state)
+            parent = next(iter(hinted_holders((parents or {}).get(publisher, []), state)), None)
+            started = loop.time()
+            log.debug("round %d: fetching %s's packet, parent %s", round, publisher,
+                      parent.holder[-8:] if parent else None)
+            try:
+                data = await asyncio.wait_for(self._fetch_one(state, hints, lookup, deadline, parent),
+                                              timeout=max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                log.warning("round %d: no holder served %s's packet within %.1f s", round, publisher, timeout_s)
+                return None
+            self._store.traffic(round).fetch_spans.append((started, loop.time()))
+            return data
+
+        # Each fetcher takes the packets in its own random order, so that the first wave of
+        # max_parallel_fetches transfers does not hit the same few publishers from every peer.
+        order = self.rng.sample(list(todo.items()), len(todo))
+        try:
+            fetched = await asyncio.gather(*(one(p, d) for p, d in order))
+        finally:
+            if lookup_task is not None:
+                lookup_task.cancel()
+        result |= {p: data for (p, _), data in zip(order, fetched) if data is not None}
+        return result
+
+    async def _fetch_one(self, state: FetchState, hints: list[Announcement], lookup: Callable[[], asyncio.Future],
+                         deadline: float, parent: Announcement | None = None) -> bytes:
+        """Try the parent, the hinted holders, then those the DHT knows and those busy holders name,
+        re-reading the DHT for new ones, until one serves or the caller times out."""
+        known = {h.holder: h for h in hints}
+        with self._store.wanting(state.round, state.publisher, state.digest):  # a tree child asking waits for us
+            if parent is not None and parent.holder != self.holder_id:
+                # No fetch slot: the tree gives each packet one stream into this node.
+                outcome = await self._try_holder(parent, state, deadline, wait=True, child=True)
+                if isinstance(outcome, bytes):
+                    return self._fetched(state, outcome)
+                if isinstance(outcome, HolderBusy):
+                    for name in outcome.holders:
+                        known.setdefault(name, self._holder_named(name, state))
+            return await self._search(state, known, lookup, deadline)
+
+    def _fetched(self, state: FetchState, data: bytes) -> bytes:
+        """A verified packet, held and served from now on (_download); its copy announced."""
+        self._store.traffic(state.round).num_fetched += 1
+        self._announcer.announce_holder(state.round, state.publisher, state.digest, len(data))
+        return data
+
+    async def _search(self, state: FetchState, known: dict[str, Announcement], lookup: Callable[[], asyncio.Future],
+                      deadline: float) -> bytes:
+        loop = asyncio.get_running_loop()
+        hints = list(known.values())
+        ann, looked_up, passes, busy_pause_s = None, False, 0, self.config.busy_pause_s
+
+        def take_announcement(found: Announcement | None) -> Announcement | None:
+            """The publisher's own record: its size bounds the download, and it is a holder."""
+            if found is not None and found.digest == state.digest:
+                state.size_bytes = found.size_bytes
+                known.setdefault(found.holder, found)
+            return found
+
+        while True:
+            if not looked_up and (passes or not hints):
+                announced, extra = await asyncio.shield(lookup())
+                looked_up = True
+                ann = take_announcement(announced.get(state.publisher))
+                for h in extra.get(state.publisher, []):
+                    known.setdefault(h.holder, h)
+            candidates = [h for h in known.values() if h.digest == state.digest]
+            queue = order_holders(candidates, state.banned, self.holder_id,
+                                  ann.holder if ann is not None else None, self.rng)
+            tried, busy_at, queued = set(), [], False
+            while True:
+                if queue:
+                    holder, wait = queue.pop(0), False
+                    if holder.holder in tried or holder.holder in state.banned or holder.holder == self.holder_id:
+                        continue
+                elif busy_at and not queued:
+                    # Every holder asked is sending: wait in one's queue rather than ask again later.
+                    holder, wait, queued = self.rng.choice(busy_at), True, True
+                else:
+                    break
+                tried.add(holder.holder)
+                async with self._fetch_slots:
+                    outcome = await self._try_holder(holder, state, deadline, wait)
+                if isinstance(outcome, bytes):
+                    return self._fetched(state, outcome)
+                if isinstance(outcome, HolderBusy):  # try the peers it named first: they have copies
+                    log.debug("round %d: %s's packet: holder %s busy, names %d", state.round, state.publisher,
+                              holder.holder[-8:], len(outcome.holders))
+                    busy_at.append(holder)
+                    named = [self._holder_named(h, state) for h in outcome.holders]
+                    for h in named:
+                        known.setdefault(h.holder, h)
+                    queue[:0] = [h for h in named if h.holder not in tried]
+            passes += 1
+            if busy_at:  # copies exist but every holder is sending: ask again shortly
+                await asyncio.sleep(min(busy_pause_s * (0.5 + self.rng.random()), max(0.0, deadline - loop.time())))
+                busy_pause_s = min(busy_pause_s * 2, 8 * self.config.busy_pause_s)
+                continue
+            if not looked_up:
+                continue  # the hinted holders failed: wait for the DHT's
+            # Every known holder failed: wait for new ones (other peers finishing their fetches, or
+            # the publisher's announcement, which is stored beside the round and may come late).
+            await asyncio.sleep(min(self.config.holder_refresh_s, max(0.0, deadline - loop.time())))
+            try:
+                if ann is None or ann.digest != state.digest:
+                    ann = take_announcement((await self._announcer.announcements(state.round)).get(state.publisher))
+                for h in await self._announcer.holders(state.round, state.publisher):
+                    known[h.holder] = h
+            except Exception as e:  # a DHT hiccup: the next pass reads again
+                log.debug("reading holders of %s failed: %r", state.publisher, e)
+
+    def _holder_named(self, holder: str, state: FetchState) -> Announcement:
+        """A holder a busy peer named, reachable at the addresses we know for it (or p2pd's)."""
+        return Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0,
+                            self._addresses.get(holder, []), holder)
+
+    async def _try_holder(self, holder: Announcement, state: FetchState, deadline: float,
+                          wait: bool = False, child: bool = False) -> bytes | HolderBusy | None:
+        """The verified packet; HolderBusy when the holder has no free upload slot (with `wait`: none
+        freed within its queue time); None on failure."""
+        try:
+            return await self._download(holder, state, deadline, wait, child)
+        except HolderBusy as busy:
+            return busy
+        except (DigestMismatch, MalformedPacket, OversizedPacket) as e:
+            state.banned.add(holder.holder)
+            log.warning("round %d: holder %s of %s's packet banned: %s", state.round, holder.holder,
+                        state.publisher, e)
+        except HolderRefused as e:
+            log.info("round %d: holder %s refused %s's packet: %s", state.round, holder.holder, state.publisher, e)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            self._dialed.discard(holder.holder)
+            log.info("round %d: holder %s of %s's packet failed: %r", state.round, holder.holder, state.publisher, e)
+        except Exception as e:  # p2pd control errors (dial failures) come as several private types
+            self._dialed.discard(holder.holder)
+            log.info("round %d: holder %s of %s's packet unreachable: %r", state.round, holder.holder,
+                     state.publisher, e)
+        return None
+
+    async def _download(self, holder: Announcement, state: FetchState, deadline: float, wait: bool = False,
+                        child: bool = False) -> bytes:
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+
+        def budget(limit_s: float) -> float:
+            return max(0.0, min(limit_s, deadline - loop.time()))
+
+        peer = PeerID.from_base58(holder.holder)
+        if holder.multiaddrs:
+            self._addresses.setdefault(holder.holder, holder.multiaddrs)
+        started = loop.time()
+        if holder.multiaddrs and holder.holder not in self._dialed:
+            maddrs = dial_addresses(holder.holder, holder.multiaddrs)
+            await asyncio.wait_for(self._host.connect(peer, maddrs), budget(cfg.connect_timeout_s))
+            self._dialed.add(holder.holder)
+        reader, writer = await asyncio.wait_for(self._host.open_stream(peer), budget(cfg.connect_timeout_s))
+        try:
+            writer.write(encode_request(PacketRequest(run=cfg.run_id, round=state.round, publisher=state.publisher,
+                                                      digest=state.digest, wait=wait, child=child)))
+            await asyncio.wait_for(writer.drain(), budget(cfg.connect_timeout_s))
+            status, length = decode_response_header(
+                await asyncio.wait_for(reader.readexactly(RESPONSE_HEADER.size), budget(cfg.connect_timeout_s)),
+                cfg.max_packet_bytes)
+            if status == STATUS_ERROR:
+                message = await asyncio.wait_for(reader.read(min(length, MAX_ERROR_BYTES)), budget(cfg.stall_timeout_s))
+                raise HolderRefused(decode_error(message))
+            if status == STATUS_BUSY:
+                raw = await asyncio.wait_for(reader.readexactly(length), budget(cfg.stall_timeout_s))
+                raise HolderBusy(decode_busy(raw))
+            if state.size_bytes is not None and length != state.size_bytes:
+                raise MalformedPacket(f"holder offers {length} bytes, the announcement says {state.size_bytes}")
+            answered = loop.time()
+            data = await self._receive(reader, holder, state, length, budget)
+            writer.write(RECEIPT)  # frees the holder's upload slot; a lost receipt only delays that
+            done = loop.time()
+            log.debug("round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps)",
+                      state.round, state.publisher, holder.holder[-8:], length, answered - started, done - answered,
+                      length * 8 / max(done - answered, 1e-6) / 1e6)
+            return data
+        finally:
+            writer.close()
+
+    async def _receive(self, reader: asyncio.StreamReader, holder: Announcement, state: FetchState, length: int,
+                       budget: Callable[[float], float]) -> bytes:
+        """The `length` bytes of a packet body, verified against its digest and held from then on;
+        `budget(limit_s)` caps each read's time-out by what is left of the fetch.
+
+        Grown as bytes arrive, not allocated from the claimed length: a hostile holder announcing
+        256 MB costs us only what it actually sends before it is dropped. Peers may be served from
+        it while it grows (a `Partial`), unless another download of the same packet already
+        offers that.
+        """
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        key = (state.round, state.publisher)
+        partial = Partial(state.digest, length)
+        if key not in self._store.partial:
+            self._store.partial[key] = partial
+            self._store.notify_copy()
+        hasher, traffic = hashlib.sha256(), self._store.traffic(state.round)
+        alone: tuple[float, int] | None = None  # since when (and from how many bytes) no other download ran
+        self._num_downloads += 1
+        try:
+            while len(partial.buffer) < length:
+                piece = await asyncio.wait_for(
+                    reader.read(min(cfg.chunk_bytes << 1, length - len(partial.buffer))),
+                    budget(cfg.stall_timeout_s))
+                if not piece:
+                    raise asyncio.IncompleteReadError(b"", length)
+                partial.buffer += piece
+                hasher.update(piece)
+                traffic.downloaded_bytes += len(piece)
+                partial.notify()
+                now = loop.time()
+                if self._num_downloads > 1:
+                    alone = None
+                elif alone is None:
+                    alone = (now, len(partial.buffer))
+                elif (elapsed := now - alone[0]) > cfg.stall_timeout_s and len(partial.buffer) < length \
+                        and len(partial.buffer) - alone[1] < cfg.min_rate_bytes_per_s * elapsed:
+                    raise asyncio.TimeoutError(f"{len(partial.buffer) - alone[1]} bytes in {elapsed:.1f} s "
+                                               f"alone: under the floor of {cfg.min_rate_bytes_per_s:.0f} B/s")
+            if hasher.hexdigest() != state.digest:
+                raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
+                                     f"wanted {state.digest[:16]}...")
+            data = bytes(partial.buffer)
+            if (held := self._store.held.get(key)) is None or held.digest != state.digest:
+                self._store.held[key] = Held(state.digest, data, partial.sent_to, partial.receiving)
+            partial.verified = True
+        except BaseException:
+            partial.failed = True
+            raise
+        finally:
+            self._num_downloads -= 1
+            partial.notify()
+            if self._store.partial.get(key) is partial:
+                del self._store.partial[key]
+        return data
+
+
+def hinted_holders(maddrs: list[str], state: FetchState) -> list[Announcement]:
+    """Holders named by the caller, as multiaddrs ending in /p2p/<libp2p id>."""
+    return [Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0, addrs, holder)
+            for holder, addrs in addresses_by_holder(maddrs).items()]
+
+
+def order_holders(
+    candidates: list[Announcement], banned: set[str], self_id: str, publisher_holder: str | None,
+    rng: random.Random,
+) -> list[Announcement]:
+    """Distinct usable holders: others' verified copies in random order first, the publisher last.
+
+    Random order spreads fetchers over the copies; trying the publisher last keeps its upload
+    link for the peers that find no other copy yet.
+    """
+    merged: dict[str, Announcement] = {}
+    for c in candidates:
+        if c.holder and c.holder != self_id and c.holder not in banned:
+            if c.holder in merged:  # the same holder named twice (hint and DHT): union its addresses
+                prior = merged[c.holder]
+                c = Announcement(c.peer_id, c.round, c.digest, c.size_bytes,
+                                 list(dict.fromkeys(prior.multiaddrs + c.multiaddrs)), c.holder)
+            merged[c.holder] = c
+    others = [c for h, c in merged.items() if h != publisher_holder]
+    rng.shuffle(others)
+    return others + [c for h, c in merged.items() if h == publisher_holder]

@@ -1,0 +1,193 @@
+"""Serving packet streams (protocol/stream.py): upload slots, seed and child streams, cut-through.
+
+    server = PacketServer(config, store, rng, payload_for)
+    await host.serve(server.handle)        # P2PExchange registers its `_serve`, which calls this
+
+Swarming: a holder serves at most `max_uploads` streams at once, so each gets a fair share of its
+uplink, and answers further requests "busy" with the peers that confirmed a verified copy. One
+exception: a publisher whose packet nobody has confirmed yet serves it on up to SEED_STREAMS
+extra streams, so that a fresh packet (the last one submitted is on every peer's critical path)
+starts its tree at once instead of queueing behind copies of older packets this node forwards. A
+slot is held until the fetcher's receipt, not until the bytes left the process: p2pd and the
+kernel buffer hundreds of kilobytes, so "written" says little about "received". A request that
+asks to "wait", or one the holder has nobody to name for, queues for the next free slot (first
+come, first served, up to `request_timeout_s`) instead of being answered busy. A held packet is
+written in `chunk_bytes` pieces (512 KiB by default).
+
+Trees: a fetcher that is this node's child in a packet's distribution tree says so ("child") and
+is served on one of MAX_CHILD_STREAMS streams beside the upload slots: the tree already bounds
+them (a few children per packet). A request for a packet this node does not have yet waits for
+its copy to start arriving (`PacketStore.copy_for`). The tree is cut-through: a copy still
+arriving is sent on as each piece arrives, holding back the last byte until the whole packet
+hashed to its digest; if the copy fails, the onward stream ends short. So a hop costs a piece's
+latency, not a whole packet's transfer time.
+
+The handler never raises: a malformed request, one for another run, or for a packet not held gets
+an error frame, and one that does not arrive within `request_timeout_s` just closes the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from node.exchange.base import Traffic
+from node.exchange.store import Held, PacketStore, Partial
+from protocol.errors import ProtocolError, WrongRound
+from protocol.stream import (
+    MAX_BUSY_NAMES, RECEIPT, REQUEST_PREFIX, STATUS_OK, HolderRefused, PacketRequest, decode_request, encode_busy,
+    encode_error, encode_response_header, request_body_length,
+)
+
+if TYPE_CHECKING:
+    from node.exchange.p2p import ExchangeConfig
+
+log = logging.getLogger(__name__)
+
+MAX_CHILD_STREAMS = 16  # streams to tree children served at once, beside the upload slots
+SEED_STREAMS = 2  # streams a publisher may add beyond max_uploads for its packet's first copies
+
+PayloadFor = Callable[[int, str, bytes], bytes]  # (round, publisher, held bytes) -> bytes served
+
+
+class PacketServer:
+    """Answers packet streams from the store, within the upload, seed and child stream limits."""
+
+    def __init__(self, config: ExchangeConfig, store: PacketStore, rng: random.Random, payload_for: PayloadFor):
+        self.config = config
+        self._store, self._rng = store, rng  # rng: which peers a busy answer names
+        self._payload_for = payload_for
+        self.num_uploads = 0  # streams being served now (at most config.max_uploads, plus seed streams)
+        self.upload_queue: deque[asyncio.Future] = deque()  # requests waiting for a slot, oldest first
+        self.num_child_uploads = 0  # streams to tree children now (at most MAX_CHILD_STREAMS)
+
+    def parse_request(self, raw: bytes) -> PacketRequest:
+        """A request body from a peer, refused unless it is well formed and for this run."""
+        request = decode_request(raw)
+        if request.run != self.config.run_id:
+            raise WrongRound(f"this node serves run {self.config.run_id!r}, not {request.run!r}")
+        return request
+
+    async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        cfg = self.config
+        slot: str | None = None  # "upload" (of max_uploads, or a seed stream) or "child"
+        try:
+            length = request_body_length(
+                await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s))
+            request = self.parse_request(await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s))
+            round, publisher = request.round, request.publisher
+            copy = await self._store.copy_for(round, publisher, request.digest, cfg.request_timeout_s)
+            if copy is None:
+                raise HolderRefused("not held")
+            if request.child and self.num_child_uploads < MAX_CHILD_STREAMS:
+                # The packet's tree bounds these (a few children per packet), so no slot is taken.
+                self.num_child_uploads += 1
+                slot = "child"
+            else:
+                # With every slot taken, name the peers with a copy (whole ones first), or queue the
+                # request if it asks to wait or there is nobody to name. A packet only its
+                # publisher has yet starts its tree at once, beside the other uploads.
+                can_name = bool(copy.sent_to or copy.receiving)  # what a busy answer would list
+                seed = isinstance(copy, Held) and copy.own and not copy.sent_to and len(copy.receiving) < SEED_STREAMS
+                wait_s = cfg.request_timeout_s if request.wait or not can_name else 0.0
+                slot = "upload" if await self._take_upload_slot(wait_s, seed) else None
+            if slot is None:
+                writer.write(encode_busy(self._copy_holders(copy)))
+                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+                return
+            requester = stream_info.peer_id.to_base58()
+            copy.receiving.append(requester)
+            try:
+                traffic = self._store.traffic(round)
+                if isinstance(copy, Held):
+                    payload = memoryview(self._payload_for(round, publisher, copy.data))
+                    writer.write(encode_response_header(STATUS_OK, len(payload)))
+                    for offset in range(0, len(payload), cfg.chunk_bytes):
+                        piece = payload[offset: offset + cfg.chunk_bytes]
+                        writer.write(piece)
+                        await asyncio.wait_for(writer.drain(), cfg.stall_timeout_s)
+                        traffic.uploaded_bytes += len(piece)
+                else:
+                    await self._forward(copy, writer, traffic)
+                traffic.num_served += 1
+                # The slot is held until the fetcher says it has the verified bytes (or gives up).
+                receipt = await asyncio.wait_for(reader.read(len(RECEIPT)), cfg.stall_timeout_s)
+                if receipt == RECEIPT and requester not in copy.sent_to:
+                    copy.sent_to.append(requester)
+            finally:
+                copy.receiving.remove(requester)
+        except ProtocolError as e:
+            try:
+                writer.write(encode_error(str(e)))
+                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+            except Exception:
+                pass  # the caller is gone; nothing to tell
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            log.debug("packet stream dropped: %r", e)
+        except Exception:  # a bug here must not take the node down with it
+            log.exception("packet stream handler failed")
+        finally:
+            if slot == "upload":
+                self._release_upload_slot()
+            elif slot == "child":
+                self.num_child_uploads -= 1
+            writer.close()
+
+    def _copy_holders(self, copy: Held | Partial) -> list[str]:
+        """Up to MAX_BUSY_NAMES peers with a copy: those that confirmed one first, then those receiving one."""
+        confirmed = self._rng.sample(copy.sent_to, min(MAX_BUSY_NAMES, len(copy.sent_to)))
+        arriving = [p for p in dict.fromkeys(copy.receiving) if p not in confirmed]
+        return confirmed + self._rng.sample(arriving, min(MAX_BUSY_NAMES - len(confirmed), len(arriving)))
+
+    async def _take_upload_slot(self, wait_s: float, seed: bool = False) -> bool:
+        """An upload slot, waiting up to `wait_s` in first-come order for one to free; a `seed`
+        stream may take one of SEED_STREAMS extra slots instead of waiting."""
+        if self.num_uploads < self.config.max_uploads + (SEED_STREAMS if seed else 0):
+            self.num_uploads += 1
+            return True
+        if wait_s <= 0:
+            return False
+        handed = asyncio.get_running_loop().create_future()  # resolved by _release_upload_slot
+        self.upload_queue.append(handed)
+        try:
+            await asyncio.wait_for(asyncio.shield(handed), wait_s)
+        except asyncio.TimeoutError:
+            if not handed.done():
+                handed.cancel()
+                return False
+        except BaseException:
+            if handed.done() and not handed.cancelled():
+                self._release_upload_slot()  # handed over as this handler was being cancelled
+            handed.cancel()
+            raise
+        return True
+
+    def _release_upload_slot(self) -> None:
+        """Hand the slot to the longest-waiting request, or free it (an extra one always)."""
+        while self.num_uploads <= self.config.max_uploads and self.upload_queue:
+            handed = self.upload_queue.popleft()
+            if not handed.done():
+                handed.set_result(None)
+                return
+        self.num_uploads -= 1
+
+    async def _forward(self, partial: Partial, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
+        """Send a packet that is still arriving, each piece as it comes, the last byte once verified."""
+        writer.write(encode_response_header(STATUS_OK, partial.length))
+        sent = 0
+        while sent < partial.length:
+            if partial.failed:
+                raise ConnectionError("the copy being forwarded failed upstream")
+            upto = partial.servable()
+            if upto > sent:
+                piece = bytes(partial.buffer[sent:upto])
+                writer.write(piece)
+                await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
+                traffic.uploaded_bytes += len(piece)
+                sent = upto
+            else:
+                await asyncio.wait_for(partial.arrived.wait(), self.config.stall_timeout_s)

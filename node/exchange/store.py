@@ -1,0 +1,120 @@
+"""The packets this node holds and serves: whole verified copies, copies still arriving, traffic.
+
+    store.held[(round, publisher)] = Held(digest, data, own=True)   # published here
+    store.notify_copy()                                             # wakes requests waiting for it
+    copy = await store.copy_for(round, publisher, digest, wait_s)   # what a request is served from
+    with store.wanting(round, publisher, digest): ...               # while this node fetches it
+
+A copy is either `Held` (whole, verified, served from memory) or `Partial` (arriving now, served
+onward piece by piece as it arrives: cut-through). Both keep who confirmed a verified copy
+(`sent_to`) and who is being sent one (`receiving`): a busy holder names those peers. A request
+for a packet this node has no copy of yet may wait for one: this node's children in a packet's
+tree ask at about the moment it learns of the packet itself (see `copy_for`). Rounds before the
+ones still needed are forgotten with `forget_before`, with their traffic counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from node.exchange.base import Traffic
+
+WANT_GRACE_S = 1.0  # how long a request for a packet this node does not have waits for it to want it
+
+
+@dataclass(slots=True)
+class Held:
+    digest: str
+    data: bytes
+    sent_to: list[str] = field(default_factory=list)  # libp2p ids of peers that confirmed all of it
+    receiving: list[str] = field(default_factory=list)  # libp2p ids of peers being sent it now
+    own: bool = False  # published by this node
+
+
+@dataclass(slots=True)
+class Partial:
+    """A packet still arriving, served onward as it arrives (cut-through).
+
+    Its last byte is held back from every onward stream until the whole packet hashed to its
+    digest, so a copy that fails here ends those streams short (the receivers try another
+    holder) instead of handing them bad bytes that would get this honest peer banned.
+    """
+
+    digest: str
+    length: int
+    buffer: bytearray = field(default_factory=bytearray)
+    sent_to: list[str] = field(default_factory=list)  # shared with the Held that replaces it
+    receiving: list[str] = field(default_factory=list)
+    verified: bool = False
+    failed: bool = False
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # replaced at every notify
+
+    def servable(self) -> int:
+        """Bytes that may go onward now."""
+        return len(self.buffer) if self.verified else min(len(self.buffer), self.length - 1)
+
+    def notify(self) -> None:
+        self.arrived.set()
+        self.arrived = asyncio.Event()
+
+
+class PacketStore:
+    """This node's copies by (round, publisher), the packets it is fetching, and per-round traffic."""
+
+    def __init__(self):
+        self.held: dict[tuple[int, str], Held] = {}
+        self.partial: dict[tuple[int, str], Partial] = {}  # packets arriving now, served as they arrive
+        self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched
+        self._copy_added = asyncio.Event()  # replaced each time a copy (whole or arriving) is added
+        self._traffic: dict[int, Traffic] = {}
+
+    def traffic(self, round: int) -> Traffic:
+        return self._traffic.setdefault(round, Traffic())
+
+    def notify_copy(self) -> None:
+        """Wake the requests waiting in `copy_for`: a copy (whole or arriving) was added."""
+        self._copy_added.set()
+        self._copy_added = asyncio.Event()
+
+    @contextlib.contextmanager
+    def wanting(self, round: int, publisher: str, digest: str) -> Iterator[None]:
+        """Marks the packet as being fetched here: a tree child asking for it waits for our copy."""
+        key = (round, publisher, digest)
+        self._wanted[key] += 1
+        try:
+            yield
+        finally:
+            self._wanted[key] -= 1
+            if not self._wanted[key]:
+                del self._wanted[key]
+
+    async def copy_for(self, round: int, publisher: str, digest: str, wait_s: float) -> Held | Partial | None:
+        """This node's copy of the packet, whole or arriving. If none yet, a tree child may have
+        asked before our own copy started: waits up to `wait_s` for one while this node fetches
+        the packet, and up to WANT_GRACE_S for it to start fetching (it learns of packets from
+        the coordinator at about the moment its children do)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline, grace = now + wait_s, now + min(wait_s, WANT_GRACE_S)
+        while True:
+            for copy in (self.held.get((round, publisher)), self.partial.get((round, publisher))):
+                if copy is not None and copy.digest == digest:
+                    return copy
+            wanted = (round, publisher, digest) in self._wanted
+            if loop.time() >= (deadline if wanted else grace):
+                return None
+            try:
+                await asyncio.wait_for(self._copy_added.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                pass
+
+    def forget_before(self, round: int) -> None:
+        """Drop the copies and traffic counts of rounds before `round`."""
+        for key in [k for k in self.held if k[0] < round]:
+            del self.held[key]
+        for r in [r for r in self._traffic if r < round]:
+            del self._traffic[r]

@@ -1,0 +1,114 @@
+"""Fetching a round's packets while it is still open, and decoding each as it arrives.
+
+The coordinator's long-poll answers at every new submission, so packets move while the slower
+peers (and this node) still train; only the last ones are left for after the close. Each packet
+spreads down its own tree of the run's live members (node/exchange/topology.py): this node asks
+its parent there first. Each packet that arrives is decoded at once, in a worker thread, off the
+round's critical path; `Decoded.take` hands those results to the outer step's `prepare`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from node.exchange.topology import tree_parent
+from node.round.session import Session
+from protocol.http import ManifestEntry, RoundView
+
+log = logging.getLogger("locoswarm.node")
+
+PacketKey = tuple[str, str]  # (publisher peer id, packet digest)
+
+
+@dataclass(slots=True)
+class Decoded:
+    """Packets decoded as they arrived, by round, until the round's aggregate takes them."""
+
+    tasks: dict[int, dict[PacketKey, asyncio.Task]] = field(default_factory=dict)
+    slot: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+
+    def start(self, s: Session, round: int, entry: ManifestEntry, payload: bytes) -> None:
+        self.tasks.setdefault(round, {})[entry.peer_id, entry.packet_digest] = asyncio.create_task(
+            self._decode(s, payload, entry.peer_id, bytes.fromhex(entry.public_key), round))
+
+    async def _decode(self, s: Session, payload: bytes, peer_id: str, public_key: bytes, round: int):
+        """What outer.decode makes of one payload, or the refusal it raised (for outer.prepare)."""
+        async with self.slot:  # one at a time: decoding shares the CPU with training
+            try:
+                return await asyncio.to_thread(s.outer.decode, payload, public_key, peer_id=peer_id,
+                                               run_id=s.run_id, round=round)
+            except s.outer.refusable as e:
+                return e
+
+    async def take(self, view: RoundView) -> dict:
+        """The round's manifest packets decoded so far (publisher -> decoded or refusal); rounds
+        before it are dropped (left behind by a catch-up)."""
+        decoding = self.tasks.pop(view.round, {})
+        for r in [r for r in self.tasks if r < view.round]:
+            del self.tasks[r]
+        return {e.peer_id: await task for e in view.manifest
+                if (task := decoding.get((e.peer_id, e.packet_digest))) is not None}
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """One round's submissions being watched, and the fetches started for them."""
+
+    task: asyncio.Task  # returns the closed round's view
+    early: dict[PacketKey, asyncio.Task]
+
+    @classmethod
+    def start(cls, s: Session, round: int, decoded: Decoded) -> "Prefetch":
+        early: dict[PacketKey, asyncio.Task] = {}
+        return cls(asyncio.create_task(_watch_submissions(s, round, early, decoded)), early)
+
+    def cancel(self) -> None:
+        self.task.cancel()
+        for fetch in self.early.values():
+            fetch.cancel()
+
+
+async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyncio.Task],
+                             decoded: Decoded) -> RoundView:
+    """Fetch each of the round's packets as soon as it is submitted, into `early`, until the
+    round closes; returns the closed round's view."""
+    members, uplinks = await live_members(s)
+    view = await s.client.round(round, wait_s=30, submitted_gt=0)
+    while True:
+        # A closed round lists its packets in the manifest only: the last submission is seen
+        # there, and its fetch starts here too, beside those still running.
+        for e in view.manifest if view.state == "closed" else view.submitted:
+            if e.peer_id != s.peer_id and (e.peer_id, e.packet_digest) not in early:
+                parent = tree_parent(round, e.peer_id, s.peer_id, members, s.run.exchange.tree_fanout, uplinks)
+                parent_maddrs = e.multiaddrs if parent == e.peer_id else members.get(parent, [])
+                early[e.peer_id, e.packet_digest] = asyncio.create_task(_fetch_early(
+                    s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None, decoded))
+        if view.state == "closed":
+            return view
+        view = await s.client.round(round, wait_s=30, submitted_gt=view.num_submitted)
+
+
+async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents, decoded: Decoded) -> dict[str, bytes]:
+    """One submitted packet, fetched; its decoding starts at once."""
+    got = await s.exchange.fetch(round, {entry.peer_id: entry.packet_digest}, {entry.peer_id: entry.multiaddrs},
+                                 timeout_s=s.config.fetch_timeout_s, parents=parents)
+    if (payload := got.get(entry.peer_id)) is not None:
+        decoded.start(s, round, entry, payload)
+    return got
+
+
+async def live_members(s: Session) -> tuple[dict[str, list[str]], dict[str, float | None]]:
+    """The run's live peers (this node included): their addresses and their stated uplink rates,
+    by peer id; ({}, {}) if the coordinator does not answer (packets are then fetched without
+    a tree)."""
+    try:
+        status = await s.client.status(history=0)  # the members only: no round history
+    except Exception as e:  # the tree is an optimisation; fetching works without it
+        log.debug("reading the run's members failed: %r", e)
+        return {}, {}
+    live = [p for p in status.peers if p.status == "live"]
+    members = {p.peer_id: p.listen_multiaddrs for p in live}
+    uplinks = {p.peer_id: p.uplink_mbps for p in live}
+    return members | {s.peer_id: members.get(s.peer_id, [])}, uplinks

@@ -1,0 +1,89 @@
+"""What every step of a node's round loop works with: its collaborators, its run, its state.
+
+A `Session` exists from the moment the node joined a run until it leaves. The steps
+(node/round/steps.py), the prefetch (prefetch.py) and the catch-up (catchup.py) take it as their
+first argument instead of a dozen loose ones; `Node` (loop.py) makes one and owns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from node.exchange.base import Exchange
+from node.round.coordinator_client import CoordinatorClient, Refused
+from node.testing.faults import FaultInjector
+from node.training.peer import PeerTraining
+from protocol.http import ErrorCode, JoinResponse
+from protocol.run_config import RunConfig
+from protocol.signing import PeerKey
+
+if TYPE_CHECKING:
+    from node.config import NodeConfig
+
+log = logging.getLogger("locoswarm.node")
+
+Clock = Callable[[], float]  # unix seconds
+PEER_GONE: ErrorCode = "peer_gone"  # the coordinator dropped this node: rejoin with the same key
+
+
+@dataclass(slots=True)
+class Activity:
+    """What the node tells the coordinator in its heartbeats (and the status page shows)."""
+
+    state: str = "joining"  # training, encoding, submitting, waiting, transferring, aggregating, ...
+    round: int = 0
+    last_loss: float | None = None
+    bandwidth_mbps: float | None = None  # measured on the last round's packet downloads
+
+
+@dataclass(kw_only=True, slots=True)
+class Session:
+    config: NodeConfig
+    client: CoordinatorClient
+    exchange: Exchange
+    key: PeerKey
+    faults: FaultInjector
+    clock: Clock
+    run_id: str
+    peer_id: str
+    run: RunConfig
+    training: PeerTraining
+    rejoin: Callable[[], Awaitable[JoinResponse]]  # join again with the same key (keeps id and shard)
+    stopping: asyncio.Event
+    activity: Activity = field(default_factory=Activity)
+    params_round: int | None = 0  # the round whose start the parameters are (None: unknown)
+    digest: str = ""  # of the global model after the last applied round
+    encode_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # error feedback folds rounds in order
+    buffers_lock: threading.Lock = field(default_factory=threading.Lock)  # held by an encode and a reset
+    background: set[asyncio.Task] = field(default_factory=set)  # snapshot publications
+
+    @property
+    def outer(self):
+        return self.training.outer
+
+    async def signed(self, call, *args, **kwargs):
+        """A signed coordinator call; if the coordinator dropped this node meanwhile, rejoin and retry once.
+
+        A node paused (SIGSTOP, a suspended laptop) or cut off past heartbeat_timeout_s is marked
+        gone; it keeps its id and shard when it rejoins, and the round loop catches up as usual.
+        """
+        try:
+            return await call(*args, **kwargs)
+        except Refused as e:
+            if e.code != PEER_GONE:
+                raise
+            log.warning("the coordinator dropped this node (%s); rejoining", e.detail)
+            await self.rejoin()
+            return await call(*args, **kwargs)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """A background task the session keeps a reference to until it ends."""
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task

@@ -1,0 +1,245 @@
+"""The steps of one round on a node, in order: train, send, collect, apply and report.
+
+    loss = await train(s, r, times)                      # H inner steps in a worker thread
+    await send(s, r, base_digest, report, opened)        # encode, publish, submit the packet
+    view, payloads, prepared = await collect(s, r, times, prefetch, decoded)
+    await apply_and_report(s, report, r, view, payloads, prepared)
+
+Decisions at the boundaries, each logged:
+- a submission refused as late or stale: the round goes on without this packet; the node still
+  applies the manifest (its own update stays in its error buffer for the next round);
+- a manifest packet that cannot be fetched in time: the node cannot reproduce the round, so it
+  raises `CatchUpNeeded` and catches up (node/round/catchup.py);
+- a packet that fails to verify or decode is left out (deterministically, by every honest peer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from node.round.prefetch import Decoded, Prefetch
+from node.round.reports import RoundReport, RoundTimes
+from node.round.session import Session
+from node.testing.faults import Phase
+from node.training.params import param_digest
+from protocol.http import MAX_REFUSED, ErrorCode, RoundView
+
+log = logging.getLogger("locoswarm.node")
+
+MAX_REASON_CHARS = 256
+# Refusals of a submission after which the round goes on without this node's packet.
+REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round_not_open")
+
+
+class CatchUpNeeded(Exception):
+    """This node cannot reproduce a round exactly and must load the swarm's parameters."""
+
+
+async def wait_open(s: Session, round: int) -> RoundView | None:
+    """The round's view once it is open (or closed); None if the node is stopping."""
+    delay_s, previous_closed = 0.1, round == 0
+    while not s.stopping.is_set():
+        view = await s.client.round(round)
+        if view.state != "pending":
+            return view
+        if not previous_closed:  # round r opens when r-1 closes: long-poll for that moment
+            previous_closed = (await s.client.round(round - 1, wait_s=30)).state == "closed"
+            continue
+        await asyncio.sleep(delay_s)  # r-1 closed and r not open yet (a run's start): poll
+        delay_s = min(delay_s * 1.5, 2.0)
+    return None
+
+
+async def train(s: Session, round: int, times: RoundTimes) -> float:
+    """The round's H inner steps, in a worker thread; returns the mean loss."""
+    s.activity.state = "training"
+    bar = _progress_bar(s, round)
+    await s.faults.at_phase(Phase.TRAINING, round)
+    result = await asyncio.to_thread(
+        s.training.train_round, round,
+        (lambda step, loss, tps: bar.update(1) or bar.set_postfix_str(f"loss {loss:.3f} {tps:,.0f} tok/s"))
+        if bar else None)
+    if bar:
+        bar.close()
+    times.compute_s = await s.faults.pad_compute(round, result.compute_s)
+    s.activity.last_loss = result.mean_loss
+    return result.mean_loss
+
+
+async def send(s: Session, round: int, base_digest: str, report: RoundReport, opened: bool,
+               deltas: dict | None = None, foreground: bool = True) -> None:
+    """Encode the round's update (the given deltas, or the parameters' since the round began),
+    publish the packet and submit it. In the background (overlap) it runs beside the next
+    round's training and its time counts as hidden."""
+    if foreground:
+        s.activity.state = "encoding"
+    start = time.perf_counter()
+
+    def encode() -> bytes:
+        with s.buffers_lock:  # a catch-up resetting the buffers waits for a running encode
+            return s.outer.make_payload(run_id=s.run_id, round=round, peer_id=s.peer_id,
+                                        base_digest=base_digest, key=s.key, deltas=deltas)
+
+    async with s.encode_lock:  # error feedback folds rounds in order
+        payload = await asyncio.to_thread(encode)
+    announcement = await s.exchange.publish(round, s.peer_id, payload)
+    encode_s = time.perf_counter() - start
+    if foreground:
+        report.times.encode_s = encode_s
+        s.activity.state = "submitting"
+    else:
+        report.times.hidden_encode_s = encode_s
+    report.packet_bytes = announcement.size_bytes
+    if not opened:  # trained ahead of the round's opening (overlap): submit once it opens
+        await wait_open(s, round)
+    from node.round.coordinator_client import Refused
+
+    try:
+        await s.signed(s.client.submit, round, packet_digest=announcement.digest,
+                       packet_size_bytes=announcement.size_bytes, train_loss=report.train_loss,
+                       compute_s=report.times.compute_s, encode_s=encode_s, multiaddrs=announcement.multiaddrs)
+    except Refused as e:
+        if e.code not in REFUSED_SUBMISSION_CODES:
+            raise
+        report.submitted = False
+        log.warning("round %d: submission refused (%s); applying the round without this packet", round, e.code)
+
+
+async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch, decoded: Decoded,
+                  foreground: bool = True):
+    """Wait for the round's manifest (the prefetch fetching packets as they come), fetch whatever
+    it lists that is not in hand yet, and, when every packet is in hand, verify, decode and
+    aggregate them (no parameter changes). Returns (view, payloads, prepared or None)."""
+    if foreground:
+        s.activity.state = "waiting"
+    start = time.perf_counter()
+    try:
+        view = await prefetch.task
+        times.wait_s = time.perf_counter() - start
+        payloads = await fetch_manifest(s, round, view, times, prefetch.early, foreground)
+    finally:
+        prefetch.cancel()  # fetches of packets that did not make the manifest, or a stop
+    prepared = None
+    if {e.peer_id for e in view.manifest} <= set(payloads):
+        if foreground:
+            s.activity.state = "aggregating"
+        start = time.perf_counter()
+        prepared = await prepare(s, view, payloads, decoded)
+        times.aggregate_s = time.perf_counter() - start
+    return view, payloads, prepared
+
+
+async def fetch_manifest(s: Session, round: int, view: RoundView, times: RoundTimes,
+                         early: dict | None = None, foreground: bool = True) -> dict[str, bytes]:
+    if foreground:
+        s.activity.state = "transferring"
+    start = time.perf_counter()
+    payloads: dict[str, bytes] = {}
+    for e in view.manifest:
+        if (task := (early or {}).get((e.peer_id, e.packet_digest))) is not None:
+            payloads |= await task
+    rest = [e for e in view.manifest if e.peer_id not in payloads]
+    if rest:
+        payloads |= await s.exchange.fetch(round, {e.peer_id: e.packet_digest for e in rest},
+                                           {e.peer_id: e.multiaddrs for e in rest},
+                                           timeout_s=s.config.fetch_timeout_s)
+    times.transfer_s = time.perf_counter() - start
+    return payloads
+
+
+async def prepare(s: Session, view: RoundView, payloads: dict[str, bytes], decoded: Decoded):
+    """Verify, decode and aggregate the manifest's packets, in a worker thread; no parameter changes.
+    Packets decoded as they arrived are not decoded again."""
+    public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
+    early = await decoded.take(view)
+    return await asyncio.to_thread(s.outer.prepare, payloads, public_keys.__getitem__, run_id=s.run_id,
+                                   round=view.round, decoded=early)
+
+
+async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTimes, decoded: Decoded,
+                         payloads: dict[str, bytes] | None = None, prepared=None):
+    """Take the round's outer step (fetching and aggregating its manifest unless given); report
+    the digest of the global model; serve a snapshot of it."""
+    if payloads is None:
+        payloads = await fetch_manifest(s, round, view, times)
+    await s.faults.at_phase(Phase.TRANSFER, round, exchange=s.exchange, peer_id=s.peer_id)
+    missing = sorted({e.peer_id for e in view.manifest} - set(payloads))
+    if missing:
+        # Aggregating a subset would fork this peer from the swarm: catch up instead.
+        raise CatchUpNeeded(f"round {round}: no holder served the packets of {', '.join(missing)}")
+
+    s.activity.state = "aggregating"
+    start = time.perf_counter()
+    if prepared is None:
+        prepared = await prepare(s, view, payloads, decoded)
+    applied = s.outer.commit(prepared)
+    s.digest = await asyncio.to_thread(param_digest, s.outer.start)
+    s.params_round = round + 1
+    times.aggregate_s += time.perf_counter() - start  # after the prepare's share, if collect ran it
+    # What this node left out, and why, goes on the coordinator's status page.
+    refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
+    response = await s.signed(s.client.applied, round, s.digest, refused=refused)
+    if not response.agrees:
+        log.error("round %d: my digest %s disagrees with the majority %s", round, s.digest[:12],
+                  response.majority_digest[:12])
+    if s.config.checkpoint_dir is not None:
+        await asyncio.to_thread(_save_checkpoint, s, round)
+    snapshot = await asyncio.to_thread(_snapshot_bytes, s)
+    s.spawn(_publish_snapshot(s, round + 1, snapshot))  # off the critical path
+    return applied
+
+
+async def apply_and_report(s: Session, report: RoundReport, applied_round: int, view: RoundView, payloads,
+                           prepared, decoded: Decoded) -> RoundReport:
+    """Apply `applied_round` (the report's round, or with overlap the one before) and fill the report."""
+    applied = await apply_manifest(s, applied_round, view, report.times, decoded, payloads, prepared)
+    traffic = s.exchange.traffic(applied_round)
+    report.digest, report.num_packets, report.refused = s.digest, len(applied.accepted), applied.refused
+    report.downloaded_bytes, report.fetching_s = traffic.downloaded_bytes, traffic.fetching_s()
+    # Over the time any fetch ran: with early fetches, the bytes span more than the transfer timer.
+    if traffic.downloaded_bytes and report.fetching_s > 0.01:  # goes to the coordinator with the heartbeats
+        s.activity.bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / report.fetching_s / 1e6)
+    report.uploaded_bytes = s.exchange.traffic(report.round).uploaded_bytes
+    report.ended_at, report.applied_round = s.clock(), applied_round
+    return report
+
+
+async def _publish_snapshot(s: Session, round: int, snapshot: bytes) -> None:
+    try:
+        await s.exchange.publish_params(round, snapshot)
+    except Exception as e:  # serving snapshots helps others; failing to must not stop this node
+        log.warning("round %d: could not publish a parameter snapshot: %s", round, e)
+
+
+def _save_checkpoint(s: Session, round: int) -> None:
+    """Parameters and state after applying `round`; a failure is logged and training goes on."""
+    from node.training.checkpoint import CheckpointError, save_checkpoint
+
+    try:
+        save_checkpoint(s.config.checkpoint_dir, round + 1, s.training.model, s.training.optimizer,
+                        getattr(s.outer, "error_buffers", None),
+                        {"run_id": s.run_id, "applied_round": round, "peer_id": s.peer_id},
+                        outer_momentum=getattr(s.outer, "momentum", None))
+    except CheckpointError as e:  # disk full, unwritable: the swarm does not need our copy to go on
+        log.error("round %d: checkpoint not saved, training goes on: %s", round, e)
+
+
+def _snapshot_bytes(s: Session) -> bytes:
+    from safetensors.torch import save
+
+    from node.training.params import flat_named_params
+
+    # The global model (equal to the parameters, except with overlap, where they run ahead).
+    tensors = {n: s.outer.start[n].detach().cpu().contiguous() for n in flat_named_params(s.training.model)}
+    tensors |= s.outer.snapshot_state()
+    return save(tensors)
+
+
+def _progress_bar(s: Session, round: int):
+    if not s.config.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=s.training.inner_steps, desc=f"round {round}", unit="step", leave=False)

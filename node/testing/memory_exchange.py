@@ -1,0 +1,113 @@
+"""An in-memory packet exchange: the `Exchange` protocol without a network, for unit tests.
+
+    swarm = MemorySwarm()
+    node = Node(config, client=client, exchange=swarm.exchange("a"))
+
+Every `MemoryExchange` of one `MemorySwarm` sees what the others published, as if each fetch
+found a holder at once. Bytes are checked against the wanted digest like the real exchange's;
+`withhold(round, publisher)` makes a packet that nobody serves (the fetch waits out its
+time-out and leaves it out), so tests can drive the round loop's catch-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from node.exchange.base import Reachability, Traffic
+from protocol.dht_records import PARAMS_ID, Announcement
+
+
+@dataclass(slots=True)
+class MemorySwarm:
+    """What every exchange of the swarm holds: packets and snapshots by (round, publisher)."""
+
+    packets: dict[tuple[int, str], dict[str, tuple[bytes, set[str]]]] = field(default_factory=dict)
+    withheld: set[tuple[int, str]] = field(default_factory=set)
+
+    def exchange(self, holder: str) -> "MemoryExchange":
+        return MemoryExchange(self, holder)
+
+    def withhold(self, round: int, publisher: str) -> None:
+        """Nobody serves `publisher`'s packet of `round` (its publisher died holding the only copy)."""
+        self.withheld.add((round, publisher))
+
+    def _store(self, round: int, publisher: str, data: bytes, holder: str) -> Announcement:
+        digest = hashlib.sha256(data).hexdigest()
+        copies = self.packets.setdefault((round, publisher), {})
+        copies.setdefault(digest, (data, set()))[1].add(holder)
+        return Announcement(peer_id=publisher, round=round, digest=digest, size_bytes=len(data),
+                            multiaddrs=[f"/memory/{holder}"], holder=holder)
+
+    def _holders(self, round: int, publisher: str) -> list[Announcement]:
+        return [Announcement(peer_id=publisher, round=round, digest=digest, size_bytes=len(data),
+                             multiaddrs=[f"/memory/{h}"], holder=h)
+                for digest, (data, holders) in self.packets.get((round, publisher), {}).items()
+                for h in sorted(holders)]
+
+
+class MemoryExchange:
+    def __init__(self, swarm: MemorySwarm, holder: str):
+        self.swarm, self.holder = swarm, holder
+        self._traffic: dict[int, Traffic] = {}
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        return [f"/memory/{self.holder}"]
+
+    def traffic(self, round: int) -> Traffic:
+        return self._traffic.setdefault(round, Traffic())
+
+    async def publish(self, round: int, peer_id: str, data: bytes) -> Announcement:
+        return self.swarm._store(round, peer_id, data, self.holder)
+
+    async def announcements(self, round: int) -> dict[str, Announcement]:
+        return {publisher: holders[0] for (r, publisher) in self.swarm.packets
+                if r == round and publisher != PARAMS_ID and (holders := self.swarm._holders(r, publisher))}
+
+    async def holders(self, round: int, publisher: str) -> list[Announcement]:
+        return self.swarm._holders(round, publisher)
+
+    async def fetch(self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
+                    timeout_s: float = 60, parents: dict[str, list[str]] | None = None) -> dict[str, bytes]:
+        got, start = {}, time.monotonic()
+        for publisher, digest in wanted.items():
+            copy = self.swarm.packets.get((round, publisher), {}).get(digest)
+            if (round, publisher) in self.swarm.withheld or copy is None or not copy[1]:
+                continue
+            data, holders = copy
+            holders.add(self.holder)  # a verified copy, served on
+            traffic = self.traffic(round)
+            traffic.downloaded_bytes += len(data)
+            traffic.num_fetched += 1
+            got[publisher] = data
+        if len(got) < len(wanted):  # what nobody serves costs the whole time-out, as on a network
+            await asyncio.sleep(timeout_s)
+        await asyncio.sleep(0)
+        self.traffic(round).fetch_spans.append((start, time.monotonic()))
+        return got
+
+    async def publish_params(self, round: int, data: bytes) -> Announcement:
+        return self.swarm._store(round, PARAMS_ID, data, self.holder)
+
+    async def params_holders(self, round: int) -> list[Announcement]:
+        return self.swarm._holders(round, PARAMS_ID)
+
+    async def fetch_params(self, round: int, digest: str, timeout_s: float = 120.0) -> bytes | None:
+        copy = self.swarm.packets.get((round, PARAMS_ID), {}).get(digest)
+        return None if copy is None or not copy[1] else copy[0]
+
+    async def forget_before(self, round: int) -> None:
+        for (r, _), copies in self.swarm.packets.items():
+            if r < round:
+                for _, holders in copies.values():
+                    holders.discard(self.holder)
+
+    async def reachability_check(self) -> Reachability:
+        return Reachability(maddrs=self.visible_maddrs, public_maddrs=[], relayed=False, loopback_only=True,
+                            reachable=True, advice="in memory: every exchange of its swarm reaches it")
+
+    async def shutdown(self) -> None:
+        await self.forget_before(2**62)

@@ -1,0 +1,185 @@
+"""The packet stream, protocol "locoswarm.packet.v1": the bytes a fetcher and a holder exchange.
+
+A fetcher opens a libp2p stream to a holder under PROTOCOL_NAME and asks for one packet, named
+by run, round, publisher and digest (the DHT records of protocol/dht_records.py say who holds
+what); the holder answers with the packet, an error, or "busy". Any client that speaks to this
+project's nodes follows this layout:
+
+    request   u32 big-endian length L (at most 1024), then L bytes of msgpack map
+              {"run": str, "round": int, "peer": str (publisher peer id), "digest": hex str,
+               "wait": bool (optional; true: queue for an upload slot rather than be answered busy),
+               "child": bool (optional; true: the fetcher is the holder's child in the packet's
+                              tree, served on a stream of its own beside the upload slots)}
+    response  u8 status, u64 big-endian length N, then N bytes:
+              status 0: the packet bytes (written in pieces as they are available)
+              status 1: a UTF-8 error message (N at most 512), e.g. "not held"
+              status 2: busy: every upload slot is taken; N bytes (at most 512) of msgpack list
+                        of up to 8 libp2p peer ids (base58) with a copy: those that confirmed a
+                        verified one first, then those it is being sent to now
+    receipt   after status 0, the fetcher sends one byte 0x01 once the bytes hash to the digest; the
+              holder keeps the upload slot until it reads it (or EOF, or its stall time-out)
+
+A holder answers only for a packet it holds (whole, or still arriving) with exactly the requested
+digest; a request that is malformed, for another run, or for a packet not held gets an error
+frame, and one that does not arrive in time just closes the stream. A holder forwarding a packet
+it is still receiving holds back the last byte until its own copy hashed to the digest, so a copy
+that fails upstream ends the stream short rather than with bad bytes. A fetcher refuses a length
+that differs from the announced size (or exceeds its packet limit) before reading the body, and
+the sha256 of the bytes must equal the digest asked for (`DigestMismatch` otherwise).
+
+One encoder and one decoder per message: `encode_request` / `request_body_length` then
+`decode_request` (two steps, because a stream reader learns the body's length from the prefix),
+`encode_response_header` / `decode_response_header`, `encode_busy` / `decode_busy`, `encode_error`
+/ `decode_error`. Decoders treat their input as hostile: lengths are bounded before anything sized
+by them is read, msgpack is parsed with limits, and every refusal is a `protocol.errors` type.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, TruncatedPacket
+
+PROTOCOL_NAME = "locoswarm.packet.v1"
+REQUEST_PREFIX = struct.Struct(">I")
+RESPONSE_HEADER = struct.Struct(">BQ")
+STATUS_OK, STATUS_ERROR, STATUS_BUSY = 0, 1, 2
+RECEIPT = b"\x01"  # the fetcher's "verified" after a packet
+MAX_REQUEST_BYTES = 1024
+MAX_ERROR_BYTES = 512
+MAX_BUSY_BYTES = 512
+MAX_BUSY_NAMES = 8  # peers named in a busy answer
+MAX_PEER_ID_CHARS = 128  # a base58 libp2p id is about 52 characters
+REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
+OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child"})
+# What hivemind 1.1.12's PeerID.from_base58 (base58.b58decode) accepts: the bitcoin alphabet,
+# after trailing whitespace is stripped. The same test here keeps this module free of hivemind.
+_BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]*")
+
+
+class DigestMismatch(ProtocolError):
+    """A holder sent bytes whose sha256 is not the digest asked for."""
+
+
+class HolderRefused(ProtocolError):
+    """A holder answered with an error frame (it does not hold the packet, or refused the request)."""
+
+
+class HolderBusy(Exception):
+    """Every upload slot of the holder is taken; `holders` are peers it already sent the packet to."""
+
+    def __init__(self, holders: list[str]):
+        super().__init__(f"busy; try {len(holders)} other holders")
+        self.holders = holders
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PacketRequest:
+    """A fetcher's request for one packet."""
+
+    run: str
+    round: int
+    publisher: str  # the publisher's peer id (wire key "peer")
+    digest: str  # sha256 hex of the packet asked for
+    wait: bool = False  # queue for an upload slot instead of a busy answer
+    child: bool = False  # the fetcher is the holder's child in the packet's tree
+
+
+def encode_request(request: PacketRequest) -> bytes:
+    """The request frame: length prefix, then the msgpack map (optional keys always written)."""
+    body = msgpack.packb({"run": request.run, "round": request.round, "peer": request.publisher,
+                          "digest": request.digest, "wait": request.wait, "child": request.child})
+    return REQUEST_PREFIX.pack(len(body)) + body
+
+
+def request_body_length(prefix: bytes) -> int:
+    """The length of the request body that follows this 4-byte prefix; at most MAX_REQUEST_BYTES."""
+    if len(prefix) != REQUEST_PREFIX.size:
+        raise TruncatedPacket(f"request prefix of {len(prefix)} bytes, not {REQUEST_PREFIX.size}")
+    (length,) = REQUEST_PREFIX.unpack(prefix)
+    if length > MAX_REQUEST_BYTES:
+        raise OversizedPacket(f"request of {length} bytes")
+    return length
+
+
+def decode_request(body: bytes) -> PacketRequest:
+    """The request in a body read after its prefix; which run it names is for the caller to check."""
+    if len(body) > MAX_REQUEST_BYTES:
+        raise OversizedPacket(f"request of {len(body)} bytes")
+    try:
+        request = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=MAX_REQUEST_BYTES,
+                                  max_bin_len=0, max_array_len=0, max_map_len=8)
+    except Exception as e:  # msgpack raises a zoo of types on bad input
+        raise MalformedPacket(f"request does not parse: {type(e).__name__}") from None
+    if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | OPTIONAL_REQUEST_KEYS:
+        raise MalformedPacket("request is not a map with run, round, peer, digest (and optionally wait, child)")
+    run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
+    wait, child = request.get("wait", False), request.get("child", False)
+    if not (isinstance(run, str) and isinstance(publisher, str) and isinstance(digest, str)
+            and isinstance(round, int) and not isinstance(round, bool) and isinstance(wait, bool)
+            and isinstance(child, bool)):
+        raise MalformedPacket("request fields have the wrong types")
+    return PacketRequest(run=run, round=round, publisher=publisher, digest=digest, wait=wait, child=child)
+
+
+def encode_response_header(status: int, length: int) -> bytes:
+    return RESPONSE_HEADER.pack(status, length)
+
+
+def decode_response_header(raw: bytes, max_packet_bytes: int) -> tuple[int, int]:
+    """(status, length) of a response; a busy answer or a packet longer than its limit is refused."""
+    if len(raw) != RESPONSE_HEADER.size:
+        raise TruncatedPacket(f"response header of {len(raw)} bytes, not {RESPONSE_HEADER.size}")
+    status, length = RESPONSE_HEADER.unpack(raw)
+    if status not in (STATUS_OK, STATUS_ERROR, STATUS_BUSY):
+        raise MalformedPacket(f"unknown response status {status}")
+    if status == STATUS_BUSY and length > MAX_BUSY_BYTES:
+        raise OversizedPacket(f"busy answer of {length} bytes")
+    if status == STATUS_OK and length > max_packet_bytes:
+        raise OversizedPacket(f"holder offers {length} bytes, the limit is {max_packet_bytes}")
+    return status, length
+
+
+def encode_error(message: str) -> bytes:
+    """A whole error response: header, then the message cut to MAX_ERROR_BYTES."""
+    text = message.encode()[:MAX_ERROR_BYTES]
+    return encode_response_header(STATUS_ERROR, len(text)) + text
+
+
+def decode_error(raw: bytes) -> str:
+    """The message of an error response (for logs only: undecodable bytes are replaced)."""
+    return raw[:MAX_ERROR_BYTES].decode("utf-8", "replace")
+
+
+def is_peer_id(text: str) -> bool:
+    """Whether `text` reads as a base58 libp2p peer id, as hivemind's PeerID.from_base58 reads it."""
+    return isinstance(text, str) and _BASE58.fullmatch(text.rstrip()) is not None
+
+
+def encode_busy(holders: list[str]) -> bytes:
+    """A whole busy response: header, then the msgpack list of peers with a copy."""
+    if len(holders) > MAX_BUSY_NAMES:
+        raise ValueError(f"a busy answer names at most {MAX_BUSY_NAMES} peers, not {len(holders)}")
+    body = msgpack.packb(holders)
+    return encode_response_header(STATUS_BUSY, len(body)) + body
+
+
+def decode_busy(body: bytes) -> list[str]:
+    """The peer ids in a busy answer; anything else in it is a malformed answer."""
+    if len(body) > MAX_BUSY_BYTES:
+        raise OversizedPacket(f"busy answer of {len(body)} bytes")
+    try:
+        names = msgpack.unpackb(body, raw=False, max_str_len=MAX_PEER_ID_CHARS, max_bin_len=0,
+                                max_array_len=MAX_BUSY_NAMES, max_map_len=0)
+    except Exception as e:  # msgpack raises a zoo of types on bad input
+        raise MalformedPacket(f"busy answer does not parse: {type(e).__name__}") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise MalformedPacket("busy answer is not a list of peer ids")
+    for name in names:
+        if not is_peer_id(name):
+            raise MalformedPacket(f"busy answer names {name[:20]!r}, not a peer id")
+    return names

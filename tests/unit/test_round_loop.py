@@ -1,0 +1,192 @@
+"""The node's round loop, driven in-process: real `Node`s with an in-memory exchange and the
+coordinator app on an ASGI transport (its real service and a real SQLite file), no network.
+
+Each test runs a few `tiny` rounds with H=2 and asserts on typed state: the nodes' reports and
+the coordinator's status (manifests, agreed digests), never on log text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from node.config import NodeConfig
+from node.round.coordinator_client import CoordinatorClient
+from node.round.loop import Node
+from node.testing.faults import FaultInjector
+from node.testing.memory_exchange import MemorySwarm
+from protocol.http import RunStatus, peer_id_from_public_key
+from protocol.signing import PeerKey
+
+ADMIN_TOKEN = "round-loop-test-admin-token-0123456789"
+BASE_URL = "http://coordinator.test"
+TEST_TIMEOUT_S = 120
+
+
+class Swarm:
+    """A coordinator app in this process, an in-memory exchange network, and nodes on both."""
+
+    def __init__(self, tmp_path: Path, app, transport: httpx.ASGITransport):
+        self.tmp_path, self.app, self.transport = tmp_path, app, transport
+        self.network = MemorySwarm()
+        self.admin = httpx.AsyncClient(transport=transport, base_url=BASE_URL,
+                                       headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+        self.corpus = tmp_path / "corpus.txt"
+        # A small real text: this test file's own bytes, repeated (byte-level tokens for `tiny`).
+        self.corpus.write_text(Path(__file__).read_text() * 8)
+        self.run_id = ""
+
+    async def create_run(self, **sections) -> str:
+        config = {
+            "name": "round-loop", "max_rounds": sections.pop("max_rounds", 3),
+            "model": {"preset": "tiny", "data": str(self.corpus)},
+            "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
+            "membership": {"min_peers": sections.pop("min_peers", 3), "heartbeat_timeout_s": 600.0},
+            "deadline": {"kind": "fixed", "round_timeout_s": sections.pop("round_timeout_s", 30.0)},
+        }
+        for section, values in sections.items():
+            config[section] = config.get(section, {}) | values
+        response = await self.admin.post("/v1/runs", json=config)
+        assert response.status_code == 200, response.text
+        self.run_id = response.json()["run_id"]
+        return self.run_id
+
+    def node(self, name: str, faults: FaultInjector | None = None) -> tuple[Node, str]:
+        key_path = self.tmp_path / f"{name}.key"
+        key = PeerKey.load_or_create(key_path)
+        config = NodeConfig(coordinator=BASE_URL, run_id=self.run_id, key_path=key_path, device="cpu",
+                            progress=False, fetch_timeout_s=3.0, threads=1)
+        client = CoordinatorClient(BASE_URL, key, transport=self.transport, retry_for_s=5.0)
+        node = Node(config, client=client, exchange=self.network.exchange(name),
+                    faults=faults)
+        return node, peer_id_from_public_key(key.public_bytes)
+
+    async def status(self) -> RunStatus:
+        response = await self.admin.get(f"/v1/runs/{self.run_id}/status")
+        return RunStatus.model_validate(response.json())
+
+
+def in_swarm(scenario):
+    """Run `scenario(swarm)` in a fresh event loop, with a coordinator app on a SQLite file in
+    tmp_path (its background tick on, so deadlines pass in real time)."""
+
+    def test(tmp_path: Path):
+        from coordinator.app import create_app
+        from coordinator.storage import open_storage
+
+        async def main():
+            storage = open_storage(f"sqlite:///{tmp_path / 'coordinator.db'}")
+            app = create_app(storage, ADMIN_TOKEN, tick_s=0.05, rate_per_s=1000.0, rate_burst=1000.0)
+            try:
+                async with app.router.lifespan_context(app):
+                    swarm = Swarm(tmp_path, app, httpx.ASGITransport(app=app))
+                    try:
+                        await scenario(swarm)
+                    finally:
+                        await swarm.admin.aclose()
+            finally:
+                storage.close()
+
+        asyncio.run(main())
+
+    test.__name__, test.__doc__ = scenario.__name__, scenario.__doc__
+    return pytest.mark.timeout(TEST_TIMEOUT_S)(test)
+
+
+def digests_by_round(node: Node) -> dict[int, str]:
+    return {r.applied_round: r.digest for r in node.reports if r.applied_round >= 0}
+
+
+async def run_all(*nodes: Node) -> None:
+    await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), TEST_TIMEOUT_S)
+
+
+@in_swarm
+async def test_normal_rounds_agree(swarm):
+    await swarm.create_run()
+    nodes = [swarm.node(name)[0] for name in "abc"]
+    await run_all(*nodes)
+    status = await swarm.status()
+    agreed = {h.round: h.majority_digest for h in status.history}
+    assert sorted(agreed) == [0, 1, 2]
+    for node in nodes:
+        assert node.catch_ups == []
+        assert [r.round for r in node.reports] == [0, 1, 2]
+        assert all(r.submitted and r.num_packets == 3 and not r.refused for r in node.reports)
+        assert digests_by_round(node) == agreed
+    assert all(h.num_contributors == 3 for h in status.history)
+
+
+class HoldTraining(FaultInjector):
+    """A straggler: its inner steps of `round` end only once the run's open round is `until`."""
+
+    def __init__(self, swarm: Swarm, round: int, until: int):
+        super().__init__()
+        self.swarm, self.round, self.until = swarm, round, until
+
+    async def pad_compute(self, round: int, compute_s: float) -> float:
+        while round == self.round and (await self.swarm.status()).run.current_round < self.until:
+            await asyncio.sleep(0.05)
+        return compute_s
+
+
+@in_swarm
+async def test_late_submission_then_catch_up_by_replay(swarm):
+    """c is still training round 1 when rounds 1 and 2 close without it (6 s deadlines): its
+    round-1 packet is refused as late, it still applies round 1's manifest, finds round 2 closed,
+    replays round 2 from the packets the others still serve, and trains round 3 with them."""
+    await swarm.create_run(max_rounds=4, round_timeout_s=6.0)
+    (a, _), (b, _), (c, _) = swarm.node("a"), swarm.node("b"), swarm.node("c", HoldTraining(swarm, 1, until=3))
+    await run_all(a, b, c)
+    status = await swarm.status()
+    contributors = {h.round: h.num_contributors for h in status.history}
+    assert contributors == {0: 3, 1: 2, 2: 2, 3: 3}
+    late = next(r for r in c.reports if r.round == 1)
+    assert late.submitted is False and late.num_packets == 2
+    assert [r.round for r in c.reports] == [0, 1, 3]  # round 2 replayed, not trained
+    assert [(u.from_round, u.to_round, u.method) for u in c.catch_ups] == [(2, 3, "replay")]
+    assert [r.caught_up for r in c.reports] == [False, False, True]
+    agreed = {h.round: h.majority_digest for h in status.history}
+    assert digests_by_round(a) == digests_by_round(b) == agreed
+    assert digests_by_round(c) == {r: agreed[r] for r in (0, 1, 3)}
+    assert c.session.params_round == 4
+
+
+@in_swarm
+async def test_late_joiner_catches_up_by_snapshot(swarm):
+    """d joins after round 1 was applied: it loads the agreed parameters from a peer's snapshot
+    (checked against the coordinator's digest) and trains the next rounds with the others."""
+    await swarm.create_run(max_rounds=5, min_peers=2)
+    a, _ = swarm.node("a")
+    b, _ = swarm.node("b")
+    d, _ = swarm.node("d")
+    first = asyncio.gather(a.run(), b.run())
+
+    async def join_late():
+        while len(a.reports) < 2:
+            await asyncio.sleep(0.05)
+        await d.run()
+
+    await asyncio.wait_for(asyncio.gather(first, join_late()), TEST_TIMEOUT_S)
+    agreed = {h.round: h.majority_digest for h in (await swarm.status()).history}
+    joined_at = d.reports[0].round
+    assert joined_at >= 2 and d.reports[-1].round == 4
+    assert [(u.from_round, u.to_round, u.method) for u in d.catch_ups] == [(None, joined_at, "snapshot")]
+    assert digests_by_round(d) == {r: agreed[r] for r in range(joined_at, 5)}
+    assert digests_by_round(a) == digests_by_round(b) == agreed
+
+
+@in_swarm
+async def test_overlap_lands_each_round_one_round_late(swarm):
+    await swarm.create_run(outer={"overlap": True}, min_peers=2)
+    a, b = swarm.node("a")[0], swarm.node("b")[0]
+    await run_all(a, b)
+    agreed = {h.round: h.majority_digest for h in (await swarm.status()).history}
+    for node in (a, b):
+        assert [r.round for r in node.reports] == [0, 1, 2]
+        assert [r.applied_round for r in node.reports] == [-1, 0, 1]  # round 2 lands as the node leaves
+        assert node.session.digest == agreed[2]
+        assert digests_by_round(node) == {0: agreed[0], 1: agreed[1]}

@@ -1,0 +1,170 @@
+"""The packet-stream wire format of protocol/stream.py: round trips, and refusal of hostile bytes."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, TruncatedPacket
+from protocol.stream import (
+    MAX_ERROR_BYTES, MAX_REQUEST_BYTES, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
+    PacketRequest, decode_busy, decode_error, decode_request, decode_response_header, encode_busy, encode_error,
+    encode_request, encode_response_header, is_peer_id, request_body_length,
+)
+
+DIGEST = "ab" * 32
+HOLDERS = ["12D3KooWQsF5p9hSR9p8nwwe5tiBco3CcNSauVbT7jStrMnUpx45", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]
+GOOD = {"run": "r1", "round": 3, "peer": "peer-a", "digest": DIGEST}
+
+
+def split(frame: bytes) -> bytes:
+    """The body of a request frame, after checking its prefix."""
+    prefix, body = frame[:REQUEST_PREFIX.size], frame[REQUEST_PREFIX.size:]
+    assert request_body_length(prefix) == len(body)
+    return body
+
+
+@pytest.mark.parametrize("wait, child", [(False, False), (True, False), (False, True), (True, True)])
+def test_request_round_trips(wait, child):
+    request = PacketRequest(run="r1", round=12, publisher="peer-a", digest=DIGEST, wait=wait, child=child)
+    assert decode_request(split(encode_request(request))) == request
+
+
+def test_request_bytes_are_the_documented_layout():
+    frame = encode_request(PacketRequest(run="r", round=1, publisher="p", digest=DIGEST))
+    body = msgpack.packb({"run": "r", "round": 1, "peer": "p", "digest": DIGEST, "wait": False, "child": False})
+    assert frame == len(body).to_bytes(4, "big") + body
+
+
+def test_request_without_optional_keys_is_accepted():
+    request = decode_request(msgpack.packb(GOOD))
+    assert (request.run, request.round, request.publisher, request.digest) == ("r1", 3, "peer-a", DIGEST)
+    assert not request.wait and not request.child
+
+
+@pytest.mark.parametrize("prefix, error", [
+    (REQUEST_PREFIX.pack(MAX_REQUEST_BYTES + 1), OversizedPacket),
+    (REQUEST_PREFIX.pack(1 << 30), OversizedPacket),
+    (b"\x00\x00\x01", TruncatedPacket),
+    (b"", TruncatedPacket),
+])
+def test_request_prefix_refuses_long_and_truncated(prefix, error):
+    with pytest.raises(error):
+        request_body_length(prefix)
+
+
+BAD_REQUESTS = [
+    b"", b"\xc1", msgpack.packb(GOOD)[:-3],  # empty, not msgpack, truncated
+    msgpack.packb(GOOD) + b"\x00",  # trailing bytes
+    msgpack.packb([1, 2]), msgpack.packb("r1"), msgpack.packb(None),  # not a map
+    msgpack.packb({k: v for k, v in GOOD.items() if k != "digest"}),  # a required key missing
+    msgpack.packb(GOOD | {"x": 1}),  # an unknown key
+    msgpack.packb(GOOD | {"round": True}), msgpack.packb(GOOD | {"round": "3"}), msgpack.packb(GOOD | {"round": 1.0}),
+    msgpack.packb(GOOD | {"run": 1}), msgpack.packb(GOOD | {"peer": None}), msgpack.packb(GOOD | {"digest": b"ab"}),
+    msgpack.packb(GOOD | {"wait": 1}), msgpack.packb(GOOD | {"child": "yes"}),
+    msgpack.packb({1: "r1", "round": 3, "peer": "p", "digest": DIGEST}),  # a non-string key
+    msgpack.packb({**GOOD, **{f"k{i}": 0 for i in range(5)}}),  # more entries than any request has
+    msgpack.packb(GOOD | {"run": ["r1"]}),  # a nested list
+]
+
+
+@pytest.mark.parametrize("body", BAD_REQUESTS)
+def test_malformed_requests_are_refused(body):
+    with pytest.raises(MalformedPacket):
+        decode_request(body)
+
+
+def test_a_request_body_over_the_limit_is_refused_before_parsing():
+    with pytest.raises(OversizedPacket):
+        decode_request(msgpack.packb(GOOD | {"run": "r" * MAX_REQUEST_BYTES}))
+
+
+def test_response_header_round_trips_and_refuses_hostile_values():
+    for status, length in [(STATUS_OK, 0), (STATUS_OK, 1000), (STATUS_ERROR, 1 << 40), (STATUS_BUSY, 512)]:
+        assert decode_response_header(encode_response_header(status, length), 1000) == (status, length)
+    with pytest.raises(OversizedPacket):
+        decode_response_header(encode_response_header(STATUS_OK, 1001), 1000)
+    with pytest.raises(OversizedPacket):
+        decode_response_header(encode_response_header(STATUS_BUSY, 513), 1000)
+    with pytest.raises(MalformedPacket):
+        decode_response_header(encode_response_header(3, 0), 1000)
+    with pytest.raises(TruncatedPacket):
+        decode_response_header(encode_response_header(STATUS_OK, 1)[:-1], 1000)
+
+
+def test_busy_answer_round_trips():
+    for names in ([], HOLDERS, HOLDERS * 4):
+        frame = encode_busy(names)
+        status, length = decode_response_header(frame[:RESPONSE_HEADER.size], 1)
+        assert status == STATUS_BUSY and length == len(frame) - RESPONSE_HEADER.size
+        assert decode_busy(frame[RESPONSE_HEADER.size:]) == names
+    with pytest.raises(ValueError):
+        encode_busy(HOLDERS * 5)
+
+
+@pytest.mark.parametrize("body, error", [
+    (b"\xc1", MalformedPacket),  # not msgpack
+    (msgpack.packb({"a": 1}), MalformedPacket),  # not a list
+    (msgpack.packb([1, 2]), MalformedPacket),  # not strings
+    (msgpack.packb([b"\x01"]), MalformedPacket),  # bytes, not strings
+    (msgpack.packb(["not-a-peer-id"]), MalformedPacket),  # "-" is not base58
+    (msgpack.packb(["0OIl"]), MalformedPacket),  # characters base58 leaves out
+    (msgpack.packb(["x"] * 9), MalformedPacket),  # more names than an answer carries
+    (msgpack.packb(["1" * 129]), MalformedPacket),  # longer than a peer id
+    (msgpack.packb(HOLDERS)[:-5], MalformedPacket),  # truncated
+    (msgpack.packb(HOLDERS) + b"\x90", MalformedPacket),  # trailing bytes
+    (msgpack.packb(["1" * 100] * 6), OversizedPacket),  # over 512 bytes
+])
+def test_busy_answers_that_are_not_lists_of_peer_ids_are_refused(body, error):
+    with pytest.raises(error):
+        decode_busy(body)
+
+
+def test_peer_id_check_agrees_with_hivemind():
+    """`is_peer_id` (no hivemind import) accepts exactly what PeerID.from_base58 accepts."""
+    from hivemind.p2p import PeerID
+
+    rng = random.Random(0)
+    alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz0OIl-_/ \t\n\u00e9\u00a0"
+    samples = HOLDERS + ["", " ", "abc ", " abc", "a\u00a0"]
+    samples += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(2000)]
+    for text in samples:
+        try:
+            PeerID.from_base58(text)
+            accepted = True
+        except Exception:
+            accepted = False
+        assert is_peer_id(text) == accepted, repr(text)
+
+
+def test_error_frame_is_cut_to_the_limit():
+    frame = encode_error("not held")
+    assert frame == RESPONSE_HEADER.pack(STATUS_ERROR, 8) + b"not held"
+    long = encode_error("\u00e9" * MAX_ERROR_BYTES)  # 2 bytes each: cut mid-character
+    status, length = decode_response_header(long[:RESPONSE_HEADER.size], 1)
+    assert status == STATUS_ERROR and length == MAX_ERROR_BYTES == len(long) - RESPONSE_HEADER.size
+    assert decode_error(long[RESPONSE_HEADER.size:]) == "\u00e9" * (MAX_ERROR_BYTES // 2)
+    assert decode_error(b"\xff\xfe") == "\ufffd\ufffd"
+
+
+def test_random_bytes_raise_only_protocol_errors():
+    rng = random.Random(0)
+    for _ in range(2000):
+        raw = rng.randbytes(rng.randint(0, 40))
+        for decode in (decode_request, decode_busy, request_body_length,
+                       lambda b: decode_response_header(b, 1 << 20)):
+            try:
+                decode(raw)
+            except ProtocolError:
+                pass
+
+
+def test_protocol_stream_imports_neither_node_nor_hivemind():
+    code = ("import sys, protocol.stream; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('node', 'hivemind', 'coordinator')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
