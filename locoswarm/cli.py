@@ -44,16 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line; a subcommand with a parser of its own (`bench codec --help`)
+    gets the arguments after its name in `args.passthrough`."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if hasattr(args, "passthrough"):  # a subcommand with a parser of its own (`bench codec --help`)
+    if hasattr(args, "passthrough"):
         args.passthrough = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not hasattr(args, "func"):
         parser.print_help()
-        return 2
+        raise SystemExit(2)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     return int(args.func(args) or 0)
 
 

@@ -1,6 +1,6 @@
 """The packet exchange a volunteer node uses in its round loop, independent of the transport.
 
-A round's packets move in two layers (DESIGN.md, "Bytes on the wire" and "A round"):
+A round's packets move in two layers (README.md, "Architecture"):
 
 - announcements, small records in a DHT that say "peer P published a packet with this digest and
   size for round r; fetch it from these multiaddrs", and "holder H verified a copy of P's packet";
@@ -17,12 +17,13 @@ The round loop (node/round/loop.py) uses the `Exchange` protocol and nothing els
     await exchange.forget_before(r - keep_rounds)
 
 `fetch` never returns bytes whose sha256 differs from the digest asked for, and never hangs: a
-packet that no holder serves in time is left out of the result, and the caller decides (DESIGN.md:
-the manifest is fixed, so a missing packet means this peer skips the round and catches up).
+packet that no holder serves in time is left out of the result, and the caller decides (the
+manifest is fixed, so a missing packet means this peer skips the round and catches up: README.md,
+"A round").
 
-`node.exchange.p2p.P2PExchange` implements it over hivemind; an in-memory exchange written
-against this protocol (with `Traffic` from here) can stand in for it in unit tests. This module
-imports no transport.
+`node.exchange.p2p.P2PExchange` implements it over hivemind; `node.testing.memory_exchange`, an
+in-memory one written against this protocol (with `Traffic` from here), stands in for it in unit
+tests. This module imports no transport.
 """
 
 from __future__ import annotations

@@ -1,8 +1,12 @@
 """The node's client of the coordinator: signed requests, typed refusals, retries with backoff.
 
 Every peer call is signed with the peer key (protocol.http.sign_request, a fresh nonce per
-attempt). Transport failures, 5xx and 429 answers are retried with exponential backoff and
-jitter for up to `retry_for_s`, so a node rides out a coordinator restart; a 4xx refusal is
+attempt). Transport failures, 5xx and 429 answers are retried with exponential backoff (capped
+at RETRY_DELAY_MAX_S) and jitter: by default for as long as it takes, so a node rides out a
+coordinator outage of any length with its state and its exchange intact; a call that must not
+wait (a heartbeat, leaving) passes its own `retry_for_s` and gets `CoordinatorUnavailable` after
+it. An outage is logged when it starts, once a minute while it lasts (`coordinator unreachable
+for 3m20s; retrying`), and when it ends, however many calls are waiting on it. A 4xx refusal is
 final and raised as `Refused` with the coordinator's error code (`late`, `stale_round`, ...),
 which the round loop decides on.
 """
@@ -23,6 +27,19 @@ from protocol.http import (API_PREFIX, AppliedRequest, AppliedResponse, Heartbea
 from protocol.signing import PeerKey
 
 log = logging.getLogger(__name__)
+
+RETRY_DELAY_MAX_S = 10.0  # the backoff's cap between two attempts (before jitter)
+OUTAGE_LOG_EVERY_S = 60.0  # while the coordinator is unreachable, one log line this often
+
+
+def format_duration(seconds: float) -> str:
+    """3m20s, 1h05m, 42s: an outage's length as a person reads it."""
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
 
 
 class CoordinatorError(Exception):
@@ -49,24 +66,48 @@ class CoordinatorClient:
     in-process coordinator app); by default it is httpx's own.
     """
 
-    def __init__(self, base_url: str, key: PeerKey, *, retry_for_s: float = 120.0, timeout_s: float = 90.0,
+    def __init__(self, base_url: str, key: PeerKey, *, retry_for_s: float | None = None, timeout_s: float = 90.0,
                  transport: httpx.AsyncBaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
         self.key = key
-        self.retry_for_s = retry_for_s
+        self.retry_for_s = retry_for_s  # None: retry until the coordinator answers
         self.run_id: str | None = None
+        self._unreachable_since: float | None = None  # monotonic time of the outage's first failure
+        self._outage_logged_at = 0.0
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False,
                                        transport=transport)
 
     async def close(self) -> None:
         await self._http.aclose()
 
+    @property
+    def unreachable_for_s(self) -> float | None:
+        """How long the coordinator has not answered (None: it answered the last call)."""
+        return None if self._unreachable_since is None else time.monotonic() - self._unreachable_since
+
+    def _note_failure(self, error: str) -> None:
+        now = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = self._outage_logged_at = now
+            log.warning("coordinator %s unreachable (%s); retrying", self.base_url, error)
+        elif now - self._outage_logged_at >= OUTAGE_LOG_EVERY_S:
+            self._outage_logged_at = now
+            log.warning("coordinator unreachable for %s (%s); retrying",
+                        format_duration(now - self._unreachable_since), error)
+
+    def _note_answer(self) -> None:
+        if self._unreachable_since is not None:
+            log.warning("coordinator reachable again after %s",
+                        format_duration(time.monotonic() - self._unreachable_since))
+            self._unreachable_since = None
+
     async def _call(self, method: str, path: str, body=None, params: dict | None = None, signed: bool = True,
                     retry_for_s: float | None = None) -> dict:
         path = API_PREFIX + path
         content = body.model_dump_json().encode() if body is not None else b""
         budget = self.retry_for_s if retry_for_s is None else retry_for_s
-        deadline, delay_s, last_error = time.monotonic() + budget, 0.2, "no attempt"
+        deadline = float("inf") if budget is None else time.monotonic() + budget
+        delay_s, last_error = 0.2, "no attempt"
         while True:
             headers = {"content-type": "application/json"}
             if signed:
@@ -77,6 +118,8 @@ class CoordinatorClient:
             except httpx.TransportError as e:
                 last_error = f"{type(e).__name__}: {e}"
             else:
+                if response.status_code < 500:
+                    self._note_answer()  # a refusal or a rate limit is an answer, not an outage
                 if response.status_code < 400:
                     return response.json()
                 if response.status_code < 500 and response.status_code != 429:
@@ -88,9 +131,11 @@ class CoordinatorClient:
                 last_error = f"HTTP {response.status_code}"
             if time.monotonic() + delay_s > deadline:
                 raise CoordinatorUnavailable(f"{method} {path}: {last_error} (gave up after {budget:.0f} s)")
-            log.info("coordinator %s %s: %s; retrying in %.1f s", method, path, last_error, delay_s)
+            if last_error != "HTTP 429":
+                self._note_failure(last_error)
+            log.debug("coordinator %s %s: %s; retrying in %.1f s", method, path, last_error, delay_s)
             await asyncio.sleep(delay_s * (0.5 + random.random()))
-            delay_s = min(delay_s * 2, 10.0)
+            delay_s = min(delay_s * 2, RETRY_DELAY_MAX_S)
 
     async def runs(self) -> RunList:
         return RunList.model_validate(await self._call("GET", "/runs", signed=False))

@@ -8,7 +8,7 @@
 protocol; by default a P2PExchange on hivemind's DHT and libp2p streams), and a clock. Tests hand
 it an in-memory exchange and a client on an in-process coordinator app.
 
-One round r (DESIGN: "A round, end to end"): snapshot theta_r, run H inner AdamW steps (in a
+One round r (README.md, "A round"): snapshot theta_r, run H inner AdamW steps (in a
 worker thread, so the exchange keeps serving and heartbeats keep flowing), fold the delta into
 the error buffers and encode a signed packet, publish it, submit its digest to the coordinator,
 wait for the round's manifest, fetch every listed packet (each as soon as its publisher
@@ -182,8 +182,9 @@ class Node:
             try:
                 await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss,
                                bandwidth_mbps=a.bandwidth_mbps)
-            except CoordinatorError as e:
-                log.warning("heartbeat failed: %s", e)
+            except CoordinatorError as e:  # an outage is logged once a minute by the client
+                log.log(logging.DEBUG if s.client.unreachable_for_s is not None else logging.WARNING,
+                        "heartbeat failed: %s", e)
 
     async def _rounds(self, s: Session, joined: JoinResponse) -> None:
         round, rounds_done = joined.current_round, 0

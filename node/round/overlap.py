@@ -1,9 +1,9 @@
 """The one-round-delayed outer step, written once for the node and the simulator.
 
-Without overlap, round r's exchange lands right after round r's training. With overlap (DESIGN:
-"a node may train round r+1 while round r's packets are still moving"), round r's exchange is
-put in flight after its training and lands after round r+1's training, on top of the parameters
-round r+1 started from. The error feedback still folds rounds in order; only the outer step is
+Without overlap, round r's exchange lands right after round r's training. With overlap (the run
+option outer.overlap: a node trains round r+1 while round r's packets are still moving), round
+r's exchange is put in flight after its training and lands after round r+1's training, on top of
+the parameters round r+1 started from. The error feedback still folds rounds in order; only the outer step is
 one round late.
 
     pipeline = Pipeline(overlap)

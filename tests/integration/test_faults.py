@@ -307,39 +307,41 @@ def test_median_norm_clipping_keeps_a_poisoned_swarm_on_course():
 
 
 def _poison_sim(*, poisoned: bool, clip: bool, num_rounds: int = 5, num_peers: int = 4) -> float:
+    """The swarm's validation loss after `num_rounds`, each peer built and trained as a node's
+    is (PeerTraining), the last one through the node's poison wrapper."""
     import torch
 
-    from node.training.data import evaluate, load_corpus
     from node.testing.faults import FaultInjector
-    from node.training.inner import InnerConfig, make_inner_optimizer, run_inner_steps
-    from node.training.model import build_model
-    from node.training.outer import OuterConfig, make_outer
-    from node.training.params import flat_named_params, param_digest
+    from node.training.data import evaluate, load_corpus
+    from node.training.params import param_digest
+    from node.training.peer import PeerTraining
+    from protocol.run_config import RunConfig
     from protocol.signing import PeerKey
 
     torch.set_num_threads(1)
     corpus = load_corpus(None)
-    inner = InnerConfig(warmup_steps=min(H, max(1, num_rounds * H)), total_steps=max(1, num_rounds * H),
-                        batch_size=8, seq_len=64)
+    run = RunConfig.model_validate({
+        "name": "poison", "model": {"preset": "tiny", "seed": 0},
+        "inner": {"steps": H, "warmup_steps": min(H, max(1, num_rounds * H)),
+                  "total_steps": max(1, num_rounds * H), "batch_size": 8, "seq_len": 64},
+        "outer": {"clip_to_median_norm": clip},
+    })
     peers = [f"p{i:02d}" for i in range(num_peers)]
     keys = {p: PeerKey.from_seed(p.encode()) for p in peers}
-    models = [build_model("tiny", 0) for _ in peers]
-    optimizers = [make_inner_optimizer(m, inner) for m in models]
-    outers = [make_outer(flat_named_params(m), OuterConfig(clip_to_median_norm=clip)) for m in models]
-    streams = [corpus.train.shard(i, num_peers).batches(8, 64, 0, "cpu") for i in range(num_peers)]
+    trainings = [PeerTraining.build(run, "cpu", corpus.train.shard(i, num_peers)) for i in range(num_peers)]
     poison = FaultInjector.parse(["poison@factor=1000"] if poisoned else [])
+    trainings[-1] = poison.wrap_training(trainings[-1])
+    models = [training.model for training in trainings]
     digest = param_digest(models[0])
     for r in range(num_rounds):
         payloads = {}
-        for i, peer in enumerate(peers):
-            outers[i].begin_round()
-            run_inner_steps(models[i], optimizers[i], streams[i], r * H, H, inner, "cpu")
-            if i == num_peers - 1:
-                poison.tamper_update(r, outers[i])
-            payloads[peer] = outers[i].make_payload(run_id="sim", round=r, peer_id=peer, base_digest=digest,
-                                                    key=keys[peer])
-        for outer in outers:
-            outer.apply(payloads, lambda p: keys[p].public_bytes, run_id="sim", round=r)
+        for peer, training in zip(peers, trainings):
+            training.outer.begin_round()
+            training.train_round(r)
+            payloads[peer] = training.outer.make_payload(run_id="sim", round=r, peer_id=peer, base_digest=digest,
+                                                         key=keys[peer])
+        for training in trainings:
+            training.outer.apply(payloads, lambda p: keys[p].public_bytes, run_id="sim", round=r)
         digests = {param_digest(m) for m in models}
         assert len(digests) == 1, f"round {r}: peers diverged"
         digest = digests.pop()

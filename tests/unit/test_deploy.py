@@ -23,7 +23,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from locoswarm.cli import build_parser, main
+from locoswarm.cli import main, parse_args
 from node.config import NodeConfig, format_node_config, load_node_config
 from protocol.config_file import ConfigError
 from protocol.run_config import FixedDeadline, RunConfig, load_run_config
@@ -35,7 +35,7 @@ DEPLOY = REPO / "deploy"
 def parses(argv: list[str]):
     """The namespace `locoswarm ARGV` parses to; a refusal fails the test with the command line."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
     except SystemExit as e:
         pytest.fail(f"`locoswarm {shlex.join(argv)}` is refused by the CLI parser (exit {e.code})")
     assert hasattr(args, "func"), f"`locoswarm {shlex.join(argv)}` names no command"
