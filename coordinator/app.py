@@ -12,7 +12,10 @@ or closes a round or accepts a submission, never by polling the database. A back
 Every refusal is ``{"error": code, "detail": text}`` with a 4xx status: typed service errors,
 validation errors (422, or 400 for malformed JSON), bodies over `max_body_bytes` (413, checked
 before any parsing), unknown routes and methods. Each is a `coordinator.errors` class, so its code
-is a `protocol.http.ErrorCode`.
+is a `protocol.http.ErrorCode`. A failure of the database is the same body with 503
+``storage_unavailable`` and ``Retry-After``, answered by the same handler as the refusals: the
+handler for unhandled errors (500) re-raises after answering, which makes the server close the
+connection, so no storage failure may reach it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def _refusal(error: errors.CoordinatorError, status: int | None = None) -> JSONR
     return JSONResponse(
         status_code=error.status if status is None else status,
         content={"error": error.code, "detail": error.detail},
+        headers=None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)},
     )
 
 
@@ -123,10 +127,20 @@ def create_app(
 
 
 async def _tick_forever(service: CoordinatorService, tick_s: float) -> None:
+    failing_since: float | None = None  # monotonic time of the first failed tick of an outage
     while True:
         try:
             service.tick()
+            if failing_since is not None:
+                log.warning("database usable again after %.0f s; deadlines and timeouts apply",
+                            time.monotonic() - failing_since)
+                failing_since = None
+        except errors.StorageUnavailable as e:
+            # Logged once per outage, not five times a second; /readyz says 503 meanwhile.
+            if failing_since is None:
+                failing_since = time.monotonic()
+                log.error("%s: deadlines and timeouts wait for the database", e.detail)
         except Exception:
-            # A failed tick (say, a database hiccup) must not stop deadlines for good.
+            # A failed tick must not stop deadlines for good.
             log.exception("coordinator tick failed")
         await asyncio.sleep(tick_s)

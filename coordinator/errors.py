@@ -20,6 +20,7 @@ class CoordinatorError(Exception):
 
     status = 400
     code: ErrorCode = "bad_request"
+    retry_after_s: int | None = None  # sent as Retry-After when set
 
     def __init__(self, detail: str):
         super().__init__(detail)
@@ -178,6 +179,16 @@ class Internal(CoordinatorError):
 
     status = 500
     code = "internal"
+
+
+class StorageUnavailable(CoordinatorError):
+    """Not a refusal: the database failed the operation (disk full, read-only, locked, connection
+    lost). Its transaction was rolled back, so nothing half-done is kept; the caller retries after
+    `retry_after_s`. `coordinator.storage` raises it for every failure of the database engine."""
+
+    status = 503
+    code = "storage_unavailable"
+    retry_after_s = 5
 
 
 class StorageError(Exception):

@@ -3,7 +3,8 @@
 Routes are thin: authenticate, call `CoordinatorService` for a change or its `Views` for a read,
 return a `protocol.http` model. Each factory is handed what its routes use:
 
-- `ops_router`: ``/healthz``, ``/metrics`` and the status page ``/`` (public).
+- `ops_router`: ``/healthz`` (the process answers), ``/readyz`` (its database reads and writes),
+  ``/metrics`` and the status page ``/`` (public).
 - `runs_router`: create, list, read, close a run, and its status JSON (admin or public).
 - `peers_router`: join, heartbeat and leave (signed by the peer).
 - `rounds_router`: submit, the round long-poll, and the applied report (signed, or public).
@@ -15,26 +16,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse
 
-from coordinator import metrics, page
+from coordinator import errors, metrics, page
 from coordinator.auth import Authenticator
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
 from coordinator.views import HISTORY_LIMIT
+from protocol.fields import ResponseModel
 from protocol.http import API_PREFIX, MAX_LONG_POLL_S, AppliedRequest, AppliedResponse, ErrorBody, Health, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, RoundView, RunCreated, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse
 from protocol.run_config import RunConfig
+
+log = logging.getLogger("locoswarm.coordinator")
 
 RunIdPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$", max_length=64)]
 RoundPath = Annotated[int, Path(ge=0, le=2**31)]
 ERROR_RESPONSES: dict[int | str, dict] = {
-    status: {"model": ErrorBody} for status in (400, 401, 403, 404, 409, 413, 422, 429)
+    status: {"model": ErrorBody} for status in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
+
+
+class Ready(ResponseModel):
+    """`/readyz`'s answer when the database took a read and a write (else 503 ErrorBody)."""
+
+    status: Literal["ready"]
 
 
 class RunEvents:
@@ -76,8 +87,22 @@ def ops_router(
 
     @router.get("/healthz", response_model=Health)
     async def healthz() -> Health:
-        storage.schema_version()  # proves the database answers
+        """Liveness: the process answers. It never touches the database (see /readyz)."""
         return Health(status="ok")
+
+    @router.get("/readyz", response_model=Ready, responses={503: {"model": ErrorBody}})
+    async def readyz() -> Ready:
+        """Readiness: the database takes a read and a write now (`Storage.probe`); else 503
+        ``storage_unavailable``."""
+        try:
+            storage.probe(service.clock())
+        except errors.StorageUnavailable:
+            raise
+        except Exception as e:
+            # Not ready either way, and a probe must never get the 500 path's dropped connection.
+            log.exception("readiness probe failed")
+            raise errors.StorageUnavailable(f"the readiness probe failed: {type(e).__name__}") from e
+        return Ready(status="ready")
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> PlainTextResponse:

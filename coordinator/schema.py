@@ -94,6 +94,19 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         # The upload rate a peer's operator stated at join (Mbps); NULL: not stated.
         ("ALTER TABLE peers ADD COLUMN uplink_mbps DOUBLE PRECISION",),
     ),
+    (
+        4,
+        # Written by the readiness check (`Storage.probe`): row 0 gets a fresh random payload on
+        # each probe, committed; other rows are only inserted in transactions that roll back.
+        (
+            """CREATE TABLE readiness_probe (
+                id BIGINT PRIMARY KEY,
+                probed_at DOUBLE PRECISION NOT NULL,
+                payload TEXT
+            )""",
+            "INSERT INTO readiness_probe (id, probed_at, payload) VALUES (0, 0, NULL)",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -14,8 +14,18 @@ Rules (the contract is written out in `protocol.http`):
   index and data shard; it is expected from the next round on.
 - `advance` applies these rules for the clock's "now". Every request calls it for its run first,
   and a background task calls `tick` a few times a second, so a deadline that passes with nobody
-  asking still closes the round, and a deadline that passed while the coordinator was down closes
-  it on the first tick after a restart.
+  asking still closes the round.
+- Restart grace. Peers cannot reach a coordinator that is down, nor get anything written while
+  its database fails, and that time is not theirs to answer for. ``resumed_at`` is when this
+  service started (`resume`), or when it began its first transaction after the database failed an
+  operation (`Storage.num_failures` moved). A live peer's silence counts from
+  max(its last sign of life, resumed_at): nobody is marked gone before ``heartbeat_timeout_s`` has
+  passed since then. A round still open that opened before resumed_at gets its deadline moved to
+  resumed_at + ``heartbeat_timeout_s`` if it was earlier (never moved earlier, written to the
+  database on the first `advance`): the peers get as long to come back and submit as they get to
+  come back at all, and the round still closes early once every expected peer has submitted. So a
+  deadline that passed during an outage does not close the round empty at the first tick after it.
+  Rounds opened after resumed_at keep their deadlines. Everything is read from the injected clock.
 
 `on_change(run_id)` is called after a commit that opened or closed a round or accepted a
 submission; the HTTP layer uses it to wake long-polls. What is read back (status, round views,
@@ -24,8 +34,10 @@ the join answer) is `coordinator.views.Views`, held as ``service.views``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import secrets
 import time
 from collections import Counter
@@ -37,6 +49,8 @@ from coordinator.storage import AppliedRow, PeerRow, RoundRow, RunRow, Storage, 
 from coordinator.views import Views
 from protocol.http import NONCE_WINDOW_S, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, SubmitRequest, SubmitResponse, peer_id_from_public_key
 from protocol.run_config import RunConfig
+
+log = logging.getLogger("locoswarm.coordinator")
 
 Clock = Callable[[], float]
 ACTIVE_STATES = ("waiting", "running")
@@ -69,12 +83,22 @@ class CoordinatorService:
         self.on_change = on_change or (lambda run_id: None)
         self._changed: set[str] = set()
         self._nonces_pruned_at = 0.0
+        self.resumed_at = clock()  # see "Restart grace" above; `resume` sets it again
+        self._failures_seen = storage.num_failures
 
     @contextmanager
     def _tx(self) -> Iterator[None]:
         """A transaction whose change notifications go out only after it commits."""
-        with self.storage.transaction():
-            yield
+        if self.storage.num_failures != self._failures_seen:
+            # The database failed since our last transaction: resume counting from now.
+            self._failures_seen = self.storage.num_failures
+            self.resumed_at = self.clock()
+        try:
+            with self.storage.transaction():
+                yield
+        except BaseException:
+            self._changed.clear()  # rolled back: nothing changed
+            raise
         changed, self._changed = self._changed, set()
         for run_id in sorted(changed):
             self.on_change(run_id)
@@ -117,8 +141,13 @@ class CoordinatorService:
     # -- time ---------------------------------------------------------------------------------
 
     def advance(self, run_id: str) -> None:
-        with self._tx():
-            self._advance(self.views.require_run(run_id), self.clock())
+        """Apply the rules before a read. When the database cannot take the write, the read still
+        answers with what is committed: the tick retries, and the restart grace covers the gap."""
+        try:
+            with self._tx():
+                self._advance(self.views.require_run(run_id), self.clock())
+        except errors.StorageUnavailable as e:
+            log.debug("rules not applied to %s before a read: %s", run_id, e.detail)
 
     def tick(self) -> None:
         """Apply deadlines and liveness to every active run; forget nonces past the window."""
@@ -134,26 +163,30 @@ class CoordinatorService:
             self._nonces_pruned_at = now
 
     def resume(self) -> None:
-        """After a restart: peers could not reach us while we were down, so their silence so far
-        does not count against them. Deadlines are not extended."""
-        now = self.clock()
-        with self._tx():
-            for run_id in self.storage.active_run_ids():
-                self.storage.refresh_live_peers(run_id, now)
+        """On start: the restart grace counts from now (see the module docstring), and the rules
+        are applied once, so extended deadlines are in the database before anyone asks. A database
+        that fails here does not stop the start: the grace is applied when it comes back."""
+        self.resumed_at = self.clock()
+        self._failures_seen = self.storage.num_failures
+        try:
+            self.tick()
+        except errors.StorageUnavailable as e:
+            log.error("cannot apply deadlines and timeouts at start: %s", e.detail)
 
     def _advance(self, run: RunRow, now: float) -> None:
         if run.state not in ACTIVE_STATES:
             return
         config = self.views.config_of(run)
+        timeout_s = config.membership.heartbeat_timeout_s
         for peer in self.storage.list_peers(run.run_id):
-            silent_s = now - peer.last_seen_at
-            if peer.status == "live" and silent_s > config.membership.heartbeat_timeout_s:
+            silent_s = now - max(peer.last_seen_at, self.resumed_at)
+            if peer.status == "live" and silent_s > timeout_s:
+                since = " since the coordinator resumed" if peer.last_seen_at < self.resumed_at else ""
                 self.storage.update_peer(
                     run.run_id,
                     peer.peer_id,
                     status="gone",
-                    reason=f"no heartbeat for {silent_s:.0f} s"
-                    f" (timeout {config.membership.heartbeat_timeout_s:g} s)",
+                    reason=f"no heartbeat for {silent_s:.0f} s{since} (timeout {timeout_s:g} s)",
                 )
         if run.state == "waiting":
             num_live = sum(p.status == "live" for p in self.storage.list_peers(run.run_id))
@@ -164,6 +197,10 @@ class CoordinatorService:
         open_round = self.storage.get_round(run.run_id, run.current_round)
         if open_round is None or open_round.closed_at is not None:
             raise errors.StorageError(f"run {run.run_id}: round {run.current_round} is not open")
+        grace_deadline = self.resumed_at + timeout_s
+        if open_round.opened_at < self.resumed_at and open_round.deadline < grace_deadline:
+            self.storage.update_round(run.run_id, open_round.round, deadline=grace_deadline)
+            open_round = dataclasses.replace(open_round, deadline=grace_deadline)
         if now >= open_round.deadline or self._all_expected_submitted(run.run_id, open_round.round):
             self._close_round(run, open_round, now, config)
 

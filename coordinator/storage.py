@@ -9,12 +9,21 @@ Every state change the coordinator makes goes through here inside `transaction()
 process at any instant leaves the database at a transaction boundary and a restart resumes from
 it. The service calls storage from one thread (the event loop); the lock only guards tests and
 tools that share a `Storage` between threads.
+
+When the database itself fails (disk full, read-only, locked past the busy timeout, I/O error,
+connection lost), the statement raises `StorageUnavailable` (HTTP 503 with ``Retry-After``) and its
+transaction is rolled back, so committed state is untouched and the next operation works once the
+database does; a lost PostgreSQL connection is replaced between transactions. Errors that are bugs
+(a constraint, bad SQL) pass unchanged. `probe` is the readiness check behind ``/readyz``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
+import secrets
 import sqlite3
 import threading
 import time
@@ -23,8 +32,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from coordinator.errors import StorageError
+from coordinator.errors import StorageError, StorageUnavailable
 from coordinator.schema import CREATE_MIGRATIONS_TABLE, MIGRATIONS
+
+log = logging.getLogger("locoswarm.coordinator")
+
+# SQLite result codes (the low byte of an extended code) that mean the database cannot be used
+# right now, as opposed to a bug in a statement (SQLITE_ERROR, SQLITE_CONSTRAINT, ...).
+SQLITE_UNAVAILABLE_CODES = frozenset({
+    3,  # SQLITE_PERM
+    5,  # SQLITE_BUSY: locked by another process past the busy timeout
+    6,  # SQLITE_LOCKED
+    7,  # SQLITE_NOMEM
+    8,  # SQLITE_READONLY
+    10,  # SQLITE_IOERR
+    11,  # SQLITE_CORRUPT
+    13,  # SQLITE_FULL: "database or disk is full" (the disk, or PRAGMA max_page_count)
+    14,  # SQLITE_CANTOPEN
+    15,  # SQLITE_PROTOCOL
+    22,  # SQLITE_NOLFS
+    26,  # SQLITE_NOTADB
+})
+# Characters the readiness probe writes and rolls back: a few pages, so it needs room to grow.
+PROBE_PADDING_CHARS = 8192
+
+
+class _RollBackProbe(Exception):
+    """Ends the readiness probe's first transaction without committing it."""
 
 
 @dataclass(slots=True)
@@ -112,8 +146,16 @@ class Storage:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._depth = 0
+        self._closed = False
+        # How many operations the database has failed so far; the service reads it to notice that
+        # the database came back after an outage (see CoordinatorService's restart grace).
+        self.num_failures = 0
         self._conn: Any = self._connect()
-        self._migrate()
+        try:
+            self._migrate()
+        except StorageUnavailable as e:
+            self._conn.close()
+            raise StorageError(f"cannot prepare the database: {e.detail}") from e
 
     # -- backend hooks ------------------------------------------------------------------------
 
@@ -127,15 +169,36 @@ class Storage:
         """Run a statement; return the number of rows it changed."""
         raise NotImplementedError
 
+    def _is_unavailable(self, error: Exception) -> bool:
+        """Whether the engine's error says the database cannot be used now (not a bug)."""
+        raise NotImplementedError
+
+    def _in_transaction(self) -> bool:
+        raise NotImplementedError
+
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._conn.close()
+
+    @contextmanager
+    def _failures(self) -> Iterator[None]:
+        """Raise the engine's failures of the database itself as `StorageUnavailable`."""
+        try:
+            yield
+        except Exception as e:
+            if isinstance(e, StorageUnavailable) or not self._is_unavailable(e):
+                raise
+            self.num_failures += 1
+            message = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise StorageUnavailable(f"the database failed: {message}; retry later") from e
 
     # -- transactions and schema --------------------------------------------------------------
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """All statements inside commit together or not at all; nesting joins the outer one."""
+        """All statements inside commit together or not at all; nesting joins the outer one. A
+        failure anywhere, COMMIT included, rolls the whole transaction back and propagates."""
         with self._lock:
             if self._depth:
                 self._depth += 1
@@ -148,18 +211,48 @@ class Storage:
             self._depth = 1
             try:
                 yield
+                self._exec("COMMIT")
             except BaseException:
-                self._depth = 0
-                self._exec("ROLLBACK")
+                self._rollback()
                 raise
-            self._depth = 0
-            self._exec("COMMIT")
+            finally:
+                self._depth = 0
+
+    def _rollback(self) -> None:
+        # SQLite may already have rolled back (it does on some full-disk and I/O errors), and a
+        # lost connection has nothing left to roll back: the error to report is the first one.
+        try:
+            if self._in_transaction():
+                self._conn.execute("ROLLBACK")
+        except Exception as e:
+            log.warning("rollback after a failed transaction failed too: %s", e)
 
     _begin_sql = "BEGIN"
 
     def schema_version(self) -> int:
         rows = self._rows("SELECT MAX(version) AS v FROM schema_migrations")
         return int(rows[0]["v"] or 0)
+
+    def probe(self, now: float) -> None:
+        """Prove the database usable now, or raise `StorageUnavailable`: a read; a write of a few
+        pages, rolled back (SQLite checks room to grow, its page limit included, as it allocates);
+        and a one-row write, committed (a commit is what reaches the disk or the server). The
+        committed value is random: SQLite writes nothing for an update that changes nothing."""
+        with self._lock:
+            if self._depth:
+                raise RuntimeError("the readiness probe cannot run inside a transaction")
+            self.schema_version()
+            with contextlib.suppress(_RollBackProbe), self.transaction():
+                self._exec(
+                    "INSERT INTO readiness_probe (id, probed_at, payload) VALUES (?, ?, ?)",
+                    (1, now, "x" * PROBE_PADDING_CHARS),
+                )
+                raise _RollBackProbe
+            with self.transaction():
+                self._exec(
+                    "UPDATE readiness_probe SET probed_at = ?, payload = ? WHERE id = 0",
+                    (now, secrets.token_hex(8)),
+                )
 
     def _migrate(self) -> None:
         with self.transaction():
@@ -291,14 +384,6 @@ class Storage:
         )
         return int(rows[0]["expected"]), int(rows[0]["missing"])
 
-    def refresh_live_peers(self, run_id: str, seen_at: float) -> None:
-        """Count every live peer as seen now (after a restart, their silence was ours)."""
-        self._exec(
-            "UPDATE peers SET last_seen_at = ? WHERE run_id = ? AND status = 'live'"
-            " AND last_seen_at < ?",
-            (seen_at, run_id, seen_at),
-        )
-
     # -- submissions --------------------------------------------------------------------------
 
     def insert_submission(self, row: SubmissionRow) -> None:
@@ -425,12 +510,21 @@ class SqliteStorage(Storage):
         return conn
 
     def _rows(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
-        with self._lock:
+        with self._lock, self._failures():
             return [dict(row) for row in self._conn.execute(sql, params).fetchall()]
 
     def _exec(self, sql: str, params: tuple = ()) -> int:
-        with self._lock:
+        with self._lock, self._failures():
             return self._conn.execute(sql, params).rowcount
+
+    def _is_unavailable(self, error: Exception) -> bool:
+        code = getattr(error, "sqlite_errorcode", None)
+        return isinstance(error, sqlite3.DatabaseError) and code is not None and (
+            (code & 0xFF) in SQLITE_UNAVAILABLE_CODES
+        )
+
+    def _in_transaction(self) -> bool:
+        return self._conn.in_transaction
 
 
 class PostgresStorage(Storage):
@@ -459,12 +553,39 @@ class PostgresStorage(Storage):
         return sql.replace("?", "%s")
 
     def _rows(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
-        with self._lock:
+        with self._lock, self._failures():
+            self._reconnect_if_lost()
             return list(self._conn.execute(self._sql(sql), params).fetchall())
 
     def _exec(self, sql: str, params: tuple = ()) -> int:
-        with self._lock:
+        with self._lock, self._failures():
+            self._reconnect_if_lost()
             return self._conn.execute(self._sql(sql), params).rowcount
+
+    def _reconnect_if_lost(self) -> None:
+        """Between transactions, replace a connection the server dropped (a restart, a failover);
+        inside one, never: its earlier statements died with the old connection."""
+        if self._depth or self._closed or not self._conn.closed:
+            return
+        try:
+            self._conn = self._connect()
+        except StorageError as e:
+            self.num_failures += 1
+            raise StorageUnavailable(f"{e}; retry later") from e
+        log.warning("reconnected to PostgreSQL after the connection was lost")
+
+    def _is_unavailable(self, error: Exception) -> bool:
+        import psycopg
+
+        # OperationalError: connection lost (class 08), disk full or out of memory (53), shutdown
+        # or cancel (57), I/O (58), serialization failure or deadlock (40). A read-only standby
+        # after a failover answers 25006.
+        return isinstance(error, (psycopg.OperationalError, psycopg.errors.ReadOnlySqlTransaction))
+
+    def _in_transaction(self) -> bool:
+        from psycopg.pq import TransactionStatus
+
+        return not self._conn.closed and self._conn.info.transaction_status != TransactionStatus.IDLE
 
 
 def open_storage(url: str) -> Storage:

@@ -76,7 +76,10 @@ class NodeConfig(BaseModel):
     fetch_timeout_s: float = Field(
         60.0, gt=0.0, le=86_400.0, description="Seconds, per round, to fetch the manifest's packets.")
     checkpoint_dir: ExpandedPath | None = Field(
-        None, description="Save parameters and state here after every round; unset: none.")
+        None, description="Save the round-start parameters and this node's state here, and resume from them "
+        "on start when the swarm agrees; unset: none.")
+    checkpoint_every_rounds: int = Field(
+        1, ge=1, le=1_000_000, description="Write a checkpoint after every this many applied rounds.")
     progress: bool = Field(True, description="A progress bar for the inner steps on stderr.")
     inject: tuple[str, ...] = Field(
         (), strict=False,

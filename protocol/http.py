@@ -19,7 +19,8 @@ POST /v1/runs/{run_id}/rounds/{r}/submit    S     SubmitRequest        SubmitRes
 GET  /v1/runs/{run_id}/rounds/{r}?wait_s=W  -                          RoundView
 POST /v1/runs/{run_id}/rounds/{r}/applied   S     AppliedRequest       AppliedResponse
 GET  /v1/runs/{run_id}/status?history=N     -                          RunStatus
-GET  /healthz, GET /metrics, GET /?run=ID   -     (JSON, Prometheus text, HTML page)
+GET  /healthz, GET /readyz                  -                          (JSON; see below)
+GET  /metrics, GET /?run=ID                 -     (Prometheus text, HTML page)
 ==========================================  ====  ===================  =====================
 
 Signing (``S``): headers ``X-Locoswarm-Peer`` (peer id), ``X-Locoswarm-Nonce`` (decimal int,
@@ -35,7 +36,11 @@ peer, and a header peer that differs from the peer the body speaks for. ``S*``: 
 by the joining key itself; the header peer must equal ``peer_id_from_public_key(public_key)``.
 
 Refusals are JSON ``{"error": code, "detail": text}`` with a 4xx status (see `ErrorBody`);
-`ErrorCode` lists every code, with what it means and what a node does about it.
+`ErrorCode` lists every code, with what it means and what a node does about it. A database failure
+is the same body with status 503, code ``storage_unavailable`` and a ``Retry-After`` header: the
+request changed nothing, and a retry succeeds once the database is usable again. ``/healthz`` says
+only that the process answers; ``/readyz`` (``{"status": "ready"}``, or 503 ``storage_unavailable``)
+that it can read and write its database.
 
 Rounds: round 0 opens once ``min_peers`` peers are live; round r closes at its deadline, or as soon
 as every live peer that was a member when r opened has submitted; closing fixes the manifest
@@ -369,6 +374,8 @@ ErrorCode = Literal[
     # other statuses
     "http_error",  # another status the HTTP framework raised. Stops if 4xx.
     "internal",  # 500: a coordinator bug (see its log). The node client retries with backoff, as on 5xx.
+    # 503: the request changed nothing; its answer carries Retry-After
+    "storage_unavailable",  # the coordinator's database failed (disk full, read-only, connection lost). Retry later.
 ]
 
 

@@ -49,7 +49,10 @@ def register(subparsers) -> None:
     join.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds")
     join.add_argument("--fetch-timeout", dest="fetch_timeout_s", type=float, default=None,
                       help="seconds to fetch a round's packets (default 60)")
-    join.add_argument("--checkpoint-dir", default=None, help="save parameters and state here after every round")
+    join.add_argument("--checkpoint-dir", default=None,
+                      help="save the parameters and this node's state here, and resume from them on restart")
+    join.add_argument("--checkpoint-every", dest="checkpoint_every_rounds", type=int, default=None,
+                      help="rounds between checkpoints (default 1)")
     join.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                       help="a progress bar for the inner steps (default on; --no-progress: logs only)")
     join.add_argument("--inject", action="append", default=None, metavar="FAULT",
@@ -63,7 +66,8 @@ def register(subparsers) -> None:
 # Flags of `node join` that set NodeConfig fields (argparse dest == field name).
 JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "key_path", "host_maddrs",
                      "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "uplink_mbps",
-                     "max_rounds", "fetch_timeout_s", "checkpoint_dir", "progress", "inject")
+                     "max_rounds", "fetch_timeout_s", "checkpoint_dir", "checkpoint_every_rounds", "progress",
+                     "inject")
 
 
 def _join(args: argparse.Namespace) -> int:

@@ -21,11 +21,24 @@ Things hivemind 1.1.12 does not do for us, and how this module copes:
 - hivemind's msgpack serializer writes tuples as an extension type a plain msgpack reader does
   not know; records are built from lists only (protocol/dht_records.py).
 - The p2pd pid is only reachable through `P2P._child` (`daemon_pid`, for tests that check it dies).
+- Bootstrap cannot crash a node. Given initial peers, `P2P.create` runs p2pd with `-b`: p2pd dials
+  them one after another (5 s each for an address that drops packets, 60 s in all) and exits when
+  none answers, which `P2P.create` raises as `P2PDaemonError("Daemon failed to start: ... failed
+  to connect to bootstrap peers")`; and `DHTNode.create` raises `RuntimeError("DHTNode bootstrap
+  failed: none of the initial_peers responded to a ping ...")` when p2pd reached a peer but no DHT
+  node answered there (a p2pd that outlived its node for a moment). So p2pd starts without them and
+  the host dials every initial peer itself, in parallel, each within `bootstrap_timeout_s`; the
+  DHTNode bootstraps from those that answered. When none answered, or none of their DHT nodes did,
+  the node starts a DHT of its own (a swarm of one) and says so: others join it through the
+  addresses it gives the coordinator. What p2pd's `-b` did beyond dialling is left out: tagging
+  the peers for its connection manager, redialling them every 15 min while it has fewer than 4
+  connections, an early refresh of its routing table (which it fills from the connections anyway).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -39,6 +52,8 @@ from protocol.stream import PROTOCOL_NAME
 if TYPE_CHECKING:
     from node.exchange.p2p import ExchangeConfig
 
+log = logging.getLogger(__name__)
+
 StreamHandler = Callable[..., Awaitable[None]]  # (stream_info, reader, writer)
 
 
@@ -50,26 +65,30 @@ class Host:
 
     @classmethod
     async def start(cls, config: ExchangeConfig) -> Host:
-        loopback_only = all(is_loopback(Multiaddr(m)) for m in config.host_maddrs)
-        nat_port_map = (not loopback_only) if config.nat_port_map is None else config.nat_port_map
-        p2p = await P2P.create(
-            initial_peers=list(config.initial_peers) or None,
-            host_maddrs=list(config.host_maddrs),
-            announce_maddrs=list(config.announce_maddrs) or None,
-            use_relay=config.use_relay,
-            use_auto_relay=config.use_auto_relay,
-            dht_mode="client" if config.client_mode else "server",
-            nat_port_map=nat_port_map,
-            startup_timeout=config.startup_timeout_s,
-        )
+        """p2pd, then the DHT node, joined through the initial peers that answer (or alone)."""
+        p2p = await _start_daemon(config)
         try:
-            dht = await DHTNode.create(
-                p2p=p2p, initial_peers=list(config.initial_peers) or None, client_mode=config.client_mode,
-                wait_timeout=config.dht_wait_timeout_s,
-            )
+            answered = await _dial_initial_peers(p2p, config.initial_peers, config.bootstrap_timeout_s)
+            dht = await _start_dht(p2p, config, answered) if answered or not config.initial_peers else None
         except BaseException:
             await p2p.shutdown()
             raise
+        if dht is not None:
+            return cls(p2p, dht)
+        if answered:  # the failed DHTNode's RPC handlers stay registered on this daemon: start afresh
+            await p2p.shutdown()
+            p2p = await _start_daemon(config)
+        try:
+            dht = await _start_dht(p2p, config, [])
+            maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        why = ("reached, but no DHT node answered there" if answered
+               else f"none answered within {config.bootstrap_timeout_s:g} s")
+        log.warning("bootstrap: initial peers %s: %s; started a DHT of its own, which others join through "
+                    "the addresses this node gives the coordinator: %s",
+                    ", ".join(config.initial_peers), why, ", ".join(maddrs))
         return cls(p2p, dht)
 
     @property
@@ -112,3 +131,55 @@ def dial_addresses(holder_id: str, maddrs: list[str]) -> list[Multiaddr]:
     refuses addresses that still end in /p2p/<id>."""
     suffix = f"/p2p/{holder_id}"
     return [Multiaddr(m.removesuffix(suffix)) for m in maddrs]
+
+
+async def _start_daemon(config: ExchangeConfig) -> P2P:
+    """p2pd, without bootstrap peers (Host.start dials them itself)."""
+    loopback_only = all(is_loopback(Multiaddr(m)) for m in config.host_maddrs)
+    nat_port_map = (not loopback_only) if config.nat_port_map is None else config.nat_port_map
+    return await P2P.create(
+        host_maddrs=list(config.host_maddrs),
+        announce_maddrs=list(config.announce_maddrs) or None,
+        use_relay=config.use_relay,
+        use_auto_relay=config.use_auto_relay,
+        dht_mode="client" if config.client_mode else "server",
+        nat_port_map=nat_port_map,
+        startup_timeout=config.startup_timeout_s,
+    )
+
+
+async def _start_dht(p2p: P2P, config: ExchangeConfig, initial_peers: list[str]) -> DHTNode | None:
+    """The DHT node on `p2p`, bootstrapped from `initial_peers` (none: a swarm of one); None when
+    none of them answered its ping."""
+    try:
+        return await DHTNode.create(
+            p2p=p2p, initial_peers=initial_peers or None, client_mode=config.client_mode,
+            wait_timeout=config.dht_wait_timeout_s,
+        )
+    except RuntimeError as e:  # hivemind says "none answered" with a bare RuntimeError only
+        if initial_peers and str(e).startswith("DHTNode bootstrap failed"):
+            return None
+        raise
+
+
+async def _dial_initial_peers(p2p: P2P, initial_peers: tuple[str, ...], timeout_s: float) -> list[str]:
+    """The initial peers (multiaddrs ending in /p2p/<id>) p2pd connected to, each given `timeout_s`,
+    all at once; addresses of one peer are dialled together. Those that did not answer are logged."""
+    by_peer: dict[str, list[str]] = {}
+    for maddr in initial_peers:
+        by_peer.setdefault(maddr.rpartition("/p2p/")[2], []).append(maddr)
+
+    async def dial(holder_id: str, maddrs: list[str]) -> bool:
+        try:
+            peer = PeerID.from_base58(holder_id)
+            await asyncio.wait_for(p2p._client.connect(peer, dial_addresses(holder_id, maddrs)), timeout_s)
+            return True
+        except Exception as e:  # refused, timed out, wrong peer id at that address, no /p2p/<id>: skip it
+            log.debug("bootstrap: %s did not answer: %r", ", ".join(maddrs), e)
+            return False
+
+    answered = await asyncio.gather(*(dial(holder_id, maddrs) for holder_id, maddrs in by_peer.items()))
+    skipped = [m for ok, maddrs in zip(answered, by_peer.values()) if not ok for m in maddrs]
+    if skipped and any(answered):
+        log.info("bootstrap: skipped initial peers that did not answer within %g s: %s", timeout_s, ", ".join(skipped))
+    return [m for ok, maddrs in zip(answered, by_peer.values()) if ok for m in maddrs]

@@ -72,6 +72,9 @@ class ExchangeConfig:
     holder_refresh_s: float = 1.0  # with every holder failed, re-read the DHT for new holders this often
     holder_batch_s: float = 0.05  # verified copies are announced together after this pause
     startup_timeout_s: float = 30.0  # p2pd start-up
+    # each initial peer must answer a dial within this, all tried at once; those that do not are
+    # skipped, and with none answering the node starts a DHT of its own (node/exchange/host.py)
+    bootstrap_timeout_s: float = 5.0
     dht_wait_timeout_s: float = 3.0  # one DHT RPC
 
     def __post_init__(self):
@@ -80,7 +83,8 @@ class ExchangeConfig:
             raise ValueError("host_maddrs must name at least one address to listen on")
         if min(self.max_parallel_fetches, self.max_uploads, self.chunk_bytes, self.max_packet_bytes) < 1:
             raise ValueError("max_parallel_fetches, max_uploads, chunk_bytes and max_packet_bytes must be positive")
-        if min(self.announce_ttl_s, self.connect_timeout_s, self.stall_timeout_s, self.request_timeout_s) <= 0:
+        if min(self.announce_ttl_s, self.connect_timeout_s, self.stall_timeout_s, self.request_timeout_s,
+               self.bootstrap_timeout_s) <= 0:
             raise ValueError("time-outs and the announcement lifetime must be positive")
         if self.min_rate_bytes_per_s < 0:
             raise ValueError("min_rate_bytes_per_s must be >= 0 (0: no floor)")

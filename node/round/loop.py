@@ -27,6 +27,7 @@ from collections.abc import Awaitable
 
 from node.config import NodeConfig
 from node.exchange.base import Exchange
+from node.round import resume
 from node.round.catchup import catch_up
 from node.round.coordinator_client import CoordinatorClient, CoordinatorError, Refused
 from node.round.overlap import Pipeline
@@ -42,6 +43,7 @@ log = logging.getLogger("locoswarm.node")
 
 # The exchange's part of a round's work in flight: its task (view, payloads, prepared) and times.
 InFlight = tuple[asyncio.Task, RoundTimes]
+MAX_BOOTSTRAP = 16  # DHT bootstrap addresses tried at start (node/exchange/host.py skips dead ones)
 RUN_OVER_CODES: tuple[ErrorCode, ...] = ("round_not_found", "run_closed")  # refusals that end the loop
 
 
@@ -68,6 +70,7 @@ class Node:
         self.faults = faults if faults is not None else FaultInjector.parse(config.inject)
         self.reports: list[RoundReport] = []
         self.catch_ups: list[CatchUpReport] = []
+        self.resumed_from: int | None = None  # the round whose start this node's checkpoint held
         self.session: Session | None = None
         self._client, self._exchange, self._clock = client, exchange, clock
         self._stopping = asyncio.Event()
@@ -141,11 +144,11 @@ class Node:
 
         cfg = self.config
         run_info = await client.run_info(run_id)
-        bootstrap = cfg.initial_peers or tuple(run_info.config.exchange.dht_bootstrap)
-        if not bootstrap:
-            status = await client.status(run_id)
-            bootstrap = tuple(m for peer in status.peers if peer.status == "live"
-                              for m in peer.listen_multiaddrs)[:16]
+        bootstrap = cfg.initial_peers
+        if not bootstrap:  # the run's fixed bootstrap peers and its live members: any that answers will do
+            status = await client.status(run_id, history=0)
+            members = [m for peer in status.peers if peer.status == "live" for m in peer.listen_multiaddrs]
+            bootstrap = tuple(dict.fromkeys([*run_info.config.exchange.dht_bootstrap, *members]))[:MAX_BOOTSTRAP]
         return await self.faults.exchange_class(P2PExchange).create(ExchangeConfig(
             run_id=run_id, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
             initial_peers=bootstrap, client_mode=cfg.client_mode, use_auto_relay=cfg.use_auto_relay,
@@ -188,6 +191,8 @@ class Node:
 
     async def _rounds(self, s: Session, joined: JoinResponse) -> None:
         round, rounds_done = joined.current_round, 0
+        if await resume.restore(s):  # this node's own state, where the swarm agrees with it
+            self.resumed_from = s.params_round
         while not self._stopping.is_set():
             if self.config.max_rounds is not None and rounds_done >= self.config.max_rounds:
                 break

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 
+from node.round import resume
 from node.round.prefetch import Decoded, Prefetch
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
@@ -184,8 +185,8 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
     if not response.agrees:
         log.error("round %d: my digest %s disagrees with the majority %s", round, s.digest[:12],
                   response.majority_digest[:12])
-    if s.config.checkpoint_dir is not None:
-        await asyncio.to_thread(_save_checkpoint, s, round)
+    if resume.due(s, round):
+        await asyncio.to_thread(resume.save, s, round)
     snapshot = await asyncio.to_thread(_snapshot_bytes, s)
     s.spawn(_publish_snapshot(s, round + 1, snapshot))  # off the critical path
     return applied
@@ -211,19 +212,6 @@ async def _publish_snapshot(s: Session, round: int, snapshot: bytes) -> None:
         await s.exchange.publish_params(round, snapshot)
     except Exception as e:  # serving snapshots helps others; failing to must not stop this node
         log.warning("round %d: could not publish a parameter snapshot: %s", round, e)
-
-
-def _save_checkpoint(s: Session, round: int) -> None:
-    """Parameters and state after applying `round`; a failure is logged and training goes on."""
-    from node.training.checkpoint import CheckpointError, save_checkpoint
-
-    try:
-        save_checkpoint(s.config.checkpoint_dir, round + 1, s.training.model, s.training.optimizer,
-                        getattr(s.outer, "error_buffers", None),
-                        {"run_id": s.run_id, "applied_round": round, "peer_id": s.peer_id},
-                        outer_momentum=getattr(s.outer, "momentum", None))
-    except CheckpointError as e:  # disk full, unwritable: the swarm does not need our copy to go on
-        log.error("round %d: checkpoint not saved, training goes on: %s", round, e)
 
 
 def _snapshot_bytes(s: Session) -> bytes:

@@ -109,10 +109,14 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     *,
     outer_momentum: Mapping[str, torch.Tensor] | None = None,
+    params: Mapping[str, torch.Tensor] | None = None,
 ) -> str:
-    """Write the checkpoint for `round` into `directory` atomically; returns the parameter digest."""
+    """Write the checkpoint for `round` into `directory` atomically; returns the parameter digest.
+
+    `params` replaces the model's own tensors as the saved parameters (the node saves the global
+    model that starts `round`, which with overlap is not what the model holds)."""
     directory = Path(directory)
-    params = {name: _cpu(p) for name, p in sorted(model.named_parameters())}
+    params = {name: _cpu(p) for name, p in sorted((params or dict(model.named_parameters())).items())}
     digest = param_digest(params)
     state: dict[str, torch.Tensor] = {}
     groups: list = []
@@ -164,6 +168,15 @@ def _resolve(directory: Path) -> Path:
     if aside and (aside[-1] / META_FILE).exists():
         return aside[-1]
     raise CheckpointError(f"no checkpoint at {directory}")
+
+
+def checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's meta.json (round, digest, extra...), without reading its tensors."""
+    directory = _resolve(Path(directory))
+    try:
+        return json.loads((directory / META_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"cannot read checkpoint at {directory}: {error}") from error
 
 
 def load_checkpoint(

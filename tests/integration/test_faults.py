@@ -265,8 +265,8 @@ def test_coordinator_restart_stale_submission_and_unwritable_checkpoints(tmp_pat
         swarm.coordinator.wait(timeout=30)
         deadline = time.monotonic() + 60
         # Log text: a running node has no typed state to read (its report is written at exit), and
-        # its retry line is the only sign that it saw the coordinator gone.
-        while not any("retrying in" in node_log(swarm, i) for i in range(3)):
+        # its outage line is the only sign that it saw the coordinator gone.
+        while not any("unreachable" in node_log(swarm, i) for i in range(3)):
             assert time.monotonic() < deadline, "no node noticed the coordinator was gone"
             time.sleep(STATUS_POLL_S)
         swarm.start_coordinator(port=port)

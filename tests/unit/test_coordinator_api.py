@@ -205,6 +205,7 @@ def test_status_metrics_health_and_page(coordinator_client, fake_clock):
     for bad in (-1, 1001, "all"):
         assert error_of(client.get(f"/v1/runs/{run_id}/status", params={"history": bad})) == "invalid_request"
     assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready"}
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     assert f'locoswarm_run_current_round{{run="{run_id}"}} 1.0' in metrics.text
@@ -234,6 +235,7 @@ def test_openapi_lists_every_route_with_models(coordinator_client):
                                                                      "AppliedResponse"),
         ("get", "/v1/runs/{run_id}/status"): (None, "RunStatus"),
         ("get", "/healthz"): (None, "Health"),
+        ("get", "/readyz"): (None, "Ready"),
     }
     for (method, path), (request_model, response_model) in expected.items():
         operation = schema["paths"][path][method]
@@ -242,6 +244,8 @@ def test_openapi_lists_every_route_with_models(coordinator_client):
         if request_model:
             assert f"#/components/schemas/{request_model}" in json.dumps(operation["requestBody"])
             assert "#/components/schemas/ErrorBody" in json.dumps(operation["responses"]["409"])
+            assert "#/components/schemas/ErrorBody" in json.dumps(operation["responses"]["503"])
+    assert "#/components/schemas/ErrorBody" in json.dumps(schema["paths"]["/readyz"]["get"]["responses"]["503"])
     assert {"/metrics", "/"} <= set(schema["paths"])
     schemas = schema["components"]["schemas"]
     config_fields = schemas["RunConfig"]["properties"]

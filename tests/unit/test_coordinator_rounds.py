@@ -1,5 +1,6 @@
 """Round lifecycle in-process with a fake clock: opening, early and deadline closes, refusals,
-manifests, applied digests and majority flags, liveness, leaving, long-polls and resuming."""
+manifests, applied digests and majority flags, liveness, leaving and long-polls. A restarted
+coordinator: tests/unit/test_coordinator_restart.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 from protocol.http import RoundView
 
 from tests.fixtures.coordinator import (
-    ADMIN_TOKEN,
     SignedPeer,
     create_run,
     error_of,
@@ -239,38 +239,3 @@ def test_long_poll_answers_each_submission_with_the_packets_so_far(coordinator_c
     assert closed["state"] == "closed" and closed["submitted"] == [] and len(closed["manifest"]) == 3
     bad = client.get(f"/v1/runs/{run_id}/rounds/0?submitted_gt=-1")
     assert bad.status_code == 422
-
-
-def test_restart_on_the_same_database_resumes(tmp_path, fake_clock):
-    from fastapi.testclient import TestClient
-
-    from coordinator.app import create_app
-    from coordinator.storage import open_storage
-
-    db_url = f"sqlite:///{tmp_path / 'c.db'}"
-
-    def app_on(db):
-        return create_app(db, ADMIN_TOKEN, clock=fake_clock, tick_s=None)
-
-    storage = open_storage(db_url)
-    with TestClient(app_on(storage)) as client:
-        run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": 20.0})
-        a, b = peers_for(client, fake_clock, run_id, 2)
-        a.submit(run_id, 0)
-        b.submit(run_id, 0)
-        a.submit(run_id, 1)
-        before = round_of(client, run_id, 1)
-    storage.close()
-    fake_clock.advance(25.0)  # down for longer than the heartbeat timeout, not the deadline
-    storage = open_storage(db_url)
-    with TestClient(app_on(storage)) as client:
-        after = round_of(client, run_id, 1)
-        assert (after["state"], after["deadline"], after["num_submitted"]) == (
-            "open", before["deadline"], 1)
-        statuses = [p["status"] for p in client.get(f"/v1/runs/{run_id}/status").json()["peers"]]
-        assert statuses == ["live", "live"], "our downtime is not the peers' silence"
-        assert len(round_of(client, run_id, 0)["manifest"]) == 2
-        fake_clock.advance(10.0)  # now past round 1's deadline
-        assert round_of(client, run_id, 1)["state"] == "closed"
-        assert round_of(client, run_id, 2)["state"] == "open"
-    storage.close()

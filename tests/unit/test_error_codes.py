@@ -57,10 +57,15 @@ def test_http_layer_refusals_carry_listed_codes(tmp_path):
     storage = open_storage(f"sqlite:///{tmp_path / 'c.db'}")
     app = create_app(storage, ADMIN_TOKEN, tick_s=None)
     with TestClient(app, raise_server_exceptions=False) as client:
-        storage.close()  # every database call now raises: an unhandled error, answered as 500
-        response = client.get("/healthz")
+        storage.close()  # every database call now raises a bug's error (not a storage failure)
+        response = client.get("/v1/runs")
+        assert client.get("/healthz").json() == {"status": "ok"}, "liveness never reads the database"
+        not_ready = client.get("/readyz")
     assert response.status_code == 500
     assert response.json() == {"error": "internal", "detail": "internal error; see the coordinator log"}
+    assert not_ready.status_code == 503 and not_ready.headers["Retry-After"] == "5"
+    assert not_ready.json() == {"error": "storage_unavailable",
+                                "detail": "the readiness probe failed: ProgrammingError"}
 
     sent: list[dict] = []
 

@@ -54,11 +54,11 @@ class Swarm:
         self.run_id = response.json()["run_id"]
         return self.run_id
 
-    def node(self, name: str, faults: FaultInjector | None = None) -> tuple[Node, str]:
+    def node(self, name: str, faults: FaultInjector | None = None, **settings) -> tuple[Node, str]:
         key_path = self.tmp_path / f"{name}.key"
         key = PeerKey.load_or_create(key_path)
         config = NodeConfig(coordinator=BASE_URL, run_id=self.run_id, key_path=key_path, device="cpu",
-                            progress=False, fetch_timeout_s=3.0, threads=1)
+                            progress=False, fetch_timeout_s=3.0, threads=1, **settings)
         client = CoordinatorClient(BASE_URL, key, transport=self.transport, retry_for_s=5.0)
         node = Node(config, client=client, exchange=self.network.exchange(name),
                     faults=faults)
@@ -190,3 +190,38 @@ async def test_overlap_lands_each_round_one_round_late(swarm):
         assert [r.applied_round for r in node.reports] == [-1, 0, 1]  # round 2 lands as the node leaves
         assert node.session.digest == agreed[2]
         assert digests_by_round(node) == {0: agreed[0], 1: agreed[1]}
+
+
+@in_swarm
+async def test_restart_resumes_from_the_checkpoint(swarm):
+    """a and b stop after 2 rounds and start again with the same keys and checkpoint folders: each
+    resumes from its own checkpoint (the swarm agrees with its digest), with its error feedback and
+    Adam moments, and trains the open round at once; no catch-up, no round lost."""
+    import torch
+
+    await swarm.create_run(max_rounds=4, min_peers=2)
+    ckpt = {name: swarm.tmp_path / f"ckpt-{name}" for name in "ab"}
+    first = [swarm.node(name, checkpoint_dir=ckpt[name], max_rounds=2)[0] for name in "ab"]
+    await run_all(*first)
+    held = {name: {n: b.clone() for n, b in node.training.outer.error_buffers.items()}
+            for name, node in zip("ab", first)}
+    moments = {name: [s["exp_avg"].clone() for s in node.training.optimizer.state.values()]
+               for name, node in zip("ab", first)}
+    again = [swarm.node(name, checkpoint_dir=ckpt[name])[0] for name in "ab"]
+
+    async def restored(node: Node, name: str) -> None:  # the state as loaded, before round 2 trains
+        while node.resumed_from is None:
+            await asyncio.sleep(0.01)
+        outer = node.training.outer
+        assert all(torch.equal(outer.error_buffers[n], b) for n, b in held[name].items())
+        assert all(torch.equal(s["exp_avg"], m)
+                   for s, m in zip(node.training.optimizer.state.values(), moments[name]))
+
+    await asyncio.wait_for(asyncio.gather(*(n.run() for n in again), *(restored(n, m) for n, m in zip(again, "ab"))),
+                           TEST_TIMEOUT_S)
+    agreed = {h.round: h.majority_digest for h in (await swarm.status()).history}
+    assert sorted(agreed) == [0, 1, 2, 3]
+    for node in again:
+        assert node.resumed_from == 2 and node.catch_ups == []
+        assert [r.round for r in node.reports] == [2, 3]
+        assert digests_by_round(node) == {2: agreed[2], 3: agreed[3]}

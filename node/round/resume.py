@@ -1,0 +1,95 @@
+"""Resuming from this node's own checkpoint: a node that stopped (a night, a crash, a reboot)
+goes on as if it had never stopped, when the swarm agrees with what it holds.
+
+After applying round r a node writes (node.training.checkpoint, atomically, every
+`checkpoint_every_rounds` rounds) the global model that starts round r+1, its inner AdamW
+moments, its error-feedback buffers (SparseLoCo) or outer momentum (DiLoCo), the round, and the
+parameter digest; the data position is the round itself (batches are a function of the global
+step). On start, `restore` loads the newest checkpoint of this run, if any, and keeps it when
+its digest is the coordinator's agreed digest for the start of that round; the round loop then
+trains the open round directly, or replays the rounds closed since (node/round/catchup.py),
+with the error feedback and the Adam moments it had. A checkpoint the swarm does not agree
+with, of another run, or unreadable is set aside with one log line, and the node catches up
+from peers as a new one would.
+
+With overlap the error buffers already hold the update of the round in flight when a
+checkpoint is written; that update is not sent again: they restart at zero, as after a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from node.round.session import Session
+
+log = logging.getLogger("locoswarm.node")
+
+
+def save(s: Session, applied_round: int) -> None:
+    """The checkpoint after applying `applied_round` (it starts the next); a failure is logged and
+    training goes on: the swarm does not need this node's copy."""
+    from node.training.checkpoint import CheckpointError, save_checkpoint
+
+    try:
+        save_checkpoint(s.config.checkpoint_dir, applied_round + 1, s.training.model, s.training.optimizer,
+                        getattr(s.outer, "error_buffers", None),
+                        {"run_id": s.run_id, "applied_round": applied_round, "peer_id": s.peer_id},
+                        outer_momentum=getattr(s.outer, "momentum", None), params=s.outer.start)
+    except CheckpointError as e:  # disk full, unwritable
+        log.error("round %d: checkpoint not saved, training goes on: %s", applied_round, e)
+
+
+def due(s: Session, applied_round: int) -> bool:
+    return s.config.checkpoint_dir is not None and (applied_round + 1) % s.config.checkpoint_every_rounds == 0
+
+
+async def restore(s: Session) -> bool:
+    """Load this run's checkpoint when the coordinator agrees with its digest; True if loaded."""
+    from node.training.checkpoint import CheckpointError, checkpoint_meta
+
+    directory = s.config.checkpoint_dir
+    if directory is None:
+        return False
+    try:
+        meta = checkpoint_meta(directory)
+    except CheckpointError as e:
+        log.info("no checkpoint to resume from: %s", e)
+        return False
+    round, digest, run_id = meta.get("round"), meta.get("digest"), meta.get("extra", {}).get("run_id")
+    if run_id != s.run_id:
+        log.warning("the checkpoint in %s is of run %s, not %s: not used", directory, run_id, s.run_id)
+        return False
+    status = await s.client.status()
+    agreed = {h.round + 1: h.majority_digest for h in status.history if h.majority_digest}
+    if agreed.get(round) != digest:
+        log.warning("the checkpoint of round %s (digest %s) is not the swarm's agreed state (%s): catching up "
+                    "instead", round, str(digest)[:12], (agreed.get(round) or "none")[:12])
+        return False
+    try:
+        await asyncio.to_thread(_load, s, directory)
+    except CheckpointError as e:  # unreadable or corrupt tensors: the digest check inside refuses them
+        log.warning("the checkpoint in %s does not load: %s; catching up instead", directory, e)
+        return False
+    s.params_round, s.digest = round, digest
+    log.info("resumed from the checkpoint of round %d (digest %s)", round, digest[:12])
+    return True
+
+
+def _load(s: Session, directory) -> None:
+    import torch
+
+    from node.training.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(directory, s.training.model, s.training.optimizer, device=s.training.device)
+    with s.buffers_lock:
+        s.outer.reset_to_params()  # the saved parameters are the global model that starts the round
+        with torch.no_grad():
+            for name, buffer in getattr(s.outer, "error_buffers", {}).items():
+                if s.run.outer.overlap or name not in checkpoint.error_buffers:
+                    buffer.zero_()
+                else:
+                    buffer.copy_(checkpoint.error_buffers[name])
+            for name, momentum in getattr(s.outer, "momentum", {}).items():
+                if name in checkpoint.outer_momentum:
+                    momentum.copy_(checkpoint.outer_momentum[name])
