@@ -25,6 +25,7 @@ import json
 import logging
 import secrets
 import sqlite3
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -518,10 +519,13 @@ class SqliteStorage(Storage):
             return self._conn.execute(sql, params).rowcount
 
     def _is_unavailable(self, error: Exception) -> bool:
+        if not isinstance(error, sqlite3.DatabaseError):
+            return False
         code = getattr(error, "sqlite_errorcode", None)
-        return isinstance(error, sqlite3.DatabaseError) and code is not None and (
-            (code & 0xFF) in SQLITE_UNAVAILABLE_CODES
-        )
+        if code is None:
+            # Python 3.10 has no error codes (3.11 added them): there, every operational error.
+            return sys.version_info < (3, 11) and isinstance(error, sqlite3.OperationalError)
+        return (code & 0xFF) in SQLITE_UNAVAILABLE_CODES
 
     def _in_transaction(self) -> bool:
         return self._conn.in_transaction

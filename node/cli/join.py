@@ -114,6 +114,8 @@ def _write_report(path: Path, node, reports) -> None:
         "peer_id": node.peer_id,
         "preset": session.run.model.preset if session else None,
         "rounds": [vars_of(r) | {"times": vars_of(r.times)} for r in reports],
+        "resumed_from": node.resumed_from,  # the round its own checkpoint started, if it resumed
+        "catch_ups": [vars_of(c) for c in node.catch_ups],
     }))
     if session:
         model = session.training.model

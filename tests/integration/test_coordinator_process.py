@@ -69,11 +69,13 @@ def test_sigkill_and_restart_lose_nothing(start_coordinator, tmp_path):
         assert closed["state"] == "closed" and len(closed["manifest"]) == 2
 
 
-def test_deadline_that_passed_while_down_closes_after_restart(start_coordinator, tmp_path):
+def test_deadline_that_passed_while_down_gets_the_restart_grace(start_coordinator, tmp_path):
+    """The restart grace (coordinator.service): the open round is not closed empty at the first
+    tick; its deadline moves to the restart plus the heartbeat timeout, and the peer submits."""
     db_path = tmp_path / "coordinator.db"
     first = start_coordinator(db_path)
     with httpx.Client(base_url=first.url, timeout=10) as client:
-        run_id = create_run(client, {"membership.min_peers": 1,
+        run_id = create_run(client, {"membership.min_peers": 1, "membership.heartbeat_timeout_s": 10.0,
                                     "deadline": {"kind": "fixed", "round_timeout_s": 1.0}})
         peer = SignedPeer(client)
         peer.join(run_id)
@@ -84,9 +86,12 @@ def test_deadline_that_passed_while_down_closes_after_restart(start_coordinator,
     time.sleep(max(0.0, round_0["deadline"] - time.time() + 0.05))
     second = start_coordinator(db_path)
     with httpx.Client(base_url=second.url, timeout=15) as client:
+        peer.client = client
+        reopened = client.get(f"/v1/runs/{run_id}/rounds/0").json()
+        assert reopened["state"] == "open" and reopened["deadline"] > round_0["deadline"] + 10.0
+        assert peer.submit(run_id, 0).status_code == 200
         closed = client.get(f"/v1/runs/{run_id}/rounds/0?wait_s=10").json()
-        assert closed["state"] == "closed" and closed["closed_at"] >= round_0["deadline"]
-        assert closed["manifest"] == []
+        assert closed["state"] == "closed" and [e["peer_id"] for e in closed["manifest"]] == [peer.peer_id]
         assert client.get(f"/v1/runs/{run_id}/rounds/1").json()["state"] == "open"
 
 

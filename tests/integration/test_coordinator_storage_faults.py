@@ -166,7 +166,7 @@ def test_failed_writes_answer_503_reads_work_and_nothing_committed_is_lost(fault
         "submit": lambda: b.submit(run_id, 1, multiaddrs=LONG_ADDRS),
         "heartbeat": lambda: heartbeat(a, run_id, listen_multiaddrs=LONG_ADDRS),
     }
-    for name, write in writes.items():
+    for write in writes.values():
         assert_storage_unavailable(write(), fault.detail)
     if fault.every_write_fails:
         assert_storage_unavailable(heartbeat(b, run_id), fault.detail)
@@ -177,11 +177,11 @@ def test_failed_writes_answer_503_reads_work_and_nothing_committed_is_lost(fault
 
     fault.stop()
     assert client.get("/readyz").json() == {"status": "ready"}
-    assert {path: client.get(path).json() for path in reads} == committed
+    assert {path: client.get(path).json() for path in reads} == committed, "failed writes left nothing"
     for name, write in writes.items():
         response = write()
         assert response.status_code == 200, (name, response.text)
-    assert c.join(run_id).json()["peer_index"] == 2, "the failed join left no row behind"
+    assert [p["peer_index"] for p in client.get(f"/v1/runs/{run_id}/status").json()["peers"]] == [0, 1, 2]
     round_1 = client.get(f"/v1/runs/{run_id}/rounds/1").json()
     assert round_1["state"] == "closed" and [e["peer_id"] for e in round_1["manifest"]] == sorted(
         [a.peer_id, b.peer_id])
@@ -244,6 +244,25 @@ def test_a_real_server_on_a_full_disk_answers_503_on_a_kept_connection(small_dis
         coordinator.stop()
     log = coordinator.log_path.read_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+def test_a_bug_is_not_a_storage_failure(tmp_path):
+    """Bad SQL or a broken constraint is a bug: it passes unchanged (a 500), not as a 503."""
+    import sqlite3
+
+    from coordinator.storage import open_storage
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'coordinator.db'}")
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="no such table"):
+            storage._rows("SELECT * FROM no_such_table")
+        with pytest.raises(sqlite3.IntegrityError), storage.transaction():
+            storage.add_nonce("pa", 1, 1.0)
+            storage._exec("INSERT INTO readiness_probe (id, probed_at) VALUES (0, 0)")
+        assert storage.add_nonce("pa", 1, 2.0), "the failed transaction was rolled back"
+        assert storage.num_failures == 0
+    finally:
+        storage.close()
 
 
 def test_postgres_connection_lost_answers_503_then_reconnects(postgres_url, fake_clock):

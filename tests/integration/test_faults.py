@@ -290,6 +290,64 @@ def test_coordinator_restart_stale_submission_and_unwritable_checkpoints(tmp_pat
     assert meta["round"] == rounds and meta["digest"] == digests[rounds - 1]
 
 
+def report_of(swarm: LocalSwarm, i: int) -> dict:
+    return json.loads((swarm.workdir / f"node{i}.report.json").read_text())
+
+
+def checkpoint_round(path: Path) -> int | None:
+    meta = path / "meta.json"
+    return json.loads(meta.read_text())["round"] if meta.exists() else None
+
+
+@pytest.mark.timeout(300)
+def test_everything_killed_at_once_resumes_from_checkpoints(tmp_path):
+    """Every node and the coordinator SIGKILLed at once mid-run, while the nodes train a round
+    (3 s each); all started again at once with the same keys, checkpoint folders and database.
+    Each node resumes from its own checkpoint (the coordinator agrees with its digest) and trains
+    the open round: no agreed round is lost or changed, the loss goes on from where it was, and
+    the run finishes with every digest agreeing."""
+    rounds = 6
+    ckpt = [tmp_path / f"ckpt{i}" for i in range(3)]
+    extra = {i: ("--checkpoint-dir", str(ckpt[i]), "--inject", "slow-compute@min_s=3") for i in range(3)}
+    with swarm_for(tmp_path, 3, rounds, extra) as swarm:
+        start_swarm(swarm, {"membership.heartbeat_timeout_s": 5.0,
+                            "deadline": {"kind": "fixed", "round_timeout_s": 30.0}})
+
+        def all_training_round_2(status) -> bool:  # every checkpoint starts round 2, nobody submitted yet
+            current = status["current_round"] or {}
+            return (current.get("round") == 2 and current.get("num_submitted") == 0
+                    and all(checkpoint_round(c) == 2 for c in ckpt))
+
+        before = wait_until(swarm, all_training_round_2, "every node training round 2 from its checkpoint")
+        port = int(swarm.url.rsplit(":", 1)[1])
+        for node in swarm.nodes:
+            os.killpg(node.pid, signal.SIGKILL)
+        swarm.coordinator.kill()
+        assert [node.wait(timeout=30) for node in swarm.nodes] == [-signal.SIGKILL] * 3
+        swarm.coordinator.wait(timeout=30)
+
+        swarm.start_coordinator(port=port)
+        for i in range(3):
+            swarm.start_node(i)  # swarm.nodes[3 + i]
+        codes = wait_exit(swarm, (3, 4, 5))
+        status = swarm.status()
+    assert codes == [0, 0, 0]
+    history = status["history"]
+    assert_history_complete(history, rounds)
+    agreed_before = {h["round"]: h["majority_digest"] for h in before["history"]}
+    assert sorted(agreed_before) == [0, 1]
+    assert all(history[r]["majority_digest"] == digest for r, digest in agreed_before.items())
+    reports = [report_of(swarm, i) for i in range(3)]
+    assert all(h["num_contributors"] == 3 for h in history), (history, reports)
+    for report in reports:
+        assert report["resumed_from"] == 2 and report["catch_ups"] == [], report
+        assert [r["round"] for r in report["rounds"]] == list(range(2, rounds))
+    assert_identical_digests(swarm, (0, 1, 2), history)
+    # The loss goes on from round 1's, not from the seeded initialisation's.
+    first_resumed = history[2]["mean_loss"]
+    assert first_resumed < history[0]["mean_loss"] - 0.1 and first_resumed < history[1]["mean_loss"] + 0.2, history
+
+
 @pytest.mark.timeout(240)
 def test_median_norm_clipping_keeps_a_poisoned_swarm_on_course():
     """In process, 4 peers through real packets: peer 3 poisons every update (x1000, the node's own
