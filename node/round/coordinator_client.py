@@ -6,7 +6,10 @@ at RETRY_DELAY_MAX_S) and jitter: by default for as long as it takes, so a node 
 coordinator outage of any length with its state and its exchange intact; a call that must not
 wait (a heartbeat, leaving) passes its own `retry_for_s` and gets `CoordinatorUnavailable` after
 it. An outage is logged when it starts, once a minute while it lasts (`coordinator unreachable
-for 3m20s; retrying`), and when it ends, however many calls are waiting on it. A 4xx refusal is
+for 3m20s; retrying`), and when it ends, however many calls are waiting on it. Before the
+coordinator has answered this client even once, a wrong address is the likelier cause than an
+outage: those calls give up after FIRST_CONTACT_S with `CoordinatorUnreachable`, whose message
+says to check the address. A 4xx refusal is
 final and raised as `Refused` with the coordinator's error code (`late`, `stale_round`, ...),
 which the round loop decides on.
 """
@@ -29,6 +32,7 @@ from protocol.signing import PeerKey
 log = logging.getLogger(__name__)
 
 RETRY_DELAY_MAX_S = 10.0  # the backoff's cap between two attempts (before jitter)
+FIRST_CONTACT_S = 20.0  # how long calls wait for a coordinator that has never answered this client
 OUTAGE_LOG_EVERY_S = 60.0  # while the coordinator is unreachable, one log line this often
 
 
@@ -48,6 +52,10 @@ class CoordinatorError(Exception):
 
 class CoordinatorUnavailable(CoordinatorError):
     """No answer (or only 5xx/429) for longer than the retry budget."""
+
+
+class CoordinatorUnreachable(CoordinatorUnavailable):
+    """The coordinator never answered this client: most likely a wrong address."""
 
 
 class Refused(CoordinatorError):
@@ -73,6 +81,7 @@ class CoordinatorClient:
         self.retry_for_s = retry_for_s  # None: retry until the coordinator answers
         self.run_id: str | None = None
         self._unreachable_since: float | None = None  # monotonic time of the outage's first failure
+        self._answered = False  # the coordinator has answered this client at least once
         self._outage_logged_at = 0.0
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False,
                                        transport=transport)
@@ -96,6 +105,7 @@ class CoordinatorClient:
                         format_duration(now - self._unreachable_since), error)
 
     def _note_answer(self) -> None:
+        self._answered = True
         if self._unreachable_since is not None:
             log.warning("coordinator reachable again after %s",
                         format_duration(time.monotonic() - self._unreachable_since))
@@ -106,6 +116,9 @@ class CoordinatorClient:
         path = API_PREFIX + path
         content = body.model_dump_json().encode() if body is not None else b""
         budget = self.retry_for_s if retry_for_s is None else retry_for_s
+        first_contact = not self._answered and (budget is None or budget > FIRST_CONTACT_S)
+        if first_contact:
+            budget = FIRST_CONTACT_S
         deadline = float("inf") if budget is None else time.monotonic() + budget
         delay_s, last_error = 0.2, "no attempt"
         while True:
@@ -130,6 +143,10 @@ class CoordinatorClient:
                     raise Refused(response.status_code, str(error.get("error")), str(error.get("detail")))
                 last_error = f"HTTP {response.status_code}"
             if time.monotonic() + delay_s > deadline:
+                if first_contact and not self._answered:
+                    raise CoordinatorUnreachable(
+                        f"no answer from the coordinator at {self.base_url} in {budget:.0f} s ({last_error}): check "
+                        f"the address, or run `locoswarm doctor --coordinator {self.base_url}`")
                 raise CoordinatorUnavailable(f"{method} {path}: {last_error} (gave up after {budget:.0f} s)")
             if last_error != "HTTP 429":
                 self._note_failure(last_error)

@@ -13,7 +13,8 @@ import pytest
 import uvicorn
 
 import node.round.coordinator_client as client_module
-from node.round.coordinator_client import CoordinatorClient, CoordinatorUnavailable, Refused, format_duration
+from node.round.coordinator_client import (CoordinatorClient, CoordinatorUnavailable, CoordinatorUnreachable,
+                                          Refused, format_duration)
 from protocol.signing import PeerKey
 
 
@@ -103,6 +104,25 @@ def test_a_call_with_its_own_budget_gives_up_and_a_refusal_is_final(tmp_path, fa
         finally:
             await client.close()
             await coordinator.stop()
+            coordinator.storage.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_never_reached_is_a_wrong_address_said_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(client_module, "FIRST_CONTACT_S", 0.5)
+
+    async def main():
+        coordinator = Coordinator(tmp_path)
+        await coordinator.start()
+        await coordinator.stop()  # a port nothing listens on
+        client = CoordinatorClient(coordinator.url, PeerKey.from_seed(b"client"))
+        try:
+            with pytest.raises(CoordinatorUnreachable, match="check the address, or run `locoswarm doctor"):
+                await client.runs()
+        finally:
+            await client.close()
             coordinator.storage.close()
 
     asyncio.run(main())
