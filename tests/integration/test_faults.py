@@ -348,6 +348,33 @@ def test_everything_killed_at_once_resumes_from_checkpoints(tmp_path):
     assert first_resumed < history[0]["mean_loss"] - 0.1 and first_resumed < history[1]["mean_loss"] + 0.2, history
 
 
+@pytest.mark.timeout(300)
+def test_coordinator_down_past_the_heartbeat_timeout(tmp_path):
+    """The coordinator is SIGKILLed and stays down for three heartbeat timeouts (15 s against 5 s):
+    every node keeps its state and waits; once the coordinator is back (same port, same database)
+    its members are still members, the open round takes their packets, and the run finishes with
+    every node exiting 0 and every digest agreeing."""
+    rounds, down_s = 5, 15.0
+    with swarm_for(tmp_path, 3, rounds) as swarm:
+        start_swarm(swarm, {"membership.heartbeat_timeout_s": 5.0,
+                            "deadline": {"kind": "fixed", "round_timeout_s": 30.0}})
+        wait_until(swarm, lambda s: len(s["history"]) >= 2, "rounds 0 and 1 closed")
+        port = int(swarm.url.rsplit(":", 1)[1])
+        swarm.coordinator.kill()
+        swarm.coordinator.wait(timeout=30)
+        time.sleep(down_s)  # the outage itself: nothing to wait for but time
+        assert all(node.poll() is None for node in swarm.nodes), "a node exited while the coordinator was away"
+        swarm.start_coordinator(port=port)
+        codes = wait_exit(swarm, (0, 1, 2))
+        status = swarm.status()
+    assert codes == [0, 0, 0]
+    history = status["history"]
+    assert_history_complete(history, rounds)
+    assert all(h["num_contributors"] == 3 for h in history), history
+    assert all(p["status"] == "left" for p in status["peers"]), status["peers"]
+    assert_identical_digests(swarm, (0, 1, 2), history)
+
+
 @pytest.mark.timeout(240)
 def test_median_norm_clipping_keeps_a_poisoned_swarm_on_course():
     """In process, 4 peers through real packets: peer 3 poisons every update (x1000, the node's own
