@@ -8,12 +8,17 @@
 Top-level imports stay light (argparse and stdlib) so ``locoswarm --help`` is instant; FastAPI,
 uvicorn and httpx are imported inside the commands. Operator mistakes -- a bad config file, a
 database that cannot be opened, a port in use, an unreachable coordinator -- end with one line
-on stderr and exit code 2.
+on stderr and exit code 2; the line says what to do (a missing admin token: where `serve` wrote
+it; a run that does not exist: `run list`).
+
+Logging: the coordinator's own lines at INFO, uvicorn's at WARNING (no line per request); `serve
+-v` adds uvicorn's INFO lines and the access log.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 import socket
@@ -26,6 +31,14 @@ EXIT_USAGE = 2
 
 class CliError(Exception):
     """An operator-facing failure: printed as one line, exit code 2."""
+
+
+class RefusedByCoordinator(CliError):
+    """The coordinator answered with a 4xx refusal; `code` is its error code (protocol.http.ErrorCode)."""
+
+    def __init__(self, message: str, code: str):
+        super().__init__(message)
+        self.code = code
 
 
 def _fail(message: str) -> int:
@@ -76,6 +89,14 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _configure_logging(verbose: bool) -> None:
+    """The coordinator's own loggers at INFO on stderr; the HTTP libraries' at WARNING unless `verbose`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for name in ("httpx", "httpcore", "asyncio"):
+        logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -99,10 +120,11 @@ def _serve(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{bound_port}"
     app = create_app(storage, token)
+    _configure_logging(args.verbose)
     config = uvicorn.Config(
         app,
-        log_level=args.log_level,
-        access_log=args.access_log,
+        log_level="info" if args.verbose and args.log_level == "warning" else args.log_level,
+        access_log=args.access_log or args.verbose,
         timeout_graceful_shutdown=2,
         # Long-polls hold connections up to a minute; keep idle ones a little longer.
         timeout_keep_alive=75,
@@ -136,7 +158,17 @@ def _admin_token_for_client(args: argparse.Namespace) -> str:
             raise CliError(f"cannot read admin token file {args.admin_token_file}: {e.strerror}")
     if os.environ.get(ADMIN_TOKEN_ENV):
         return os.environ[ADMIN_TOKEN_ENV].strip()
-    raise CliError(f"give --admin-token, --admin-token-file or set {ADMIN_TOKEN_ENV}")
+    found = _admin_token_files(Path.cwd())
+    here = f"; in this directory: {', '.join(map(str, found))}" if found else ""
+    raise CliError(
+        f"no admin token: pass --admin-token-file PATH, the file `coordinator serve` printed as `admin token in "
+        f"PATH` (beside a SQLite database DB: DB.admin-token), or --admin-token T, or set {ADMIN_TOKEN_ENV}{here}")
+
+
+def _admin_token_files(directory: Path) -> list[Path]:
+    """Token files `serve` may have written (`<db>.admin-token`) in `directory` or one level below."""
+    found = [*directory.glob("*.admin-token"), *directory.glob("*/*.admin-token")]
+    return sorted(path.relative_to(directory) for path in found)[:3]
 
 
 def _request(method: str, url: str, **kwargs: object) -> dict:
@@ -150,11 +182,19 @@ def _request(method: str, url: str, **kwargs: object) -> dict:
     if response.status_code >= 400:
         try:
             body = response.json()
-            reason = f"{body['error']}: {body['detail']}"
+            code, reason = str(body["error"]), f"{body['error']}: {body['detail']}"
         except (ValueError, KeyError, TypeError):
-            reason = response.text[:200]
-        raise CliError(f"{method} {url} refused ({response.status_code}) {reason}")
+            code, reason = "http_error", response.text[:200]
+        raise RefusedByCoordinator(f"{method} {url} refused ({response.status_code}) {reason}", code)
     return response.json()
+
+
+def _no_such_run(error: CliError, base: str, run_id: str) -> CliError:
+    """A run_not_found refusal, said as what to do about it; any other error unchanged."""
+    if isinstance(error, RefusedByCoordinator) and error.code == "run_not_found":
+        return CliError(f"run {run_id} does not exist on {base}: list the runs with "
+                        f"`locoswarm run list --coordinator {base}`")
+    return error
 
 
 def _run_create(args: argparse.Namespace) -> int:
@@ -186,15 +226,16 @@ def _run_list(args: argparse.Namespace) -> int:
 
 
 def _run_close(args: argparse.Namespace) -> int:
+    base = args.coordinator.rstrip("/")
     try:
         token = _admin_token_for_client(args)
         run = _request(
             "POST",
-            f"{args.coordinator.rstrip('/')}/v1/runs/{args.run}/close",
+            f"{base}/v1/runs/{args.run}/close",
             headers={"Authorization": f"Bearer {token}"},
         )
     except CliError as e:
-        return _fail(str(e))
+        return _fail(str(_no_such_run(e, base, args.run)))
     print(f"{run['run_id']} {run['state']}")
     return 0
 
@@ -211,9 +252,13 @@ def _status(args: argparse.Namespace) -> int:
             if run_id is None:
                 runs = _request("GET", f"{base}/v1/runs")["runs"]
                 if not runs:
-                    raise CliError(f"no runs on {base}")
+                    raise CliError(f"no runs on {base}: create one with `locoswarm run create --coordinator "
+                                   f"{base} --config run.toml`")
                 run_id = runs[-1]["run_id"]
-            text = render_status(_request("GET", f"{base}/v1/runs/{run_id}/status"))
+            try:
+                text = render_status(_request("GET", f"{base}/v1/runs/{run_id}/status"))
+            except CliError as e:
+                raise _no_such_run(e, base, run_id) from e
             if not args.watch:
                 print(text)
                 return 0
@@ -230,7 +275,9 @@ def _status(args: argparse.Namespace) -> int:
 
 def _add_admin_token_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-token", help=f"admin token (default: ${ADMIN_TOKEN_ENV})")
-    parser.add_argument("--admin-token-file", help="file holding the admin token")
+    parser.add_argument("--admin-token-file",
+                        help="file holding the admin token (`coordinator serve` without a token writes one "
+                             "beside its SQLite database, DB.admin-token, and prints its path)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -247,6 +294,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--access-log", action="store_true", help="log every request")
+    serve.add_argument("-v", "--verbose", action="store_true",
+                       help="uvicorn's INFO lines and the access log (default: the coordinator's own lines only)")
     serve.set_defaults(func=_serve)
     coordinator.set_defaults(func=lambda args: coordinator.print_help() or EXIT_USAGE)
 
@@ -270,8 +319,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status = subparsers.add_parser("status", help="show a run's status in the terminal")
     status.add_argument("--coordinator", required=True, help="http://host:port")
     status.add_argument("--run", help="run id (default: the newest run)")
-    status.add_argument("--watch", action="store_true", help="refresh until interrupted")
-    status.add_argument("--interval-s", type=float, default=2.0)
+    status.add_argument("--watch", action="store_true", help="refresh until interrupted (Ctrl+C)")
+    status.add_argument("--interval-s", type=float, default=2.0,
+                        help="with --watch: seconds between refreshes (default 2)")
     status.set_defaults(func=_status)
 
 

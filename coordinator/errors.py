@@ -132,6 +132,18 @@ class ConflictingSubmission(Conflict):
     code = "conflicting_submission"
 
 
+class NotInManifest(Conflict):
+    code = "not_in_manifest"
+
+
+class RoundTooOld(Conflict):
+    code = "round_too_old"
+
+
+class UnknownManifestVersion(Conflict):
+    code = "unknown_manifest_version"
+
+
 class PeerGone(Conflict):
     code = "peer_gone"
 

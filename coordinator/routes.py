@@ -7,7 +7,8 @@ return a `protocol.http` model. Each factory is handed what its routes use:
   ``/metrics`` and the status page ``/`` (public).
 - `runs_router`: create, list, read, close a run, and its status JSON (admin or public).
 - `peers_router`: join, heartbeat and leave (signed by the peer).
-- `rounds_router`: submit, the round long-poll, and the applied report (signed, or public).
+- `rounds_router`: submit, the round long-poll, the applied report and the missing-packet
+  report (signed, or public).
 
 Paths, models and auth per route are tabled in `protocol.http`.
 """
@@ -30,7 +31,7 @@ from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
 from coordinator.views import HISTORY_LIMIT
 from protocol.fields import ResponseModel
-from protocol.http import API_PREFIX, MAX_LONG_POLL_S, AppliedRequest, AppliedResponse, ErrorBody, Health, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, RoundView, RunCreated, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse
+from protocol.http import API_PREFIX, MAX_LONG_POLL_S, AppliedRequest, AppliedResponse, ErrorBody, Health, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, RoundView, RunCreated, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse
 from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
@@ -196,15 +197,22 @@ def rounds_router(service: CoordinatorService, auth: Authenticator, events: RunE
         round_index: RoundPath,
         wait_s: Annotated[float, Query(ge=0.0, le=MAX_LONG_POLL_S)] = 0.0,
         submitted_gt: Annotated[int | None, Query(ge=0)] = None,
+        version_gt: Annotated[int | None, Query(ge=0, le=2**31)] = None,
     ) -> RoundView:
         """Long-poll: answers once round `round_index` is closed, or (with `submitted_gt`) once more
-        than that many packets were submitted to it, or after `wait_s` seconds."""
+        than that many packets were submitted to it, or (with `version_gt`, for a closed round)
+        once its manifest version exceeds that, or after `wait_s` seconds."""
         give_up_at = time.monotonic() + wait_s
         while True:
             event = events.current(run_id)
             service.advance(run_id)
-            if views.round_is_settled(run_id, round_index):
+            settled = views.round_is_settled(run_id, round_index)
+            if version_gt is None and settled:
                 break
+            if version_gt is not None:
+                version = views.manifest_version(run_id, round_index)
+                if (version is None and settled) or (version or 0) > version_gt:
+                    break  # a round that never ran answers its refusal at once
             if submitted_gt is not None and views.num_submitted(run_id, round_index) > submitted_gt:
                 break
             remaining_s = give_up_at - time.monotonic()
@@ -218,5 +226,13 @@ def rounds_router(service: CoordinatorService, auth: Authenticator, events: RunE
         run_id: RunIdPath, round_index: RoundPath, body: AppliedRequest, request: Request
     ) -> AppliedResponse:
         return service.applied(run_id, round_index, await _signed_peer(auth, request), body)
+
+    @router.post("/{round_index}/missing", response_model=MissingResponse, responses=ERROR_RESPONSES)
+    async def missing(
+        run_id: RunIdPath, round_index: RoundPath, body: MissingRequest, request: Request
+    ) -> MissingResponse:
+        """Report manifest entries of a closed round whose packets could not be fetched; the
+        coordinator amends the manifest when they are due (protocol.http, "Amended manifests")."""
+        return service.report_missing(run_id, round_index, await _signed_peer(auth, request), body)
 
     return router

@@ -6,7 +6,8 @@ has; opening a database applies the missing ones in order inside one transaction
 migration is never edited: a change is a new entry appended to `MIGRATIONS`.
 
 A round row with ``closed_at`` NULL is the run's open round. The manifest of a closed round is
-exactly its rows in ``submissions``: submissions are refused once the round closes.
+its rows in ``submissions`` (refused once the round closes) less its rows in ``dropped_entries``
+(amendments; ``rounds.manifest_version`` counts them).
 """
 
 from __future__ import annotations
@@ -105,6 +106,34 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 payload TEXT
             )""",
             "INSERT INTO readiness_probe (id, probed_at, payload) VALUES (0, 0, NULL)",
+        ),
+    ),
+    (
+        5,
+        # Amended manifests (see coordinator.service): a closed round's manifest version, the
+        # version each applied report is of, the latest round whose packet a peer withheld (NULL:
+        # in good standing), who reported which entry missing, and the entries dropped.
+        (
+            "ALTER TABLE rounds ADD COLUMN manifest_version BIGINT NOT NULL DEFAULT 1",
+            "ALTER TABLE applied ADD COLUMN manifest_version BIGINT NOT NULL DEFAULT 1",
+            "ALTER TABLE peers ADD COLUMN withheld_round BIGINT",
+            """CREATE TABLE missing_reports (
+                run_id TEXT NOT NULL,
+                round BIGINT NOT NULL,
+                peer_id TEXT NOT NULL,
+                reporter_id TEXT NOT NULL,
+                reported_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (run_id, round, peer_id, reporter_id)
+            )""",
+            """CREATE TABLE dropped_entries (
+                run_id TEXT NOT NULL,
+                round BIGINT NOT NULL,
+                peer_id TEXT NOT NULL,
+                reason TEXT NOT NULL,
+                manifest_version BIGINT NOT NULL,
+                dropped_at DOUBLE PRECISION NOT NULL,
+                PRIMARY KEY (run_id, round, peer_id)
+            )""",
         ),
     ),
 )

@@ -26,10 +26,34 @@ Rules (the contract is written out in `protocol.http`):
   come back at all, and the round still closes early once every expected peer has submitted. So a
   deadline that passed during an outage does not close the round empty at the first tick after it.
   Rounds opened after resumed_at keep their deadlines. Everything is read from the injected clock.
+- Amended manifests (never forked). A closed round's manifest is version 1. A live member that
+  cannot fetch some of its entries reports them (`report_missing`): only entries of that round's
+  manifest, never the reporter's own, only for rounds closed at most ``MISSING_REPORT_ROUNDS``
+  before the open one (older packets are forgotten by design: catch up instead), one report per
+  reporter and entry (a repeat changes nothing). An entry is dropped when every other live
+  contributor of the round (the latest manifest's peers but its publisher) has reported it, or
+  when ``exchange.missing_grace_s`` has passed since its first report (any member's) and no peer
+  but its publisher and its reporters has reported applying the round (every version so far held
+  the entry). Such a peer got the packet and serves its copy on: the fault is the reporters'
+  links, and they catch up from a snapshot rather than take the packet from everyone (one peer
+  that can fetch nothing must not empty every manifest). An entry still undecided when its round
+  falls out of the report window stays. Entries due together make one new version:
+  ``manifest_version`` + 1, the entries recorded in ``dropped_entries`` with the reason, the
+  majority digest recomputed over reports of the new version only (none yet: null). The
+  publisher is flagged (``withheld_round``): not expected in any round while flagged, so rounds
+  close without waiting for it; it may still submit. The flag clears once another peer reports
+  applying the latest manifest of a later round that holds a packet of its (the swarm could fetch
+  it again). The grace is applied on reports, before reads (`advance`) and by the tick, also in
+  finished runs (their last round's stragglers still apply it). Amendments never hold up opening
+  or closing rounds.
+- Applied reports name the manifest version they applied; a version the round never had is
+  refused. Reports of an older version are kept but do not count for the majority. The answer
+  carries the round's latest version, and the recent rounds that were amended, so that a node
+  that applied an older version recomputes or catches up.
 
-`on_change(run_id)` is called after a commit that opened or closed a round or accepted a
-submission; the HTTP layer uses it to wake long-polls. What is read back (status, round views,
-the join answer) is `coordinator.views.Views`, held as ``service.views``.
+`on_change(run_id)` is called after a commit that opened or closed a round, accepted a
+submission or amended a manifest; the HTTP layer uses it to wake long-polls. What is read back
+(status, round views, the join answer) is `coordinator.views.Views`, held as ``service.views``.
 """
 
 from __future__ import annotations
@@ -45,9 +69,9 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from coordinator import errors
-from coordinator.storage import AppliedRow, PeerRow, RoundRow, RunRow, Storage, SubmissionRow
+from coordinator.storage import AppliedRow, DroppedRow, MissingReportRow, PeerRow, RoundRow, RunRow, Storage, SubmissionRow
 from coordinator.views import Views
-from protocol.http import NONCE_WINDOW_S, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, SubmitRequest, SubmitResponse, peer_id_from_public_key
+from protocol.http import MISSING_REPORT_ROUNDS, NONCE_WINDOW_S, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, SubmitRequest, SubmitResponse, peer_id_from_public_key
 from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
@@ -145,18 +169,25 @@ class CoordinatorService:
         answers with what is committed: the tick retries, and the restart grace covers the gap."""
         try:
             with self._tx():
-                self._advance(self.views.require_run(run_id), self.clock())
+                now = self.clock()
+                self._advance(self.views.require_run(run_id), now)
+                for _, round_index in self.storage.rounds_with_pending_reports(MISSING_REPORT_ROUNDS, run_id):
+                    self._amend(run_id, round_index, now)
         except errors.StorageUnavailable as e:
             log.debug("rules not applied to %s before a read: %s", run_id, e.detail)
 
     def tick(self) -> None:
-        """Apply deadlines and liveness to every active run; forget nonces past the window."""
+        """Apply deadlines and liveness to every active run, and due amendments to every run;
+        forget nonces past the window."""
         now = self.clock()
         for run_id in self.storage.active_run_ids():
             with self._tx():
                 run = self.storage.get_run(run_id)
                 if run is not None:
                     self._advance(run, now)
+        for run_id, round_index in self.storage.rounds_with_pending_reports(MISSING_REPORT_ROUNDS):
+            with self._tx():
+                self._amend(run_id, round_index, now)
         if now - self._nonces_pruned_at > NONCE_PRUNE_INTERVAL_S:
             with self._tx():
                 self.storage.prune_nonces(now - 2 * NONCE_WINDOW_S)
@@ -467,33 +498,152 @@ class CoordinatorService:
     def applied(
         self, run_id: str, round_index: int, peer_id: str, request: AppliedRequest
     ) -> AppliedResponse:
-        """Record a peer's parameter digest after applying round r; recompute the majority."""
+        """Record a peer's parameter digest after applying a version of round r's manifest;
+        recompute the majority over reports of the latest version."""
         now = self.clock()
         with self._tx():
             run = self.views.require_run(run_id)
             self._advance(run, now)
             peer = self._require_live_member(run_id, peer_id)
-            round_row = self.storage.get_round(run_id, round_index)
-            if round_row is None:
-                raise errors.RoundNotFound(f"round {round_index} has not opened")
-            if round_row.closed_at is None:
-                raise errors.RoundNotClosed(f"round {round_index} has no manifest yet")
+            round_row = self._closed_round(run_id, round_index)
+            latest = round_row.manifest_version
+            if request.manifest_version > latest:
+                raise errors.UnknownManifestVersion(
+                    f"round {round_index}'s manifest is at version {latest}, not {request.manifest_version}"
+                )
             refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
-            self.storage.upsert_applied(
-                AppliedRow(run_id, round_index, peer_id, request.params_digest, now, refused)
-            )
-            reports = self.storage.list_applied(run_id, round_index)
-            majority = majority_digest(reports, round_row.majority_digest)
+            self.storage.upsert_applied(AppliedRow(run_id, round_index, peer_id, request.params_digest, now,
+                                                   refused, request.manifest_version))
+            reports = [a for a in self.storage.list_applied(run_id, round_index) if a.manifest_version == latest]
+            majority = majority_digest(reports, round_row.majority_digest) if reports else None
             self.storage.update_round(run_id, round_index, majority_digest=majority)
+            if request.manifest_version == latest:
+                self._clear_withheld(run_id, round_index, peer_id)
             # Having applied round r, the peer now works on round r+1.
             progress = max(round_index + 1, peer.progress_round or 0)
             self.storage.update_peer(run_id, peer_id, activity="applied", progress_round=progress)
             return AppliedResponse(
                 round=round_index,
                 majority_digest=majority,
-                agrees=request.params_digest == majority,
+                agrees=request.manifest_version == latest and request.params_digest == majority,
                 num_reports=len(reports),
+                manifest_version=latest,
+                amended=self.storage.amended_rounds(
+                    run_id, self.views.require_run(run_id).current_round - MISSING_REPORT_ROUNDS - 1),
             )
+
+    def _closed_round(self, run_id: str, round_index: int) -> RoundRow:
+        round_row = self.storage.get_round(run_id, round_index)
+        if round_row is None:
+            raise errors.RoundNotFound(f"round {round_index} has not opened")
+        if round_row.closed_at is None:
+            raise errors.RoundNotClosed(f"round {round_index} has no manifest yet")
+        return round_row
+
+    # -- amended manifests --------------------------------------------------------------------
+
+    def report_missing(
+        self, run_id: str, round_index: int, reporter_id: str, request: MissingRequest
+    ) -> MissingResponse:
+        """Record that `reporter_id` could not fetch these entries of closed round r; drop those
+        now due (see "Amended manifests" in the module docstring)."""
+        now = self.clock()
+        with self._tx():
+            run = self.views.require_run(run_id)
+            self._advance(run, now)
+            run = self.views.require_run(run_id)
+            self._require_live_member(run_id, reporter_id)
+            self._closed_round(run_id, round_index)
+            if round_index < run.current_round - MISSING_REPORT_ROUNDS:
+                raise errors.RoundTooOld(
+                    f"round {round_index} closed over {MISSING_REPORT_ROUNDS} rounds ago (open: {run.current_round});"
+                    " its packets may be forgotten: catch up from a snapshot"
+                )
+            entries = {s.peer_id for s in self.storage.list_submissions(run_id, round_index)}
+            wanted = sorted(set(request.peer_ids))
+            if reporter_id in wanted:
+                raise errors.InvalidRequest("a peer cannot report its own packet missing")
+            strangers = [p for p in wanted if p not in entries]
+            if strangers:
+                raise errors.NotInManifest(
+                    f"round {round_index}'s manifest has no entry of {', '.join(strangers[:4])}"
+                )
+            dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index)}
+            for entry in wanted:
+                if entry not in dropped:
+                    self.storage.add_missing_report(
+                        MissingReportRow(run_id, round_index, entry, reporter_id, now)
+                    )
+            self._amend(run_id, round_index, now)
+            round_row = self._closed_round(run_id, round_index)
+            dropped_rows = self.storage.list_dropped(run_id, round_index)
+            gone = {d.peer_id for d in dropped_rows}
+            pending = {m.peer_id for m in self.storage.list_missing_reports(run_id, round_index)} - gone
+            return MissingResponse(
+                round=round_index,
+                manifest_version=round_row.manifest_version,
+                dropped={d.peer_id: d.reason for d in dropped_rows},
+                pending=sorted(pending),
+            )
+
+    def _amend(self, run_id: str, round_index: int, now: float) -> None:
+        """Drop the entries of closed round r that are due; all of them in one new version."""
+        run = self.views.require_run(run_id)
+        round_row = self.storage.get_round(run_id, round_index)
+        if round_row is None or round_row.closed_at is None:
+            return
+        grace_s = self.views.config_of(run).exchange.missing_grace_s
+        dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index)}
+        manifest = [s.peer_id for s in self.storage.list_submissions(run_id, round_index)
+                    if s.peer_id not in dropped]
+        live = {p.peer_id for p in self.storage.list_peers(run_id) if p.status == "live"}
+        # Every version so far held each entry still undropped: whoever applied one got its packet.
+        appliers = {a.peer_id for a in self.storage.list_applied(run_id, round_index)}
+        reports: dict[str, list[MissingReportRow]] = {}
+        for report in self.storage.list_missing_reports(run_id, round_index):
+            reports.setdefault(report.peer_id, []).append(report)
+        due: dict[str, str] = {}
+        for entry, rows in reports.items():
+            if entry not in manifest:
+                continue
+            reporters = {r.reporter_id for r in rows}
+            others = {p for p in manifest if p != entry and p in live}
+            waited_s = now - min(r.reported_at for r in rows)
+            if others and others <= reporters:
+                due[entry] = f"reported missing by all {len(others)} other live contributors"
+            elif waited_s >= grace_s and not appliers - reporters - {entry}:
+                due[entry] = (f"reported missing by {len(reporters)} peer(s) and not served for"
+                              f" {waited_s:.0f} s (missing_grace_s {grace_s:g} s)")
+        if not due:
+            return
+        version = round_row.manifest_version + 1
+        for entry, reason in sorted(due.items()):
+            self.storage.insert_dropped(DroppedRow(run_id, round_index, entry, reason, version, now))
+            peer = self.storage.get_peer(run_id, entry)
+            if peer is not None and (peer.withheld_round is None or peer.withheld_round < round_index):
+                self.storage.update_peer(run_id, entry, withheld_round=round_index)
+        reports_now = [a for a in self.storage.list_applied(run_id, round_index) if a.manifest_version == version]
+        self.storage.update_round(
+            run_id, round_index, manifest_version=version,
+            majority_digest=majority_digest(reports_now, None) if reports_now else None,
+        )
+        log.warning("run %s round %d: manifest version %d drops %s", run_id, round_index, version,
+                    "; ".join(f"{entry}: {reason}" for entry, reason in sorted(due.items())))
+        self._changed.add(run_id)
+
+    def _clear_withheld(self, run_id: str, round_index: int, reporter_id: str) -> None:
+        """A peer applied round r's latest manifest: the publishers in it that were flagged for an
+        earlier round got a packet through, and are waited for again."""
+        flagged = {p.peer_id: p for p in self.storage.list_peers(run_id)
+                   if p.withheld_round is not None and p.withheld_round < round_index and p.peer_id != reporter_id}
+        if not flagged:
+            return
+        dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index)}
+        for s in self.storage.list_submissions(run_id, round_index):
+            if s.peer_id in flagged and s.peer_id not in dropped:
+                self.storage.update_peer(run_id, s.peer_id, withheld_round=None)
+                log.info("run %s: %s's packet of round %d was applied by %s; it is waited for again",
+                         run_id, s.peer_id, round_index, reporter_id)
 
 
 def majority_digest(reports: list[AppliedRow], previous: str | None) -> str:

@@ -1,4 +1,4 @@
-"""Persistence of runs, peers, rounds, submissions, applied digests and used nonces.
+"""Persistence of runs, peers, rounds, submissions, applied digests, amendments and used nonces.
 
 One `Storage` class speaks SQL; two small subclasses connect it to SQLite (stdlib ``sqlite3``, a
 real file in WAL mode, the default) and PostgreSQL (psycopg 3, chosen by a ``postgresql://`` URL).
@@ -92,6 +92,7 @@ class PeerRow:
     member_since_round: int  # first round it is expected to submit to
     progress_round: int | None  # latest round it reported working on
     uplink_mbps: float | None = None  # stated by its operator at join
+    withheld_round: int | None = None  # latest round whose packet of its was dropped as unfetchable
 
 
 @dataclass(slots=True)
@@ -101,7 +102,8 @@ class RoundRow:
     opened_at: float
     deadline: float
     closed_at: float | None
-    majority_digest: str | None
+    majority_digest: str | None  # over the applied reports of the latest manifest version
+    manifest_version: int = 1  # one more per amendment of the closed round's manifest
 
 
 @dataclass(slots=True)
@@ -126,6 +128,30 @@ class AppliedRow:
     params_digest: str
     reported_at: float
     refused: str | None = None  # JSON {peer id: reason} of the packets it left out
+    manifest_version: int = 1  # the version of the round's manifest it applied
+
+
+@dataclass(slots=True)
+class MissingReportRow:
+    """`reporter_id` could not fetch `peer_id`'s packet of a closed round."""
+
+    run_id: str
+    round: int
+    peer_id: str
+    reporter_id: str
+    reported_at: float
+
+
+@dataclass(slots=True)
+class DroppedRow:
+    """A manifest entry amended out of a closed round, from `manifest_version` on."""
+
+    run_id: str
+    round: int
+    peer_id: str
+    reason: str
+    manifest_version: int
+    dropped_at: float
 
 
 @dataclass(slots=True)
@@ -374,13 +400,14 @@ class Storage:
         self._update("rounds", RoundRow, {"run_id": run_id, "round": round_index}, fields)
 
     def expected_and_missing(self, run_id: str, round_index: int) -> tuple[int, int]:
-        """Live peers expected in a round (members when it opened), and how many of them have
-        not submitted yet."""
+        """Live peers expected in a round (members when it opened, not flagged for a withheld
+        packet), and how many of them have not submitted yet."""
         rows = self._rows(
             "SELECT COUNT(*) AS expected, COALESCE(SUM(CASE WHEN s.peer_id IS NULL THEN 1 ELSE 0"
             " END), 0) AS missing FROM peers p LEFT JOIN submissions s ON s.run_id = p.run_id"
             " AND s.round = ? AND s.peer_id = p.peer_id"
-            " WHERE p.run_id = ? AND p.status = 'live' AND p.member_since_round <= ?",
+            " WHERE p.run_id = ? AND p.status = 'live' AND p.member_since_round <= ?"
+            " AND p.withheld_round IS NULL",
             (round_index, run_id, round_index),
         )
         return int(rows[0]["expected"]), int(rows[0]["missing"])
@@ -425,11 +452,13 @@ class Storage:
 
     def upsert_applied(self, row: AppliedRow) -> None:
         self._exec(
-            "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused)"
-            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, round, peer_id)"
+            "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
+            " manifest_version) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, round, peer_id)"
             " DO UPDATE SET params_digest = excluded.params_digest,"
-            " reported_at = excluded.reported_at, refused = excluded.refused",
-            (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused),
+            " reported_at = excluded.reported_at, refused = excluded.refused,"
+            " manifest_version = excluded.manifest_version",
+            (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
+             row.manifest_version),
         )
 
     def refusals(self, run_id: str, first_round: int, last_round: int) -> dict[int, dict[str, str]]:
@@ -469,6 +498,59 @@ class Storage:
             (run_id, first_round, last_round),
         )
         return {int(r["round"]): int(r["n"]) for r in rows}
+
+    # -- amended manifests --------------------------------------------------------------------
+
+    def add_missing_report(self, row: MissingReportRow) -> bool:
+        """Record a report; False when this reporter already reported this entry."""
+        changed = self._exec(
+            "INSERT INTO missing_reports (run_id, round, peer_id, reporter_id, reported_at)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, round, peer_id, reporter_id) DO NOTHING",
+            (row.run_id, row.round, row.peer_id, row.reporter_id, row.reported_at),
+        )
+        return changed == 1
+
+    def list_missing_reports(self, run_id: str, round_index: int) -> list[MissingReportRow]:
+        return self._many(
+            MissingReportRow,
+            "SELECT * FROM missing_reports WHERE run_id = ? AND round = ?"
+            " ORDER BY peer_id, reported_at, reporter_id",
+            (run_id, round_index),
+        )
+
+    def rounds_with_pending_reports(self, window_rounds: int, run_id: str | None = None) -> list[tuple[str, int]]:
+        """(run, round) pairs with an entry reported missing and not dropped yet, among rounds at
+        most `window_rounds` before their run's open round (of one run, or all)."""
+        sql = (
+            "SELECT DISTINCT m.run_id, m.round FROM missing_reports m JOIN runs r ON r.run_id = m.run_id"
+            " WHERE m.round >= r.current_round - ? AND NOT EXISTS"
+            " (SELECT 1 FROM dropped_entries d WHERE d.run_id = m.run_id AND d.round = m.round"
+            " AND d.peer_id = m.peer_id)"
+        )
+        params: tuple = (window_rounds,)
+        if run_id is not None:
+            sql, params = sql + " AND m.run_id = ?", (window_rounds, run_id)
+        rows = self._rows(sql + " ORDER BY m.run_id, m.round", params)
+        return [(row["run_id"], int(row["round"])) for row in rows]
+
+    def amended_rounds(self, run_id: str, first_round: int) -> dict[int, int]:
+        """Rounds from `first_round` on whose manifest was amended: round -> latest version."""
+        rows = self._rows(
+            "SELECT round, manifest_version FROM rounds WHERE run_id = ? AND round >= ?"
+            " AND manifest_version > 1 ORDER BY round",
+            (run_id, first_round),
+        )
+        return {int(r["round"]): int(r["manifest_version"]) for r in rows}
+
+    def insert_dropped(self, row: DroppedRow) -> None:
+        self._insert("dropped_entries", row)
+
+    def list_dropped(self, run_id: str, round_index: int) -> list[DroppedRow]:
+        return self._many(
+            DroppedRow,
+            "SELECT * FROM dropped_entries WHERE run_id = ? AND round = ? ORDER BY peer_id",
+            (run_id, round_index),
+        )
 
     # -- nonces -------------------------------------------------------------------------------
 

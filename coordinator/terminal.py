@@ -48,7 +48,8 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
     if current is None:
         out.append("no open round")
     elif current["deadline"] is None:
-        out.append(f"round {current['round']} pending: {current['num_expected']} peers live, "
+        live = current["num_expected"]
+        out.append(f"round {current['round']} pending: {live} peer{'' if live == 1 else 's'} live, "
                    f"waiting for {config['membership']['min_peers']}")
     else:
         left_s = max(0.0, current["deadline"] - now)

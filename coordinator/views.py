@@ -89,6 +89,7 @@ class Views:
             )
         closed = round_row.closed_at is not None
         submissions = self.storage.list_submissions(run_id, round_index)
+        dropped = {d.peer_id: d.reason for d in self.storage.list_dropped(run_id, round_index)}
         manifest = [
             ManifestEntry(
                 peer_id=s.peer_id,
@@ -98,6 +99,7 @@ class Views:
                 public_key=self.storage.find_public_key(s.peer_id) or "",
             )
             for s in submissions
+            if s.peer_id not in dropped
         ]
         manifest.sort(key=lambda e: e.peer_id)
         return RoundView(
@@ -111,7 +113,14 @@ class Views:
             manifest=manifest if closed else [],
             submitted=[] if closed else manifest,
             majority_digest=round_row.majority_digest,
+            manifest_version=round_row.manifest_version,
+            dropped=dropped,
         )
+
+    def manifest_version(self, run_id: str, round_index: int) -> int | None:
+        """The round's manifest version (None: the round never opened)."""
+        round_row = self.storage.get_round(run_id, round_index)
+        return None if round_row is None else round_row.manifest_version
 
     def num_submitted(self, run_id: str, round_index: int) -> int:
         return self.storage.count_submissions(run_id, round_index)
@@ -229,7 +238,8 @@ class Views:
                         if peer.progress_round is None
                         else max(0, run.current_round - peer.progress_round)
                     ),
-                    flags=(["params_mismatch"] if mismatch else []) + (["straggler"] if straggler else []),
+                    flags=(["params_mismatch"] if mismatch else []) + (["straggler"] if straggler else [])
+                    + (["withheld_packet"] if peer.withheld_round is not None else []),
                     mismatch_round=report.round if mismatch and report else None,
                     listen_multiaddrs=json.loads(peer.listen_multiaddrs),
                 )

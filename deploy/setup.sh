@@ -33,3 +33,12 @@ if [[ $WITH_TESTS == 1 ]]; then
 else
     "${PIP[@]}" -e .
 fi
+
+# What to run next: the volunteer's check-then-join, the local demo, or (with --test) the tests.
+echo "setup: done; locoswarm is in .venv. Next:"
+if [[ $WITH_TESTS == 1 ]]; then
+    echo "  .venv/bin/python -m pytest                                            run the tests"
+fi
+echo "  .venv/bin/locoswarm doctor --coordinator http://COORDINATOR:8000      check this machine (says what to fix)"
+echo "  .venv/bin/locoswarm node join --coordinator http://COORDINATOR:8000   then join the coordinator's run"
+echo "  .venv/bin/locoswarm demo                                              or try a local swarm on this machine"

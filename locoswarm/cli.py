@@ -17,6 +17,16 @@ from node.cli import bench, codec_demo, demo, doctor, join, sim
 # Modules that contribute subcommands, in the order --help lists them.
 COMMAND_MODULES = (codec_demo, coordinator_cli, sim, join, demo, doctor, bench)
 
+EPILOG = """\
+first steps:
+  volunteer  locoswarm doctor --coordinator URL      check this machine; every problem with its fix
+             locoswarm node join --coordinator URL   then join the coordinator's run
+  operator   locoswarm coordinator serve, then run create --config deploy/run.toml, then status --watch
+  try it     locoswarm demo                          a coordinator and 3 nodes on this machine
+
+`locoswarm COMMAND --help` lists a command's flags; -v on node join, demo and coordinator serve
+adds the libraries' log lines."""
+
 
 def _version(args: argparse.Namespace) -> int:
     from importlib.metadata import PackageNotFoundError, version
@@ -35,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="locoswarm",
         description="Train one language model together over the internet with SparseLoCo.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     version_parser = subparsers.add_parser("version", help="print the version and wire version")

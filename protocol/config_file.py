@@ -13,14 +13,22 @@ are validated once, so a bad value is refused whether it came from the file or a
 Every failure is a `ConfigError` whose message names each bad key by its dotted path:
 
     run.toml: inner.lr: Input should be greater than 0
-    node.toml: threds: unknown key (known keys: coordinator, run_id, ...)
+    node.toml: threds: unknown key (did you mean threads?)
+    run.toml: inner_step: unknown key (did you mean inner.steps?)
     run.toml: inner_lr: unknown key (it is now inner.lr)
+    node.toml: colour: unknown key (known keys: coordinator, run_id, ...)
+
+A misspelt key is offered the closest known one (difflib, over every dotted key of the model and
+the old names in `renamed`); bounds are printed as plain numbers (100000000, 0.0000001).
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import json
+import typing
+from decimal import Decimal
 
 try:
     import tomllib
@@ -111,6 +119,12 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel] | N
     return "; ".join(parts)
 
 
+# pydantic's bound errors, re-worded so the bound is a plain number (pydantic's own text may
+# print a float bound in exponent form).
+_BOUNDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "greater than or equal to"),
+           "less_than": ("lt", "less than"), "less_than_equal": ("le", "less than or equal to")}
+
+
 def _message(item: Mapping[str, Any], path: list[str], model: type[BaseModel] | None,
              renamed: Mapping[str, str]) -> str:
     kind = item["type"]
@@ -120,9 +134,57 @@ def _message(item: Mapping[str, Any], path: list[str], model: type[BaseModel] | 
         key = ".".join(path)
         if key in renamed:
             return f"unknown key (it is now {renamed[key]})"
+        suggestion = _closest_key(key, model, renamed)
+        if suggestion is not None:
+            return f"unknown key (did you mean {suggestion}?)"
         known = _known_keys(model, path[:-1])
         return f"unknown key (known keys: {', '.join(known)})" if known else "unknown key"
+    bound = _BOUNDS.get(kind)
+    if bound is not None and bound[0] in item.get("ctx", {}):
+        return f"Input should be {bound[1]} {plain_number(item['ctx'][bound[0]])}"
     return item["msg"].removeprefix("Value error, ")
+
+
+def plain_number(value: Any) -> str:
+    """100000000, 0.0000001, 2.5: a number as a person writes it, never in exponent form."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return format(Decimal(repr(value)), "f") if isinstance(value, float) else str(value)
+
+
+def _closest_key(key: str, model: type[BaseModel] | None, renamed: Mapping[str, str]) -> str | None:
+    """The known dotted key (or an old name's new place) closest to the unknown `key`: the same
+    name in another section ("inner.top_k": outer.top_k; "lr": inner.lr or outer.lr), else the
+    closest spelling, if one is close; None otherwise."""
+    known = _dotted_keys(model)
+    leaf = key.rsplit(".", 1)[-1]
+    same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != key]
+    if same_name:
+        return " or ".join(same_name[:3])
+    candidates = {k: k for k in known}
+    candidates.update({old: new for old, new in renamed.items() if old not in candidates})
+    matches = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.75)
+    return candidates[matches[0]] if matches else None
+
+
+def _dotted_keys(model: type[BaseModel] | None, prefix: str = "") -> list[str]:
+    """Every key of `model` and of its sections, dotted ("inner", "inner.steps", ...); a section
+    that is a union of models (the deadline policies) gets the keys of each."""
+    keys: list[str] = []
+    for name, field in (model.model_fields.items() if model is not None else ()):
+        keys.append(prefix + name)
+        for section in _models_in(field.annotation):
+            keys += [k for k in _dotted_keys(section, f"{prefix}{name}.") if k not in keys]
+    return keys
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds: itself, or the members of a union (through Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 def _known_keys(model: type[BaseModel] | None, path: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ POST /v1/runs/{run_id}/leave                S     LeaveRequest         LeaveResp
 POST /v1/runs/{run_id}/rounds/{r}/submit    S     SubmitRequest        SubmitResponse
 GET  /v1/runs/{run_id}/rounds/{r}?wait_s=W  -                          RoundView
 POST /v1/runs/{run_id}/rounds/{r}/applied   S     AppliedRequest       AppliedResponse
+POST /v1/runs/{run_id}/rounds/{r}/missing   S     MissingRequest       MissingResponse
 GET  /v1/runs/{run_id}/status?history=N     -                          RunStatus
 GET  /healthz, GET /readyz                  -                          (JSON; see below)
 GET  /metrics, GET /?run=ID                 -     (Prometheus text, HTML page)
@@ -50,6 +51,26 @@ while r is open is expected from r+1 on, but may still submit to r before its de
 round r's manifest a peer holds the parameters that start round r+1. While no round has an applied
 digest it is 0 with ``digest`` null: start from the seeded initialisation.
 
+Amended manifests (amended, never forked): a closed round's manifest starts at
+``manifest_version`` 1. A member that cannot fetch an entry within its fetch time-out reports it
+(``POST rounds/{r}/missing``, at most ``MAX_REFUSED`` peer ids, each an entry of that round's
+manifest other than the reporter's own, for a round closed at most ``MISSING_REPORT_ROUNDS`` rounds
+before the open one; a repeated report changes nothing). The coordinator drops an entry once every
+other live contributor of the round (its manifest's peers, the entry's publisher excluded) has
+reported it, or once ``exchange.missing_grace_s`` has passed since its first report and no peer
+but its publisher and its reporters reported applying the round (one that did holds the packet
+and serves it on: the reporters catch up instead). Then the round's
+``manifest_version`` grows by one (entries due together go in one version), the entry leaves
+``manifest`` and enters ``dropped`` with the reason, and its publisher is flagged
+``withheld_packet`` and not expected (for the early close) in later rounds until a packet of
+its, in a later round's latest manifest, has been applied by another peer. Rounds go on meanwhile:
+an amendment never holds up a close. ``GET rounds/{r}?version_gt=V&wait_s=W`` answers once the
+manifest version exceeds V. Applied reports carry the ``manifest_version`` applied; a round's
+majority digest counts only reports of its latest version (null until one arrives after an
+amendment); ``AppliedResponse.manifest_version`` and ``amended`` (recent amended rounds) tell a
+node that applied an older version to recompute from its kept round start, or to catch up
+(node/round/amend.py).
+
 A node's loop, in JSON (digests shortened)::
 
     POST join {"public_key": "9f3a..", "device": "cuda:H100", "listen_multiaddrs": ["/ip4/.."],
@@ -70,8 +91,13 @@ A node's loop, in JSON (digests shortened)::
           "closed_at": .., "num_submitted": 6, "majority_digest": null,
           "manifest": [{"peer_id": .., "packet_digest": .., "packet_size_bytes": ..,
                         "multiaddrs": [..]}, ...]}      (manifest is [] until closed)
-    POST rounds/8/applied {"params_digest": hex, "refused": {"p9e..": "BadSignature: .."}}
-      -> {"round": 8, "majority_digest": hex, "agrees": true, "num_reports": 4}
+    POST rounds/8/applied {"params_digest": hex, "refused": {"p9e..": "BadSignature: .."},
+                           "manifest_version": 1}                       (default 1)
+      -> {"round": 8, "majority_digest": hex, "agrees": true, "num_reports": 4, "manifest_version": 1,
+          "amended": {"7": 2}}                        (recent rounds whose manifest was amended)
+    POST rounds/8/missing {"peer_ids": ["p7c.."]}          (only when a packet cannot be fetched)
+      -> {"round": 8, "manifest_version": 2, "dropped": {"p7c..": "reported missing by .."},
+          "pending": []}
 
 Submit ``multiaddrs`` defaults to the join's ``listen_multiaddrs``. A peer marked gone (silent
 past ``heartbeat_timeout_s``) or that left gets ``peer_gone`` on every signed call and rejoins.
@@ -101,6 +127,7 @@ SIGNATURE_HEADER = "X-Locoswarm-Signature"
 NONCE_WINDOW_S = 300.0
 SIGNING_DOMAIN = b"locoswarm-request-v1\n"
 MAX_LONG_POLL_S = 60.0
+MISSING_REPORT_ROUNDS = 4  # missing packets are reported for rounds closed this many rounds back at most
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +269,12 @@ class RoundView(ResponseModel):
         description="While open: the packets submitted so far, sorted by peer_id, so that peers can fetch "
         "them before the round closes (each enters the manifest when it closes); empty once closed.",
     )
-    majority_digest: str | None = Field(description="Most reported params digest after apply.")
+    majority_digest: str | None = Field(
+        description="Most reported params digest after apply, over reports of the latest manifest version.")
+    manifest_version: int = Field(
+        1, description="1 when the round closes; one more at each amendment (entries dropped).")
+    dropped: dict[str, str] = Field(
+        default_factory=dict, description="Entries amended out of the manifest, peer id -> why.")
 
 
 class AppliedRequest(RequestModel):
@@ -252,13 +284,34 @@ class AppliedRequest(RequestModel):
         max_length=MAX_REFUSED,
         description="Manifest packets this peer left out, peer id -> reason (shown on the status page).",
     )
+    manifest_version: int = Field(1, ge=1, le=2**31, description="The manifest version this peer applied.")
 
 
 class AppliedResponse(ResponseModel):
     round: int
-    majority_digest: str
-    agrees: bool
-    num_reports: int
+    majority_digest: str | None = Field(
+        description="Over reports of the latest manifest version; null while none came since an amendment.")
+    agrees: bool = Field(description="This report is of the latest version and its digest is the majority.")
+    num_reports: int = Field(description="Reports of the latest manifest version.")
+    manifest_version: int = Field(
+        1, description="The round's latest manifest version: above the one reported, recompute from the start.")
+    amended: dict[int, int] = Field(
+        default_factory=dict,
+        description="Rounds up to MISSING_REPORT_ROUNDS + 1 back from the open one whose manifest was amended,"
+        " round -> latest version: a node that applied an older version of one of them recomputes or catches up.")
+
+
+class MissingRequest(RequestModel):
+    peer_ids: list[PeerId] = Field(
+        min_length=1, max_length=MAX_REFUSED,
+        description="Entries of the round's manifest whose packets this peer could not fetch in time.")
+
+
+class MissingResponse(ResponseModel):
+    round: int
+    manifest_version: int = Field(description="The round's latest manifest version.")
+    dropped: dict[str, str] = Field(description="Every entry amended out of the round so far, peer id -> why.")
+    pending: list[str] = Field(description="Entries reported missing (by anyone) and not dropped yet.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +342,9 @@ class PeerView(ResponseModel):
     lag_rounds: int | None = Field(description="Current round minus the peer's latest round.")
     flags: list[str] = Field(
         description="'params_mismatch' when its digest lost the majority; 'straggler' when the last "
-        "closed round was cut off at its deadline without this live peer's packet."
+        "closed round was cut off at its deadline without this live peer's packet; 'withheld_packet' when "
+        "a packet of its was dropped from a manifest as unfetchable (it is not waited for until peers "
+        "apply a later packet of its)."
     )
     mismatch_round: int | None
     listen_multiaddrs: list[str]
@@ -361,6 +416,9 @@ ErrorCode = Literal[
     "round_not_open",  # submit while round 0 waits for min_peers. The node skips its packet.
     "round_not_closed",  # an applied report for a round with no manifest yet. Stops (reports follow it).
     "conflicting_submission",  # this peer already submitted another digest to the round. Stops: a bug.
+    "not_in_manifest",  # a missing report names a peer with no entry in that round's manifest. Stops: a bug.
+    "round_too_old",  # a missing report for a round closed over MISSING_REPORT_ROUNDS ago. The node catches up.
+    "unknown_manifest_version",  # an applied report names a version the round never had. Stops: a bug.
     "peer_gone",  # the peer was marked gone (silent past the timeout) or left. The node rejoins, retries.
     "run_closed",  # the run is finished or closed: no joins or submissions. A node waiting for a round stops.
     # 413

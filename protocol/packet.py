@@ -47,8 +47,9 @@ import torch
 import zstandard
 
 from kernels.chunking import ChunkLayout, chunk_layout
-from kernels.entropy import MAX_RICE_PARAM, best_rice_param, gaps_to_positions, pack_2bit, positions_to_gaps, rice_decode, rice_encode, unpack_2bit
-from kernels.quantize import NUM_BINS, QuantTable
+from kernels.entropy import (MAX_RICE_PARAM, best_rice_param, gaps_to_positions, pack_2bit, positions_to_gaps,
+                             rice_decode, rice_encode, unpack_2bit)
+from kernels.quantize import QuantTable
 from kernels.sparse import SparseTensor
 from protocol.errors import (
     BadMagic, BadSignature, IndexOutOfRange, MalformedPacket, NonFiniteValue, OversizedPacket,

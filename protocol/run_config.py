@@ -100,6 +100,12 @@ class ExchangeSection(RequestModel):
     dht_bootstrap: list[Multiaddr] = Field(
         default_factory=list, max_length=64, description="Multiaddrs of DHT bootstrap peers."
     )
+    missing_grace_s: float = Field(
+        30.0, ge=0.5, le=3600.0,
+        description="Seconds after a closed round's manifest entry is first reported unfetchable until the"
+        " coordinator drops it (a new manifest version); sooner once every other contributor reported it."
+        " Keep it below the nodes' fetch_timeout_s (default 60), which is how long they wait for the amendment.",
+    )
 
 
 class MembershipSection(RequestModel):

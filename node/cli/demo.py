@@ -33,16 +33,16 @@ def register(subparsers) -> None:
     demo.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
     demo.add_argument("--workdir", default=None, help="keep the database and logs here (default: a temp dir)")
     demo.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    demo.add_argument("-v", "--verbose", action="store_true",
+                      help="the nodes and the coordinator also log the libraries' lines (in their log files)")
     demo.set_defaults(func=_demo)
-
-
 
 
 def _demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     with LocalSwarm(workdir, num_peers=args.peers, preset=args.preset, rounds=args.rounds,
-                    inner_steps=args.inner_steps, top_k=args.top_k, quiet=args.json,
+                    inner_steps=args.inner_steps, top_k=args.top_k, quiet=args.json, verbose=args.verbose,
                     run_overrides={"outer.overlap": args.overlap}) as swarm:
         summary = swarm.run()
     if args.json:
@@ -64,13 +64,15 @@ class LocalSwarm:
     `extra_node_args` maps a node index to extra `node join` flags (e.g. `--inject crash@round=1`).
     `run_overrides` change the run config `run` creates, by dotted key (protocol/config_file.py):
     {"outer.overlap": True, "deadline": {"kind": "fixed", "round_timeout_s": 40.0}}.
+    `verbose` passes `-v` to every process: their log files then hold the libraries' lines too.
     """
 
     def __init__(self, workdir: Path, *, num_peers: int, preset: str, rounds: int, inner_steps: int, top_k: int,
                  quiet: bool = False, extra_node_args: dict[int, tuple[str, ...]] | None = None,
-                 run_overrides: dict | None = None):
+                 run_overrides: dict | None = None, verbose: bool = False):
         self.workdir, self.num_peers, self.preset, self.rounds = workdir, num_peers, preset, rounds
         self.inner_steps, self.top_k, self.quiet = inner_steps, top_k, quiet
+        self.verbose_args = ("-v",) if verbose else ()
         self.extra_node_args = dict(extra_node_args or {})
         self.run_overrides = dict(run_overrides or {})  # RunConfig fields for `run`, by dotted key
         self.admin_token = os.urandom(16).hex()
@@ -93,7 +95,8 @@ class LocalSwarm:
         log = open(self.workdir / "coordinator.log", "ab")
         self.coordinator = subprocess.Popen(
             [sys.executable, "-m", "locoswarm", "coordinator", "serve", "--db",
-             f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", "127.0.0.1", "--port", str(port)],
+             f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", "127.0.0.1", "--port", str(port),
+             *self.verbose_args],
             stdout=subprocess.PIPE, stderr=log, env=self._env(), cwd=_repo_root())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -132,7 +135,7 @@ class LocalSwarm:
         process = subprocess.Popen(
             [sys.executable, "-m", "locoswarm", "node", "join", "--coordinator", self.url, "--run", self.run_id,
              "--device", "cpu", "--key", str(self.workdir / f"node{index}.key"), "--threads", "1",
-             "--no-progress", "--report", str(self.workdir / f"node{index}.report.json"),
+             "--no-progress", "--report", str(self.workdir / f"node{index}.report.json"), *self.verbose_args,
              *self.extra_node_args.get(index, ())],
             stdout=log, stderr=log, env=self._env(), cwd=_repo_root(), start_new_session=True)
         self.nodes.append(process)

@@ -2,6 +2,16 @@
 
     locoswarm node join --coordinator URL [--run ID] [--token T] [--device cpu|cuda] [--data PATH]
     locoswarm node join --config node.toml [--device cuda:1 ...]   (flags override the file)
+
+What a volunteer can get wrong is refused before anything starts, in one line on stderr with
+what to do, exit code 2 (a traceback only with `-v`): a bad config (protocol/config_file.py), a
+device torch cannot use (the doctor's check, node/cli/doctor.py), a coordinator that never
+answers, a run that does not exist, is closed, or wants a join token.
+
+Stopping: the first Ctrl+C (or SIGTERM) says so at once and lets the node finish its step, tell
+the coordinator it leaves and shut its exchange down; a second one quits now (the exchange is
+still shut down, the leave is skipped, exit code 130). Either way the node prints a summary of
+what it did (`summary_line`), and `--report FILE` gets the per-round reports after a clean stop.
 """
 
 from __future__ import annotations
@@ -9,12 +19,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import signal
 import sys
+import time
+import traceback
 from pathlib import Path
 
+EXIT_REFUSED = 2  # the volunteer's set-up or command line: fix it and start again
+EXIT_INTERRUPTED = 130  # the second Ctrl+C: 128 + SIGINT, as a shell reports it
+QUIT_GRACE_S = 5.0  # after the second Ctrl+C, the exchange's shutdown gets this long before a hard exit
 
 
 def register(subparsers) -> None:
@@ -23,7 +37,10 @@ def register(subparsers) -> None:
     join = node_sub.add_parser(
         "join", help="join a run and train until it ends or Ctrl+C",
         description="Join a run. Settings come from --config (a TOML file, see deploy/node.toml), then from "
-                    "these flags, which override the file; defaults are NodeConfig's (node/config.py).")
+                    "these flags, which override the file; defaults are NodeConfig's (node/config.py). "
+                    "Check this machine first with `locoswarm doctor --coordinator URL` (it takes the same "
+                    "flags and says what to fix).",
+        epilog="Ctrl+C once: finish the current step, leave the run and print a summary; twice: quit now.")
     # Defaults are None ("not given") so that a flag overrides the file only when it is passed;
     # node/config.py applies the real defaults and checks every value.
     join.add_argument("--config", default=None, help="node config file, TOML (keys: NodeConfig's fields)")
@@ -60,6 +77,9 @@ def register(subparsers) -> None:
                            "slow-upload@delay_s=5, corrupt-packet@round=1, poison@factor=1000, stale-submit@round=2 "
                            "(node/testing/faults.py)")
     join.add_argument("--report", default=None, help="write the per-round reports as JSON here on exit")
+    join.add_argument("-v", "--verbose", action="store_true",
+                      help="also the libraries' log lines (every HTTP request, hivemind), and a traceback with "
+                           "each refusal")
     join.set_defaults(func=_join)
 
 
@@ -71,37 +91,198 @@ JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "k
 
 
 def _join(args: argparse.Namespace) -> int:
+    from node.cli.logs import configure_logging
+
+    configure_logging(verbose=args.verbose)
+    try:
+        return _join_checked(args)
+    except KeyboardInterrupt:  # before the node's own handlers are in place (loading torch, the config)
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _join_checked(args: argparse.Namespace) -> int:
+    from node.cli.doctor import FAIL, check_device
     from node.config import format_node_config, load_node_config
     from protocol.config_file import ConfigError
-    from node.round.loop import Node
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
-    # LOCOSWARM_LOG_LEVEL=DEBUG adds a line per packet fetched (holder, bytes, latency, rate).
-    level = os.environ.get("LOCOSWARM_LOG_LEVEL", "INFO").upper()
-    for name in ("locoswarm", "node"):  # the round loop's logger, and the modules' own
-        logging.getLogger(name).setLevel(level if isinstance(logging.getLevelName(level), int) else "INFO")
     try:
         config = load_node_config(Path(args.config) if args.config else None,
                                   {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(str(e))
+    device = check_device(config.device)  # the doctor's check, before the node joins anything
+    if device.status == FAIL:
+        return _refuse(f"{device.detail} -> {device.fix}")
     print(format_node_config(config), file=sys.stderr, flush=True)
+
+    from node.round.coordinator_client import CoordinatorError
+    from node.round.loop import Node
+
     node = Node(config)
-
-    async def main() -> list:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, node.stop)
-        return await node.run()
-
-    reports = asyncio.run(main())
+    started = time.monotonic()
+    try:
+        reports, quit_now = run_until_stopped(node)
+    except (CoordinatorError, SystemExit) as e:
+        line = refusal_line(e, config.coordinator, config.run_id)
+        if line is None:
+            raise
+        if args.verbose:
+            traceback.print_exception(e)
+        if node.session is not None:  # it had joined: say what it did before it stopped
+            print(summary_line(node, time.monotonic() - started), flush=True)
+        return _refuse(line)
+    print(summary_line(node, time.monotonic() - started), flush=True)
+    if quit_now:
+        _hard_exit()
     if args.report:
         _write_report(Path(args.report), node, reports)
     return 0
 
+
+def _refuse(line: str) -> int:
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    return EXIT_REFUSED
+
+
+def refusal_line(error: BaseException, coordinator: str, run_id: str | None) -> str | None:
+    """What the volunteer reads when the coordinator cannot be used, in one line; None for an
+    error that is no refusal (a bug: its traceback is shown)."""
+    from node.round.coordinator_client import CoordinatorUnavailable, CoordinatorUnreachable, Refused
+
+    coordinator = coordinator.rstrip("/")
+    runs_hint = f"list the runs with `locoswarm run list --coordinator {coordinator}`"
+    run = f"run {run_id}" if run_id else "the run"
+    if isinstance(error, SystemExit):  # the round loop's own one-line stops (no open run, the ddp baseline)
+        return error.code if isinstance(error.code, str) else None
+    if isinstance(error, CoordinatorUnreachable):  # it names the address and `locoswarm doctor`
+        return str(error)
+    if isinstance(error, CoordinatorUnavailable):
+        return f"the coordinator at {coordinator} stopped answering: {error}"
+    if isinstance(error, Refused):
+        if error.code == "run_not_found":
+            return f"{run} does not exist on {coordinator}: {runs_hint}"
+        if error.code == "run_closed":
+            return f"{error.detail}: nothing to join; {runs_hint}"
+        if error.code == "join_refused":
+            return f"{run} refused this node: {error.detail}; pass the join token from the run's operator with --token T"
+        if error.code == "stale_nonce":
+            return f"the coordinator refused this node's clock: {error.detail}"
+        return f"the coordinator at {coordinator} refused: {error}"
+    return None
+
+
+# -- running and stopping ---------------------------------------------------------------------
+
+
+class Interrupts:
+    """Ctrl+C and SIGTERM while the node runs: the first asks it to stop after its step (and says
+    so at once), the second quits now, a third exits without waiting for anything."""
+
+    def __init__(self, stop, quit, say=None):
+        self.stop, self.quit = stop, quit
+        self.say = say or _say
+        self.count = 0
+
+    @property
+    def quitting(self) -> bool:
+        return self.count >= 2
+
+    def __call__(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.say("stopping after this step; Ctrl+C again to quit now")
+            self.stop()
+        elif self.count == 2:
+            self.say("quitting now")
+            self.quit()
+        else:
+            _hard_exit()
+
+
+def run_until_stopped(node) -> tuple[list, bool]:
+    """`node.run()` on an event loop of its own, with `Interrupts` on SIGINT and SIGTERM; returns
+    (the round reports, whether the volunteer asked to quit now)."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(node.run())
+
+    def quit_now() -> None:
+        task.cancel()  # the node's `finally` still shuts its exchange (and the p2pd daemon) down
+        loop.call_later(QUIT_GRACE_S, _hard_exit)
+
+    interrupts = Interrupts(node.stop, quit_now)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupts)
+    try:
+        return loop.run_until_complete(task), False
+    except asyncio.CancelledError:
+        if not interrupts.quitting:
+            raise
+        return node.reports, True
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved here (a SystemExit leaves the loop before run_until_complete does)
+        if not interrupts.quitting:
+            # Quitting skips this: it would wait for the inner steps still running in a worker thread.
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+
+
+def _say(line: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)  # above the progress bar, which redraws below it
+
+
+def _hard_exit() -> None:
+    """Exit now: a round's inner steps may still run in a worker thread, which a normal exit waits for."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
+# -- the summary ------------------------------------------------------------------------------
+
+
+def summary_line(node, elapsed_s: float) -> str:
+    """What the node did, from its reports: rounds, first and last loss, bytes sent (served to
+    peers) and received (fetched from them), and time.
+
+        summary: 12 rounds (3-14) in 4m10s, loss 5.8123 -> 4.9011, sent 41.3 MB, received 83.0 MB
+    """
+    from node.round.coordinator_client import format_duration
+
+    reports = node.reports
+    if not reports:
+        return f"summary: no round completed in {format_duration(elapsed_s)}"
+    first, last = reports[0], reports[-1]
+    span_s = last.ended_at - first.started_at if first.started_at and last.ended_at else elapsed_s
+    rounds = f"{first.round}" if len(reports) == 1 else f"{first.round}-{last.round}"
+    loss = f"loss {first.train_loss:.4f}" + (f" -> {last.train_loss:.4f}" if len(reports) > 1 else "")
+    parts = [f"{plural(len(reports), 'round')} ({rounds}) in {format_duration(span_s)}", loss,
+             f"sent {format_bytes(sum(r.uploaded_bytes for r in reports))}",
+             f"received {format_bytes(sum(r.downloaded_bytes for r in reports))}"]
+    if node.resumed_from is not None:
+        parts.append(f"resumed from its checkpoint at round {node.resumed_from}")
+    caught_up = sum(c.method != "none" for c in node.catch_ups)
+    if caught_up:
+        parts.append(f"caught up {plural(caught_up, 'time')}")
+    return "summary: " + ", ".join(parts)
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def format_bytes(num_bytes: int) -> str:
+    """1.2 MB, 812 kB, 90 B: decimal units, as link speeds are quoted."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes} B"
 
 def _write_report(path: Path, node, reports) -> None:
     """Per-round reports as JSON, and the final parameters beside them (PATH.safetensors)."""

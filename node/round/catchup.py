@@ -2,9 +2,13 @@
 
 A node falls behind when it joins a running run, misses a round's deadline, cannot fetch a
 manifest packet, or was paused. Closed rounds whose packets are still served are replayed (fetch
-the manifest, apply it: exact, and cheap); otherwise the newest parameter snapshot whose digest
-the coordinator recorded as the majority is fetched from peers and checked. Error feedback
-restarts at zero after a snapshot (the update it held is lost, not sent twice).
+the manifest, as amended so far, and apply it: exact, and cheap); otherwise the newest parameter
+snapshot whose digest the coordinator recorded as the majority is fetched from peers and
+checked. A replay asks the exchange first who holds the round's packets: when no peer announces
+some packet (forgotten, or its publisher gone), it goes to a snapshot at once instead of waiting
+out a fetch time-out, and it never reports packets missing (that is for the peers applying the
+round as it happens). Error feedback restarts at zero after a snapshot (the update it held is
+lost, not sent twice).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from node.round.prefetch import Decoded
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
 from node.round.steps import CatchUpNeeded, apply_manifest
+from protocol.http import RoundView
 
 log = logging.getLogger("locoswarm.node")
 
 SNAPSHOT_ROUNDS_TRIED = 3  # the newest agreed snapshots tried, newest first
+HOLDERS_LOOKUP_S = 10.0  # at most this long (or the fetch time-out) to learn who holds a round's packets
 
 
 async def catch_up(s: Session, decoded: Decoded) -> CatchUpReport:
@@ -67,8 +73,29 @@ async def replay(s: Session, round: int, decoded: Decoded) -> None:
     view = await s.client.round(round)
     if view.state != "closed":
         raise CatchUpNeeded(f"round {round} is not closed")
-    await apply_manifest(s, round, view, RoundTimes(), decoded)
+    if gone := await packets_gone(s, round, view):
+        raise CatchUpNeeded(f"round {round}: no peer holds the packets of {', '.join(gone)}")
+    await apply_manifest(s, round, view, RoundTimes(), decoded, report_missing=False)
     log.info("round %d: replayed the manifest (%d packets)", round, len(view.manifest))
+
+
+async def packets_gone(s: Session, round: int, view: RoundView) -> list[str]:
+    """Manifest entries of `round` that no peer announces holding, as the exchange's lookup says;
+    [] when the lookup fails or is slow (the fetch then decides)."""
+    if not view.manifest:
+        return []
+
+    async def lookup() -> list[str]:
+        announced = await s.exchange.announcements(round)
+        unsure = [e for e in view.manifest if (a := announced.get(e.peer_id)) is None or a.digest != e.packet_digest]
+        holders = await asyncio.gather(*(s.exchange.holders(round, e.peer_id) for e in unsure))
+        return [e.peer_id for e, found in zip(unsure, holders) if not any(h.digest == e.packet_digest for h in found)]
+
+    try:
+        return await asyncio.wait_for(lookup(), timeout=min(HOLDERS_LOOKUP_S, s.config.fetch_timeout_s))
+    except Exception as e:  # looking up holders only saves time; fetching decides
+        log.debug("round %d: looking up the packets' holders failed: %r", round, e)
+        return []
 
 
 async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
@@ -99,6 +126,7 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
             for name, p in params.items():
                 p.copy_(tensors[name])
         await asyncio.to_thread(_load_outer_state, s, tensors)
+        s.amendments.reset()  # these parameters follow none of the rounds applied here
         s.params_round = round
         log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], len(data))
         return True

@@ -25,8 +25,8 @@ import time
 import httpx
 
 from protocol.http import (API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse,
-                           JoinRequest, JoinResponse, LeaveRequest, RoundView, RunInfo, RunList, RunStatus,
-                           SubmitRequest, SubmitResponse, sign_request)
+                           JoinRequest, JoinResponse, LeaveRequest, MissingRequest, MissingResponse, RoundView,
+                           RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse, sign_request)
 from protocol.signing import PeerKey
 
 log = logging.getLogger(__name__)
@@ -187,15 +187,25 @@ class CoordinatorClient:
         return SubmitResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/submit",
                                                               request))
 
-    async def round(self, round: int, wait_s: float = 0.0, submitted_gt: int | None = None) -> RoundView:
-        """The round's view; with `wait_s`, once it closed (or more than `submitted_gt` packets came)."""
+    async def round(self, round: int, wait_s: float = 0.0, submitted_gt: int | None = None,
+                    version_gt: int | None = None) -> RoundView:
+        """The round's view; with `wait_s`, once it closed (or more than `submitted_gt` packets came,
+        or with `version_gt`, once its manifest version is above that)."""
         params = {"wait_s": wait_s} | ({"submitted_gt": submitted_gt} if submitted_gt is not None else {})
+        params |= {"version_gt": version_gt} if version_gt is not None else {}
         data = await self._call("GET", f"/runs/{self.run_id}/rounds/{round}", params=params, signed=False)
         return RoundView.model_validate(data)
 
-    async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None) -> AppliedResponse:
-        request = AppliedRequest(params_digest=params_digest, refused=refused or {})
+    async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None,
+                      manifest_version: int = 1) -> AppliedResponse:
+        request = AppliedRequest(params_digest=params_digest, refused=refused or {}, manifest_version=manifest_version)
         return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
+                                                               request))
+
+    async def missing(self, round: int, peer_ids: list[str]) -> MissingResponse:
+        """Report manifest entries of closed round `round` whose packets could not be fetched."""
+        request = MissingRequest(peer_ids=peer_ids)
+        return MissingResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/missing",
                                                                request))
 
     async def leave(self, reason: str = "left") -> None:

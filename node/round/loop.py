@@ -173,9 +173,12 @@ class Node:
 
     async def _pick_run(self, client: CoordinatorClient) -> str:
         runs = [r for r in (await client.runs()).runs if r.state in ("waiting", "running")]
-        if len(runs) != 1:
-            names = ", ".join(f"{r.run_id} ({r.name})" for r in runs) or "none"
-            raise SystemExit(f"the coordinator has {len(runs)} open runs ({names}); pass --run")
+        listing = f"list the runs with `locoswarm run list --coordinator {client.base_url}`"
+        if not runs:
+            raise SystemExit(f"no open run on {client.base_url}: ask the operator to create one, or {listing}")
+        if len(runs) > 1:
+            names = ", ".join(f"{r.run_id} ({r.name})" for r in runs)
+            raise SystemExit(f"{len(runs)} open runs ({names}): pass --run ID; {listing}")
         return runs[0].run_id
 
     async def _heartbeats(self, s: Session, interval_s: float) -> None:
@@ -227,8 +230,9 @@ class Node:
             report.caught_up = bool(self.catch_ups) and self.catch_ups[-1].to_round == round
             self.reports.append(report)
             t = report.times
-            log.info("round %d: loss %.4f, %d packets%s, digest %s | compute %.2fs encode %.2fs wait %.2fs "
+            log.info("round %d: loss %.4f, %d packet%s%s, digest %s | compute %.2fs encode %.2fs wait %.2fs "
                      "transfer %.2fs aggregate %.2fs", round, report.train_loss, report.num_packets,
+                     "" if report.num_packets == 1 else "s",
                      f" ({len(report.refused)} refused)" if report.refused else "", report.digest[:12],
                      t.compute_s, t.encode_s, t.wait_s, t.transfer_s, t.aggregate_s)
             await s.exchange.forget_before(round - 2)
@@ -293,7 +297,11 @@ class Node:
         if landed is None:
             return
         view, payloads, prepared = await landed[1][0]
-        await apply_manifest(s, view.round, view, RoundTimes(), self._decoded, payloads, prepared)
+        try:
+            await apply_manifest(s, view.round, view, RoundTimes(), self._decoded, payloads, prepared)
+        except CatchUpNeeded as e:  # leaving anyway: no catch-up for a model nobody trains on
+            log.warning("round %d: the last in-flight aggregate does not follow the swarm (%s)", view.round, e)
+            return
         s.outer.finish()
         log.info("round %d: applied the last in-flight aggregate, digest %s", view.round, s.digest[:12])
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from node.exchange.base import Exchange
+from node.round.amend import Amendments
 from node.round.coordinator_client import CoordinatorClient, Refused
 from node.testing.faults import FaultInjector
 from node.training.peer import PeerTraining
@@ -58,6 +59,7 @@ class Session:
     activity: Activity = field(default_factory=Activity)
     params_round: int | None = 0  # the round whose start the parameters are (None: unknown)
     digest: str = ""  # of the global model after the last applied round
+    amendments: Amendments = field(default_factory=Amendments)  # the last applied round, kept (amend.py)
     encode_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # error feedback folds rounds in order
     buffers_lock: threading.Lock = field(default_factory=threading.Lock)  # held by an encode and a reset
     background: set[asyncio.Task] = field(default_factory=set)  # snapshot publications

@@ -8,8 +8,12 @@
 Decisions at the boundaries, each logged:
 - a submission refused as late or stale: the round goes on without this packet; the node still
   applies the manifest (its own update stays in its error buffer for the next round);
-- a manifest packet that cannot be fetched in time: the node cannot reproduce the round, so it
-  raises `CatchUpNeeded` and catches up (node/round/catchup.py);
+- a manifest packet that cannot be fetched in time: the node reports it and waits for the
+  coordinator to amend the manifest without it (node/round/amend.py); if no such version comes
+  within another fetch time-out, the node cannot reproduce the round, so it raises
+  `CatchUpNeeded` and catches up (node/round/catchup.py);
+- a round this node applied whose manifest was amended since: recomputed from the kept round
+  start before the next outer step (amend.py);
 - a packet that fails to verify or decode is left out (deterministically, by every honest peer).
 """
 
@@ -19,13 +23,13 @@ import asyncio
 import logging
 import time
 
-from node.round import resume
+from node.round import amend, resume
 from node.round.prefetch import Decoded, Prefetch
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
 from node.testing.faults import Phase
 from node.training.params import param_digest
-from protocol.http import MAX_REFUSED, ErrorCode, RoundView
+from protocol.http import MAX_REFUSED, AppliedResponse, ErrorCode, RoundView
 
 log = logging.getLogger("locoswarm.node")
 
@@ -119,6 +123,7 @@ async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch,
     try:
         view = await prefetch.task
         times.wait_s = time.perf_counter() - start
+        amend.watch_kept(s)  # has the round applied before been amended? (read beside the fetch)
         payloads = await fetch_manifest(s, round, view, times, prefetch.early, foreground)
     finally:
         prefetch.cancel()  # fetches of packets that did not make the manifest, or a stop
@@ -160,35 +165,77 @@ async def prepare(s: Session, view: RoundView, payloads: dict[str, bytes], decod
 
 
 async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTimes, decoded: Decoded,
-                         payloads: dict[str, bytes] | None = None, prepared=None):
+                         payloads: dict[str, bytes] | None = None, prepared=None, report_missing: bool = True):
     """Take the round's outer step (fetching and aggregating its manifest unless given); report
-    the digest of the global model; serve a snapshot of it."""
+    the digest of the global model; serve a snapshot of it. Packets that cannot be fetched are
+    reported missing and the round applied as amended without them (`report_missing`; a replay
+    does not report: it loads a snapshot instead)."""
     if payloads is None:
         payloads = await fetch_manifest(s, round, view, times)
     await s.faults.at_phase(Phase.TRANSFER, round, exchange=s.exchange, peer_id=s.peer_id)
     missing = sorted({e.peer_id for e in view.manifest} - set(payloads))
     if missing:
-        # Aggregating a subset would fork this peer from the swarm: catch up instead.
-        raise CatchUpNeeded(f"round {round}: no holder served the packets of {', '.join(missing)}")
+        amended = await amend.await_amendment(s, round, view, missing) if report_missing else None
+        if amended is None:
+            # Aggregating a subset would fork this peer from the swarm: catch up instead.
+            raise CatchUpNeeded(f"round {round}: no holder served the packets of {', '.join(missing)}")
+        view, prepared = amended, None
+        payloads = {e.peer_id: payloads[e.peer_id] for e in view.manifest}
 
     s.activity.state = "aggregating"
     start = time.perf_counter()
+    kept = s.amendments.kept
+    if kept is not None and kept.round != round - 1:
+        s.amendments.forget()  # the parameters moved on by other means (a catch-up)
+    await _recompute_if_amended(s)
     if prepared is None:
         prepared = await prepare(s, view, payloads, decoded)
+    amend.keep(s, round, view, payloads)
     applied = s.outer.commit(prepared)
     s.digest = await asyncio.to_thread(param_digest, s.outer.start)
     s.params_round = round + 1
     times.aggregate_s += time.perf_counter() - start  # after the prepare's share, if collect ran it
-    # What this node left out, and why, goes on the coordinator's status page.
-    refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
-    response = await s.signed(s.client.applied, round, s.digest, refused=refused)
-    if not response.agrees:
-        log.error("round %d: my digest %s disagrees with the majority %s", round, s.digest[:12],
-                  response.majority_digest[:12])
+    response = await _report(s, round, applied, view.manifest_version)
+    if response.manifest_version > view.manifest_version:  # amended while this node fetched
+        applied = await _recompute_if_amended(s, await s.client.round(round)) or applied
+    if outdated := s.amendments.outdated(response.amended):
+        s.amendments.reset()
+        raise CatchUpNeeded("amended after this node applied them: " + ", ".join(
+            f"round {r} (version {old} -> {new})" for r, (old, new) in outdated.items()))
     if resume.due(s, round):
         await asyncio.to_thread(resume.save, s, round)
-    snapshot = await asyncio.to_thread(_snapshot_bytes, s)
-    s.spawn(_publish_snapshot(s, round + 1, snapshot))  # off the critical path
+    await _serve_snapshot(s, round + 1)
+    return applied
+
+
+async def _report(s: Session, round: int, applied, manifest_version: int) -> AppliedResponse:
+    """Tell the coordinator the digest after `round` (as of `manifest_version`); what this node
+    left out, and why, goes on its status page."""
+    refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
+    response = await s.signed(s.client.applied, round, s.digest, refused=refused, manifest_version=manifest_version)
+    if not response.agrees and response.manifest_version == manifest_version:
+        log.error("round %d: my digest %s disagrees with the majority %s", round, s.digest[:12],
+                  (response.majority_digest or "(none)")[:12])
+    return response
+
+
+async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
+    """Bring the kept round (the last one applied) to its latest manifest version; `latest` is
+    its view when the caller has one. Returns the recomputed outer step's result, if any."""
+    kept = s.amendments.kept
+    if kept is None:
+        return None
+    if latest is None:
+        latest = await amend.latest_view(s, kept)
+    if latest.manifest_version <= kept.manifest_version:
+        return None
+    applied = await amend.recompute(s, latest)
+    if applied is None:
+        s.amendments.forget()
+        raise CatchUpNeeded(f"round {kept.round}: its manifest was amended to version {latest.manifest_version} "
+                            f"after this node applied version {kept.manifest_version} (with overlap)")
+    await _report(s, kept.round, applied, latest.manifest_version)
+    await _serve_snapshot(s, kept.round + 1)
     return applied
 
 
@@ -205,6 +252,12 @@ async def apply_and_report(s: Session, report: RoundReport, applied_round: int, 
     report.uploaded_bytes = s.exchange.traffic(report.round).uploaded_bytes
     report.ended_at, report.applied_round = s.clock(), applied_round
     return report
+
+
+async def _serve_snapshot(s: Session, round: int) -> None:
+    """Serve the global model that starts `round`: taken now, published off the critical path."""
+    snapshot = await asyncio.to_thread(_snapshot_bytes, s)
+    s.spawn(_publish_snapshot(s, round, snapshot))
 
 
 async def _publish_snapshot(s: Session, round: int, snapshot: bytes) -> None:

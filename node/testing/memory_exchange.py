@@ -5,8 +5,11 @@
 
 Every `MemoryExchange` of one `MemorySwarm` sees what the others published, as if each fetch
 found a holder at once. Bytes are checked against the wanted digest like the real exchange's;
-`withhold(round, publisher)` makes a packet that nobody serves (the fetch waits out its
-time-out and leaves it out), so tests can drive the round loop's catch-up.
+`withhold(round, publisher)` makes a packet that nobody serves to others (their fetch waits out
+its time-out and leaves it out; the publisher still has its own copy, and it stays announced, as
+a peer that submits and never serves would leave it), so tests can drive the missing-packet
+reports, amended manifests and the round loop's catch-up. A packet every holder forgot
+(`forget_before`) is announced by nobody: a replay sees it gone without fetching.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class MemorySwarm:
         return MemoryExchange(self, holder)
 
     def withhold(self, round: int, publisher: str) -> None:
-        """Nobody serves `publisher`'s packet of `round` (its publisher died holding the only copy)."""
+        """Nobody serves `publisher`'s packet of `round` to another holder (it submits the digest
+        and never serves the bytes)."""
         self.withheld.add((round, publisher))
 
     def _store(self, round: int, publisher: str, data: bytes, holder: str) -> Announcement:
@@ -75,9 +79,11 @@ class MemoryExchange:
         got, start = {}, time.monotonic()
         for publisher, digest in wanted.items():
             copy = self.swarm.packets.get((round, publisher), {}).get(digest)
-            if (round, publisher) in self.swarm.withheld or copy is None or not copy[1]:
+            if copy is None or not copy[1]:
                 continue
             data, holders = copy
+            if (round, publisher) in self.swarm.withheld and self.holder not in holders:
+                continue
             holders.add(self.holder)  # a verified copy, served on
             traffic = self.traffic(round)
             traffic.downloaded_bytes += len(data)

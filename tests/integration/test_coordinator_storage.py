@@ -13,6 +13,8 @@ from coordinator.schema import LATEST_VERSION
 from coordinator.service import CoordinatorService
 from coordinator.storage import (
     AppliedRow,
+    DroppedRow,
+    MissingReportRow,
     PeerRow,
     RoundRow,
     RunRow,
@@ -121,6 +123,38 @@ def test_applied_upsert_latest_and_nonces(storage_url):
     assert storage.add_nonce("pb", big_nonce, 11.0) is True
     assert storage.prune_nonces(10.5) == 1
     assert storage.add_nonce("pa", big_nonce, 12.0) is True
+    storage.close()
+
+
+def test_missing_reports_dropped_entries_and_versions(storage_url):
+    storage = open_storage(storage_url)
+    storage.insert_run(a_run())
+    for index, peer_id in enumerate(["pa", "pb", "pw"]):
+        storage.insert_peer(a_peer(peer_id, index))
+    storage.insert_round(RoundRow("run-1", 0, 0.0, 30.0, 6.0, None))
+    assert storage.get_round("run-1", 0).manifest_version == 1
+    assert storage.add_missing_report(MissingReportRow("run-1", 0, "pw", "pa", 7.0)) is True
+    assert storage.add_missing_report(MissingReportRow("run-1", 0, "pw", "pa", 8.0)) is False
+    storage.add_missing_report(MissingReportRow("run-1", 0, "pw", "pb", 9.0))
+    assert [(m.reporter_id, m.reported_at) for m in storage.list_missing_reports("run-1", 0)] == [
+        ("pa", 7.0), ("pb", 9.0)]
+    assert storage.rounds_with_pending_reports(4) == [("run-1", 0)]
+    assert storage.rounds_with_pending_reports(4, "run-2") == []
+    storage.update_run("run-1", current_round=5)
+    assert storage.rounds_with_pending_reports(4) == [], "out of the window"
+    storage.update_run("run-1", current_round=1)
+    storage.insert_dropped(DroppedRow("run-1", 0, "pw", "unserved", 2, 10.0))
+    storage.update_round("run-1", 0, manifest_version=2)
+    storage.update_peer("run-1", "pw", withheld_round=0)
+    assert storage.rounds_with_pending_reports(4) == []
+    assert [(d.peer_id, d.reason, d.manifest_version) for d in storage.list_dropped("run-1", 0)] == [
+        ("pw", "unserved", 2)]
+    assert storage.get_round("run-1", 0).manifest_version == 2
+    storage.insert_round(RoundRow("run-1", 1, 6.0, 36.0, None, None))
+    assert storage.expected_and_missing("run-1", 1) == (2, 2), "a withholding peer is not expected"
+    storage.upsert_applied(AppliedRow("run-1", 0, "pa", "11" * 16, 11.0, None, 2))
+    storage.upsert_applied(AppliedRow("run-1", 0, "pw", "22" * 16, 12.0))
+    assert {a.peer_id: a.manifest_version for a in storage.list_applied("run-1", 0)} == {"pa": 2, "pw": 1}
     storage.close()
 
 

@@ -63,7 +63,7 @@ def test_an_integer_where_a_float_goes_is_read_as_the_float(tmp_path):
     ('[inner]\nbetas = [0.9, 1.0]\n', "inner.betas.1: Input should be less than 1"),
     ('[outer]\nstrategy = "adam"\n', "outer.strategy: Input should be 'sparseloco', 'diloco' or 'ddp'"),
     ('[exchange]\ndht_bootstrap = ["not an address"]\n', "exchange.dht_bootstrap.0: String should match"),
-    ('[membership]\nmin_peer = 2\n', "membership.min_peer: unknown key (known keys: min_peers, "),
+    ('[membership]\nmin_peer = 2\n', "membership.min_peer: unknown key (did you mean membership.min_peers?)"),
     ('[deadline]\nkind = "fixed"\nround_timeout_s = 0.0\n', "deadline.round_timeout_s: Input should be greater"),
     ('[deadline]\nkind = "adaptive"\nmargin = 0.5\n', "deadline.margin: Input should be greater than or equal"),
 ])

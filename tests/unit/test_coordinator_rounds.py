@@ -139,7 +139,8 @@ def test_applied_digests_majority_and_flags(coordinator_client, fake_clock):
         peer.submit(run_id, 0)
     good, bad = "11" * 32, "22" * 32
     assert a.applied(run_id, 0, good).json() == {
-        "round": 0, "majority_digest": good, "agrees": True, "num_reports": 1}
+        "round": 0, "majority_digest": good, "agrees": True, "num_reports": 1, "manifest_version": 1,
+        "amended": {}}
     assert c.applied(run_id, 0, bad).json()["agrees"] is False, "a tie keeps the majority"
     assert b.applied(run_id, 0, good).json()["num_reports"] == 3
     assert round_of(client, run_id, 0)["majority_digest"] == good

@@ -18,7 +18,7 @@ from node.round.coordinator_client import CoordinatorClient
 from node.round.loop import Node
 from node.testing.faults import FaultInjector
 from node.testing.memory_exchange import MemorySwarm
-from protocol.http import RunStatus, peer_id_from_public_key
+from protocol.http import RoundView, RunStatus, peer_id_from_public_key
 from protocol.signing import PeerKey
 
 ADMIN_TOKEN = "round-loop-test-admin-token-0123456789"
@@ -225,3 +225,68 @@ async def test_restart_resumes_from_the_checkpoint(swarm):
         assert node.resumed_from == 2 and node.catch_ups == []
         assert [r.round for r in node.reports] == [2, 3]
         assert digests_by_round(node) == {2: agreed[2], 3: agreed[3]}
+
+
+@in_swarm
+async def test_withheld_packet_is_amended_out_and_every_round_applied(swarm):
+    """c submits its round-1 digest and never serves the packet (its own node still holds it). a and b
+    wait out their fetch (3 s), report it missing, and the coordinator drops it at once, both other
+    contributors having reported it: manifest version 2, which a and b apply. c applied version 1
+    with its own packet; before its round-2 outer step it sees version 2 and recomputes round 1
+    from the round start it kept. No catch-up anywhere, every round applied, every digest agreed."""
+    await swarm.create_run(max_rounds=4, exchange={"missing_grace_s": 2.0})
+    (a, _), (b, _), (c, c_id) = swarm.node("a"), swarm.node("b"), swarm.node("c")
+    swarm.network.withhold(1, c_id)
+    await run_all(a, b, c)
+    status = await swarm.status()
+    agreed = {h.round: h.majority_digest for h in status.history}
+    assert sorted(agreed) == [0, 1, 2, 3]
+    round_1 = RoundView.model_validate((await swarm.admin.get(f"/v1/runs/{swarm.run_id}/rounds/1")).json())
+    assert round_1.manifest_version == 2 and list(round_1.dropped) == [c_id]
+    assert c_id not in {e.peer_id for e in round_1.manifest} and len(round_1.manifest) == 2
+    closed_at = next(h.closed_at for h in status.history if h.round == 1)
+    for node in (a, b):
+        assert node.catch_ups == [] and [r.round for r in node.reports] == [0, 1, 2, 3]
+        assert digests_by_round(node) == agreed
+        applied_1 = next(r for r in node.reports if r.round == 1)
+        assert applied_1.num_packets == 2
+        assert applied_1.ended_at - closed_at < 2 * 3.0 + 4.0, "within about two fetch time-outs"
+    assert c.catch_ups == [] and [r.round for r in c.reports] == [0, 1, 2, 3]
+    assert [(x.round, x.from_version, x.to_version, x.digest) for x in c.session.amendments.recomputed] == [
+        (1, 1, 2, agreed[1])]
+    full_set = digests_by_round(c)
+    assert full_set[1] != agreed[1] and {r: d for r, d in full_set.items() if r != 1} == {
+        r: d for r, d in agreed.items() if r != 1}
+
+
+@in_swarm
+async def test_withheld_packet_with_diloco_recomputes_the_outer_momentum(swarm):
+    """As above with DiLoCo's Nesterov outer momentum: the recompute puts the momentum back too."""
+    await swarm.create_run(max_rounds=3, exchange={"missing_grace_s": 2.0},
+                           outer={"strategy": "diloco", "momentum": 0.9, "nesterov": True, "lr": 0.7})
+    (a, _), (b, _), (c, c_id) = swarm.node("a"), swarm.node("b"), swarm.node("c")
+    swarm.network.withhold(1, c_id)
+    await run_all(a, b, c)
+    agreed = {h.round: h.majority_digest for h in (await swarm.status()).history}
+    assert digests_by_round(a) == digests_by_round(b) == agreed
+    assert [(x.round, x.to_version, x.digest) for x in c.session.amendments.recomputed] == [(1, 2, agreed[1])]
+    assert c.catch_ups == [] and digests_by_round(c)[2] == agreed[2]
+
+
+@in_swarm
+async def test_withheld_packet_with_overlap_catches_up_by_snapshot(swarm):
+    """With overlap c has no round start to put back (its parameters run a round ahead): once an
+    applied report tells it that round 1 was amended after it applied it, it loads the swarm's
+    parameters from a snapshot, and ends on the agreed model. a and b apply the amended round."""
+    await swarm.create_run(max_rounds=5, exchange={"missing_grace_s": 2.0}, outer={"overlap": True})
+    (a, _), (b, _), (c, c_id) = swarm.node("a"), swarm.node("b"), swarm.node("c")
+    swarm.network.withhold(1, c_id)
+    await run_all(a, b, c)
+    agreed = {h.round: h.majority_digest for h in (await swarm.status()).history}
+    assert sorted(agreed) == [0, 1, 2, 3, 4]
+    for node in (a, b):
+        assert node.catch_ups == [] and digests_by_round(node) == {r: agreed[r] for r in range(4)}
+        assert node.session.digest == agreed[4]
+    assert c.session.amendments.recomputed == []
+    assert c.catch_ups and "snapshot" in c.catch_ups[0].method
+    assert c.session.digest == agreed[4]

@@ -1,0 +1,259 @@
+"""What a user can get wrong on the command line is refused in one line that says what to do, with
+a non-zero exit code and no traceback: `node join` (a CUDA device on a CPU-only torch, a wrong
+coordinator address, a run that does not exist, a misspelt config key, a bound), `status` and
+`run close` (a run that does not exist), `run create` (no admin token). Also: the node's summary
+and its Ctrl+C handling, the logging levels, and the help texts that point at `doctor`.
+
+The coordinator, where one is needed, is the real app served by uvicorn in a thread of this
+process on 127.0.0.1, port 0; its real-process twin is tests/integration/test_cli_refusals.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+import socket
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator
+
+import pytest
+
+from locoswarm.cli import main, parse_args
+from node.cli.join import Interrupts, format_bytes, summary_line
+from node.cli.logs import LIBRARY_LOGGERS, OWN_LOGGERS, configure_logging
+from node.round.reports import CatchUpReport, RoundReport
+from tests.fixtures.coordinator import ADMIN_TOKEN, REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+CUDA_FIX = ('reinstall with TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" '
+            "bash deploy/setup.sh (check nvidia-smi), or use --device cpu")
+
+
+@pytest.fixture(autouse=True)
+def restore_logging(monkeypatch):
+    """`node join` sets logger levels and HIVEMIND_LOGLEVEL; put them back for the next test."""
+    monkeypatch.setenv("HIVEMIND_LOGLEVEL", "WARNING")
+    monkeypatch.delenv("LOCOSWARM_LOG_LEVEL", raising=False)
+    names = (*LIBRARY_LOGGERS, *OWN_LOGGERS)
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def coordinator_url(tmp_path_factory) -> Iterator[str]:
+    """A real coordinator (app, storage, uvicorn) in a thread, on a free port of 127.0.0.1."""
+    import uvicorn
+
+    from coordinator.app import create_app
+    from coordinator.storage import open_storage
+
+    storage = open_storage(f"sqlite:///{tmp_path_factory.mktemp('coordinator') / 'c.db'}")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(storage, ADMIN_TOKEN), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the coordinator did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+        storage.close()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again on leaving: nothing listens there
+
+
+def refused(capsys, argv: list[str]) -> tuple[int, str]:
+    """(exit code, the last line on stderr) of `locoswarm ARGV`, checked to carry no traceback."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err.strip().splitlines()[-1]
+
+
+def join_argv(tmp_path: Path, *flags: str) -> list[str]:
+    return ["node", "join", "--key", str(tmp_path / "peer.key"), "--no-progress", *flags]
+
+
+# -- node join ------------------------------------------------------------------------------------
+
+
+def test_cuda_on_a_cpu_only_torch_is_refused_before_joining(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a GPU")
+    # The port has nothing listening: reaching the coordinator would take 20 s and say so instead.
+    code = main(join_argv(tmp_path, "--coordinator", f"http://127.0.0.1:{closed_port()}", "--device", "cuda"))
+    err = capsys.readouterr().err
+    reason = "this torch is a CPU-only build" if not torch.version.cuda else "no GPU visible to torch"
+    assert (code, err) == (2, f"error: cuda requested but {reason} -> {CUDA_FIX}\n")
+    assert not (tmp_path / "peer.key").exists()  # it stopped before the node started
+
+
+def test_a_coordinator_that_never_answers_is_one_line(tmp_path, capsys, monkeypatch):
+    import node.round.coordinator_client as coordinator_client
+
+    monkeypatch.setattr(coordinator_client, "FIRST_CONTACT_S", 1.0)
+    url = f"http://127.0.0.1:{closed_port()}"
+    code, line = refused(capsys, join_argv(tmp_path, "--coordinator", url, "--device", "cpu"))
+    assert code == 2
+    assert re.fullmatch(rf"error: no answer from the coordinator at {re.escape(url)} in 1 s \(ConnectError: .+\): "
+                        rf"check the address, or run `locoswarm doctor --coordinator {re.escape(url)}`", line), line
+
+
+def test_a_run_that_does_not_exist(tmp_path, capsys, coordinator_url):
+    url = coordinator_url
+    expected = (f"error: run run-doesnotexist does not exist on {url}: list the runs with "
+                f"`locoswarm run list --coordinator {url}`")
+    assert refused(capsys, join_argv(tmp_path, "--coordinator", url, "--run", "run-doesnotexist",
+                                     "--device", "cpu")) == (2, expected)
+    assert refused(capsys, ["status", "--coordinator", url, "--run", "run-doesnotexist"]) == (2, expected)
+    assert refused(capsys, ["run", "close", "--coordinator", url, "--run", "run-doesnotexist",
+                            "--admin-token", ADMIN_TOKEN]) == (2, expected)
+
+
+def test_status_without_runs_says_how_to_create_one(capsys, coordinator_url):
+    url = coordinator_url  # no test here creates a run on it
+    assert refused(capsys, ["status", "--coordinator", url]) == (
+        2, f"error: no runs on {url}: create one with `locoswarm run create --coordinator {url} --config run.toml`")
+
+
+def test_misspelt_keys_get_the_closest_known_one(tmp_path, capsys):
+    node_toml = tmp_path / "node.toml"
+    node_toml.write_text('coordinator = "http://127.0.0.1:9"\nthreds = 2\n')
+    assert refused(capsys, ["node", "join", "--config", str(node_toml)]) == (
+        2, f"error: {node_toml}: threds: unknown key (did you mean threads?)")
+    run_toml = tmp_path / "run.toml"
+    for text, message in [
+        ("inner_step = 15\n", "inner_step: unknown key (did you mean inner.steps?)"),
+        ("[inner]\nstepz = 15\n", "inner.stepz: unknown key (did you mean inner.steps?)"),
+        ("[inner]\ntop_k = 8\n", "inner.top_k: unknown key (did you mean outer.top_k?)"),
+        ("lr = 0.1\n", "lr: unknown key (did you mean inner.lr or outer.lr?)"),
+        ("[deadline]\nkind = \"adaptive\"\nquantil = 0.5\n", "deadline.quantil: unknown key (did you mean "
+                                                             "deadline.quantile?)"),
+        ("[outer]\nspeed = 1\n", "outer.speed: unknown key (known keys: strategy, lr, momentum, nesterov, top_k, "
+                                 "chunk_size, error_decay, clip_to_median_norm, overlap)"),
+    ]:
+        head, _, section = text.partition("[")
+        run_toml.write_text(f'name = "a"\n{head}[model]\npreset = "tiny"\n' + (f"[{section}" if section else ""))
+        assert refused(capsys, ["run", "create", "--coordinator", "http://127.0.0.1:9", "--config", str(run_toml),
+                                "--admin-token", ADMIN_TOKEN]) == (2, f"error: {run_toml}: {message}")
+
+
+def test_bounds_are_plain_numbers(tmp_path, capsys):
+    assert refused(capsys, join_argv(tmp_path, "--coordinator", "http://127.0.0.1:9", "--uplink-mbps", "1e9")) == (
+        2, "error: command line: uplink_mbps: Input should be less than or equal to 10000000")
+    assert refused(capsys, join_argv(tmp_path, "--coordinator", "http://127.0.0.1:9", "--max-rounds", "200000000")) \
+        == (2, "error: command line: max_rounds: Input should be less than or equal to 100000000")
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text('name = "a"\n[model]\npreset = "tiny"\n[inner]\ngrad_clip = 1e9\nlr = 1e-9\n')
+    from protocol.config_file import plain_number
+    from protocol.run_config import ConfigError, load_run_config
+
+    with pytest.raises(ConfigError) as error:
+        load_run_config(run_toml)
+    assert str(error.value) == f"{run_toml}: inner.grad_clip: Input should be less than or equal to 1000000"
+    assert [plain_number(x) for x in (1e8, 1e-7, 2.5, 17179869184, 1.0, 0)] == [
+        "100000000", "0.0000001", "2.5", "17179869184", "1", "0"]
+
+
+# -- run create -----------------------------------------------------------------------------------
+
+
+def test_run_create_without_a_token_says_where_serve_wrote_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LOCOSWARM_ADMIN_TOKEN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "create", "--coordinator", "http://127.0.0.1:9", "--config", str(REPO_ROOT / "deploy/run.toml")]
+    expected = ("error: no admin token: pass --admin-token-file PATH, the file `coordinator serve` printed as "
+                "`admin token in PATH` (beside a SQLite database DB: DB.admin-token), or --admin-token T, or set "
+                "LOCOSWARM_ADMIN_TOKEN")
+    assert refused(capsys, argv) == (2, expected)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "coordinator.db.admin-token").write_text("x" * 32)
+    assert refused(capsys, argv) == (2, expected + "; in this directory: runs/coordinator.db.admin-token")
+
+
+# -- stopping: Ctrl+C and the summary ---------------------------------------------------------------
+
+
+def test_the_first_interrupt_stops_after_the_step_the_second_quits():
+    said, calls = [], []
+    interrupts = Interrupts(lambda: calls.append("stop"), lambda: calls.append("quit"), say=said.append)
+    interrupts()
+    assert (said, calls, interrupts.quitting) == (["stopping after this step; Ctrl+C again to quit now"], ["stop"],
+                                                  False)
+    interrupts()
+    assert (said[-1], calls, interrupts.quitting) == ("quitting now", ["stop", "quit"], True)
+
+
+def _report(round: int, loss: float, started_at: float, ended_at: float) -> RoundReport:
+    return RoundReport(round=round, train_loss=loss, digest="ab" * 16, num_packets=3, packet_bytes=800_000,
+                       downloaded_bytes=1_600_000, uploaded_bytes=1_200_000, started_at=started_at, ended_at=ended_at)
+
+
+def test_the_summary_says_rounds_loss_bytes_and_time():
+    node = SimpleNamespace(reports=[_report(3, 5.81234, 1000.0, 1010.0), _report(4, 5.5, 1010.0, 1020.0),
+                                    _report(5, 4.90111, 1020.0, 1250.0)],
+                           resumed_from=None, catch_ups=[])
+    assert summary_line(node, 300.0) == ("summary: 3 rounds (3-5) in 4m10s, loss 5.8123 -> 4.9011, "
+                                         "sent 3.6 MB, received 4.8 MB")
+    node.reports, node.resumed_from = node.reports[:1], 3
+    node.catch_ups = [CatchUpReport(None, 3, "snapshot"), CatchUpReport(3, 3, "none")]
+    assert summary_line(node, 30.0) == ("summary: 1 round (3) in 10s, loss 5.8123, sent 1.2 MB, received 1.6 MB, "
+                                        "resumed from its checkpoint at round 3, caught up 1 time")
+    assert summary_line(SimpleNamespace(reports=[], resumed_from=None, catch_ups=[]), 7.2) == \
+        "summary: no round completed in 7s"
+    assert [format_bytes(n) for n in (0, 999, 1000, 2_500_000, 3 * 10**9)] == ["0 B", "999 B", "1.0 kB", "2.5 MB",
+                                                                              "3.0 GB"]
+
+
+# -- logging and help -----------------------------------------------------------------------------
+
+
+def test_libraries_log_at_warning_unless_verbose():
+    configure_logging(verbose=False)
+    assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+    assert logging.getLogger("locoswarm.node").getEffectiveLevel() == logging.INFO
+    assert logging.getLogger("node.round.coordinator_client").getEffectiveLevel() == logging.INFO
+    configure_logging(verbose=True)
+    assert logging.getLogger("httpx").getEffectiveLevel() == logging.INFO
+    for argv in (["node", "join", "-v"], ["demo", "--verbose"], ["coordinator", "serve", "-v"]):
+        assert parse_args(argv).verbose
+
+
+def _help(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+
+
+def test_help_points_at_doctor_and_describes_every_flag(capsys):
+    assert "locoswarm doctor --coordinator URL" in _help(capsys, [])
+    assert "locoswarm doctor --coordinator URL" in _help(capsys, ["node", "join"])
+    assert "--interval-s INTERVAL_S with --watch: seconds between refreshes (default 2)" in _help(capsys, ["status"])
+
+
+def test_setup_prints_commands_the_cli_accepts():
+    """deploy/setup.sh ends by printing what to run next; each of those command lines parses."""
+    text = (REPO_ROOT / "deploy/setup.sh").read_text()
+    commands = re.findall(r'echo "\s+\.venv/bin/locoswarm ([^"]+?)\s{2,}', text)
+    assert [c.split()[0] for c in commands] == ["doctor", "node", "demo"]
+    for command in commands:
+        parse_args(shlex.split(command.replace("COORDINATOR", "127.0.0.1")))
