@@ -243,7 +243,7 @@ def _run_close(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import time
 
-    from coordinator.terminal import render_status
+    from coordinator.terminal import pick_run, render_status
 
     base = args.coordinator.rstrip("/")
     try:
@@ -254,7 +254,7 @@ def _status(args: argparse.Namespace) -> int:
                 if not runs:
                     raise CliError(f"no runs on {base}: create one with `locoswarm run create --coordinator "
                                    f"{base} --config run.toml`")
-                run_id = runs[-1]["run_id"]
+                run_id = pick_run(runs)
             try:
                 text = render_status(_request("GET", f"{base}/v1/runs/{run_id}/status"))
             except CliError as e:
@@ -318,7 +318,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     status = subparsers.add_parser("status", help="show a run's status in the terminal")
     status.add_argument("--coordinator", required=True, help="http://host:port")
-    status.add_argument("--run", help="run id (default: the newest run)")
+    status.add_argument("--run", help="run id (default: the newest run still waiting or running, else the newest)")
     status.add_argument("--watch", action="store_true", help="refresh until interrupted (Ctrl+C)")
     status.add_argument("--interval-s", type=float, default=2.0,
                         help="with --watch: seconds between refreshes (default 2)")

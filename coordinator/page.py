@@ -1,11 +1,20 @@
 """`GET /`: a self-contained HTML status page for one run.
 
-The page is static HTML plus a small script that fetches ``/v1/runs/{run}/status`` every two
-seconds and redraws: the run header, the open round's progress towards its deadline, the peer
-table (state, last loss, bandwidth, lag, flags, why dropped), an inline SVG plot of mean loss and
-round time per round, and the latest rounds with the packets peers refused and why. Nothing is loaded from elsewhere (no CDN, no fonts):
-a coordinator often runs where the browser has no internet, and the page must not leak who
-watches it. With no run given, the script picks the newest run from ``/v1/runs``.
+The page is static HTML plus a small script that fetches ``/v1/runs`` and
+``/v1/runs/{run}/status`` every two seconds and redraws: a run picker (every run, by name and
+state; choosing one loads ``/?run=ID``), a banner when the run waits for peers or its open round
+is stalled, the open round's bar (the live peers' inner steps, then the submissions, then the
+close), the peer table (state, activity with its inner step, last loss, bandwidth, lag, flags,
+why dropped), two small SVG plots sharing an x axis of rounds (mean loss; round time in
+seconds), and the latest rounds with their tokens, packet bytes and the packets peers refused.
+Nothing is loaded from elsewhere (no CDN, no fonts): a coordinator often runs where the browser
+has no internet, and the page must not leak who watches it. With no run given, the server picks
+the newest run still waiting or running, else the newest (`coordinator.views.Views.latest_run_id`).
+
+Stalled: the open round is past its deadline, or nothing moved (no submission, no peer's inner
+step) for ``membership.heartbeat_timeout_s`` -- four heartbeats of every peer. Since the status
+carries no time of the last progress, the script measures it from the round's opening when no
+progress shows at all, else from when it saw the progress change.
 """
 
 from __future__ import annotations
@@ -18,9 +27,10 @@ _PAGE = """<!doctype html>
 <title>locoswarm coordinator</title>
 <style>
 body { font: 14px/1.4 system-ui, sans-serif; margin: 0; background: #f6f7f9; color: #1d2330; }
-header { background: #1d2330; color: #fff; padding: 12px 24px; display: flex; gap: 24px;
-         align-items: baseline; }
+header { background: #1d2330; color: #fff; padding: 10px 24px; display: flex; gap: 20px;
+         align-items: center; flex-wrap: wrap; }
 header h1 { font-size: 18px; margin: 0; }
+header select { font: inherit; max-width: 420px; }
 main { padding: 16px 24px; display: grid; grid-template-columns: 1fr 1fr; gap: 16px; }
 section { background: #fff; border: 1px solid #dde1e8; border-radius: 6px; padding: 12px 16px; }
 section.wide { grid-column: 1 / 3; }
@@ -28,43 +38,72 @@ h2 { font-size: 14px; margin: 0 0 8px; color: #4a5568; text-transform: uppercase
 table { border-collapse: collapse; width: 100%; }
 th, td { text-align: left; padding: 3px 8px; border-bottom: 1px solid #eef0f4; }
 th { color: #6b7280; font-weight: 600; }
+.banner { grid-column: 1 / 3; padding: 10px 16px; border-radius: 6px; font-weight: 600; }
+.banner.stalled { background: #fef3c7; border: 1px solid #f59e0b; color: #92400e; }
+.banner.waiting { background: #e0ecff; border: 1px solid #60a5fa; color: #1e3a8a; }
+.phases { display: grid; grid-template-columns: 2fr 1fr 1fr; gap: 6px; margin: 6px 0; }
+.phase-label { font-size: 12px; color: #4a5568; }
 .bar { height: 14px; background: #e5e7eb; border-radius: 7px; overflow: hidden; }
-.bar > div { height: 100%; background: #3b82f6; }
+.bar > div { height: 100%; width: 0%; }
+#bar-train { background: #3b82f6; } #bar-submit { background: #16a34a; } #bar-close { background: #6b7280; }
 .live { color: #15803d; } .gone { color: #b91c1c; } .left { color: #6b7280; }
 .flag { color: #b45309; font-weight: 600; }
 .muted { color: #6b7280; }
-#error { color: #b91c1c; }
+.plot { display: block; width: 100%; height: 150px; }
+.plot.bottom { height: 180px; }
+#error { color: #fca5a5; }
 </style></head>
 <body>
-<header><h1>locoswarm</h1><span id="run-title">loading...</span>
+<header><h1>locoswarm</h1>
+<label class="muted" for="run-picker">run</label>
+<select id="run-picker" aria-label="run"></select>
+<span id="run-title">loading...</span>
 <span id="run-state" class="muted"></span><span id="error"></span></header>
 <main>
+<div id="banner" class="banner" hidden></div>
 <section><h2>Round</h2><div id="round-info" class="muted">no round yet</div>
-<div class="bar"><div id="round-bar" style="width:0%"></div></div>
+<div class="phases">
+<div><div class="phase-label">training <span id="train-pct"></span></div>
+<div class="bar"><div id="bar-train"></div></div></div>
+<div><div class="phase-label">submitted <span id="submit-count"></span></div>
+<div class="bar"><div id="bar-submit"></div></div></div>
+<div><div class="phase-label">closed</div><div class="bar"><div id="bar-close"></div></div></div>
+</div>
 <div id="deadline-info" class="muted"></div></section>
 <section><h2>Run</h2><div id="run-info" class="muted"></div></section>
 <section class="wide"><h2>Loss and round time per round</h2>
-<svg id="plot" width="100%" height="260" viewBox="0 0 1200 260" preserveAspectRatio="none"
-     role="img" aria-label="loss and round time per round"></svg>
-<div class="muted"><span style="color:#2563eb">&#9632; mean train loss</span> &nbsp;
-<span style="color:#ea580c">&#9632; round time (s)</span></div></section>
+<svg id="plot-loss" class="plot" role="img" aria-label="mean train loss per round"></svg>
+<svg id="plot-time" class="plot bottom" role="img" aria-label="round time in seconds per round"></svg>
+</section>
 <section class="wide"><h2>Peers</h2><table id="peers"><thead><tr>
 <th>peer</th><th>#</th><th>state</th><th>activity</th><th>device</th><th>last loss</th>
 <th>bandwidth</th><th>lag</th><th>flags / reason</th></tr></thead><tbody></tbody></table>
 </section>
 <section class="wide"><h2>Recent rounds</h2><table id="history"><thead><tr>
-<th>round</th><th>contributors</th><th>mean loss</th><th>round time</th><th>applied</th>
-<th>majority digest</th><th>refused packets</th></tr></thead><tbody></tbody></table></section>
+<th>round</th><th>contributors</th><th>mean loss</th><th>round time</th><th>tokens</th>
+<th>packet bytes</th><th>applied</th><th>majority digest</th><th>refused packets</th></tr></thead>
+<tbody></tbody></table></section>
 </main>
 <script>
 "use strict";
 let runId = __RUN_ID__;
 const REFRESH_MS = 2000;
+const DEADLINE_SLACK_S = 5;  // the coordinator closes a round within a tick of its deadline
+const MANY_POINTS = 60;  // above this, the plots draw lines without a marker per round
 const SVG_NS = "http://www.w3.org/2000/svg";
+const progress = {key: null, since: null};  // the open round's progress, and since when it stood still
+let runsKey = null;
 
 function text(v, digits) {
   if (v === null || v === undefined) return "-";
   return typeof v === "number" && digits !== undefined ? v.toFixed(digits) : String(v);
+}
+function scaled(v, units) {
+  // 1234567 -> "1.23 M": powers of 1000, three significant digits.
+  if (v === null || v === undefined) return "-";
+  let i = 0;
+  while (Math.abs(v) >= 1000 && i < units.length - 1) { v /= 1000; i++; }
+  return (i ? v.toPrecision(3) : String(Math.round(v))) + (units[i] ? " " + units[i] : "");
 }
 function bandwidth(measured, uplink) {
   // Measured on the peer's downloads; the uplink as its operator stated it.
@@ -79,91 +118,222 @@ function cell(row, value, cls) {
   if (cls) td.className = cls;
   row.appendChild(td);
 }
-function svg(tag, attrs) {
+function svg(tag, attrs, content) {
   const el = document.createElementNS(SVG_NS, tag);
   for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  if (content !== undefined) el.textContent = content;
   return el;
 }
-
-function drawSeries(plot, xs, ys, box, color, label, side) {
-  const points = xs.map((x, i) => [x, ys[i]]).filter(p => p[1] !== null);
-  if (!points.length) return;
-  let lo = Math.min(...points.map(p => p[1])), hi = Math.max(...points.map(p => p[1]));
-  if (hi - lo < 1e-9) { lo -= 1; hi += 1; }
-  const x0 = xs[0], x1 = Math.max(xs[xs.length - 1], x0 + 1);
-  const px = x => box.left + (x - x0) / (x1 - x0) * (box.right - box.left);
-  const py = y => box.bottom - (y - lo) / (hi - lo) * (box.bottom - box.top);
-  const d = points.map((p, i) => (i ? "L" : "M") + px(p[0]).toFixed(1) + " "
-                                 + py(p[1]).toFixed(1)).join(" ");
-  plot.appendChild(svg("path", {d: d, fill: "none", stroke: color, "stroke-width": 2.5,
-                                class: "series-" + label}));
-  for (const p of points) {
-    plot.appendChild(svg("circle", {cx: px(p[0]), cy: py(p[1]), r: 3, fill: color}));
-  }
-  const ax = side === "left" ? box.left - 6 : box.right + 6;
-  for (const [v, y] of [[hi, box.top], [lo, box.bottom]]) {
-    const t = svg("text", {x: ax, y: y + 4, fill: color, "font-size": 12,
-                           "text-anchor": side === "left" ? "end" : "start"});
-    t.textContent = v.toPrecision(4);
-    plot.appendChild(t);
-  }
+function setBar(id, fraction) {
+  document.getElementById(id).style.width = (100 * Math.max(0, Math.min(1, fraction))).toFixed(1) + "%";
 }
 
-function drawPlot(history) {
-  const plot = document.getElementById("plot");
+// -- axes -----------------------------------------------------------------------------------
+
+function niceStep(span, count, integer) {
+  // About span / count, rounded to 1, 2 or 5 times a power of ten (a whole number for rounds).
+  const raw = span / count, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map(m => m * mag).find(s => s >= raw * (1 - 1e-9));
+  return integer ? Math.max(1, Math.round(step)) : step;
+}
+function ticks(lo, hi, step) {
+  // [value, label] at each multiple of step from lo to hi, with the decimals the step needs.
+  const digits = Math.max(0, Math.min(6, -Math.floor(Math.log10(step) + 1e-9)));
+  const out = [];
+  for (let i = Math.ceil(lo / step - 1e-9); i * step <= hi + step * 1e-9; i++) {
+    out.push([i * step, (i * step).toFixed(digits)]);
+  }
+  return out;
+}
+function yRange(values, fromZero) {
+  let lo = Math.min(...values), hi = Math.max(...values);
+  if (fromZero) lo = Math.min(0, lo);
+  if (hi - lo < 1e-9 * Math.max(1, Math.abs(hi))) {  // one value (or all equal): a band around it
+    const pad = Math.max(Math.abs(hi) * 0.1, 0.5);
+    if (!fromZero || lo < 0) lo -= pad;
+    hi += pad;
+  }
+  return [lo, hi];
+}
+
+function drawPanel(plot, rounds, ys, opts) {
+  // One small plot: y ticks and a unit label on the left, the shared x range of rounds.
   while (plot.firstChild) plot.removeChild(plot.firstChild);
-  const box = {left: 70, right: 1130, top: 14, bottom: 230};
+  const width = plot.clientWidth || 1100, height = plot.clientHeight || 150;
+  plot.setAttribute("viewBox", "0 0 " + width + " " + height);
+  const box = {left: 74, right: width - 16, top: 8, bottom: height - (opts.xAxis ? 40 : 12)};
   plot.appendChild(svg("rect", {x: box.left, y: box.top, width: box.right - box.left,
-                                height: box.bottom - box.top, fill: "#fbfcfd",
-                                stroke: "#dde1e8"}));
-  if (!history.length) {
-    const t = svg("text", {x: 600, y: 130, "text-anchor": "middle", fill: "#6b7280"});
-    t.textContent = "no closed rounds yet";
-    plot.appendChild(t);
+                                height: box.bottom - box.top, fill: "#fbfcfd", stroke: "#dde1e8"}));
+  plot.appendChild(svg("text", {x: 14, y: (box.top + box.bottom) / 2, "font-size": 12, fill: opts.color,
+                                "text-anchor": "middle", class: "axis-label",
+                                transform: "rotate(-90 14 " + (box.top + box.bottom) / 2 + ")"}, opts.unit));
+  const [x0, x1] = opts.xRange;
+  const px = x => box.left + (x - x0) / (x1 - x0) * (box.right - box.left);
+  const xStep = niceStep(x1 - x0, Math.max(2, Math.floor((box.right - box.left) / 90)), true);
+  for (const [v, label] of ticks(x0, x1, xStep)) {
+    plot.appendChild(svg("line", {x1: px(v), x2: px(v), y1: box.top, y2: box.bottom, stroke: "#eef0f4"}));
+    if (opts.xAxis) {
+      plot.appendChild(svg("line", {x1: px(v), x2: px(v), y1: box.bottom, y2: box.bottom + 4, stroke: "#9ca3af"}));
+      plot.appendChild(svg("text", {x: px(v), y: box.bottom + 16, "font-size": 11, fill: "#4a5568",
+                                    "text-anchor": "middle", class: "x-tick"}, label));
+    }
+  }
+  if (opts.xAxis) {
+    plot.appendChild(svg("text", {x: (box.left + box.right) / 2, y: height - 4, "font-size": 12,
+                                  fill: "#4a5568", "text-anchor": "middle", class: "axis-label"}, "round"));
+  }
+  // [round, value, index]: the index tells a gap (a round without the value) from a neighbour.
+  const points = rounds.map((r, i) => [r, ys[i], i]).filter(p => p[1] !== null && p[1] !== undefined);
+  if (!points.length) {
+    plot.appendChild(svg("text", {x: (box.left + box.right) / 2, y: (box.top + box.bottom) / 2 + 4,
+                                  "text-anchor": "middle", fill: "#6b7280", "font-size": 13},
+                         rounds.length ? "no " + opts.unit + " reported" : "no closed rounds yet"));
     return;
   }
-  const xs = history.map(h => h.round);
-  drawSeries(plot, xs, history.map(h => h.mean_loss), box, "#2563eb", "loss", "left");
-  drawSeries(plot, xs, history.map(h => h.round_time_s), box, "#ea580c", "time", "right");
-  for (const [x, anchor, v] of [[box.left, "start", xs[0]],
-                                [box.right, "end", xs[xs.length - 1]]]) {
-    const t = svg("text", {x: x, y: box.bottom + 18, "font-size": 12, "text-anchor": anchor,
-                           fill: "#4a5568"});
-    t.textContent = "round " + v;
-    plot.appendChild(t);
+  let [lo, hi] = yRange(points.map(p => p[1]), opts.fromZero);
+  const yStep = niceStep(hi - lo, Math.max(3, Math.floor((box.bottom - box.top) / 25)), false);
+  lo = Math.floor(lo / yStep + 1e-9) * yStep;  // out to the ticks around the data: both ends labelled
+  hi = Math.ceil(hi / yStep - 1e-9) * yStep;
+  const py = y => box.bottom - (y - lo) / (hi - lo) * (box.bottom - box.top);
+  for (const [v, label] of ticks(lo, hi, yStep)) {
+    plot.appendChild(svg("line", {x1: box.left, x2: box.right, y1: py(v), y2: py(v), stroke: "#eef0f4"}));
+    plot.appendChild(svg("text", {x: box.left - 6, y: py(v) + 4, "font-size": 11, fill: "#4a5568",
+                                  "text-anchor": "end", class: "y-tick"}, label));
+  }
+  let d = "", previous = null;
+  for (const p of points) {  // a gap breaks the line
+    d += (previous === null || p[2] !== previous + 1 ? "M" : "L") + px(p[0]).toFixed(1) + " " +
+      py(p[1]).toFixed(1) + " ";
+    previous = p[2];
+  }
+  plot.appendChild(svg("path", {d: d.trim(), fill: "none", stroke: opts.color, "stroke-width": 2.5,
+                                "stroke-linejoin": "round", class: "series-" + opts.name}));
+  if (points.length <= MANY_POINTS) {
+    for (const p of points) {
+      plot.appendChild(svg("circle", {cx: px(p[0]), cy: py(p[1]), r: points.length === 1 ? 5 : 3,
+                                      fill: opts.color, class: "marker-" + opts.name}));
+    }
   }
 }
 
+function drawPlots(history) {
+  const rounds = history.map(h => h.round);
+  // Half a round of margin each side: a single round sits in the middle of its own tick.
+  const xRange = rounds.length ? [rounds[0] - 0.5, rounds[rounds.length - 1] + 0.5] : [-0.5, 0.5];
+  drawPanel(document.getElementById("plot-loss"), rounds, history.map(h => h.mean_loss),
+            {name: "loss", unit: "loss", color: "#2563eb", xRange: xRange, xAxis: false, fromZero: false});
+  drawPanel(document.getElementById("plot-time"), rounds, history.map(h => h.round_time_s),
+            {name: "time", unit: "seconds", color: "#ea580c", xRange: xRange, xAxis: true, fromZero: true});
+}
+
+// -- run picker, round bar, banner ------------------------------------------------------------
+
+function pickRun(runs) {
+  // As the server does: the newest run still waiting or running, else the newest.
+  const live = runs.filter(r => r.state === "waiting" || r.state === "running");
+  const candidates = live.length ? live : runs;
+  return candidates[candidates.length - 1].run_id;
+}
+function drawPicker(runs) {
+  const key = JSON.stringify(runs.map(r => [r.run_id, r.name, r.state])) + runId;
+  if (key === runsKey) return;  // rebuilt only on a change: an open list stays open
+  runsKey = key;
+  const picker = document.getElementById("run-picker");
+  picker.textContent = "";
+  for (const r of runs.slice().reverse()) {
+    const option = document.createElement("option");
+    option.value = r.run_id;
+    option.textContent = r.name + " - " + r.state + " (" + r.run_id + ")";
+    option.defaultSelected = r.run_id === runId;  // the attribute: what a saved page shows too
+    picker.appendChild(option);
+  }
+}
+
+function trainingFraction(s, steps) {
+  // Inner steps of live peers in the open round, each counted up to H (all H once it submitted:
+  // its next heartbeat may not have come yet), over H per live peer.
+  const live = s.peers.filter(p => p.status === "live");
+  if (!live.length) return 0;
+  const done = live.reduce((sum, p) => sum + (p.lag_rounds !== 0 ? 0 : p.activity === "submitted" ? steps
+                                               : Math.min(p.inner_step || 0, steps)), 0);
+  return done / (steps * live.length);
+}
+
+function drawRound(s) {
+  const run = s.run, cur = s.current_round, steps = run.config.inner.steps;
+  const info = document.getElementById("round-info"), deadline = document.getElementById("deadline-info");
+  const banner = document.getElementById("banner");
+  let warning = null, kind = null;
+  if (cur && run.state === "waiting") {
+    setBar("bar-train", 0); setBar("bar-submit", 0); setBar("bar-close", 0);
+    document.getElementById("train-pct").textContent = "";
+    document.getElementById("submit-count").textContent = "";
+    info.textContent = "round 0 opens once " + run.config.membership.min_peers + " peers are live";
+    deadline.textContent = "";
+    kind = "waiting";
+    warning = "Waiting for peers: " + cur.num_expected + " of " + run.config.membership.min_peers + " live";
+  } else if (cur) {
+    const trained = trainingFraction(s, steps);
+    setBar("bar-train", trained);
+    setBar("bar-submit", cur.num_expected ? cur.num_submitted / cur.num_expected : 0);
+    setBar("bar-close", 0);
+    document.getElementById("train-pct").textContent = (100 * trained).toFixed(0) + "%";
+    document.getElementById("submit-count").textContent = cur.num_submitted + " of " + cur.num_expected;
+    info.textContent = "round " + cur.round + " open: " + (100 * trained).toFixed(0) + "% of " +
+      steps + " inner steps trained, " + cur.num_submitted + " of " + cur.num_expected + " submitted";
+    const left = cur.deadline - s.now;
+    deadline.textContent = left >= 0 ? "deadline in " + left.toFixed(0) + " s"
+                                     : "deadline passed " + (-left).toFixed(0) + " s ago";
+    const done = s.peers.reduce((sum, p) => sum + (p.lag_rounds === 0 && p.inner_step ? p.inner_step : 0), 0);
+    const key = run.run_id + "/" + cur.round + "/" + cur.num_submitted + "/" + done;
+    if (key !== progress.key) {
+      progress.key = key;
+      progress.since = cur.num_submitted || done ? s.now : cur.opened_at;
+    }
+    const still = s.now - progress.since, patience = run.config.membership.heartbeat_timeout_s;
+    if (left < -DEADLINE_SLACK_S) {
+      kind = "stalled";
+      warning = "Round " + cur.round + " stalled: open " + (-left).toFixed(0) + " s past its deadline";
+    } else if (still > patience) {
+      kind = "stalled";
+      warning = "Round " + cur.round + " stalled: no submission and no training progress for " +
+        still.toFixed(0) + " s";
+    }
+  } else {
+    setBar("bar-train", 1); setBar("bar-submit", 1); setBar("bar-close", 1);
+    document.getElementById("train-pct").textContent = "";
+    document.getElementById("submit-count").textContent = "";
+    info.textContent = "run " + run.state + " after " + run.current_round + " round" +
+      (run.current_round === 1 ? "" : "s");
+    deadline.textContent = run.closed_at ? run.state + " at " + new Date(run.closed_at * 1000).toISOString() : "";
+  }
+  banner.hidden = warning === null;
+  banner.className = kind ? "banner " + kind : "banner";
+  banner.textContent = warning || "";
+}
+
+// -- tables ---------------------------------------------------------------------------------
+
 function render(s) {
-  const run = s.run;
+  const run = s.run, c = run.config;
   document.getElementById("run-title").textContent = run.name + " (" + run.run_id + ")";
   document.getElementById("run-state").textContent = run.state;
-  const c = run.config;
   document.getElementById("run-info").textContent =
-    c.model.preset + " / " + c.outer.strategy + " / H=" + c.inner.steps + " / top-k " + c.outer.top_k +
+    c.model.preset + " / " + c.outer.strategy + " / H=" + c.inner.steps + " / batch " + c.inner.batch_size +
+    " x " + c.inner.seq_len + " / top-k " + c.outer.top_k +
     " / deadline " + (c.deadline.kind === "fixed" ? c.deadline.round_timeout_s + " s"
       : "adaptive (q" + c.deadline.quantile + " x" + c.deadline.margin + ")") +
     (c.outer.overlap ? " / overlap" : "") + " / min peers " + c.membership.min_peers;
-  const cur = s.current_round;
-  const bar = document.getElementById("round-bar");
-  if (cur) {
-    document.getElementById("round-info").textContent = "round " + cur.round + " " +
-      cur.state + ": " + cur.num_submitted + " of " + cur.num_expected + " submitted";
-    bar.style.width = (cur.num_expected ? 100 * cur.num_submitted / cur.num_expected : 0) + "%";
-    document.getElementById("deadline-info").textContent = cur.deadline === null ?
-      "waiting for peers" : "deadline in " + Math.max(0, cur.deadline - s.now).toFixed(0) + " s";
-  } else {
-    document.getElementById("round-info").textContent = "run " + run.state;
-    bar.style.width = "100%";
-    document.getElementById("deadline-info").textContent = "";
-  }
+  drawRound(s);
   const peers = document.querySelector("#peers tbody");
   peers.textContent = "";
   for (const p of s.peers) {
     const row = document.createElement("tr");
     row.className = "peer-row";
     cell(row, p.peer_id); cell(row, p.peer_index); cell(row, p.status, p.status);
-    cell(row, p.activity); cell(row, p.device); cell(row, text(p.last_loss, 4));
+    const step = p.activity === "training" && p.inner_step !== null && p.inner_step !== undefined;
+    cell(row, p.activity + (step ? " " + p.inner_step + "/" + c.inner.steps : ""));
+    cell(row, p.device); cell(row, text(p.last_loss, 4));
     cell(row, bandwidth(p.bandwidth_mbps, p.uplink_mbps));
     cell(row, text(p.lag_rounds));
     const note = p.flags.map(f => f + (p.mismatch_round !== null ? " @" + p.mismatch_round : ""));
@@ -171,14 +341,17 @@ function render(s) {
     cell(row, note.join("; "), p.flags.length ? "flag" : "muted");
     peers.appendChild(row);
   }
-  drawPlot(s.history);
+  drawPlots(s.history);
   const hist = document.querySelector("#history tbody");
   hist.textContent = "";
   for (const h of s.history.slice(-15).reverse()) {
     const row = document.createElement("tr");
     row.className = "round-row";
     cell(row, h.round); cell(row, h.num_contributors); cell(row, text(h.mean_loss, 4));
-    cell(row, h.round_time_s.toFixed(h.round_time_s < 10 ? 2 : 1) + " s"); cell(row, h.num_applied);
+    cell(row, h.round_time_s.toFixed(h.round_time_s < 10 ? 2 : 1) + " s");
+    cell(row, scaled(h.tokens, ["", "k", "M", "G", "T"]));
+    cell(row, scaled(h.packet_bytes, ["B", "kB", "MB", "GB", "TB"]));
+    cell(row, h.num_applied);
     cell(row, h.majority_digest ? h.majority_digest.slice(0, 16) : "-");
     const refused = Object.entries(h.refused || {}).map(([p, why]) => p + ": " + why);
     cell(row, refused.length ? refused.join("; ") : "-", refused.length ? "flag" : "muted");
@@ -188,14 +361,13 @@ function render(s) {
 
 async function refresh() {
   try {
-    if (runId === null) {
-      const runs = (await (await fetch("/v1/runs")).json()).runs;
-      if (!runs.length) {
-        document.getElementById("run-title").textContent = "no runs yet";
-        return;
-      }
-      runId = runs[runs.length - 1].run_id;
+    const runs = (await (await fetch("/v1/runs")).json()).runs;
+    if (!runs.length) {
+      document.getElementById("run-title").textContent = "no runs yet";
+      return;
     }
+    if (runId === null) runId = pickRun(runs);
+    drawPicker(runs);
     const response = await fetch("/v1/runs/" + encodeURIComponent(runId) + "/status");
     if (!response.ok) throw new Error((await response.json()).detail || response.status);
     render(await response.json());
@@ -204,6 +376,9 @@ async function refresh() {
     document.getElementById("error").textContent = "refresh failed: " + e.message;
   }
 }
+document.getElementById("run-picker").addEventListener("change", e => {
+  window.location.search = "?run=" + encodeURIComponent(e.target.value);
+});
 refresh();
 setInterval(refresh, REFRESH_MS);
 </script>
@@ -212,7 +387,7 @@ setInterval(refresh, REFRESH_MS);
 
 
 def render_page(run_id: str | None) -> str:
-    """The page for `run_id`, or for whatever run is newest when the script runs."""
+    """The page for `run_id`, or for the run `coordinator.views.Views.latest_run_id` picks when the script runs."""
     # json.dumps gives a JS string literal; escaping '<' keeps '</script>' out of the page.
     literal = json.dumps(run_id).replace("<", "\\u003c") if run_id else "null"
     return _PAGE.replace("__RUN_ID__", literal)

@@ -136,6 +136,11 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             )""",
         ),
     ),
+    (
+        6,
+        # Inner steps a peer reported done in its progress_round (heartbeats); NULL: not reported.
+        ("ALTER TABLE peers ADD COLUMN inner_step BIGINT",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

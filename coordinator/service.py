@@ -360,7 +360,9 @@ class CoordinatorService:
             run = self.views.require_run(run_id)
             self._advance(run, self.clock())
             self._require_live_member(run_id, peer_id)
-            fields: dict = {"activity": request.state, "progress_round": request.round}
+            # inner_step always: a step count left from an older round would read as progress in this one.
+            fields: dict = {"activity": request.state, "progress_round": request.round,
+                            "inner_step": request.inner_step}
             if request.bandwidth_mbps is not None:
                 fields["bandwidth_mbps"] = request.bandwidth_mbps
             if request.train_loss is not None:

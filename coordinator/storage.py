@@ -93,6 +93,7 @@ class PeerRow:
     progress_round: int | None  # latest round it reported working on
     uplink_mbps: float | None = None  # stated by its operator at join
     withheld_round: int | None = None  # latest round whose packet of its was dropped as unfetchable
+    inner_step: int | None = None  # inner steps done in progress_round, per its last heartbeat
 
 
 @dataclass(slots=True)
@@ -159,6 +160,7 @@ class RoundStats:
     round: int
     num_contributors: int
     mean_loss: float | None
+    packet_bytes: int = 0  # the submitted packets' sizes, summed
 
 
 def _columns(row_type: type) -> tuple[str, ...]:
@@ -440,12 +442,13 @@ class Storage:
 
     def round_stats(self, run_id: str, first_round: int, last_round: int) -> dict[int, RoundStats]:
         rows = self._rows(
-            "SELECT round, COUNT(*) AS n, AVG(train_loss) AS mean_loss FROM submissions"
-            " WHERE run_id = ? AND round BETWEEN ? AND ? GROUP BY round",
+            "SELECT round, COUNT(*) AS n, AVG(train_loss) AS mean_loss, SUM(packet_size_bytes) AS packet_bytes"
+            " FROM submissions WHERE run_id = ? AND round BETWEEN ? AND ? GROUP BY round",
             (run_id, first_round, last_round),
         )
         return {
-            int(r["round"]): RoundStats(int(r["round"]), int(r["n"]), r["mean_loss"]) for r in rows
+            int(r["round"]): RoundStats(int(r["round"]), int(r["n"]), r["mean_loss"], int(r["packet_bytes"]))
+            for r in rows
         }
 
     # -- applied parameter digests ------------------------------------------------------------

@@ -36,6 +36,21 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def pick_run(runs: list[dict[str, Any]]) -> str:
+    """The run to show when none is named (`/v1/runs` order, oldest first): the newest still
+    waiting or running, else the newest; as the page does (coordinator.views.latest_run_id)."""
+    live = [run for run in runs if run["state"] in ("waiting", "running")]
+    return (live or runs)[-1]["run_id"]
+
+
+def training_percent(status: dict[str, Any]) -> float:
+    """The open round's inner steps done by live peers (each up to H), in percent of H per live peer."""
+    steps = status["run"]["config"]["inner"]["steps"]
+    live = [p for p in status["peers"] if p["status"] == "live"]
+    done = sum(min(p.get("inner_step") or 0, steps) for p in live if p["lag_rounds"] == 0)
+    return 100.0 * done / (steps * len(live)) if live else 0.0
+
+
 def render_status(status: dict[str, Any], now: float | None = None) -> str:
     run = status["run"]
     now = status.get("now", time.time()) if now is None else now
@@ -52,10 +67,12 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         out.append(f"round {current['round']} pending: {live} peer{'' if live == 1 else 's'} live, "
                    f"waiting for {config['membership']['min_peers']}")
     else:
-        left_s = max(0.0, current["deadline"] - now)
+        left_s = current["deadline"] - now
         out.append(
             f"round {current['round']} {current['state']}: {current['num_submitted']}/"
-            f"{current['num_expected']} submitted, deadline in {left_s:.0f} s"
+            f"{current['num_expected']} submitted, "
+            + (f"deadline in {left_s:.0f} s" if left_s >= 0 else f"STALLED: {-left_s:.0f} s past its deadline")
+            + f", {training_percent(status):.0f}% of the inner steps trained"
         )
     out.append("")
     peer_rows = []
@@ -67,7 +84,8 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
             peer["peer_id"],
             str(peer["peer_index"]),
             peer["status"],
-            peer["activity"],
+            peer["activity"] + (f" {peer['inner_step']}/{config['inner']['steps']}"
+                                if peer["activity"] == "training" and peer.get("inner_step") is not None else ""),
             _fmt(peer["last_loss"], 4),
             bandwidth(peer["bandwidth_mbps"], peer.get("uplink_mbps")),
             _fmt(peer["lag_rounds"]),

@@ -63,8 +63,13 @@ class Views:
         return RunList(runs=[self._run_info(run) for run in self.storage.list_runs()])
 
     def latest_run_id(self) -> str | None:
+        """The run a viewer most likely means: the newest still waiting or running, else the newest.
+
+        Not simply the newest: a test run created and closed beside a long one must not hide it.
+        """
         runs = self.storage.list_runs()
-        return runs[-1].run_id if runs else None
+        live = [run for run in runs if run.state in ("waiting", "running")]
+        return (live or runs)[-1].run_id if runs else None
 
     # -- rounds -------------------------------------------------------------------------------
 
@@ -238,6 +243,7 @@ class Views:
                         if peer.progress_round is None
                         else max(0, run.current_round - peer.progress_round)
                     ),
+                    inner_step=peer.inner_step,
                     flags=(["params_mismatch"] if mismatch else []) + (["straggler"] if straggler else [])
                     + (["withheld_packet"] if peer.withheld_round is not None else []),
                     mismatch_round=report.round if mismatch and report else None,
@@ -254,6 +260,8 @@ class Views:
         stats = self.storage.round_stats(run_id, first, last)
         applied = self.storage.applied_counts(run_id, first, last)
         refusals = self.storage.refusals(run_id, first, last)
+        inner = self.config_of(self.require_run(run_id)).inner
+        tokens_per_contributor = inner.steps * inner.batch_size * inner.seq_len
         history = []
         for round_row in rounds:
             assert round_row.closed_at is not None  # closed_rounds returns closed ones only
@@ -269,6 +277,8 @@ class Views:
                     majority_digest=round_row.majority_digest,
                     num_applied=applied.get(round_row.round, 0),
                     refused=refusals.get(round_row.round, {}),
+                    tokens=(stat.num_contributors if stat else 0) * tokens_per_contributor,
+                    packet_bytes=stat.packet_bytes if stat else 0,
                 )
             )
         return history

@@ -128,6 +128,7 @@ NONCE_WINDOW_S = 300.0
 SIGNING_DOMAIN = b"locoswarm-request-v1\n"
 MAX_LONG_POLL_S = 60.0
 MISSING_REPORT_ROUNDS = 4  # missing packets are reported for rounds closed this many rounds back at most
+MAX_INNER_STEPS = 100_000  # a heartbeat's inner_step at most: H's own bound (run_config.InnerSection)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +206,8 @@ class HeartbeatRequest(RequestModel):
     bandwidth_mbps: float | None = Field(None, ge=0.0, le=1e7)
     train_loss: float | None = Field(None, allow_inf_nan=False, ge=-1e9, le=1e9)
     listen_multiaddrs: list[Multiaddr] | None = Field(None, max_length=MAX_ADDRS)
+    inner_step: int | None = Field(
+        None, ge=0, le=MAX_INNER_STEPS, description="Inner steps done in `round` so far (null: not training).")
 
 
 class HeartbeatResponse(ResponseModel):
@@ -340,6 +343,8 @@ class PeerView(ResponseModel):
     last_loss: float | None
     last_seen_at: float
     lag_rounds: int | None = Field(description="Current round minus the peer's latest round.")
+    inner_step: int | None = Field(
+        None, description="Inner steps done in the round it last reported working on (null: not reported).")
     flags: list[str] = Field(
         description="'params_mismatch' when its digest lost the majority; 'straggler' when the last "
         "closed round was cut off at its deadline without this live peer's packet; 'withheld_packet' when "
@@ -363,6 +368,9 @@ class RoundSummary(ResponseModel):
         default_factory=dict,
         description="Manifest packets that peers left out, peer id -> reason (first report).",
     )
+    tokens: int = Field(
+        0, description="Tokens trained into the round: contributors x H x batch_size x seq_len of the run config.")
+    packet_bytes: int = Field(0, description="Sizes of the packets submitted to the round, summed.")
 
 
 class RunStatus(ResponseModel):

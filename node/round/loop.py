@@ -122,6 +122,7 @@ class Node:
                 await self._rounds(s, joined)
                 if self._pipeline.in_flight and not self._stopping.is_set():
                     await self._drain(s)
+                self._note_recomputed(s)
                 if self.reports and not self._stopping.is_set():
                     await self._linger(s, self.reports[-1].round)
             finally:
@@ -187,7 +188,7 @@ class Node:
             a = s.activity
             try:
                 await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss,
-                               bandwidth_mbps=a.bandwidth_mbps)
+                               bandwidth_mbps=a.bandwidth_mbps, inner_step=a.inner_step)
             except CoordinatorError as e:  # an outage is logged once a minute by the client
                 log.log(logging.DEBUG if s.client.unreachable_for_s is not None else logging.WARNING,
                         "heartbeat failed: %s", e)
@@ -202,7 +203,7 @@ class Node:
             if s.run.max_rounds is not None and round >= s.run.max_rounds:
                 log.info("the run is complete after %d rounds", s.run.max_rounds)
                 break
-            s.activity.round, s.activity.state = round, "waiting"
+            s.activity.round, s.activity.state, s.activity.inner_step = round, "waiting", 0
             # With overlap and the previous round in flight, this round's inner steps need nothing from
             # the swarm: train at once; the packet waits for the round to open (steps.send).
             early = self._pipeline.in_flight is not None and s.params_round == round
@@ -229,6 +230,7 @@ class Node:
                 continue
             report.caught_up = bool(self.catch_ups) and self.catch_ups[-1].to_round == round
             self.reports.append(report)
+            self._note_recomputed(s)
             t = report.times
             log.info("round %d: loss %.4f, %d packet%s%s, digest %s | compute %.2fs encode %.2fs wait %.2fs "
                      "transfer %.2fs aggregate %.2fs", round, report.train_loss, report.num_packets,
@@ -238,6 +240,13 @@ class Node:
             await s.exchange.forget_before(round - 2)
             round += 1
             rounds_done += 1
+
+    def _note_recomputed(self, s: Session) -> None:
+        """Rounds applied again at an amended manifest version: their reports take the new digest."""
+        for recomputed in s.amendments.recomputed:
+            for report in self.reports:
+                if report.applied_round == recomputed.round:
+                    report.digest, report.manifest_version = recomputed.digest, recomputed.to_version
 
     async def _one_round(self, s: Session, round: int, opened: bool = True) -> RoundReport:
         """Train round r, send its packet, and apply a round: r itself, or with overlap r-1 (round

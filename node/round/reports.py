@@ -39,6 +39,7 @@ class RoundReport:
     started_at: float = 0.0  # unix time the round's inner steps began
     ended_at: float = 0.0  # unix time its outer step (or, with overlap, the previous round's) was applied
     applied_round: int = -1  # the round whose aggregate this report's digest follows (r, or r-1 with overlap)
+    manifest_version: int = 1  # of applied_round's manifest; above 1 when it was amended and applied again
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ class Activity:
 
     state: str = "joining"  # training, encoding, submitting, waiting, transferring, aggregating, ...
     round: int = 0
+    inner_step: int | None = None  # inner steps done in `round` (set from the training thread)
     last_loss: float | None = None
     bandwidth_mbps: float | None = None  # measured on the last round's packet downloads
 

@@ -59,13 +59,19 @@ async def wait_open(s: Session, round: int) -> RoundView | None:
 
 async def train(s: Session, round: int, times: RoundTimes) -> float:
     """The round's H inner steps, in a worker thread; returns the mean loss."""
-    s.activity.state = "training"
+    s.activity.state, s.activity.inner_step = "training", 0
     bar = _progress_bar(s, round)
+    first_step = round * s.training.inner_steps  # train_round's global steps start here
+
+    def count_step(step: int) -> None:  # in the worker thread: one int the heartbeat task reads
+        s.activity.inner_step = step - first_step + 1
+
+    def show_step(step: int, loss: float, tokens_per_s: float) -> None:  # a device sync a step: the bar only
+        bar.update(1)
+        bar.set_postfix_str(f"loss {loss:.3f} {tokens_per_s:,.0f} tok/s")
+
     await s.faults.at_phase(Phase.TRAINING, round)
-    result = await asyncio.to_thread(
-        s.training.train_round, round,
-        (lambda step, loss, tps: bar.update(1) or bar.set_postfix_str(f"loss {loss:.3f} {tps:,.0f} tok/s"))
-        if bar else None)
+    result = await asyncio.to_thread(s.training.train_round, round, show_step if bar else None, count_step)
     if bar:
         bar.close()
     times.compute_s = await s.faults.pad_compute(round, result.compute_s)
@@ -251,6 +257,7 @@ async def apply_and_report(s: Session, report: RoundReport, applied_round: int, 
         s.activity.bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / report.fetching_s / 1e6)
     report.uploaded_bytes = s.exchange.traffic(report.round).uploaded_bytes
     report.ended_at, report.applied_round = s.clock(), applied_round
+    report.manifest_version = s.amendments.applied_versions.get(applied_round, view.manifest_version)
     return report
 
 

@@ -42,6 +42,10 @@ slow-compute    round, min_s=10                        its inner steps take at l
                                                        slower accelerator would; compute_s counts
                                                        the whole. A straggler, or (on every peer)
                                                        accelerator time in the network lab.
+withhold        round                                  submits its packet's digest but serves the
+                                                       packet to nobody (it is neither stored nor
+                                                       announced): peers report it missing and the
+                                                       coordinator amends the round's manifest.
 ==============  =====================================  ===========================================
 """
 
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import logging
 import os
 import signal
@@ -64,6 +69,7 @@ class Fault(enum.Enum):
     CORRUPT_PACKET = "corrupt-packet"
     POISON = "poison"
     STALE_SUBMIT = "stale-submit"
+    WITHHOLD = "withhold"
     SLOW_COMPUTE = "slow-compute"
 
 
@@ -93,7 +99,8 @@ class FaultSpec:
     def __str__(self) -> str:
         keys = {Fault.CRASH: ("round", "phase", "wait_s"), Fault.SLOW_UPLOAD: ("delay_s",),
                 Fault.CORRUPT_PACKET: ("round",), Fault.POISON: ("round", "factor", "mode"),
-                Fault.STALE_SUBMIT: ("round",), Fault.SLOW_COMPUTE: ("round", "min_s")}[self.fault]
+                Fault.STALE_SUBMIT: ("round",), Fault.SLOW_COMPUTE: ("round", "min_s"),
+                Fault.WITHHOLD: ("round",)}[self.fault]
         values = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         args = ",".join(f"{k}={v.value if isinstance(v, Phase) else v}" for k, v in values.items())
         return self.fault.value + (f"@{args}" if args else "")
@@ -106,6 +113,7 @@ _KEYS = {
     Fault.POISON: {"round", "factor", "mode"},
     Fault.STALE_SUBMIT: {"round"},
     Fault.SLOW_COMPUTE: {"round", "min_s"},
+    Fault.WITHHOLD: {"round"},
 }
 
 
@@ -218,8 +226,8 @@ class FaultInjector:
         injector = self
 
         class PoisonedTraining(_Proxy):
-            def train_round(self, round: int, on_step=None):
-                result = self._inner.train_round(round, on_step)
+            def train_round(self, round: int, on_step=None, on_step_queued=None):
+                result = self._inner.train_round(round, on_step, on_step_queued)
                 for spec in injector._firing(Fault.POISON, round):
                     injector._tamper_update(spec, round, self._inner.outer)
                 return result
@@ -228,21 +236,45 @@ class FaultInjector:
 
     def wrap_exchange(self, exchange):
         """corrupt-packet: an exchange that flips one bit in the middle of the signed packet before
-        publishing it (the announced digest is the corrupted bytes')."""
-        if not any(s.fault is Fault.CORRUPT_PACKET for s in self.specs):
+        publishing it (the announced digest is the corrupted bytes'). withhold: one that answers
+        `publish` with the announcement it would make, but serves and announces nothing: the
+        packet stays with this node's own outer step only."""
+        if not any(s.fault in (Fault.CORRUPT_PACKET, Fault.WITHHOLD) for s in self.specs):
             return exchange
         injector = self
 
-        class CorruptingExchange(_Proxy):
+        class FaultyExchange(_Proxy):
+            def __init__(self, inner):
+                super().__init__(inner)
+                self._withheld: dict[tuple[int, str], tuple[str, bytes]] = {}
+
+            async def fetch(self, round: int, wanted: dict[str, str], *args, **kwargs) -> dict[str, bytes]:
+                own = {}  # its own withheld packet: for its own outer step only
+                for publisher, digest in wanted.items():
+                    kept = self._withheld.get((round, publisher))
+                    if kept is not None and kept[0] == digest:
+                        own[publisher] = kept[1]
+                rest = {p: d for p, d in wanted.items() if p not in own}
+                return own | (await self._inner.fetch(round, rest, *args, **kwargs) if rest else {})
+
             async def publish(self, round: int, peer_id: str, data: bytes):
                 if injector._firing(Fault.CORRUPT_PACKET, round):
                     corrupted = bytearray(data)
                     corrupted[len(corrupted) // 2] ^= 0x01
                     log.warning("fault injection: corrupting the packet of round %d after signing", round)
                     data = bytes(corrupted)
+                if injector._firing(Fault.WITHHOLD, round):
+                    from protocol.dht_records import Announcement
+
+                    log.warning("fault injection: withholding the packet of round %d (submitted, never served)", round)
+                    digest = hashlib.sha256(data).hexdigest()
+                    self._withheld[round, peer_id] = (digest, data)
+                    return Announcement(peer_id=peer_id, round=round, digest=digest,
+                                        size_bytes=len(data), multiaddrs=list(self._inner.visible_maddrs),
+                                        holder=getattr(self._inner, "holder_id", ""))
                 return await self._inner.publish(round, peer_id, data)
 
-        return CorruptingExchange(exchange)
+        return FaultyExchange(exchange)
 
     def wrap_client(self, client):
         """stale-submit: a coordinator client that holds a submission until its round has closed."""

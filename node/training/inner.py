@@ -105,11 +105,13 @@ def run_inner_steps(
     cfg: InnerConfig,
     device: torch.device | str,
     on_step: Callable[[int, float, float], None] | None = None,
+    on_step_queued: Callable[[int], None] | None = None,
 ) -> InnerResult:
     """Run `num_steps` AdamW steps on batches from `batches_iter`, global steps start_step...
 
     `on_step(step, loss, tokens_per_s)` is called after each step; providing it costs one
-    device synchronisation per step (the loss must reach the host).
+    device synchronisation per step (the loss must reach the host). `on_step_queued(step)` costs
+    none: it is called once a step's work is queued on the device (progress for heartbeats).
     """
     device = torch.device(device)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -133,6 +135,8 @@ def run_inner_steps(
         optimizer.step()
         loss_sum += loss.detach()
         num_tokens += x.numel()
+        if on_step_queued is not None:
+            on_step_queued(step)
         if on_step is not None:
             loss_value = loss.item()  # the synchronisation point
             now_s = time.perf_counter()

@@ -47,10 +47,11 @@ class PeerTraining:
                    outer=make_outer(flat_named_params(model), outer_config(run)), shard=shard, device=device,
                    seed=run.model.seed, inner_steps=run.inner.steps)
 
-    def train_round(self, round: int, on_step: Callable[[int, float, float], None] | None = None) -> InnerResult:
+    def train_round(self, round: int, on_step: Callable[[int, float, float], None] | None = None,
+                    on_step_queued: Callable[[int], None] | None = None) -> InnerResult:
         """Round `round`'s H inner steps: global steps round*H ..., on the batches of those steps."""
         start_step = round * self.inner_steps
         batches = self.shard.batches(self.inner.batch_size, self.inner.seq_len, self.seed, self.device,
                                      start_step=start_step)
         return run_inner_steps(self.model, self.optimizer, batches, start_step, self.inner_steps, self.inner,
-                               self.device, on_step)
+                               self.device, on_step, on_step_queued)

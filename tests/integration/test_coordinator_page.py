@@ -1,19 +1,22 @@
-"""The status page in headless Chromium against a live coordinator with several closed rounds:
-after its script ran, the DOM has the peer rows and both plot series, and the screenshot shows
-the plot's two colours (decoded with a tiny stdlib PNG reader)."""
+"""The status page in headless Chromium against a live coordinator: after its script ran, the
+DOM has what each state of a run should show, and the screenshot shows the plots' colours
+(decoded with a tiny stdlib PNG reader). States: several closed rounds; a round training (the
+round bar counts the peers' inner steps); a stalled round; a finished one-round run (one
+marker); a run waiting for peers; and two runs, where the page picks the live one."""
 
 from __future__ import annotations
 
 import shutil
 import struct
 import subprocess
+import time
 import zlib
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.fixtures.coordinator import SignedPeer, create_run
+from tests.fixtures.coordinator import ADMIN_HEADERS, SignedPeer, create_run
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -91,32 +94,190 @@ def populate(url: str) -> str:
     return run_id
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="chromium is not installed (apt-get install chromium)")
-def test_status_page_renders_in_headless_chromium(start_coordinator, tmp_path: Path):
-    coordinator = start_coordinator()
-    run_id = populate(coordinator.url)
-    screenshot = tmp_path / "page.png"
+needs_chromium = pytest.mark.skipif(shutil.which("chromium") is None,
+                                    reason="chromium is not installed (apt-get install chromium)")
+
+
+def open_page(url: str, tmp_path: Path, name: str = "page") -> tuple[str, list[bytes]]:
+    """(the DOM after the page's script ran, the screenshot's rows); the PNG stays in tmp_path."""
+    screenshot = tmp_path / f"{name}.png"
     result = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
+         "--disable-sync", f"--user-data-dir={tmp_path / ('profile-' + name)}",
          f"--screenshot={screenshot}", "--dump-dom", "--window-size=1280,900",
-         "--virtual-time-budget=5000", f"{coordinator.url}/"],
+         "--virtual-time-budget=5000", url],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    dom = result.stdout
+    (tmp_path / f"{name}.html").write_text(result.stdout)  # beside the screenshot, for a failure
+    assert '<span id="error"></span>' in result.stdout, "the status fetch failed"
+    width, height, rows = decode_png(screenshot.read_bytes())
+    assert (width, height) == (1280, 900)
+    assert len(set(rows[height // 2][::3])) > 3, "the screenshot is blank"
+    return result.stdout, rows
+
+
+@needs_chromium
+def test_status_page_renders_in_headless_chromium(start_coordinator, tmp_path: Path):
+    coordinator = start_coordinator()
+    run_id = populate(coordinator.url)
+    dom, rows = open_page(f"{coordinator.url}/", tmp_path)
     assert run_id in dom and "page-demo" in dom
     assert dom.count('class="peer-row"') == 3
     assert dom.count('class="round-row"') == 8
     assert 'class="series-loss"' in dom and 'class="series-time"' in dom
     assert "params_mismatch @7" in dom
+    assert 'id="bar-train" style="width: 33.3' in dom, "the peer that submitted trained its H steps"
     assert "100 Mbps, up 40" in dom and "200 Mbps<" in dom  # measured, and the uplink where stated
-    assert '<span id="error"></span>' in dom, "the status fetch failed"
-
-    width, height, rows = decode_png(screenshot.read_bytes())
-    assert (width, height) == (1280, 900)
-    assert len(set(rows[height // 2][::3])) > 3, "the screenshot is blank"
+    assert 'class="x-tick">7<' in dom and ">seconds</text>" in dom
     assert count_near(rows, LOSS_RGB) > 200, "the loss series is missing from the plot"
     assert count_near(rows, TIME_RGB) > 200, "the round-time series is missing from the plot"
+
+
+def start_run(client: httpx.Client, num_peers: int, **overrides) -> tuple[str, list[SignedPeer]]:
+    run_id = create_run(client, {"membership.min_peers": num_peers, "membership.heartbeat_timeout_s": 300.0,
+                                 **overrides})
+    peers = [SignedPeer(client) for _ in range(num_peers)]
+    for i, peer in enumerate(peers):
+        assert peer.join(run_id, device=f"gpu-{i}").status_code == 200
+    return run_id, peers
+
+
+def beat(peer: SignedPeer, run_id: str, round_index: int, state: str, inner_step: int | None) -> None:
+    response = peer.post(f"/v1/runs/{run_id}/heartbeat",
+                         {"round": round_index, "state": state, "inner_step": inner_step})
+    assert response.status_code == 200, response.text
+
+
+@needs_chromium
+def test_page_while_peers_train(start_coordinator, tmp_path: Path):
+    coordinator = start_coordinator()
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, peers = start_run(client, 2)  # H = 15
+        for round_index in range(2):
+            for i, peer in enumerate(peers):
+                assert peer.submit(run_id, round_index, train_loss=4.0 - round_index + 0.1 * i).status_code == 200
+        beat(peers[0], run_id, 2, "training", 6)
+        beat(peers[1], run_id, 2, "encoding", 15)
+    dom, rows = open_page(f"{coordinator.url}/", tmp_path, "training")
+    assert 'id="bar-train" style="width: 70%;"' in dom, "(6 + 15) of 2 x 15 inner steps"
+    assert 'id="bar-submit" style="width: 0%;"' in dom and 'id="bar-close" style="width: 0%;"' in dom
+    assert "round 2 open: 70% of 15 inner steps trained, 0 of 2 submitted" in dom
+    assert ">training 6/15<" in dom and ">encoding<" in dom
+    assert '<div id="banner" class="banner" hidden="">' in dom
+    assert dom.count('class="marker-loss"') == 2 and dom.count('class="marker-time"') == 2
+    assert 'class="x-tick">0<' in dom and 'class="x-tick">1<' in dom and 'class="x-tick">2<' not in dom
+    assert dom.count('class="y-tick"') >= 6, "both y axes have ticks"
+    assert ">loss</text>" in dom and ">seconds</text>" in dom and 'class="axis-label">round<' in dom
+    assert count_near(rows, LOSS_RGB) > 200 and count_near(rows, TIME_RGB) > 200
+
+
+@needs_chromium
+def test_page_shows_a_stalled_round(start_coordinator, tmp_path: Path):
+    coordinator = start_coordinator()
+    patience_s = 3.0  # heartbeat_timeout_s: nothing moved for this long is a stall
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, peers = start_run(client, 2, **{"membership.heartbeat_timeout_s": patience_s})
+        opened_at = client.get(f"/v1/runs/{run_id}/status").json()["current_round"]["opened_at"]
+        while True:  # the peers beat, alive and stuck at step 0, until the patience has passed
+            for peer in peers:
+                beat(peer, run_id, 0, "training", 0)
+            now = client.get(f"/v1/runs/{run_id}/status").json()["now"]
+            if now - opened_at > patience_s + 0.5:
+                break
+            time.sleep(0.5)
+    dom, _ = open_page(f"{coordinator.url}/?run={run_id}", tmp_path, "stalled")
+    assert '<div id="banner" class="banner stalled">Round 0 stalled: no submission and no training progress' in dom
+    assert 'id="bar-train" style="width: 0%;"' in dom
+    assert "no closed rounds yet" in dom
+
+
+@needs_chromium
+def test_page_of_a_finished_one_round_run(start_coordinator, tmp_path: Path):
+    coordinator = start_coordinator()
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, peers = start_run(client, 2, max_rounds=1)
+        for peer in peers:
+            assert peer.submit(run_id, 0, train_loss=3.5, packet_size_bytes=2_500_000).status_code == 200
+        assert client.get(f"/v1/runs/{run_id}").json()["state"] == "finished"
+    dom, rows = open_page(f"{coordinator.url}/", tmp_path, "finished")
+    assert "run finished after 1 round" in dom and '<div id="banner" class="banner" hidden="">' in dom
+    assert 'id="bar-close" style="width: 100%;"' in dom
+    # One round: a marker in each plot, on its own x tick.
+    assert dom.count('class="marker-loss"') == 1 and dom.count('class="marker-time"') == 1
+    assert 'class="x-tick">0<' in dom
+    assert ">5.00 MB<" in dom and ">246 k<" in dom  # packet bytes; tokens: 2 x 15 x 8 x 1024
+    assert count_near(rows, LOSS_RGB) > 30 and count_near(rows, TIME_RGB) > 30
+
+
+@needs_chromium
+def test_page_of_a_run_waiting_for_peers(start_coordinator, tmp_path: Path):
+    coordinator = start_coordinator()
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id = create_run(client, {"membership.min_peers": 3})
+        assert SignedPeer(client).join(run_id).status_code == 200
+    dom, _ = open_page(f"{coordinator.url}/", tmp_path, "waiting")
+    assert '<div id="banner" class="banner waiting">Waiting for peers: 1 of 3 live</div>' in dom
+
+
+@needs_chromium
+def test_page_picks_the_live_run_and_lists_every_run(start_coordinator, tmp_path: Path):
+    coordinator = start_coordinator()
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        long_run, peers = start_run(client, 2, name="long")
+        for peer in peers:
+            assert peer.submit(long_run, 0, train_loss=3.0).status_code == 200
+        quick_run = create_run(client, {"name": "quick"})  # newer, and closed a moment later
+        assert client.post(f"/v1/runs/{quick_run}/close", headers=ADMIN_HEADERS).status_code == 200
+    dom, _ = open_page(f"{coordinator.url}/", tmp_path, "two-runs")
+    assert f'<span id="run-title">long ({long_run})</span>' in dom
+    assert f'<option value="{quick_run}">quick - closed ({quick_run})</option>' in dom
+    assert f'<option value="{long_run}" selected="">long - running ({long_run})</option>' in dom
+    assert dom.index(quick_run) < dom.index(f'<option value="{long_run}"'), "newest first"
+
+
+@needs_chromium
+def test_page_plots_a_thousand_rounds_readably(start_coordinator, tmp_path: Path):
+    # A real status, its history stretched to a thousand rounds and served by a stub: the
+    # coordinator's per-peer rate limit would make a thousand real rounds take a minute.
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from coordinator.page import render_page
+
+    coordinator = start_coordinator()
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, [peer] = start_run(client, 1)  # one peer: each submission closes its round
+        assert peer.submit(run_id, 0, train_loss=6.0).status_code == 200
+        runs = client.get("/v1/runs").content
+        status = client.get(f"/v1/runs/{run_id}/status").json()
+    [first] = status["history"]
+    status["history"] = [first | {"round": r, "mean_loss": 6.0 / (1 + 0.01 * r), "round_time_s": 20.0 + r % 7}
+                         for r in range(1000)]
+    bodies = {"/": render_page(run_id).encode(), "/v1/runs": runs,
+              f"/v1/runs/{run_id}/status": json.dumps(status).encode()}
+
+    class Stub(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = bodies.get(self.path.split("?")[0])
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Type", "text/html" if self.path == "/" else "application/json")
+            self.end_headers()
+            self.wfile.write(body or b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dom, rows = open_page(f"http://127.0.0.1:{server.server_address[1]}/", tmp_path, "thousand")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 'class="series-loss"' in dom and 'class="marker-loss"' not in dom, "a line, no marker per round"
+    assert 5 <= dom.count('class="x-tick"') <= 15 and 'class="x-tick">0<' in dom
+    assert dom.count('class="y-tick"') >= 6
+    assert count_near(rows, LOSS_RGB) > 500 and count_near(rows, TIME_RGB) > 500

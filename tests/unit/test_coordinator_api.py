@@ -213,7 +213,7 @@ def test_status_metrics_health_and_page(coordinator_client, fake_clock):
     assert "# TYPE locoswarm_http_responses_total counter" in metrics.text
     page = client.get("/")
     assert page.headers["content-type"].startswith("text/html")
-    assert json.dumps(run_id) in page.text and 'id="plot"' in page.text
+    assert json.dumps(run_id) in page.text and 'id="plot-loss"' in page.text and 'id="run-picker"' in page.text
     assert "http://" not in page.text.replace("http://www.w3.org/2000/svg", ""), "no externals"
     assert '"run-other"' in client.get("/?run=run-other").text
 
@@ -269,3 +269,50 @@ def test_peer_id_is_stable_per_key():
     assert peer_id_from_public_key(key.public_bytes) == peer_id_from_public_key(
         PeerKey.from_seed(b"seed").public_bytes)
     assert len(peer_id_from_public_key(key.public_bytes)) == 17
+
+
+def test_heartbeat_inner_step_shows_in_the_status(coordinator_client, fake_clock):
+    client = coordinator_client
+    run_id = create_run(client, {"membership.min_peers": 2, "inner.steps": 10, "inner.batch_size": 4,
+                                 "inner.seq_len": 64})
+    first, second = SignedPeer(client, clock=fake_clock), SignedPeer(client, clock=fake_clock)
+    first.join(run_id), second.join(run_id)
+
+    def beat(peer, **fields):
+        return peer.post(f"/v1/runs/{run_id}/heartbeat", {"round": 0, "state": "training", **fields})
+
+    assert beat(first, inner_step=7).status_code == 200
+    assert beat(second).status_code == 200  # an older node: no inner_step
+    steps = {p["peer_id"]: p["inner_step"] for p in client.get(f"/v1/runs/{run_id}/status").json()["peers"]}
+    assert steps == {first.peer_id: 7, second.peer_id: None}
+    for bad in (-1, 100_001, 2.5, "7"):
+        assert error_of(beat(first, inner_step=bad)) == "invalid_request"
+    assert beat(first).status_code == 200, "a beat without a step clears the last one"
+    assert client.get(f"/v1/runs/{run_id}/status").json()["peers"][0]["inner_step"] is None
+
+
+def test_round_summaries_count_tokens_and_packet_bytes(coordinator_client, fake_clock):
+    client = coordinator_client
+    run_id = create_run(client, {"membership.min_peers": 2, "inner.steps": 10, "inner.batch_size": 4,
+                                 "inner.seq_len": 64})
+    first, second = SignedPeer(client, clock=fake_clock), SignedPeer(client, clock=fake_clock)
+    first.join(run_id), second.join(run_id)
+    first.submit(run_id, 0, packet_size_bytes=1000)
+    second.submit(run_id, 0, packet_size_bytes=3000)  # the last expected packet closes round 0
+    first.submit(run_id, 1, packet_size_bytes=500)
+    fake_clock.advance(31.0)  # round 1 closes at its deadline with one packet
+    history = client.get(f"/v1/runs/{run_id}/status").json()["history"]
+    assert [(h["round"], h["tokens"], h["packet_bytes"]) for h in history][:2] == [
+        (0, 2 * 10 * 4 * 64, 4000), (1, 1 * 10 * 4 * 64, 500)]
+
+
+def test_page_and_status_default_to_the_live_run(coordinator_client, fake_clock):
+    client = coordinator_client
+    live = create_run(client, {"name": "long"})
+    fake_clock.advance(1.0)  # runs are ordered by creation time
+    closed = create_run(client, {"name": "quick"})
+    client.post(f"/v1/runs/{closed}/close", headers=ADMIN_HEADERS)
+    page = client.get("/").text
+    assert json.dumps(live) in page and json.dumps(closed) not in page
+    client.post(f"/v1/runs/{live}/close", headers=ADMIN_HEADERS)
+    assert json.dumps(closed) in client.get("/").text, "with none live: the newest"

@@ -128,3 +128,54 @@ def test_terminal_status_table():
     assert "round 3 open: 1/2 submitted, deadline in 30 s" in text
     assert "950 Mbps, up 100" in text and "params_mismatch; no heartbeat for 70 s" in text
     assert "2.7500" in text and "12.5 s" in text
+
+
+def test_status_without_run_shows_the_live_run(monkeypatch, capsys):
+    from coordinator import cli
+
+    runs = [{"run_id": "run-long", "name": "long", "state": "running"},
+            {"run_id": "run-quick", "name": "quick", "state": "closed"}]
+    asked = []
+
+    def fake_request(method, url, **kwargs):
+        asked.append(url)
+        if url.endswith("/v1/runs"):
+            return {"runs": runs}
+        run_id = url.split("/")[-2]
+        return {"run": {"run_id": run_id, "name": run_id, "state": "running",
+                        "config": {"model": {"preset": "tiny"}, "outer": {"strategy": "sparseloco"},
+                                   "inner": {"steps": 15}, "membership": {"min_peers": 2}}},
+                "current_round": None, "peers": [], "history": [], "now": 0.0}
+
+    monkeypatch.setattr(cli, "_request", fake_request)
+    assert main(["status", "--coordinator", "http://c"]) == 0
+    assert asked[-1] == "http://c/v1/runs/run-long/status" and "run run-long" in capsys.readouterr().out
+    runs[0]["state"] = "finished"
+    assert main(["status", "--coordinator", "http://c"]) == 0
+    assert asked[-1] == "http://c/v1/runs/run-quick/status", "with none live: the newest"
+    assert main(["status", "--coordinator", "http://c", "--run", "run-long"]) == 0
+    assert asked[-1] == "http://c/v1/runs/run-long/status"
+
+
+def test_terminal_status_shows_inner_steps_and_a_stalled_round():
+    from coordinator.terminal import pick_run
+
+    status = {
+        "now": 200.0,
+        "run": {"run_id": "run-1", "name": "demo", "state": "running",
+                "config": {"model": {"preset": "tiny"}, "outer": {"strategy": "sparseloco"},
+                           "inner": {"steps": 10}, "membership": {"min_peers": 2}}},
+        "current_round": {"round": 3, "state": "open", "deadline": 130.0, "num_submitted": 0,
+                          "num_expected": 2, "opened_at": 90.0},
+        "peers": [
+            {"peer_id": "p" + str(i) * 16, "peer_index": i, "status": "live", "activity": "training",
+             "inner_step": step, "last_loss": None, "bandwidth_mbps": None, "lag_rounds": 0, "flags": [],
+             "reason": None}
+            for i, step in enumerate([4, 12])
+        ],
+        "history": [],
+    }
+    text = render_status(status)
+    assert "STALLED: 70 s past its deadline, 70% of the inner steps trained" in text
+    assert "training 4/10" in text and "training 12/10" in text
+    assert pick_run([{"run_id": "a", "state": "waiting"}, {"run_id": "b", "state": "closed"}]) == "a"

@@ -75,7 +75,7 @@ class _Training:
     def __init__(self, model, outer):
         self.model, self.outer = model, outer
 
-    def train_round(self, round, on_step=None):
+    def train_round(self, round, on_step=None, on_step_queued=None):
         _train_a_little(self.model)  # the same honest update whatever the round
         return "result"
 

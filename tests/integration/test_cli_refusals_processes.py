@@ -88,6 +88,20 @@ def _start_node(tmp_path: Path, url: str, name: str) -> tuple[subprocess.Popen, 
     return process, err_path
 
 
+def _wait_training(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until some live peer of the run is training (its inner step, from its heartbeats, is past 0)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the node exited"
+        runs = httpx.get(f"{url}/v1/runs", timeout=10).json()["runs"]
+        status = httpx.get(f"{url}/v1/runs/{runs[0]['run_id']}/status", params={"history": 0}, timeout=10).json()
+        if any(p["status"] == "live" and p["activity"] == "training" and (p.get("inner_step") or 0) > 0
+               for p in status["peers"]):
+            return
+        time.sleep(0.1)
+    pytest.fail("no node started training")
+
+
 def _wait_for(path: Path, text: str, process: subprocess.Popen, timeout_s: float) -> float:
     """Seconds until `text` shows in the file at `path` (fails if the process exits first)."""
     start = time.monotonic()
@@ -102,7 +116,9 @@ def test_ctrl_c_once_stops_after_the_step_twice_quits_now(tmp_path, start_coordi
     url = start_coordinator().url
     with httpx.Client(base_url=url, timeout=10) as client:
         # One peer suffices to open round 0; 40 inner steps keep it training for a few seconds.
-        create_run(client, {"membership.min_peers": 1, "max_rounds": 20, "exchange.dht_bootstrap": [],
+        # Heartbeats every second (a quarter of the time-out), so that training shows at once.
+        create_run(client, {"membership.min_peers": 1, "membership.heartbeat_timeout_s": 4.0, "max_rounds": 20,
+                            "exchange.dht_bootstrap": [],
                             "inner": {"steps": 40, "batch_size": 8, "seq_len": 64, "warmup_steps": 5}})
     nodes: list[subprocess.Popen] = []
     try:
@@ -119,6 +135,7 @@ def test_ctrl_c_once_stops_after_the_step_twice_quits_now(tmp_path, start_coordi
         second, second_err = _start_node(tmp_path, url, "second")
         nodes.append(second)
         _wait_for(second_err, "joined run", second, timeout_s=120)
+        _wait_training(url, second)  # mid-round, so that the first Ctrl+C has a round to finish
         second.send_signal(signal.SIGINT)
         _wait_for(second_err, "stopping after this step", second, 5)
         second.send_signal(signal.SIGINT)
