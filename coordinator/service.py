@@ -304,8 +304,11 @@ class CoordinatorService:
             if run.state not in ACTIVE_STATES:
                 raise errors.RunClosed(f"run {run_id} is {run.state}")
             self._check_join_token(run, request.join_token)
-            # Expected from the round after the open one: it cannot have theta_r in time.
+            # Expected from the round after the open one: it cannot have theta_r in time, unless it
+            # says it holds exactly the agreed start of the open round (its own checkpoint).
             first_round = run.current_round + (1 if run.state == "running" else 0)
+            if run.state == "running" and self._holds_open_round_start(run, request):
+                first_round = run.current_round
             addrs = json.dumps(request.listen_multiaddrs)
             existing = self.storage.get_peer(run_id, peer_id)
             if existing is None:
@@ -346,6 +349,13 @@ class CoordinatorService:
                 )
             self._advance(self.views.require_run(run_id), now)
             return self.views.join_response(self.views.require_run(run_id), peer_id)
+
+    def _holds_open_round_start(self, run: RunRow, request: JoinRequest) -> bool:
+        """Whether a joining peer's stated state is the agreed start of the run's open round."""
+        if request.state_round is None or request.state_round != run.current_round:
+            return False
+        previous = self.storage.get_round(run.run_id, run.current_round - 1)
+        return previous is not None and previous.majority_digest == request.state_digest
 
     def _check_join_token(self, run: RunRow, token: str | None) -> None:
         if self.views.config_of(run).membership.join_policy == "open":

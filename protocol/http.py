@@ -171,6 +171,11 @@ class JoinRequest(RequestModel):
     uplink_mbps: float | None = Field(
         None, gt=0.0, le=1e7, description="The upload rate the peer's operator states for its link; peers "
         "lay out each packet's distribution tree with faster uplinks forwarding (node.exchange.topology.tree_parent).")
+    state_round: int | None = Field(
+        None, ge=1, le=2**31, description="A returning peer's own state (its checkpoint): the round whose start "
+        "it holds. If that is the open round and `state_digest` is the agreed digest for its start, the peer is "
+        "expected in the open round at once (not from the next one, as a newcomer is).")
+    state_digest: ParamsDigest | None = Field(None, description="The parameter digest of that state.")
 
 
 class PeerAddress(ResponseModel):

@@ -169,10 +169,13 @@ class CoordinatorClient:
             params={"history": history} if history is not None else None, retry_for_s=retry_for_s))
 
     async def join(self, run_id: str, *, join_token: str | None, device: str, multiaddrs: list[str],
-                   bandwidth_mbps: float | None = None, uplink_mbps: float | None = None) -> JoinResponse:
+                   bandwidth_mbps: float | None = None, uplink_mbps: float | None = None,
+                   state: tuple[int, str] | None = None) -> JoinResponse:
+        """Join (or rejoin) the run; `state`: (round, digest) of the round start this node holds."""
         request = JoinRequest(public_key=self.key.public_hex, join_token=join_token, device=device[:256],
                               listen_multiaddrs=multiaddrs[:16], bandwidth_mbps=bandwidth_mbps,
-                              uplink_mbps=uplink_mbps)
+                              uplink_mbps=uplink_mbps, state_round=state[0] if state else None,
+                              state_digest=state[1] if state else None)
         joined = JoinResponse.model_validate(await self._call("POST", f"/runs/{run_id}/join", request))
         self.run_id = joined.run_id
         return joined

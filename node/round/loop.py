@@ -111,7 +111,8 @@ class Node:
 
             def rejoin() -> Awaitable[JoinResponse]:  # also for a node the coordinator dropped (paused, partitioned)
                 return client.join(run_id, join_token=cfg.join_token, device=_device_name(cfg.device),
-                                   multiaddrs=exchange.visible_maddrs, uplink_mbps=cfg.uplink_mbps)
+                                   multiaddrs=exchange.visible_maddrs, uplink_mbps=cfg.uplink_mbps,
+                                   state=self._held_state(run_id))
 
             joined = await rejoin()
             log.info("joined run %s as %s (index %d, shard %d/%d) at round %d", run_id, joined.peer_id,
@@ -137,6 +138,13 @@ class Node:
             if self._client is None:
                 await client.close()
         return self.reports
+
+    def _held_state(self, run_id: str) -> tuple[int, str] | None:
+        """The round start this node holds, told at (re)join: its session's, else its checkpoint's."""
+        s = self.session
+        if s is not None:
+            return (s.params_round, s.digest) if s.params_round and s.digest else None
+        return resume.held_state(self.config, run_id)
 
     async def _open_exchange(self, client: CoordinatorClient, run_id: str) -> Exchange:
         """The production exchange: hivemind's DHT and libp2p streams, entering the swarm through

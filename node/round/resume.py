@@ -40,6 +40,23 @@ def save(s: Session, applied_round: int) -> None:
         log.error("round %d: checkpoint not saved, training goes on: %s", applied_round, e)
 
 
+def held_state(config, run_id: str) -> tuple[int, str] | None:
+    """(round, digest) of this run's checkpoint in `config.checkpoint_dir`, read from its meta only;
+    the node tells the coordinator at join, which then expects it in the open round at once when
+    that is the agreed state."""
+    from node.training.checkpoint import CheckpointError, checkpoint_meta
+
+    if config.checkpoint_dir is None:
+        return None
+    try:
+        meta = checkpoint_meta(config.checkpoint_dir)
+    except CheckpointError:
+        return None
+    if meta.get("extra", {}).get("run_id") != run_id or not isinstance(meta.get("round"), int) or meta["round"] < 1:
+        return None
+    return meta["round"], meta["digest"]
+
+
 def due(s: Session, applied_round: int) -> bool:
     return s.config.checkpoint_dir is not None and (applied_round + 1) % s.config.checkpoint_every_rounds == 0
 

@@ -339,7 +339,7 @@ def test_everything_killed_at_once_resumes_from_checkpoints(tmp_path):
     assert sorted(agreed_before) == [0, 1]
     assert all(history[r]["majority_digest"] == digest for r, digest in agreed_before.items())
     reports = [report_of(swarm, i) for i in range(3)]
-    assert all(h["num_contributors"] == 3 for h in history), (history, reports)
+    assert all(h["num_contributors"] == 3 for h in history[2:]), (history, reports)  # all back at once
     for report in reports:
         assert report["resumed_from"] == 2 and report["catch_ups"] == [], report
         assert [r["round"] for r in report["rounds"]] == list(range(2, rounds))

@@ -101,3 +101,27 @@ def test_a_run_waiting_for_peers_keeps_them_through_a_long_outage(tmp_path, fake
         (c,) = peers_for(client, fake_clock, run_id, 1)
         assert statuses(client, run_id) == {a.peer_id: "live", b.peer_id: "live", c.peer_id: "live"}
         assert round_of(client, run_id, 0)["state"] == "open", "the two from before the outage count"
+
+
+def test_a_returning_peer_holding_the_open_rounds_start_is_expected_at_once(tmp_path, fake_clock):
+    """Peers gone past the heartbeat timeout rejoin while round 1 is open. One states the agreed
+    start of round 1 (its checkpoint): it is expected in round 1, so the round closes as soon as it
+    and the others submit. One states a digest the swarm does not agree with: expected from round 2
+    on, as a newcomer."""
+    with coordinator_on(tmp_path / "coordinator.db", fake_clock) as (client, _):
+        run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": TIMEOUT_S})
+        a, b = peers_for(client, fake_clock, run_id, 2)
+        for peer in (a, b):
+            assert peer.submit(run_id, 0).status_code == 200
+        agreed = "ab" * 32
+        for peer in (a, b):
+            assert peer.applied(run_id, 0, agreed).status_code == 200
+        fake_clock.advance(TIMEOUT_S + 1.0)
+        assert statuses(client, run_id) == {a.peer_id: "gone", b.peer_id: "gone"}
+        assert a.join(run_id, state_round=1, state_digest=agreed).status_code == 200
+        assert b.join(run_id, state_round=1, state_digest="cd" * 32).status_code == 200
+        assert round_of(client, run_id, 1)["state"] == "open"
+        assert a.submit(run_id, 1).status_code == 200
+        assert round_of(client, run_id, 1)["state"] == "closed", "a was expected, b not yet"
+        status = client.get(f"/v1/runs/{run_id}/status").json()
+        assert status["current_round"]["round"] == 2 and status["current_round"]["num_expected"] == 2
