@@ -88,20 +88,6 @@ def _start_node(tmp_path: Path, url: str, name: str) -> tuple[subprocess.Popen, 
     return process, err_path
 
 
-def _wait_training(url: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Until some live peer of the run is training (its inner step, from its heartbeats, is past 0)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "the node exited"
-        runs = httpx.get(f"{url}/v1/runs", timeout=10).json()["runs"]
-        status = httpx.get(f"{url}/v1/runs/{runs[0]['run_id']}/status", params={"history": 0}, timeout=10).json()
-        if any(p["status"] == "live" and p["activity"] == "training" and (p.get("inner_step") or 0) > 0
-               for p in status["peers"]):
-            return
-        time.sleep(0.1)
-    pytest.fail("no node started training")
-
-
 def _wait_for(path: Path, text: str, process: subprocess.Popen, timeout_s: float) -> float:
     """Seconds until `text` shows in the file at `path` (fails if the process exits first)."""
     start = time.monotonic()
@@ -114,12 +100,16 @@ def _wait_for(path: Path, text: str, process: subprocess.Popen, timeout_s: float
 
 def test_ctrl_c_once_stops_after_the_step_twice_quits_now(tmp_path, start_coordinator):
     url = start_coordinator().url
-    with httpx.Client(base_url=url, timeout=10) as client:
-        # One peer suffices to open round 0; 40 inner steps keep it training for a few seconds.
-        # Heartbeats every second (a quarter of the time-out), so that training shows at once.
-        create_run(client, {"membership.min_peers": 1, "membership.heartbeat_timeout_s": 4.0, "max_rounds": 20,
-                            "exchange.dht_bootstrap": [],
-                            "inner": {"steps": 40, "batch_size": 8, "seq_len": 64, "warmup_steps": 5}})
+
+    def new_run() -> str:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            # One peer suffices to open round 0; 40 inner steps keep it training for a few seconds.
+            # Heartbeats every second (a quarter of the time-out), so that training shows at once.
+            return create_run(client, {"membership.min_peers": 1, "membership.heartbeat_timeout_s": 4.0,
+                                       "max_rounds": 20, "exchange.dht_bootstrap": [],
+                                       "inner": {"steps": 40, "batch_size": 8, "seq_len": 64, "warmup_steps": 5}})
+
+    first_run = new_run()
     nodes: list[subprocess.Popen] = []
     try:
         first, first_err = _start_node(tmp_path, url, "first")
@@ -132,10 +122,14 @@ def test_ctrl_c_once_stops_after_the_step_twice_quits_now(tmp_path, start_coordi
         assert summary.startswith("summary: ") and summary.count("\n") == 1, summary
         assert "Traceback" not in first_err.read_text()
 
+        # A run of its own, from round 0: in the first one it would wait for a snapshot of round 1
+        # that only the node that left ever held.
+        assert httpx.post(f"{url}/v1/runs/{first_run}/close", headers=ADMIN_HEADERS, timeout=10).status_code == 200
+        new_run()
         second, second_err = _start_node(tmp_path, url, "second")
         nodes.append(second)
         _wait_for(second_err, "joined run", second, timeout_s=120)
-        _wait_training(url, second)  # mid-round, so that the first Ctrl+C has a round to finish
+        _wait_for(second_err, "round 0: loss", second, timeout_s=120)  # round 1 now: a round to finish
         second.send_signal(signal.SIGINT)
         _wait_for(second_err, "stopping after this step", second, 5)
         second.send_signal(signal.SIGINT)
