@@ -71,6 +71,7 @@ class Node:
         self.reports: list[RoundReport] = []
         self.catch_ups: list[CatchUpReport] = []
         self.resumed_from: int | None = None  # the round whose start this node's checkpoint held
+        self._recomputes_noted = 0  # of session.amendments.recomputed, already applied to the reports
         self.session: Session | None = None
         self._client, self._exchange, self._clock = client, exchange, clock
         self._stopping = asyncio.Event()
@@ -250,11 +251,14 @@ class Node:
             rounds_done += 1
 
     def _note_recomputed(self, s: Session) -> None:
-        """Rounds applied again at an amended manifest version: their reports take the new digest."""
-        for recomputed in s.amendments.recomputed:
-            for report in self.reports:
-                if report.applied_round == recomputed.round:
-                    report.digest, report.manifest_version = recomputed.digest, recomputed.to_version
+        """Rounds applied again at an amended manifest version since the last call: their reports
+        take the new digest. A recompute concerns a recent round, so reports are searched newest
+        first, and each recompute once (a long run's lists are long)."""
+        for recomputed in s.amendments.recomputed[self._recomputes_noted:]:
+            report = next((r for r in reversed(self.reports) if r.applied_round == recomputed.round), None)
+            if report is not None:
+                report.digest, report.manifest_version = recomputed.digest, recomputed.to_version
+        self._recomputes_noted = len(s.amendments.recomputed)
 
     async def _one_round(self, s: Session, round: int, opened: bool = True) -> RoundReport:
         """Train round r, send its packet, and apply a round: r itself, or with overlap r-1 (round
