@@ -2,20 +2,28 @@
 
 `create_app` builds the service, the authenticator and the long-poll events, then the app around
 them: the body-limit middleware, the error handlers below and the routers of `coordinator.routes`.
-Service calls are synchronous and run on the event loop itself, one at a time. That is deliberate:
-every state change is a short local transaction (SQLite or a nearby PostgreSQL), and serialising
-them makes the round rules race-free without locks. Only long-polls wait, and they wait on a
+Service calls are synchronous and run one at a time on one database thread
+(`coordinator.db_worker`), never on the event loop: every state change is a short transaction, and
+serialising them makes the round rules race-free without locks, while the loop stays free to parse
+requests and answer /healthz however busy the database is. Only long-polls wait, and they wait on a
 per-run `asyncio.Event` (`routes.RunEvents`) that the service fires after each commit that opens
-or closes a round or accepts a submission, never by polling the database. A background task calls
-`service.tick()` so that deadlines and heartbeat timeouts take effect with nobody asking.
+or closes a round or accepts a submission, never by polling the database. A background task has
+the database thread call `service.tick()` so that deadlines and heartbeat timeouts take effect
+with nobody asking.
 
 Every refusal is ``{"error": code, "detail": text}`` with a 4xx status: typed service errors,
 validation errors (422, or 400 for malformed JSON), bodies over `max_body_bytes` (413, checked
-before any parsing), unknown routes and methods. Each is a `coordinator.errors` class, so its code
+before any parsing), unknown routes and methods (405 with ``Allow``). Each is a `coordinator.errors` class, so its code
 is a `protocol.http.ErrorCode`. A failure of the database is the same body with 503
 ``storage_unavailable`` and ``Retry-After``, answered by the same handler as the refusals: the
 handler for unhandled errors (500) re-raises after answering, which makes the server close the
 connection, so no storage failure may reach it.
+
+The OpenAPI document is the contract a schema fuzzer holds the app to (tests/integration/
+test_schemathesis.py): every 422 is documented as that error body, not FastAPI's own, and no
+body the schema admits is refused for its size: a route whose valid bodies can exceed
+`max_body_bytes` gets a limit of its largest valid body (`body_limit.max_json_bytes`), for an
+admin route only with the admin token (so nobody else can make the coordinator buffer megabytes).
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import re
 import time
 from collections import Counter
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,7 +44,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator import errors
 from coordinator.auth import Authenticator
-from coordinator.body_limit import BodyLimitMiddleware
+from coordinator.body_limit import BodyLimitMiddleware, max_json_bytes
+from coordinator.db_worker import DatabaseWorker, SharedReads
 from coordinator.routes import RunEvents, ops_router, peers_router, rounds_router, runs_router
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
@@ -42,12 +53,43 @@ from coordinator.storage import Storage
 log = logging.getLogger("locoswarm.coordinator")
 
 
-def _refusal(error: errors.CoordinatorError, status: int | None = None) -> JSONResponse:
+def _refusal(
+    error: errors.CoordinatorError, status: int | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    headers = dict(headers or {})
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
     return JSONResponse(
         status_code=error.status if status is None else status,
         content={"error": error.code, "detail": error.detail},
-        headers=None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)},
+        headers=headers or None,
     )
+
+
+class _Paths:
+    """The app's paths as its OpenAPI document lists them, matched against request paths; built
+    on first use. The document, not the router, because it is the contract (and FastAPI's router
+    internals differ between versions)."""
+
+    def __init__(self, app: FastAPI):
+        self.app = app
+        self._compiled: list[tuple[re.Pattern[str], dict]] | None = None
+
+    def item(self, path: str) -> dict | None:
+        """The document's path item (method -> operation) for a request path, or None."""
+        if self._compiled is None:
+            self._compiled = [
+                (re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)) + "$"), item)
+                for template, item in self.app.openapi().get("paths", {}).items()
+            ]
+        return next((item for pattern, item in self._compiled if pattern.match(path)), None)
+
+    def allowed_methods(self, path: str) -> str:
+        """What a 405 names in ``Allow``: every method the path takes (HEAD too, with GET)."""
+        methods = {method.upper() for method in self.item(path) or {}}
+        if "GET" in methods:
+            methods.add("HEAD")
+        return ", ".join(sorted(methods))
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -70,12 +112,68 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kinds = {404: errors.NotFound, 405: errors.MethodNotAllowed}
         error = kinds.get(exc.status_code, errors.HttpError)(str(exc.detail))
-        return _refusal(error, status=exc.status_code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110: a 405 says which methods the path does take
+            headers["Allow"] = request.app.state.paths.allowed_methods(request.url.path)
+        return _refusal(error, status=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _refusal(errors.Internal("internal error; see the coordinator log"))
+
+
+def _openapi_with_error_bodies(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with its validation answer (HTTPValidationError) replaced by the
+    ErrorBody this app really answers 422 with."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)  # builds and caches it in app.openapi_schema
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        if "ErrorBody" not in components:
+            from protocol.http import ErrorBody
+
+            components["ErrorBody"] = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+        for item in schema.get("paths", {}).values():
+            for operation in item.values():
+                answer = operation.get("responses", {}).get("422")
+                if answer is not None and "HTTPValidationError" in str(answer.get("content")):
+                    answer["content"] = error_body
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+    return app.openapi_schema
+
+
+def _body_limits(app: FastAPI, paths: _Paths, max_body_bytes: int, auth: Authenticator) -> Callable[[dict], int]:
+    """The body limit of a request: `max_body_bytes`, or the largest valid body of its operation
+    when that is larger (an admin operation: only with the admin token)."""
+    limits: dict[int, tuple[int, bool]] = {}  # id(operation) -> (limit, admin only)
+
+    def limit_of(operation: dict) -> tuple[int, bool]:
+        if id(operation) not in limits:
+            body = operation.get("requestBody", {}).get("content", {}).get("application/json")
+            definitions = app.openapi().get("components", {}).get("schemas", {})
+            worst_bytes = max_json_bytes(body["schema"], definitions) if body else 0
+            admin = any(p.get("in") == "header" and p.get("name", "").lower() == "authorization"
+                        for p in operation.get("parameters", []))
+            limits[id(operation)] = (math.ceil(worst_bytes) if max_body_bytes < worst_bytes < math.inf
+                                     else max_body_bytes, admin)
+        return limits[id(operation)]
+
+    def limit_for(scope: dict) -> int:
+        method = str(scope.get("method", "")).lower()
+        if method in ("get", "head", "options"):
+            return max_body_bytes
+        operation = (paths.item(scope.get("path", "")) or {}).get(method)
+        if operation is None:
+            return max_body_bytes
+        limit_bytes, admin_only = limit_of(operation)
+        if admin_only and limit_bytes > max_body_bytes:
+            if not auth.is_admin(dict(scope.get("headers") or []).get(b"authorization")):
+                return max_body_bytes
+        return limit_bytes
+
+    return limit_for
 
 
 def create_app(
@@ -90,14 +188,18 @@ def create_app(
     """The coordinator app. `tick_s=None` runs no background task (rules then apply when a
     request touches a run), which keeps some unit tests fully deterministic."""
     events = RunEvents()
+    worker = DatabaseWorker()
+    reads = SharedReads(worker)
+    # The service commits on the database thread; `notify` hands the wake-up to the event loop.
     service = CoordinatorService(storage, clock=clock, on_change=events.notify)
     auth = Authenticator(service, admin_token, rate_per_s=rate_per_s, burst=rate_burst)
     response_counts: Counter[int] = Counter()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        service.resume()
-        ticker = asyncio.create_task(_tick_forever(service, tick_s)) if tick_s else None
+        events.bind(asyncio.get_running_loop())
+        await worker.run(service.resume)
+        ticker = asyncio.create_task(_tick_forever(worker, service, tick_s)) if tick_s else None
         try:
             yield
         finally:
@@ -105,6 +207,7 @@ def create_app(
                 ticker.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await ticker
+            worker.stop()
 
     app = FastAPI(
         title="locoswarm coordinator",
@@ -114,23 +217,28 @@ def create_app(
     )
     app.state.service = service
     app.state.events = events
+    app.state.worker = worker
+    app.state.reads = reads
+    app.openapi = lambda: _openapi_with_error_bodies(app)  # type: ignore[method-assign]
+    app.state.paths = _Paths(app)
     app.add_middleware(
-        BodyLimitMiddleware, max_body_bytes=max_body_bytes, response_counts=response_counts
+        BodyLimitMiddleware, max_body_bytes=max_body_bytes, response_counts=response_counts,
+        limit_for=_body_limits(app, app.state.paths, max_body_bytes, auth),
     )
     _install_error_handlers(app)
 
-    app.include_router(ops_router(storage, service, response_counts))
-    app.include_router(runs_router(service, auth))
-    app.include_router(peers_router(service, auth))
-    app.include_router(rounds_router(service, auth, events))
+    app.include_router(ops_router(storage, service, worker, response_counts))
+    app.include_router(runs_router(service, auth, worker, reads))
+    app.include_router(peers_router(service, auth, worker))
+    app.include_router(rounds_router(service, auth, events, worker, reads))
     return app
 
 
-async def _tick_forever(service: CoordinatorService, tick_s: float) -> None:
+async def _tick_forever(worker: DatabaseWorker, service: CoordinatorService, tick_s: float) -> None:
     failing_since: float | None = None  # monotonic time of the first failed tick of an outage
     while True:
         try:
-            service.tick()
+            await worker.run(service.tick)
             if failing_since is not None:
                 log.warning("database usable again after %.0f s; deadlines and timeouts apply",
                             time.monotonic() - failing_since)

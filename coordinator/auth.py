@@ -60,6 +60,10 @@ class Authenticator:
         self.service = service
         self._admin_token = admin_token.encode()
         self.rate_limit = TokenBucket(rate_per_s, burst)
+        # Peer id -> public key, as stored at its first join. An id is derived from its key, so the
+        # stored key never changes: every signed request after the first skips the lookup.
+        self._keys: dict[str, bytes] = {}
+        self.max_cached_keys = 100_000
 
     def require_admin(self, authorization: str | None) -> None:
         if not authorization or not authorization.startswith("Bearer "):
@@ -67,6 +71,16 @@ class Authenticator:
         offered = authorization.removeprefix("Bearer ").strip().encode()
         if not hmac.compare_digest(offered, self._admin_token):
             raise errors.BadAdminToken("wrong admin token")
+
+    def is_admin(self, authorization: str | bytes | None) -> bool:
+        """Whether an Authorization header value carries the admin token (no refusal raised)."""
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode("latin-1")
+        try:
+            self.require_admin(authorization)
+        except (errors.Unauthenticated, errors.Forbidden):
+            return False
+        return True
 
     def verify_peer(
         self,
@@ -92,9 +106,7 @@ class Authenticator:
         if not _SIGNATURE.match(signature_hex):
             raise errors.BadRequestSignature(f"{SIGNATURE_HEADER} must be 64 bytes in hex")
         if public_key is None:
-            public_key = self.service.views.public_key_of(peer_id)
-            if public_key is None:
-                raise errors.UnknownPeer(f"peer {peer_id} has never joined")
+            public_key = self._keys.get(peer_id) or self._stored_key(peer_id)
         elif peer_id_from_public_key(public_key) != peer_id:
             raise errors.PeerMismatch(f"{PEER_HEADER} is not the id of the key being joined")
         nonce = int(nonce_text)
@@ -106,3 +118,12 @@ class Authenticator:
             raise errors.RateLimited(f"peer {peer_id} is over {self.rate_limit.rate_per_s:g} req/s")
         self.service.record_nonce(peer_id, nonce)
         return peer_id
+
+    def _stored_key(self, peer_id: str) -> bytes:
+        public_key = self.service.views.public_key_of(peer_id)
+        if public_key is None:
+            raise errors.UnknownPeer(f"peer {peer_id} has never joined")
+        if len(self._keys) >= self.max_cached_keys:
+            self._keys.clear()  # bounded memory; a miss only costs a lookup
+        self._keys[peer_id] = public_key
+        return public_key

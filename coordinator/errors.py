@@ -90,6 +90,16 @@ class NotMember(Forbidden):
     code = "not_member"
 
 
+class JoinProofRequired(Forbidden):
+    """The run asks new keys for proof of work and none came, or its challenge expired."""
+
+    code = "join_proof_required"
+
+
+class BadJoinProof(Forbidden):
+    code = "bad_join_proof"
+
+
 class NotFound(CoordinatorError):
     status = 404
     code = "not_found"
@@ -130,6 +140,12 @@ class RoundNotClosed(Conflict):
 
 class ConflictingSubmission(Conflict):
     code = "conflicting_submission"
+
+
+class ConflictingReport(Conflict):
+    """A peer's applied report for a round and manifest version is immutable."""
+
+    code = "conflicting_report"
 
 
 class NotInManifest(Conflict):
@@ -173,6 +189,11 @@ class InvalidConfig(InvalidRequest):
 class RateLimited(CoordinatorError):
     status = 429
     code = "rate_limited"
+
+    def __init__(self, detail: str, retry_after_s: int | None = None):
+        super().__init__(detail)
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s  # when the caller may try again, sent as Retry-After
 
 
 class MethodNotAllowed(CoordinatorError):

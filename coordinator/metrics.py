@@ -4,6 +4,11 @@ Written by hand: a dozen gauges do not justify a dependency. Values are read fro
 status views the page uses (`coordinator.views`), so the two never disagree. Per-run series are
 emitted for runs that are still active, which keeps the series count bounded on a long-lived
 coordinator.
+
+Per round, of the last closed one: mean train loss, time, contributors, tokens trained, packet
+bytes and the compression against sending the updates dense. The validation loss is that of the
+latest round peers evaluated (they do every few rounds, `eval_every_rounds`), with its round
+beside it; rounds are looked for up to VAL_LOSS_LOOKBACK_ROUNDS back.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from collections import Counter
 from coordinator.service import ACTIVE_STATES
 from coordinator.storage import Storage
 from coordinator.views import Views
+
+VAL_LOSS_LOOKBACK_ROUNDS = 100
 
 _HELP = {
     "locoswarm_http_responses_total": ("counter", "HTTP responses sent, by status code."),
@@ -27,6 +34,12 @@ _HELP = {
     "locoswarm_last_round_mean_loss": ("gauge", "Mean train loss submitted to the last round."),
     "locoswarm_last_round_time_seconds": ("gauge", "Open-to-close time of the last round."),
     "locoswarm_last_round_contributors": ("gauge", "Packets in the last round's manifest."),
+    "locoswarm_last_round_tokens": ("gauge", "Tokens trained into the last round (contributors x H x batch)."),
+    "locoswarm_last_round_packet_bytes": ("gauge", "Bytes of the packets submitted to the last round."),
+    "locoswarm_last_round_compression_ratio": (
+        "gauge", "Dense fp32 size of the last round's updates over its packet bytes."),
+    "locoswarm_val_loss": ("gauge", "Validation loss of the model after the latest round peers evaluated."),
+    "locoswarm_val_loss_round": ("gauge", "The round locoswarm_val_loss is of."),
 }
 
 
@@ -66,7 +79,7 @@ def render(storage: Storage, views: Views, now: float, response_counts: Counter[
     for run in runs:
         if run.state not in ACTIVE_STATES:
             continue
-        status = views.status(run.run_id, now=now, history_limit=1)
+        status = views.status(run.run_id, now=now, history_limit=VAL_LOSS_LOOKBACK_ROUNDS)
         labels = {"run": run.run_id}
         out.add("locoswarm_run_current_round", run.current_round, **labels)
         for peer_status, count in sorted(Counter(p.status for p in status.peers).items()):
@@ -87,4 +100,12 @@ def render(storage: Storage, views: Views, now: float, response_counts: Counter[
                 out.add("locoswarm_last_round_mean_loss", last.mean_loss, **labels)
             out.add("locoswarm_last_round_time_seconds", last.round_time_s, **labels)
             out.add("locoswarm_last_round_contributors", last.num_contributors, **labels)
+            out.add("locoswarm_last_round_tokens", last.tokens, **labels)
+            out.add("locoswarm_last_round_packet_bytes", last.packet_bytes, **labels)
+            if last.compression_ratio is not None:
+                out.add("locoswarm_last_round_compression_ratio", last.compression_ratio, **labels)
+        evaluated = [h for h in status.history if h.val_loss is not None]
+        if evaluated:
+            out.add("locoswarm_val_loss", evaluated[-1].val_loss, **labels)
+            out.add("locoswarm_val_loss_round", evaluated[-1].round, **labels)
     return out.text()

@@ -5,8 +5,11 @@ The page is static HTML plus a small script that fetches ``/v1/runs`` and
 state; choosing one loads ``/?run=ID``), a banner when the run waits for peers or its open round
 is stalled, the open round's bar (the live peers' inner steps, then the submissions, then the
 close), the peer table (state, activity with its inner step, last loss, bandwidth, lag, flags,
-why dropped), two small SVG plots sharing an x axis of rounds (mean loss; round time in
-seconds), and the latest rounds with their tokens, packet bytes and the packets peers refused.
+why dropped, standing unless a contributor), two small SVG plots sharing an x axis of rounds (the peers' mean train loss with
+the validation loss of the model after the round, joined across the rounds between evaluations;
+round time in seconds), and the latest rounds with their losses, tokens, packet bytes, how many
+times smaller the packets were than the updates sent dense, the agreed digest (or the provisional
+majority, marked so), and the packets peers refused.
 Nothing is loaded from elsewhere (no CDN, no fonts): a coordinator often runs where the browser
 has no internet, and the page must not leak who watches it. With no run given, the server picks
 the newest run still waiting or running, else the newest (`coordinator.views.Views.latest_run_id`).
@@ -80,8 +83,8 @@ th { color: #6b7280; font-weight: 600; }
 <th>bandwidth</th><th>lag</th><th>flags / reason</th></tr></thead><tbody></tbody></table>
 </section>
 <section class="wide"><h2>Recent rounds</h2><table id="history"><thead><tr>
-<th>round</th><th>contributors</th><th>mean loss</th><th>round time</th><th>tokens</th>
-<th>packet bytes</th><th>applied</th><th>majority digest</th><th>refused packets</th></tr></thead>
+<th>round</th><th>contributors</th><th>mean loss</th><th>val loss</th><th>round time</th><th>tokens</th>
+<th>packet bytes</th><th>vs dense</th><th>applied</th><th>agreed digest</th><th>refused packets</th></tr></thead>
 <tbody></tbody></table></section>
 </main>
 <script>
@@ -104,6 +107,11 @@ function scaled(v, units) {
   let i = 0;
   while (Math.abs(v) >= 1000 && i < units.length - 1) { v /= 1000; i++; }
   return (i ? v.toPrecision(3) : String(Math.round(v))) + (units[i] ? " " + units[i] : "");
+}
+function ratio(v) {
+  // How many times smaller than dense: "84x", "7.5x".
+  if (v === null || v === undefined) return "-";
+  return (v < 10 ? v.toFixed(1) : v.toFixed(0)) + "x";
 }
 function bandwidth(measured, uplink) {
   // Measured on the peer's downloads; the uplink as its operator stated it.
@@ -156,15 +164,17 @@ function yRange(values, fromZero) {
   return [lo, hi];
 }
 
-function drawPanel(plot, rounds, ys, opts) {
-  // One small plot: y ticks and a unit label on the left, the shared x range of rounds.
+function drawPanel(plot, rounds, series, opts) {
+  // One small plot: y ticks and a unit label on the left, the shared x range of rounds, a line
+  // per series ({name, label, ys, color, join}: `join` links points across rounds without a
+  // value, for a series sparse by design), and a legend when there is more than one.
   while (plot.firstChild) plot.removeChild(plot.firstChild);
   const width = plot.clientWidth || 1100, height = plot.clientHeight || 150;
   plot.setAttribute("viewBox", "0 0 " + width + " " + height);
   const box = {left: 74, right: width - 16, top: 8, bottom: height - (opts.xAxis ? 40 : 12)};
   plot.appendChild(svg("rect", {x: box.left, y: box.top, width: box.right - box.left,
                                 height: box.bottom - box.top, fill: "#fbfcfd", stroke: "#dde1e8"}));
-  plot.appendChild(svg("text", {x: 14, y: (box.top + box.bottom) / 2, "font-size": 12, fill: opts.color,
+  plot.appendChild(svg("text", {x: 14, y: (box.top + box.bottom) / 2, "font-size": 12, fill: series[0].color,
                                 "text-anchor": "middle", class: "axis-label",
                                 transform: "rotate(-90 14 " + (box.top + box.bottom) / 2 + ")"}, opts.unit));
   const [x0, x1] = opts.xRange;
@@ -183,14 +193,16 @@ function drawPanel(plot, rounds, ys, opts) {
                                   fill: "#4a5568", "text-anchor": "middle", class: "axis-label"}, "round"));
   }
   // [round, value, index]: the index tells a gap (a round without the value) from a neighbour.
-  const points = rounds.map((r, i) => [r, ys[i], i]).filter(p => p[1] !== null && p[1] !== undefined);
-  if (!points.length) {
+  const drawn = series.map(s => ({...s, points: rounds.map((r, i) => [r, s.ys[i], i])
+                                                      .filter(p => p[1] !== null && p[1] !== undefined)}));
+  const values = drawn.flatMap(s => s.points.map(p => p[1]));
+  if (!values.length) {
     plot.appendChild(svg("text", {x: (box.left + box.right) / 2, y: (box.top + box.bottom) / 2 + 4,
                                   "text-anchor": "middle", fill: "#6b7280", "font-size": 13},
                          rounds.length ? "no " + opts.unit + " reported" : "no closed rounds yet"));
     return;
   }
-  let [lo, hi] = yRange(points.map(p => p[1]), opts.fromZero);
+  let [lo, hi] = yRange(values, opts.fromZero);
   const yStep = niceStep(hi - lo, Math.max(3, Math.floor((box.bottom - box.top) / 25)), false);
   lo = Math.floor(lo / yStep + 1e-9) * yStep;  // out to the ticks around the data: both ends labelled
   hi = Math.ceil(hi / yStep - 1e-9) * yStep;
@@ -200,18 +212,30 @@ function drawPanel(plot, rounds, ys, opts) {
     plot.appendChild(svg("text", {x: box.left - 6, y: py(v) + 4, "font-size": 11, fill: "#4a5568",
                                   "text-anchor": "end", class: "y-tick"}, label));
   }
-  let d = "", previous = null;
-  for (const p of points) {  // a gap breaks the line
-    d += (previous === null || p[2] !== previous + 1 ? "M" : "L") + px(p[0]).toFixed(1) + " " +
-      py(p[1]).toFixed(1) + " ";
-    previous = p[2];
+  for (const s of drawn.filter(s => s.points.length)) {
+    let d = "", previous = null;
+    for (const p of s.points) {  // a gap breaks the line, unless the series joins across gaps
+      d += (previous === null || (!s.join && p[2] !== previous + 1) ? "M" : "L") + px(p[0]).toFixed(1) + " " +
+        py(p[1]).toFixed(1) + " ";
+      previous = p[2];
+    }
+    plot.appendChild(svg("path", {d: d.trim(), fill: "none", stroke: s.color, "stroke-width": 2.5,
+                                  "stroke-linejoin": "round", class: "series-" + s.name}));
+    if (s.points.length <= MANY_POINTS) {
+      for (const p of s.points) {
+        plot.appendChild(svg("circle", {cx: px(p[0]), cy: py(p[1]), r: s.points.length === 1 ? 5 : 3,
+                                        fill: s.color, class: "marker-" + s.name}));
+      }
+    }
   }
-  plot.appendChild(svg("path", {d: d.trim(), fill: "none", stroke: opts.color, "stroke-width": 2.5,
-                                "stroke-linejoin": "round", class: "series-" + opts.name}));
-  if (points.length <= MANY_POINTS) {
-    for (const p of points) {
-      plot.appendChild(svg("circle", {cx: px(p[0]), cy: py(p[1]), r: points.length === 1 ? 5 : 3,
-                                      fill: opts.color, class: "marker-" + opts.name}));
+  if (series.length > 1) {  // right-aligned in the top corner, the last series rightmost
+    let right = box.right - 8;
+    for (const s of series.slice().reverse()) {
+      const label = plot.appendChild(svg("text", {x: right, y: box.top + 14, "font-size": 11, fill: "#4a5568",
+                                                  "text-anchor": "end", class: "legend"}, s.label));
+      right -= (label.getComputedTextLength() || 6 * s.label.length) + 6;
+      plot.appendChild(svg("rect", {x: right - 14, y: box.top + 8, width: 14, height: 3, fill: s.color}));
+      right -= 28;
     }
   }
 }
@@ -220,10 +244,14 @@ function drawPlots(history) {
   const rounds = history.map(h => h.round);
   // Half a round of margin each side: a single round sits in the middle of its own tick.
   const xRange = rounds.length ? [rounds[0] - 0.5, rounds[rounds.length - 1] + 0.5] : [-0.5, 0.5];
-  drawPanel(document.getElementById("plot-loss"), rounds, history.map(h => h.mean_loss),
-            {name: "loss", unit: "loss", color: "#2563eb", xRange: xRange, xAxis: false, fromZero: false});
-  drawPanel(document.getElementById("plot-time"), rounds, history.map(h => h.round_time_s),
-            {name: "time", unit: "seconds", color: "#ea580c", xRange: xRange, xAxis: true, fromZero: true});
+  drawPanel(document.getElementById("plot-loss"), rounds, [
+    {name: "loss", label: "train (mean over peers)", ys: history.map(h => h.mean_loss), color: "#2563eb"},
+    // Peers evaluate every few rounds: the points are joined across the rounds in between.
+    {name: "val", label: "validation", ys: history.map(h => h.val_loss), color: "#9333ea", join: true},
+  ], {unit: "loss", xRange: xRange, xAxis: false, fromZero: false});
+  drawPanel(document.getElementById("plot-time"), rounds,
+            [{name: "time", label: "round time", ys: history.map(h => h.round_time_s), color: "#ea580c"}],
+            {unit: "seconds", xRange: xRange, xAxis: true, fromZero: true});
 }
 
 // -- run picker, round bar, banner ------------------------------------------------------------
@@ -307,6 +335,11 @@ function drawRound(s) {
       (run.current_round === 1 ? "" : "s");
     deadline.textContent = run.closed_at ? run.state + " at " + new Date(run.closed_at * 1000).toISOString() : "";
   }
+  if (s.recovery) {  // paused: every peer stopped; it waits for a peer holding its state
+    kind = "stalled";
+    warning = "Paused since " + new Date(s.recovery.paused_since * 1000).toISOString().slice(11, 19) +
+      " UTC, " + (s.now - s.recovery.paused_since).toFixed(0) + " s: " + s.recovery.message;
+  }
   banner.hidden = warning === null;
   banner.className = kind ? "banner " + kind : "banner";
   banner.textContent = warning || "";
@@ -338,6 +371,8 @@ function render(s) {
     cell(row, text(p.lag_rounds));
     const note = p.flags.map(f => f + (p.mismatch_round !== null ? " @" + p.mismatch_round : ""));
     if (p.reason) note.push(p.reason);
+    // Standing (coordinator/service.py): shown unless it is a contributor the round waits for.
+    if (p.standing && p.standing !== "contributor") note.push(p.standing + ": " + (p.standing_reason || ""));
     cell(row, note.join("; "), p.flags.length ? "flag" : "muted");
     peers.appendChild(row);
   }
@@ -348,11 +383,15 @@ function render(s) {
     const row = document.createElement("tr");
     row.className = "round-row";
     cell(row, h.round); cell(row, h.num_contributors); cell(row, text(h.mean_loss, 4));
+    cell(row, text(h.val_loss, 4));
     cell(row, h.round_time_s.toFixed(h.round_time_s < 10 ? 2 : 1) + " s");
     cell(row, scaled(h.tokens, ["", "k", "M", "G", "T"]));
     cell(row, scaled(h.packet_bytes, ["B", "kB", "MB", "GB", "TB"]));
+    cell(row, ratio(h.compression_ratio));
     cell(row, h.num_applied);
-    cell(row, h.majority_digest ? h.majority_digest.slice(0, 16) : "-");
+    // Only an agreed digest is trusted; a provisional majority is shown as such.
+    cell(row, h.agreed_digest ? h.agreed_digest.slice(0, 16)
+      : h.majority_digest ? h.majority_digest.slice(0, 16) + " (provisional)" : "-", h.agreed_digest ? "" : "muted");
     const refused = Object.entries(h.refused || {}).map(([p, why]) => p + ": " + why);
     cell(row, refused.length ? refused.join("; ") : "-", refused.length ? "flag" : "muted");
     hist.appendChild(row);

@@ -1,7 +1,10 @@
 """The coordinator's routes, one `APIRouter` per concern; `coordinator.app.create_app` mounts them.
 
 Routes are thin: authenticate, call `CoordinatorService` for a change or its `Views` for a read,
-return a `protocol.http` model. Each factory is handed what its routes use:
+return a `protocol.http` model. Everything that touches the database (the signature check reads
+the peer's key and records its nonce) runs on the database thread (`coordinator.db_worker`), one
+hop per request, and the answer is serialised there too (`_json`): the event loop only reads
+bodies, parks long-polls and writes bytes. Each factory is handed what its routes use:
 
 - `ops_router`: ``/healthz`` (the process answers), ``/readyz`` (its database reads and writes),
   ``/metrics`` and the status page ``/`` (public).
@@ -17,27 +20,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import time
 from collections import Counter
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
-from fastapi import APIRouter, Header, Path, Query, Request
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, BeforeValidator
 
 from coordinator import errors, metrics, page
 from coordinator.auth import Authenticator
+from coordinator.db_worker import DatabaseWorker, SharedReads
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
 from coordinator.views import HISTORY_LIMIT
 from protocol.fields import ResponseModel
-from protocol.http import API_PREFIX, MAX_LONG_POLL_S, AppliedRequest, AppliedResponse, ErrorBody, Health, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, RoundView, RunCreated, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse
+from protocol.http import API_PREFIX, MAX_LONG_POLL_S, AppliedRequest, AppliedResponse, ErrorBody, Health, HeartbeatRequest, HeartbeatResponse, JoinChallenge, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, RoundView, RunCreated, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse
 from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
 
+def _decimal_digits(value: object) -> object:
+    """Integers in a path or query are written in digits: "2.0", "+2" or " 2" are not one."""
+    if isinstance(value, str) and not re.fullmatch(r"-?[0-9]+", value):
+        raise ValueError("must be a whole number written in decimal digits")
+    return value
+
+
+Digits = BeforeValidator(_decimal_digits)
 RunIdPath = Annotated[str, Path(pattern=r"^[a-z0-9][a-z0-9-]{0,63}$", max_length=64)]
-RoundPath = Annotated[int, Path(ge=0, le=2**31)]
+RoundPath = Annotated[int, Path(ge=0, le=2**31), Digits]
 ERROR_RESPONSES: dict[int | str, dict] = {
     status: {"model": ErrorBody} for status in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
@@ -51,13 +67,20 @@ class Ready(ResponseModel):
 
 class RunEvents:
     """One `asyncio.Event` per run, replaced each time it fires: a waiter takes the current event
-    *before* reading state, so a change committed after the read still wakes it."""
+    *before* reading state, so a change committed after the read still wakes it. The events live
+    on the event loop; `notify` may be called from any thread (the service commits on the
+    database thread) and hands the wake-up to the loop."""
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.num_waiting = 0  # long-polls parked right now (tests wait on it, metrics show it)
 
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
     def current(self, run_id: str) -> asyncio.Event:
+        self._loop = asyncio.get_running_loop()
         return self._events.setdefault(run_id, asyncio.Event())
 
     async def wait(self, event: asyncio.Event, timeout_s: float) -> None:
@@ -69,34 +92,85 @@ class RunEvents:
             self.num_waiting -= 1
 
     def notify(self, run_id: str) -> None:
+        loop = self._loop
+        if loop is None:
+            return  # nobody ever waited: nothing to wake
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._wake(run_id)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to wake
+                loop.call_soon_threadsafe(self._wake, run_id)
+
+    def _wake(self, run_id: str) -> None:
         event = self._events.pop(run_id, None)
         if event is not None:
             event.set()
 
 
-async def _signed_peer(auth: Authenticator, request: Request, public_key: bytes | None = None) -> str:
+def _json_number(text: str) -> int | float:
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+class _JsonNumbersRequest(Request):
+    async def json(self) -> object:
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), parse_float=_json_number)
+        return self._json
+
+
+class JsonSchemaRoute(APIRoute):
+    """Reads JSON bodies with numbers as JSON Schema counts them, which is how the OpenAPI document
+    describes them: ``2.0`` is the integer 2, so an integer field takes it, while ``2.5`` stays a
+    fraction and is refused there. Everything else stays strict (no "2" for 2: request models)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def with_json_numbers(request: Request) -> Response:
+            return await handler(_JsonNumbersRequest(request.scope, request.receive))
+
+        return with_json_numbers
+
+
+def _json(model: BaseModel | str) -> Response:
+    """A response model as JSON, serialised on the database thread where the model was built (or
+    the JSON a shared read made there). FastAPI would otherwise dump, re-validate and re-encode it
+    on the event loop: for the status of a run with hundreds of peers, tens of milliseconds with
+    every other request waiting."""
+    content = model if isinstance(model, str) else model.model_dump_json()
+    return Response(content, media_type="application/json")
+
+
+async def _signer(auth: Authenticator, request: Request, public_key: bytes | None = None) -> Callable[[], str]:
+    """Read the body here on the loop; the check returned runs on the database thread (it reads
+    the peer's key and records the nonce) and gives the id of the peer that signed the request."""
     body = await request.body()
-    return auth.verify_peer(
-        request.method, request.url.path, request.headers, body, public_key=public_key
-    )
+    method, path, headers = request.method, request.url.path, request.headers
+    return lambda: auth.verify_peer(method, path, headers, body, public_key=public_key)
 
 
 def ops_router(
-    storage: Storage, service: CoordinatorService, response_counts: Counter[int]
+    storage: Storage, service: CoordinatorService, worker: DatabaseWorker, response_counts: Counter[int]
 ) -> APIRouter:
-    router = APIRouter(tags=["ops"])
+    router = APIRouter(tags=["ops"], route_class=JsonSchemaRoute)
 
     @router.get("/healthz", response_model=Health)
     async def healthz() -> Health:
-        """Liveness: the process answers. It never touches the database (see /readyz)."""
-        return Health(status="ok")
+        """Liveness: the process answers. It never touches the database (see /readyz). With the
+        coordinator's clock, which nodes check theirs against before they join."""
+        return Health(status="ok", server_time=service.clock())
 
     @router.get("/readyz", response_model=Ready, responses={503: {"model": ErrorBody}})
     async def readyz() -> Ready:
         """Readiness: the database takes a read and a write now (`Storage.probe`); else 503
         ``storage_unavailable``."""
         try:
-            storage.probe(service.clock())
+            await worker.run(storage.probe, service.clock())
         except errors.StorageUnavailable:
             raise
         except Exception as e:
@@ -107,18 +181,20 @@ def ops_router(
 
     @router.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> PlainTextResponse:
-        text = metrics.render(storage, service.views, service.clock(), response_counts)
+        counts = Counter(response_counts)  # a copy: the loop goes on counting meanwhile
+        text = await worker.run(metrics.render, storage, service.views, service.clock(), counts)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @router.get("/", response_class=HTMLResponse)
     async def status_page(run: Annotated[str | None, Query(max_length=64)] = None) -> HTMLResponse:
-        return HTMLResponse(page.render_page(run or service.views.latest_run_id()))
+        return HTMLResponse(page.render_page(run or await worker.run(service.views.latest_run_id)))
 
     return router
 
 
-def runs_router(service: CoordinatorService, auth: Authenticator) -> APIRouter:
-    router = APIRouter(prefix=API_PREFIX, tags=["runs"])
+def runs_router(service: CoordinatorService, auth: Authenticator, worker: DatabaseWorker,
+                reads: SharedReads) -> APIRouter:
+    router = APIRouter(prefix=API_PREFIX, tags=["runs"], route_class=JsonSchemaRoute)
     views = service.views
 
     @router.post("/runs", response_model=RunCreated, responses=ERROR_RESPONSES)
@@ -126,113 +202,139 @@ def runs_router(service: CoordinatorService, auth: Authenticator) -> APIRouter:
         config: RunConfig, authorization: Annotated[str | None, Header()] = None
     ) -> RunCreated:
         auth.require_admin(authorization)
-        return RunCreated(run_id=service.create_run(config))
+        return RunCreated(run_id=await worker.run(service.create_run, config))
 
     @router.get("/runs", response_model=RunList)
-    async def list_runs() -> RunList:
-        return views.list_runs()
+    async def list_runs() -> Response:
+        return _json(await reads.run("runs", lambda: views.list_runs().model_dump_json()))
 
     @router.get("/runs/{run_id}", response_model=RunInfo, responses=ERROR_RESPONSES)
-    async def get_run(run_id: RunIdPath) -> RunInfo:
-        service.advance(run_id)
-        return views.run_info(run_id)
+    async def get_run(run_id: RunIdPath) -> Response:
+        def answer() -> str:
+            service.advance(run_id)
+            return views.run_info(run_id).model_dump_json()
+
+        return _json(await reads.run(("run", run_id), answer))
 
     @router.post("/runs/{run_id}/close", response_model=RunInfo, responses=ERROR_RESPONSES)
     async def close_run(
         run_id: RunIdPath, authorization: Annotated[str | None, Header()] = None
-    ) -> RunInfo:
+    ) -> Response:
         auth.require_admin(authorization)
-        service.close_run(run_id)
-        return views.run_info(run_id)
+
+        def answer() -> Response:
+            service.close_run(run_id)
+            return _json(views.run_info(run_id))
+
+        return await worker.run(answer)
 
     @router.get("/runs/{run_id}/status", response_model=RunStatus, responses=ERROR_RESPONSES)
     async def run_status(
-        run_id: RunIdPath, history: Annotated[int, Query(ge=0, le=HISTORY_LIMIT)] = HISTORY_LIMIT,
-    ) -> RunStatus:
+        run_id: RunIdPath, history: Annotated[int, Query(ge=0, le=HISTORY_LIMIT), Digits] = HISTORY_LIMIT,
+    ) -> Response:
         """`history`: how many of the latest closed rounds to summarize (0: none, for a peer that
         needs only the members)."""
-        service.advance(run_id)
-        return views.status(run_id, now=service.clock(), history_limit=history)
+        def answer() -> str:
+            service.advance(run_id)
+            return views.status(run_id, now=service.clock(), history_limit=history).model_dump_json()
+
+        return _json(await reads.run(("status", run_id, history), answer))
 
     return router
 
 
-def peers_router(service: CoordinatorService, auth: Authenticator) -> APIRouter:
-    router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
+def peers_router(service: CoordinatorService, auth: Authenticator, worker: DatabaseWorker) -> APIRouter:
+    router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"], route_class=JsonSchemaRoute)
+
+    @router.get("/join-challenge", response_model=JoinChallenge, responses=ERROR_RESPONSES)
+    async def join_challenge(run_id: RunIdPath) -> Response:
+        """The proof of work a new key solves before joining (protocol/join_pow.py; bits 0: none)."""
+        return await worker.run(lambda: _json(service.join_challenge(run_id)))
 
     @router.post("/join", response_model=JoinResponse, responses=ERROR_RESPONSES)
-    async def join(run_id: RunIdPath, body: JoinRequest, request: Request) -> JoinResponse:
-        signer = await _signed_peer(auth, request, public_key=bytes.fromhex(body.public_key))
-        return service.join(run_id, signer, body)
+    async def join(run_id: RunIdPath, body: JoinRequest, request: Request) -> Response:
+        signer = await _signer(auth, request, public_key=bytes.fromhex(body.public_key))
+        # The direct peer's address: behind a proxy every join shares the proxy's (set its own limits).
+        source = request.client.host if request.client else None
+        return await worker.run(lambda: _json(service.join(run_id, signer(), body, source=source)))
 
     @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERROR_RESPONSES)
-    async def heartbeat(
-        run_id: RunIdPath, body: HeartbeatRequest, request: Request
-    ) -> HeartbeatResponse:
-        return service.heartbeat(run_id, await _signed_peer(auth, request), body)
+    async def heartbeat(run_id: RunIdPath, body: HeartbeatRequest, request: Request) -> Response:
+        signer = await _signer(auth, request)
+        return await worker.run(lambda: _json(service.heartbeat(run_id, signer(), body)))
 
     @router.post("/leave", response_model=LeaveResponse, responses=ERROR_RESPONSES)
-    async def leave(
-        run_id: RunIdPath, request: Request, body: LeaveRequest | None = None
-    ) -> LeaveResponse:
-        peer_id = await _signed_peer(auth, request)
-        return service.leave(run_id, peer_id, body or LeaveRequest())
+    async def leave(run_id: RunIdPath, request: Request, body: LeaveRequest | None = None) -> Response:
+        signer = await _signer(auth, request)
+        return await worker.run(lambda: _json(service.leave(run_id, signer(), body or LeaveRequest())))
 
     return router
 
 
-def rounds_router(service: CoordinatorService, auth: Authenticator, events: RunEvents) -> APIRouter:
-    router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}/rounds", tags=["rounds"])
+def rounds_router(
+    service: CoordinatorService, auth: Authenticator, events: RunEvents, worker: DatabaseWorker,
+    reads: SharedReads,
+) -> APIRouter:
+    router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}/rounds", tags=["rounds"], route_class=JsonSchemaRoute)
     views = service.views
 
     @router.post("/{round_index}/submit", response_model=SubmitResponse, responses=ERROR_RESPONSES)
     async def submit(
         run_id: RunIdPath, round_index: RoundPath, body: SubmitRequest, request: Request
-    ) -> SubmitResponse:
-        return service.submit(run_id, round_index, await _signed_peer(auth, request), body)
+    ) -> Response:
+        signer = await _signer(auth, request)
+        return await worker.run(lambda: _json(service.submit(run_id, round_index, signer(), body)))
 
     @router.get("/{round_index}", response_model=RoundView, responses=ERROR_RESPONSES)
     async def get_round(
         run_id: RunIdPath,
         round_index: RoundPath,
         wait_s: Annotated[float, Query(ge=0.0, le=MAX_LONG_POLL_S)] = 0.0,
-        submitted_gt: Annotated[int | None, Query(ge=0)] = None,
-        version_gt: Annotated[int | None, Query(ge=0, le=2**31)] = None,
-    ) -> RoundView:
+        submitted_gt: Annotated[int | None, Query(ge=0), Digits] = None,
+        version_gt: Annotated[int | None, Query(ge=0, le=2**31), Digits] = None,
+    ) -> Response:
         """Long-poll: answers once round `round_index` is closed, or (with `submitted_gt`) once more
         than that many packets were submitted to it, or (with `version_gt`, for a closed round)
         once its manifest version exceeds that, or after `wait_s` seconds."""
-        give_up_at = time.monotonic() + wait_s
-        while True:
-            event = events.current(run_id)
+        def answered() -> bool:
             service.advance(run_id)
             settled = views.round_is_settled(run_id, round_index)
             if version_gt is None and settled:
-                break
+                return True
             if version_gt is not None:
                 version = views.manifest_version(run_id, round_index)
                 if (version is None and settled) or (version or 0) > version_gt:
-                    break  # a round that never ran answers its refusal at once
-            if submitted_gt is not None and views.num_submitted(run_id, round_index) > submitted_gt:
+                    return True  # a round that never ran answers its refusal at once
+            return submitted_gt is not None and views.num_submitted(run_id, round_index) > submitted_gt
+
+        # Every peer parks here, and a submission wakes them all: they share the checks and the view.
+        give_up_at = time.monotonic() + wait_s
+        while True:
+            event = events.current(run_id)
+            if await reads.run(("round-answered", run_id, round_index, submitted_gt, version_gt), answered):
                 break
             remaining_s = give_up_at - time.monotonic()
             if remaining_s <= 0:
                 break
             await events.wait(event, remaining_s)
-        return views.round_view(run_id, round_index)
+        view = await reads.run(("round", run_id, round_index),
+                               lambda: views.round_view(run_id, round_index).model_dump_json())
+        return _json(view)
 
     @router.post("/{round_index}/applied", response_model=AppliedResponse, responses=ERROR_RESPONSES)
     async def applied(
         run_id: RunIdPath, round_index: RoundPath, body: AppliedRequest, request: Request
-    ) -> AppliedResponse:
-        return service.applied(run_id, round_index, await _signed_peer(auth, request), body)
+    ) -> Response:
+        signer = await _signer(auth, request)
+        return await worker.run(lambda: _json(service.applied(run_id, round_index, signer(), body)))
 
     @router.post("/{round_index}/missing", response_model=MissingResponse, responses=ERROR_RESPONSES)
     async def missing(
         run_id: RunIdPath, round_index: RoundPath, body: MissingRequest, request: Request
-    ) -> MissingResponse:
+    ) -> Response:
         """Report manifest entries of a closed round whose packets could not be fetched; the
         coordinator amends the manifest when they are due (protocol.http, "Amended manifests")."""
-        return service.report_missing(run_id, round_index, await _signed_peer(auth, request), body)
+        signer = await _signer(auth, request)
+        return await worker.run(lambda: _json(service.report_missing(run_id, round_index, signer(), body)))
 
     return router

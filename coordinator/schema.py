@@ -141,6 +141,65 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         # Inner steps a peer reported done in its progress_round (heartbeats); NULL: not reported.
         ("ALTER TABLE peers ADD COLUMN inner_step BIGINT",),
     ),
+    (
+        7,
+        # Whole-swarm restart (coordinator/recovery.py): when the run lost its last live peer, when
+        # the first one came back, the rewinds so far (JSON list); the state a peer said it holds.
+        (
+            "ALTER TABLE runs ADD COLUMN paused_since DOUBLE PRECISION",
+            "ALTER TABLE runs ADD COLUMN state_wait_since DOUBLE PRECISION",
+            "ALTER TABLE runs ADD COLUMN rewinds TEXT",
+            "ALTER TABLE peers ADD COLUMN state_round BIGINT",
+            "ALTER TABLE peers ADD COLUMN state_digest TEXT",
+        ),
+    ),
+    (
+        8,
+        # Agreed digests and standing (coordinator/service.py): a round's agreed digest (fixed once
+        # set) and how many votes its latest version has; applied reports one per manifest version,
+        # each marked whether it is a vote (the table is rebuilt for its new key); a peer's latest
+        # round whose manifest holds a packet of its (NULL: on probation); the run's secret for the
+        # join proof-of-work salts (coordinator/join_guard.py; '' until first needed). Rounds whose
+        # majority was recorded before votes existed keep it as their agreed digest.
+        (
+            "ALTER TABLE rounds ADD COLUMN agreed_digest TEXT",
+            "ALTER TABLE rounds ADD COLUMN num_votes BIGINT NOT NULL DEFAULT 0",
+            "UPDATE rounds SET agreed_digest = majority_digest WHERE majority_digest IS NOT NULL",
+            "ALTER TABLE runs ADD COLUMN join_secret TEXT NOT NULL DEFAULT ''",
+            "ALTER TABLE peers ADD COLUMN last_contributed_round BIGINT",
+            """UPDATE peers SET last_contributed_round = (
+                SELECT MAX(s.round) FROM submissions s JOIN rounds r ON r.run_id = s.run_id AND r.round = s.round
+                WHERE s.run_id = peers.run_id AND s.peer_id = peers.peer_id AND r.closed_at IS NOT NULL
+                AND NOT EXISTS (SELECT 1 FROM dropped_entries d WHERE d.run_id = s.run_id
+                                AND d.round = s.round AND d.peer_id = s.peer_id)
+            )""",
+            # Columns in the order of coordinator.storage.AppliedRow (rows are read by position).
+            """CREATE TABLE applied_reports (
+                run_id TEXT NOT NULL,
+                round BIGINT NOT NULL,
+                peer_id TEXT NOT NULL,
+                params_digest TEXT NOT NULL,
+                reported_at DOUBLE PRECISION NOT NULL,
+                refused TEXT,
+                manifest_version BIGINT NOT NULL,
+                vote BIGINT NOT NULL DEFAULT 0,
+                PRIMARY KEY (run_id, round, peer_id, manifest_version)
+            )""",
+            "INSERT INTO applied_reports (run_id, round, peer_id, params_digest, reported_at, refused,"
+            " manifest_version, vote) SELECT run_id, round, peer_id, params_digest, reported_at, refused,"
+            " manifest_version, 0 FROM applied",
+            "DROP TABLE applied",
+            "ALTER TABLE applied_reports RENAME TO applied",
+            # Standing: a peer's packets in a window of rounds (Storage.waited_for), one seek per peer.
+            "CREATE INDEX submissions_by_peer ON submissions (run_id, peer_id, round)",
+        ),
+    ),
+    (
+        9,
+        # The validation loss a peer reported with its applied report (nodes evaluate every few
+        # rounds; NULL: not evaluated).
+        ("ALTER TABLE applied ADD COLUMN val_loss DOUBLE PRECISION",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -6,9 +6,45 @@ Everything is a transaction on `Storage`; nothing is kept only in memory except 
 Rules (the contract is written out in `protocol.http`):
 
 - Round 0 opens once ``min_peers`` peers are live. Round r closes at its deadline, or as soon as
-  every live peer that was a member when r opened has submitted (an empty set never closes a round
-  early: that would spin through empty rounds). Closing fixes the manifest and opens r+1 with a
-  fresh deadline; the run finishes once ``max_rounds`` rounds have closed.
+  every peer it waits for has submitted (see "Standing"; an empty set never closes a round early:
+  that would spin through empty rounds). Closing fixes the manifest and opens r+1 with a fresh
+  deadline; the run finishes once ``max_rounds`` rounds have closed.
+- Standing (DESIGN.md, "Strangers are on probation"). A peer is on probation until one of its
+  packets is in a manifest: no round waits for it, though it may submit like anyone. Round r waits
+  for its contributors: the live members since r opened, not flagged ``withheld_round``, with a
+  packet in the manifest of one of the ``membership.max_missed_rounds`` (K) rounds before r. A
+  contributor that misses K rounds in a row is no longer waited for (it stays a member; its next
+  packet in a manifest makes it a contributor again). So a key that joins and only heartbeats, or
+  stalls after contributing, costs no round its deadline. Decision for a fresh run: while no live
+  member is a contributor (round 0, a run whose contributors all left, or after K empty rounds)
+  the round waits for every live member that was one when it opened, so round 0 is not closed on
+  its first packet; a silent member can thus hold round 0 (only) until its deadline. A peer that
+  misses the deadline is cut off as before; one slower than the contributors every round stays
+  on probation (nobody waits for it), the price of not letting strangers set the pace.
+- Agreed digests (DESIGN.md, "Agreed state"). After applying round r every peer reports its
+  parameter digest for the manifest version it applied; one report per peer, round and version,
+  immutable (the same again is answered as the first time, another digest is refused
+  ``conflicting_report``). A report is a vote when its peer's packet is in that version of the
+  manifest (and, with ``membership.vote_after_rounds`` K > 0, in K earlier rounds' manifests);
+  other reports are kept, shown and flagged when they differ, but never count, so keys that never
+  trained cannot outvote the peers that did. Over the votes on the latest version, the majority
+  (`tally`) is agreed once it has at least two votes and more than half of the round's
+  contributors (no later vote can overturn that), or once the round is settled - round r+1 has
+  closed, so every honest contributor has voted, since it applies r before training r+1 - with more
+  than half of the votes cast. Until then it is provisional. Decision for a round with exactly one
+  contributor: its lone vote is provisional until r+1 closes, then agreed, so a solo honest peer
+  goes on (it never waits for agreement) and a newcomer catches up from its snapshot one round
+  later; that peer is trusted exactly as far as its packet made the round. Likewise a round whose
+  other contributors died before voting settles on the votes it has. The last round of a run that
+  ended is never settled (agreed by a contributor majority only). An agreed digest never changes:
+  only an amendment (a new manifest version) starts a new vote. Everything that trusts a digest
+  (the join's snapshot source, a returning peer's state, ``params_mismatch`` flags, nodes'
+  snapshots and checkpoints) trusts the agreed one only.
+- Joining (coordinator/join_guard.py). A key new to the run is rate-limited per source address and
+  per run (``membership.join_rate_*``, ``join_burst*``: 429 ``rate_limited`` with Retry-After), then
+  checked against the join policy and, with ``membership.join_pow_bits``, a proof of work whose
+  salt this service derives per period from a per-run secret (``join_challenge``). A member rejoins
+  without either.
 - A peer silent for longer than ``heartbeat_timeout_s`` is marked gone, with the reason; any signed
   call counts as a sign of life. A gone or departed peer rejoins with its key and keeps its id,
   index and data shard; it is expected from the next round on.
@@ -33,21 +69,22 @@ Rules (the contract is written out in `protocol.http`):
   reporter and entry (a repeat changes nothing). An entry is dropped when every other live
   contributor of the round (the latest manifest's peers but its publisher) has reported it, or
   when ``exchange.missing_grace_s`` has passed since its first report (any member's) and no peer
-  but its publisher and its reporters has reported applying the round (every version so far held
+  but its publisher and its reporters (of the round's contributors: a stranger's word does not
+  count) has reported applying the round (every version so far held
   the entry). Such a peer got the packet and serves its copy on: the fault is the reporters'
   links, and they catch up from a snapshot rather than take the packet from everyone (one peer
   that can fetch nothing must not empty every manifest). An entry still undecided when its round
   falls out of the report window stays. Entries due together make one new version:
-  ``manifest_version`` + 1, the entries recorded in ``dropped_entries`` with the reason, the
-  majority digest recomputed over reports of the new version only (none yet: null). The
+  ``manifest_version`` + 1, the entries recorded in ``dropped_entries`` with the reason, and a new
+  vote on the new version (majority and agreed digest null until its votes come). The
   publisher is flagged (``withheld_round``): not expected in any round while flagged, so rounds
-  close without waiting for it; it may still submit. The flag clears once another peer reports
-  applying the latest manifest of a later round that holds a packet of its (the swarm could fetch
+  close without waiting for it; it may still submit. The flag clears once another peer votes on
+  the latest manifest of a later round that holds a packet of its (the swarm could fetch
   it again). The grace is applied on reports, before reads (`advance`) and by the tick, also in
   finished runs (their last round's stragglers still apply it). Amendments never hold up opening
   or closing rounds.
 - Applied reports name the manifest version they applied; a version the round never had is
-  refused. Reports of an older version are kept but do not count for the majority. The answer
+  refused. Reports of an older version are kept but do not vote. The answer
   carries the round's latest version, and the recent rounds that were amended, so that a node
   that applied an older version recomputes or catches up.
 
@@ -68,10 +105,12 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from coordinator import errors
+from coordinator import errors, recovery
+from coordinator.join_guard import JoinGuard, check_proof, period_of, salt_of
 from coordinator.storage import AppliedRow, DroppedRow, MissingReportRow, PeerRow, RoundRow, RunRow, Storage, SubmissionRow
 from coordinator.views import Views
-from protocol.http import MISSING_REPORT_ROUNDS, NONCE_WINDOW_S, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, SubmitRequest, SubmitResponse, peer_id_from_public_key
+from protocol.http import MISSING_REPORT_ROUNDS, NONCE_WINDOW_S, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinChallenge, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, SubmitRequest, SubmitResponse, peer_id_from_public_key
+from protocol.join_pow import JOIN_POW_PERIOD_S
 from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
@@ -109,6 +148,7 @@ class CoordinatorService:
         self._nonces_pruned_at = 0.0
         self.resumed_at = clock()  # see "Restart grace" above; `resume` sets it again
         self._failures_seen = storage.num_failures
+        self.join_guard = JoinGuard()  # rate limits of new keys, in memory (see "Joining" above)
 
     @contextmanager
     def _tx(self) -> Iterator[None]:
@@ -159,6 +199,9 @@ class CoordinatorService:
             now = self.clock()
             if run.state == "running":
                 self.storage.update_round(run_id, run.current_round, closed_at=now)
+                self.storage.mark_contributors(run_id, run.current_round)
+                if run.current_round > 0:
+                    self._count_votes(run_id, run.current_round - 1, settled=True)
                 self._changed.add(run_id)
             self.storage.update_run(run_id, state="closed", closed_at=now)
 
@@ -209,7 +252,11 @@ class CoordinatorService:
             return
         config = self.views.config_of(run)
         timeout_s = config.membership.heartbeat_timeout_s
-        for peer in self.storage.list_peers(run.run_id):
+        # Every request runs this: only the candidates are read, not every peer of the run (a
+        # millisecond of slack so float rounding never hides one; the exact test below decides).
+        cutoff = now - timeout_s + 1e-3
+        candidates = self.storage.silent_live_peers(run.run_id, cutoff) if self.resumed_at < cutoff else []
+        for peer in candidates:
             silent_s = now - max(peer.last_seen_at, self.resumed_at)
             if peer.status == "live" and silent_s > timeout_s:
                 since = " since the coordinator resumed" if peer.last_seen_at < self.resumed_at else ""
@@ -220,11 +267,18 @@ class CoordinatorService:
                     reason=f"no heartbeat for {silent_s:.0f} s{since} (timeout {timeout_s:g} s)",
                 )
         if run.state == "waiting":
-            num_live = sum(p.status == "live" for p in self.storage.list_peers(run.run_id))
+            num_live = self.storage.count_live_peers(run.run_id)
             if num_live >= config.membership.min_peers:
                 self._open_round(run.run_id, 0, now, config)
                 self.storage.update_run(run.run_id, state="running", current_round=0)
             return
+        # recovery.hold reads every peer; its common case (not paused, a peer live: go on) is
+        # answered by one count here, since every request of every peer comes through this line.
+        paused_or_empty = run.paused_since is not None or not self.storage.count_live_peers(run.run_id)
+        if paused_or_empty and recovery.hold(
+                self.storage, run, config, now, lambda r: self._round_timeout_s(run.run_id, r, config)):
+            return  # paused: every peer stopped (coordinator/recovery.py)
+        run = self.views.require_run(run.run_id)  # a resume or rewind reopened a round
         open_round = self.storage.get_round(run.run_id, run.current_round)
         if open_round is None or open_round.closed_at is not None:
             raise errors.StorageError(f"run {run.run_id}: round {run.current_round} is not open")
@@ -232,12 +286,13 @@ class CoordinatorService:
         if open_round.opened_at < self.resumed_at and open_round.deadline < grace_deadline:
             self.storage.update_round(run.run_id, open_round.round, deadline=grace_deadline)
             open_round = dataclasses.replace(open_round, deadline=grace_deadline)
-        if now >= open_round.deadline or self._all_expected_submitted(run.run_id, open_round.round):
+        if now >= open_round.deadline or self._all_waited_submitted(run.run_id, open_round.round, config):
             self._close_round(run, open_round, now, config)
 
-    def _all_expected_submitted(self, run_id: str, round_index: int) -> bool:
-        num_expected, num_missing = self.storage.expected_and_missing(run_id, round_index)
-        return num_expected > 0 and num_missing == 0
+    def _all_waited_submitted(self, run_id: str, round_index: int, config: RunConfig) -> bool:
+        """Whether every peer the round waits for submitted (see "Standing" above)."""
+        waited = self.storage.waited_for(run_id, round_index, config.membership.max_missed_rounds)
+        return bool(waited) and all(waited.values())
 
     def _open_round(self, run_id: str, round_index: int, now: float, config: RunConfig) -> None:
         deadline = now + self._round_timeout_s(run_id, round_index, config)
@@ -265,6 +320,9 @@ class CoordinatorService:
         self, run: RunRow, open_round: RoundRow, now: float, config: RunConfig
     ) -> None:
         self.storage.update_round(run.run_id, open_round.round, closed_at=now)
+        self.storage.mark_contributors(run.run_id, open_round.round)
+        if open_round.round > 0:  # the round before is settled now (see "Agreed digests")
+            self._count_votes(run.run_id, open_round.round - 1, settled=True)
         next_round = open_round.round + 1
         if config.max_rounds is not None and next_round >= config.max_rounds:
             self.storage.update_run(
@@ -291,7 +349,8 @@ class CoordinatorService:
 
     # -- membership ---------------------------------------------------------------------------
 
-    def join(self, run_id: str, signer_id: str, request: JoinRequest) -> JoinResponse:
+    def join(self, run_id: str, signer_id: str, request: JoinRequest, source: str | None = None) -> JoinResponse:
+        """Join or rejoin; `source` is the caller's address, for the rate limit of new keys."""
         public_key = bytes.fromhex(request.public_key)
         peer_id = peer_id_from_public_key(public_key)
         if signer_id != peer_id:
@@ -303,14 +362,20 @@ class CoordinatorService:
             run = self.views.require_run(run_id)
             if run.state not in ACTIVE_STATES:
                 raise errors.RunClosed(f"run {run_id} is {run.state}")
+            existing = self.storage.get_peer(run_id, peer_id)
+            membership = self.views.config_of(run).membership
+            if existing is None:  # a new key pays its way in (see "Joining" above); members rejoin freely
+                self.join_guard.admit(run_id, membership, source, now)
             self._check_join_token(run, request.join_token)
-            # Expected from the round after the open one: it cannot have theta_r in time, unless it
+            if existing is None and membership.join_pow_bits:
+                check_proof(self._join_secret(run), run_id, request.public_key, membership.join_pow_bits,
+                            request.pow_salt, request.pow_nonce, now)
+            # A member from the round after the open one: it cannot have theta_r in time, unless it
             # says it holds exactly the agreed start of the open round (its own checkpoint).
             first_round = run.current_round + (1 if run.state == "running" else 0)
             if run.state == "running" and self._holds_open_round_start(run, request):
                 first_round = run.current_round
             addrs = json.dumps(request.listen_multiaddrs)
-            existing = self.storage.get_peer(run_id, peer_id)
             if existing is None:
                 self.storage.insert_peer(
                     PeerRow(
@@ -330,6 +395,8 @@ class CoordinatorService:
                         member_since_round=first_round,
                         progress_round=None,
                         uplink_mbps=request.uplink_mbps,
+                        state_round=request.state_round,
+                        state_digest=request.state_digest,
                     )
                 )
             else:
@@ -346,6 +413,8 @@ class CoordinatorService:
                     uplink_mbps=request.uplink_mbps,
                     last_seen_at=now,
                     member_since_round=first_round if rejoining else existing.member_since_round,
+                    state_round=request.state_round,
+                    state_digest=request.state_digest,
                 )
             self._advance(self.views.require_run(run_id), now)
             return self.views.join_response(self.views.require_run(run_id), peer_id)
@@ -355,7 +424,28 @@ class CoordinatorService:
         if request.state_round is None or request.state_round != run.current_round:
             return False
         previous = self.storage.get_round(run.run_id, run.current_round - 1)
-        return previous is not None and previous.majority_digest == request.state_digest
+        return previous is not None and previous.agreed_digest == request.state_digest
+
+    def join_challenge(self, run_id: str) -> JoinChallenge:
+        """The proof of work a new key solves before it joins (protocol/join_pow.py); bits 0 and
+        an empty salt when the run asks for none."""
+        now = self.clock()
+        with self._tx():
+            run = self.views.require_run(run_id)
+            bits = self.views.config_of(run).membership.join_pow_bits
+            secret = self._join_secret(run) if bits else ""
+        period = period_of(now)
+        return JoinChallenge(run_id=run_id, bits=bits, salt=salt_of(secret, run_id, period) if bits else "",
+                             expires_at=(period + 2) * JOIN_POW_PERIOD_S)
+
+    def _join_secret(self, run: RunRow) -> str:
+        """The run's secret for proof-of-work salts, made on first need (runs stored before it have none)."""
+        if run.join_secret:
+            return run.join_secret
+        secret = secrets.token_hex(32)
+        self.storage.update_run(run.run_id, join_secret=secret)
+        run.join_secret = secret
+        return secret
 
     def _check_join_token(self, run: RunRow, token: str | None) -> None:
         if self.views.config_of(run).membership.join_policy == "open":
@@ -461,12 +551,14 @@ class CoordinatorService:
                     submitted_at=now,
                 )
             )
+            # "submitted" unless the peer already said it works on a later round (with overlap it
+            # submits round r while it trains r+1): then its own word stands.
             self.storage.update_peer(
                 run_id,
                 peer_id,
                 last_loss=request.train_loss,
                 progress_round=max(round_index, peer.progress_round or 0),
-                activity="submitted",
+                **({"activity": "submitted"} if (peer.progress_round or 0) <= round_index else {}),
             )
             self._changed.add(run_id)
             response = self._submit_response(run_id, round_index, peer_id)
@@ -510,8 +602,8 @@ class CoordinatorService:
     def applied(
         self, run_id: str, round_index: int, peer_id: str, request: AppliedRequest
     ) -> AppliedResponse:
-        """Record a peer's parameter digest after applying a version of round r's manifest;
-        recompute the majority over reports of the latest version."""
+        """Record a peer's parameter digest after applying a version of round r's manifest (once
+        per version: a report is immutable) and count it if it is a vote (see "Agreed digests")."""
         now = self.clock()
         with self._tx():
             run = self.views.require_run(run_id)
@@ -523,26 +615,93 @@ class CoordinatorService:
                 raise errors.UnknownManifestVersion(
                     f"round {round_index}'s manifest is at version {latest}, not {request.manifest_version}"
                 )
+            report = self.storage.get_applied(run_id, round_index, peer_id, request.manifest_version)
+            if report is not None:
+                if report.params_digest != request.params_digest:
+                    raise errors.ConflictingReport(
+                        f"round {round_index} version {request.manifest_version}: this peer already reported"
+                        f" digest {report.params_digest[:16]}; a report cannot be changed")
+                return self._applied_response(run_id, round_row, report)  # a retry: answered as the first
+            vote = self._is_vote(run_id, round_index, peer_id, request.manifest_version, self.views.config_of(run))
             refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
-            self.storage.upsert_applied(AppliedRow(run_id, round_index, peer_id, request.params_digest, now,
-                                                   refused, request.manifest_version))
-            reports = [a for a in self.storage.list_applied(run_id, round_index) if a.manifest_version == latest]
-            majority = majority_digest(reports, round_row.majority_digest) if reports else None
-            self.storage.update_round(run_id, round_index, majority_digest=majority)
-            if request.manifest_version == latest:
+            report = AppliedRow(run_id, round_index, peer_id, request.params_digest, now, refused,
+                                request.manifest_version, vote=int(vote))
+            self.storage.add_applied(report)
+            if request.manifest_version == latest and vote:
+                round_row = self._count_votes(run_id, round_index)
                 self._clear_withheld(run_id, round_index, peer_id)
-            # Having applied round r, the peer now works on round r+1.
+            if request.val_loss is not None:
+                self.storage.record_val_loss(run_id, round_index, peer_id, request.manifest_version, request.val_loss)
+            # Having applied round r, the peer now works on round r+1: from its inner step 0 (a count
+            # left from round r would read as progress in r+1), until its next heartbeat says more.
+            # Unless it already said it works on a later round (with overlap it applies r after
+            # training r+1): then its own word stands.
             progress = max(round_index + 1, peer.progress_round or 0)
-            self.storage.update_peer(run_id, peer_id, activity="applied", progress_round=progress)
-            return AppliedResponse(
-                round=round_index,
-                majority_digest=majority,
-                agrees=request.manifest_version == latest and request.params_digest == majority,
-                num_reports=len(reports),
-                manifest_version=latest,
-                amended=self.storage.amended_rounds(
-                    run_id, self.views.require_run(run_id).current_round - MISSING_REPORT_ROUNDS - 1),
-            )
+            fields: dict = {"progress_round": progress}
+            if (peer.progress_round or 0) <= round_index:
+                fields |= {"activity": "applied", "inner_step": None}
+            self.storage.update_peer(run_id, peer_id, **fields)
+            return self._applied_response(run_id, round_row, report)
+
+    def _applied_response(self, run_id: str, round_row: RoundRow, report: AppliedRow) -> AppliedResponse:
+        latest = round_row.manifest_version
+        majority = round_row.majority_digest
+        return AppliedResponse(
+            round=round_row.round,
+            majority_digest=majority,
+            agrees=report.manifest_version == latest and report.params_digest == majority,
+            num_reports=sum(a.manifest_version == latest for a in self.storage.list_applied(run_id, round_row.round)),
+            manifest_version=latest,
+            amended=self.storage.amended_rounds(
+                run_id, self.views.require_run(run_id).current_round - MISSING_REPORT_ROUNDS - 1),
+            agreed_digest=round_row.agreed_digest,
+            provisional=majority is not None and round_row.agreed_digest is None,
+            num_votes=round_row.num_votes,
+            vote=bool(report.vote),
+        )
+
+    def _in_manifest(self, run_id: str, round_index: int, peer_id: str, version: int) -> bool:
+        """Whether version `version` of round r's manifest holds a packet of this peer."""
+        if self.storage.get_submission(run_id, round_index, peer_id) is None:
+            return False
+        return not any(d.peer_id == peer_id and d.manifest_version <= version
+                       for d in self.storage.list_dropped(run_id, round_index))
+
+    def _is_vote(self, run_id: str, round_index: int, peer_id: str, version: int, config: RunConfig) -> bool:
+        """Whether this peer's report of that version votes: its packet is in it (and, with
+        ``membership.vote_after_rounds`` K, in K earlier rounds' manifests)."""
+        if not self._in_manifest(run_id, round_index, peer_id, version):
+            return False
+        needed = config.membership.vote_after_rounds
+        return needed == 0 or self.storage.contributed_rounds_before(run_id, peer_id, round_index) >= needed
+
+    def _count_votes(self, run_id: str, round_index: int, settled: bool = False) -> RoundRow:
+        """Recount the votes on round r's latest manifest version and fix its agreed digest when it
+        is due (see "Agreed digests"); an agreed digest is never changed here. `settled`: the next
+        round has closed (the caller knows), else it is looked up."""
+        round_row = self._closed_round(run_id, round_index)  # votes are on closed rounds only
+        version = round_row.manifest_version
+        votes = [a.params_digest for a in self.storage.list_applied(run_id, round_index)
+                 if a.manifest_version == version and a.vote]
+        fields: dict = {"num_votes": len(votes)}
+        if round_row.agreed_digest is None and votes:
+            settled = settled or self._settled(run_id, round_index)
+            dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index) if d.manifest_version <= version}
+            num_contributors = sum(s.peer_id not in dropped for s in self.storage.list_submissions(run_id, round_index))
+            leader, agreed = tally(votes, num_contributors, settled, round_row.majority_digest)
+            fields |= {"majority_digest": leader, "agreed_digest": agreed}
+            if agreed is not None:
+                log.info("run %s round %d: digest %s agreed by %d of %d vote(s), %d contributor(s)%s", run_id,
+                         round_index, agreed[:16], votes.count(agreed), len(votes), num_contributors,
+                         " (settled)" if settled else "")
+        self.storage.update_round(run_id, round_index, **fields)
+        return dataclasses.replace(round_row, **fields)
+
+    def _settled(self, run_id: str, round_index: int) -> bool:
+        """Round r is settled once round r+1 has closed: every honest contributor applied r before
+        it trained r+1, so its vote is in."""
+        next_row = self.storage.get_round(run_id, round_index + 1)
+        return next_row is not None and next_row.closed_at is not None
 
     def _closed_round(self, run_id: str, round_index: int) -> RoundRow:
         round_row = self.storage.get_round(run_id, round_index)
@@ -606,11 +765,13 @@ class CoordinatorService:
             return
         grace_s = self.views.config_of(run).exchange.missing_grace_s
         dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index)}
-        manifest = [s.peer_id for s in self.storage.list_submissions(run_id, round_index)
-                    if s.peer_id not in dropped]
+        submitters = {s.peer_id for s in self.storage.list_submissions(run_id, round_index)}
+        manifest = sorted(submitters - dropped)
         live = {p.peer_id for p in self.storage.list_peers(run_id) if p.status == "live"}
         # Every version so far held each entry still undropped: whoever applied one got its packet.
-        appliers = {a.peer_id for a in self.storage.list_applied(run_id, round_index)}
+        # Only the round's contributors are believed: a stranger's report must not keep an entry
+        # nobody serves.
+        appliers = {a.peer_id for a in self.storage.list_applied(run_id, round_index) if a.peer_id in submitters}
         reports: dict[str, list[MissingReportRow]] = {}
         for report in self.storage.list_missing_reports(run_id, round_index):
             reports.setdefault(report.peer_id, []).append(report)
@@ -634,11 +795,10 @@ class CoordinatorService:
             peer = self.storage.get_peer(run_id, entry)
             if peer is not None and (peer.withheld_round is None or peer.withheld_round < round_index):
                 self.storage.update_peer(run_id, entry, withheld_round=round_index)
-        reports_now = [a for a in self.storage.list_applied(run_id, round_index) if a.manifest_version == version]
-        self.storage.update_round(
-            run_id, round_index, manifest_version=version,
-            majority_digest=majority_digest(reports_now, None) if reports_now else None,
-        )
+            self.storage.refresh_last_contributed(run_id, entry)
+        # A new version is a new vote: no report can name it yet.
+        self.storage.update_round(run_id, round_index, manifest_version=version, majority_digest=None,
+                                  agreed_digest=None, num_votes=0)
         log.warning("run %s round %d: manifest version %d drops %s", run_id, round_index, version,
                     "; ".join(f"{entry}: {reason}" for entry, reason in sorted(due.items())))
         self._changed.add(run_id)
@@ -658,10 +818,19 @@ class CoordinatorService:
                          run_id, s.peer_id, round_index, reporter_id)
 
 
-def majority_digest(reports: list[AppliedRow], previous: str | None) -> str:
-    """The most reported digest. On a tie the previous majority stays (so the answer does not
-    flip back and forth as equal counts arrive), else the smallest digest wins (deterministic)."""
-    counts = Counter(r.params_digest for r in reports)
+def tally(votes: list[str], num_contributors: int, settled: bool, previous: str | None) -> tuple[str, str | None]:
+    """(majority, agreed or None) of a round's votes (see "Agreed digests"). The majority is the
+    digest most votes name; on a tie the previous one stays (so it does not flip back and forth as
+    equal counts arrive), else the smallest (deterministic). It is agreed with at least two votes
+    and more than half of the contributors, which no later vote can overturn; or once the round is
+    settled, with more than half of the votes cast (a lone vote too)."""
+    counts = Counter(votes)
     top = max(counts.values())
     leaders = sorted(digest for digest, count in counts.items() if count == top)
-    return previous if previous in leaders else leaders[0]
+    majority = previous if previous in leaders else leaders[0]
+    count = counts[majority]
+    if count >= 2 and 2 * count > num_contributors:
+        return majority, majority
+    if settled and 2 * count > len(votes):
+        return majority, majority
+    return majority, None

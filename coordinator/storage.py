@@ -72,6 +72,10 @@ class RunRow:
     created_at: float
     closed_at: float | None
     current_round: int  # the open round, or the next to open
+    paused_since: float | None = None  # no live peer since then (coordinator/recovery.py)
+    state_wait_since: float | None = None  # while paused: when the first peer came back
+    rewinds: str | None = None  # JSON list of {at, from_round, to_round, reason}
+    join_secret: str = ""  # hex; the join proof-of-work salts derive from it ('' until first needed)
 
 
 @dataclass(slots=True)
@@ -94,6 +98,9 @@ class PeerRow:
     uplink_mbps: float | None = None  # stated by its operator at join
     withheld_round: int | None = None  # latest round whose packet of its was dropped as unfetchable
     inner_step: int | None = None  # inner steps done in progress_round, per its last heartbeat
+    state_round: int | None = None  # the round start it said at its latest join that it holds
+    state_digest: str | None = None  # and that state's parameter digest
+    last_contributed_round: int | None = None  # latest round whose manifest holds its packet (None: probation)
 
 
 @dataclass(slots=True)
@@ -103,8 +110,10 @@ class RoundRow:
     opened_at: float
     deadline: float
     closed_at: float | None
-    majority_digest: str | None  # over the applied reports of the latest manifest version
+    majority_digest: str | None  # the digest most votes on the latest manifest version name
     manifest_version: int = 1  # one more per amendment of the closed round's manifest
+    agreed_digest: str | None = None  # fixed once set, until an amendment starts a new vote
+    num_votes: int = 0  # votes on the latest manifest version
 
 
 @dataclass(slots=True)
@@ -130,6 +139,8 @@ class AppliedRow:
     reported_at: float
     refused: str | None = None  # JSON {peer id: reason} of the packets it left out
     manifest_version: int = 1  # the version of the round's manifest it applied
+    vote: int = 0  # 1: it counts towards the agreed digest (its peer has a packet in that version)
+    val_loss: float | None = None  # the model's held-out loss after the round, when the peer evaluated it
 
 
 @dataclass(slots=True)
@@ -361,6 +372,22 @@ class Storage:
             PeerRow, "SELECT * FROM peers WHERE run_id = ? ORDER BY peer_index", (run_id,)
         )
 
+    def silent_live_peers(self, run_id: str, seen_before: float) -> list[PeerRow]:
+        """Live peers last seen before `seen_before`: the heartbeat timeout's candidates, found by
+        the database rather than by reading every peer on every request."""
+        return self._many(
+            PeerRow,
+            "SELECT * FROM peers WHERE run_id = ? AND status = 'live' AND last_seen_at < ?"
+            " ORDER BY peer_index",
+            (run_id, seen_before),
+        )
+
+    def count_live_peers(self, run_id: str) -> int:
+        rows = self._rows(
+            "SELECT COUNT(*) AS n FROM peers WHERE run_id = ? AND status = 'live'", (run_id,)
+        )
+        return int(rows[0]["n"])
+
     def next_peer_index(self, run_id: str) -> int:
         rows = self._rows("SELECT MAX(peer_index) AS m FROM peers WHERE run_id = ?", (run_id,))
         top = rows[0]["m"]
@@ -390,29 +417,73 @@ class Storage:
         return rows[::-1]
 
     def latest_agreed_round(self, run_id: str) -> RoundRow | None:
-        """The latest round with a majority parameter digest."""
+        """The latest round with an agreed parameter digest."""
         return self._one(
             RoundRow,
-            "SELECT * FROM rounds WHERE run_id = ? AND majority_digest IS NOT NULL"
+            "SELECT * FROM rounds WHERE run_id = ? AND agreed_digest IS NOT NULL"
             " ORDER BY round DESC LIMIT 1",
             (run_id,),
         )
 
+    def delete_rounds_from(self, run_id: str, first_round: int) -> None:
+        """Forget rounds >= first_round and everything recorded for them (a rewind, recovery.py)."""
+        for table in ("dropped_entries", "missing_reports", "applied", "submissions", "rounds"):
+            self._exec(f"DELETE FROM {table} WHERE run_id = ? AND round >= ?", (run_id, first_round))
+
     def update_round(self, run_id: str, round_index: int, **fields: Any) -> None:
         self._update("rounds", RoundRow, {"run_id": run_id, "round": round_index}, fields)
 
-    def expected_and_missing(self, run_id: str, round_index: int) -> tuple[int, int]:
-        """Live peers expected in a round (members when it opened, not flagged for a withheld
-        packet), and how many of them have not submitted yet."""
+    def waited_for(self, run_id: str, round_index: int, window_rounds: int) -> dict[str, bool]:
+        """The live peers round r waits for, each with whether it submitted to r. Of the live members
+        since r opened that are not flagged for a withheld packet: those with a packet in the
+        manifest of one of the `window_rounds` rounds before r (contributors); when there is none,
+        all of them (round 0, a run starting afresh)."""
         rows = self._rows(
-            "SELECT COUNT(*) AS expected, COALESCE(SUM(CASE WHEN s.peer_id IS NULL THEN 1 ELSE 0"
-            " END), 0) AS missing FROM peers p LEFT JOIN submissions s ON s.run_id = p.run_id"
-            " AND s.round = ? AND s.peer_id = p.peer_id"
-            " WHERE p.run_id = ? AND p.status = 'live' AND p.member_since_round <= ?"
-            " AND p.withheld_round IS NULL",
-            (round_index, run_id, round_index),
+            "SELECT p.peer_id, s.peer_id AS submitted, EXISTS (SELECT 1 FROM submissions c"
+            " WHERE c.run_id = p.run_id AND c.peer_id = p.peer_id AND c.round >= ? AND c.round < ?"
+            " AND NOT EXISTS (SELECT 1 FROM dropped_entries d WHERE d.run_id = c.run_id AND d.round = c.round"
+            " AND d.peer_id = c.peer_id)) AS contributor"
+            " FROM peers p LEFT JOIN submissions s ON s.run_id = p.run_id AND s.round = ? AND s.peer_id = p.peer_id"
+            " WHERE p.run_id = ? AND p.status = 'live' AND p.member_since_round <= ? AND p.withheld_round IS NULL"
+            " ORDER BY p.peer_index",
+            (round_index - window_rounds, round_index, round_index, run_id, round_index),
         )
-        return int(rows[0]["expected"]), int(rows[0]["missing"])
+        contributors = [row for row in rows if row["contributor"]]
+        return {row["peer_id"]: row["submitted"] is not None for row in contributors or rows}
+
+    def expected_and_missing(self, run_id: str, round_index: int, window_rounds: int = 1) -> tuple[int, int]:
+        """How many live peers round r waits for (`waited_for`), and how many of them have not submitted."""
+        waited = self.waited_for(run_id, round_index, window_rounds)
+        return len(waited), sum(not submitted for submitted in waited.values())
+
+    def mark_contributors(self, run_id: str, round_index: int) -> None:
+        """Round r closed: its manifest's peers contributed to it last."""
+        self._exec(
+            "UPDATE peers SET last_contributed_round = ? WHERE run_id = ? AND peer_id IN"
+            " (SELECT peer_id FROM submissions WHERE run_id = ? AND round = ?)",
+            (round_index, run_id, run_id, round_index),
+        )
+
+    def refresh_last_contributed(self, run_id: str, peer_id: str) -> None:
+        """Recompute a peer's latest round with a packet in a (closed round's latest) manifest,
+        after an amendment dropped one."""
+        self._exec(
+            "UPDATE peers SET last_contributed_round = (SELECT MAX(s.round) FROM submissions s JOIN rounds r"
+            " ON r.run_id = s.run_id AND r.round = s.round WHERE s.run_id = ? AND s.peer_id = ?"
+            " AND r.closed_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM dropped_entries d WHERE d.run_id = s.run_id"
+            " AND d.round = s.round AND d.peer_id = s.peer_id)) WHERE run_id = ? AND peer_id = ?",
+            (run_id, peer_id, run_id, peer_id),
+        )
+
+    def contributed_rounds_before(self, run_id: str, peer_id: str, round_index: int) -> int:
+        """Rounds before r whose (latest) manifest holds a packet of this peer."""
+        rows = self._rows(
+            "SELECT COUNT(*) AS n FROM submissions s WHERE s.run_id = ? AND s.peer_id = ? AND s.round < ?"
+            " AND NOT EXISTS (SELECT 1 FROM dropped_entries d WHERE d.run_id = s.run_id AND d.round = s.round"
+            " AND d.peer_id = s.peer_id)",
+            (run_id, peer_id, round_index),
+        )
+        return int(rows[0]["n"])
 
     # -- submissions --------------------------------------------------------------------------
 
@@ -453,15 +524,34 @@ class Storage:
 
     # -- applied parameter digests ------------------------------------------------------------
 
+    def add_applied(self, row: AppliedRow) -> bool:
+        """Record a report; False (nothing written) when the peer already reported that round and
+        manifest version: reports are immutable (the service compares the two)."""
+        return self._exec(
+            "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
+            " manifest_version, vote) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (run_id, round, peer_id, manifest_version) DO NOTHING",
+            (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
+             row.manifest_version, row.vote),
+        ) == 1
+
     def upsert_applied(self, row: AppliedRow) -> None:
+        """Record or replace a report (storage tests and tools; the service never replaces one)."""
         self._exec(
             "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
-            " manifest_version) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id, round, peer_id)"
+            " manifest_version, vote) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (run_id, round, peer_id, manifest_version)"
             " DO UPDATE SET params_digest = excluded.params_digest,"
-            " reported_at = excluded.reported_at, refused = excluded.refused,"
-            " manifest_version = excluded.manifest_version",
+            " reported_at = excluded.reported_at, refused = excluded.refused, vote = excluded.vote",
             (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
-             row.manifest_version),
+             row.manifest_version, row.vote),
+        )
+
+    def get_applied(self, run_id: str, round_index: int, peer_id: str, manifest_version: int) -> AppliedRow | None:
+        return self._one(
+            AppliedRow,
+            "SELECT * FROM applied WHERE run_id = ? AND round = ? AND peer_id = ? AND manifest_version = ?",
+            (run_id, round_index, peer_id, manifest_version),
         )
 
     def refusals(self, run_id: str, first_round: int, last_round: int) -> dict[int, dict[str, str]]:
@@ -478,25 +568,51 @@ class Storage:
         return out
 
     def list_applied(self, run_id: str, round_index: int) -> list[AppliedRow]:
+        """Every report of round r, all versions, by peer then version."""
         return self._many(
             AppliedRow,
-            "SELECT * FROM applied WHERE run_id = ? AND round = ? ORDER BY peer_id",
+            "SELECT * FROM applied WHERE run_id = ? AND round = ? ORDER BY peer_id, manifest_version",
             (run_id, round_index),
         )
 
     def latest_applied_by_peer(self, run_id: str) -> dict[str, AppliedRow]:
+        """Each peer's report of its latest round (of that round's newest version it reported)."""
         rows = self._many(
             AppliedRow,
             "SELECT a.* FROM applied a JOIN (SELECT peer_id, MAX(round) AS round FROM applied"
             " WHERE run_id = ? GROUP BY peer_id) latest"
-            " ON a.peer_id = latest.peer_id AND a.round = latest.round WHERE a.run_id = ?",
+            " ON a.peer_id = latest.peer_id AND a.round = latest.round WHERE a.run_id = ?"
+            " ORDER BY a.manifest_version",
             (run_id, run_id),
         )
         return {row.peer_id: row for row in rows}
 
-    def applied_counts(self, run_id: str, first_round: int, last_round: int) -> dict[int, int]:
+    def record_val_loss(self, run_id: str, round_index: int, peer_id: str, manifest_version: int,
+                        val_loss: float) -> None:
+        """The validation loss a peer reported with its applied report of that manifest version."""
+        self._exec(
+            "UPDATE applied SET val_loss = ? WHERE run_id = ? AND round = ? AND peer_id = ? AND manifest_version = ?",
+            (val_loss, run_id, round_index, peer_id, manifest_version),
+        )
+
+    def val_losses(self, run_id: str, first_round: int, last_round: int) -> dict[int, float]:
+        """Per round, the mean validation loss reported with applied reports of its latest manifest
+        version whose digest is the round's agreed one (else its majority; any, while it has neither):
+        the loss of the model the swarm holds."""
         rows = self._rows(
-            "SELECT round, COUNT(*) AS n FROM applied WHERE run_id = ? AND round BETWEEN ? AND ?"
+            "SELECT a.round, AVG(a.val_loss) AS val_loss FROM applied a JOIN rounds r"
+            " ON r.run_id = a.run_id AND r.round = a.round"
+            " WHERE a.run_id = ? AND a.round BETWEEN ? AND ? AND a.val_loss IS NOT NULL"
+            " AND a.manifest_version = r.manifest_version"
+            " AND a.params_digest = COALESCE(r.agreed_digest, r.majority_digest, a.params_digest) GROUP BY a.round",
+            (run_id, first_round, last_round),
+        )
+        return {int(r["round"]): float(r["val_loss"]) for r in rows}
+
+    def applied_counts(self, run_id: str, first_round: int, last_round: int) -> dict[int, int]:
+        """Per round, how many peers reported applying it (any version)."""
+        rows = self._rows(
+            "SELECT round, COUNT(DISTINCT peer_id) AS n FROM applied WHERE run_id = ? AND round BETWEEN ? AND ?"
             " GROUP BY round",
             (run_id, first_round, last_round),
         )
@@ -598,6 +714,22 @@ class SqliteStorage(Storage):
     def _rows(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
         with self._lock, self._failures():
             return [dict(row) for row in self._conn.execute(sql, params).fetchall()]
+
+    def _many(self, row_type: type, sql: str, params: tuple) -> list:
+        # Straight into the row type, by position when the columns come in its field order (a
+        # SELECT * whose dataclass lists the table's columns in order), without a dict per row:
+        # reading the 500 peers of a run's status or manifest takes a third of the time.
+        with self._lock, self._failures():
+            cursor = self._conn.execute(sql, params)
+            rows = cursor.fetchall()
+            names = tuple(column[0] for column in cursor.description)
+        if names == _columns(row_type):
+            return [row_type(*row) for row in rows]
+        return [row_type(**dict(zip(names, row))) for row in rows]
+
+    def _one(self, row_type: type, sql: str, params: tuple) -> Any:
+        rows = self._many(row_type, sql, params)
+        return rows[0] if rows else None
 
     def _exec(self, sql: str, params: tuple = ()) -> int:
         with self._lock, self._failures():

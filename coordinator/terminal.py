@@ -60,6 +60,15 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         f"{config['model']['preset']}/{config['outer']['strategy']} H={config['inner']['steps']}",
     ]
     current = status.get("current_round")
+    recovery = status.get("recovery")
+    if recovery is not None:  # paused: every peer stopped (coordinator/recovery.py)
+        since_s = now - (recovery["waiting_since"] or recovery["paused_since"])
+        out.append(f"PAUSED at round {recovery['round']} for {since_s:.0f} s: {recovery['message']}")
+        if recovery["rewind_at"] is not None:
+            out.append(f"  goes back to round {recovery['newest_held_round']}'s start in "
+                       f"{max(0.0, recovery['rewind_at'] - now):.0f} s")
+    for rewind in status.get("rewinds", [])[-3:]:
+        out.append(f"rewound from round {rewind['from_round']} to {rewind['to_round']}: {rewind['reason']}")
     if current is None:
         out.append("no open round")
     elif current["deadline"] is None:

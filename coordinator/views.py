@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 
-from coordinator import errors
-from coordinator.storage import PeerRow, RoundRow, RunRow, Storage
+from coordinator import errors, recovery
+from coordinator.storage import PeerRow, RoundRow, RoundStats, RunRow, Storage
 from protocol.http import CurrentRound, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus
+from protocol.model_sizes import dense_bytes
 from protocol.run_config import RunConfig
 
 HISTORY_LIMIT = 1000
@@ -120,6 +121,9 @@ class Views:
             majority_digest=round_row.majority_digest,
             manifest_version=round_row.manifest_version,
             dropped=dropped,
+            agreed_digest=round_row.agreed_digest,
+            provisional=round_row.majority_digest is not None and round_row.agreed_digest is None,
+            num_votes=round_row.num_votes,
         )
 
     def manifest_version(self, run_id: str, round_index: int) -> int | None:
@@ -145,12 +149,13 @@ class Views:
         if agreed is None:
             return ParamsSource(round=0, digest=None, holders=[])
         live = {p.peer_id: p for p in self.storage.list_peers(run_id) if p.status == "live"}
-        holders = [
+        holders = [  # anyone who reported the agreed digest of the latest version holds those parameters
             PeerAddress(peer_id=a.peer_id, multiaddrs=json.loads(live[a.peer_id].listen_multiaddrs))
             for a in self.storage.list_applied(run_id, agreed.round)
-            if a.params_digest == agreed.majority_digest and a.peer_id in live
+            if a.params_digest == agreed.agreed_digest and a.manifest_version == agreed.manifest_version
+            and a.peer_id in live
         ]
-        return ParamsSource(round=agreed.round + 1, digest=agreed.majority_digest, holders=holders)
+        return ParamsSource(round=agreed.round + 1, digest=agreed.agreed_digest, holders=holders)
 
     def join_response(self, run: RunRow, peer_id: str) -> JoinResponse:
         config = self.config_of(run)
@@ -182,6 +187,8 @@ class Views:
             current_round=self._current_round(run, peers),
             peers=self._peer_views(run, peers),
             history=self._history(run_id, history_limit),
+            recovery=recovery.view(self.storage, run, self.config_of(run), now),
+            rewinds=recovery.rewinds(run),
         )
 
     def _current_round(self, run: RunRow, peers: list[PeerRow]) -> CurrentRound | None:
@@ -198,7 +205,8 @@ class Views:
             return None
         round_row = self.storage.get_round(run.run_id, run.current_round)
         assert round_row is not None  # a running run always has its open round
-        num_expected, _ = self.storage.expected_and_missing(run.run_id, run.current_round)
+        num_expected, _ = self.storage.expected_and_missing(
+            run.run_id, run.current_round, self.config_of(run).membership.max_missed_rounds)
         return CurrentRound(
             round=round_row.round,
             state="open",
@@ -210,21 +218,25 @@ class Views:
 
     def _peer_views(self, run: RunRow, peers: list[PeerRow]) -> list[PeerView]:
         latest_applied = self.storage.latest_applied_by_peer(run.run_id)
-        majorities: dict[int, str | None] = {}
+        agreed: dict[int, tuple[str | None, int]] = {}  # round -> (agreed digest, latest manifest version)
         for report in latest_applied.values():
-            if report.round not in majorities:
+            if report.round not in agreed:
                 round_row = self.storage.get_round(run.run_id, report.round)
-                majorities[report.round] = round_row.majority_digest if round_row else None
-        # Stragglers: live peers expected in the last closed round that it closed without.
+                agreed[report.round] = (round_row.agreed_digest, round_row.manifest_version) if round_row else (None, 0)
+        window = self.config_of(run).membership.max_missed_rounds
+        waited = (self.storage.waited_for(run.run_id, run.current_round, window) if run.state == "running" else {})
+        # Stragglers: live peers the last closed round waited for, that it closed without.
         last_closed = run.current_round - 1
-        submitted = ({s.peer_id for s in self.storage.list_submissions(run.run_id, last_closed)}
-                     if last_closed >= 0 else set())
+        waited_last = self.storage.waited_for(run.run_id, last_closed, window) if last_closed >= 0 else {}
         views = []
         for peer in peers:
             report = latest_applied.get(peer.peer_id)
-            mismatch = report is not None and report.params_digest != majorities[report.round]
-            straggler = (last_closed >= 0 and peer.status == "live" and peer.member_since_round <= last_closed
-                         and peer.peer_id not in submitted)
+            # Only a report of the round's latest version can differ from its agreed digest.
+            mismatch = (report is not None and agreed[report.round][0] is not None
+                        and report.manifest_version == agreed[report.round][1]
+                        and report.params_digest != agreed[report.round][0])
+            straggler = waited_last.get(peer.peer_id) is False
+            standing, standing_reason = _standing(peer, run.current_round, window, peer.peer_id in waited)
             views.append(
                 PeerView(
                     peer_id=peer.peer_id,
@@ -248,6 +260,10 @@ class Views:
                     + (["withheld_packet"] if peer.withheld_round is not None else []),
                     mismatch_round=report.round if mismatch and report else None,
                     listen_multiaddrs=json.loads(peer.listen_multiaddrs),
+                    standing=standing,
+                    standing_reason=standing_reason,
+                    waited_for=peer.peer_id in waited,
+                    last_contributed_round=peer.last_contributed_round,
                 )
             )
         return views
@@ -260,7 +276,9 @@ class Views:
         stats = self.storage.round_stats(run_id, first, last)
         applied = self.storage.applied_counts(run_id, first, last)
         refusals = self.storage.refusals(run_id, first, last)
-        inner = self.config_of(self.require_run(run_id)).inner
+        val_losses = self.storage.val_losses(run_id, first, last)
+        config = self.config_of(self.require_run(run_id))
+        inner = config.inner
         tokens_per_contributor = inner.steps * inner.batch_size * inner.seq_len
         history = []
         for round_row in rounds:
@@ -276,9 +294,39 @@ class Views:
                     mean_loss=stat.mean_loss if stat else None,
                     majority_digest=round_row.majority_digest,
                     num_applied=applied.get(round_row.round, 0),
+                    agreed_digest=round_row.agreed_digest,
+                    provisional=round_row.majority_digest is not None and round_row.agreed_digest is None,
+                    num_votes=round_row.num_votes,
                     refused=refusals.get(round_row.round, {}),
                     tokens=(stat.num_contributors if stat else 0) * tokens_per_contributor,
                     packet_bytes=stat.packet_bytes if stat else 0,
+                    val_loss=val_losses.get(round_row.round),
+                    compression_ratio=_compression_ratio(config.model, stat),
                 )
             )
         return history
+
+
+def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tuple[str, str]:
+    """A peer's standing and why (coordinator/service.py, "Standing"); `waited`: the open round
+    waits for it."""
+    last = peer.last_contributed_round
+    if last is None:
+        return "probation", ("no packet in a manifest yet; waited for while no live peer is a contributor"
+                             if waited else "no packet in a manifest yet: no round waits for it")
+    if peer.withheld_round is not None:
+        return "not_waited", (f"its packet of round {peer.withheld_round} was dropped as unfetchable: not waited"
+                              " for until a later packet of its is applied")
+    missed = open_round - 1 - last
+    if missed >= window:
+        return "not_waited", (f"no packet in the last {missed} rounds (membership.max_missed_rounds {window});"
+                              f" its last in round {last}")
+    return "contributor", f"its packet is in round {last}'s manifest"
+
+
+def _compression_ratio(model, stat: RoundStats | None) -> float | None:
+    """How many times smaller the round's packets were than the same updates sent dense (fp32)."""
+    if stat is None or not stat.packet_bytes:
+        return None
+    dense = dense_bytes(model, stat.num_contributors)
+    return None if dense is None else dense / stat.packet_bytes

@@ -11,10 +11,18 @@ One peer, one round (arXiv 2508.15706; README.md, "The algorithm"):
 Everything here is whole-tensor torch, device-agnostic, with no Python loop over chunks or
 elements; `kernels.reference` is the slow, obvious version the tests compare against. Selected
 positions are sorted ascending inside each chunk, which the wire's delta coding relies on.
+
+Many peers, one round: each peer's tensor may first be scaled down to the round's median norm of
+that tensor (`squared_norm`, `median_clip_scales`), then `scatter_mean` averages per coordinate.
+Neither can make a non-finite value from finite inputs bounded by B (protocol.packet checks every
+decodable value against the run's bound): a scale lies in [0, 1], and the float32 sum of n peers
+is at most n * B (B <= 1e30 keeps it finite up to 3e8 peers).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +47,14 @@ class SparseTensor:
     def flat_indices(self) -> torch.Tensor:
         """(num_chunks * k,) int64 row-major indices into the flat tensor."""
         return flat_indices(self.positions, self.layout).reshape(-1)
+
+    def squared_norm(self) -> float:
+        """Sum of the squared decoded values, in float64: the count of each code times its value
+        squared, added in code order. Counts are exact and the order fixed, so every peer gets the
+        same bits whatever its device or thread count (a torch reduction's order depends on both)."""
+        counts = torch.bincount(self.codes.reshape(-1).long(), minlength=len(self.table.lookup)).tolist()
+        values = self.table.decode(torch.arange(len(counts), dtype=torch.uint8)).double().tolist()
+        return math.fsum(count * value * value for count, value in zip(counts, values))
 
 
 def select_topk(chunks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +114,15 @@ def decompress(sparse: SparseTensor, dtype: torch.dtype | None = None) -> torch.
     return out.view(layout.shape)
 
 
+def median_clip_scales(norms: list[float]) -> list[float]:
+    """Per peer, min(1, median / norm): the factor that brings a norm above the round's median
+    down to it (1.0 for a zero norm; 0.0 for a non-finite one, which bounded packets never have,
+    so that no scale is ever infinite or NaN)."""
+    finite = [n for n in norms if math.isfinite(n)]
+    median = statistics.median(finite) if finite else 0.0
+    return [0.0 if not math.isfinite(n) else 1.0 if n <= median else median / n for n in norms]
+
+
 def scatter_mean(
     selections: list[SparseTensor], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     divide_by_peers: bool = False, peer_scales: list[float] | None = None,
@@ -107,9 +132,11 @@ def scatter_mean(
     All selections must share one layout and come in a fixed order (sorted by peer id): the sum
     runs peer by peer in that order and each peer touches each element once, so the result is
     bit-identical whatever order the packets arrived in and on whatever device it runs.
-    `peer_scales` multiplies each peer's values first (norm clipping). Returns the dense tensor
-    in the layout's shape.
+    `peer_scales` multiplies each peer's values first (norm clipping), each in [0, 1] so that a
+    scaled value is never larger than the value. Returns the dense tensor in the layout's shape.
     """
+    if peer_scales is not None and not all(0.0 <= s <= 1.0 for s in peer_scales):
+        raise ValueError("peer scales must lie in [0, 1]")
     layout = selections[0].layout
     total = torch.zeros(layout.num_chunks * layout.chunk_len, dtype=dtype, device=device)
     row_offsets = torch.arange(0, total.numel(), layout.chunk_len, device=device).unsqueeze(1)

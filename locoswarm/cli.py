@@ -12,10 +12,10 @@ import argparse
 import sys
 
 from coordinator import cli as coordinator_cli
-from node.cli import bench, codec_demo, demo, doctor, join, sim
+from node.cli import bench, codec_demo, data, demo, doctor, export, join, sim
 
 # Modules that contribute subcommands, in the order --help lists them.
-COMMAND_MODULES = (codec_demo, coordinator_cli, sim, join, demo, doctor, bench)
+COMMAND_MODULES = (codec_demo, coordinator_cli, sim, join, demo, doctor, bench, data, export)
 
 EPILOG = """\
 first steps:

@@ -81,6 +81,10 @@ class NodeConfig(BaseModel):
     checkpoint_every_rounds: int = Field(
         1, ge=1, le=1_000_000, description="Write a checkpoint after every this many applied rounds.")
     progress: bool = Field(True, description="A progress bar for the inner steps on stderr.")
+    eval_every_rounds: int = Field(
+        5, ge=0, le=1_000_000,
+        description="Evaluate the model after every this many applied rounds (rounds 0, N, 2N...) on a fixed "
+        "held-out batch and report the validation loss to the coordinator; 0: never.")
     inject: tuple[str, ...] = Field(
         (), strict=False,
         description="Faults to inject, for tests and demos (node/testing/faults.py): 'crash@round=3'.")

@@ -19,8 +19,10 @@ Schema, for run id RUN and round R (an int written in decimal):
 
     key    "locoswarm/RUN/round/R/holders/params"
     subkey a holder's libp2p peer id (base58)
-    value  the same map, for a snapshot of the parameters that start round R (safetensors bytes:
-           every parameter, plus "outer_momentum.<name>" for DiLoCo), served to peers catching up
+    value  the same map, for a snapshot of the parameters that start round R, served to peers
+           catching up: "digest" is the snapshot digest and "size" the stream's length, laid out
+           as protocol/snapshot.py says (the parameters, plus "outer_momentum.<name>" for DiLoCo;
+           a reader sizes it from its own model, and no packet limit applies to it)
 
 Values are msgpack maps of a few hundred bytes (hivemind's DHT serializes them with msgpack), with
 exactly these four keys; they expire a few rounds after publication (see `ExchangeConfig` in

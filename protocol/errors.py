@@ -41,7 +41,12 @@ class IndexOutOfRange(ProtocolError):
 
 
 class NonFiniteValue(ProtocolError):
-    """A quantization table or shift is NaN or infinite."""
+    """A quantization table, a shift or a decoded value is NaN or infinite (or overflows its dtype)."""
+
+
+class ValueOutOfRange(ProtocolError):
+    """A value is finite but larger in magnitude than the run allows (`outer.max_abs_value`): a
+    shift, a table entry, or a decoded value (shift + entry), or a dense delta's element."""
 
 
 class BadSignature(ProtocolError):

@@ -12,6 +12,7 @@ POST /v1/runs                               A     RunConfig            RunCreate
 GET  /v1/runs                               -                          RunList
 GET  /v1/runs/{run_id}                      -                          RunInfo
 POST /v1/runs/{run_id}/close                A                          RunInfo
+GET  /v1/runs/{run_id}/join-challenge       -                          JoinChallenge
 POST /v1/runs/{run_id}/join                 S*    JoinRequest          JoinResponse
 POST /v1/runs/{run_id}/heartbeat            S     HeartbeatRequest     HeartbeatResponse
 POST /v1/runs/{run_id}/leave                S     LeaveRequest         LeaveResponse
@@ -40,16 +41,37 @@ Refusals are JSON ``{"error": code, "detail": text}`` with a 4xx status (see `Er
 `ErrorCode` lists every code, with what it means and what a node does about it. A database failure
 is the same body with status 503, code ``storage_unavailable`` and a ``Retry-After`` header: the
 request changed nothing, and a retry succeeds once the database is usable again. ``/healthz`` says
-only that the process answers; ``/readyz`` (``{"status": "ready"}``, or 503 ``storage_unavailable``)
-that it can read and write its database.
+only that the process answers (``{"status": "ok", "server_time": unix seconds}``: nodes check their
+clock against it, since their DHT nodes refuse each other beyond 3 s); ``/readyz``
+(``{"status": "ready"}``, or 503 ``storage_unavailable``) that it can read and write its database.
 
 Rounds: round 0 opens once ``min_peers`` peers are live; round r closes at its deadline, or as soon
-as every live peer that was a member when r opened has submitted; closing fixes the manifest
-(exactly the accepted submissions, sorted by peer id) and opens r+1 at once. A peer that joins
-while r is open is expected from r+1 on, but may still submit to r before its deadline.
-``JoinResponse.params.round`` is the round whose start the listed parameters are: after applying
-round r's manifest a peer holds the parameters that start round r+1. While no round has an applied
-digest it is 0 with ``digest`` null: start from the seeded initialisation.
+as every peer it waits for has submitted; closing fixes the manifest (exactly the accepted
+submissions, sorted by peer id) and opens r+1 at once. A round waits for the live contributors:
+peers with a packet in one of the last ``membership.max_missed_rounds`` manifests (a new peer is on
+probation, waited for by nobody, until a packet of its is in a manifest; a peer flagged
+``withheld_packet`` is not waited for), and for no peer that joined while it was open. While no
+live peer is a contributor (round 0, a run that starts afresh) it waits for every live member.
+Anyone may submit to the open round before its deadline. ``PeerView.standing`` says where each peer
+stands, with the reason. ``JoinResponse.params.round`` is the round whose start the listed
+parameters are: after applying round r's manifest a peer holds the parameters that start round
+r+1. While no round has an agreed digest it is 0 with ``digest`` null: start from the seeded
+initialisation (or replay the closed rounds from it).
+
+Agreed digests: after applying a round each peer reports its parameter digest (``applied``). A
+report is a vote only when its peer has a packet in the manifest version it applied (and, with
+``membership.vote_after_rounds`` K, in K earlier manifests); others are kept (they are flagged when
+they differ) but never count. One report per peer, round and version: the same one again is
+idempotent, another is refused ``conflicting_report``. The majority of the votes is agreed once it
+has at least two votes and more than half of the round's contributors, or once the next round has
+closed (or the run ended) and it holds more than half of the votes cast (a lone vote included: a
+round with one contributor is agreed when the next one closes). Until then it is provisional
+(``provisional``). An agreed digest never changes; an amendment starts a new vote on the new
+version. Snapshots, checkpoints and flags trust ``agreed_digest`` only.
+
+Joining: a key that is new to the run is rate-limited per source address and per run
+(``membership.join_rate_*``; 429 ``rate_limited`` with ``Retry-After``), and with
+``membership.join_pow_bits`` it shows a proof of work (protocol/join_pow.py; ``GET join-challenge``).
 
 Amended manifests (amended, never forked): a closed round's manifest starts at
 ``manifest_version`` 1. A member that cannot fetch an entry within its fetch time-out reports it
@@ -67,7 +89,7 @@ its, in a later round's latest manifest, has been applied by another peer. Round
 an amendment never holds up a close. ``GET rounds/{r}?version_gt=V&wait_s=W`` answers once the
 manifest version exceeds V. Applied reports carry the ``manifest_version`` applied; a round's
 majority digest counts only reports of its latest version (null until one arrives after an
-amendment); ``AppliedResponse.manifest_version`` and ``amended`` (recent amended rounds) tell a
+amendment: a new vote); ``AppliedResponse.manifest_version`` and ``amended`` (recent amended rounds) tell a
 node that applied an older version to recompute from its kept round start, or to catch up
 (node/round/amend.py).
 
@@ -92,7 +114,7 @@ A node's loop, in JSON (digests shortened)::
           "manifest": [{"peer_id": .., "packet_digest": .., "packet_size_bytes": ..,
                         "multiaddrs": [..]}, ...]}      (manifest is [] until closed)
     POST rounds/8/applied {"params_digest": hex, "refused": {"p9e..": "BadSignature: .."},
-                           "manifest_version": 1}                       (default 1)
+                           "manifest_version": 1, "val_loss": 3.05}     (default 1; val_loss: optional)
       -> {"round": 8, "majority_digest": hex, "agrees": true, "num_reports": 4, "manifest_version": 1,
           "amended": {"7": 2}}                        (recent rounds whose manifest was amended)
     POST rounds/8/missing {"peer_ids": ["p7c.."]}          (only when a packet cannot be fetched)
@@ -176,6 +198,11 @@ class JoinRequest(RequestModel):
         "it holds. If that is the open round and `state_digest` is the agreed digest for its start, the peer is "
         "expected in the open round at once (not from the next one, as a newcomer is).")
     state_digest: ParamsDigest | None = Field(None, description="The parameter digest of that state.")
+    pow_salt: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = Field(
+        None, description="With `pow_nonce`: the salt of a join challenge (GET join-challenge) when the run asks "
+        "new keys for proof of work (membership.join_pow_bits; protocol/join_pow.py).")
+    # 2**53: the largest integer every JSON reader holds exactly (a JavaScript number, a float).
+    pow_nonce: int | None = Field(None, ge=0, le=2**53, description="The nonce that solves that challenge.")
 
 
 class PeerAddress(ResponseModel):
@@ -185,7 +212,7 @@ class PeerAddress(ResponseModel):
 
 class ParamsSource(ResponseModel):
     round: int = Field(description="The round these parameters start.")
-    digest: str | None = Field(description="Majority digest; null: seeded initialisation.")
+    digest: str | None = Field(description="Agreed digest (never a provisional one); null: seeded initialisation.")
     holders: list[PeerAddress] = Field(description="Live peers that reported this digest.")
 
 
@@ -201,6 +228,15 @@ class JoinResponse(ResponseModel):
     params: ParamsSource
     dht_bootstrap: list[str]
     heartbeat_interval_s: float = Field(description="Suggested heartbeat period.")
+
+
+class JoinChallenge(ResponseModel):
+    """What a new key solves before it joins a run that asks for proof of work (protocol/join_pow.py)."""
+
+    run_id: str
+    bits: int = Field(description="Leading zero bits the proof needs (membership.join_pow_bits); 0: no proof needed.")
+    salt: str = Field(description="The current period's salt, 32 hex characters.")
+    expires_at: float = Field(description="Unix time after which a proof with this salt is refused.")
 
 
 class HeartbeatRequest(RequestModel):
@@ -278,11 +314,18 @@ class RoundView(ResponseModel):
         "them before the round closes (each enters the manifest when it closes); empty once closed.",
     )
     majority_digest: str | None = Field(
-        description="Most reported params digest after apply, over reports of the latest manifest version.")
+        description="The digest most votes name (votes: applied reports of the latest manifest version by the"
+        " peers in it; see agreed_digest), agreed or provisional; null: no vote yet.")
     manifest_version: int = Field(
         1, description="1 when the round closes; one more at each amendment (entries dropped).")
     dropped: dict[str, str] = Field(
         default_factory=dict, description="Entries amended out of the manifest, peer id -> why.")
+    agreed_digest: str | None = Field(
+        None, description="The round's agreed parameter digest: fixed once agreed (only a new manifest version"
+        " starts a new vote); null while none is. The only digest a snapshot, a checkpoint or a flag trusts.")
+    provisional: bool = Field(
+        False, description="A digest leads the votes (majority_digest) but is not agreed yet.")
+    num_votes: int = Field(0, description="Votes cast on the latest manifest version.")
 
 
 class AppliedRequest(RequestModel):
@@ -291,16 +334,28 @@ class AppliedRequest(RequestModel):
         default_factory=dict,
         max_length=MAX_REFUSED,
         description="Manifest packets this peer left out, peer id -> reason (shown on the status page).",
+        # Keys are peer ids and nothing else: said in the schema, not only by the validator.
+        json_schema_extra={"additionalProperties": False},
     )
     manifest_version: int = Field(1, ge=1, le=2**31, description="The manifest version this peer applied.")
+    val_loss: float | None = Field(
+        None, allow_inf_nan=False, ge=0.0, le=1e9,
+        description="Loss of the model after the round on fixed held-out batches, when this peer evaluated it "
+        "(every eval_every_rounds rounds, node/config.py); null: not evaluated this round.")
 
 
 class AppliedResponse(ResponseModel):
     round: int
     majority_digest: str | None = Field(
-        description="Over reports of the latest manifest version; null while none came since an amendment.")
-    agrees: bool = Field(description="This report is of the latest version and its digest is the majority.")
-    num_reports: int = Field(description="Reports of the latest manifest version.")
+        description="The digest most votes on the latest manifest version name (agreed or provisional); null"
+        " while none came since an amendment.")
+    agrees: bool = Field(
+        description="This report is of the latest version and its digest is the majority (agreed or provisional).")
+    num_reports: int = Field(description="Reports of the latest manifest version (votes or not).")
+    agreed_digest: str | None = Field(None, description="The round's agreed digest; null while none is (RoundView).")
+    provisional: bool = Field(False, description="The majority digest is not agreed yet.")
+    num_votes: int = Field(0, description="Votes on the latest version: reports of the peers in its manifest.")
+    vote: bool = Field(False, description="Whether this report is a vote (its peer has a packet in that manifest).")
     manifest_version: int = Field(
         1, description="The round's latest manifest version: above the one reported, recompute from the start.")
     amended: dict[int, int] = Field(
@@ -332,7 +387,7 @@ class CurrentRound(ResponseModel):
     opened_at: float | None
     deadline: float | None
     num_submitted: int
-    num_expected: int = Field(description="Live peers that were members when it opened.")
+    num_expected: int = Field(description="Live peers the round waits for before it closes early (PeerView.waited_for).")
 
 
 class PeerView(ResponseModel):
@@ -351,13 +406,21 @@ class PeerView(ResponseModel):
     inner_step: int | None = Field(
         None, description="Inner steps done in the round it last reported working on (null: not reported).")
     flags: list[str] = Field(
-        description="'params_mismatch' when its digest lost the majority; 'straggler' when the last "
+        description="'params_mismatch' when its digest differs from the round's agreed one; 'straggler' when the last "
         "closed round was cut off at its deadline without this live peer's packet; 'withheld_packet' when "
         "a packet of its was dropped from a manifest as unfetchable (it is not waited for until peers "
         "apply a later packet of its)."
     )
     mismatch_round: int | None
     listen_multiaddrs: list[str]
+    standing: Literal["probation", "contributor", "not_waited"] = Field(
+        "probation", description="'probation': none of its packets is in a manifest yet; 'contributor': it is;"
+        " 'not_waited': it contributed once, but its recent rounds do not count (see standing_reason).")
+    standing_reason: str | None = Field(None, description="Why its standing is what it is, for a person.")
+    waited_for: bool = Field(
+        False, description="Whether the open round waits for its packet before closing early.")
+    last_contributed_round: int | None = Field(
+        None, description="The latest round whose manifest holds a packet of its (null: none).")
 
 
 class RoundSummary(ResponseModel):
@@ -369,6 +432,9 @@ class RoundSummary(ResponseModel):
     mean_loss: float | None
     majority_digest: str | None
     num_applied: int
+    agreed_digest: str | None = Field(None, description="As in RoundView: fixed once agreed; null while none is.")
+    provisional: bool = Field(False, description="The majority digest is not agreed yet.")
+    num_votes: int = Field(0, description="Votes cast on the latest manifest version.")
     refused: dict[str, str] = Field(
         default_factory=dict,
         description="Manifest packets that peers left out, peer id -> reason (first report).",
@@ -376,6 +442,41 @@ class RoundSummary(ResponseModel):
     tokens: int = Field(
         0, description="Tokens trained into the round: contributors x H x batch_size x seq_len of the run config.")
     packet_bytes: int = Field(0, description="Sizes of the packets submitted to the round, summed.")
+    val_loss: float | None = Field(
+        None, description="Validation loss of the model after the round: the mean of the peers' reports whose "
+        "digest is the agreed one, else the majority's (peers evaluate every few rounds); null: none this round.")
+    compression_ratio: float | None = Field(
+        None, description="How many times smaller the round's packets were than its updates sent dense: "
+        "4 bytes x the model's parameters (protocol/model_sizes.py) x packets, over packet_bytes; null: no packet.")
+
+
+class HeldState(ResponseModel):
+    peer_id: str
+    state_round: int | None = Field(description="The round start it said at join that it holds (its checkpoint).")
+    agreed: bool = Field(description="Whether that state's digest is the run's agreed digest for that round start.")
+
+
+class Recovery(ResponseModel):
+    """A paused run: every peer stopped; it waits for a peer holding its state (coordinator/recovery.py)."""
+
+    paused_since: float = Field(description="When the run lost its last live peer, unix seconds.")
+    waiting_since: float | None = Field(description="When the first peer came back; null while none has.")
+    round: int = Field(description="The open round; the run needs the agreed parameters that start it.")
+    needed_digest: ParamsDigest | None = Field(description="Their digest; null for round 0 (the seeded start).")
+    newest_held_round: int | None = Field(description="The newest agreed round start a live peer holds.")
+    rewind_at: float | None = Field(
+        description="When the run goes back to `newest_held_round` unless a peer holding round `round`'s start "
+        "returns first; null when no live peer holds an agreed state.")
+    held: list[HeldState] = Field(description="What each live peer holds.")
+    last_holders: list[str] = Field(description="Peers that reported applying the needed state.")
+    message: str = Field(description="The same, in one sentence.")
+
+
+class Rewind(ResponseModel):
+    at: float
+    from_round: int
+    to_round: int
+    reason: str
 
 
 class RunStatus(ResponseModel):
@@ -384,10 +485,16 @@ class RunStatus(ResponseModel):
     current_round: CurrentRound | None
     peers: list[PeerView]
     history: list[RoundSummary] = Field(description="Closed rounds, oldest first.")
+    recovery: Recovery | None = Field(None, description="Set while the run is paused for want of live peers.")
+    rewinds: list[Rewind] = Field(
+        default_factory=list, description="Times the run went back to an older agreed state nobody newer held.")
 
 
 class Health(ResponseModel):
     status: Literal["ok"]
+    server_time: float | None = Field(
+        None, description="The coordinator's clock, unix seconds: nodes measure their clock's offset against it "
+        "(the round trip's midpoint; node/cli/doctor.py). Null from coordinators older than the field.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,6 +521,9 @@ ErrorCode = Literal[
     "bad_admin_token",  # wrong admin token. Nodes make no admin calls; the operator checks the token.
     "peer_mismatch",  # the signer differs from the peer the body names (join key, submit peer_id). Stops.
     "join_refused",  # the run needs a join token, and none or a wrong one came. Stops: pass a valid token.
+    "join_proof_required",  # the run asks new keys for proof of work; none came, or its salt expired. The node
+    # client fetches a fresh challenge (GET join-challenge), solves it and joins again.
+    "bad_join_proof",  # the proof of work does not solve the challenge. Stops: a client bug.
     "not_member",  # the signer never joined this run. Stops (a node joins before any other signed call).
     # 404
     "not_found",  # no such route (or the 404 family's general code). Stops: a version mismatch.
@@ -429,6 +539,8 @@ ErrorCode = Literal[
     "round_not_open",  # submit while round 0 waits for min_peers. The node skips its packet.
     "round_not_closed",  # an applied report for a round with no manifest yet. Stops (reports follow it).
     "conflicting_submission",  # this peer already submitted another digest to the round. Stops: a bug.
+    "conflicting_report",  # this peer already reported another digest for this round and manifest version
+    # (reports are immutable). The node's state is suspect: it catches up from the agreed state.
     "not_in_manifest",  # a missing report names a peer with no entry in that round's manifest. Stops: a bug.
     "round_too_old",  # a missing report for a round closed over MISSING_REPORT_ROUNDS ago. The node catches up.
     "unknown_manifest_version",  # an applied report names a version the round never had. Stops: a bug.
@@ -441,7 +553,8 @@ ErrorCode = Literal[
     "packet_too_large",  # packet_size_bytes over the run's max_packet_bytes. Stops.
     "invalid_config",  # a run config the coordinator refuses (admin call). The operator fixes the config.
     # 429
-    "rate_limited",  # the peer is over its request rate. The node client retries with backoff.
+    "rate_limited",  # the peer is over its request rate, or (join) its address or the run is over its rate of
+    # new keys. The node client retries with backoff, waiting at least the Retry-After header's seconds.
     # other statuses
     "http_error",  # another status the HTTP framework raised. Stops if 4xx.
     "internal",  # 500: a coordinator bug (see its log). The node client retries with backoff, as on 5xx.

@@ -14,8 +14,8 @@ Layout (all integers little-endian):
 Header map (short keys; every field required, no others allowed):
 
     "run"     str    run id                     "round"  int    round number
-    "peer"    str    peer id                    "base"   bytes  32-byte sha256 digest of the
-    "top_k"   int    density numerator                          parameters the delta was taken from
+    "peer"    str    peer id                    "base"   bytes  32-byte digest (protocol/digest.py)
+    "top_k"   int    density numerator                          of the parameters the delta was taken from
     "chunk"   int    chunk side (64)            "codes"  [coder, length]: coder 0 = 2-bit codes
                                                          packed four to a byte, 1 = the same
                                                          bytes zstandard-compressed
@@ -31,6 +31,14 @@ express a duplicate or an unsorted index; only the chunk bound is checked.
 with msgpack limits, every count and length is checked against what the model implies before any
 allocation sized by the input, the zstandard stream is bounded by the expected size, and every
 failure is a `ProtocolError` subclass.
+
+Values are bounded too, per tensor and before anything is decompressed: the shift, the four table
+entries and the four values a code can decode to (shift + entry, computed exactly as
+`QuantTable.decode` computes them: in float32, then in the tensor's declared dtype) must be finite
+(`NonFiniteValue`) and at most `max_abs_value` in magnitude (`ValueOutOfRange`; the run's
+`outer.max_abs_value`). A signed packet of finite fields that decodes to 1e30, or overflows
+float16 or float32 once summed, is thereby refused by every peer alike, and the aggregation never
+sees a value it cannot add.
 """
 
 from __future__ import annotations
@@ -53,8 +61,9 @@ from kernels.quantize import QuantTable
 from kernels.sparse import SparseTensor
 from protocol.errors import (
     BadMagic, BadSignature, IndexOutOfRange, MalformedPacket, NonFiniteValue, OversizedPacket,
-    ProtocolError, ShapeMismatch, TruncatedPacket, UnsupportedVersion, WrongRound,
+    ProtocolError, ShapeMismatch, TruncatedPacket, UnsupportedVersion, ValueOutOfRange, WrongRound,
 )
+from protocol.run_config import DEFAULT_MAX_ABS_VALUE
 from protocol.signing import SIGNATURE_BYTES, PeerKey, verify
 
 MAGIC = b"LSWP"
@@ -168,12 +177,16 @@ def read_header(data: bytes, max_bytes: int = DEFAULT_MAX_PACKET_BYTES) -> tuple
 def decode_packet(
     data: bytes, spec: ModelSpec, public_key: bytes | Callable[[str], bytes], *,
     run_id: str | None = None, round: int | None = None, max_bytes: int = DEFAULT_MAX_PACKET_BYTES,
+    max_abs_value: float = DEFAULT_MAX_ABS_VALUE,
 ) -> Packet:
     """Verify and decode hostile `data` against the model `spec`; raise a ProtocolError subclass.
 
     `public_key` is the sender's key, or a function from peer id to key (raising ProtocolError
     for peers that are not members). `run_id` and `round`, when given, must match the header.
+    `max_abs_value` bounds every value the packet can decode to (inf: finite is enough).
     """
+    if not max_abs_value > 0:
+        raise ValueError(f"max_abs_value must be positive, got {max_abs_value}")
     data = bytes(data)
     header, offset = read_header(data, max_bytes)
     peer_id = _field(header, "peer", str)
@@ -216,7 +229,8 @@ def decode_packet(
             raise TruncatedPacket(f"tensor {name!r}: streams run past the payload")
         unary, cursor = data[cursor: cursor + unary_len], cursor + unary_len
         remainders, cursor = data[cursor: cursor + rem_len], cursor + rem_len
-        parsed.append((name, layouts[name], DTYPES[s_dtype], rice_b, table, unary, remainders))
+        quant_table = _bounded_table(name, table, DTYPES[s_dtype], max_abs_value)
+        parsed.append((name, layouts[name], quant_table, rice_b, unary, remainders))
     if codes_len < 0 or cursor + codes_len < signed_len:
         raise MalformedPacket("payload holds bytes the header does not account for")
     if cursor + codes_len > signed_len:
@@ -225,7 +239,7 @@ def decode_packet(
     codes = _decode_code_stream(coder, data[cursor:signed_len], num_codes)
 
     tensors, code_offset = {}, 0
-    for name, layout, dtype, rice_b, table, unary, remainders in parsed:
+    for name, layout, quant_table, rice_b, unary, remainders in parsed:
         try:
             gaps = rice_decode(unary, remainders, layout.num_selected, rice_b)
         except ValueError as e:
@@ -235,18 +249,38 @@ def decode_packet(
         positions = gaps_to_positions(gaps, layout.num_chunks, layout.k)
         if positions.size and int(positions[:, -1].max()) >= layout.chunk_len:
             raise IndexOutOfRange(f"tensor {name!r}: an index falls outside its chunk")
-        shift, *lookup = TABLE.unpack(table)
-        if not all(math.isfinite(v) for v in (shift, *lookup)):
-            raise NonFiniteValue(f"tensor {name!r}: quantization table holds NaN or Inf")
-        if not math.isfinite(float(torch.tensor(shift, dtype=dtype))):
-            raise NonFiniteValue(f"tensor {name!r}: shift overflows {dtype}")
         tensor_codes = codes[code_offset: code_offset + layout.num_selected].reshape(layout.num_chunks, layout.k)
         code_offset += layout.num_selected
         tensors[name] = SparseTensor(
             layout, torch.from_numpy(positions), torch.from_numpy(tensor_codes.copy()),
-            QuantTable(shift=shift, lookup=torch.tensor(lookup, dtype=torch.float32), dtype=dtype),
+            quant_table,
         )
     return Packet(packet_run, packet_round, peer_id, base, tensors, len(data), packet_digest(data))
+
+
+def _bounded_table(name: str, table: bytes, dtype: torch.dtype, max_abs_value: float) -> QuantTable:
+    """The tensor's quantization table, once its fields and every value a code can decode to are
+    finite and within `max_abs_value`, in float32 and in `dtype`; a ProtocolError otherwise."""
+    shift, *lookup = TABLE.unpack(table)
+    if not all(math.isfinite(v) for v in (shift, *lookup)):
+        raise NonFiniteValue(f"tensor {name!r}: quantization table holds NaN or Inf")
+    if max(abs(shift), *map(abs, lookup)) > max_abs_value:
+        raise ValueOutOfRange(f"tensor {name!r}: a shift or table entry exceeds max_abs_value {max_abs_value:g}")
+    quant = QuantTable(shift=shift, lookup=torch.tensor(lookup, dtype=torch.float32), dtype=dtype)
+    narrow_shift = torch.tensor(shift, dtype=dtype)
+    if not bool(torch.isfinite(narrow_shift)):
+        raise NonFiniteValue(f"tensor {name!r}: shift overflows {DTYPE_NAMES[dtype]}")
+    # The four values the codes can stand for, as decode computes them: the float32 sum, then the
+    # cast to the declared dtype (which may round up past the bound, or overflow float16).
+    wide = quant.lookup + narrow_shift
+    narrow = quant.decode(torch.arange(len(lookup), dtype=torch.uint8))
+    for values, where in ((wide, "float32"), (narrow, DTYPE_NAMES[dtype])):
+        if not bool(torch.isfinite(values).all()):
+            raise NonFiniteValue(f"tensor {name!r}: a decoded value overflows {where}")
+        if float(values.abs().max()) > max_abs_value:
+            raise ValueOutOfRange(f"tensor {name!r}: a decoded value exceeds max_abs_value {max_abs_value:g}"
+                                  f" in {where}")
+    return quant
 
 
 def _decode_code_stream(coder: int, stream: bytes, num_codes: int) -> np.ndarray:

@@ -24,12 +24,13 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StringConstraints, Tag
+from pydantic import Discriminator, Field, StringConstraints, Tag, model_validator
 
 from protocol.config_file import ConfigError, load_config
-from protocol.fields import Beta, Multiaddr, RequestModel
+from protocol.fields import Beta, Multiaddr, RequestModel, Sha256Hex
 
-__all__ = ["AdaptiveDeadline", "ConfigError", "DeadlinePolicy", "ExchangeSection", "FixedDeadline",
+__all__ = ["AdaptiveDeadline", "ConfigError", "DEFAULT_MAX_ABS_VALUE", "DeadlinePolicy", "ExchangeSection",
+           "FixedDeadline", "MAX_ABS_VALUE_LIMIT",
            "FLAT_KEYS", "InnerSection", "MembershipSection", "ModelSection", "OuterSection", "RunConfig",
            "load_run_config", "nest_flat"]
 
@@ -43,6 +44,36 @@ class ModelSection(RequestModel):
     num_data_shards: int = Field(
         1024, ge=1, le=1_000_000, description="Dataset shards; a peer reads peer_index % this."
     )
+    vocab_size: int | None = Field(
+        None, ge=2, le=2**24,
+        description="Token ids the model embeds, replacing the preset's (256 or 32000): the tokenizer's"
+        " vocabulary, as `locoswarm data prepare` prints it. Required with tokenizer_id.",
+    )
+    tokenizer_id: Sha256Hex | None = Field(
+        None,
+        description="sha256 of the canonical tokenizer.json the data is tokenized with (`locoswarm data"
+        " prepare` prints it); a peer refuses shards made with another. Unset: byte-level text, or"
+        " shards whose ids fit the vocabulary.",
+    )
+    init_from: str | None = Field(
+        None, min_length=1, max_length=1024,
+        description="Start from these weights instead of the seeded initialisation: a safetensors file in"
+        " the Hugging Face Llama layout, or a directory holding model.safetensors (and config.json). Every"
+        " peer needs the same file at this path.",
+    )
+    init_sha256: Sha256Hex | None = Field(
+        None,
+        description="sha256 of init_from's safetensors file (`sha256sum model.safetensors`); required with"
+        " init_from: a peer whose file differs refuses to start.",
+    )
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "ModelSection":
+        if self.tokenizer_id is not None and self.vocab_size is None:
+            raise ValueError("tokenizer_id needs vocab_size (both are printed by `locoswarm data prepare`)")
+        if (self.init_from is None) != (self.init_sha256 is None):
+            raise ValueError("init_from and init_sha256 go together (init_sha256: `sha256sum model.safetensors`)")
+        return self
 
 
 class InnerSection(RequestModel):
@@ -64,6 +95,15 @@ class InnerSection(RequestModel):
     seq_len: int = Field(1024, ge=8, le=131_072, description="Tokens per sequence.")
 
 
+# The bound on a packet's values (outer.max_abs_value). Default: honest pseudo-gradients are
+# parameter deltas over H steps: AdamW moves a coordinate by about lr a step, the error buffer
+# holds at most 1 / (1 - beta) rounds of them, times the outer lr: 15 * 1e-3 * 20 * 1 = 0.3 at
+# the defaults, far below 1e4 (which float16 still holds). Limit: at 1e30, a float32 sum over
+# 3e8 peers and a float64 sum of squares over 1e200 elements stay finite.
+DEFAULT_MAX_ABS_VALUE = 1e4
+MAX_ABS_VALUE_LIMIT = 1e30
+
+
 class OuterSection(RequestModel):
     """The outer step every peer takes on the round's aggregate, and the compression before it."""
 
@@ -76,14 +116,40 @@ class OuterSection(RequestModel):
     top_k: int = Field(64, ge=1, le=4096, description="Values kept per 4096-element chunk.")
     chunk_size: int = Field(64, ge=1, le=1024, description="Tile side for 2-D tensors.")
     error_decay: float = Field(0.95, ge=0.0, le=1.0, description="Error-feedback decay beta.")
-    clip_to_median_norm: bool = Field(
-        False,
-        description="Scale down each peer's decoded update whose norm exceeds the round's median"
-        " (bounds a poisoning peer; SparseLoCo only).",
+    aggregation: Literal["median_clip", "mean"] = Field(
+        "median_clip",
+        description="How a round's decoded packets combine (SparseLoCo): \"median_clip\" scales each"
+        " peer's tensor down to the round's median norm of that tensor, then takes the scatter-mean"
+        " (bounds a poisoning peer); \"mean\" is the paper's plain scatter-mean.",
+    )
+    max_abs_value: float = Field(
+        DEFAULT_MAX_ABS_VALUE, gt=0.0, le=MAX_ABS_VALUE_LIMIT,
+        description="Largest magnitude a packet may carry: its shifts, table entries and decoded values"
+        " (DiLoCo: every dense element). A packet over it is refused. Honest values are parameter"
+        " deltas over H steps, about H * inner lr * outer lr / (1 - error_decay) at most (0.3 at the"
+        " defaults).",
     )
     overlap: bool = Field(
         False, description="One-round-delayed outer step: train round r+1 while round r's packets move."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clip_flag(cls, data: Any) -> Any:
+        """Configs written before `aggregation` (stored ones, older TOML files) carry the boolean
+        `clip_to_median_norm`: true means "median_clip", false the plain "mean" such a run was
+        created with (a stored run keeps its aggregation)."""
+        if not isinstance(data, dict) or "clip_to_median_norm" not in data:
+            return data
+        data = dict(data)
+        flag = data.pop("clip_to_median_norm")
+        if not isinstance(flag, bool):
+            raise ValueError("clip_to_median_norm (now aggregation) must be true or false")
+        implied = "median_clip" if flag else "mean"
+        if data.setdefault("aggregation", implied) != implied:
+            raise ValueError(f"clip_to_median_norm = {str(flag).lower()} contradicts aggregation ="
+                             f" {data['aggregation']!r}; give aggregation only")
+        return data
 
 
 class ExchangeSection(RequestModel):
@@ -115,6 +181,11 @@ class MembershipSection(RequestModel):
     heartbeat_timeout_s: float = Field(
         60.0, ge=1.0, le=86400.0, description="Silence after which a peer is marked gone."
     )
+    state_wait_s: float = Field(
+        300.0, ge=0.0, le=30 * 86400.0,
+        description="After every peer stopped: how long, from the first return, the run waits for a peer holding "
+        "the open round's start before going back to the newest agreed state a returning peer holds.",
+    )
     join_policy: Literal["open", "token"] = Field(
         "open", description="Whether joining needs one of `join_tokens`."
     )
@@ -122,6 +193,35 @@ class MembershipSection(RequestModel):
         default_factory=list,
         max_length=10_000,
         description="Join tokens (or 'sha256:<hex>' of one); stored hashed, never returned.",
+    )
+    join_pow_bits: int = Field(
+        0, ge=0, le=32,
+        description="Proof of work a new key shows to join (protocol/join_pow.py): leading zero bits of a hash"
+        " bound to the run, the key and a salt the coordinator changes every 10 minutes; 0: none. About a"
+        " second of one core at 20; each bit more doubles it. Members rejoin without one.",
+    )
+    join_rate_per_address_per_min: float = Field(
+        6.0, gt=0.0, le=1e6,
+        description="New keys one source address may join per minute, sustained (beyond the burst);"
+        " over it the join is answered 429 rate_limited with Retry-After.",
+    )
+    join_burst_per_address: int = Field(
+        10, ge=1, le=1_000_000, description="New keys one source address may join at once."
+    )
+    join_rate_per_min: float = Field(
+        120.0, gt=0.0, le=1e6, description="New keys the whole run takes per minute, sustained (beyond the burst)."
+    )
+    join_burst: int = Field(200, ge=1, le=1_000_000, description="New keys the whole run takes at once.")
+    max_missed_rounds: int = Field(
+        3, ge=1, le=100_000,
+        description="A contributor with no packet in this many consecutive closed rounds is no longer waited"
+        " for by the early close (it stays a member; its next packet in a manifest makes it waited for again)."
+        " 1: only the previous round's contributors are waited for.",
+    )
+    vote_after_rounds: int = Field(
+        0, ge=0, le=100_000,
+        description="Earlier rounds whose manifests must hold a peer's packet before its applied reports vote"
+        " on a round's agreed digest; 0: its packet in that round's manifest suffices.",
     )
 
 

@@ -9,9 +9,12 @@ project's nodes follows this layout:
               {"run": str, "round": int, "peer": str (publisher peer id), "digest": hex str,
                "wait": bool (optional; true: queue for an upload slot rather than be answered busy),
                "child": bool (optional; true: the fetcher is the holder's child in the packet's
-                              tree, served on a stream of its own beside the upload slots)}
+                              tree, served on a stream of its own beside the upload slots),
+               "offset": int (optional, written only when not 0; serve the bytes from this
+                              offset on: a snapshot transfer resuming at another holder)}
     response  u8 status, u64 big-endian length N, then N bytes:
-              status 0: the packet bytes (written in pieces as they are available)
+              status 0: the packet bytes from the offset on (written in pieces as they are
+                        available), N = size - offset
               status 1: a UTF-8 error message (N at most 512), e.g. "not held"
               status 2: busy: every upload slot is taken; N bytes (at most 512) of msgpack list
                         of up to 8 libp2p peer ids (base58) with a copy: those that confirmed a
@@ -26,6 +29,11 @@ it is still receiving holds back the last byte until its own copy hashed to the 
 that fails upstream ends the stream short rather than with bad bytes. A fetcher refuses a length
 that differs from the announced size (or exceeds its packet limit) before reading the body, and
 the sha256 of the bytes must equal the digest asked for (`DigestMismatch` otherwise).
+
+Parameter snapshots (publisher "params") use the same stream; their bytes are laid out and
+checked as protocol/snapshot.py says: the fetcher knows their exact length from its own model
+(no packet limit applies), checks them chunk by chunk against a hash tree, and resumes a broken
+transfer elsewhere with "offset".
 
 One encoder and one decoder per message: `encode_request` / `request_body_length` then
 `decode_request` (two steps, because a stream reader learns the body's length from the prefix),
@@ -55,14 +63,15 @@ MAX_BUSY_BYTES = 512
 MAX_BUSY_NAMES = 8  # peers named in a busy answer
 MAX_PEER_ID_CHARS = 128  # a base58 libp2p id is about 52 characters
 REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
-OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child"})
+OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child", "offset"})
 # What hivemind 1.1.12's PeerID.from_base58 (base58.b58decode) accepts: the bitcoin alphabet,
 # after trailing whitespace is stripped. The same test here keeps this module free of hivemind.
 _BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]*")
 
 
 class DigestMismatch(ProtocolError):
-    """A holder sent bytes whose sha256 is not the digest asked for."""
+    """A holder sent bytes that do not hash to the digest asked for (a packet's sha256, or a
+    snapshot's hash tree)."""
 
 
 class HolderRefused(ProtocolError):
@@ -87,12 +96,17 @@ class PacketRequest:
     digest: str  # sha256 hex of the packet asked for
     wait: bool = False  # queue for an upload slot instead of a busy answer
     child: bool = False  # the fetcher is the holder's child in the packet's tree
+    offset: int = 0  # serve the bytes from here on (a snapshot transfer resuming)
 
 
 def encode_request(request: PacketRequest) -> bytes:
-    """The request frame: length prefix, then the msgpack map (optional keys always written)."""
-    body = msgpack.packb({"run": request.run, "round": request.round, "peer": request.publisher,
-                          "digest": request.digest, "wait": request.wait, "child": request.child})
+    """The request frame: length prefix, then the msgpack map (wait and child always written,
+    offset only when not 0)."""
+    fields = {"run": request.run, "round": request.round, "peer": request.publisher, "digest": request.digest,
+              "wait": request.wait, "child": request.child}
+    if request.offset:
+        fields["offset"] = request.offset
+    body = msgpack.packb(fields)
     return REQUEST_PREFIX.pack(len(body)) + body
 
 
@@ -116,14 +130,18 @@ def decode_request(body: bytes) -> PacketRequest:
     except Exception as e:  # msgpack raises a zoo of types on bad input
         raise MalformedPacket(f"request does not parse: {type(e).__name__}") from None
     if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | OPTIONAL_REQUEST_KEYS:
-        raise MalformedPacket("request is not a map with run, round, peer, digest (and optionally wait, child)")
+        raise MalformedPacket("request is not a map with run, round, peer, digest (and optionally wait, child, "
+                              "offset)")
     run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
-    wait, child = request.get("wait", False), request.get("child", False)
+    wait, child, offset = request.get("wait", False), request.get("child", False), request.get("offset", 0)
     if not (isinstance(run, str) and isinstance(publisher, str) and isinstance(digest, str)
             and isinstance(round, int) and not isinstance(round, bool) and isinstance(wait, bool)
-            and isinstance(child, bool)):
+            and isinstance(child, bool) and isinstance(offset, int) and not isinstance(offset, bool)):
         raise MalformedPacket("request fields have the wrong types")
-    return PacketRequest(run=run, round=round, publisher=publisher, digest=digest, wait=wait, child=child)
+    if offset < 0:
+        raise MalformedPacket(f"request offset {offset} is negative")
+    return PacketRequest(run=run, round=round, publisher=publisher, digest=digest, wait=wait, child=child,
+                         offset=offset)
 
 
 def encode_response_header(status: int, length: int) -> bytes:

@@ -2,10 +2,16 @@
 
     locoswarm bench codec [--json] [--device cpu|cuda] [--repeats 5] [--peers 16]
     locoswarm bench exchange [--json] [--peers 8] [--rounds 3] [--packet-bytes N]
+    locoswarm bench digest [--json] [--preset 512m] [--device cpu|cuda] [--repeats 3]
+    locoswarm bench snapshot [--json] [--preset small] [--state]
+    locoswarm bench load [--json] [--peers 500] [--duration-s 30] [--round-watchers N]
 
 Each prints its figures beside a baseline measured in the same run: the codec against the plain
 path (torch.topk + int64 indices + uint8 codes; protocol/bench.py), the exchange against one
-unloaded libp2p stream (node/exchange/bench.py). The arguments go to the benchmark's own parser
+unloaded libp2p stream (node/exchange/bench.py), the parameter digest against one SHA-256 over the
+same tensors (node/training/digest_bench.py), a streamed snapshot against the whole-bytes path of
+the first build (node/exchange/snapshot_bench.py), a coordinator under N heartbeating peers against
+the same requests one at a time (coordinator/bench_load.py). The arguments go to the benchmark's own parser
 (`locoswarm bench codec --help` lists them), which is imported only when it runs: the codec
 benchmark imports torch.
 """
@@ -17,6 +23,9 @@ import importlib
 BENCHMARKS = {  # name: (module, help)
     "codec": ("protocol.bench", "packet size and encode/decode speed against the plain path"),
     "exchange": ("node.exchange.bench", "N node processes swap packets over the real DHT and libp2p streams"),
+    "digest": ("node.training.digest_bench", "the hash-tree parameter digest against one SHA-256, GB/s"),
+    "snapshot": ("node.exchange.snapshot_bench", "host memory to serve and load a parameter snapshot, streamed vs whole"),
+    "load": ("coordinator.bench_load", "N signed peers heartbeating a real coordinator: latency vs one at a time"),
 }
 
 

@@ -11,25 +11,42 @@ One line per check, `OK`, `WARN` or `FAIL`, what was found, and for anything not
                   is started and shut down, and the time it took is reported
     coordinator   GET /healthz answers (only with --coordinator or `coordinator` in --config),
                   and how many runs are open
+    clock         this machine's clock against the coordinator's (its /healthz `server_time`, else
+                  its HTTP Date header): hivemind's DHT nodes refuse each other when their clocks
+                  are more than 3 s apart, so a node beyond CLOCK_REFUSE_S is refused at join
     reachability  whether the addresses the node would announce can be dialled from other
                   networks (node.exchange.p2p.assess_reachability); a fixed listen port is free
     disk          free space where the key, the data cache and checkpoints are written
     key           the key directory is writable; an existing key file loads (its peer id shown)
 
+Clocks. hivemind 1.1.12 checks them when a DHT node bootstraps: `DHTNode.create` pings each
+initial peer with `DHTProtocol.call_ping(peer, validate=True, strict=True)`
+(hivemind/dht/protocol.py), which raises `ValidationError("local time must be within 3 seconds of
+others ...")` when the peer's `PingResponse.dht_time` falls outside [time requested - 3, time
+responded + 3] by this node's `get_dht_time` (`time.time`; the 3 is
+`hivemind.utils.timed_storage.MAX_DHT_TIME_DISCREPANCY_SECONDS`), and `DHTNode.create` re-raises
+it, so the node crashes at start (and so does a well-set newcomer that bootstraps from a node with
+a bad clock). hivemind offers no supported way to shift its clock: `get_dht_time` is a module
+global that each of its modules imports by name, so an offset would mean patching them all. The
+node therefore refuses to join with a clock off by more than CLOCK_REFUSE_S (the tolerance less a
+margin for the other peers' own error) and says how to fix it: turn on NTP.
+
 The exit code is 1 when any check FAILs, else 0; a WARN does not fail (a node behind NAT can
 still train in client mode). The flags and --config are those of `node join` (node/config.py),
-so the doctor checks the set-up the node would use. The only network traffic is the request to
-the coordinator and loopback traffic to the local daemon.
+so the doctor checks the set-up the node would use. The only network traffic is the requests to
+the coordinator (its runs, and three round trips to its clock) and loopback traffic to the local daemon.
 """
 
 from __future__ import annotations
 
 import argparse
+import email.utils
 import os
 import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +56,14 @@ FAIL_BELOW_BYTES = 1 << 30  # under 1 GiB free a checkpoint or the token cache m
 WARN_BELOW_BYTES = 5 << 30
 LIBP2P_TIMEOUT_S = 60.0
 HTTP_TIMEOUT_S = 10.0
+# hivemind.utils.timed_storage.MAX_DHT_TIME_DISCREPANCY_SECONDS (a test pins the two together;
+# importing hivemind here would load torch for a constant).
+HIVEMIND_CLOCK_TOLERANCE_S = 3.0
+CLOCK_REFUSE_S = HIVEMIND_CLOCK_TOLERANCE_S - 1.0  # certainly off by more: FAIL, and `node join` refuses
+CLOCK_WARN_S = 1.0  # possibly off by more: WARN (two such clocks on opposite sides use 2 s of the 3)
+CLOCK_SAMPLES = 3  # round trips; the shortest bounds the estimate best
+CLOCK_FIX = ("turn on NTP: `sudo timedatectl set-ntp true` (systemd-timesyncd), or install chrony "
+             "(`sudo apt install chrony`); `timedatectl` shows 'System clock synchronized: yes' once it is")
 NO_COORDINATOR = "http://coordinator.not.given"
 
 
@@ -91,6 +116,7 @@ def _doctor(args: argparse.Namespace) -> int:
     checks = [("torch", check_torch), ("device", lambda: check_device(config.device)), ("libp2p", check_libp2p)]
     if config.coordinator != NO_COORDINATOR:
         checks.append(("coordinator", lambda: check_coordinator(config.coordinator)))
+        checks.append(("clock", lambda: check_clock(config.coordinator)))
     checks += [("reachability", lambda: check_reachability(config)),
                ("disk", lambda: check_disk(_disk_dirs(config))), ("key", lambda: check_key(config.key_path))]
     failed = False
@@ -197,6 +223,84 @@ def check_coordinator(url: str) -> Check:
         return Check("coordinator", WARN, f"{base} healthy ({rtt_ms:.0f} ms) but has no open run",
                      "ask the operator to create one (`locoswarm run create`)")
     return Check("coordinator", OK, f"{base} healthy ({rtt_ms:.0f} ms); open runs: {names}")
+
+
+@dataclass(frozen=True, slots=True)
+class ClockOffset:
+    """This machine's clock against the coordinator's."""
+
+    offset_s: float  # this clock minus the coordinator's: positive when this one is ahead
+    error_s: float  # the estimate is within this of the truth (half the round trip, plus the Date header's 1 s)
+    source: str  # "server_time" (the /healthz field) or "Date header" (a coordinator older than the field)
+
+    @property
+    def beyond_refusal(self) -> bool:
+        """Off by more than CLOCK_REFUSE_S even at the estimate's most favourable end."""
+        return abs(self.offset_s) - self.error_s > CLOCK_REFUSE_S
+
+    def describe(self) -> str:
+        side = "ahead of" if self.offset_s > 0 else "behind"
+        return f"{abs(self.offset_s):.2f} s {side} the coordinator's (+-{self.error_s:.2f} s, from its {self.source})"
+
+
+def measure_clock_offset(url: str, clock: Callable[[], float] = time.time, samples: int = CLOCK_SAMPLES,
+                         timeout_s: float = HTTP_TIMEOUT_S) -> ClockOffset:
+    """The offset of `clock` from the coordinator's, as NTP estimates it: the server's time is
+    taken to fall at the midpoint of the request's round trip, so the error is at most half the
+    round trip; of `samples` requests, the one with the shortest round trip counts. Raises
+    httpx.HTTPError (or ValueError for an answer without a time) when the coordinator cannot say."""
+    import httpx
+
+    best: ClockOffset | None = None
+    with httpx.Client(timeout=timeout_s, trust_env=False) as client:
+        for _ in range(samples):
+            sent = clock()
+            response = client.get(f"{url.rstrip('/')}/healthz")
+            received = clock()
+            response.raise_for_status()
+            midpoint, half_rtt = (sent + received) / 2, max(0.0, received - sent) / 2
+            body = response.json()
+            server_time = body.get("server_time") if isinstance(body, dict) else None
+            if isinstance(server_time, (int, float)) and not isinstance(server_time, bool):
+                sample = ClockOffset(midpoint - server_time, half_rtt, "server_time")
+            else:  # the Date header says the whole second the server was in: [D, D + 1)
+                date = email.utils.parsedate_to_datetime(response.headers["date"]).timestamp()
+                sample = ClockOffset(midpoint - (date + 0.5), half_rtt + 0.5, "Date header")
+            if best is None or sample.error_s < best.error_s:
+                best = sample
+    assert best is not None
+    return best
+
+
+def check_clock(url: str, clock: Callable[[], float] = time.time) -> Check:
+    import httpx
+
+    try:
+        offset = measure_clock_offset(url, clock)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        return Check("clock", WARN, f"could not compare with the coordinator's: {type(e).__name__}: {e}",
+                     "fix the coordinator check first")
+    detail = f"{offset.describe()}; hivemind's DHT refuses peers over {HIVEMIND_CLOCK_TOLERANCE_S:g} s apart"
+    if offset.beyond_refusal:
+        return Check("clock", FAIL, detail + "; `node join` refuses to start", CLOCK_FIX)
+    if abs(offset.offset_s) + offset.error_s > CLOCK_WARN_S:
+        return Check("clock", WARN, detail, CLOCK_FIX)
+    return Check("clock", OK, offset.describe())
+
+
+def clock_refusal(url: str, clock: Callable[[], float] = time.time, timeout_s: float = HTTP_TIMEOUT_S) -> str | None:
+    """The line `node join` refuses with when this clock is beyond CLOCK_REFUSE_S; None when it is
+    not, or when the coordinator cannot be asked (the join then says what is wrong with it)."""
+    import httpx
+
+    try:
+        offset = measure_clock_offset(url, clock, timeout_s=timeout_s)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+    if not offset.beyond_refusal:
+        return None
+    return (f"this machine's clock is {offset.describe()}; peers' DHT nodes refuse each other beyond "
+            f"{HIVEMIND_CLOCK_TOLERANCE_S:g} s: {CLOCK_FIX}, then join again")
 
 
 def check_reachability(config) -> Check:

@@ -5,8 +5,9 @@
 
 What a volunteer can get wrong is refused before anything starts, in one line on stderr with
 what to do, exit code 2 (a traceback only with `-v`): a bad config (protocol/config_file.py), a
-device torch cannot use (the doctor's check, node/cli/doctor.py), a coordinator that never
-answers, a run that does not exist, is closed, or wants a join token.
+device torch cannot use (the doctor's check, node/cli/doctor.py), a clock too far from the
+coordinator's for hivemind's DHT (the doctor's measurement: `clock_refusal`), a coordinator that
+never answers, a run that does not exist, is closed, or wants a join token.
 
 Stopping: the first Ctrl+C (or SIGTERM) says so at once and lets the node finish its step, tell
 the coordinator it leaves and shut its exchange down; a second one quits now (the exchange is
@@ -28,6 +29,7 @@ from pathlib import Path
 
 EXIT_REFUSED = 2  # the volunteer's set-up or command line: fix it and start again
 EXIT_INTERRUPTED = 130  # the second Ctrl+C: 128 + SIGINT, as a shell reports it
+CLOCK_CHECK_TIMEOUT_S = 3.0  # per request; a coordinator that does not answer is the node's to report
 QUIT_GRACE_S = 5.0  # after the second Ctrl+C, the exchange's shutdown gets this long before a hard exit
 
 
@@ -72,6 +74,9 @@ def register(subparsers) -> None:
                       help="rounds between checkpoints (default 1)")
     join.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                       help="a progress bar for the inner steps (default on; --no-progress: logs only)")
+    join.add_argument("--eval-every", dest="eval_every_rounds", type=int, default=None,
+                      help="rounds between evaluations of the model on a fixed held-out batch, whose loss goes to "
+                           "the coordinator (default 5; 0: never)")
     join.add_argument("--inject", action="append", default=None, metavar="FAULT",
                       help="inject a fault, for tests and demos (repeatable): crash@round=3,phase=training, "
                            "slow-upload@delay_s=5, corrupt-packet@round=1, poison@factor=1000, stale-submit@round=2 "
@@ -87,7 +92,7 @@ def register(subparsers) -> None:
 JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "key_path", "host_maddrs",
                      "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "uplink_mbps",
                      "max_rounds", "fetch_timeout_s", "checkpoint_dir", "checkpoint_every_rounds", "progress",
-                     "inject")
+                     "eval_every_rounds", "inject")
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -101,8 +106,10 @@ def _join(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
 
-def _join_checked(args: argparse.Namespace) -> int:
-    from node.cli.doctor import FAIL, check_device
+def _join_checked(args: argparse.Namespace, clock=time.time) -> int:
+    """`_join` once logging is set up; `clock` (unix seconds) is what is compared with the
+    coordinator's clock before joining (tests hand it a skewed one)."""
+    from node.cli.doctor import FAIL, check_device, clock_refusal
     from node.config import format_node_config, load_node_config
     from protocol.config_file import ConfigError
 
@@ -114,16 +121,21 @@ def _join_checked(args: argparse.Namespace) -> int:
     device = check_device(config.device)  # the doctor's check, before the node joins anything
     if device.status == FAIL:
         return _refuse(f"{device.detail} -> {device.fix}")
+    # Before the DHT starts: hivemind's bootstrap would crash on a bad clock (node/cli/doctor.py).
+    if line := clock_refusal(config.coordinator, clock, timeout_s=CLOCK_CHECK_TIMEOUT_S):
+        return _refuse(line)
     print(format_node_config(config), file=sys.stderr, flush=True)
 
     from node.round.coordinator_client import CoordinatorError
     from node.round.loop import Node
+    from node.training.data import DataError
+    from node.training.hf import WeightsError
 
     node = Node(config)
     started = time.monotonic()
     try:
         reports, quit_now = run_until_stopped(node)
-    except (CoordinatorError, SystemExit) as e:
+    except (CoordinatorError, SystemExit, DataError, WeightsError) as e:
         line = refusal_line(e, config.coordinator, config.run_id)
         if line is None:
             raise
@@ -155,6 +167,11 @@ def refusal_line(error: BaseException, coordinator: str, run_id: str | None) -> 
     run = f"run {run_id}" if run_id else "the run"
     if isinstance(error, SystemExit):  # the round loop's own one-line stops (no open run, the ddp baseline)
         return error.code if isinstance(error.code, str) else None
+    from node.training.data import DataError
+    from node.training.hf import WeightsError
+
+    if isinstance(error, (DataError, WeightsError)):  # shards or init weights that are not the run's: says the fix
+        return str(error)
     if isinstance(error, CoordinatorUnreachable):  # it names the address and `locoswarm doctor`
         return str(error)
     if isinstance(error, CoordinatorUnavailable):

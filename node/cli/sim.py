@@ -1,6 +1,7 @@
 """`locoswarm sim`: the multi-peer simulator's command line (the simulator is node/round/sim.py).
 
     locoswarm sim --algos sparseloco,diloco,ddp [--json] [--peers 4 --inner-steps 15 --rounds 20]
+    locoswarm sim --data DIR        # shards from `locoswarm data prepare`: the model takes their vocabulary
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=d.eval_every_rounds, help="rounds between evaluations")
     parser.add_argument("--eval-batches", type=int, default=d.eval_batches)
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--data", default=None, help="text file, directory or .bin shards (default: stdlib sources)")
+    parser.add_argument("--data", default=None,
+                        help="text file or directory (byte tokens), .bin shards, or a `locoswarm data prepare` "
+                             "directory, whose vocabulary the model takes (default: stdlib sources)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="token ids the model embeds (default: the preset's, or what prepared shards record)")
     parser.add_argument("--threads", type=int, default=d.threads)
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--out", default="runs/sim", help="where summary.json and val_loss.png go")
@@ -66,6 +71,7 @@ def _sim_config(args: argparse.Namespace, algos: tuple[str, ...]) -> SimConfig:
         error_decay=args.error_decay, overlap=args.overlap, sparseloco_inner_lr=args.sparseloco_inner_lr,
         diloco_inner_lr=args.diloco_inner_lr, diloco_outer_lr=args.diloco_outer_lr, ddp_lr=args.ddp_lr,
         eval_every_rounds=args.eval_every, eval_batches=args.eval_batches, seed=args.seed, data=args.data,
+        vocab_size=args.vocab_size,
         threads=args.threads, device=args.device,
     )
 
@@ -74,7 +80,12 @@ def run_cli(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if not args.json:
         print("resolved config:", cfg.model_dump_json())
-    summary = simulate(cfg, Path(args.out), show_progress=True)
+    from node.training.data import DataError
+
+    try:
+        summary = simulate(cfg, Path(args.out), show_progress=True)
+    except DataError as e:  # data missing, malformed, or not what the model embeds: the message says what to do
+        raise SystemExit(f"error: {e}") from None
     per_strategy = {
         algo: {k: r[k] for k in ("final_val_loss", "tokens", "bytes_sent_per_peer_per_round", "wall_s")}
         for algo, r in summary["strategies"].items()

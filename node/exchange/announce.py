@@ -129,9 +129,11 @@ class Announcer:
         if found is None or not isinstance(found.value, dict):
             return []
         out = []
+        # A snapshot's size is its model's (the fetcher sizes it from its own layout), not a packet's.
+        limit = None if publisher == PARAMS_ID else self.config.max_packet_bytes
         for subkey, entry in found.value.items():
             try:
-                out.append(parse_record(publisher or subkey, round, entry.value, self.config.max_packet_bytes))
+                out.append(parse_record(publisher or subkey, round, entry.value, limit))
             except ProtocolError as e:  # one bad record costs its writer, not the round
                 log.warning("skipping DHT record %s[%r]: %s", key, subkey, e)
         return out

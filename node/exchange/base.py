@@ -13,13 +13,19 @@ The round loop (node/round/loop.py) uses the `Exchange` protocol and nothing els
     ...coordinator closes round r and lists {peer_id: digest} in its manifest...
     packets = await exchange.fetch(r, manifest, hints, timeout_s=60, parents=parents)  # a subset
     exchange.traffic(r).downloaded_bytes, exchange.traffic(r).fetching_s()             # for its report
-    await exchange.publish_params(r + 1, snapshot)        # for peers catching up, who fetch_params
+    await exchange.publish_params(r + 1, snapshot)        # a node.training.snapshot.Snapshot, served unit by unit
+    ok = await exchange.fetch_params(r, digest, sink)     # a peer catching up: verified units into its model
     await exchange.forget_before(r - keep_rounds)
 
 `fetch` never returns bytes whose sha256 differs from the digest asked for, and never hangs: a
 packet that no holder serves in time is left out of the result, and the caller decides (the
 manifest is fixed, so a missing packet means this peer skips the round and catches up: README.md,
 "A round").
+
+Parameter snapshots are never bytes in memory: a `Snapshot` reads each unit (the prologue, or a
+4 MiB chunk) from a checkpoint file or the round-start tensors as it is served, and a
+`SnapshotSink` checks each unit against the snapshot's hash tree (whose root is the agreed
+parameter digest) and writes it into the model (protocol/snapshot.py, node/training/snapshot.py).
 
 `node.exchange.p2p.P2PExchange` implements it over hivemind; `node.testing.memory_exchange`, an
 in-memory one written against this protocol (with `Traffic` from here), stands in for it in unit
@@ -29,9 +35,12 @@ tests. This module imports no transport.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from protocol.dht_records import Announcement
+
+if TYPE_CHECKING:
+    from node.training.snapshot import Snapshot, SnapshotSink
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +113,19 @@ class Exchange(Protocol):
         """This node's transfers for `round` so far (a live object: it grows while packets move)."""
         ...
 
-    async def publish_params(self, round: int, data: bytes) -> Announcement:
-        """Hold, serve and announce a snapshot of the parameters that start `round`."""
+    async def publish_params(self, round: int, snapshot: Snapshot) -> Announcement:
+        """Serve and announce a snapshot of the parameters that start `round` (replacing any
+        other this node served for `round`); announced under `snapshot.digest`."""
         ...
 
     async def params_holders(self, round: int) -> list[Announcement]:
         """Every announced snapshot of the parameters that start `round` (digests may differ)."""
         ...
 
-    async def fetch_params(self, round: int, digest: str, timeout_s: float = 120.0) -> bytes | None:
-        """The snapshot for `round` whose sha256 is `digest`, from any holder; None if none served it."""
+    async def fetch_params(self, round: int, digest: str, sink: SnapshotSink, timeout_s: float = 120.0) -> bool:
+        """Receive the snapshot for `round` named `digest` into `sink`, verified unit by unit, from
+        any holders (the next one resumes where one failed); True once all of it is in. False
+        leaves the sink where it stopped: its targets may hold part of the snapshot."""
         ...
 
     async def forget_before(self, round: int) -> None:

@@ -26,6 +26,13 @@ fetch and tries the next one. A copy forwarded cut-through that fails upstream e
 fetcher, which never counts a short stream as a whole packet, tries another holder without
 banning that one. A verified copy is kept, served, and announced under the holders key, so later
 fetchers spread their load over it.
+
+A parameter snapshot (`fetch_snapshot`) goes through the same search among the holders that
+announced it, but its bytes go into a `SnapshotSink` (node/training/snapshot.py) rather than a
+buffer: the request carries the sink's offset, the answer must be exactly the rest of the
+snapshot as the sink's own layout sizes it, and each unit (the prologue, then 4 MiB chunks) is
+checked and written as it completes. A holder that fails mid-stream costs only the unit in
+progress: the next holder is asked from the first byte not yet verified.
 """
 
 from __future__ import annotations
@@ -44,8 +51,8 @@ from node.exchange.announce import Announcer
 from node.exchange.host import Host, dial_addresses
 from node.exchange.reachability import addresses_by_holder
 from node.exchange.store import Held, PacketStore, Partial
-from protocol.dht_records import Announcement, holders_key, packets_key
-from protocol.errors import MalformedPacket, OversizedPacket
+from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
+from protocol.errors import MalformedPacket, OversizedPacket, ShapeMismatch, TruncatedPacket
 from protocol.stream import (
     MAX_ERROR_BYTES, RECEIPT, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, DigestMismatch, HolderBusy,
     HolderRefused, PacketRequest, decode_busy, decode_error, decode_response_header, encode_request,
@@ -53,6 +60,7 @@ from protocol.stream import (
 
 if TYPE_CHECKING:
     from node.exchange.p2p import ExchangeConfig
+    from node.training.snapshot import SnapshotSink
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +72,7 @@ class FetchState:
     digest: str
     size_bytes: int | None  # from an announcement; None: unknown, bounded by max_packet_bytes
     banned: set[str] = field(default_factory=set)  # holders that sent bad bytes
+    sink: SnapshotSink | None = None  # a snapshot's receiver (its layout sizes the stream)
 
 
 class PacketFetcher:
@@ -88,7 +97,8 @@ class PacketFetcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         held = self._store.held
-        result = {p: h.data for p, d in wanted.items() if (h := held.get((round, p))) and h.digest == d}
+        result = {p: h.data for p, d in wanted.items()
+                  if isinstance(h := held.get((round, p)), Held) and h.digest == d}
         todo = {p: d for p, d in wanted.items() if p not in result}
         if not todo:
             return result
@@ -141,6 +151,38 @@ class PacketFetcher:
         result |= {p: data for (p, _), data in zip(order, fetched) if data is not None}
         return result
 
+    async def fetch_snapshot(self, round: int, digest: str, sink: SnapshotSink, timeout_s: float) -> bool:
+        """Receive the snapshot named `digest` into `sink` from the holders that announced it;
+        True once all of it verified. A later call with the same sink resumes where this one stopped."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        sink.expect(digest)
+        if sink.done:
+            return True
+        run_id = self.config.run_id
+        keys = {None: packets_key(run_id, round), PARAMS_ID: holders_key(run_id, round, PARAMS_ID)}
+        lookup_task: asyncio.Future | None = None
+
+        def lookup() -> asyncio.Future:
+            nonlocal lookup_task
+            if lookup_task is None:
+                lookup_task = asyncio.ensure_future(self._announcer.lookup(keys, round, deadline))
+            return lookup_task
+
+        state = FetchState(round, PARAMS_ID, digest, sink.total_bytes, sink=sink)
+        started = loop.time()
+        try:
+            await asyncio.wait_for(self._fetch_one(state, [], lookup, deadline), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            log.warning("round %d: snapshot %s: %d of %d bytes verified within %.1f s", round, digest[:12],
+                        sink.offset, sink.total_bytes, timeout_s)
+            return False
+        finally:
+            if lookup_task is not None:
+                lookup_task.cancel()
+        self._store.traffic(round).fetch_spans.append((started, loop.time()))
+        return sink.done
+
     async def _fetch_one(self, state: FetchState, hints: list[Announcement], lookup: Callable[[], asyncio.Future],
                          deadline: float, parent: Announcement | None = None) -> bytes:
         """Try the parent, the hinted holders, then those the DHT knows and those busy holders name,
@@ -150,17 +192,19 @@ class PacketFetcher:
             if parent is not None and parent.holder != self.holder_id:
                 # No fetch slot: the tree gives each packet one stream into this node.
                 outcome = await self._try_holder(parent, state, deadline, wait=True, child=True)
-                if isinstance(outcome, bytes):
+                if outcome is not None and not isinstance(outcome, HolderBusy):
                     return self._fetched(state, outcome)
                 if isinstance(outcome, HolderBusy):
                     for name in outcome.holders:
                         known.setdefault(name, self._holder_named(name, state))
             return await self._search(state, known, lookup, deadline)
 
-    def _fetched(self, state: FetchState, data: bytes) -> bytes:
-        """A verified packet, held and served from now on (_download); its copy announced."""
+    def _fetched(self, state: FetchState, data: bytes | SnapshotSink) -> bytes | SnapshotSink:
+        """A verified packet, held and served from now on (_download); its copy announced. (A
+        snapshot is served once its caller loaded it: it lives in the model, not in the store.)"""
         self._store.traffic(state.round).num_fetched += 1
-        self._announcer.announce_holder(state.round, state.publisher, state.digest, len(data))
+        if state.sink is None:
+            self._announcer.announce_holder(state.round, state.publisher, state.digest, len(data))
         return data
 
     async def _search(self, state: FetchState, known: dict[str, Announcement], lookup: Callable[[], asyncio.Future],
@@ -172,7 +216,8 @@ class PacketFetcher:
         def take_announcement(found: Announcement | None) -> Announcement | None:
             """The publisher's own record: its size bounds the download, and it is a holder."""
             if found is not None and found.digest == state.digest:
-                state.size_bytes = found.size_bytes
+                if state.sink is None:  # a snapshot's size is its layout's, never a record's
+                    state.size_bytes = found.size_bytes
                 known.setdefault(found.holder, found)
             return found
 
@@ -200,7 +245,7 @@ class PacketFetcher:
                 tried.add(holder.holder)
                 async with self._fetch_slots:
                     outcome = await self._try_holder(holder, state, deadline, wait)
-                if isinstance(outcome, bytes):
+                if outcome is not None and not isinstance(outcome, HolderBusy):
                     return self._fetched(state, outcome)
                 if isinstance(outcome, HolderBusy):  # try the peers it named first: they have copies
                     log.debug("round %d: %s's packet: holder %s busy, names %d", state.round, state.publisher,
@@ -234,14 +279,14 @@ class PacketFetcher:
                             self._addresses.get(holder, []), holder)
 
     async def _try_holder(self, holder: Announcement, state: FetchState, deadline: float,
-                          wait: bool = False, child: bool = False) -> bytes | HolderBusy | None:
+                          wait: bool = False, child: bool = False) -> bytes | SnapshotSink | HolderBusy | None:
         """The verified packet; HolderBusy when the holder has no free upload slot (with `wait`: none
         freed within its queue time); None on failure."""
         try:
             return await self._download(holder, state, deadline, wait, child)
         except HolderBusy as busy:
             return busy
-        except (DigestMismatch, MalformedPacket, OversizedPacket) as e:
+        except (DigestMismatch, MalformedPacket, OversizedPacket, ShapeMismatch, TruncatedPacket) as e:
             state.banned.add(holder.holder)
             log.warning("round %d: holder %s of %s's packet banned: %s", state.round, holder.holder,
                         state.publisher, e)
@@ -257,7 +302,7 @@ class PacketFetcher:
         return None
 
     async def _download(self, holder: Announcement, state: FetchState, deadline: float, wait: bool = False,
-                        child: bool = False) -> bytes:
+                        child: bool = False) -> bytes | SnapshotSink:
         loop = asyncio.get_running_loop()
         cfg = self.config
 
@@ -274,22 +319,27 @@ class PacketFetcher:
             self._dialed.add(holder.holder)
         reader, writer = await asyncio.wait_for(self._host.open_stream(peer), budget(cfg.connect_timeout_s))
         try:
+            offset = state.sink.offset if state.sink is not None else 0
             writer.write(encode_request(PacketRequest(run=cfg.run_id, round=state.round, publisher=state.publisher,
-                                                      digest=state.digest, wait=wait, child=child)))
+                                                      digest=state.digest, wait=wait, child=child, offset=offset)))
             await asyncio.wait_for(writer.drain(), budget(cfg.connect_timeout_s))
+            expected = state.size_bytes - offset if state.sink is not None else state.size_bytes
             status, length = decode_response_header(
                 await asyncio.wait_for(reader.readexactly(RESPONSE_HEADER.size), budget(cfg.connect_timeout_s)),
-                cfg.max_packet_bytes)
+                expected if state.sink is not None else cfg.max_packet_bytes)
             if status == STATUS_ERROR:
                 message = await asyncio.wait_for(reader.read(min(length, MAX_ERROR_BYTES)), budget(cfg.stall_timeout_s))
                 raise HolderRefused(decode_error(message))
             if status == STATUS_BUSY:
                 raw = await asyncio.wait_for(reader.readexactly(length), budget(cfg.stall_timeout_s))
                 raise HolderBusy(decode_busy(raw))
-            if state.size_bytes is not None and length != state.size_bytes:
-                raise MalformedPacket(f"holder offers {length} bytes, the announcement says {state.size_bytes}")
+            if expected is not None and length != expected:
+                raise MalformedPacket(f"holder offers {length} bytes, the announcement says {expected}")
             answered = loop.time()
-            data = await self._receive(reader, holder, state, length, budget)
+            if state.sink is not None:
+                data = await self._receive_snapshot(reader, state, length, budget)
+            else:
+                data = await self._receive(reader, holder, state, length, budget)
             writer.write(RECEIPT)  # frees the holder's upload slot; a lost receipt only delays that
             done = loop.time()
             log.debug("round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps)",
@@ -330,15 +380,7 @@ class PacketFetcher:
                 hasher.update(piece)
                 traffic.downloaded_bytes += len(piece)
                 partial.notify()
-                now = loop.time()
-                if self._num_downloads > 1:
-                    alone = None
-                elif alone is None:
-                    alone = (now, len(partial.buffer))
-                elif (elapsed := now - alone[0]) > cfg.stall_timeout_s and len(partial.buffer) < length \
-                        and len(partial.buffer) - alone[1] < cfg.min_rate_bytes_per_s * elapsed:
-                    raise asyncio.TimeoutError(f"{len(partial.buffer) - alone[1]} bytes in {elapsed:.1f} s "
-                                               f"alone: under the floor of {cfg.min_rate_bytes_per_s:.0f} B/s")
+                alone = self._rate_floor(alone, loop.time(), len(partial.buffer), length)
             if hasher.hexdigest() != state.digest:
                 raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
                                      f"wanted {state.digest[:16]}...")
@@ -355,6 +397,53 @@ class PacketFetcher:
             if self._store.partial.get(key) is partial:
                 del self._store.partial[key]
         return data
+
+
+    def _rate_floor(self, alone: tuple[float, int] | None, now: float, got: int,
+                    length: int) -> tuple[float, int] | None:
+        """Since when (and from how many bytes) this download ran alone; raises TimeoutError for a
+        holder that sent under `min_rate_bytes_per_s` for `stall_timeout_s` meanwhile."""
+        cfg = self.config
+        if self._num_downloads > 1:
+            return None
+        if alone is None:
+            return now, got
+        if (elapsed := now - alone[0]) > cfg.stall_timeout_s and got < length \
+                and got - alone[1] < cfg.min_rate_bytes_per_s * elapsed:
+            raise asyncio.TimeoutError(f"{got - alone[1]} bytes in {elapsed:.1f} s alone: under the floor of "
+                                       f"{cfg.min_rate_bytes_per_s:.0f} B/s")
+        return alone
+
+    async def _receive_snapshot(self, reader: asyncio.StreamReader, state: FetchState, length: int,
+                                budget: Callable[[float], float]) -> SnapshotSink:
+        """The rest of a snapshot (`length` bytes from the sink's offset), a unit at a time: read into
+        a buffer the sink's layout sizes (never the holder's claim), then checked and written into
+        the model in a worker thread. What verified stays verified if the stream breaks."""
+        loop = asyncio.get_running_loop()
+        cfg, sink = self.config, state.sink
+        traffic = self._store.traffic(state.round)
+        end, received = sink.offset + length, 0
+        alone: tuple[float, int] | None = None
+        self._num_downloads += 1
+        try:
+            while sink.offset < end:
+                unit = sink.next_unit()
+                buffer = bytearray(unit.end - unit.start)
+                view, filled = memoryview(buffer), 0
+                while filled < len(buffer):
+                    piece = await asyncio.wait_for(reader.read(min(cfg.chunk_bytes << 1, len(buffer) - filled)),
+                                                   budget(cfg.stall_timeout_s))
+                    if not piece:
+                        raise asyncio.IncompleteReadError(b"", length)
+                    view[filled: filled + len(piece)] = piece
+                    filled += len(piece)
+                    received += len(piece)
+                    traffic.downloaded_bytes += len(piece)
+                    alone = self._rate_floor(alone, loop.time(), received, length)
+                await asyncio.to_thread(sink.accept, buffer)
+        finally:
+            self._num_downloads -= 1
+        return sink
 
 
 def hinted_holders(maddrs: list[str], state: FetchState) -> list[Announcement]:

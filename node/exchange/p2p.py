@@ -20,7 +20,7 @@ A publisher serves its packet at once and announces it in the background; a fetc
 a copy serves and announces it too, so a packet spreads as a tree of copies (serve.py, fetch.py).
 
 Fault-injection tests subclass `P2PExchange` and override `_serve` (the stream handler p2pd
-calls) or `_payload_for` (the bytes served for a held packet).
+calls) or `_payload_for` (the bytes served for a held packet, or for each unit of a snapshot).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import asyncio
 import logging
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from node.exchange.announce import Announcer
 from node.exchange.base import Traffic
@@ -36,9 +37,12 @@ from node.exchange.fetch import PacketFetcher
 from node.exchange.host import Host
 from node.exchange.reachability import Reachability, assess_reachability
 from node.exchange.serve import PacketServer
-from node.exchange.store import Held, PacketStore
+from node.exchange.store import Held, HeldSnapshot, PacketStore
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, packet_digest
+
+if TYPE_CHECKING:
+    from node.training.snapshot import Snapshot, SnapshotSink
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +64,8 @@ class ExchangeConfig:
     max_uploads: int = 2  # streams served at once; further requests are answered busy, or queue
     busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.4 s)
     chunk_bytes: int = 512 << 10  # stream write size
-    max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # refuse larger packets before buffering them
+    # refuse larger packets before buffering them (a snapshot's size is its model's: protocol/snapshot.py)
+    max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES
     connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
     stall_timeout_s: float = 10.0  # a holder silent this long mid-transfer is dropped
     # ...and one that sends less than this on average for stall_timeout_s while its stream is the
@@ -186,28 +191,28 @@ class P2PExchange:
 
     # -- parameter snapshots ----------------------------------------------------------------------
 
-    async def publish_params(self, round: int, data: bytes) -> Announcement:
-        """Hold and serve a snapshot of the parameters that start `round`, for peers catching up.
+    async def publish_params(self, round: int, snapshot: Snapshot) -> Announcement:
+        """Serve a snapshot of the parameters that start `round`, for peers catching up.
 
-        Snapshots are held like packets under the reserved publisher id `PARAMS_ID` and announced
-        only as holder records (key ".../round/R/holders/params", subkey this node's libp2p id),
-        so a round's packet announcements stay packets only; a peer that fetched and verified a
-        snapshot re-serves it like any packet (several donors, swarming). Raises AnnounceFailed
-        (node.exchange.announce) if no DHT node stored the record.
+        Snapshots are held under the reserved publisher id `PARAMS_ID`, read unit by unit as they
+        are served (serve.py), and announced only as holder records (key
+        ".../round/R/holders/params", subkey this node's libp2p id), so a round's packet
+        announcements stay packets only; a peer that loaded a snapshot publishes its own (several
+        donors, swarming). Raises AnnounceFailed (node.exchange.announce) if no DHT node stored
+        the record.
         """
-        data = bytes(data)
-        digest = packet_digest(data)
-        self._store.held[(round, PARAMS_ID)] = Held(digest, data)
-        await self._announcer.announce_params(round, self._announcer.record(digest, len(data)))
-        return self._announcer.announcement(PARAMS_ID, round, digest, len(data))
+        self._store.hold_snapshot((round, PARAMS_ID), HeldSnapshot(snapshot.digest, snapshot, own=True))
+        await self._announcer.announce_params(round, self._announcer.record(snapshot.digest, snapshot.size_bytes))
+        return self._announcer.announcement(PARAMS_ID, round, snapshot.digest, snapshot.size_bytes)
 
     async def params_holders(self, round: int) -> list[Announcement]:
         """Every announced snapshot of the parameters that start `round` (digests may differ)."""
         return await self.holders(round, PARAMS_ID)
 
-    async def fetch_params(self, round: int, digest: str, timeout_s: float = 120.0) -> bytes | None:
-        """The snapshot for `round` whose sha256 is `digest`, from any holder; None if none served it."""
-        return (await self.fetch(round, {PARAMS_ID: digest}, timeout_s=timeout_s)).get(PARAMS_ID)
+    async def fetch_params(self, round: int, digest: str, sink: SnapshotSink, timeout_s: float = 120.0) -> bool:
+        """Receive the snapshot for `round` named `digest` into `sink`, from any holders (resuming
+        at the next one where one fails); True once all of it verified and is written."""
+        return await self._fetcher.fetch_snapshot(round, digest, sink, timeout_s)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -238,4 +243,4 @@ class P2PExchange:
             task.cancel()
         await asyncio.gather(*list(self._background), return_exceptions=True)
         await self._host.shutdown()  # the DHT node, then p2pd (waits for it to exit)
-        self._store.held.clear()
+        self._store.clear()

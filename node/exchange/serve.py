@@ -22,6 +22,13 @@ arriving is sent on as each piece arrives, holding back the last byte until the 
 hashed to its digest; if the copy fails, the onward stream ends short. So a hop costs a piece's
 latency, not a whole packet's transfer time.
 
+Snapshots: a `HeldSnapshot` is served unit by unit from its source (a checkpoint file or the
+round-start tensors), each unit read in a worker thread and checked against the snapshot's hash
+tree before it goes out, from the request's offset on. A source whose bytes moved on (the
+tensors after the next outer step) ends the stream short and is no longer served: the fetcher
+resumes elsewhere without blaming this node. A held packet is also served from an offset; a copy
+still arriving only from 0.
+
 The handler never raises: a malformed request, one for another run, or for a packet not held gets
 an error frame, and one that does not arrive within `request_timeout_s` just closes the stream.
 """
@@ -36,8 +43,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from node.exchange.base import Traffic
-from node.exchange.store import Held, PacketStore, Partial
-from protocol.errors import ProtocolError, WrongRound
+from node.exchange.store import Held, HeldSnapshot, PacketStore, Partial
+from protocol.dht_records import PARAMS_ID
+from protocol.errors import MalformedPacket, ProtocolError, WrongRound
 from protocol.stream import (
     MAX_BUSY_NAMES, RECEIPT, REQUEST_PREFIX, STATUS_OK, HolderRefused, PacketRequest, decode_request, encode_busy,
     encode_error, encode_response_header, request_body_length,
@@ -51,7 +59,8 @@ log = logging.getLogger(__name__)
 MAX_CHILD_STREAMS = 16  # streams to tree children served at once, beside the upload slots
 SEED_STREAMS = 2  # streams a publisher may add beyond max_uploads for its packet's first copies
 
-PayloadFor = Callable[[int, str, bytes], bytes]  # (round, publisher, held bytes) -> bytes served
+# (round, publisher, held bytes) -> bytes served; for a snapshot, called on each unit it serves
+PayloadFor = Callable[[int, str, bytes], bytes]
 
 
 class PacketServer:
@@ -83,6 +92,8 @@ class PacketServer:
             copy = await self._store.copy_for(round, publisher, request.digest, cfg.request_timeout_s)
             if copy is None:
                 raise HolderRefused("not held")
+            if request.offset and isinstance(copy, Partial):
+                raise HolderRefused("a copy still arriving is served from its start only")
             if request.child and self.num_child_uploads < MAX_CHILD_STREAMS:
                 # The packet's tree bounds these (a few children per packet), so no slot is taken.
                 self.num_child_uploads += 1
@@ -103,14 +114,14 @@ class PacketServer:
             copy.receiving.append(requester)
             try:
                 traffic = self._store.traffic(round)
-                if isinstance(copy, Held):
+                if isinstance(copy, HeldSnapshot):
+                    await self._send_snapshot(round, copy, request.offset, writer, traffic)
+                elif isinstance(copy, Held):
                     payload = memoryview(self._payload_for(round, publisher, copy.data))
-                    writer.write(encode_response_header(STATUS_OK, len(payload)))
-                    for offset in range(0, len(payload), cfg.chunk_bytes):
-                        piece = payload[offset: offset + cfg.chunk_bytes]
-                        writer.write(piece)
-                        await asyncio.wait_for(writer.drain(), cfg.stall_timeout_s)
-                        traffic.uploaded_bytes += len(piece)
+                    if request.offset > len(payload):
+                        raise MalformedPacket(f"offset {request.offset} past the packet's {len(payload)} bytes")
+                    writer.write(encode_response_header(STATUS_OK, len(payload) - request.offset))
+                    await self._write(payload[request.offset:], writer, traffic)
                 else:
                     await self._forward(copy, writer, traffic)
                 traffic.num_served += 1
@@ -174,6 +185,38 @@ class PacketServer:
                 handed.set_result(None)
                 return
         self.num_uploads -= 1
+
+    async def _write(self, payload: memoryview, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
+        for offset in range(0, len(payload), self.config.chunk_bytes):
+            piece = payload[offset: offset + self.config.chunk_bytes]
+            writer.write(piece)
+            await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
+            traffic.uploaded_bytes += len(piece)
+
+    async def _send_snapshot(self, round: int, copy: HeldSnapshot, offset: int, writer: asyncio.StreamWriter,
+                             traffic: Traffic) -> None:
+        """The snapshot's bytes from `offset` on, a verified unit at a time (one unit in memory)."""
+        from node.training.snapshot import StaleSnapshot
+
+        source = copy.source
+        if offset > source.size_bytes:
+            raise MalformedPacket(f"offset {offset} past the snapshot's {source.size_bytes} bytes")
+        writer.write(encode_response_header(STATUS_OK, source.size_bytes - offset))
+        while offset < source.size_bytes:
+            try:
+                start, unit = await asyncio.to_thread(source.read_unit, offset)
+            except StaleSnapshot as e:
+                # Stop serving it (its announcement stays, and gets "not held"); end the stream short.
+                if self._store.held.get((round, PARAMS_ID)) is copy:
+                    self._store.drop((round, PARAMS_ID))
+                log.info("round %d: stopped serving snapshot %s: %s", round, copy.digest[:12], e)
+                raise ConnectionError("snapshot no longer held") from e
+            end = start + len(unit)
+            payload = memoryview(self._payload_for(round, PARAMS_ID, unit))
+            del unit
+            await self._write(payload[offset - start:], writer, traffic)
+            del payload  # one unit in memory per stream: gone before the next is read
+            offset = end
 
     async def _forward(self, partial: Partial, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
         """Send a packet that is still arriving, each piece as it comes, the last byte once verified."""

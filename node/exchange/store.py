@@ -1,4 +1,5 @@
-"""The packets this node holds and serves: whole verified copies, copies still arriving, traffic.
+"""The packets this node holds and serves: whole verified copies, copies still arriving,
+parameter snapshots, traffic.
 
     store.held[(round, publisher)] = Held(digest, data, own=True)   # published here
     store.notify_copy()                                             # wakes requests waiting for it
@@ -11,6 +12,11 @@ onward piece by piece as it arrives: cut-through). Both keep who confirmed a ver
 for a packet this node has no copy of yet may wait for one: this node's children in a packet's
 tree ask at about the moment it learns of the packet itself (see `copy_for`). Rounds before the
 ones still needed are forgotten with `forget_before`, with their traffic counts.
+
+A parameter snapshot is held as a `HeldSnapshot` under the publisher id "params": not bytes, but
+a source that reads each unit as it is served (node/training/snapshot.py), from the round-start
+tensors or from a checkpoint file. The newest snapshot read from a checkpoint (`durable`) outlives
+`forget_before`: it is this node's durable state, served until a newer checkpoint replaces it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from node.exchange.base import Traffic
+
+if TYPE_CHECKING:
+    from node.training.snapshot import Snapshot
 
 WANT_GRACE_S = 1.0  # how long a request for a packet this node does not have waits for it to want it
 
@@ -33,6 +44,17 @@ class Held:
     sent_to: list[str] = field(default_factory=list)  # libp2p ids of peers that confirmed all of it
     receiving: list[str] = field(default_factory=list)  # libp2p ids of peers being sent it now
     own: bool = False  # published by this node
+
+
+@dataclass(slots=True)
+class HeldSnapshot:
+    """A parameter snapshot served unit by unit from its source (never held whole)."""
+
+    digest: str  # the snapshot digest (protocol/snapshot.py)
+    source: Snapshot
+    sent_to: list[str] = field(default_factory=list)
+    receiving: list[str] = field(default_factory=list)
+    own: bool = False
 
 
 @dataclass(slots=True)
@@ -66,7 +88,7 @@ class PacketStore:
     """This node's copies by (round, publisher), the packets it is fetching, and per-round traffic."""
 
     def __init__(self):
-        self.held: dict[tuple[int, str], Held] = {}
+        self.held: dict[tuple[int, str], Held | HeldSnapshot] = {}
         self.partial: dict[tuple[int, str], Partial] = {}  # packets arriving now, served as they arrive
         self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched
         self._copy_added = asyncio.Event()  # replaced each time a copy (whole or arriving) is added
@@ -92,7 +114,8 @@ class PacketStore:
             if not self._wanted[key]:
                 del self._wanted[key]
 
-    async def copy_for(self, round: int, publisher: str, digest: str, wait_s: float) -> Held | Partial | None:
+    async def copy_for(self, round: int, publisher: str, digest: str,
+                       wait_s: float) -> Held | HeldSnapshot | Partial | None:
         """This node's copy of the packet, whole or arriving. If none yet, a tree child may have
         asked before our own copy started: waits up to `wait_s` for one while this node fetches
         the packet, and up to WANT_GRACE_S for it to start fetching (it learns of packets from
@@ -112,9 +135,34 @@ class PacketStore:
             except asyncio.TimeoutError:
                 pass
 
+    def hold_snapshot(self, key: tuple[int, str], snapshot: HeldSnapshot) -> None:
+        """Serve `snapshot` under `key` from now on, in place of any other there; a durable one
+        replaces the previous durable one, which is closed."""
+        replaced = self.held.get(key)
+        self.held[key] = snapshot
+        if snapshot.source.durable:
+            durable = [k for k, c in self.held.items()
+                       if k != key and isinstance(c, HeldSnapshot) and c.source.durable]
+            for k in durable:
+                self.drop(k)
+        if isinstance(replaced, HeldSnapshot) and replaced.source is not snapshot.source:
+            replaced.source.close()
+        self.notify_copy()
+
+    def drop(self, key: tuple[int, str]) -> None:
+        copy = self.held.pop(key, None)
+        if isinstance(copy, HeldSnapshot):
+            copy.source.close()
+
     def forget_before(self, round: int) -> None:
-        """Drop the copies and traffic counts of rounds before `round`."""
-        for key in [k for k in self.held if k[0] < round]:
-            del self.held[key]
+        """Drop the copies and traffic counts of rounds before `round` (except the durable snapshot)."""
+        for key in [k for k, c in self.held.items() if k[0] < round]:
+            copy = self.held[key]
+            if not (isinstance(copy, HeldSnapshot) and copy.source.durable):
+                self.drop(key)
         for r in [r for r in self._traffic if r < round]:
             del self._traffic[r]
+
+    def clear(self) -> None:
+        for key in list(self.held):
+            self.drop(key)

@@ -3,8 +3,11 @@
 A node falls behind when it joins a running run, misses a round's deadline, cannot fetch a
 manifest packet, or was paused. Closed rounds whose packets are still served are replayed (fetch
 the manifest, as amended so far, and apply it: exact, and cheap); otherwise the newest parameter
-snapshot whose digest the coordinator recorded as the majority is fetched from peers and
-checked. A replay asks the exchange first who holds the round's packets: when no peer announces
+snapshot whose digest the coordinator agreed on is fetched from peers and checked. Only agreed
+digests are trusted, never a provisional majority (coordinator/service.py, "Agreed digests"): keys
+that never trained cannot make a node refuse the swarm's parameters. While closed rounds that had
+contributors have no agreed digest yet, the node waits for one (the next round's close settles
+them). A replay asks the exchange first who holds the round's packets: when no peer announces
 some packet (forgotten, or its publisher gone), it goes to a snapshot at once instead of waiting
 out a fetch time-out, and it never reports packets missing (that is for the peers applying the
 round as it happens). Error feedback restarts at zero after a snapshot (the update it held is
@@ -20,7 +23,7 @@ from collections import Counter
 from node.round.prefetch import Decoded
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
-from node.round.steps import CatchUpNeeded, apply_manifest
+from node.round.steps import CatchUpNeeded, apply_manifest, serve_snapshot
 from protocol.http import RoundView
 
 log = logging.getLogger("locoswarm.node")
@@ -46,7 +49,7 @@ async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, st
     while not s.stopping.is_set():
         status = await s.client.status()
         current = status.current_round.round if status.current_round else status.run.current_round
-        majority = {h.round + 1: h.majority_digest for h in status.history if h.majority_digest}
+        agreed = {h.round + 1: h.agreed_digest for h in status.history if h.agreed_digest}
         if s.params_round is not None and s.params_round < current:
             try:
                 for r in range(s.params_round, current):
@@ -56,15 +59,17 @@ async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, st
                 log.info("replay stopped: %s; loading a snapshot", e)
         if s.params_round == current:
             return current, "snapshot" if loaded else "none"
-        for start_round in sorted((r for r in majority if r <= current), reverse=True)[:SNAPSHOT_ROUNDS_TRIED]:
-            if await load_snapshot(s, start_round, majority[start_round]):
+        for start_round in sorted((r for r in agreed if r <= current), reverse=True)[:SNAPSHOT_ROUNDS_TRIED]:
+            if await load_snapshot(s, start_round, agreed[start_round]):
                 loaded = True
                 break
         else:
-            if current == 0 or not majority:
-                s.params_round = 0  # nothing applied yet: the seeded initialisation is the start
-                return current, "none"
-            await asyncio.sleep(1.0)  # snapshots not announced yet: peers are still applying
+            if current == 0 or not any(h.num_contributors for h in status.history):
+                s.params_round = 0  # nothing was ever trained in: the seeded initialisation is the start
+                if current == 0:
+                    return current, "none"
+                continue  # and the empty rounds since replay from it
+            await asyncio.sleep(1.0)  # snapshots not announced or not agreed yet: peers are applying, voting
     return s.params_round or 0, "none"
 
 
@@ -99,36 +104,36 @@ async def packets_gone(s: Session, round: int, view: RoundView) -> list[str]:
 
 
 async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
-    """Fetch peers' snapshot of the parameters that start `round`; keep it if its digest matches."""
-    import torch
-    from safetensors.torch import load
-
-    from node.training.params import flat_named_params, param_digest
+    """Fetch peers' snapshot of the parameters that start `round` straight into the model (and the
+    outer state), each unit checked against a hash tree whose root must be `params_digest` before
+    it is written (node/training/snapshot.py); host memory holds one 4 MiB chunk, whatever the
+    model's size. A holder that fails midway is followed by the next from the first chunk not yet
+    verified; a snapshot is given up after a fetch time-out without progress. Once bytes were
+    written and no snapshot completed, the parameters are unknown (`params_round` None)."""
+    from node.training.params import flat_named_params
+    from node.training.snapshot import SnapshotSink
 
     holders = await s.exchange.params_holders(round)
-    for blob_digest, _ in Counter(h.digest for h in holders).most_common():
-        data = await s.exchange.fetch_params(round, blob_digest, timeout_s=s.config.fetch_timeout_s)
-        if data is None:
+    # On the CPU the outer state's tensors are the live ones (written in place); elsewhere host copies.
+    state = s.outer.snapshot_state()
+    sink = SnapshotSink(flat_named_params(s.training.model), state, params_digest)
+    for digest, _ in Counter(h.digest for h in holders).most_common():
+        while True:
+            before = sink.offset if sink.digest == digest else 0
+            done = await s.exchange.fetch_params(round, digest, sink, timeout_s=s.config.fetch_timeout_s)
+            if done or sink.offset <= before:
+                break
+        if sink.written_bytes:
+            s.params_round = None  # part of the model may now be this snapshot's
+        if not done:
+            log.warning("round %d: snapshot %s not loaded (%d of %d bytes verified)", round, digest[:12],
+                        sink.offset, sink.total_bytes)
             continue
-        try:
-            tensors = load(data)
-        except Exception as e:  # hostile bytes: safetensors raises its own types
-            log.warning("round %d: snapshot %s does not load: %s", round, blob_digest[:12], e)
-            continue
-        params = flat_named_params(s.training.model)
-        if any(name not in tensors or tensors[name].shape != p.shape for name, p in params.items()):
-            log.warning("round %d: snapshot %s does not fit the model", round, blob_digest[:12])
-            continue
-        if param_digest({n: tensors[n] for n in params}) != params_digest:
-            log.warning("round %d: snapshot %s is not the coordinator's parameters", round, blob_digest[:12])
-            continue
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(tensors[name])
-        await asyncio.to_thread(_load_outer_state, s, tensors)
+        await asyncio.to_thread(_load_outer_state, s, state)
         s.amendments.reset()  # these parameters follow none of the rounds applied here
-        s.params_round = round
-        log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], len(data))
+        s.params_round, s.digest = round, params_digest
+        log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], sink.total_bytes)
+        await serve_snapshot(s, round, *sink.trees)  # a holder now too
         return True
     return False
 

@@ -9,9 +9,14 @@ it. An outage is logged when it starts, once a minute while it lasts (`coordinat
 for 3m20s; retrying`), and when it ends, however many calls are waiting on it. Before the
 coordinator has answered this client even once, a wrong address is the likelier cause than an
 outage: those calls give up after FIRST_CONTACT_S with `CoordinatorUnreachable`, whose message
-says to check the address. A 4xx refusal is
+says to check the address. A 429 (over a rate, e.g. too many new keys joining from one address) is
+retried no sooner than its ``Retry-After`` says. A 4xx refusal is
 final and raised as `Refused` with the coordinator's error code (`late`, `stale_round`, ...),
 which the round loop decides on.
+
+Joining a run that asks new keys for proof of work (``membership.join_pow_bits``): `join` fetches
+the run's challenge, solves it in a worker thread (protocol/join_pow.py) and joins with the proof;
+a key that joined the run before rejoins without one.
 """
 
 from __future__ import annotations
@@ -25,13 +30,15 @@ import time
 import httpx
 
 from protocol.http import (API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse,
-                           JoinRequest, JoinResponse, LeaveRequest, MissingRequest, MissingResponse, RoundView,
-                           RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse, sign_request)
+                           JoinChallenge, JoinRequest, JoinResponse, LeaveRequest, MissingRequest, MissingResponse,
+                           RoundView, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse, sign_request)
+from protocol.join_pow import solve
 from protocol.signing import PeerKey
 
 log = logging.getLogger(__name__)
 
 RETRY_DELAY_MAX_S = 10.0  # the backoff's cap between two attempts (before jitter)
+RETRY_AFTER_MAX_S = 600.0  # a 429's Retry-After is honoured up to this long
 FIRST_CONTACT_S = 20.0  # how long calls wait for a coordinator that has never answered this client
 OUTAGE_LOG_EVERY_S = 60.0  # while the coordinator is unreachable, one log line this often
 
@@ -83,6 +90,7 @@ class CoordinatorClient:
         self._unreachable_since: float | None = None  # monotonic time of the outage's first failure
         self._answered = False  # the coordinator has answered this client at least once
         self._outage_logged_at = 0.0
+        self._member_of: set[str] = set()  # runs this key joined: a rejoin needs no proof of work
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False,
                                        transport=transport)
 
@@ -122,6 +130,7 @@ class CoordinatorClient:
         deadline = float("inf") if budget is None else time.monotonic() + budget
         delay_s, last_error = 0.2, "no attempt"
         while True:
+            retry_after_s = 0.0
             headers = {"content-type": "application/json"}
             if signed:
                 headers |= sign_request(self.key, method, path, content)
@@ -142,7 +151,9 @@ class CoordinatorClient:
                         error = {"error": "http_error", "detail": response.text[:200]}
                     raise Refused(response.status_code, str(error.get("error")), str(error.get("detail")))
                 last_error = f"HTTP {response.status_code}"
-            if time.monotonic() + delay_s > deadline:
+                if response.status_code == 429:
+                    retry_after_s = _retry_after_s(response.headers.get("retry-after"))
+            if time.monotonic() + max(delay_s, retry_after_s) > deadline:
                 if first_contact and not self._answered:
                     raise CoordinatorUnreachable(
                         f"no answer from the coordinator at {self.base_url} in {budget:.0f} s ({last_error}): check "
@@ -150,8 +161,11 @@ class CoordinatorClient:
                 raise CoordinatorUnavailable(f"{method} {path}: {last_error} (gave up after {budget:.0f} s)")
             if last_error != "HTTP 429":
                 self._note_failure(last_error)
-            log.debug("coordinator %s %s: %s; retrying in %.1f s", method, path, last_error, delay_s)
-            await asyncio.sleep(delay_s * (0.5 + random.random()))
+            # Jitter spreads the retries of many clients; a Retry-After is a floor, never shortened.
+            wait_s = max(delay_s * (0.5 + random.random()), retry_after_s * (1.0 + 0.2 * random.random()))
+            log.log(logging.INFO if retry_after_s else logging.DEBUG, "coordinator %s %s: %s; retrying in %.1f s",
+                    method, path, last_error, wait_s)
+            await asyncio.sleep(wait_s)
             delay_s = min(delay_s * 2, RETRY_DELAY_MAX_S)
 
     async def runs(self) -> RunList:
@@ -171,14 +185,47 @@ class CoordinatorClient:
     async def join(self, run_id: str, *, join_token: str | None, device: str, multiaddrs: list[str],
                    bandwidth_mbps: float | None = None, uplink_mbps: float | None = None,
                    state: tuple[int, str] | None = None) -> JoinResponse:
-        """Join (or rejoin) the run; `state`: (round, digest) of the round start this node holds."""
+        """Join (or rejoin) the run; `state`: (round, digest) of the round start this node holds.
+        A new key solves the run's proof of work first when it asks for one."""
         request = JoinRequest(public_key=self.key.public_hex, join_token=join_token, device=device[:256],
                               listen_multiaddrs=multiaddrs[:16], bandwidth_mbps=bandwidth_mbps,
                               uplink_mbps=uplink_mbps, state_round=state[0] if state else None,
                               state_digest=state[1] if state else None)
-        joined = JoinResponse.model_validate(await self._call("POST", f"/runs/{run_id}/join", request))
+        proof_needed = run_id not in self._member_of
+        for attempt in range(3):
+            if proof_needed:
+                request = await self._with_join_proof(run_id, request)
+            try:
+                joined = JoinResponse.model_validate(await self._call("POST", f"/runs/{run_id}/join", request))
+                break
+            except Refused as e:
+                # A challenge that expired while it was solved, or a membership the coordinator forgot.
+                if e.code != "join_proof_required" or attempt == 2:
+                    raise
+                proof_needed = True
+                log.info("joining %s: %s; solving a fresh challenge", run_id, e.detail)
         self.run_id = joined.run_id
+        self._member_of.add(run_id)
         return joined
+
+    async def join_challenge(self, run_id: str) -> JoinChallenge:
+        return JoinChallenge.model_validate(await self._call("GET", f"/runs/{run_id}/join-challenge", signed=False))
+
+    async def _with_join_proof(self, run_id: str, request: JoinRequest) -> JoinRequest:
+        """The join request with a proof of work, when the run asks for one."""
+        try:
+            challenge = await self.join_challenge(run_id)
+        except Refused as e:
+            if e.code == "not_found":  # a coordinator older than proofs of work asks for none
+                return request
+            raise
+        if challenge.bits == 0:
+            return request
+        started = time.monotonic()
+        nonce = await asyncio.to_thread(solve, run_id, self.key.public_hex, challenge.salt, challenge.bits)
+        log.info("joining %s: solved its %d-bit proof of work in %.1f s", run_id, challenge.bits,
+                 time.monotonic() - started)
+        return request.model_copy(update={"pow_salt": challenge.salt, "pow_nonce": nonce})
 
     async def heartbeat(self, round: int, state: str, **fields) -> HeartbeatResponse:
         request = HeartbeatRequest(round=round, state=state, **fields)
@@ -200,8 +247,9 @@ class CoordinatorClient:
         return RoundView.model_validate(data)
 
     async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None,
-                      manifest_version: int = 1) -> AppliedResponse:
-        request = AppliedRequest(params_digest=params_digest, refused=refused or {}, manifest_version=manifest_version)
+                      manifest_version: int = 1, val_loss: float | None = None) -> AppliedResponse:
+        request = AppliedRequest(params_digest=params_digest, refused=refused or {}, manifest_version=manifest_version,
+                                 val_loss=val_loss)
         return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
                                                                request))
 
@@ -213,3 +261,11 @@ class CoordinatorClient:
 
     async def leave(self, reason: str = "left") -> None:
         await self._call("POST", f"/runs/{self.run_id}/leave", LeaveRequest(reason=reason), retry_for_s=3.0)
+
+
+def _retry_after_s(value: str | None) -> float:
+    """A Retry-After header's delay in seconds (the seconds form; a date or garbage: 0), capped."""
+    try:
+        return min(RETRY_AFTER_MAX_S, max(0.0, float(value))) if value else 0.0
+    except ValueError:
+        return 0.0

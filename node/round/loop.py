@@ -174,7 +174,8 @@ class Node:
             raise SystemExit("the ddp baseline syncs every step and runs in the simulator only")
         corpus = load_corpus(self.config.data or run.model.data)
         shard = corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
-        training = PeerTraining.build(run, self.config.device, shard)
+        training = PeerTraining.build(run, self.config.device, shard,
+                                      val=corpus.val if self.config.eval_every_rounds else None)
         self._pipeline = Pipeline(overlap=run.outer.overlap)
         return Session(config=self.config, client=client, exchange=exchange, key=key, faults=self.faults,
                        clock=self._clock, run_id=joined.run_id, peer_id=joined.peer_id, run=run,
@@ -266,7 +267,7 @@ class Node:
         from node.training.params import param_digest
 
         overlap = self._pipeline.overlap
-        base_digest = param_digest(s.outer.start)
+        base_digest = await asyncio.to_thread(param_digest, s.outer.start)  # reads every parameter: off the loop
         report = RoundReport(round, 0.0, "", 0, started_at=s.clock())
         s.outer.begin_round()
         # Others' packets are fetched as they are submitted, from the start of our own training:
@@ -339,7 +340,9 @@ class Node:
                 status = await s.client.status(retry_for_s=5.0)
             except CoordinatorError:
                 return
-            num_live = sum(p.status == "live" for p in status.peers)
+            # Peers on probation are not waited for: a key that joined and only heartbeats must not
+            # hold every node here for the whole time-out (coordinator/service.py, "Standing").
+            num_live = sum(p.status == "live" and p.standing != "probation" for p in status.peers)
             num_applied = next((h.num_applied for h in status.history if h.round == round), 0)
             if num_applied >= num_live:
                 return

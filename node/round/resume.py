@@ -6,11 +6,13 @@ After applying round r a node writes (node.training.checkpoint, atomically, ever
 moments, its error-feedback buffers (SparseLoCo) or outer momentum (DiLoCo), the round, and the
 parameter digest; the data position is the round itself (batches are a function of the global
 step). On start, `restore` loads the newest checkpoint of this run, if any, and keeps it when
-its digest is the coordinator's agreed digest for the start of that round; the round loop then
+its digest is the coordinator's agreed digest for the start of that round (agreed, never merely
+provisional: coordinator/service.py, "Agreed digests"); the round loop then
 trains the open round directly, or replays the rounds closed since (node/round/catchup.py),
 with the error feedback and the Adam moments it had. A checkpoint the swarm does not agree
 with, of another run, or unreadable is set aside with one log line, and the node catches up
-from peers as a new one would.
+from peers as a new one would. A checkpoint the swarm agrees with is also what this node serves
+to peers catching up: its files are streamed as they are (node/training/snapshot.py).
 
 With overlap the error buffers already hold the update of the round in flight when a
 checkpoint is written; that update is not sent again: they restart at zero, as after a snapshot.
@@ -78,7 +80,7 @@ async def restore(s: Session) -> bool:
         log.warning("the checkpoint in %s is of run %s, not %s: not used", directory, run_id, s.run_id)
         return False
     status = await s.client.status()
-    agreed = {h.round + 1: h.majority_digest for h in status.history if h.majority_digest}
+    agreed = {h.round + 1: h.agreed_digest for h in status.history if h.agreed_digest}
     if agreed.get(round) != digest:
         log.warning("the checkpoint of round %s (digest %s) is not the swarm's agreed state (%s): catching up "
                     "instead", round, str(digest)[:12], (agreed.get(round) or "none")[:12])
@@ -90,6 +92,9 @@ async def restore(s: Session) -> bool:
         return False
     s.params_round, s.digest = round, digest
     log.info("resumed from the checkpoint of round %d (digest %s)", round, digest[:12])
+    from node.round.steps import serve_snapshot
+
+    await serve_snapshot(s, round)  # streamed from the checkpoint's files to peers catching up
     return True
 
 

@@ -12,6 +12,10 @@ Each strategy trains R identical models (same seed) on R disjoint shards of the 
 - ddp: the dense baseline, gradients averaged over the R peers at every inner step (one model,
   since all replicas are identical by construction).
 
+A fault spec (`poison`, node/testing/faults.py's grammar, e.g. "poison@factor=1000,mode=sign-flip")
+arms the last peer, as `--inject` arms a node: its packets are then refused or clipped like any
+other; only its packets may be refused.
+
 It writes `summary.json` and `val_loss.png` (validation loss against tokens seen by the whole
 swarm) to --out, and prints a table, or one JSON object with --json.
 
@@ -50,6 +54,10 @@ class SimConfig(BaseModel):
     top_k: int = Field(64, ge=1, le=4096, description="SparseLoCo: values kept per 4096-element chunk.")
     error_decay: float = Field(0.95, ge=0.0, le=1.0, description="SparseLoCo error-feedback beta.")
     overlap: bool = Field(False, description="One-round-delayed outer step.")
+    aggregation: Literal["median_clip", "mean"] = Field(
+        "median_clip", description="SparseLoCo: median-norm clipping per tensor, or the plain scatter-mean."
+    )
+    poison: str | None = Field(None, description="A poison fault spec armed in the last peer (sparseloco, diloco).")
     sparseloco_inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="Paper: 1e-3.")
     diloco_inner_lr: float = Field(8e-4, gt=0.0, le=1.0, description="Paper: 8e-4.")
     diloco_outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="Paper: 0.6..0.7, Nesterov momentum 0.9.")
@@ -59,6 +67,9 @@ class SimConfig(BaseModel):
     eval_batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
     seed: int = Field(0, ge=0, description="Model init and batch sampling.")
     data: str | None = Field(None, description="Corpus path; None: the Python standard library's sources.")
+    vocab_size: int | None = Field(None, ge=2, description="Token ids the model embeds; None: the preset's, or"
+                                   " the vocabulary tagged shards record (`locoswarm data prepare`).")
+    tokenizer_id: str | None = Field(None, description="The data's tokenizer; None: the one tagged shards record.")
     threads: int = Field(2, ge=1, description="Torch CPU threads.")
     device: str = Field("cpu", description="Torch device.")
 
@@ -70,10 +81,12 @@ class SimConfig(BaseModel):
         """The run a node would be given for `algo`: the simulator builds its peers from it."""
         lr = {"sparseloco": self.sparseloco_inner_lr, "diloco": self.diloco_inner_lr, "ddp": self.ddp_lr}[algo]
         outer = ({"strategy": "diloco", "lr": self.diloco_outer_lr, "momentum": 0.9, "nesterov": True}
-                 if algo == "diloco" else {"strategy": algo, "top_k": self.top_k, "error_decay": self.error_decay})
+                 if algo == "diloco" else {"strategy": algo, "top_k": self.top_k, "error_decay": self.error_decay,
+                                           "aggregation": self.aggregation})
         return RunConfig.model_validate({
             "name": f"sim-{algo}", "max_rounds": self.num_rounds,
-            "model": {"preset": self.preset, "seed": self.seed, "data": self.data},
+            "model": {"preset": self.preset, "seed": self.seed, "data": self.data}
+                     | {k: v for k in ("vocab_size", "tokenizer_id") if (v := getattr(self, k)) is not None},
             "inner": {"steps": self.inner_steps, "lr": lr, "total_steps": self.total_steps,
                       "warmup_steps": max(1, int(self.total_steps * self.warmup_fraction)),
                       "batch_size": self.batch_size, "seq_len": self.seq_len},
@@ -91,6 +104,7 @@ class StrategyResult:
     wall_s: float
     curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, val loss)
     digests_identical_every_round: bool = True
+    refused: dict[str, list[int]] = field(default_factory=dict)  # peer id -> rounds its payload was refused
 
 
 def _evaluate(model, corpus, cfg: SimConfig) -> float:
@@ -109,19 +123,23 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     import torch
 
     from node.round.overlap import Pipeline
+    from node.testing.faults import FaultInjector
+    from node.training.build import model_config
     from node.training.model import build_model
     from node.training.params import flat_named_params, param_digest
     from node.training.peer import PeerTraining
     from protocol.signing import PeerKey
 
     run = cfg.run_config(algo)
-    peer_ids = [f"p{i:02d}" for i in range(cfg.num_peers)]
+    peer_ids = _peer_ids(cfg)
     keys = {p: PeerKey.from_seed(p.encode()) for p in peer_ids}
     public = {p: k.public_bytes for p, k in keys.items()}
     peers = [PeerTraining.build(run, cfg.device, corpus.train.shard(i, cfg.num_peers)) for i in range(cfg.num_peers)]
+    if cfg.poison is not None:
+        peers[-1] = FaultInjector.parse([cfg.poison]).wrap_training(peers[-1])
     outers = [peer.outer for peer in peers]
     result = StrategyResult(final_val_loss=float("nan"), tokens=0, bytes_sent_per_peer_per_round=0.0, wall_s=0.0)
-    eval_model = build_model(cfg.preset, cfg.seed).to(cfg.device)  # holds the global model for evaluation
+    eval_model = build_model(model_config(run), cfg.seed).to(cfg.device)  # holds the global model for evaluation
 
     def evaluate_global() -> float:
         with torch.no_grad():
@@ -144,11 +162,11 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
             bytes_sent += len(payloads[peer_id])
         if (landed := pipeline.land(r, payloads)) is not None:
             applied_round, to_apply = landed
-            digest = _apply_everywhere(outers, to_apply, public, applied_round)
+            digest = _apply_everywhere(outers, to_apply, public, applied_round, result, cfg)
         result.tokens += cfg.num_peers * cfg.inner_steps * cfg.batch_size * cfg.seq_len
         if (r + 1) % cfg.eval_every_rounds == 0 or r + 1 == cfg.num_rounds:
             if r + 1 == cfg.num_rounds and (landed := pipeline.drain()) is not None:
-                digest = _apply_everywhere(outers, landed[1], public, landed[0])  # lands after training
+                digest = _apply_everywhere(outers, landed[1], public, landed[0], result, cfg)  # lands after training
             result.curve.append((result.tokens, evaluate_global()))
         progress.set_postfix_str(f"{algo} round {r + 1}/{cfg.num_rounds} val {result.curve[-1][1]:.3f}")
     result.wall_s = time.perf_counter() - start
@@ -157,14 +175,23 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     return result
 
 
-def _apply_everywhere(outers, payloads: dict[str, bytes], public: dict[str, bytes], round: int) -> str:
-    """Every peer applies the round's payloads; they must agree bit for bit on the global model."""
+def _peer_ids(cfg: SimConfig) -> list[str]:
+    return [f"p{i:02d}" for i in range(cfg.num_peers)]
+
+
+def _apply_everywhere(outers, payloads: dict[str, bytes], public: dict[str, bytes], round: int,
+                      result: StrategyResult, cfg: SimConfig) -> str:
+    """Every peer applies the round's payloads; they must agree bit for bit on the global model
+    and refuse only the poisoned peer's payload (the last peer's, when cfg.poison is set)."""
     from node.training.params import param_digest
 
+    poisoned = _peer_ids(cfg)[-1] if cfg.poison is not None else None
     for outer in outers:
         applied = outer.apply(payloads, public.__getitem__, run_id="sim", round=round)
-        if applied.refused:
+        if set(applied.refused) - {poisoned}:
             raise RuntimeError(f"round {round}: honest packets refused: {applied.refused}")
+    for peer in applied.refused:
+        result.refused.setdefault(peer, []).append(round)
     digests = {param_digest(outer.start) for outer in outers}
     if len(digests) != 1:
         raise RuntimeError(f"round {round}: peers diverged: {sorted(digests)}")
@@ -175,12 +202,13 @@ def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
     """Every step: each peer's gradient on its own batch, averaged (fixed order), one AdamW step."""
     import torch
 
-    from node.training.build import inner_config
+    from node.training.build import inner_config, model_config
     from node.training.inner import lr_at, make_inner_optimizer
     from node.training.model import autocast_for, build_model, lm_loss, num_parameters
 
-    inner = inner_config(cfg.run_config("ddp"))
-    model = build_model(cfg.preset, cfg.seed).to(cfg.device)
+    run = cfg.run_config("ddp")
+    inner = inner_config(run)
+    model = build_model(model_config(run), cfg.seed).to(cfg.device)
     optimizer = make_inner_optimizer(model, inner)
     streams = [corpus.train.shard(i, cfg.num_peers).batches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.device)
                for i in range(cfg.num_peers)]
@@ -214,10 +242,17 @@ def simulate(cfg: SimConfig, out_dir: Path | None = None, show_progress: bool = 
     import torch
     from tqdm import tqdm
 
-    from node.training.data import load_corpus
+    from node.training.build import model_config
+    from node.training.data import check_vocabulary, load_corpus
 
     torch.set_num_threads(cfg.threads)
     corpus = load_corpus(cfg.data)
+    if corpus.train.tokenizer_id is not None and cfg.tokenizer_id is None:  # the model follows tagged shards
+        cfg = cfg.model_copy(update={"tokenizer_id": corpus.train.tokenizer_id,
+                                     "vocab_size": cfg.vocab_size or corpus.train.vocab_size})
+    model = model_config(cfg.run_config("sparseloco"))  # the same model for every strategy
+    for data in (corpus.train, corpus.val):  # DataMismatch before any training, with what to do
+        check_vocabulary(data, model.vocab_size, model.tokenizer_id)
     results = {}
     for algo in cfg.algos:
         with tqdm(total=cfg.num_peers * cfg.total_steps, desc=algo, unit="step", disable=not show_progress,
@@ -247,7 +282,7 @@ def _plot(results: dict[str, StrategyResult], path: Path, cfg: SimConfig) -> Non
         ax.plot([t / 1e6 for t in tokens], losses, marker="o", ms=3,
                 label=f"{algo} ({r.bytes_sent_per_peer_per_round / 1e6:.3g} MB/peer/round)")
     ax.set_xlabel("tokens seen by the swarm (millions)")
-    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_ylabel(f"validation loss (nats/{'token' if cfg.tokenizer_id else 'byte'})")
     ax.set_title(f"{cfg.num_peers} peers, H={cfg.inner_steps}, preset {cfg.preset}, top_k {cfg.top_k}")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -21,21 +21,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from node.round import amend, resume
+from node.round.coordinator_client import Refused
 from node.round.prefetch import Decoded, Prefetch
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
 from node.testing.faults import Phase
-from node.training.params import param_digest
+from node.training.params import param_tree
+from protocol.digest import Tree
 from protocol.http import MAX_REFUSED, AppliedResponse, ErrorCode, RoundView
 
 log = logging.getLogger("locoswarm.node")
 
 MAX_REASON_CHARS = 256
-# Refusals of a submission after which the round goes on without this node's packet.
-REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round_not_open")
+# Refusals of a submission after which the round goes on without this node's packet ("run_closed":
+# the run's last round closed first; its manifest is still applied, then the loop ends).
+REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round_not_open", "run_closed")
 
 
 class CatchUpNeeded(Exception):
@@ -60,6 +64,7 @@ async def wait_open(s: Session, round: int) -> RoundView | None:
 async def train(s: Session, round: int, times: RoundTimes) -> float:
     """The round's H inner steps, in a worker thread; returns the mean loss."""
     s.activity.state, s.activity.inner_step = "training", 0
+    s.spawn(beat_now(s))  # the status shows it training now, not an interval later (after "applied")
     bar = _progress_bar(s, round)
     first_step = round * s.training.inner_steps  # train_round's global steps start here
 
@@ -77,6 +82,23 @@ async def train(s: Session, round: int, times: RoundTimes) -> float:
     times.compute_s = await s.faults.pad_compute(round, result.compute_s)
     s.activity.last_loss = result.mean_loss
     return result.mean_loss
+
+
+async def beat_now(s: Session) -> None:
+    """One heartbeat with the node's activity at once, beside the periodic ones (Node._heartbeats).
+
+    The coordinator labels a peer by its last report: "submitted" at its submission, "applied" at
+    its applied report, else the state of its last heartbeat. Without this beat a peer that
+    applied round r and went on training r + 1 read "applied", with no inner step, for up to a
+    heartbeat interval. A failed beat changes nothing: the next periodic one says the same."""
+    from node.round.coordinator_client import CoordinatorError
+
+    a = s.activity
+    try:
+        await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss, bandwidth_mbps=a.bandwidth_mbps,
+                       inner_step=a.inner_step)
+    except CoordinatorError as e:
+        log.debug("heartbeat at the start of training failed: %s", e)
 
 
 async def send(s: Session, round: int, base_digest: str, report: RoundReport, opened: bool,
@@ -198,7 +220,8 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
         prepared = await prepare(s, view, payloads, decoded)
     amend.keep(s, round, view, payloads)
     applied = s.outer.commit(prepared)
-    s.digest = await asyncio.to_thread(param_digest, s.outer.start)
+    tree = await asyncio.to_thread(param_tree, s.outer.start)
+    s.digest = tree.hex
     s.params_round = round + 1
     times.aggregate_s += time.perf_counter() - start  # after the prepare's share, if collect ran it
     response = await _report(s, round, applied, view.manifest_version)
@@ -210,19 +233,47 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
             f"round {r} (version {old} -> {new})" for r, (old, new) in outdated.items()))
     if resume.due(s, round):
         await asyncio.to_thread(resume.save, s, round)
-    await _serve_snapshot(s, round + 1)
+    await serve_snapshot(s, round + 1, tree)
     return applied
 
 
 async def _report(s: Session, round: int, applied, manifest_version: int) -> AppliedResponse:
     """Tell the coordinator the digest after `round` (as of `manifest_version`); what this node
-    left out, and why, goes on its status page."""
+    left out, and why, goes on its status page; so does the validation loss, in rounds it is due."""
     refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
-    response = await s.signed(s.client.applied, round, s.digest, refused=refused, manifest_version=manifest_version)
-    if not response.agrees and response.manifest_version == manifest_version:
-        log.error("round %d: my digest %s disagrees with the majority %s", round, s.digest[:12],
-                  (response.majority_digest or "(none)")[:12])
+    val_loss = await _validation_loss(s, round)
+    try:
+        response = await s.signed(s.client.applied, round, s.digest, refused=refused,
+                                  manifest_version=manifest_version, val_loss=val_loss)
+    except Refused as e:
+        if e.code != "conflicting_report":
+            raise
+        # This node reported another digest for this round before (reports are immutable): one of
+        # the two states is not what the manifest gives, so take the swarm's agreed state instead.
+        raise CatchUpNeeded(f"round {round}: {e.detail}") from e
+    if response.manifest_version == manifest_version and response.agreed_digest not in (None, s.digest):
+        log.error("round %d: my digest %s differs from the agreed %s", round, s.digest[:12],
+                  response.agreed_digest[:12])
+    elif not response.agrees and response.manifest_version == manifest_version:
+        log.warning("round %d: my digest %s differs from the provisional majority %s", round, s.digest[:12],
+                    (response.majority_digest or "(none)")[:12])
     return response
+
+
+async def _validation_loss(s: Session, round: int) -> float | None:
+    """The global model's loss on the held-out batches after `round`, in rounds 0, N, 2N... for
+    N = eval_every_rounds (every peer evaluates the same rounds, so the page's series has no holes
+    between them); None in other rounds, or when it is not finite (a diverged model)."""
+    every = s.config.eval_every_rounds
+    if not every or round % every:
+        return None
+    val_loss = await asyncio.to_thread(s.training.evaluate_global)
+    if val_loss is None or not math.isfinite(val_loss):
+        if val_loss is not None:
+            log.warning("round %d: validation loss is %s; not reported", round, val_loss)
+        return None
+    log.info("round %d: validation loss %.4f", round, val_loss)
+    return val_loss
 
 
 async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
@@ -241,7 +292,7 @@ async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
         raise CatchUpNeeded(f"round {kept.round}: its manifest was amended to version {latest.manifest_version} "
                             f"after this node applied version {kept.manifest_version} (with overlap)")
     await _report(s, kept.round, applied, latest.manifest_version)
-    await _serve_snapshot(s, kept.round + 1)
+    await serve_snapshot(s, kept.round + 1)
     return applied
 
 
@@ -261,28 +312,46 @@ async def apply_and_report(s: Session, report: RoundReport, applied_round: int, 
     return report
 
 
-async def _serve_snapshot(s: Session, round: int) -> None:
-    """Serve the global model that starts `round`: taken now, published off the critical path."""
-    snapshot = await asyncio.to_thread(_snapshot_bytes, s)
+async def serve_snapshot(s: Session, round: int, params_tree: Tree | None = None,
+                          state_tree: Tree | None = None) -> None:
+    """Serve the global model that starts `round` (and the outer state), published off the
+    critical path: from this node's checkpoint when it holds that round, else from the round-start
+    tensors themselves, read as they are served (no copy: served until the next outer step moves
+    them, then the fetchers resume at another holder). `params_tree`: their hash tree, if known."""
+    if params_tree is not None and params_tree.hex != s.digest:
+        params_tree = state_tree = None  # the start moved since (a recompute): hash it as it is now
+    try:
+        snapshot = await asyncio.to_thread(_snapshot_of, s, round, params_tree, state_tree)
+    except Exception as e:  # serving snapshots helps others; failing to must not stop this node
+        log.warning("round %d: no parameter snapshot to serve: %s", round, e)
+        return
     s.spawn(_publish_snapshot(s, round, snapshot))
 
 
-async def _publish_snapshot(s: Session, round: int, snapshot: bytes) -> None:
+async def _publish_snapshot(s: Session, round: int, snapshot) -> None:
     try:
         await s.exchange.publish_params(round, snapshot)
     except Exception as e:  # serving snapshots helps others; failing to must not stop this node
         log.warning("round %d: could not publish a parameter snapshot: %s", round, e)
 
 
-def _snapshot_bytes(s: Session) -> bytes:
-    from safetensors.torch import save
-
+def _snapshot_of(s: Session, round: int, params_tree: Tree | None, state_tree: Tree | None):
+    from node.training.checkpoint import CheckpointError, checkpoint_meta
     from node.training.params import flat_named_params
+    from node.training.snapshot import Snapshot
 
+    directory = s.config.checkpoint_dir
+    if directory is not None:
+        try:
+            meta = checkpoint_meta(directory)
+            if meta.get("round") == round and meta.get("extra", {}).get("run_id") == s.run_id and (
+                    params_tree is None or meta.get("digest") == params_tree.hex):
+                return Snapshot.from_checkpoint(directory, params_tree)
+        except CheckpointError as e:
+            log.info("round %d: serving the snapshot from memory, not the checkpoint: %s", round, e)
     # The global model (equal to the parameters, except with overlap, where they run ahead).
-    tensors = {n: s.outer.start[n].detach().cpu().contiguous() for n in flat_named_params(s.training.model)}
-    tensors |= s.outer.snapshot_state()
-    return save(tensors)
+    params = {n: s.outer.start[n] for n in flat_named_params(s.training.model)}
+    return Snapshot.from_tensors(params, s.outer.snapshot_state(), params_tree, state_tree)
 
 
 def _progress_bar(s: Session, round: int):

@@ -31,10 +31,15 @@ corrupt-packet  round                                  flips one bit of its pack
                                                        it announces and submits the digest of the
                                                        corrupted bytes, so every peer fetches them
                                                        and refuses them at the signature check.
-poison          round, factor=1000, mode=scale|random  before encoding, replaces its update (delta)
-                                                       by factor * delta, or by Gaussian values of
-                                                       factor times the delta's std: a well-formed,
-                                                       signed packet that only clipping bounds.
+poison          round, factor=1000,                    before encoding, replaces its update (delta):
+                mode=scale|sign-flip|random|overflow   scale: factor * delta; sign-flip: -factor *
+                                                       delta; random: Gaussian values of factor
+                                                       times the delta's std. A well-formed, signed
+                                                       packet that only clipping bounds. overflow:
+                                                       the honest update, but the signed packet's
+                                                       tables say shift 1e30 and bin means +-3e38
+                                                       (finite float32 each; two peers' sum is
+                                                       inf): the decoders' value bound refuses it.
 stale-submit    round                                  holds its submission until the round has
                                                        closed, then submits (refused as late).
 slow-compute    round, min_s=10                        its inner steps take at least min_s seconds:
@@ -61,6 +66,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 log = logging.getLogger("locoswarm.faults")
+
+POISON_MODES = ("scale", "sign-flip", "random", "overflow")
+# poison@mode=overflow: every tensor's table (float32 shift, then the 4 bin means) in the packet it signs.
+OVERFLOW_TABLE = (1e30, -3e38, -1e38, 1e38, 3e38)
 
 
 class Fault(enum.Enum):
@@ -90,7 +99,7 @@ class FaultSpec:
     wait_s: float = 30.0  # crash in transfer: longest wait for a peer to hold our packet
     delay_s: float = 5.0  # slow-upload: seconds before each served stream's first byte
     factor: float = 1000.0  # poison: scale of the update
-    mode: str = "scale"  # poison: "scale" (factor * delta) or "random" (noise, factor * std(delta))
+    mode: str = "scale"  # poison: one of POISON_MODES
     min_s: float = 10.0  # slow-compute: the inner steps of a round take at least this long
 
     def fires(self, round: int) -> bool:
@@ -138,7 +147,7 @@ def parse_fault(text: str) -> FaultSpec:
             elif key == "phase":
                 values[key] = Phase(raw)
             elif key == "mode":
-                if raw not in ("scale", "random"):
+                if raw not in POISON_MODES:
                     raise ValueError
                 values[key] = raw
             else:
@@ -205,27 +214,63 @@ class FaultInjector:
         """poison: rewrite the local parameters so that `outer.deltas()` yields the poisoned update."""
         import torch
 
+        if spec.mode == "overflow":  # the update stays; the packet is rewritten (`_overflow_packet`)
+            return
         log.warning("fault injection: poisoning the update of round %d (%s x%g)", round, spec.mode, spec.factor)
         generator = torch.Generator().manual_seed(round)
         with torch.no_grad():
             for name, p in outer.params.items():
                 delta = outer.local_start[name] - p  # what outer.deltas() yields
-                if spec.mode == "scale":
-                    poisoned = delta * spec.factor
+                if spec.mode in ("scale", "sign-flip"):
+                    poisoned = delta * (spec.factor if spec.mode == "scale" else -spec.factor)
                 else:
                     spread = delta.float().std() if delta.numel() > 1 else delta.abs().max()
                     poisoned = torch.randn(delta.shape, generator=generator).to(delta) * spread * spec.factor
                 p.copy_(outer.local_start[name] - poisoned)
 
+    @staticmethod
+    def _overflow_packet(data: bytes, key) -> bytes:
+        """poison@mode=overflow: `data` with every tensor's table replaced by OVERFLOW_TABLE, signed
+        again with the peer's own key (a member lying, not a corrupted transfer). A DiLoCo payload
+        (dense safetensors, unsigned) becomes deltas of 3e38 everywhere."""
+        import msgpack
+        import torch
+        from safetensors.torch import load, save
+
+        from protocol.packet import MAGIC, PREFIX, TABLE, WIRE_VERSION, read_header
+        from protocol.signing import SIGNATURE_BYTES
+
+        if not data.startswith(MAGIC):
+            return save({name: torch.full_like(t, OVERFLOW_TABLE[-1]) for name, t in load(data).items()})
+        header, offset = read_header(data)
+        for section in header["tensors"]:
+            section[4] = TABLE.pack(*OVERFLOW_TABLE)
+        raw = msgpack.packb(header)
+        body = PREFIX.pack(MAGIC, WIRE_VERSION, len(raw)) + raw + data[offset:-SIGNATURE_BYTES]
+        return body + key.sign(body)
+
     # -- wrappers around the node's collaborators -----------------------------------------------
 
     def wrap_training(self, training):
-        """poison: the peer's training, whose rounds end with the update replaced."""
+        """poison: the peer's training, whose rounds end with the update replaced, and whose outer
+        step signs rewritten packets (mode=overflow)."""
         if not any(s.fault is Fault.POISON for s in self.specs):
             return training
         injector = self
 
+        class OverflowingOuter(_Proxy):
+            def make_payload(self, *, round: int, key, **kwargs) -> bytes:
+                data = self._inner.make_payload(round=round, key=key, **kwargs)
+                if any(s.mode == "overflow" for s in injector._firing(Fault.POISON, round)):
+                    log.warning("fault injection: signing a packet of overflowing values in round %d", round)
+                    data = injector._overflow_packet(data, key)
+                return data
+
         class PoisonedTraining(_Proxy):
+            def __init__(self, inner):
+                super().__init__(inner)
+                self.outer = OverflowingOuter(inner.outer)
+
             def train_round(self, round: int, on_step=None, on_step_queued=None):
                 result = self._inner.train_round(round, on_step, on_step_queued)
                 for spec in injector._firing(Fault.POISON, round):

@@ -10,6 +10,11 @@ its time-out and leaves it out; the publisher still has its own copy, and it sta
 a peer that submits and never serves would leave it), so tests can drive the missing-packet
 reports, amended manifests and the round loop's catch-up. A packet every holder forgot
 (`forget_before`) is announced by nobody: a replay sees it gone without fetching.
+
+Snapshots are kept as each holder's `Snapshot` source (no bytes copied) and moved unit by unit
+into the fetcher's `SnapshotSink`, with the same checks as over the network: a source whose
+tensors moved on (StaleSnapshot) or bytes that do not verify send the fetch on to the next holder,
+from the sink's offset.
 """
 
 from __future__ import annotations
@@ -19,8 +24,14 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from node.exchange.base import Reachability, Traffic
 from protocol.dht_records import PARAMS_ID, Announcement
+from protocol.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from node.training.snapshot import Snapshot, SnapshotSink
 
 
 @dataclass(slots=True)
@@ -29,6 +40,7 @@ class MemorySwarm:
 
     packets: dict[tuple[int, str], dict[str, tuple[bytes, set[str]]]] = field(default_factory=dict)
     withheld: set[tuple[int, str]] = field(default_factory=set)
+    snapshots: dict[int, dict[str, Snapshot]] = field(default_factory=dict)  # round -> holder -> its snapshot
 
     def exchange(self, holder: str) -> "MemoryExchange":
         return MemoryExchange(self, holder)
@@ -46,6 +58,10 @@ class MemorySwarm:
                             multiaddrs=[f"/memory/{holder}"], holder=holder)
 
     def _holders(self, round: int, publisher: str) -> list[Announcement]:
+        if publisher == PARAMS_ID:
+            return [Announcement(peer_id=PARAMS_ID, round=round, digest=snap.digest, size_bytes=snap.size_bytes,
+                                 multiaddrs=[f"/memory/{h}"], holder=h)
+                    for h, snap in sorted(self.snapshots.get(round, {}).items())]
         return [Announcement(peer_id=publisher, round=round, digest=digest, size_bytes=len(data),
                              multiaddrs=[f"/memory/{h}"], holder=h)
                 for digest, (data, holders) in self.packets.get((round, publisher), {}).items()
@@ -95,21 +111,37 @@ class MemoryExchange:
         self.traffic(round).fetch_spans.append((start, time.monotonic()))
         return got
 
-    async def publish_params(self, round: int, data: bytes) -> Announcement:
-        return self.swarm._store(round, PARAMS_ID, data, self.holder)
+    async def publish_params(self, round: int, snapshot: Snapshot) -> Announcement:
+        self.swarm.snapshots.setdefault(round, {})[self.holder] = snapshot
+        return Announcement(peer_id=PARAMS_ID, round=round, digest=snapshot.digest, size_bytes=snapshot.size_bytes,
+                            multiaddrs=self.visible_maddrs, holder=self.holder)
 
     async def params_holders(self, round: int) -> list[Announcement]:
         return self.swarm._holders(round, PARAMS_ID)
 
-    async def fetch_params(self, round: int, digest: str, timeout_s: float = 120.0) -> bytes | None:
-        copy = self.swarm.packets.get((round, PARAMS_ID), {}).get(digest)
-        return None if copy is None or not copy[1] else copy[0]
+    async def fetch_params(self, round: int, digest: str, sink: SnapshotSink, timeout_s: float = 120.0) -> bool:
+        from node.training.snapshot import StaleSnapshot
+
+        sink.expect(digest)
+        for holder, snapshot in sorted(self.swarm.snapshots.get(round, {}).items()):
+            if snapshot.digest != digest or holder == self.holder:
+                continue
+            try:
+                await asyncio.to_thread(_copy_units, snapshot, sink, self.traffic(round))
+            except (StaleSnapshot, ProtocolError):
+                continue
+            self.traffic(round).num_fetched += 1
+            return True
+        return sink.done
 
     async def forget_before(self, round: int) -> None:
         for (r, _), copies in self.swarm.packets.items():
             if r < round:
                 for _, holders in copies.values():
                     holders.discard(self.holder)
+        for r, by_holder in self.swarm.snapshots.items():
+            if r < round:
+                by_holder.pop(self.holder, None)
 
     async def reachability_check(self) -> Reachability:
         return Reachability(maddrs=self.visible_maddrs, public_maddrs=[], relayed=False, loopback_only=True,
@@ -117,3 +149,12 @@ class MemoryExchange:
 
     async def shutdown(self) -> None:
         await self.forget_before(2**62)
+
+
+def _copy_units(snapshot: Snapshot, sink: SnapshotSink, traffic: Traffic) -> None:
+    """Move a snapshot into a sink unit by unit, from the sink's offset (what a stream would carry)."""
+    while not sink.done:
+        unit = sink.next_unit()
+        start, data = snapshot.read_unit(unit.start)
+        sink.accept(data[unit.start - start:])
+        traffic.downloaded_bytes += unit.end - unit.start

@@ -11,6 +11,11 @@ A checkpoint is a directory of three files:
   model config, the optimizer's hyper-parameters per group (by parameter name), and `extra`
   (caller's JSON: run id, inner step, strategy...).
 
+Format 2 is format 1 with the hash-tree digest (protocol/digest.py) in place of one sha256; a
+format-1 checkpoint is refused as such, and the node catches up from peers instead.
+Peers catching up are served snapshots straight from these files (node/training/snapshot.py,
+`Snapshot.from_checkpoint`, which finds each tensor's bytes with `tensor_extents`).
+
 Saving is atomic at the directory level: everything is written and fsynced into a hidden
 sibling directory, then renamed into place (the previous checkpoint is renamed aside first and
 removed after, and `load_checkpoint` falls back to it if a crash came between the two renames).
@@ -24,6 +29,7 @@ import errno
 import json
 import os
 import shutil
+import struct
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,7 +43,7 @@ from torch import nn
 
 from node.training.params import param_digest
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PARAMS_FILE = "params.safetensors"
 STATE_FILE = "state.safetensors"
 META_FILE = "meta.json"
@@ -160,7 +166,7 @@ def save_checkpoint(
     return digest
 
 
-def _resolve(directory: Path) -> Path:
+def resolve(directory: Path) -> Path:
     """The checkpoint directory, or the previous one set aside by a save that crashed midway."""
     if (directory / META_FILE).exists():
         return directory
@@ -172,11 +178,43 @@ def _resolve(directory: Path) -> Path:
 
 def checkpoint_meta(directory: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's meta.json (round, digest, extra...), without reading its tensors."""
-    directory = _resolve(Path(directory))
+    directory = resolve(Path(directory))
     try:
         return json.loads((directory / META_FILE).read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"cannot read checkpoint at {directory}: {error}") from error
+
+
+MAX_SAFETENSORS_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def tensor_extents(file) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """name -> (torch dtype name, shape, first byte, end byte) of each tensor in an open safetensors
+    file, as absolute file offsets (its layout: u64 header length N, N bytes of JSON, then data)."""
+    try:
+        head = os.pread(file.fileno(), 8, 0)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 0 < length <= MAX_SAFETENSORS_HEADER_BYTES:
+            raise ValueError(f"header length {length}")
+        header = json.loads(os.pread(file.fileno(), length, 8))
+        data_start, size = 8 + length, os.fstat(file.fileno()).st_size
+        extents = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            shape = tuple(int(d) for d in entry["shape"])
+            if not 0 <= begin <= end <= size - data_start:
+                raise ValueError(f"{name}: data offsets {begin}..{end} outside the file")
+            extents[name] = (_SAFETENSORS_DTYPES[entry["dtype"]], shape, data_start + begin, data_start + end)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"cannot read the tensors of {file.name}: {error!r}") from error
+    return extents
+
+
+_SAFETENSORS_DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16",
+                       "BF16": "torch.bfloat16", "I64": "torch.int64", "I32": "torch.int32", "I16": "torch.int16",
+                       "I8": "torch.int8", "U8": "torch.uint8", "BOOL": "torch.bool"}
 
 
 def load_checkpoint(
@@ -191,7 +229,7 @@ def load_checkpoint(
     The optimizer must have been built over `model`'s parameters; its state and group
     hyper-parameters (learning rate included) are replaced by the saved ones.
     """
-    directory = _resolve(Path(directory))
+    directory = resolve(Path(directory))
     try:
         meta = json.loads((directory / META_FILE).read_text())
         params = load_file(directory / PARAMS_FILE, device=str(device))

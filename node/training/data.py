@@ -10,9 +10,14 @@ Sources (`load_corpus(source)`, the CLI's `--data PATH`):
 - a `.bin` file, or a directory holding `.bin` files: pre-tokenized shards, memory-mapped.
   Format: the llm.c / modded-nanogpt header, 256 little-endian int32 (`[0]` magic 20240520,
   `[1]` version: 1 = uint16 tokens, 2 = uint32 tokens, `[2]` token count) followed by the
-  tokens; `write_bin_shard` writes it. Headerless files are raw tokens whose width comes from
-  the name: `*.u32.bin` / `*.uint32.bin` are uint32, anything else uint16 (nanoGPT's
-  `train.bin`). Files with `val` in their name are the validation split.
+  tokens; `write_bin_shard` writes it. Shards made by `locoswarm data prepare`
+  (node/training/shards.py) also say what their ids mean, in slots llm.c leaves zero (so llm.c
+  readers still read them): `[3]` the tag 0x6F636F6C ("loco"), `[4]` its version 1, `[5]` the
+  tokenizer's vocabulary size, `[6:14]` the tokenizer id (32 bytes: sha256 of the canonical
+  tokenizer.json, `node.training.shards.tokenizer_id`). A directory of such shards holds that
+  tokenizer.json beside them, and it must have the shards' id. Headerless files are raw tokens
+  whose width comes from the name: `*.u32.bin` / `*.uint32.bin` are uint32, anything else
+  uint16 (nanoGPT's `train.bin`). Files with `val` in their name are the validation split.
 
 Byte-level text has vocabulary 256. Train/validation split: by file, a file is validation when
 the first 8 bytes of sha256(its relative path) read as a fraction fall under `val_fraction`
@@ -27,6 +32,11 @@ tokens, so peer i trains on its own data. `batches(...)` draws each step's windo
 from the shard with a generator seeded by (seed, shard, step) alone, so a batch can be
 recomputed, and training resumed, from its step number. `val_batches` is a fixed set of evenly
 spaced windows over the validation split.
+
+Matching the run: `check_vocabulary(dataset, vocab_size, tokenizer_id)` refuses data whose
+tokenizer is not the run's (`TokenizerMismatch`) or whose ids the model cannot embed
+(`VocabularyMismatch`: a declared vocabulary larger than the model's, or an id >= it, found by
+one max over the dataset's arrays), each with a one-line message that says what to do.
 """
 
 from __future__ import annotations
@@ -53,6 +63,11 @@ BIN_MAGIC = 20240520
 BIN_HEADER_INTS = 256
 BIN_HEADER_BYTES = BIN_HEADER_INTS * 4
 _BIN_VERSION_DTYPE = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
+SHARD_TAG = 0x6F636F6C  # b"loco" read as a little-endian int32: the header says what the ids mean
+SHARD_TAG_VERSION = 1
+_TOKENIZER_ID_BYTES = 32
+_TAG_SLOT, _VOCAB_SLOT, _TOKENIZER_SLOT = 3, 5, 6  # int32 slots; the id fills slots 6..13
+TOKENIZER_FILE = "tokenizer.json"  # beside prepared shards: the tokenizer their ids come from
 _SKIPPED_STDLIB_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 
 
@@ -70,6 +85,18 @@ class EmptyData(DataError):
 
 class MalformedShard(DataError):
     """A .bin shard's header or size is inconsistent."""
+
+
+class DataMismatch(DataError):
+    """The data is fine, but not what this run's model trains on."""
+
+
+class TokenizerMismatch(DataMismatch):
+    """The shards were made with another tokenizer than the run's (or with none)."""
+
+
+class VocabularyMismatch(DataMismatch):
+    """Token ids the model cannot embed: its vocabulary is smaller than the data's."""
 
 
 def default_cache_dir() -> Path:
@@ -105,12 +132,14 @@ class TokenDataset:
         name: str,
         shard_index: int = 0,
         num_shards: int = 1,
+        tokenizer_id: str | None = None,
     ) -> None:
         self.segments = [s for s in segments if len(s)]
         self.vocab_size = vocab_size
         self.name = name
         self.shard_index = shard_index
         self.num_shards = num_shards
+        self.tokenizer_id = tokenizer_id  # sha256 of the tokenizer.json; None: bytes or untagged shards
         self.num_tokens = sum(len(s) for s in self.segments)
 
     def __len__(self) -> int:
@@ -140,6 +169,7 @@ class TokenDataset:
             name=f"{self.name}[{index}/{num_shards}]",
             shard_index=index,
             num_shards=num_shards,
+            tokenizer_id=self.tokenizer_id,
         )
 
     def _window_positions(self, seq_len: int) -> np.ndarray:
@@ -355,29 +385,69 @@ def text_corpus(
     return _byte_corpus(train, val, f"text-{path.name}", f"text file {path}")
 
 
-def write_bin_shard(path: str | os.PathLike, tokens: np.ndarray, dtype: str | np.dtype = "uint16") -> None:
-    """Write tokens as a .bin shard with the llm.c header (version 1 = uint16, 2 = uint32)."""
+def shard_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest shard dtype that holds ids 0..vocab_size-1: uint16 up to 65536 tokens, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def write_bin_shard(
+    path: str | os.PathLike,
+    tokens: np.ndarray,
+    dtype: str | np.dtype | None = "uint16",
+    *,
+    vocab_size: int | None = None,
+    tokenizer_id: str | None = None,
+) -> None:
+    """Write tokens as a .bin shard with the llm.c header (version 1 = uint16, 2 = uint32).
+
+    With `vocab_size` (and `tokenizer_id`, 64 hex digits) the header also says what the ids
+    mean; `dtype=None` then picks it from the vocabulary (`shard_dtype`)."""
+    if dtype is None:
+        if vocab_size is None:
+            raise ValueError("dtype=None picks the dtype from vocab_size, which is missing")
+        dtype = shard_dtype(vocab_size)
     dtype = np.dtype(dtype).newbyteorder("<")
     version = {np.dtype("<u2"): 1, np.dtype("<u4"): 2}.get(dtype)
     if version is None:
         raise ValueError(f"shards hold uint16 or uint32 tokens, not {dtype}")
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dtype).max):
-        raise ValueError(f"token ids do not fit in {dtype}")
+    limit = np.iinfo(dtype).max if vocab_size is None else min(np.iinfo(dtype).max, vocab_size - 1)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > limit):
+        raise ValueError(f"token ids outside the vocabulary of {vocab_size}" if limit == (vocab_size or 0) - 1
+                         else f"token ids do not fit in {dtype}")
+    if tokenizer_id is not None and vocab_size is None:
+        raise ValueError("a shard's tokenizer id comes with its vocabulary size")
     header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
     header[:3] = (BIN_MAGIC, version, tokens.size)
+    if vocab_size is not None:
+        header[_TAG_SLOT:_VOCAB_SLOT + 1] = (SHARD_TAG, SHARD_TAG_VERSION, vocab_size)
+        if tokenizer_id is not None:
+            id_bytes = bytes.fromhex(tokenizer_id)
+            if len(id_bytes) != _TOKENIZER_ID_BYTES:
+                raise ValueError(f"a tokenizer id is {_TOKENIZER_ID_BYTES} bytes, got {len(id_bytes)}")
+            header[_TOKENIZER_SLOT:_TOKENIZER_SLOT + _TOKENIZER_ID_BYTES // 4] = np.frombuffer(id_bytes, "<i4")
     with open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype(dtype).tobytes())
 
 
-def open_bin_shard(path: str | os.PathLike) -> np.ndarray:
-    """A .bin shard's tokens, memory-mapped (see the module docstring for the format)."""
+@dataclass(frozen=True, slots=True)
+class ShardHeader:
+    """What a .bin shard's header (or, headerless, its name and size) says."""
+
+    dtype: np.dtype
+    num_tokens: int
+    offset: int  # bytes before the first token
+    vocab_size: int | None = None  # the tokenizer's vocabulary; None: not recorded
+    tokenizer_id: str | None = None  # hex sha256 of the tokenizer.json; None: not recorded
+
+
+def read_bin_header(path: str | os.PathLike) -> ShardHeader:
+    """A .bin shard's header, checked against the file's size (see the module docstring)."""
     path = Path(path)
     size = path.stat().st_size
-    offset, dtype = 0, None
     if size >= BIN_HEADER_BYTES:
-        header = np.fromfile(path, dtype="<i4", count=3)
+        header = np.fromfile(path, dtype="<i4", count=BIN_HEADER_INTS)
         if header[0] == BIN_MAGIC:
             dtype = _BIN_VERSION_DTYPE.get(int(header[1]))
             if dtype is None:
@@ -385,16 +455,28 @@ def open_bin_shard(path: str | os.PathLike) -> np.ndarray:
             expected = BIN_HEADER_BYTES + int(header[2]) * dtype.itemsize
             if header[2] < 0 or size != expected:
                 raise MalformedShard(f"{path}: header says {header[2]} tokens ({expected} bytes), file has {size}")
-            offset = BIN_HEADER_BYTES
-    if dtype is None:
-        wide = path.name.endswith((".u32.bin", ".uint32.bin"))
-        dtype = np.dtype("<u4") if wide else np.dtype("<u2")
-        if size % dtype.itemsize:
-            raise MalformedShard(f"{path}: {size} bytes is not a whole number of {dtype} tokens")
-    count = (size - offset) // dtype.itemsize
-    if count == 0:
-        return np.empty(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+            vocab_size = tokenizer_id = None
+            if header[_TAG_SLOT] == SHARD_TAG:
+                if header[_TAG_SLOT + 1] != SHARD_TAG_VERSION or header[_VOCAB_SLOT] < 1:
+                    raise MalformedShard(f"{path}: unknown tag version {header[_TAG_SLOT + 1]} "
+                                         f"or vocabulary size {header[_VOCAB_SLOT]}")
+                vocab_size = int(header[_VOCAB_SLOT])
+                id_bytes = header[_TOKENIZER_SLOT:_TOKENIZER_SLOT + _TOKENIZER_ID_BYTES // 4].tobytes()
+                tokenizer_id = id_bytes.hex() if any(id_bytes) else None
+            return ShardHeader(dtype, int(header[2]), BIN_HEADER_BYTES, vocab_size, tokenizer_id)
+    wide = path.name.endswith((".u32.bin", ".uint32.bin"))
+    dtype = np.dtype("<u4") if wide else np.dtype("<u2")
+    if size % dtype.itemsize:
+        raise MalformedShard(f"{path}: {size} bytes is not a whole number of {dtype} tokens")
+    return ShardHeader(dtype, size // dtype.itemsize, 0)
+
+
+def open_bin_shard(path: str | os.PathLike, header: ShardHeader | None = None) -> np.ndarray:
+    """A .bin shard's tokens, memory-mapped (see the module docstring for the format)."""
+    header = header or read_bin_header(path)
+    if header.num_tokens == 0:
+        return np.empty(0, dtype=header.dtype)
+    return np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset, shape=(header.num_tokens,))
 
 
 def bin_corpus(
@@ -402,29 +484,83 @@ def bin_corpus(
 ) -> Corpus:
     """Pre-tokenized .bin shards: a file, or every .bin file in a directory (sorted).
 
-    Without `vocab_size` the largest token id is found by reading every shard once.
+    The vocabulary is the one the shards' headers record; else `vocab_size`; else the largest
+    token id, found by reading every shard once. Tagged shards must agree on their tokenizer, and
+    a directory's tokenizer.json, if any, must be theirs.
     """
     path = Path(path)
     files = sorted(path.rglob("*.bin")) if path.is_dir() else [path]
     if not files or not files[0].is_file():
         raise DataNotFound(f"no .bin shards at {path}")
+    headers = {f: read_bin_header(f) for f in files}
+    tags = {(h.vocab_size, h.tokenizer_id) for h in headers.values()}
+    if len(tags) > 1:
+        described = ", ".join(sorted(f"{f.name}: {_describe_tag(h.vocab_size, h.tokenizer_id)}"
+                                     for f, h in headers.items()))
+        raise TokenizerMismatch(f"{path}: shards made with different tokenizers ({described}); "
+                                "keep one `locoswarm data prepare` output per directory")
+    declared_vocab, tokenizer_id = tags.pop()
+    if tokenizer_id is not None and path.is_dir() and (path / TOKENIZER_FILE).is_file():
+        from node.training.shards import tokenizer_id as tokenizer_id_of
+
+        beside = tokenizer_id_of(path / TOKENIZER_FILE)
+        if beside != tokenizer_id:
+            raise TokenizerMismatch(f"{path}: {TOKENIZER_FILE} has id {beside[:12]}, the shards {tokenizer_id[:12]}; "
+                                    "prepare the shards again (`locoswarm data prepare`) or restore its tokenizer.json")
     val_files = [f for f in files if "val" in f.name]
     train_files = [f for f in files if "val" not in f.name]
     if not train_files:
         raise DataNotFound(f"{path}: only validation shards ({[f.name for f in val_files]})")
-    train = [open_bin_shard(f) for f in train_files]
-    val = [open_bin_shard(f) for f in val_files]
+    train = [open_bin_shard(f, headers[f]) for f in train_files]
+    val = [open_bin_shard(f, headers[f]) for f in val_files]
     if not any(len(s) for s in train):
         raise EmptyData(f"{path}: the training shards hold no tokens")
     if not any(len(s) for s in val):
         train, val = _tail_split(train, val_fraction)
+    vocab_size = declared_vocab or vocab_size
     if vocab_size is None:
         vocab_size = 1 + max(int(s.max()) for s in train + val if len(s))
+    tag = f", {_describe_tag(declared_vocab, tokenizer_id)}" if declared_vocab else ""
     return Corpus(
-        train=TokenDataset(train, vocab_size=vocab_size, name=f"bin-{path.name}/train"),
-        val=TokenDataset(val, vocab_size=vocab_size, name=f"bin-{path.name}/val"),
-        description=f"{len(files)} .bin shards at {path}",
+        train=TokenDataset(train, vocab_size=vocab_size, name=f"bin-{path.name}/train", tokenizer_id=tokenizer_id),
+        val=TokenDataset(val, vocab_size=vocab_size, name=f"bin-{path.name}/val", tokenizer_id=tokenizer_id),
+        description=f"{len(files)} .bin shards at {path}{tag}",
     )
+
+
+def _describe_tag(vocab_size: int | None, tokenizer_id: str | None) -> str:
+    if vocab_size is None:
+        return "untagged"
+    return f"vocabulary {vocab_size}, tokenizer {tokenizer_id[:12] if tokenizer_id else 'unnamed'}"
+
+
+def check_vocabulary(dataset: TokenDataset, vocab_size: int, tokenizer_id: str | None = None) -> None:
+    """Refuse `dataset` unless a model with `vocab_size` token ids, trained for the tokenizer
+    `tokenizer_id` (None: the run names none, so any tokenizer whose ids fit), can train on it.
+
+    Cheap: a dataset that records its tokenizer is compared by id and declared vocabulary first;
+    then one max over the arrays whose dtype could hold an id >= vocab_size (memory-mapped shards
+    are read once, byte text never)."""
+    name = dataset.name
+    prepare = "`locoswarm data prepare --tokenizer TOKENIZER.json --input ... --out DIR`"
+    if tokenizer_id is not None and dataset.tokenizer_id != tokenizer_id:
+        held = (f"tokenizer {dataset.tokenizer_id[:12]}" if dataset.tokenizer_id
+                else "no tokenizer (byte text or untagged shards)")
+        raise TokenizerMismatch(
+            f"{name} was made with {held}, the run trains on tokenizer {tokenizer_id[:12]}: prepare the data with "
+            f"the run's tokenizer.json ({prepare}) and pass --data DIR, or use the run's own shards")
+    if dataset.tokenizer_id is not None and dataset.vocab_size > vocab_size:
+        raise VocabularyMismatch(
+            f"{name}: its tokenizer has {dataset.vocab_size} tokens, the model embeds {vocab_size}: set "
+            f"model.vocab_size = {dataset.vocab_size} and model.tokenizer_id = \"{dataset.tokenizer_id}\" in the "
+            "run config (as `locoswarm data prepare` printed)")
+    wide = [s for s in dataset.segments if np.iinfo(s.dtype).max >= vocab_size]
+    top = max((int(s.max()) for s in wide), default=-1)
+    if top >= vocab_size:
+        raise VocabularyMismatch(
+            f"{name}: token id {top} is outside the model's vocabulary of {vocab_size}: the data was tokenized "
+            f"for a larger one; prepare it with {prepare} and set model.vocab_size and model.tokenizer_id to what "
+            "it prints (or give the model that vocabulary: model.vocab_size, `locoswarm sim --vocab-size`)")
 
 
 def load_corpus(

@@ -39,6 +39,10 @@ class ModelConfig:
     rope_theta: float = 10000.0  # rotary base frequency
     norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = True  # output head shares the token embedding matrix
+    # What the ids mean: sha256 of the tokenizer.json (node.training.shards.tokenizer_id); None for
+    # byte-level text or an unnamed tokenizer. Not used by the maths: it travels with the model into
+    # checkpoints so that an export (node/training/hf.py) can ship the right tokenizer.
+    tokenizer_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.hidden % self.num_heads:

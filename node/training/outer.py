@@ -9,36 +9,45 @@ holds bit-identical parameters after every round; `param_digest` checks it.
 - `sparseloco` (arXiv 2508.15706): error feedback `e = beta e + outer_lr delta`, per-chunk Top-k
   and 2-bit codes (kernels.sparse), a signed packet (protocol.packet), scatter-mean over the
   peers that sent each coordinate, plain SGD `theta = theta_start - outer_lr * aggregate`.
+  By default (`aggregation = "median_clip"`, as production SparseLoCo) each peer's tensor is first
+  scaled down to the round's median norm of that tensor, so one peer's update weighs at most as
+  much as a typical one; `"mean"` is the paper's plain scatter-mean.
 - `diloco` (arXiv 2311.08105): the dense delta (safetensors bytes), mean over peers, SGD with
   Nesterov momentum (torch.optim.SGD's formula) on the outer learning rate.
+
+Every payload is bounded before it is aggregated: a value (decoded, or a dense element) larger than
+`max_abs_value` or not finite refuses the whole payload, so no aggregate can be NaN or infinite.
 
 The third baseline, `ddp` (gradients averaged every inner step), has no outer step and lives in
 the simulator only.
 
 Determinism: payloads are aggregated in peer-id order, each peer's values added once per element
-in float32, and the outer step is computed as separate IEEE operations, so the result does not
-depend on arrival order or device. A payload that fails to decode is left out with its reason;
+in float32, median-clip norms are float64 sums in a fixed order (kernels.sparse.SparseTensor.squared_norm),
+and the outer step is computed as separate IEEE operations, so the result does not depend on arrival
+order, device or thread count. A payload that fails to decode is left out with its reason;
 since decoding is deterministic, every honest peer leaves out the same payloads.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kernels.sparse import SparseTensor, error_feedback_step, scatter_mean
-from protocol.errors import ProtocolError
+from kernels.sparse import SparseTensor, error_feedback_step, median_clip_scales, scatter_mean
+from protocol.errors import MalformedPacket, NonFiniteValue, ProtocolError, ShapeMismatch, ValueOutOfRange
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
+from protocol.run_config import DEFAULT_MAX_ABS_VALUE, MAX_ABS_VALUE_LIMIT
 from protocol.signing import PeerKey
 
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("sparseloco", "diloco")
+AGGREGATIONS = ("median_clip", "mean")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,7 +60,8 @@ class OuterConfig:
     chunk_size: int = 64  # tile side for 2-D tensors, chunk length for 1-D ones
     error_decay: float = 0.95  # beta of the error-feedback buffer (1.0 = no decay, 0 = no memory)
     divide_by_peers: bool = False  # 1/R instead of the mean over contributors of each coordinate
-    clip_to_median_norm: bool = False  # scale down any peer whose update norm exceeds the round's median
+    aggregation: str = "median_clip"  # "median_clip": per tensor, peers above the round's median norm scaled to it
+    max_abs_value: float = DEFAULT_MAX_ABS_VALUE  # payloads holding a larger (or non-finite) value are refused
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # larger payloads are refused unread
     overlap: bool = False  # one-round-delayed outer step: train round r+1 while round r's packets move
 
@@ -60,6 +70,10 @@ class OuterConfig:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not 0.0 <= self.error_decay <= 1.0 or self.outer_lr <= 0 or not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError("error_decay must lie in [0, 1], outer_lr > 0, outer_momentum in [0, 1)")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if not 0 < self.max_abs_value <= MAX_ABS_VALUE_LIMIT:
+            raise ValueError(f"max_abs_value must lie in (0, {MAX_ABS_VALUE_LIMIT:g}]")
 
 
 @dataclass(slots=True)
@@ -68,7 +82,8 @@ class ApplyResult:
 
     accepted: list[str]  # peer ids whose payloads made the aggregate, sorted
     refused: dict[str, str] = field(default_factory=dict)  # peer id -> reason
-    scales: dict[str, float] = field(default_factory=dict)  # peer id -> norm-clipping factor (< 1 only)
+    # peer id -> {tensor name -> median-clip factor}, only the factors < 1 (peers scaled down)
+    scales: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -203,7 +218,7 @@ class SparseLoCoOuter(OuterStep):
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
                round: int) -> dict[str, SparseTensor]:
         packet = decode_packet(payload, self.spec, public_key, run_id=run_id, round=round,
-                               max_bytes=self.cfg.max_packet_bytes)
+                               max_bytes=self.cfg.max_packet_bytes, max_abs_value=self.cfg.max_abs_value)
         if packet.peer_id != peer_id:
             raise ProtocolError(f"packet names peer {packet.peer_id!r}")
         return packet.tensors
@@ -215,13 +230,17 @@ class SparseLoCoOuter(OuterStep):
         decoded, result = self._decode_all(payloads, public_key, run_id, round, decoded)
         if not decoded:
             return Prepared(result, None)
-        scales = self._clip_scales(decoded) if self.cfg.clip_to_median_norm else None
-        if scales:
-            result.scales = {p: s for p, s in zip(result.accepted, scales) if s < 1.0}
         aggregates = {}
         for name, p in self.params.items():
-            aggregate = scatter_mean([decoded[peer][name] for peer in result.accepted], device=p.device,
-                                     divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales)
+            selections = [decoded[peer][name] for peer in result.accepted]
+            scales = None
+            if self.cfg.aggregation == "median_clip":
+                scales = median_clip_scales([math.sqrt(s.squared_norm()) for s in selections])
+                for peer, scale in zip(result.accepted, scales):
+                    if scale < 1.0:
+                        result.scales.setdefault(peer, {})[name] = scale
+            aggregate = scatter_mean(selections, device=p.device, divide_by_peers=self.cfg.divide_by_peers,
+                                     peer_scales=scales)
             if self.cfg.outer_lr != 1.0:
                 aggregate = aggregate * self.cfg.outer_lr
             aggregates[name] = aggregate
@@ -235,16 +254,6 @@ class SparseLoCoOuter(OuterStep):
             for name in self.params:
                 self._set_params(name, self.start[name] - prepared.aggregates[name])
         return prepared.result
-
-    @staticmethod
-    def _clip_scales(decoded: Mapping[str, Mapping[str, SparseTensor]]) -> list[float]:
-        """Per peer, min(1, median norm / norm): computed in float64 on the CPU, the same on every peer."""
-        norms = []
-        for peer in sorted(decoded):
-            squares = sum(float(t.values().double().square().sum()) for t in decoded[peer].values())
-            norms.append(squares ** 0.5)
-        median = statistics.median(norms)
-        return [1.0 if n <= median or n == 0 else median / n for n in norms]
 
 
 class DiLoCoOuter(OuterStep):
@@ -279,9 +288,14 @@ class DiLoCoOuter(OuterStep):
             raise ValueError("payload exceeds the size limit")
         tensors = load(payload)
         if {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
-            raise ValueError("tensor names or shapes differ from the model's")
-        if any(t.dtype != torch.float32 or not bool(torch.isfinite(t).all()) for t in tensors.values()):
-            raise ValueError("tensors are not finite float32")
+            raise ShapeMismatch("tensor names or shapes differ from the model's")
+        for name, t in tensors.items():
+            if t.dtype != torch.float32:
+                raise MalformedPacket(f"tensor {name!r} is {t.dtype}, not float32")
+            if not bool(torch.isfinite(t).all()):
+                raise NonFiniteValue(f"tensor {name!r} holds NaN or Inf")
+            if t.numel() and float(t.abs().max()) > self.cfg.max_abs_value:
+                raise ValueOutOfRange(f"tensor {name!r}: a value exceeds max_abs_value {self.cfg.max_abs_value:g}")
         return tensors
 
     def prepare(self, payloads: Mapping[str, bytes], public_key=None, *, run_id: str = "", round: int = 0,

@@ -1,8 +1,9 @@
-"""One peer's training state for a run, and the two things a round asks of it: train H steps, encode.
+"""One peer's training state for a run, and what a round asks of it: train H steps, encode, evaluate.
 
-    training = PeerTraining.build(run, device, shard)        # model, AdamW, outer step, data shard
-    result = training.train_round(round, on_step)            # H inner steps from this round's batches
-    payload = training.outer.make_payload(...)               # the round's signed packet
+    training = PeerTraining.build(run, device, shard, val=val)  # model, AdamW, outer step, data
+    result = training.train_round(round, on_step)               # H inner steps on this round's batches
+    payload = training.outer.make_payload(...)                  # the round's signed packet
+    val_loss = training.evaluate_global()                       # the global model, held-out batches
 
 The node (node/round/) and the simulator (node/round/sim.py) both build their peers here, so a
 run config means the same model, optimizers and data order in either.
@@ -10,18 +11,21 @@ run config means the same model, optimizers and data order in either.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from node.training.build import inner_config, outer_config
-from node.training.data import TokenDataset
+from node.training.build import inner_config, model_config, outer_config
+from node.training.data import EmptyData, TokenDataset, check_vocabulary, evaluate
 from node.training.inner import InnerConfig, InnerResult, make_inner_optimizer, run_inner_steps
 from node.training.model import build_model
 from node.training.outer import DiLoCoOuter, SparseLoCoOuter, make_outer
 from node.training.params import flat_named_params
 from protocol.run_config import RunConfig
+
+log = logging.getLogger("locoswarm.node")
 
 
 @dataclass(slots=True)
@@ -34,18 +38,62 @@ class PeerTraining:
     device: torch.device
     seed: int  # data order
     inner_steps: int  # H
+    val: TokenDataset | None = None  # the held-out split, for `evaluate_global` (None: no evaluation)
 
     @classmethod
     def build(cls, run: RunConfig, device: torch.device | str, shard: TokenDataset,
-              inner: InnerConfig | None = None) -> "PeerTraining":
-        """The peer's state at the run's start (seeded initialisation, zero error feedback);
-        `inner` replaces the run's inner config (the simulator's per-strategy learning rates)."""
+              inner: InnerConfig | None = None, val: TokenDataset | None = None) -> "PeerTraining":
+        """The peer's state at the run's start (seeded initialisation or the run's init_from, zero
+        error feedback); `inner` replaces the run's inner config (the simulator's per-strategy
+        learning rates); `val` is the held-out split `evaluate_global` reads. A shard the run's
+        model cannot train on is refused before anything is built (node.training.data.DataMismatch),
+        and so is an init_from that is not the run's (node.training.hf.InitMismatch): each says what
+        to do."""
         device = torch.device(device)
-        model = build_model(run.model.preset, run.model.seed).to(device)
+        cfg = model_config(run)
+        # Before anything is built: shards of another tokenizer, or with ids the model cannot embed,
+        # would train garbage (or fail with an index error deep in the first step).
+        for data in (shard, val) if val is not None else (shard,):
+            check_vocabulary(data, cfg.vocab_size, cfg.tokenizer_id)
+        model = build_model(cfg, run.model.seed)
+        if run.model.init_from is not None:
+            from node.training.hf import load_init_weights
+
+            load_init_weights(model, run.model.init_from, run.model.init_sha256)
+        model = model.to(device)
         inner = inner or inner_config(run)
         return cls(model=model, optimizer=make_inner_optimizer(model, inner), inner=inner,
                    outer=make_outer(flat_named_params(model), outer_config(run)), shard=shard, device=device,
-                   seed=run.model.seed, inner_steps=run.inner.steps)
+                   seed=run.model.seed, inner_steps=run.inner.steps, val=val)
+
+    def evaluate_global(self, num_batches: int = 1) -> float | None:
+        """Mean loss of the global model (`outer.start`, the same on every peer) on the first
+        `num_batches` fixed batches of the held-out split, at the run's batch shape; None without
+        a split, or with one too short for a sequence (then never again; logged). With overlap the
+        parameters run ahead of the global model (this peer's update in flight is on them), so they
+        are swapped for the global ones while it evaluates."""
+        if self.val is None:
+            return None
+        try:
+            next(self.val.val_batches(self.inner.batch_size, self.inner.seq_len, 1))  # long enough?
+        except EmptyData as e:
+            log.warning("no validation loss: %s", e)
+            self.val = None
+            return None
+        params = flat_named_params(self.model)
+        local = {name: p.detach().clone() for name, p in params.items()} if self.outer.cfg.overlap else None
+        try:
+            with torch.no_grad():
+                if local is not None:
+                    for name, p in params.items():
+                        p.copy_(self.outer.start[name])
+            return evaluate(self.model, self.val, num_batches, batch_size=self.inner.batch_size,
+                            seq_len=self.inner.seq_len, device=self.device)
+        finally:
+            if local is not None:
+                with torch.no_grad():
+                    for name, p in params.items():
+                        p.copy_(local[name])
 
     def train_round(self, round: int, on_step: Callable[[int, float, float], None] | None = None,
                     on_step_queued: Callable[[int], None] | None = None) -> InnerResult:

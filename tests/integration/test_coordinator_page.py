@@ -2,7 +2,8 @@
 DOM has what each state of a run should show, and the screenshot shows the plots' colours
 (decoded with a tiny stdlib PNG reader). States: several closed rounds; a round training (the
 round bar counts the peers' inner steps); a stalled round; a finished one-round run (one
-marker); a run waiting for peers; and two runs, where the page picks the live one."""
+marker); a run waiting for peers; two runs, where the page picks the live one; and the validation
+loss beside the training loss, with each round's compression against dense."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
 LOSS_RGB = (0x25, 0x63, 0xEB)  # the page's loss series colour
 TIME_RGB = (0xEA, 0x58, 0x0C)  # the page's round-time series colour
+VAL_RGB = (0x93, 0x33, 0xEA)  # the page's validation loss series colour
 
 
 def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
@@ -281,3 +283,32 @@ def test_page_plots_a_thousand_rounds_readably(start_coordinator, tmp_path: Path
     assert 5 <= dom.count('class="x-tick"') <= 15 and 'class="x-tick">0<' in dom
     assert dom.count('class="y-tick"') >= 6
     assert count_near(rows, LOSS_RGB) > 500 and count_near(rows, TIME_RGB) > 500
+
+
+@needs_chromium
+def test_page_plots_validation_loss_and_shows_compression(start_coordinator, tmp_path: Path):
+    import re
+
+    coordinator = start_coordinator()
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, peers = start_run(client, 2)
+        for round_index in range(7):
+            for i, peer in enumerate(peers):
+                assert peer.submit(run_id, round_index, train_loss=5.0 - 0.3 * round_index + 0.1 * i,
+                                   packet_size_bytes=20_000).status_code == 200
+            if round_index % 3 == 0:  # the peers evaluate every third round
+                for peer in peers:
+                    response = peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
+                                         {"params_digest": "ab" * 32, "val_loss": 5.2 - 0.3 * round_index})
+                    assert response.status_code == 200, response.text
+    dom, rows = open_page(f"{coordinator.url}/", tmp_path, "validation")
+    assert 'class="series-loss"' in dom and 'class="series-val"' in dom
+    assert dom.count('class="marker-loss"') == 7 and dom.count('class="marker-val"') == 3
+    [val_path] = re.findall(r'<path d="([^"]+)"[^>]*class="series-val"', dom)
+    assert val_path.count("M") == 1 and val_path.count("L") == 2, "joined across the rounds not evaluated"
+    assert 'class="legend">train (mean over peers)<' in dom and 'class="legend">validation<' in dom
+    assert "<th>val loss</th>" in dom and ">5.2000<" in dom and ">4.3000<" in dom  # rounds 0 and 3
+    # tiny: 836,736 parameters x 4 bytes x 2 packets over 40,000 bytes of packets.
+    assert dom.count(">167x<") == 7
+    assert count_near(rows, VAL_RGB) > 100, "the validation series is missing from the plot"
+    assert count_near(rows, LOSS_RGB) > 200

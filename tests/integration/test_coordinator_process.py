@@ -36,6 +36,7 @@ def test_sigkill_and_restart_lose_nothing(start_coordinator, tmp_path):
         assert a.submit(run_id, 0).status_code == 200
         assert b.submit(run_id, 0).status_code == 200
         assert a.applied(run_id, 0, "ee" * 32).status_code == 200
+        assert b.applied(run_id, 0, "ee" * 32).status_code == 200  # both contributors: agreed
         assert a.submit(run_id, 1).status_code == 200
         manifest_0 = client.get(f"/v1/runs/{run_id}/rounds/0").json()["manifest"]
         open_1 = client.get(f"/v1/runs/{run_id}/rounds/1").json()
@@ -127,7 +128,9 @@ async def _simulated_swarm(url: str, run_id: str, num_peers: int) -> tuple[list[
 def test_32_peers_submit_concurrently(start_coordinator):
     coordinator = start_coordinator()
     with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        # 32 keys from one address: the operator lifts the per-address join limit (default burst 10).
         run_id = create_run(client, {"membership.min_peers": 32, "membership.heartbeat_timeout_s": 120.0,
+                                    "membership.join_burst_per_address": 32,
                                     "deadline": {"kind": "fixed", "round_timeout_s": 60.0}})
     statuses, round_0 = asyncio.run(_simulated_swarm(coordinator.url, run_id, 32))
     assert statuses == [200] * 64

@@ -105,11 +105,14 @@ def test_majority_counts_only_the_latest_version(coordinator_client, fake_clock)
     assert error_of(applied(b, run_id, 0, amended, version=3)) == "unknown_manifest_version"
     first = applied(b, run_id, 0, amended, version=2).json()
     assert first == {"round": 0, "majority_digest": amended, "agrees": True, "num_reports": 1,
-                     "manifest_version": 2, "amended": {"0": 2}}
+                     "manifest_version": 2, "amended": {"0": 2}, "agreed_digest": None, "provisional": True,
+                     "num_votes": 1, "vote": True}
     stale = applied(w, run_id, 0, full).json()  # a version-1 report again: kept, not counted
     assert stale["agrees"] is False and stale["manifest_version"] == 2 and stale["num_reports"] == 1
     assert applied(c, run_id, 0, amended, version=2).json()["num_reports"] == 2
-    assert applied(w, run_id, 0, amended, version=2).json()["agrees"] is True  # recomputed
+    recomputed = applied(w, run_id, 0, amended, version=2).json()  # its packet is not in version 2: no vote
+    assert recomputed["agrees"] is True and recomputed["vote"] is False and recomputed["num_votes"] == 2
+    assert round_of(client, run_id, 0)["agreed_digest"] == amended
     assert round_of(client, run_id, 0)["majority_digest"] == amended
     joined = SignedPeer(client, clock=fake_clock).join(run_id).json()["params"]
     assert joined["digest"] == amended and len(joined["holders"]) == 3

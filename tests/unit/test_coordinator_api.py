@@ -204,7 +204,7 @@ def test_status_metrics_health_and_page(coordinator_client, fake_clock):
     assert members_only["history"] == [] and members_only["peers"] == status["peers"]
     for bad in (-1, 1001, "all"):
         assert error_of(client.get(f"/v1/runs/{run_id}/status", params={"history": bad})) == "invalid_request"
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "server_time": fake_clock()}
     assert client.get("/readyz").json() == {"status": "ready"}
     metrics = client.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -294,7 +294,7 @@ def test_heartbeat_inner_step_shows_in_the_status(coordinator_client, fake_clock
 def test_round_summaries_count_tokens_and_packet_bytes(coordinator_client, fake_clock):
     client = coordinator_client
     run_id = create_run(client, {"membership.min_peers": 2, "inner.steps": 10, "inner.batch_size": 4,
-                                 "inner.seq_len": 64})
+                                 "inner.seq_len": 64, "membership.heartbeat_timeout_s": 60.0})
     first, second = SignedPeer(client, clock=fake_clock), SignedPeer(client, clock=fake_clock)
     first.join(run_id), second.join(run_id)
     first.submit(run_id, 0, packet_size_bytes=1000)

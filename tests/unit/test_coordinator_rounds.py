@@ -85,7 +85,7 @@ def test_deadline_close_and_refusal_codes(coordinator_client, fake_clock):
     assert closed["state"] == "closed"
     assert [e["peer_id"] for e in closed["manifest"]] == sorted([a.peer_id, b.peer_id])
     assert error_of(c.submit(run_id, 0)) == "late"
-    for peer in (a, b, c):
+    for peer in (c, a, b):  # c is no contributor: round 1 closes once a and b submitted
         assert peer.submit(run_id, 1).status_code == 200
     assert error_of(c.submit(run_id, 0)) == "stale_round"
     assert round_of(client, run_id, 1)["state"] == "closed"
@@ -140,9 +140,10 @@ def test_applied_digests_majority_and_flags(coordinator_client, fake_clock):
     good, bad = "11" * 32, "22" * 32
     assert a.applied(run_id, 0, good).json() == {
         "round": 0, "majority_digest": good, "agrees": True, "num_reports": 1, "manifest_version": 1,
-        "amended": {}}
+        "amended": {}, "agreed_digest": None, "provisional": True, "num_votes": 1, "vote": True}
     assert c.applied(run_id, 0, bad).json()["agrees"] is False, "a tie keeps the majority"
-    assert b.applied(run_id, 0, good).json()["num_reports"] == 3
+    last = b.applied(run_id, 0, good).json()
+    assert (last["num_reports"], last["agreed_digest"], last["provisional"]) == (3, good, False)
     assert round_of(client, run_id, 0)["majority_digest"] == good
     status = client.get(f"/v1/runs/{run_id}/status").json()
     flags = {p["peer_id"]: (p["flags"], p["mismatch_round"]) for p in status["peers"]}

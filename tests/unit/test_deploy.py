@@ -304,10 +304,10 @@ def test_doctor_runs_and_prints_its_checks(tmp_path):
         capture_output=True, text=True, timeout=120, cwd=REPO)
     lines = result.stdout.splitlines()
     status = {line.split()[1]: line.split()[0] for line in lines if line.split()[0] in ("OK", "WARN", "FAIL")}
-    assert set(status) == {"python", "torch", "device", "libp2p", "coordinator", "reachability", "disk", "key"}, \
-        result.stdout + result.stderr
+    assert set(status) == {"python", "torch", "device", "libp2p", "coordinator", "clock", "reachability", "disk",
+                           "key"}, result.stdout + result.stderr
     assert status["libp2p"] == "OK" and status["python"] == "OK" and status["key"] == "OK"
-    assert status["coordinator"] == "FAIL" and result.returncode == 1
+    assert status["coordinator"] == "FAIL" and status["clock"] == "WARN" and result.returncode == 1
     assert "->" in next(line for line in lines if " coordinator " in line), "a FAIL says what to fix"
     assert not (tmp_path / "keys").exists(), "the doctor creates nothing"
 

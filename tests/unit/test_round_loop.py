@@ -155,14 +155,28 @@ async def test_late_submission_then_catch_up_by_replay(swarm):
     assert c.session.params_round == 4
 
 
+class HoldUntil(FaultInjector):
+    """Inner steps of `round` and later end only once `ready()` (a newcomer is on probation: the
+    swarm does not wait for it, so the test holds the swarm until it has caught up)."""
+
+    def __init__(self, round: int, ready):
+        super().__init__()
+        self.round, self.ready = round, ready
+
+    async def pad_compute(self, round: int, compute_s: float) -> float:
+        while round >= self.round and not self.ready():
+            await asyncio.sleep(0.05)
+        return compute_s
+
+
 @in_swarm
 async def test_late_joiner_catches_up_by_snapshot(swarm):
     """d joins after round 1 was applied: it loads the agreed parameters from a peer's snapshot
     (checked against the coordinator's digest) and trains the next rounds with the others."""
     await swarm.create_run(max_rounds=5, min_peers=2)
-    a, _ = swarm.node("a")
-    b, _ = swarm.node("b")
     d, _ = swarm.node("d")
+    a, _ = swarm.node("a", HoldUntil(3, lambda: bool(d.catch_ups)))
+    b, _ = swarm.node("b", HoldUntil(3, lambda: bool(d.catch_ups)))
     first = asyncio.gather(a.run(), b.run())
 
     async def join_late():

@@ -1,0 +1,82 @@
+"""Contribution scoring: how much each peer's update helps, judged by every peer on its own data.
+
+Production SparseLoCo has a central validator that scores miners; here each node scores each
+accepted packet of a round itself, after the outer step's aggregate is known:
+
+- `loss_delta`: the loss on a small held-out batch of the node's own shard at theta_r - outer_lr
+  * update_p (the peer's decoded update applied alone to the round's start), minus the loss at
+  theta_r. A useful update lowers it (negative); a sign-flipped or random one raises it.
+- `cosine`: the cosine between the peer's update and the round's aggregate (which median-norm
+  clipping keeps mostly honest): about +1/sqrt(R) or more for an honest peer, negative for one
+  working against the swarm.
+
+The node reports the scores with its applied digest; the coordinator keeps a running score per
+peer from every reporter's figures and leaves a peer whose updates keep hurting out of the
+manifests (coordinator/scoring.py). Scores never change what a node applies in the round they
+are computed for: the outer step stays identical on every honest peer.
+
+Cost: one forward pass on the held-out batch for the start and one per scored peer, with one dense
+copy of the parameters at a time, in no_grad; the batch is small (`scoring_batch_size` sequences).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.sparse import SparseTensor, decompress
+from node.training.model import lm_loss
+
+
+@dataclass(frozen=True, slots=True)
+class PeerScore:
+    loss_delta: float  # held-out loss after the peer's update alone minus before; < 0 helps
+    cosine: float  # cosine of the peer's update with the round's aggregate, in [-1, 1]
+
+
+@torch.no_grad()
+def score_updates(
+    model: nn.Module,
+    start: Mapping[str, torch.Tensor],
+    updates: Mapping[str, Mapping[str, SparseTensor]],
+    aggregate: Mapping[str, torch.Tensor],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    outer_lr: float = 1.0,
+) -> dict[str, PeerScore]:
+    """Score each peer's decoded update (peer id -> name -> SparseTensor). The model's parameters are
+    set to each candidate in turn and restored to what they held before the call."""
+    params = dict(model.named_parameters())
+    saved = {name: p.detach().clone() for name, p in params.items() if name in start}
+    x, y = batch
+    try:
+        _set(params, start)
+        loss_start = float(lm_loss(model, x, y))
+        aggregate_norm = math.sqrt(sum(float(a.double().square().sum()) for a in aggregate.values()))
+        scores = {}
+        for peer_id in sorted(updates):
+            dot, squares = 0.0, 0.0
+            for name, sparse in updates[peer_id].items():
+                dense = decompress(sparse).to(params[name].device, torch.float32).reshape(params[name].shape)
+                params[name].copy_(start[name] - outer_lr * dense)
+                dot += float((dense.double() * aggregate[name].double()).sum())
+                squares += float(dense.double().square().sum())
+            loss = float(lm_loss(model, x, y))
+            for name in updates[peer_id]:
+                params[name].copy_(start[name])
+            norm = math.sqrt(squares)
+            cosine = dot / (norm * aggregate_norm) if norm > 0 and aggregate_norm > 0 else 0.0
+            finite = math.isfinite(loss) and math.isfinite(loss_start)
+            scores[peer_id] = PeerScore(loss_delta=loss - loss_start if finite else math.inf,
+                                        cosine=max(-1.0, min(1.0, cosine)))
+        return scores
+    finally:
+        _set(params, saved)
+
+
+def _set(params: Mapping[str, nn.Parameter], values: Mapping[str, torch.Tensor]) -> None:
+    for name, value in values.items():
+        params[name].copy_(value)

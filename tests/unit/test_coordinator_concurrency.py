@@ -1,0 +1,137 @@
+"""The coordinator's database work runs on its own thread, never on the event loop.
+
+A real uvicorn server on 127.0.0.1 (port 0, in a thread of this process) with a real SQLite file:
+while the database is held (the test takes the storage's lock, so the database thread waits on its
+next statement), /healthz still answers and a request that needs the database is parked, not
+lost; once released it completes. `SharedReads` is checked on a real `DatabaseWorker`: identical
+reads that arrive while one is unfinished share it, and a later read runs anew.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from coordinator.db_worker import DatabaseWorker, SharedReads
+from tests.fixtures.coordinator import ADMIN_TOKEN, SignedPeer, create_run
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ServerThread:
+    """uvicorn serving `app` on a socket bound here; `stop` ends it by its own handle."""
+
+    def __init__(self, app: Any):
+        import uvicorn
+
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, timeout_s: float = 20.0) -> None:
+        ready = threading.Event()
+
+        def poll() -> None:
+            while not self.server.started and self.thread.is_alive():
+                ready.wait(0.01)
+            ready.set()
+
+        threading.Thread(target=poll, daemon=True).start()
+        assert ready.wait(timeout_s) and self.server.started, "uvicorn did not start"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        self.socket.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[ServerThread, Any]]:
+    from coordinator.app import create_app
+    from coordinator.storage import open_storage
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'coordinator.db'}")
+    server = ServerThread(create_app(storage, ADMIN_TOKEN))
+    try:
+        server.wait_ready()
+        yield server, storage
+    finally:
+        server.stop()
+        storage.close()
+
+
+def test_healthz_answers_while_the_database_is_busy(served):
+    server, storage = served
+    with httpx.Client(base_url=server.url, timeout=30) as peer_client, \
+            httpx.Client(base_url=server.url, timeout=10) as client, ThreadPoolExecutor(max_workers=2) as pool:
+        run_id = create_run(client, {"membership.min_peers": 1})
+        peer = SignedPeer(peer_client)
+        assert peer.join(run_id).status_code == 200
+        with storage._lock:  # the database thread now waits on its next statement
+            parked_status = pool.submit(httpx.get, f"{server.url}/v1/runs/{run_id}/status", timeout=30)
+            parked_heartbeat = pool.submit(lambda: peer.heartbeat(run_id, 0))
+            for _ in range(20):  # the event loop is free: liveness answers, again and again
+                assert client.get("/healthz").json()["status"] == "ok"
+            assert not parked_status.done() and not parked_heartbeat.done()
+        assert parked_status.result(timeout=30).status_code == 200
+        assert parked_heartbeat.result(timeout=30).status_code == 200
+        assert client.get("/readyz").json() == {"status": "ready"}
+
+
+def test_identical_reads_share_one_unfinished_call_and_later_ones_run_anew():
+    worker = DatabaseWorker()
+    reads = SharedReads(worker)
+    release = threading.Event()
+    calls: list[str] = []
+
+    def slow_read(name: str) -> str:
+        calls.append(name)
+        assert release.wait(10)
+        return f"answer {len(calls)}"
+
+    async def scenario() -> tuple[list[str], str, str]:
+        first = [asyncio.ensure_future(reads.run("status", lambda: slow_read("status"))) for _ in range(5)]
+        other = asyncio.ensure_future(reads.run("round", lambda: slow_read("round")))
+        await asyncio.sleep(0.05)
+        assert reads.num_shared == 4  # the four after the first joined its call
+        release.set()
+        answers = await asyncio.gather(*first)
+        later = await reads.run("status", lambda: slow_read("status again"))
+        return answers, await other, later
+
+    try:
+        answers, other, later = asyncio.run(scenario())
+    finally:
+        worker.stop()
+    assert answers == [answers[0]] * 5
+    assert calls == ["status", "round", "status again"]  # one call per key while unfinished
+    assert other != answers[0] and later == "answer 3"
+
+
+def test_a_waiter_that_goes_away_does_not_cancel_the_shared_call():
+    worker = DatabaseWorker()
+    reads = SharedReads(worker)
+    release = threading.Event()
+
+    async def scenario() -> str:
+        leaving = asyncio.ensure_future(reads.run("k", lambda: release.wait(10) and "done"))
+        staying = asyncio.ensure_future(reads.run("k", lambda: "never run"))
+        await asyncio.sleep(0.01)
+        leaving.cancel()
+        release.set()
+        return await staying
+
+    try:
+        assert asyncio.run(scenario()) == "done"
+    finally:
+        worker.stop()

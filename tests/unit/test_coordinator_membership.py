@@ -1,0 +1,240 @@
+"""Membership that cannot be stalled or flooded, on the service with a fake clock and over HTTP in
+process (coordinator/service.py, "Standing" and "Joining"): probation, who a round waits for, K
+missed rounds, per-address and per-run join rate limits with Retry-After, and the join proof of
+work; the node's client honours Retry-After and solves the proof."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from coordinator import errors
+from coordinator.join_guard import salt_of
+from node.round.coordinator_client import CoordinatorClient
+from protocol.http import HeartbeatRequest, JoinRequest, peer_id_from_public_key, sign_request
+from protocol.join_pow import JOIN_POW_PERIOD_S, meets, solve
+from protocol.signing import PeerKey
+from tests.fixtures.coordinator import ADMIN_HEADERS, ADMIN_TOKEN, run_config
+from tests.unit.test_coordinator_votes import Coordinator
+
+pytestmark = pytest.mark.timeout(30)
+
+TIMEOUT_S = 30.0  # the rounds' fixed timeout (tests.fixtures.coordinator.run_config)
+
+
+@pytest.fixture
+def coordinator(tmp_path, fake_clock):
+    c = Coordinator(tmp_path, fake_clock)
+    yield c
+    c.storage.close()
+
+
+def standing(c: Coordinator, run_id: str) -> dict[str, tuple[str, bool]]:
+    return {p.peer_id: (p.standing, p.waited_for) for p in c.status(run_id).peers}
+
+
+def heartbeat(c: Coordinator, run_id: str, peer_id: str, round_index: int) -> None:
+    c.service.heartbeat(run_id, peer_id, HeartbeatRequest(round=round_index, state="training"))
+
+
+def test_a_key_that_only_heartbeats_never_holds_a_round(coordinator, fake_clock):
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 2, "membership.heartbeat_timeout_s": 300.0})
+    a, b = c.join(run_id, 2)
+    c.submit(run_id, 0, a, b)
+    (idler,) = c.join(run_id, source="10.0.0.66")
+    for r in range(1, 5):
+        heartbeat(c, run_id, idler, r)
+        assert c.status(run_id).current_round.num_expected == 2
+        fake_clock.advance(1.0)
+        c.submit(run_id, r, a, b)
+        view = c.round(run_id, r)
+        assert view.state == "closed" and view.closed_at == fake_clock() < view.deadline, "closed early"
+    peers = {p.peer_id: p for p in c.status(run_id).peers}
+    assert (peers[idler].standing, peers[idler].waited_for, peers[idler].status) == ("probation", False, "live")
+    assert "no packet in a manifest yet" in peers[idler].standing_reason
+    assert (peers[a].standing, peers[a].waited_for, peers[a].last_contributed_round) == ("contributor", True, 4)
+    assert "straggler" not in peers[idler].flags
+
+
+def test_round_zero_waits_for_every_live_member_then_only_contributors(coordinator, fake_clock):
+    """The decision for a fresh run: nobody has contributed yet, so round 0 waits for every live
+    member (it is not closed on its first packet); from round 1 only contributors are waited for."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3, "membership.heartbeat_timeout_s": 300.0})
+    a, b, silent = c.join(run_id, 3)
+    assert standing(c, run_id)[silent] == ("probation", True)
+    c.submit(run_id, 0, a, b)
+    assert c.round(run_id, 0).state == "open" and c.status(run_id).current_round.num_expected == 3
+    fake_clock.advance(TIMEOUT_S)
+    assert [e.peer_id for e in c.round(run_id, 0).manifest] == sorted([a, b])
+    assert {p.peer_id: p.flags for p in c.status(run_id).peers}[silent] == ["straggler"]
+    assert standing(c, run_id) == {a: ("contributor", True), b: ("contributor", True), silent: ("probation", False)}
+    c.submit(run_id, 1, a, b)
+    assert c.round(run_id, 1).state == "closed"
+
+
+def test_a_probationer_whose_packet_makes_a_manifest_is_waited_for(coordinator):
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 2, "membership.heartbeat_timeout_s": 300.0})
+    a, b = c.join(run_id, 2)
+    c.submit(run_id, 0, a, b)
+    (newcomer,) = c.join(run_id)
+    c.submit(run_id, 1, newcomer)  # before the contributors: its packet makes round 1
+    c.submit(run_id, 1, a, b)
+    assert newcomer in {e.peer_id for e in c.round(run_id, 1).manifest}
+    assert standing(c, run_id)[newcomer] == ("contributor", True)
+    c.submit(run_id, 2, a, b)
+    assert c.round(run_id, 2).state == "open", "round 2 waits for the new contributor"
+    c.submit(run_id, 2, newcomer)
+    assert c.round(run_id, 2).state == "closed"
+
+
+def test_a_contributor_missing_k_rounds_in_a_row_is_no_longer_waited_for(coordinator, fake_clock):
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3, "membership.max_missed_rounds": 2,
+                             "membership.heartbeat_timeout_s": 300.0})
+    a, b, stalled = c.join(run_id, 3)
+    c.submit(run_id, 0, a, b, stalled)
+    for r in (1, 2):  # it is still waited for: each round runs to its deadline
+        heartbeat(c, run_id, stalled, r)
+        c.submit(run_id, r, a, b)
+        assert c.round(run_id, r).state == "open"
+        fake_clock.advance(TIMEOUT_S)
+        assert c.round(run_id, r).state == "closed"
+    peer = next(p for p in c.status(run_id).peers if p.peer_id == stalled)
+    assert (peer.standing, peer.waited_for, peer.status) == ("not_waited", False, "live")
+    assert "no packet in the last 2 rounds" in peer.standing_reason and "round 0" in peer.standing_reason
+    c.submit(run_id, 3, a, b)
+    assert c.round(run_id, 3).state == "closed", "closed early without it"
+    c.submit(run_id, 4, stalled, a, b)  # its next packet in a manifest makes it a contributor again
+    assert standing(c, run_id)[stalled] == ("contributor", True)
+
+
+def test_joins_of_new_keys_are_rate_limited_per_address_and_per_run(coordinator, fake_clock):
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 1, "membership.join_burst_per_address": 3,
+                             "membership.join_rate_per_address_per_min": 6.0, "membership.join_burst": 5,
+                             "membership.join_rate_per_min": 60.0})
+    first = c.join(run_id, 3, source="10.0.0.1")
+    with pytest.raises(errors.RateLimited, match="address 10.0.0.1") as refused:
+        c.join(run_id, source="10.0.0.1")
+    assert refused.value.status == 429 and refused.value.retry_after_s == 10  # 6 a minute: one per 10 s
+    c.rejoin(run_id, first[0], source="10.0.0.1")  # a member rejoins freely
+    c.join(run_id, 2, source="10.0.0.2")
+    with pytest.raises(errors.RateLimited, match="the run") as refused:
+        c.join(run_id, source="10.0.0.3")
+    assert refused.value.retry_after_s == 1
+    fake_clock.advance(1.0)
+    c.join(run_id, source="10.0.0.3")
+    fake_clock.advance(9.0)
+    c.join(run_id, source="10.0.0.1")
+    assert len(c.status(run_id).peers) == 7
+
+
+def test_a_proof_of_work_join(coordinator, fake_clock):
+    c = coordinator
+    bits = 8
+    run_id = c.create_run(**{"membership.min_peers": 1, "membership.join_pow_bits": bits})
+    key = PeerKey.generate()
+    peer_id = peer_id_from_public_key(key.public_bytes)
+    with pytest.raises(errors.JoinProofRequired):
+        c.service.join(run_id, peer_id, JoinRequest(public_key=key.public_hex))
+    challenge = c.service.join_challenge(run_id)
+    assert challenge.bits == bits and len(challenge.salt) == 32 and challenge.expires_at > fake_clock()
+    nonce = solve(run_id, key.public_hex, challenge.salt, bits)
+    wrong = next(n for n in range(10_000) if not meets(run_id, key.public_hex, challenge.salt, n, bits))
+    with pytest.raises(errors.BadJoinProof):
+        c.service.join(run_id, peer_id, _join_request(key, challenge.salt, wrong))
+    other = PeerKey.generate()  # a proof is bound to its key
+    with pytest.raises(errors.BadJoinProof):
+        c.service.join(run_id, peer_id_from_public_key(other.public_bytes),
+                       _join_request(other, challenge.salt, nonce))
+    fake_clock.advance(JOIN_POW_PERIOD_S)  # still good in the next period
+    joined = c.service.join(run_id, peer_id, _join_request(key, challenge.salt, nonce))
+    assert joined.peer_id == peer_id
+    assert c.service.join(run_id, peer_id, JoinRequest(public_key=key.public_hex)).peer_id == peer_id, (
+        "a member rejoins without a proof")
+    fake_clock.advance(JOIN_POW_PERIOD_S)  # two periods on: expired
+    with pytest.raises(errors.JoinProofRequired, match="expired"):
+        c.service.join(run_id, peer_id_from_public_key(other.public_bytes),
+                       _join_request(other, challenge.salt, solve(run_id, other.public_hex, challenge.salt, bits)))
+    stored = c.storage.get_run(run_id).join_secret
+    assert c.service.join_challenge(run_id).salt == salt_of(stored, run_id, int(fake_clock() // JOIN_POW_PERIOD_S))
+    open_run = c.create_run(**{"membership.min_peers": 1})
+    assert (c.service.join_challenge(open_run).bits, c.service.join_challenge(open_run).salt) == (0, "")
+
+
+def _join_request(key: PeerKey, salt: str, nonce: int) -> JoinRequest:
+    return JoinRequest(public_key=key.public_hex, pow_salt=salt, pow_nonce=nonce)
+
+
+# -- over HTTP, in process, with the node's client -------------------------------------------------
+
+
+def in_app(tmp_path, scenario):
+    """Run `scenario(transport)` against the coordinator app on an ASGI transport (real clock)."""
+    from coordinator.app import create_app
+    from coordinator.storage import open_storage
+
+    async def main():
+        storage = open_storage(f"sqlite:///{tmp_path / 'coordinator.db'}")
+        app = create_app(storage, ADMIN_TOKEN, tick_s=None)
+        try:
+            async with app.router.lifespan_context(app):
+                await scenario(httpx.ASGITransport(app=app))
+        finally:
+            storage.close()
+
+    asyncio.run(main())
+
+
+async def _create(transport, overrides: dict) -> str:
+    async with httpx.AsyncClient(transport=transport, base_url="http://c.test") as admin:
+        response = await admin.post("/v1/runs", json=run_config(overrides), headers=ADMIN_HEADERS)
+        assert response.status_code == 200, response.text
+        return response.json()["run_id"]
+
+
+async def _raw_join(transport, run_id: str, key: PeerKey) -> httpx.Response:
+    path = f"/v1/runs/{run_id}/join"
+    body = json.dumps({"public_key": key.public_hex}).encode()
+    headers = sign_request(key, "POST", path, body) | {"content-type": "application/json"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://c.test") as http:
+        return await http.post(path, content=body, headers=headers)
+
+
+def test_a_rate_limited_join_is_a_429_with_retry_after_that_the_client_waits_out(tmp_path):
+    async def scenario(transport):
+        run_id = await _create(transport, {"membership.min_peers": 1, "membership.join_burst_per_address": 1,
+                                           "membership.join_rate_per_address_per_min": 60.0})
+        assert (await _raw_join(transport, run_id, PeerKey.generate())).status_code == 200
+        refused = await _raw_join(transport, run_id, PeerKey.generate())
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"] == "rate_limited"
+        client = CoordinatorClient("http://c.test", PeerKey.generate(), transport=transport, retry_for_s=10.0)
+        started = time.monotonic()
+        joined = await client.join(run_id, join_token=None, device="cpu", multiaddrs=[])
+        assert joined.run_id == run_id and time.monotonic() - started >= 0.5  # it waited for its token
+        await client.close()
+
+    in_app(tmp_path, scenario)
+
+
+def test_the_client_solves_the_proof_of_work_before_joining(tmp_path):
+    async def scenario(transport):
+        run_id = await _create(transport, {"membership.min_peers": 1, "membership.join_pow_bits": 12})
+        refused = await _raw_join(transport, run_id, PeerKey.generate())
+        assert refused.status_code == 403 and refused.json()["error"] == "join_proof_required"
+        key = PeerKey.generate()
+        client = CoordinatorClient("http://c.test", key, transport=transport, retry_for_s=10.0)
+        joined = await client.join(run_id, join_token=None, device="cpu", multiaddrs=[])
+        assert joined.peer_id == peer_id_from_public_key(key.public_bytes)
+        assert (await client.join(run_id, join_token=None, device="cpu", multiaddrs=[])).peer_id == joined.peer_id
+        await client.close()
+
+    in_app(tmp_path, scenario)

@@ -1,0 +1,238 @@
+"""Agreed digests on the service, with a fake clock (coordinator/service.py, "Agreed digests"): only
+the contributors of a round vote on its digest, one immutable report each per manifest version; a
+lone vote is provisional; an agreed digest is never rewritten (only an amendment starts a new vote);
+what trusts a digest (the join's parameter source, flags) trusts the agreed one."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import errors
+from coordinator.service import CoordinatorService, tally
+from coordinator.storage import open_storage
+from protocol.http import AppliedRequest, JoinRequest, MissingRequest, SubmitRequest, peer_id_from_public_key
+from protocol.run_config import RunConfig
+from protocol.signing import PeerKey
+from tests.fixtures.coordinator import packet_digest, run_config
+
+pytestmark = pytest.mark.timeout(30)
+
+HONEST, FAKE, OTHER = "11" * 32, "ee" * 32, "22" * 32
+
+
+class Coordinator:
+    """The service on a SQLite file in tmp_path (or the database at `url`); peers are keys joined
+    through it."""
+
+    def __init__(self, tmp_path, clock, url: str | None = None):
+        self.storage = open_storage(url or f"sqlite:///{tmp_path / 'coordinator.db'}")
+        self.service = CoordinatorService(self.storage, clock=clock)
+        self.clock = clock
+        self.keys: dict[str, PeerKey] = {}
+
+    def create_run(self, **overrides) -> str:
+        return self.service.create_run(RunConfig.model_validate(run_config(overrides)))
+
+    def join(self, run_id: str, count: int = 1, source: str = "10.0.0.1") -> list[str]:
+        peer_ids = []
+        for _ in range(count):
+            key = PeerKey.generate()
+            peer_id = peer_id_from_public_key(key.public_bytes)
+            self.service.join(run_id, peer_id, JoinRequest(public_key=key.public_hex), source=source)
+            self.keys[peer_id] = key
+            peer_ids.append(peer_id)
+        return peer_ids
+
+    def rejoin(self, run_id: str, peer_id: str, source: str = "10.0.0.1"):
+        return self.service.join(run_id, peer_id, JoinRequest(public_key=self.keys[peer_id].public_hex), source=source)
+
+    def submit(self, run_id: str, round_index: int, *peer_ids: str) -> None:
+        for peer_id in peer_ids:
+            self.service.submit(run_id, round_index, peer_id, SubmitRequest(
+                packet_digest=packet_digest(peer_id, round_index), packet_size_bytes=1000, train_loss=3.0))
+
+    def applied(self, run_id: str, round_index: int, peer_id: str, digest: str, version: int = 1):
+        return self.service.applied(run_id, round_index, peer_id,
+                                    AppliedRequest(params_digest=digest, manifest_version=version))
+
+    def round(self, run_id: str, round_index: int):
+        self.service.advance(run_id)  # as the routes do before a read
+        return self.service.views.round_view(run_id, round_index)
+
+    def status(self, run_id: str):
+        self.service.advance(run_id)
+        return self.service.views.status(run_id, now=self.clock())
+
+    def flags(self, run_id: str) -> dict[str, list[str]]:
+        return {p.peer_id: p.flags for p in self.status(run_id).peers}
+
+
+@pytest.fixture
+def coordinator(tmp_path, fake_clock):
+    c = Coordinator(tmp_path, fake_clock)
+    yield c
+    c.storage.close()
+
+
+def test_strangers_reports_never_vote_and_contributors_agree(coordinator):
+    """Four keys that never trained join and report a made-up digest first: they set nothing, the
+    two contributors' digest is agreed, the strangers are the ones flagged."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 2})
+    a, b = c.join(run_id, 2)
+    c.submit(run_id, 0, a, b)
+    strangers = c.join(run_id, 4, source="10.0.0.9")
+    for stranger in strangers:
+        answer = c.applied(run_id, 0, stranger, FAKE)
+        assert (answer.vote, answer.num_votes, answer.majority_digest, answer.agreed_digest) == (False, 0, None, None)
+    assert c.round(run_id, 0).majority_digest is None
+    assert c.service.views.join_response(c.service.views.require_run(run_id), a).params.digest is None
+
+    first = c.applied(run_id, 0, a, HONEST)
+    assert (first.vote, first.num_votes, first.majority_digest, first.agreed_digest, first.provisional) == (
+        True, 1, HONEST, None, True), "a lone vote is provisional"
+    assert c.status(run_id).history[0].agreed_digest is None
+    second = c.applied(run_id, 0, b, HONEST)
+    assert (second.agreed_digest, second.provisional, second.num_votes, second.num_reports) == (HONEST, False, 2, 6)
+
+    view = c.round(run_id, 0)
+    assert (view.agreed_digest, view.majority_digest, view.provisional, view.num_votes) == (HONEST, HONEST, False, 2)
+    summary = c.status(run_id).history[0]
+    assert (summary.agreed_digest, summary.num_votes, summary.num_applied) == (HONEST, 2, 6)
+    flags = c.flags(run_id)
+    assert flags[a] == flags[b] == []
+    assert all(flags[s] == ["params_mismatch"] for s in strangers)
+    params = c.service.join(run_id, *_newcomer()).params
+    assert (params.round, params.digest) == (1, HONEST)
+    assert sorted(h.peer_id for h in params.holders) == sorted([a, b])
+
+
+def test_a_report_is_immutable(coordinator):
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 2})
+    a, b = c.join(run_id, 2)
+    c.submit(run_id, 0, a, b)
+    first = c.applied(run_id, 0, a, HONEST)
+    assert c.applied(run_id, 0, a, HONEST) == first, "the same report again is answered as the first"
+    with pytest.raises(errors.ConflictingReport, match="cannot be changed"):
+        c.applied(run_id, 0, a, OTHER)
+    assert [(r.peer_id, r.params_digest) for r in c.storage.list_applied(run_id, 0)] == [(a, HONEST)]
+    assert c.round(run_id, 0).num_votes == 1
+
+
+def test_the_majority_of_contributors_wins_over_a_first_bogus_vote(coordinator):
+    """A contributor that reports a bogus digest first only leads provisionally; the digest more
+    than half of the contributors report is agreed."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3})
+    liar, a, b = c.join(run_id, 3)
+    c.submit(run_id, 0, liar, a, b)
+    assert c.applied(run_id, 0, liar, FAKE).majority_digest == FAKE
+    tie = c.applied(run_id, 0, a, HONEST)
+    assert (tie.majority_digest, tie.agreed_digest, tie.agrees) == (FAKE, None, False), "a tie keeps the lead"
+    last = c.applied(run_id, 0, b, HONEST)
+    assert (last.majority_digest, last.agreed_digest, last.agrees) == (HONEST, HONEST, True)
+    assert c.flags(run_id)[liar] == ["params_mismatch"]
+
+
+def test_an_agreed_digest_is_never_rewritten(coordinator):
+    """Two of four contributors agree; once the next round closed it is agreed on their two votes,
+    and the two later, different votes change neither the agreed digest nor the majority."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 4})
+    peers = c.join(run_id, 4)
+    c.submit(run_id, 0, *peers)
+    for peer in peers[:2]:
+        assert c.applied(run_id, 0, peer, HONEST).agreed_digest is None, "2 of 4 contributors: not yet"
+    c.submit(run_id, 1, *peers)  # round 1 closes: round 0 is settled
+    assert c.round(run_id, 0).agreed_digest == HONEST
+    for peer in peers[2:]:
+        late = c.applied(run_id, 0, peer, OTHER)
+        assert (late.agreed_digest, late.majority_digest, late.vote) == (HONEST, HONEST, True)
+    view = c.round(run_id, 0)
+    assert (view.agreed_digest, view.majority_digest, view.num_votes) == (HONEST, HONEST, 4)
+    assert {p: f for p, f in c.flags(run_id).items() if f} == {p: ["params_mismatch"] for p in peers[2:]}
+
+
+def test_a_round_with_one_contributor_is_agreed_when_the_next_closes(coordinator):
+    """The decision for a solo peer: its lone vote is provisional until the next round closes, then
+    agreed, so it goes on and a newcomer catches up from it one round later."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 1})
+    (solo,) = c.join(run_id)
+    c.submit(run_id, 0, solo)
+    assert c.applied(run_id, 0, solo, HONEST).provisional is True
+    assert c.service.join(run_id, *_newcomer()).params.digest is None
+    c.submit(run_id, 1, solo)  # the newcomer is on probation: round 1 closes on the solo packet
+    assert c.round(run_id, 1).state == "closed"
+    view = c.round(run_id, 0)
+    assert (view.agreed_digest, view.provisional) == (HONEST, False)
+    params = c.service.join(run_id, *_newcomer()).params
+    assert (params.round, params.digest, [h.peer_id for h in params.holders]) == (1, HONEST, [solo])
+    # Reported after its round settled, a lone vote is agreed at once.
+    assert c.applied(run_id, 1, solo, OTHER).agreed_digest is None  # round 2 still open
+    c.submit(run_id, 2, solo)
+    assert c.round(run_id, 1).agreed_digest == OTHER
+
+
+def test_a_tie_stays_provisional_when_settled(coordinator):
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 2})
+    a, b = c.join(run_id, 2)
+    c.submit(run_id, 0, a, b)
+    c.applied(run_id, 0, a, HONEST)
+    c.applied(run_id, 0, b, OTHER)
+    c.submit(run_id, 1, a, b)
+    view = c.round(run_id, 0)
+    assert (view.majority_digest, view.agreed_digest, view.provisional, view.num_votes) == (HONEST, None, True, 2)
+    assert c.flags(run_id) == {a: [], b: []}, "no agreed digest: nobody is flagged"
+
+
+def test_vote_after_rounds_needs_earlier_contributions(coordinator):
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 2, "membership.vote_after_rounds": 1})
+    a, b = c.join(run_id, 2)
+    c.submit(run_id, 0, a, b)
+    assert c.applied(run_id, 0, a, HONEST).vote is False, "no earlier round in a manifest yet"
+    c.submit(run_id, 1, a, b)
+    assert c.applied(run_id, 1, a, HONEST).vote is True
+    assert c.applied(run_id, 1, b, HONEST).agreed_digest == HONEST
+    assert c.round(run_id, 0).num_votes == 0
+
+
+def test_an_amendment_starts_a_new_vote_among_the_remaining_contributors(coordinator):
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 4, "membership.heartbeat_timeout_s": 300.0})
+    a, b, d, w = c.join(run_id, 4)
+    c.submit(run_id, 0, a, b, d, w)
+    for peer in (a, b, d):
+        c.applied(run_id, 0, peer, HONEST)
+    assert c.round(run_id, 0).agreed_digest == HONEST
+    for peer in (a, b, d):
+        c.service.report_missing(run_id, 0, peer, MissingRequest(peer_ids=[w]))
+    view = c.round(run_id, 0)
+    assert (view.manifest_version, view.agreed_digest, view.majority_digest, view.num_votes) == (2, None, None, 0)
+    assert c.applied(run_id, 0, w, OTHER, version=2).vote is False, "its packet is not in version 2"
+    assert c.applied(run_id, 0, a, OTHER, version=2).agreed_digest is None
+    assert c.applied(run_id, 0, b, OTHER, version=2).agreed_digest == OTHER, "2 of the 3 contributors left"
+    versions = {(r.peer_id, r.manifest_version): r.params_digest for r in c.storage.list_applied(run_id, 0)}
+    assert versions[(a, 1)] == HONEST and versions[(a, 2)] == OTHER, "the version-1 report is kept as it was"
+
+
+@pytest.mark.parametrize(("votes", "contributors", "settled", "expected"), [
+    (["x"], 1, False, ("x", None)),
+    (["x"], 1, True, ("x", "x")),
+    (["x", "x"], 3, False, ("x", "x")),
+    (["x", "x"], 4, False, ("x", None)),
+    (["x", "x"], 4, True, ("x", "x")),
+    (["x", "y"], 2, True, ("x", None)),
+    (["y", "x", "x"], 5, True, ("x", "x")),
+    (["x", "y", "z"], 3, True, ("x", None)),
+])
+def test_tally(votes, contributors, settled, expected):
+    assert tally(votes, contributors, settled, None) == expected
+
+
+def _newcomer() -> tuple[str, JoinRequest]:
+    key = PeerKey.generate()
+    return peer_id_from_public_key(key.public_bytes), JoinRequest(public_key=key.public_hex)
