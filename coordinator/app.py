@@ -5,7 +5,9 @@ them: the body-limit middleware, the error handlers below and the routers of `co
 Service calls are synchronous and run one at a time on one database thread
 (`coordinator.db_worker`), never on the event loop: every state change is a short transaction, and
 serialising them makes the round rules race-free without locks, while the loop stays free to parse
-requests and answer /healthz however busy the database is. Only long-polls wait, and they wait on a
+requests and answer /healthz however busy the database is. The heavy reads (status, round views,
+metrics) run on a second thread over a read-only replica connection (`routes.ReadSide`), closed
+with the app's lifespan. Only long-polls wait, and they wait on a
 per-run `asyncio.Event` (`routes.RunEvents`) that the service fires after each commit that opens
 or closes a round or accepts a submission, never by polling the database. A background task has
 the database thread call `service.tick()` so that deadlines and heartbeat timeouts take effect
@@ -13,8 +15,8 @@ with nobody asking.
 
 Every refusal is ``{"error": code, "detail": text}`` with a 4xx status: typed service errors,
 validation errors (422, or 400 for malformed JSON), bodies over `max_body_bytes` (413, checked
-before any parsing), unknown routes and methods (405 with ``Allow``). Each is a `coordinator.errors` class, so its code
-is a `protocol.http.ErrorCode`. A failure of the database is the same body with 503
+before any parsing), unknown routes and methods (405 with ``Allow``). Each is a
+`coordinator.errors` class, so its code is a `protocol.http.ErrorCode`. A failure of the database is the same body with 503
 ``storage_unavailable`` and ``Retry-After``, answered by the same handler as the refusals: the
 handler for unhandled errors (500) re-raises after answering, which makes the server close the
 connection, so no storage failure may reach it.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import re
@@ -46,7 +49,7 @@ from coordinator import errors
 from coordinator.auth import Authenticator
 from coordinator.body_limit import BodyLimitMiddleware, max_json_bytes
 from coordinator.db_worker import DatabaseWorker, SharedReads
-from coordinator.routes import RunEvents, ops_router, peers_router, rounds_router, runs_router
+from coordinator.routes import ReadSide, RunEvents, ops_router, peers_router, rounds_router, runs_router
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
 
@@ -176,6 +179,19 @@ def _body_limits(app: FastAPI, paths: _Paths, max_body_bytes: int, auth: Authent
     return limit_for
 
 
+def tune_gc_for_serving() -> None:
+    """Garbage collection for a long-running coordinator process (not for a test process that
+    builds many apps): what is alive after start-up (the app, its models, its libraries) is
+    frozen out of collection, and young collections wait for more allocations. A status of
+    hundreds of peers lives for tens of milliseconds; with the interpreter's defaults its objects
+    get promoted while alive, and every few seconds a full collection stops every thread for
+    100 ms or more (bench_load, 500 peers: 8-9 full collections in 30 s, the heartbeats' p99).
+    With these, one."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 def create_app(
     storage: Storage,
     admin_token: str,
@@ -184,12 +200,16 @@ def create_app(
     max_body_bytes: int = 64 * 1024,
     rate_per_s: float = 20.0,
     rate_burst: float = 60.0,
+    tune_gc: bool = False,
 ) -> FastAPI:
     """The coordinator app. `tick_s=None` runs no background task (rules then apply when a
-    request touches a run), which keeps some unit tests fully deterministic."""
+    request touches a run), which keeps some unit tests fully deterministic. `tune_gc`: the
+    process serves only this app (`coordinator serve`): see `tune_gc_for_serving`, applied once
+    the app has started."""
     events = RunEvents()
     worker = DatabaseWorker()
     reads = SharedReads(worker)
+    read = ReadSide(storage)
     # The service commits on the database thread; `notify` hands the wake-up to the event loop.
     service = CoordinatorService(storage, clock=clock, on_change=events.notify)
     auth = Authenticator(service, admin_token, rate_per_s=rate_per_s, burst=rate_burst)
@@ -200,6 +220,8 @@ def create_app(
         events.bind(asyncio.get_running_loop())
         await worker.run(service.resume)
         ticker = asyncio.create_task(_tick_forever(worker, service, tick_s)) if tick_s else None
+        if tune_gc:
+            tune_gc_for_serving()
         try:
             yield
         finally:
@@ -208,6 +230,7 @@ def create_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await ticker
             worker.stop()
+            read.close()
 
     app = FastAPI(
         title="locoswarm coordinator",
@@ -219,6 +242,7 @@ def create_app(
     app.state.events = events
     app.state.worker = worker
     app.state.reads = reads
+    app.state.read = read
     app.openapi = lambda: _openapi_with_error_bodies(app)  # type: ignore[method-assign]
     app.state.paths = _Paths(app)
     app.add_middleware(
@@ -227,10 +251,10 @@ def create_app(
     )
     _install_error_handlers(app)
 
-    app.include_router(ops_router(storage, service, worker, response_counts))
-    app.include_router(runs_router(service, auth, worker, reads))
+    app.include_router(ops_router(storage, service, worker, read, response_counts))
+    app.include_router(runs_router(service, auth, worker, reads, read))
     app.include_router(peers_router(service, auth, worker))
-    app.include_router(rounds_router(service, auth, events, worker, reads))
+    app.include_router(rounds_router(service, auth, events, worker, reads, read))
     return app
 
 

@@ -6,7 +6,8 @@ closing rounds at their deadlines would only spin through empty rounds and, with
 finish a run nobody trained. Instead:
 
 - **Paused.** With no live peer the run is paused (``paused_since``): the open round keeps no
-  deadline and nothing closes.
+  deadline and nothing closes. The last closed round's votes are final from then on (nobody is left
+  to cast another), so its digest is agreed as when the next round closes.
 - **Waiting for state.** A returning peer says at join which round start it holds and its digest
   (its newest checkpoint; `protocol.http.JoinRequest.state_round`). The run needs the agreed
   start of its open round r: the majority digest of round r - 1, or the seeded initialisation
@@ -52,7 +53,7 @@ def agreed_start(storage: Storage, run_id: str, round_index: int) -> str | None:
     if round_index == 0:
         return None
     previous = storage.get_round(run_id, round_index - 1)
-    return previous.majority_digest if previous is not None else None
+    return previous.agreed_digest if previous is not None else None
 
 
 def holds(storage: Storage, run_id: str, peer: PeerRow) -> bool:
@@ -63,13 +64,18 @@ def holds(storage: Storage, run_id: str, peer: PeerRow) -> bool:
 
 
 def hold(storage: Storage, run: RunRow, config: RunConfig, now: float,
-         round_timeout_s: Callable[[int], float]) -> bool:
+         round_timeout_s: Callable[[int], float], settle: Callable[[int], None]) -> bool:
     """Pause, keep waiting, resume or rewind a running run (see the module docstring); True while
-    it stays paused. `round_timeout_s(r)` is the deadline policy's timeout for round r."""
+    it stays paused. `round_timeout_s(r)` is the deadline policy's timeout for round r;
+    `settle(r)` counts closed round r's votes as final (the service's vote count)."""
     live = [p for p in storage.list_peers(run.run_id) if p.status == "live"]
     if run.paused_since is None:
         if live:
             return False
+        if run.current_round > 0:
+            # Nobody is left to vote on the last closed round: its votes are all in, as when the next
+            # round closes. So a lone contributor's digest is agreed and its checkpoint can restart the run.
+            settle(run.current_round - 1)
         storage.update_run(run.run_id, paused_since=now, state_wait_since=None)
         log.warning("run %s paused at round %d: no live peer (it waits for its state to come back)",
                     run.run_id, run.current_round)

@@ -4,7 +4,10 @@ Routes are thin: authenticate, call `CoordinatorService` for a change or its `Vi
 return a `protocol.http` model. Everything that touches the database (the signature check reads
 the peer's key and records its nonce) runs on the database thread (`coordinator.db_worker`), one
 hop per request, and the answer is serialised there too (`_json`): the event loop only reads
-bodies, parks long-polls and writes bytes. Each factory is handed what its routes use:
+bodies, parks long-polls and writes bytes. The heavy reads - a run's status, a round's view with
+its manifest, the metrics - run on a second thread with a read-only connection of their own
+(`ReadSide`), after the rules were applied on the first, so that a heartbeat never waits behind
+a status of hundreds of peers. Each factory is handed what its routes use:
 
 - `ops_router`: ``/healthz`` (the process answers), ``/readyz`` (its database reads and writes),
   ``/metrics`` and the status page ``/`` (public).
@@ -37,12 +40,13 @@ from coordinator.auth import Authenticator
 from coordinator.db_worker import DatabaseWorker, SharedReads
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
-from coordinator.views import HISTORY_LIMIT
+from coordinator.views import HISTORY_LIMIT, Views
 from protocol.fields import ResponseModel
 from protocol.http import API_PREFIX, MAX_LONG_POLL_S, AppliedRequest, AppliedResponse, ErrorBody, Health, HeartbeatRequest, HeartbeatResponse, JoinChallenge, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, RoundView, RunCreated, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse
 from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
+
 
 def _decimal_digits(value: object) -> object:
     """Integers in a path or query are written in digits: "2.0", "+2" or " 2" are not one."""
@@ -63,6 +67,33 @@ class Ready(ResponseModel):
     """`/readyz`'s answer when the database took a read and a write (else 503 ErrorBody)."""
 
     status: Literal["ready"]
+
+
+class ReadSide:
+    """Where the heavy reads run: a read-only replica of `primary` (`Storage.replica`) with its own
+    `Views`, on a database thread of its own whose identical reads share one call (`reads`). The
+    replica opens on first use, on that thread, and `close` (the app's lifespan) closes both."""
+
+    def __init__(self, primary: Storage):
+        self.primary = primary
+        self.reads = SharedReads(DatabaseWorker("coordinator-read"))
+        self._views: Views | None = None
+
+    @property
+    def views(self) -> Views:
+        if self._views is None:
+            self._views = Views(self.primary.replica())
+        return self._views
+
+    @property
+    def storage(self) -> Storage:
+        return self.views.storage
+
+    def close(self) -> None:
+        self.reads.worker.stop()
+        if self._views is not None:
+            self._views.storage.close()
+            self._views = None
 
 
 class RunEvents:
@@ -111,7 +142,9 @@ class RunEvents:
             event.set()
 
 
-def _json_number(text: str) -> int | float:
+def json_number(text: str) -> int | float:
+    """A JSON number with a fraction part or exponent (`json.loads`' parse_float): an int when it
+    is whole, as JSON Schema counts it."""
     value = float(text)
     return int(value) if value.is_integer() else value
 
@@ -119,7 +152,7 @@ def _json_number(text: str) -> int | float:
 class _JsonNumbersRequest(Request):
     async def json(self) -> object:
         if not hasattr(self, "_json"):
-            self._json = json.loads(await self.body(), parse_float=_json_number)
+            self._json = json.loads(await self.body(), parse_float=json_number)
         return self._json
 
 
@@ -137,13 +170,17 @@ class JsonSchemaRoute(APIRoute):
         return with_json_numbers
 
 
-def _json(model: BaseModel | str) -> Response:
+def _json(model: BaseModel | bytes) -> Response:
     """A response model as JSON, serialised on the database thread where the model was built (or
-    the JSON a shared read made there). FastAPI would otherwise dump, re-validate and re-encode it
-    on the event loop: for the status of a run with hundreds of peers, tens of milliseconds with
-    every other request waiting."""
-    content = model if isinstance(model, str) else model.model_dump_json()
+    the bytes a shared read made there once for all its requests). FastAPI would otherwise dump,
+    re-validate and re-encode it on the event loop: for the status of a run with hundreds of
+    peers, tens of milliseconds with every other request waiting."""
+    content = model if isinstance(model, bytes) else _encoded(model)
     return Response(content, media_type="application/json")
+
+
+def _encoded(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()
 
 
 async def _signer(auth: Authenticator, request: Request, public_key: bytes | None = None) -> Callable[[], str]:
@@ -155,7 +192,8 @@ async def _signer(auth: Authenticator, request: Request, public_key: bytes | Non
 
 
 def ops_router(
-    storage: Storage, service: CoordinatorService, worker: DatabaseWorker, response_counts: Counter[int]
+    storage: Storage, service: CoordinatorService, worker: DatabaseWorker, read: ReadSide,
+    response_counts: Counter[int],
 ) -> APIRouter:
     router = APIRouter(tags=["ops"], route_class=JsonSchemaRoute)
 
@@ -182,18 +220,19 @@ def ops_router(
     @router.get("/metrics", response_class=PlainTextResponse)
     async def get_metrics() -> PlainTextResponse:
         counts = Counter(response_counts)  # a copy: the loop goes on counting meanwhile
-        text = await worker.run(metrics.render, storage, service.views, service.clock(), counts)
+        now = service.clock()
+        text = await read.reads.worker.run(lambda: metrics.render(read.storage, read.views, now, counts))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @router.get("/", response_class=HTMLResponse)
     async def status_page(run: Annotated[str | None, Query(max_length=64)] = None) -> HTMLResponse:
-        return HTMLResponse(page.render_page(run or await worker.run(service.views.latest_run_id)))
+        return HTMLResponse(page.render_page(run or await read.reads.worker.run(lambda: read.views.latest_run_id())))
 
     return router
 
 
 def runs_router(service: CoordinatorService, auth: Authenticator, worker: DatabaseWorker,
-                reads: SharedReads) -> APIRouter:
+                reads: SharedReads, read: ReadSide) -> APIRouter:
     router = APIRouter(prefix=API_PREFIX, tags=["runs"], route_class=JsonSchemaRoute)
     views = service.views
 
@@ -206,13 +245,13 @@ def runs_router(service: CoordinatorService, auth: Authenticator, worker: Databa
 
     @router.get("/runs", response_model=RunList)
     async def list_runs() -> Response:
-        return _json(await reads.run("runs", lambda: views.list_runs().model_dump_json()))
+        return _json(await reads.run("runs", lambda: _encoded(views.list_runs())))
 
     @router.get("/runs/{run_id}", response_model=RunInfo, responses=ERROR_RESPONSES)
     async def get_run(run_id: RunIdPath) -> Response:
-        def answer() -> str:
+        def answer() -> bytes:
             service.advance(run_id)
-            return views.run_info(run_id).model_dump_json()
+            return _encoded(views.run_info(run_id))
 
         return _json(await reads.run(("run", run_id), answer))
 
@@ -234,11 +273,10 @@ def runs_router(service: CoordinatorService, auth: Authenticator, worker: Databa
     ) -> Response:
         """`history`: how many of the latest closed rounds to summarize (0: none, for a peer that
         needs only the members)."""
-        def answer() -> str:
-            service.advance(run_id)
-            return views.status(run_id, now=service.clock(), history_limit=history).model_dump_json()
-
-        return _json(await reads.run(("status", run_id, history), answer))
+        await reads.run(("advance", run_id), lambda: service.advance(run_id))
+        status = await read.reads.run(("status", run_id, history), lambda: _encoded(read.views.status(
+            run_id, now=service.clock(), history_limit=history)))
+        return _json(status)
 
     return router
 
@@ -273,7 +311,7 @@ def peers_router(service: CoordinatorService, auth: Authenticator, worker: Datab
 
 def rounds_router(
     service: CoordinatorService, auth: Authenticator, events: RunEvents, worker: DatabaseWorker,
-    reads: SharedReads,
+    reads: SharedReads, read: ReadSide,
 ) -> APIRouter:
     router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}/rounds", tags=["rounds"], route_class=JsonSchemaRoute)
     views = service.views
@@ -317,8 +355,8 @@ def rounds_router(
             if remaining_s <= 0:
                 break
             await events.wait(event, remaining_s)
-        view = await reads.run(("round", run_id, round_index),
-                               lambda: views.round_view(run_id, round_index).model_dump_json())
+        view = await read.reads.run(("round", run_id, round_index),
+                                    lambda: _encoded(read.views.round_view(run_id, round_index)))
         return _json(view)
 
     @router.post("/{round_index}/applied", response_model=AppliedResponse, responses=ERROR_RESPONSES)

@@ -15,12 +15,22 @@ Rules (the contract is written out in `protocol.http`):
   packet in the manifest of one of the ``membership.max_missed_rounds`` (K) rounds before r. A
   contributor that misses K rounds in a row is no longer waited for (it stays a member; its next
   packet in a manifest makes it a contributor again). So a key that joins and only heartbeats, or
-  stalls after contributing, costs no round its deadline. Decision for a fresh run: while no live
-  member is a contributor (round 0, a run whose contributors all left, or after K empty rounds)
-  the round waits for every live member that was one when it opened, so round 0 is not closed on
-  its first packet; a silent member can thus hold round 0 (only) until its deadline. A peer that
-  misses the deadline is cut off as before; one slower than the contributors every round stays
-  on probation (nobody waits for it), the price of not letting strangers set the pace.
+  stalls after contributing, costs no round its deadline. Decision for a forming swarm: while
+  fewer live members are contributors than ``membership.min_peers`` (round 0, where there are
+  none, so it is not closed on its first packet; a swarm whose contributors left; peers dropped as
+  silent at start and back since) the round waits for every live member that was one when it
+  opened, as it did before standing existed: the operator said the run needs that many peers, so
+  the swarm is still forming. A silent member can thus hold rounds until their deadlines only
+  while the live contributors are fewer than ``min_peers``. A peer that misses the deadline is cut
+  off as before; one slower than the contributors every round stays on probation (nobody waits
+  for it), the price of not letting strangers set the pace.
+- Newcomers in step. Nobody waits for a peer on probation, but a round whose waited-for peers
+  have all submitted stays open a little longer for one that is training it right now (its
+  heartbeat says so for this round) in its first ``max_missed_rounds`` rounds as a member: until
+  the last waited-for submission plus a quarter of the time the round took to get there (at
+  least 1 s), at most until the deadline. Without it a newcomer, which starts each round a replay
+  behind, loses every race by a fraction of a second and never contributes. A key that claims to
+  train and never submits costs each round at most that quarter, for its first K rounds only.
 - Agreed digests (DESIGN.md, "Agreed state"). After applying round r every peer reports its
   parameter digest for the manifest version it applied; one report per peer, round and version,
   immutable (the same again is answered as the first time, another digest is refused
@@ -118,6 +128,11 @@ log = logging.getLogger("locoswarm.coordinator")
 Clock = Callable[[], float]
 ACTIVE_STATES = ("waiting", "running")
 NONCE_PRUNE_INTERVAL_S = 30.0
+# Newcomers in step: how long a round whose waited-for peers all submitted stays open for a peer
+# on probation that trains it (see the module docstring).
+NEWCOMER_GRACE_FRACTION = 0.25
+NEWCOMER_GRACE_MIN_S = 1.0
+NEWCOMER_STEP_STATES = frozenset({"training", "encoding", "submitting"})
 
 
 def hash_join_token(token: str) -> str:
@@ -276,7 +291,8 @@ class CoordinatorService:
         # answered by one count here, since every request of every peer comes through this line.
         paused_or_empty = run.paused_since is not None or not self.storage.count_live_peers(run.run_id)
         if paused_or_empty and recovery.hold(
-                self.storage, run, config, now, lambda r: self._round_timeout_s(run.run_id, r, config)):
+                self.storage, run, config, now, lambda r: self._round_timeout_s(run.run_id, r, config),
+                lambda r: self._count_votes(run.run_id, r, settled=True)):
             return  # paused: every peer stopped (coordinator/recovery.py)
         run = self.views.require_run(run.run_id)  # a resume or rewind reopened a round
         open_round = self.storage.get_round(run.run_id, run.current_round)
@@ -286,13 +302,36 @@ class CoordinatorService:
         if open_round.opened_at < self.resumed_at and open_round.deadline < grace_deadline:
             self.storage.update_round(run.run_id, open_round.round, deadline=grace_deadline)
             open_round = dataclasses.replace(open_round, deadline=grace_deadline)
-        if now >= open_round.deadline or self._all_waited_submitted(run.run_id, open_round.round, config):
+        if now >= open_round.deadline or (self._all_waited_submitted(run.run_id, open_round.round, config)
+                                          and not self._newcomers_in_step(run.run_id, open_round, config, now)):
             self._close_round(run, open_round, now, config)
 
     def _all_waited_submitted(self, run_id: str, round_index: int, config: RunConfig) -> bool:
         """Whether every peer the round waits for submitted (see "Standing" above)."""
-        waited = self.storage.waited_for(run_id, round_index, config.membership.max_missed_rounds)
+        if not self.storage.count_submissions(run_id, round_index):
+            # Most of a round, while its peers train: with nothing submitted nobody waited for has,
+            # and every heartbeat asks, so the question needs no pass over the run's peers.
+            return False
+        membership = config.membership
+        waited = self.storage.waited_for(run_id, round_index, membership.max_missed_rounds, membership.min_peers)
         return bool(waited) and all(waited.values())
+
+    def _newcomers_in_step(self, run_id: str, open_round: RoundRow, config: RunConfig, now: float) -> bool:
+        """Whether the round, its waited-for peers all in, still gives a newcomer in step a moment
+        (see "Newcomers in step" above)."""
+        r, window = open_round.round, config.membership.max_missed_rounds
+        submissions = self.storage.list_submissions(run_id, r)
+        submitted = {s.peer_id for s in submissions}
+        in_step = [p for p in self.storage.list_peers(run_id)
+                   if p.status == "live" and p.peer_id not in submitted and p.withheld_round is None
+                   and p.member_since_round <= r < p.member_since_round + window
+                   and p.progress_round == r and p.activity in NEWCOMER_STEP_STATES
+                   and (p.last_contributed_round is None or p.last_contributed_round < r - window)]
+        if not in_step:
+            return False
+        last_s = max(s.submitted_at for s in submissions)
+        grace_s = max(NEWCOMER_GRACE_MIN_S, NEWCOMER_GRACE_FRACTION * (last_s - open_round.opened_at))
+        return now < last_s + grace_s
 
     def _open_round(self, run_id: str, round_index: int, now: float, config: RunConfig) -> None:
         deadline = now + self._round_timeout_s(run_id, round_index, config)

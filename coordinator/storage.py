@@ -7,8 +7,9 @@ connection differ. `open_storage(url)` picks the backend.
 
 Every state change the coordinator makes goes through here inside `transaction()`, so killing the
 process at any instant leaves the database at a transaction boundary and a restart resumes from
-it. The service calls storage from one thread (the event loop); the lock only guards tests and
-tools that share a `Storage` between threads.
+it. The app calls storage from one thread, its database thread (`coordinator.db_worker`), one
+call at a time, on one connection; the lock only guards tests and tools that share a `Storage`
+between threads.
 
 When the database itself fails (disk full, read-only, locked past the busy timeout, I/O error,
 connection lost), the statement raises `StorageUnavailable` (HTTP 503 with ``Retry-After``) and its
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -174,6 +176,7 @@ class RoundStats:
     packet_bytes: int = 0  # the submitted packets' sizes, summed
 
 
+@functools.cache  # row types are fixed classes; every statement asks
 def _columns(row_type: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(row_type))
 
@@ -183,19 +186,29 @@ class Storage:
 
     placeholder = "?"
 
-    def __init__(self) -> None:
+    def __init__(self, read_only: bool = False) -> None:
         self._lock = threading.RLock()
         self._depth = 0
         self._closed = False
+        self.read_only = read_only  # a `replica`: its connection refuses writes, and it migrates nothing
         # How many operations the database has failed so far; the service reads it to notice that
         # the database came back after an outage (see CoordinatorService's restart grace).
         self.num_failures = 0
         self._conn: Any = self._connect()
+        if read_only:
+            return
         try:
             self._migrate()
         except StorageUnavailable as e:
             self._conn.close()
             raise StorageError(f"cannot prepare the database: {e.detail}") from e
+
+    def replica(self) -> "Storage":
+        """A second, read-only connection to the same database, for a thread of its own: the app
+        reads its heavy views (a run's status, a round's manifest) there, beside the writes. It sees
+        every transaction committed before each of its reads begins (SQLite WAL, PostgreSQL read
+        committed), and is closed by whoever opened it."""
+        raise NotImplementedError
 
     # -- backend hooks ------------------------------------------------------------------------
 
@@ -433,11 +446,12 @@ class Storage:
     def update_round(self, run_id: str, round_index: int, **fields: Any) -> None:
         self._update("rounds", RoundRow, {"run_id": run_id, "round": round_index}, fields)
 
-    def waited_for(self, run_id: str, round_index: int, window_rounds: int) -> dict[str, bool]:
+    def waited_for(self, run_id: str, round_index: int, window_rounds: int,
+                   min_contributors: int = 1) -> dict[str, bool]:
         """The live peers round r waits for, each with whether it submitted to r. Of the live members
         since r opened that are not flagged for a withheld packet: those with a packet in the
-        manifest of one of the `window_rounds` rounds before r (contributors); when there is none,
-        all of them (round 0, a run starting afresh)."""
+        manifest of one of the `window_rounds` rounds before r (contributors); when there are fewer
+        than `min_contributors` of them, all of them (round 0, a swarm still forming)."""
         rows = self._rows(
             "SELECT p.peer_id, s.peer_id AS submitted, EXISTS (SELECT 1 FROM submissions c"
             " WHERE c.run_id = p.run_id AND c.peer_id = p.peer_id AND c.round >= ? AND c.round < ?"
@@ -449,11 +463,13 @@ class Storage:
             (round_index - window_rounds, round_index, round_index, run_id, round_index),
         )
         contributors = [row for row in rows if row["contributor"]]
-        return {row["peer_id"]: row["submitted"] is not None for row in contributors or rows}
+        waited = contributors if contributors and len(contributors) >= min_contributors else rows
+        return {row["peer_id"]: row["submitted"] is not None for row in waited}
 
-    def expected_and_missing(self, run_id: str, round_index: int, window_rounds: int = 1) -> tuple[int, int]:
+    def expected_and_missing(self, run_id: str, round_index: int, window_rounds: int = 1,
+                             min_contributors: int = 1) -> tuple[int, int]:
         """How many live peers round r waits for (`waited_for`), and how many of them have not submitted."""
-        waited = self.waited_for(run_id, round_index, window_rounds)
+        waited = self.waited_for(run_id, round_index, window_rounds, min_contributors)
         return len(waited), sum(not submitted for submitted in waited.values())
 
     def mark_contributors(self, run_id: str, round_index: int) -> None:
@@ -691,9 +707,12 @@ class SqliteStorage(Storage):
 
     _begin_sql = "BEGIN IMMEDIATE"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, read_only: bool = False):
         self.path = Path(path)
-        super().__init__()
+        super().__init__(read_only)
+
+    def replica(self) -> "SqliteStorage":
+        return SqliteStorage(self.path, read_only=True)
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -707,6 +726,8 @@ class SqliteStorage(Storage):
             # survives a killed process; only a power cut could lose the last commits.
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
+            if self.read_only:
+                conn.execute("PRAGMA query_only=1")
         except sqlite3.Error as e:
             raise StorageError(f"cannot open SQLite database {self.path}: {e}") from e
         return conn
@@ -751,9 +772,12 @@ class SqliteStorage(Storage):
 class PostgresStorage(Storage):
     """PostgreSQL through psycopg 3; the same SQL with %s placeholders."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, read_only: bool = False):
         self.url = url
-        super().__init__()
+        super().__init__(read_only)
+
+    def replica(self) -> "PostgresStorage":
+        return PostgresStorage(self.url, read_only=True)
 
     def _connect(self) -> Any:
         try:
@@ -762,9 +786,12 @@ class PostgresStorage(Storage):
         except ImportError as e:
             raise StorageError("PostgreSQL needs psycopg: pip install 'psycopg[binary]'") from e
         try:
-            return psycopg.connect(
+            conn = psycopg.connect(
                 self.url, autocommit=True, row_factory=dict_row, connect_timeout=10
             )
+            if self.read_only:
+                conn.execute("SET default_transaction_read_only = on")
+            return conn
         except psycopg.Error as e:
             raise StorageError(f"cannot connect to PostgreSQL: {str(e).strip()}") from e
 

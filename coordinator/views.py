@@ -205,8 +205,9 @@ class Views:
             return None
         round_row = self.storage.get_round(run.run_id, run.current_round)
         assert round_row is not None  # a running run always has its open round
+        membership = self.config_of(run).membership
         num_expected, _ = self.storage.expected_and_missing(
-            run.run_id, run.current_round, self.config_of(run).membership.max_missed_rounds)
+            run.run_id, run.current_round, membership.max_missed_rounds, membership.min_peers)
         return CurrentRound(
             round=round_row.round,
             state="open",
@@ -223,11 +224,12 @@ class Views:
             if report.round not in agreed:
                 round_row = self.storage.get_round(run.run_id, report.round)
                 agreed[report.round] = (round_row.agreed_digest, round_row.manifest_version) if round_row else (None, 0)
-        window = self.config_of(run).membership.max_missed_rounds
-        waited = (self.storage.waited_for(run.run_id, run.current_round, window) if run.state == "running" else {})
+        window, forming = self.config_of(run).membership.max_missed_rounds, self.config_of(run).membership.min_peers
+        waited = (self.storage.waited_for(run.run_id, run.current_round, window, forming)
+                  if run.state == "running" else {})
         # Stragglers: live peers the last closed round waited for, that it closed without.
         last_closed = run.current_round - 1
-        waited_last = self.storage.waited_for(run.run_id, last_closed, window) if last_closed >= 0 else {}
+        waited_last = self.storage.waited_for(run.run_id, last_closed, window, forming) if last_closed >= 0 else {}
         views = []
         for peer in peers:
             report = latest_applied.get(peer.peer_id)
@@ -312,7 +314,8 @@ def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tupl
     waits for it."""
     last = peer.last_contributed_round
     if last is None:
-        return "probation", ("no packet in a manifest yet; waited for while no live peer is a contributor"
+        return "probation", ("no packet in a manifest yet; waited for while the swarm forms (fewer live"
+                             " contributors than membership.min_peers)"
                              if waited else "no packet in a manifest yet: no round waits for it")
     if peer.withheld_round is not None:
         return "not_waited", (f"its packet of round {peer.withheld_round} was dropped as unfetchable: not waited"

@@ -50,8 +50,9 @@ as every peer it waits for has submitted; closing fixes the manifest (exactly th
 submissions, sorted by peer id) and opens r+1 at once. A round waits for the live contributors:
 peers with a packet in one of the last ``membership.max_missed_rounds`` manifests (a new peer is on
 probation, waited for by nobody, until a packet of its is in a manifest; a peer flagged
-``withheld_packet`` is not waited for), and for no peer that joined while it was open. While no
-live peer is a contributor (round 0, a run that starts afresh) it waits for every live member.
+``withheld_packet`` is not waited for), and for no peer that joined while it was open. While fewer
+live members are contributors than ``membership.min_peers`` (round 0; a swarm still forming) it
+waits for every live member.
 Anyone may submit to the open round before its deadline. ``PeerView.standing`` says where each peer
 stands, with the reason. ``JoinResponse.params.round`` is the round whose start the listed
 parameters are: after applying round r's manifest a peer holds the parameters that start round
@@ -235,7 +236,7 @@ class JoinChallenge(ResponseModel):
 
     run_id: str
     bits: int = Field(description="Leading zero bits the proof needs (membership.join_pow_bits); 0: no proof needed.")
-    salt: str = Field(description="The current period's salt, 32 hex characters.")
+    salt: str = Field(description="The current period's salt, 32 hex characters; empty when no proof is needed.")
     expires_at: float = Field(description="Unix time after which a proof with this salt is refused.")
 
 

@@ -228,10 +228,11 @@ def test_votes_and_standing_on_both_backends(storage_url, tmp_path, fake_clock):
 
     c = Coordinator(tmp_path, fake_clock, url=storage_url)
     try:
-        run_id = c.create_run(**{"membership.min_peers": 3, "membership.heartbeat_timeout_s": 600.0,
+        run_id = c.create_run(**{"membership.min_peers": 2, "membership.heartbeat_timeout_s": 600.0,
                                  "membership.max_missed_rounds": 1, "membership.vote_after_rounds": 1})
-        a, b, w = c.join(run_id, 3)
-        c.submit(run_id, 0, a, b, w)
+        a, b = c.join(run_id, 2)
+        (w,) = c.join(run_id)
+        c.submit(run_id, 0, w, a, b)
         (idler,) = c.join(run_id, source="10.0.0.7")
         c.submit(run_id, 1, a, b, w)  # the idler is on probation: round 1 closes without it
         assert c.round(run_id, 1).state == "closed"

@@ -149,7 +149,7 @@ def test_misspelt_keys_get_the_closest_known_one(tmp_path, capsys):
         ("[deadline]\nkind = \"adaptive\"\nquantil = 0.5\n", "deadline.quantil: unknown key (did you mean "
                                                              "deadline.quantile?)"),
         ("[outer]\nspeed = 1\n", "outer.speed: unknown key (known keys: strategy, lr, momentum, nesterov, top_k, "
-                                 "chunk_size, error_decay, clip_to_median_norm, overlap)"),
+                                 "chunk_size, error_decay, aggregation, max_abs_value, overlap)"),
     ]:
         head, _, section = text.partition("[")
         run_toml.write_text(f'name = "a"\n{head}[model]\npreset = "tiny"\n' + (f"[{section}" if section else ""))

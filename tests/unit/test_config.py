@@ -120,6 +120,9 @@ def test_from_stored_nests_a_flat_config():
     assert (config.membership.min_peers, config.membership.join_policy) == (2, "token")
     assert isinstance(config.deadline, AdaptiveDeadline) and config.max_rounds is None
     for old, new in FLAT_KEYS.items():  # every value landed where FLAT_KEYS says
+        if old == "clip_to_median_norm":  # the old flag is read as the aggregation it meant
+            assert config.outer.aggregation == ("median_clip" if flat[old] else "mean")
+            continue
         value = config
         for part in new.split("."):
             value = getattr(value, part)
@@ -196,7 +199,7 @@ def test_builder_maps_every_section_field():
         "inner": {"lr": 5e-4, "betas": [0.8, 0.9], "weight_decay": 0.01, "grad_clip": 0.5, "warmup_steps": 3,
                   "total_steps": 30, "min_lr_ratio": 0.2, "batch_size": 2, "seq_len": 16},
         "outer": {"strategy": "diloco", "lr": 0.7, "momentum": 0.9, "nesterov": True, "top_k": 8, "chunk_size": 16,
-                  "error_decay": 0.5, "clip_to_median_norm": True, "overlap": True},
+                  "error_decay": 0.5, "aggregation": "mean", "max_abs_value": 5.0, "overlap": True},
         "exchange": {"max_packet_bytes": 4096},
     })
     inner, outer = inner_config(run), outer_config(run)
@@ -204,8 +207,8 @@ def test_builder_maps_every_section_field():
     assert (inner.warmup_steps, inner.total_steps, inner.min_lr_ratio, inner.batch_size, inner.seq_len) == (
         3, 30, 0.2, 2, 16)
     assert (outer.strategy, outer.outer_lr, outer.outer_momentum, outer.nesterov) == ("diloco", 0.7, 0.9, True)
-    assert (outer.top_k, outer.chunk_size, outer.error_decay, outer.clip_to_median_norm, outer.overlap) == (
-        8, 16, 0.5, True, True)
+    assert (outer.top_k, outer.chunk_size, outer.error_decay, outer.aggregation, outer.max_abs_value,
+            outer.overlap) == (8, 16, 0.5, "mean", 5.0, True)
     assert outer.max_packet_bytes == 4096
     with pytest.raises(ValueError, match="ddp"):
         outer_config(run.model_copy(update={"outer": run.outer.model_copy(update={"strategy": "ddp"})}))

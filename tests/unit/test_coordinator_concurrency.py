@@ -1,10 +1,11 @@
-"""The coordinator's database work runs on its own thread, never on the event loop.
+"""The coordinator's database work runs on its own threads, never on the event loop.
 
 A real uvicorn server on 127.0.0.1 (port 0, in a thread of this process) with a real SQLite file:
 while the database is held (the test takes the storage's lock, so the database thread waits on its
 next statement), /healthz still answers and a request that needs the database is parked, not
-lost; once released it completes. `SharedReads` is checked on a real `DatabaseWorker`: identical
-reads that arrive while one is unfinished share it, and a later read runs anew.
+lost; once released it completes. While the read side is held (its replica's lock), a status read
+waits and heartbeats do not. `SharedReads` is checked on a real `DatabaseWorker`: identical reads
+that arrive while one is unfinished share it, and a later read runs anew.
 """
 
 from __future__ import annotations
@@ -56,22 +57,23 @@ class ServerThread:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[ServerThread, Any]]:
+def served(tmp_path: Path) -> Iterator[tuple[ServerThread, Any, Any]]:
     from coordinator.app import create_app
     from coordinator.storage import open_storage
 
     storage = open_storage(f"sqlite:///{tmp_path / 'coordinator.db'}")
-    server = ServerThread(create_app(storage, ADMIN_TOKEN))
+    app = create_app(storage, ADMIN_TOKEN)
+    server = ServerThread(app)
     try:
         server.wait_ready()
-        yield server, storage
+        yield server, storage, app
     finally:
         server.stop()
         storage.close()
 
 
 def test_healthz_answers_while_the_database_is_busy(served):
-    server, storage = served
+    server, storage, _ = served
     with httpx.Client(base_url=server.url, timeout=30) as peer_client, \
             httpx.Client(base_url=server.url, timeout=10) as client, ThreadPoolExecutor(max_workers=2) as pool:
         run_id = create_run(client, {"membership.min_peers": 1})
@@ -86,6 +88,22 @@ def test_healthz_answers_while_the_database_is_busy(served):
         assert parked_status.result(timeout=30).status_code == 200
         assert parked_heartbeat.result(timeout=30).status_code == 200
         assert client.get("/readyz").json() == {"status": "ready"}
+
+
+def test_heartbeats_do_not_wait_behind_a_status_read(served):
+    server, _, app = served
+    with httpx.Client(base_url=server.url, timeout=30) as client, ThreadPoolExecutor(max_workers=1) as pool:
+        run_id = create_run(client, {"membership.min_peers": 1})
+        peer = SignedPeer(client)
+        assert peer.join(run_id).status_code == 200
+        status = f"{server.url}/v1/runs/{run_id}/status"
+        assert httpx.get(status).status_code == 200  # the read side's replica is open now
+        with app.state.read.storage._lock:  # the read thread now waits on its next statement
+            parked_status = pool.submit(httpx.get, status, timeout=30)
+            for round_index in range(5):
+                assert peer.heartbeat(run_id, round_index).status_code == 200
+            assert not parked_status.done()
+        assert parked_status.result(timeout=30).json()["peers"][0]["peer_id"] == peer.peer_id
 
 
 def test_identical_reads_share_one_unfinished_call_and_later_ones_run_anew():

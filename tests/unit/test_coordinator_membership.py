@@ -47,23 +47,28 @@ def test_a_key_that_only_heartbeats_never_holds_a_round(coordinator, fake_clock)
     a, b = c.join(run_id, 2)
     c.submit(run_id, 0, a, b)
     (idler,) = c.join(run_id, source="10.0.0.66")
-    for r in range(1, 5):
+    for r in range(1, 7):
         heartbeat(c, run_id, idler, r)
         assert c.status(run_id).current_round.num_expected == 2
-        fake_clock.advance(1.0)
+        fake_clock.advance(2.0)
         c.submit(run_id, r, a, b)
+        if 2 <= r < 2 + 3:  # a member from round 2: for 3 (max_missed_rounds) rounds a newcomer in step gets a moment
+            assert c.round(run_id, r).state == "open"
+            fake_clock.advance(1.0)  # max(1 s, a quarter of the 2 s the round took)
+            c.status(run_id)
         view = c.round(run_id, r)
         assert view.state == "closed" and view.closed_at == fake_clock() < view.deadline, "closed early"
     peers = {p.peer_id: p for p in c.status(run_id).peers}
     assert (peers[idler].standing, peers[idler].waited_for, peers[idler].status) == ("probation", False, "live")
     assert "no packet in a manifest yet" in peers[idler].standing_reason
-    assert (peers[a].standing, peers[a].waited_for, peers[a].last_contributed_round) == ("contributor", True, 4)
+    assert (peers[a].standing, peers[a].waited_for, peers[a].last_contributed_round) == ("contributor", True, 6)
     assert "straggler" not in peers[idler].flags
 
 
-def test_round_zero_waits_for_every_live_member_then_only_contributors(coordinator, fake_clock):
-    """The decision for a fresh run: nobody has contributed yet, so round 0 waits for every live
-    member (it is not closed on its first packet); from round 1 only contributors are waited for."""
+def test_a_forming_swarm_waits_for_every_live_member(coordinator, fake_clock):
+    """The decision for a fresh run: while fewer live peers have contributed than min_peers (round 0
+    has none), a round waits for every live member, so round 0 is not closed on its first packet;
+    once min_peers contribute, only contributors are waited for."""
     c = coordinator
     run_id = c.create_run(**{"membership.min_peers": 3, "membership.heartbeat_timeout_s": 300.0})
     a, b, silent = c.join(run_id, 3)
@@ -73,9 +78,16 @@ def test_round_zero_waits_for_every_live_member_then_only_contributors(coordinat
     fake_clock.advance(TIMEOUT_S)
     assert [e.peer_id for e in c.round(run_id, 0).manifest] == sorted([a, b])
     assert {p.peer_id: p.flags for p in c.status(run_id).peers}[silent] == ["straggler"]
-    assert standing(c, run_id) == {a: ("contributor", True), b: ("contributor", True), silent: ("probation", False)}
-    c.submit(run_id, 1, a, b)
-    assert c.round(run_id, 1).state == "closed"
+    # Two contributors, fewer than min_peers 3: still forming, round 1 waits for the silent one too.
+    assert standing(c, run_id) == {a: ("contributor", True), b: ("contributor", True), silent: ("probation", True)}
+    (third,) = c.join(run_id)
+    c.submit(run_id, 1, third, a, b)  # the newcomer's packet makes round 1: three contributors
+    assert c.round(run_id, 1).state == "open"
+    fake_clock.advance(TIMEOUT_S)
+    assert len(c.round(run_id, 1).manifest) == 3
+    assert standing(c, run_id)[silent] == ("probation", False)
+    c.submit(run_id, 2, a, b, third)
+    assert c.round(run_id, 2).state == "closed", "formed: closed early without the silent member"
 
 
 def test_a_probationer_whose_packet_makes_a_manifest_is_waited_for(coordinator):
@@ -96,10 +108,12 @@ def test_a_probationer_whose_packet_makes_a_manifest_is_waited_for(coordinator):
 
 def test_a_contributor_missing_k_rounds_in_a_row_is_no_longer_waited_for(coordinator, fake_clock):
     c = coordinator
-    run_id = c.create_run(**{"membership.min_peers": 3, "membership.max_missed_rounds": 2,
+    run_id = c.create_run(**{"membership.min_peers": 2, "membership.max_missed_rounds": 2,
                              "membership.heartbeat_timeout_s": 300.0})
-    a, b, stalled = c.join(run_id, 3)
-    c.submit(run_id, 0, a, b, stalled)
+    a, b = c.join(run_id, 2)
+    (stalled,) = c.join(run_id)  # it joined while round 0 was open, and submits to it first
+    c.submit(run_id, 0, stalled, a, b)
+    assert len(c.round(run_id, 0).manifest) == 3
     for r in (1, 2):  # it is still waited for: each round runs to its deadline
         heartbeat(c, run_id, stalled, r)
         c.submit(run_id, r, a, b)
