@@ -119,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
     bound_port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{bound_port}"
-    app = create_app(storage, token)
+    app = create_app(storage, token, tune_gc=True)  # this process serves only the app
     _configure_logging(args.verbose)
     config = uvicorn.Config(
         app,

@@ -312,3 +312,21 @@ def test_page_plots_validation_loss_and_shows_compression(start_coordinator, tmp
     assert dom.count(">167x<") == 7
     assert count_near(rows, VAL_RGB) > 100, "the validation series is missing from the plot"
     assert count_near(rows, LOSS_RGB) > 200
+
+
+@needs_chromium
+def test_page_of_a_run_every_peer_left(start_coordinator, tmp_path: Path):
+    """Every peer went silent: the run is paused (coordinator/recovery.py) and the banner says since
+    when and what it waits for."""
+    coordinator = start_coordinator()
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, peers = start_run(client, 2, **{"membership.heartbeat_timeout_s": 1.0})
+        for peer in peers:
+            assert peer.submit(run_id, 0).status_code == 200
+        deadline = time.monotonic() + 20
+        while client.get(f"/v1/runs/{run_id}/status").json()["recovery"] is None:
+            assert time.monotonic() < deadline, "the run never paused"
+            time.sleep(0.3)
+    dom, _ = open_page(f"{coordinator.url}/?run={run_id}", tmp_path, "paused")
+    assert '<div id="banner" class="banner stalled">Paused since ' in dom
+    assert "every peer has stopped; the run is paused at round 1" in dom

@@ -5,7 +5,8 @@ while the database is held (the test takes the storage's lock, so the database t
 next statement), /healthz still answers and a request that needs the database is parked, not
 lost; once released it completes. While the read side is held (its replica's lock), a status read
 waits and heartbeats do not. `SharedReads` is checked on a real `DatabaseWorker`: identical reads
-that arrive while one is unfinished share it, and a later read runs anew.
+that arrive while one is unfinished share it, and a later read runs anew. `tune_gc` changes the
+garbage collector of the process that asks for it, and no other.
 """
 
 from __future__ import annotations
@@ -153,3 +154,39 @@ def test_a_waiter_that_goes_away_does_not_cancel_the_shared_call():
         assert asyncio.run(scenario()) == "done"
     finally:
         worker.stop()
+
+
+def test_tune_gc_applies_to_the_serving_process_only(tmp_path):
+    """`tune_gc=True` changes the garbage collector of the process it starts in: checked in a
+    process of its own, and a default app leaves this one's alone."""
+    import gc
+    import subprocess
+    import sys
+
+    from tests.fixtures.coordinator import REPO_ROOT
+
+    script = (
+        "import gc\n"
+        "from fastapi.testclient import TestClient\n"
+        "from coordinator.app import create_app\n"
+        "from coordinator.storage import open_storage\n"
+        f"storage = open_storage('sqlite:///{tmp_path / 'c.db'}')\n"
+        "with TestClient(create_app(storage, 'x' * 16, tick_s=None, tune_gc=True)) as client:\n"
+        "    assert client.get('/healthz').status_code == 200\n"
+        "print(gc.get_threshold()[0], gc.get_freeze_count() > 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["50000", "True"]
+    threshold = gc.get_threshold()
+    from coordinator.app import create_app
+    from coordinator.storage import open_storage
+    from fastapi.testclient import TestClient
+
+    storage = open_storage(f"sqlite:///{tmp_path / 'd.db'}")
+    try:
+        with TestClient(create_app(storage, ADMIN_TOKEN, tick_s=None)):
+            pass
+    finally:
+        storage.close()
+    assert gc.get_threshold() == threshold
