@@ -34,24 +34,18 @@ import argparse
 import asyncio
 import json
 import os
-import queue
-import re
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from coordinator.process import launch_coordinator
 from protocol.http import sign_request
 from protocol.signing import PeerKey
 
 ADMIN_TOKEN = "bench-load-admin-token-0123456789"
-LISTENING = re.compile(r"coordinator listening on (http://\S+)")
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CLOCK_TICKS_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 ENDPOINTS = ("heartbeat", "status_members", "status_full", "healthz", "readyz", "round_wake")
 
@@ -82,37 +76,11 @@ def quantile(values: list[float], q: float) -> float | None:
 
 
 class Server:
-    """`coordinator serve` in a subprocess; `url` once it printed its listening line."""
+    """`coordinator serve` in a subprocess (coordinator/process.py); `url` once it listens."""
 
     def __init__(self, db_path: Path, log_path: Path, timeout_s: float = 60.0):
-        env = {**os.environ, "LOCOSWARM_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "coordinator.cli", "coordinator", "serve", "--db", f"sqlite:///{db_path}",
-                 "--host", "127.0.0.1", "--port", "0"],
-                cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-            )
-        self.log_path = log_path
-        lines: queue.Queue[str | None] = queue.Queue()
-
-        def pump() -> None:  # reads for the process's whole life, so a full pipe never blocks it
-            assert self.process.stdout is not None
-            for line in self.process.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-        try:
-            while True:
-                line = lines.get(timeout=timeout_s)
-                if line is None:
-                    raise RuntimeError(f"the coordinator exited early:\n{log_path.read_text()[-3000:]}")
-                if match := LISTENING.search(line):
-                    self.url = match.group(1)
-                    return
-        except BaseException:
-            self.stop()
-            raise
+        self._coordinator = launch_coordinator(f"sqlite:///{db_path}", log_path, ADMIN_TOKEN, timeout_s)
+        self.process, self.url, self.log_path = self._coordinator.process, self._coordinator.url, log_path
 
     def cpu_s(self) -> float:
         """User + system CPU seconds the server process used so far (Linux /proc)."""
@@ -123,13 +91,7 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_S
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=15)
+        self._coordinator.stop(timeout_s=15)
 
 
 # -- a minimal HTTP/1.1 client -------------------------------------------------------------------

@@ -14,8 +14,6 @@ import logging
 import re
 import shlex
 import socket
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
@@ -26,7 +24,7 @@ from locoswarm.cli import main, parse_args
 from node.cli.join import Interrupts, format_bytes, summary_line
 from node.cli.logs import LIBRARY_LOGGERS, OWN_LOGGERS, configure_logging
 from node.round.reports import CatchUpReport, RoundReport
-from tests.fixtures.coordinator import ADMIN_TOKEN, REPO_ROOT
+from tests.fixtures.coordinator import ADMIN_TOKEN, REPO_ROOT, coordinator_in_thread
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,28 +47,8 @@ def restore_logging(monkeypatch):
 @pytest.fixture(scope="module")
 def coordinator_url(tmp_path_factory) -> Iterator[str]:
     """A real coordinator (app, storage, uvicorn) in a thread, on a free port of 127.0.0.1."""
-    import uvicorn
-
-    from coordinator.app import create_app
-    from coordinator.storage import open_storage
-
-    storage = open_storage(f"sqlite:///{tmp_path_factory.mktemp('coordinator') / 'c.db'}")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(storage, ADMIN_TOKEN), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the coordinator did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-        storage.close()
+    with coordinator_in_thread(tmp_path_factory.mktemp("coordinator") / "c.db") as url:
+        yield url
 
 
 def closed_port() -> int:

@@ -9,11 +9,8 @@ stdlib HTTP server.
 
 from __future__ import annotations
 
-import http.server
 import inspect
-import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +21,7 @@ from locoswarm.cli import parse_args
 from node.cli import doctor
 from node.cli.doctor import FAIL, OK, WARN, check_clock, clock_refusal, measure_clock_offset
 from node.cli.join import _join_checked
-from tests.fixtures.coordinator import ADMIN_TOKEN
+from tests.fixtures.coordinator import coordinator_in_thread, json_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,53 +32,15 @@ def skewed(offset_s: float):
 
 @pytest.fixture(scope="module")
 def coordinator_url(tmp_path_factory) -> Iterator[str]:
-    import uvicorn
-
-    from coordinator.app import create_app
-    from coordinator.storage import open_storage
-
-    storage = open_storage(f"sqlite:///{tmp_path_factory.mktemp('coordinator') / 'c.db'}")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(storage, ADMIN_TOKEN), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the coordinator did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-        storage.close()
+    with coordinator_in_thread(tmp_path_factory.mktemp("coordinator") / "c.db") as url:
+        yield url
 
 
 @pytest.fixture
 def older_coordinator_url() -> Iterator[str]:
     """A /healthz without `server_time`: the Date header (whole seconds) is all there is."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps({"status": "ok"}).encode()
-            self.send_response(200)  # adds the Date header
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with json_server(lambda path: (200, {"status": "ok"})) as url:
+        yield url
 
 
 def test_the_tolerance_is_hiveminds_and_its_ping_still_enforces_it():

@@ -10,13 +10,11 @@ libp2p check starts and stops a p2pd daemon on 127.0.0.1).
 from __future__ import annotations
 
 import configparser
-import http.server
 import json
 import re
 import shlex
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from locoswarm.cli import main, parse_args
 from node.config import NodeConfig, format_node_config, load_node_config
 from protocol.config_file import ConfigError
 from protocol.run_config import FixedDeadline, RunConfig, load_run_config
+from tests.fixtures.coordinator import json_server
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -316,31 +315,13 @@ def test_doctor_coordinator_check_reads_healthz_and_runs():
     from node.cli.doctor import OK, WARN, check_coordinator
 
     runs = {"runs": []}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps({"status": "ok"} if self.path == "/healthz" else runs).encode()
-            self.send_response(200 if self.path in ("/healthz", "/v1/runs") else 404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    answer = lambda path: (200, {"status": "ok"} if path == "/healthz" else runs) if path in (
+        "/healthz", "/v1/runs") else (404, {})
+    with json_server(answer) as url:
         assert check_coordinator(url).status == WARN  # healthy, but no open run
         runs["runs"] = [{"run_id": "r1", "name": "demo", "state": "running"}]
         checked = check_coordinator(url)
         assert checked.status == OK and "r1 (demo)" in checked.detail
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_doctor_reachability():
