@@ -78,6 +78,12 @@ class BadAdminToken(Forbidden):
     code = "bad_admin_token"
 
 
+class Excluded(Forbidden):
+    """A submission of a peer excluded by contribution scoring (protocol/scoring.py)."""
+
+    code = "excluded"
+
+
 class PeerMismatch(Forbidden):
     code = "peer_mismatch"
 

@@ -5,7 +5,7 @@ The page is static HTML plus a small script that fetches ``/v1/runs`` and
 state; choosing one loads ``/?run=ID``), a banner when the run waits for peers or its open round
 is stalled, the open round's bar (the live peers' inner steps, then the submissions, then the
 close), the peer table (state, activity with its inner step, last loss, bandwidth, lag, flags,
-why dropped, standing unless a contributor), two small SVG plots sharing an x axis of rounds (the peers' mean train loss with
+why dropped, standing unless a contributor, contribution score and exclusion), two small SVG plots sharing an x axis of rounds (the peers' mean train loss with
 the validation loss of the model after the round, joined across the rounds between evaluations;
 round time in seconds), and the latest rounds with their losses, tokens, packet bytes, how many
 times smaller the packets were than the updates sent dense, the agreed digest (or the provisional
@@ -80,7 +80,7 @@ th { color: #6b7280; font-weight: 600; }
 </section>
 <section class="wide"><h2>Peers</h2><table id="peers"><thead><tr>
 <th>peer</th><th>#</th><th>state</th><th>activity</th><th>device</th><th>last loss</th>
-<th>bandwidth</th><th>lag</th><th>flags / reason</th></tr></thead><tbody></tbody></table>
+<th>bandwidth</th><th>lag</th><th>score</th><th>flags / reason</th></tr></thead><tbody></tbody></table>
 </section>
 <section class="wide"><h2>Recent rounds</h2><table id="history"><thead><tr>
 <th>round</th><th>contributors</th><th>mean loss</th><th>val loss</th><th>round time</th><th>tokens</th>
@@ -369,11 +369,16 @@ function render(s) {
     cell(row, p.device); cell(row, text(p.last_loss, 4));
     cell(row, bandwidth(p.bandwidth_mbps, p.uplink_mbps));
     cell(row, text(p.lag_rounds));
+    // Contribution score (protocol/scoring.py): running median loss delta and cosine, hurting rounds.
+    const sc = p.score;
+    cell(row, sc ? "dloss " + text(sc.loss_delta, 3) + " cos " + text(sc.cosine, 2) +
+      (sc.num_hurt ? " (" + sc.num_hurt + "/" + sc.num_rounds + " hurt)" : "") : "-", sc && sc.num_hurt ? "flag" : "muted");
     const note = p.flags.map(f => f + (p.mismatch_round !== null ? " @" + p.mismatch_round : ""));
+    if (p.excluded) note.push("excluded: " + p.excluded_reason);
     if (p.reason) note.push(p.reason);
     // Standing (coordinator/service.py): shown unless it is a contributor the round waits for.
     if (p.standing && p.standing !== "contributor") note.push(p.standing + ": " + (p.standing_reason || ""));
-    cell(row, note.join("; "), p.flags.length ? "flag" : "muted");
+    cell(row, note.join("; "), p.flags.length || p.excluded ? "flag" : "muted");
     peers.appendChild(row);
   }
   drawPlots(s.history);

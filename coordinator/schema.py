@@ -200,6 +200,19 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         # rounds; NULL: not evaluated).
         ("ALTER TABLE applied ADD COLUMN val_loss DOUBLE PRECISION",),
     ),
+    (
+        10,
+        # Contribution scoring (protocol/scoring.py): the scores a peer reported with its applied
+        # report (JSON {peer id: [loss_delta, cosine]}; NULL: none); whether a round's verdicts were
+        # taken; a peer's standing (JSON of protocol.scoring.Standing; NULL: never judged) and, while
+        # an exclusion is in force, the round whose verdict excluded it (for the waited-for query).
+        (
+            "ALTER TABLE applied ADD COLUMN scores TEXT",
+            "ALTER TABLE rounds ADD COLUMN scored BIGINT NOT NULL DEFAULT 0",
+            "ALTER TABLE peers ADD COLUMN standing TEXT",
+            "ALTER TABLE peers ADD COLUMN excluded_round BIGINT",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -93,6 +93,12 @@ Rules (the contract is written out in `protocol.http`):
   it again). The grace is applied on reports, before reads (`advance`) and by the tick, also in
   finished runs (their last round's stragglers still apply it). Amendments never hold up opening
   or closing rounds.
+- Contribution scoring (coordinator/scoring.py, the rule in protocol/scoring.py). Applied reports
+  may carry the reporter's scores of the round's updates. Once a round's votes are in (every
+  contributor of its latest version voted, or the round settled) its contributors are judged from
+  the scores sent with those votes, once; a peer whose updates keep hurting is excluded: its
+  submissions are refused ``excluded`` (so its packets leave the manifests) and no round waits
+  for it, for ``scoring.exclusion_rounds`` rounds (0: the rest of the run).
 - Applied reports name the manifest version they applied; a version the round never had is
   refused. Reports of an older version are kept but do not vote. The answer
   carries the round's latest version, and the recent rounds that were amended, so that a node
@@ -115,7 +121,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from coordinator import errors, recovery
+from coordinator import errors, recovery, scoring
 from coordinator.join_guard import JoinGuard, check_proof, period_of, salt_of
 from coordinator.storage import AppliedRow, DroppedRow, MissingReportRow, PeerRow, RoundRow, RunRow, Storage, SubmissionRow
 from coordinator.views import Views
@@ -565,6 +571,7 @@ class CoordinatorService:
                 # A retried submission that already counts: answer as the first time.
                 return self._submit_response(run_id, round_index, peer_id)
             self._check_round_accepts(run, round_index, now)
+            scoring.check_submission(self.storage, peer, round_index)
             config = self.views.config_of(run)
             if request.packet_size_bytes > config.exchange.max_packet_bytes:
                 raise errors.PacketTooLarge(
@@ -664,7 +671,7 @@ class CoordinatorService:
             vote = self._is_vote(run_id, round_index, peer_id, request.manifest_version, self.views.config_of(run))
             refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
             report = AppliedRow(run_id, round_index, peer_id, request.params_digest, now, refused,
-                                request.manifest_version, vote=int(vote))
+                                request.manifest_version, vote=int(vote), scores=scoring.scores_json(request))
             self.storage.add_applied(report)
             if request.manifest_version == latest and vote:
                 round_row = self._count_votes(run_id, round_index)
@@ -734,7 +741,13 @@ class CoordinatorService:
                          round_index, agreed[:16], votes.count(agreed), len(votes), num_contributors,
                          " (settled)" if settled else "")
         self.storage.update_round(run_id, round_index, **fields)
-        return dataclasses.replace(round_row, **fields)
+        round_row = dataclasses.replace(round_row, **fields)
+        if not round_row.scored and scoring.due(self.storage, round_row, settled or self._settled(run_id, round_index)):
+            run = self.views.require_run(run_id)
+            if scoring.judge_round(self.storage, round_row, self.views.config_of(run)):
+                self._changed.add(run_id)
+            round_row = dataclasses.replace(round_row, scored=1)
+        return round_row
 
     def _settled(self, run_id: str, round_index: int) -> bool:
         """Round r is settled once round r+1 has closed: every honest contributor applied r before

@@ -103,6 +103,8 @@ class PeerRow:
     state_round: int | None = None  # the round start it said at its latest join that it holds
     state_digest: str | None = None  # and that state's parameter digest
     last_contributed_round: int | None = None  # latest round whose manifest holds its packet (None: probation)
+    standing: str | None = None  # JSON of protocol.scoring.Standing (None: never judged)
+    excluded_round: int | None = None  # while an exclusion is in force: the round whose verdict decided it
 
 
 @dataclass(slots=True)
@@ -116,6 +118,7 @@ class RoundRow:
     manifest_version: int = 1  # one more per amendment of the closed round's manifest
     agreed_digest: str | None = None  # fixed once set, until an amendment starts a new vote
     num_votes: int = 0  # votes on the latest manifest version
+    scored: int = 0  # 1: its contribution verdicts were taken (protocol/scoring.py)
 
 
 @dataclass(slots=True)
@@ -143,6 +146,7 @@ class AppliedRow:
     manifest_version: int = 1  # the version of the round's manifest it applied
     vote: int = 0  # 1: it counts towards the agreed digest (its peer has a packet in that version)
     val_loss: float | None = None  # the model's held-out loss after the round, when the peer evaluated it
+    scores: str | None = None  # JSON {peer id: [loss_delta, cosine]}: its contribution scores (None: none)
 
 
 @dataclass(slots=True)
@@ -449,7 +453,7 @@ class Storage:
     def waited_for(self, run_id: str, round_index: int, window_rounds: int,
                    min_contributors: int = 1) -> dict[str, bool]:
         """The live peers round r waits for, each with whether it submitted to r. Of the live members
-        since r opened that are not flagged for a withheld packet: those with a packet in the
+        since r opened that are neither flagged for a withheld packet nor excluded by scoring: those with a packet in the
         manifest of one of the `window_rounds` rounds before r (contributors); when there are fewer
         than `min_contributors` of them, all of them (round 0, a swarm still forming)."""
         rows = self._rows(
@@ -459,6 +463,7 @@ class Storage:
             " AND d.peer_id = c.peer_id)) AS contributor"
             " FROM peers p LEFT JOIN submissions s ON s.run_id = p.run_id AND s.round = ? AND s.peer_id = p.peer_id"
             " WHERE p.run_id = ? AND p.status = 'live' AND p.member_since_round <= ? AND p.withheld_round IS NULL"
+            " AND p.excluded_round IS NULL"
             " ORDER BY p.peer_index",
             (round_index - window_rounds, round_index, round_index, run_id, round_index),
         )
@@ -545,22 +550,23 @@ class Storage:
         manifest version: reports are immutable (the service compares the two)."""
         return self._exec(
             "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
-            " manifest_version, vote) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " manifest_version, vote, scores) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (run_id, round, peer_id, manifest_version) DO NOTHING",
             (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
-             row.manifest_version, row.vote),
+             row.manifest_version, row.vote, row.scores),
         ) == 1
 
     def upsert_applied(self, row: AppliedRow) -> None:
         """Record or replace a report (storage tests and tools; the service never replaces one)."""
         self._exec(
             "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
-            " manifest_version, vote) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+            " manifest_version, vote, scores) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (run_id, round, peer_id, manifest_version)"
             " DO UPDATE SET params_digest = excluded.params_digest,"
-            " reported_at = excluded.reported_at, refused = excluded.refused, vote = excluded.vote",
+            " reported_at = excluded.reported_at, refused = excluded.refused, vote = excluded.vote,"
+            " scores = excluded.scores",
             (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
-             row.manifest_version, row.vote),
+             row.manifest_version, row.vote, row.scores),
         )
 
     def get_applied(self, run_id: str, round_index: int, peer_id: str, manifest_version: int) -> AppliedRow | None:

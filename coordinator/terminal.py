@@ -26,6 +26,14 @@ def bandwidth(measured: float | None, uplink: float | None) -> str:
     return ", ".join(parts) or "-"
 
 
+def score_text(score: dict[str, Any] | None) -> str:
+    """A peer's running contribution score (PeerScoreView): median loss delta and cosine, hurting rounds."""
+    if not score:
+        return "-"
+    hurt = f" {score['num_hurt']}/{score['num_rounds']} hurt" if score["num_hurt"] else ""
+    return f"dloss {_fmt(score['loss_delta'], 3)} cos {_fmt(score['cosine'], 2)}{hurt}"
+
+
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """Left-aligned columns, each as wide as its widest cell."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
@@ -87,6 +95,8 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
     peer_rows = []
     for peer in status["peers"]:
         notes = list(peer["flags"])
+        if peer.get("excluded"):
+            notes.append(f"excluded: {peer['excluded_reason']}")
         if peer.get("reason"):
             notes.append(peer["reason"])
         peer_rows.append([
@@ -98,10 +108,11 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
             _fmt(peer["last_loss"], 4),
             bandwidth(peer["bandwidth_mbps"], peer.get("uplink_mbps")),
             _fmt(peer["lag_rounds"]),
+            score_text(peer.get("score")),
             "; ".join(notes),
         ])
     out.append(table(
-        ["peer", "#", "state", "activity", "last loss", "bandwidth", "lag", "flags / reason"],
+        ["peer", "#", "state", "activity", "last loss", "bandwidth", "lag", "score", "flags / reason"],
         peer_rows,
     ))
     history = status["history"][-RECENT_ROUNDS:]

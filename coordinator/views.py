@@ -12,8 +12,9 @@ import json
 
 from coordinator import errors, recovery
 from coordinator.storage import PeerRow, RoundRow, RoundStats, RunRow, Storage
-from protocol.http import CurrentRound, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus
+from protocol.http import CurrentRound, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerScoreView, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus
 from protocol.model_sizes import dense_bytes
+from protocol.scoring import Standing
 from protocol.run_config import RunConfig
 
 HISTORY_LIMIT = 1000
@@ -266,6 +267,7 @@ class Views:
                     standing_reason=standing_reason,
                     waited_for=peer.peer_id in waited,
                     last_contributed_round=peer.last_contributed_round,
+                    **_score_fields(peer, run.current_round),
                 )
             )
         return views
@@ -317,6 +319,8 @@ def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tupl
         return "probation", ("no packet in a manifest yet; waited for while the swarm forms (fewer live"
                              " contributors than membership.min_peers)"
                              if waited else "no packet in a manifest yet: no round waits for it")
+    if peer.excluded_round is not None:
+        return "not_waited", f"excluded by contribution scoring after round {peer.excluded_round} (excluded_reason)"
     if peer.withheld_round is not None:
         return "not_waited", (f"its packet of round {peer.withheld_round} was dropped as unfetchable: not waited"
                               " for until a later packet of its is applied")
@@ -325,6 +329,19 @@ def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tupl
         return "not_waited", (f"no packet in the last {missed} rounds (membership.max_missed_rounds {window});"
                               f" its last in round {last}")
     return "contributor", f"its packet is in round {last}'s manifest"
+
+
+def _score_fields(peer: PeerRow, open_round: int) -> dict:
+    """PeerView's contribution-scoring fields from the stored standing (protocol/scoring.py)."""
+    if peer.standing is None:
+        return {}
+    standing = Standing.from_json(peer.standing)
+    why = standing.exclusion(open_round) if peer.excluded_round is not None else None
+    score = PeerScoreView(num_rounds=standing.num_rounds, num_hurt=standing.num_hurt,
+                          recent_hurt=list(standing.recent_hurt), loss_delta=standing.loss_delta,
+                          cosine=standing.cosine)
+    return {"score": score, "excluded": why is not None, "excluded_reason": why,
+            "excluded_until_round": standing.excluded_until if why is not None else None}
 
 
 def _compression_ratio(model, stat: RoundStats | None) -> float | None:

@@ -22,7 +22,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
@@ -68,6 +68,10 @@ class NodeConfig(BaseModel):
     client_mode: bool = Field(False, description="Join the DHT without serving it (behind NAT).")
     use_auto_relay: bool = Field(False, description="Behind NAT: be reachable through a relay.")
     threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch's default.")
+    ranks: int = Field(
+        1, ge=1, le=64,
+        description="torch.distributed ranks this node runs as (FSDP2 inside, one GPU each, or gloo on the CPU): "
+        "one peer, one packet (node/training/distributed.py); under torchrun its WORLD_SIZE instead.")
     uplink_mbps: float | None = Field(
         None, gt=0.0, le=1e7,
         description="This link's upload rate, stated at join: faster uplinks forward more; unset: fast.")
@@ -85,6 +89,19 @@ class NodeConfig(BaseModel):
         5, ge=0, le=1_000_000,
         description="Evaluate the model after every this many applied rounds (rounds 0, N, 2N...) on a fixed "
         "held-out batch and report the validation loss to the coordinator; 0: never.")
+    outer_state_device: Literal["host", "device"] = Field(
+        "host", description="Where the round start, error buffer and aggregate live when training on CUDA: pinned "
+        "host memory (host; the GPU keeps what the inner steps need) or the GPU (device). Same memory on a CPU.")
+    micro_batch_size: int = Field(
+        0, ge=0, le=1_000_000, description="Sequences per forward/backward pass; their gradients accumulate into "
+        "the run's per-step batch (same maths, less activation memory); 0: the whole batch at once.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each transformer block in the backward pass instead of keeping its "
+        "activations (about a third more compute; a 1B model on a 24 GB GPU needs it).")
+    compile_model: bool = Field(False, description="torch.compile each transformer block (first step slower).")
+    loss_chunk_tokens: int = Field(
+        2048, ge=1, le=1 << 24, description="Tokens per piece of the cross-entropy: fp32 logits for at most this "
+        "many tokens exist at once.")
     inject: tuple[str, ...] = Field(
         (), strict=False,
         description="Faults to inject, for tests and demos (node/testing/faults.py): 'crash@round=3'.")

@@ -122,6 +122,12 @@ A node's loop, in JSON (digests shortened)::
       -> {"round": 8, "manifest_version": 2, "dropped": {"p7c..": "reported missing by .."},
           "pending": []}
 
+Contribution scores: an applied report may carry ``scores`` (peer id -> loss_delta, cosine; at
+most ``MAX_SCORES``) of the updates in the manifest it applied. Once a round's votes are in (every
+contributor reported, or the next round closed) the coordinator judges each contributor from its
+contributors' scores (protocol/scoring.py) and refuses the submissions of a peer whose updates
+kept hurting with ``excluded`` (403), shown in ``PeerView.excluded_reason`` and ``score``.
+
 Submit ``multiaddrs`` defaults to the join's ``listen_multiaddrs``. A peer marked gone (silent
 past ``heartbeat_timeout_s``) or that left gets ``peer_gone`` on every signed call and rejoins.
 
@@ -152,6 +158,8 @@ SIGNING_DOMAIN = b"locoswarm-request-v1\n"
 MAX_LONG_POLL_S = 60.0
 MISSING_REPORT_ROUNDS = 4  # missing packets are reported for rounds closed this many rounds back at most
 MAX_INNER_STEPS = 100_000  # a heartbeat's inner_step at most: H's own bound (run_config.InnerSection)
+MAX_SCORES = 64  # peers one applied report scores at most (run_config.ScoringSection.max_peers_per_round's bound)
+MAX_ABS_LOSS_DELTA = 1e6  # a reported score's loss delta at most, either sign (nodes clamp to it)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,6 +337,15 @@ class RoundView(ResponseModel):
     num_votes: int = Field(0, description="Votes cast on the latest manifest version.")
 
 
+class PeerScoreReport(RequestModel):
+    """One peer's update of the round, as the reporter scored it (node/training/scoring.py)."""
+
+    loss_delta: float = Field(
+        allow_inf_nan=False, ge=-MAX_ABS_LOSS_DELTA, le=MAX_ABS_LOSS_DELTA,
+        description="Held-out loss (the reporter's data) after the update alone minus before; < 0 helps.")
+    cosine: float = Field(allow_inf_nan=False, ge=-1.0, le=1.0, description="Cosine with the round's aggregate.")
+
+
 class AppliedRequest(RequestModel):
     params_digest: ParamsDigest
     refused: dict[PeerId, ShortText] = Field(
@@ -343,6 +360,10 @@ class AppliedRequest(RequestModel):
         None, allow_inf_nan=False, ge=0.0, le=1e9,
         description="Loss of the model after the round on fixed held-out batches, when this peer evaluated it "
         "(every eval_every_rounds rounds, node/config.py); null: not evaluated this round.")
+    scores: dict[PeerId, PeerScoreReport] = Field(
+        default_factory=dict, max_length=MAX_SCORES,
+        description="Contribution scores of the manifest's updates (protocol/scoring.py), peer id -> score; counted"
+        " only from a report that is a vote, never for the reporter itself. Empty: not scored.")
 
 
 class AppliedResponse(ResponseModel):
@@ -391,6 +412,16 @@ class CurrentRound(ResponseModel):
     num_expected: int = Field(description="Live peers the round waits for before it closes early (PeerView.waited_for).")
 
 
+class PeerScoreView(ResponseModel):
+    """A peer's running contribution score (protocol/scoring.py's Standing)."""
+
+    num_rounds: int = Field(description="Rounds with a verdict on its update.")
+    num_hurt: int = Field(description="Of them, rounds in which a majority of its judges found it hurting.")
+    recent_hurt: list[int] = Field(description="Hurting rounds among the latest scoring.window_rounds verdicts.")
+    loss_delta: float | None = Field(description="Running median held-out loss delta (nats; < 0 helps).")
+    cosine: float | None = Field(description="Running median cosine with the rounds' aggregates.")
+
+
 class PeerView(ResponseModel):
     peer_id: str
     peer_index: int
@@ -422,6 +453,12 @@ class PeerView(ResponseModel):
         False, description="Whether the open round waits for its packet before closing early.")
     last_contributed_round: int | None = Field(
         None, description="The latest round whose manifest holds a packet of its (null: none).")
+    excluded: bool = Field(
+        False, description="Its submissions are refused ('excluded'): its updates kept hurting (protocol/scoring.py).")
+    excluded_reason: str | None = Field(None, description="Why, with the verdicts that decided it; null: not excluded.")
+    excluded_until_round: int | None = Field(
+        None, description="The first round it may submit to again; null while excluded: for the rest of the run.")
+    score: PeerScoreView | None = Field(None, description="Its running contribution score; null: never judged.")
 
 
 class RoundSummary(ResponseModel):
@@ -526,6 +563,8 @@ ErrorCode = Literal[
     # client fetches a fresh challenge (GET join-challenge), solves it and joins again.
     "bad_join_proof",  # the proof of work does not solve the challenge. Stops: a client bug.
     "not_member",  # the signer never joined this run. Stops (a node joins before any other signed call).
+    "excluded",  # submit by a peer whose updates kept hurting (PeerView.excluded_reason). The node
+    # applies the round without its packet and trains on (its submissions are refused until excluded_until_round).
     # 404
     "not_found",  # no such route (or the 404 family's general code). Stops: a version mismatch.
     "run_not_found",  # no run with this id. Stops: a wrong run id.

@@ -11,6 +11,7 @@ run and hands it to every peer at join, and the node builds its model and optimi
     [exchange]          moving packets: their size bound, distribution trees, DHT bootstrap
     [membership]        who may join, how many before round 0, when a silent peer is gone
     [deadline]          when a round closes: a tagged policy, "fixed" or "adaptive"
+    [scoring]           contribution scores, and when a peer whose updates hurt is excluded
 
 Unknown keys and out-of-range values are refused with the key's dotted name (`ConfigError`:
 `inner.lr: Input should be greater than 0`). Before the sections the config was one flat table;
@@ -32,7 +33,7 @@ from protocol.fields import Beta, Multiaddr, RequestModel, Sha256Hex
 __all__ = ["AdaptiveDeadline", "ConfigError", "DEFAULT_MAX_ABS_VALUE", "DeadlinePolicy", "ExchangeSection",
            "FixedDeadline", "MAX_ABS_VALUE_LIMIT",
            "FLAT_KEYS", "InnerSection", "MembershipSection", "ModelSection", "OuterSection", "RunConfig",
-           "load_run_config", "nest_flat"]
+           "ScoringSection", "load_run_config", "nest_flat"]
 
 
 class ModelSection(RequestModel):
@@ -225,6 +226,61 @@ class MembershipSection(RequestModel):
     )
 
 
+class ScoringSection(RequestModel):
+    """Contribution scoring (protocol/scoring.py): each node scores every peer's update of a round on
+    a held-out batch of its own data; the coordinator turns the contributors' scores into a standing
+    per peer and refuses the packets of a peer whose updates keep hurting."""
+
+    enabled: bool = Field(True, description="Nodes score updates and the coordinator excludes harmful peers.")
+    batch_sequences: int = Field(
+        4, ge=1, le=1024,
+        description="Sequences (of inner.seq_len tokens) in the batch a node scores updates on: one forward pass"
+        " for the round's start and one per scored peer.",
+    )
+    max_peers_per_round: int = Field(
+        16, ge=1, le=64,
+        description="Peers of a manifest one node scores per round (a pick that rotates with the round and the"
+        " node): with R contributors each peer is judged by about this many others, at any R.",
+    )
+    max_loss_delta: float = Field(
+        0.0, ge=-1e3, le=1e3, allow_inf_nan=False,
+        description="A node judges an update hurting when the held-out loss after it alone, applied to the round's"
+        " start, rose by more than this (nats) plus loss_tolerance times the gain of the typical update it scored"
+        " (minus their median loss delta), or when its cosine with the aggregate is below min_cosine. A node whose"
+        " typical update did not lower the loss abstains (protocol/scoring.py).",
+    )
+    loss_tolerance: float = Field(
+        0.5, ge=0.0, le=100.0, allow_inf_nan=False,
+        description="See max_loss_delta: a sign-flipped update raises the loss by about the typical gain (1.0);"
+        " honest ones lower it, or raise it by a small part of it at worst.",
+    )
+    min_cosine: float = Field(
+        -0.25, ge=-1.0, le=1.0, allow_inf_nan=False,
+        description="See max_loss_delta. An update is part of the aggregate, so an honest one's cosine with it is"
+        " positive (about its share of the aggregate); -1 turns this test off.",
+    )
+    min_reporters: int = Field(
+        2, ge=1, le=64,
+        description="Contributors (other than the peer) whose scores a round's verdict on a peer needs; with fewer"
+        " the round gives none. A verdict is hurting when more than half of them judge it so.",
+    )
+    window_rounds: int = Field(4, ge=1, le=1000, description="Latest rounds with a verdict that the standing counts.")
+    exclude_after_rounds: int = Field(
+        2, ge=1, le=1000,
+        description="Hurting verdicts within window_rounds that exclude a peer (one bad round never does at 2).",
+    )
+    exclusion_rounds: int = Field(
+        0, ge=0, le=100_000_000,
+        description="Rounds an excluded peer's submissions are refused ('excluded'); 0: for the rest of the run.",
+    )
+
+    @model_validator(mode="after")
+    def _window(self) -> "ScoringSection":
+        if self.exclude_after_rounds > self.window_rounds:
+            raise ValueError("exclude_after_rounds cannot exceed window_rounds")
+        return self
+
+
 class FixedDeadline(RequestModel):
     """Each round gets a fixed time from its opening; it closes earlier when all expected peers
     submitted."""
@@ -283,6 +339,9 @@ class RunConfig(RequestModel):
     )
     deadline: DeadlinePolicy = Field(
         default_factory=FixedDeadline, description="When a round's deadline falls."
+    )
+    scoring: ScoringSection = Field(
+        default_factory=ScoringSection, description="Contribution scores and the exclusion of harmful peers."
     )
 
     def redacted(self) -> "RunConfig":

@@ -5,6 +5,7 @@
     locoswarm bench digest [--json] [--preset 512m] [--device cpu|cuda] [--repeats 3]
     locoswarm bench snapshot [--json] [--preset small] [--state]
     locoswarm bench load [--json] [--peers 500] [--duration-s 30] [--round-watchers N]
+    locoswarm bench memory [--json] [--preset 1b] [--device cuda] [--placement host] [--measure]
 
 Each prints its figures beside a baseline measured in the same run: the codec against the plain
 path (torch.topk + int64 indices + uint8 codes; protocol/bench.py), the exchange against one
@@ -26,6 +27,7 @@ BENCHMARKS = {  # name: (module, help)
     "digest": ("node.training.digest_bench", "the hash-tree parameter digest against one SHA-256, GB/s"),
     "snapshot": ("node.exchange.snapshot_bench", "host memory to serve and load a parameter snapshot, streamed vs whole"),
     "load": ("coordinator.bench_load", "N signed peers heartbeating a real coordinator: latency vs one at a time"),
+    "memory": ("node.training.memory_bench", "device and host bytes per parameter by category, against the first build"),
 }
 
 

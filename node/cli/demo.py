@@ -1,6 +1,6 @@
 """`locoswarm demo`: a local swarm in one command.
 
-    locoswarm demo [--peers 3] [--rounds 4] [--preset tiny] [--json]
+    locoswarm demo [--peers 3] [--rounds 4] [--preset tiny] [--ranks 2] [--json]
 
 The demo starts a coordinator on a free port with a SQLite file in a temporary folder, creates a
 run, starts N node processes on 127.0.0.1 (each its own key, DHT identity and libp2p daemon),
@@ -31,6 +31,8 @@ def register(subparsers) -> None:
     demo.add_argument("--inner-steps", type=int, default=15)
     demo.add_argument("--top-k", type=int, default=64)
     demo.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
+    demo.add_argument("--ranks", type=int, default=1,
+                      help="node 0 runs as this many torch.distributed ranks (FSDP2, gloo), beside 1-rank nodes")
     demo.add_argument("--workdir", default=None, help="keep the database and logs here (default: a temp dir)")
     demo.add_argument("--json", action="store_true", help="print one JSON object at the end")
     demo.add_argument("-v", "--verbose", action="store_true",
@@ -43,7 +45,8 @@ def _demo(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     with LocalSwarm(workdir, num_peers=args.peers, preset=args.preset, rounds=args.rounds,
                     inner_steps=args.inner_steps, top_k=args.top_k, quiet=args.json, verbose=args.verbose,
-                    run_overrides={"outer.overlap": args.overlap}) as swarm:
+                    run_overrides={"outer.overlap": args.overlap},
+                    extra_node_args={0: ("--ranks", str(args.ranks))} if args.ranks > 1 else None) as swarm:
         summary = swarm.run()
     if args.json:
         print(json.dumps(summary))

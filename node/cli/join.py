@@ -62,6 +62,9 @@ def register(subparsers) -> None:
     join.add_argument("--auto-relay", dest="use_auto_relay", action=argparse.BooleanOptionalAction, default=None,
                       help="behind NAT: be reachable through a relay")
     join.add_argument("--threads", type=int, default=None, help="torch CPU threads (0, the default: torch's choice)")
+    join.add_argument("--ranks", type=int, default=None,
+                      help="run this node as N torch.distributed ranks, FSDP2 inside (one GPU each, or gloo on the "
+                           "CPU): still one peer and one packet (default 1; under torchrun: its WORLD_SIZE)")
     join.add_argument("--uplink-mbps", type=float, default=None,
                       help="this link's upload rate in Mbps (a speed test's figure): the swarm has faster "
                            "uplinks forward more of each packet's copies; unset: counted as fast")
@@ -90,8 +93,8 @@ def register(subparsers) -> None:
 
 # Flags of `node join` that set NodeConfig fields (argparse dest == field name).
 JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "key_path", "host_maddrs",
-                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "uplink_mbps",
-                     "max_rounds", "fetch_timeout_s", "checkpoint_dir", "checkpoint_every_rounds", "progress",
+                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "ranks",
+                     "uplink_mbps", "max_rounds", "fetch_timeout_s", "checkpoint_dir", "checkpoint_every_rounds", "progress",
                      "eval_every_rounds", "inject")
 
 
@@ -126,12 +129,26 @@ def _join_checked(args: argparse.Namespace, clock=time.time) -> int:
         return _refuse(line)
     print(format_node_config(config), file=sys.stderr, flush=True)
 
+    from node.training.distributed import Leader, start_ranks
+
+    group = start_ranks(config.ranks, config.device, config.threads)  # None: a 1-rank node
+    if group is not None and group.rank != 0:  # a torchrun rank: rank 0 does the networking
+        return group.follow()
+    leader = Leader(group) if group is not None else None
+    try:
+        return _run_node(args, config, leader)
+    finally:
+        if leader is not None:
+            leader.close()
+
+
+def _run_node(args: argparse.Namespace, config, leader) -> int:
     from node.round.coordinator_client import CoordinatorError
     from node.round.loop import Node
     from node.training.data import DataError
     from node.training.hf import WeightsError
 
-    node = Node(config)
+    node = Node(config, ranks=leader)
     started = time.monotonic()
     try:
         reports, quit_now = run_until_stopped(node)

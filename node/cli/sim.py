@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=d.top_k)
     parser.add_argument("--error-decay", type=float, default=d.error_decay)
     parser.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
+    parser.add_argument("--poison", default=None,
+                        help='arm the last peer with a poison fault spec, e.g. "poison@factor=1,mode=sign-flip"')
+    parser.add_argument("--no-scoring", dest="scoring", action="store_false",
+                        help="no contribution scoring (nobody is excluded)")
     parser.add_argument("--sparseloco-inner-lr", type=float, default=d.sparseloco_inner_lr)
     parser.add_argument("--diloco-inner-lr", type=float, default=d.diloco_inner_lr)
     parser.add_argument("--diloco-outer-lr", type=float, default=d.diloco_outer_lr)
@@ -71,7 +75,7 @@ def _sim_config(args: argparse.Namespace, algos: tuple[str, ...]) -> SimConfig:
         error_decay=args.error_decay, overlap=args.overlap, sparseloco_inner_lr=args.sparseloco_inner_lr,
         diloco_inner_lr=args.diloco_inner_lr, diloco_outer_lr=args.diloco_outer_lr, ddp_lr=args.ddp_lr,
         eval_every_rounds=args.eval_every, eval_batches=args.eval_batches, seed=args.seed, data=args.data,
-        vocab_size=args.vocab_size,
+        vocab_size=args.vocab_size, poison=args.poison, scoring=args.scoring,
         threads=args.threads, device=args.device,
     )
 
@@ -97,6 +101,10 @@ def run_cli(args: argparse.Namespace) -> int:
     for algo, r in per_strategy.items():
         print(f"{algo:<12} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>17,.0f} "
               f"{r['wall_s']:>8.1f}")
+    for algo, r in summary["strategies"].items():
+        for peer_id, first_round in r.get("excluded", {}).items():
+            reason = r["standings"][peer_id]["reason"]
+            print(f"{algo}: {peer_id} excluded from round {first_round} on: {reason}")
     print(f"wrote {args.out}/summary.json and {args.out}/val_loss.png")
     return 0
 

@@ -4,7 +4,8 @@
     await host.serve(handler)                        # the packet stream (protocol/stream.py)
     await host.connect(peer, dial_addresses(holder_id, maddrs))
     reader, writer = await host.open_stream(peer)
-    await host.shutdown()                            # stops the DHT node, then p2pd
+    joined = await host.rejoin(member_maddrs, 5.0)   # enter the DHT of peers not in the routing table
+    await host.shutdown()                            # stops the DHT node, then p2pd (bounded)
 
 Everything runs in the caller's asyncio loop: one `hivemind.p2p.P2P` (which starts and owns one
 p2pd libp2p daemon process) and one `hivemind.dht.DHTNode` on top of it. Not the `hivemind.DHT`
@@ -33,16 +34,28 @@ Things hivemind 1.1.12 does not do for us, and how this module copes:
   addresses it gives the coordinator. What p2pd's `-b` did beyond dialling is left out: tagging
   the peers for its connection manager, redialling them every 15 min while it has fewer than 4
   connections, an early refresh of its routing table (which it fills from the connections anyway).
+- A DHT of its own is an island for good: hivemind never looks for peers it was not given. After
+  a whole-swarm restart every node finds the dead addresses it was given and starts one, all at
+  the same moment. `rejoin` mends it: peers that are not in this node's routing table (the live
+  members the coordinator lists; node/round/rejoin.py) are dialled and their DHT nodes pinged
+  (`DHTProtocol.call_ping`, which puts each side in the other's routing table, and hands the new
+  node the records it should store), then a lookup of this node's own id fills the table from
+  their neighbours, as `DHTNode.create` does after its pings.
+- `P2P.shutdown` and `DHTNode.shutdown` wait for p2pd forever once it died under them (the
+  handler removal is written to a dead control socket and its answer never comes): each step is
+  bounded, and a daemon still there after it is killed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -55,6 +68,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 StreamHandler = Callable[..., Awaitable[None]]  # (stream_info, reader, writer)
+SHUTDOWN_TIMEOUT_S = 5.0  # each of the DHT node's and p2pd's shutdown, before what is left is killed
 
 
 class Host:
@@ -119,11 +133,59 @@ class Host:
         _, reader, writer = await self.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
         return reader, writer
 
-    async def shutdown(self) -> None:
+    @property
+    def dht_peers(self) -> set[str]:
+        """libp2p ids (base58) of the DHT nodes in this node's routing table (not itself)."""
+        return {peer.to_base58() for peer in self.dht.protocol.routing_table.peer_id_to_uid}
+
+    async def rejoin(self, maddrs: Iterable[str], timeout_s: float) -> list[str]:
+        """Enter the DHT of the peers at `maddrs` (multiaddrs ending in /p2p/<id>) that are not in
+        this node's routing table yet: each is dialled and its DHT node pinged within `timeout_s`,
+        all at once; with any new one in the table, a lookup of this node's own id (at most
+        `timeout_s`) fills it from their neighbours. Returns the libp2p ids that joined the table;
+        those that did not answer are skipped (they are tried again on the next call)."""
+        known, own = self.dht_peers, self.holder_id
+        fresh = tuple(m for m in maddrs if m.rpartition("/p2p/")[2] not in known | {own, ""})
+        if not fresh:
+            return []
+        answered = await _dial_initial_peers(self.p2p, fresh, timeout_s, what="DHT rejoin")
+        peers = list(dict.fromkeys(PeerID.from_base58(m.rpartition("/p2p/")[2]) for m in answered))
+        pings = await asyncio.gather(*(asyncio.wait_for(self.dht.protocol.call_ping(peer), timeout_s)
+                                       for peer in peers), return_exceptions=True)
+        joined = [peer for peer, node_id in zip(peers, pings) if isinstance(node_id, DHTID)]
+        if joined:
+            with contextlib.suppress(Exception):  # the pings already joined; this only widens the table
+                await asyncio.wait_for(self.dht.find_nearest_nodes([self.dht.node_id]), timeout_s)
+        return [peer.to_base58() for peer in joined]
+
+    async def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the DHT node, then p2pd, each within `timeout_s`; a p2pd that died under the node
+        is not waited for, and one that does not exit in time is killed."""
+        child = getattr(self.p2p, "_child", None)
         try:
-            await self.dht.shutdown()
+            # A daemon that exits meanwhile (killed under us) ends the wait: its handlers went with it.
+            stopping = asyncio.ensure_future(self.dht.shutdown())
+            exited = asyncio.ensure_future(child.wait()) if child is not None else None
+            done, pending = await asyncio.wait([f for f in (stopping, exited) if f is not None], timeout=timeout_s,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            for future in pending:
+                future.cancel()
+            if stopping in done:
+                stopping.result()  # raises what the shutdown raised
+            elif not done:
+                raise asyncio.TimeoutError(f"no answer within {timeout_s:g} s")
+        except Exception as e:  # the daemon's control socket broke, or nothing answered in time
+            log.warning("DHT node shutdown did not finish (%r); stopping p2pd", e)
         finally:
-            await self.p2p.shutdown()  # terminates p2pd and waits for it to exit
+            self.dht.is_alive = False  # ends its routing-table refresh, whatever happened above
+            try:
+                await asyncio.wait_for(self.p2p.shutdown(), timeout_s)  # terminates p2pd, waits for it
+            except asyncio.TimeoutError:
+                if child is not None and child.returncode is None:
+                    log.warning("p2pd (pid %d) did not exit within %g s of SIGTERM: killing it", child.pid, timeout_s)
+                    with contextlib.suppress(ProcessLookupError):
+                        child.kill()
+                    await child.wait()
 
 
 def dial_addresses(holder_id: str, maddrs: list[str]) -> list[Multiaddr]:
@@ -162,7 +224,8 @@ async def _start_dht(p2p: P2P, config: ExchangeConfig, initial_peers: list[str])
         raise
 
 
-async def _dial_initial_peers(p2p: P2P, initial_peers: tuple[str, ...], timeout_s: float) -> list[str]:
+async def _dial_initial_peers(p2p: P2P, initial_peers: tuple[str, ...], timeout_s: float,
+                              what: str = "bootstrap") -> list[str]:
     """The initial peers (multiaddrs ending in /p2p/<id>) p2pd connected to, each given `timeout_s`,
     all at once; addresses of one peer are dialled together. Those that did not answer are logged."""
     by_peer: dict[str, list[str]] = {}
@@ -175,11 +238,11 @@ async def _dial_initial_peers(p2p: P2P, initial_peers: tuple[str, ...], timeout_
             await asyncio.wait_for(p2p._client.connect(peer, dial_addresses(holder_id, maddrs)), timeout_s)
             return True
         except Exception as e:  # refused, timed out, wrong peer id at that address, no /p2p/<id>: skip it
-            log.debug("bootstrap: %s did not answer: %r", ", ".join(maddrs), e)
+            log.debug("%s: %s did not answer: %r", what, ", ".join(maddrs), e)
             return False
 
     answered = await asyncio.gather(*(dial(holder_id, maddrs) for holder_id, maddrs in by_peer.items()))
     skipped = [m for ok, maddrs in zip(answered, by_peer.values()) if not ok for m in maddrs]
     if skipped and any(answered):
-        log.info("bootstrap: skipped initial peers that did not answer within %g s: %s", timeout_s, ", ".join(skipped))
+        log.info("%s: skipped initial peers that did not answer within %g s: %s", what, timeout_s, ", ".join(skipped))
     return [m for ok, maddrs in zip(answered, by_peer.values()) if ok for m in maddrs]

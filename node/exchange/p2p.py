@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+REANNOUNCE_FRACTION = 0.5  # a held snapshot's record is stored again after this share of its lifetime
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExchangeConfig:
@@ -61,7 +63,10 @@ class ExchangeConfig:
     nat_port_map: bool | None = None  # UPnP/NAT-PMP; None = on unless every host address is loopback
     announce_ttl_s: float = 600.0  # DHT records expire this long after publication (a few rounds)
     max_parallel_fetches: int = 3  # packets transferred at once, over all fetch() calls
-    max_uploads: int = 2  # streams served at once; further requests are answered busy, or queue
+    max_uploads: int = 2  # packet streams served at once; further requests are answered busy, or queue
+    # snapshot streams served at once, on slots of their own: a snapshot (the model's size) never
+    # holds an upload slot that the round's packets wait for
+    max_snapshot_uploads: int = 1
     busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.4 s)
     chunk_bytes: int = 512 << 10  # stream write size
     # refuse larger packets before buffering them (a snapshot's size is its model's: protocol/snapshot.py)
@@ -86,8 +91,10 @@ class ExchangeConfig:
         packets_key(self.run_id, 0)  # raises ValueError for a run id that cannot be part of a key
         if not self.host_maddrs:
             raise ValueError("host_maddrs must name at least one address to listen on")
-        if min(self.max_parallel_fetches, self.max_uploads, self.chunk_bytes, self.max_packet_bytes) < 1:
-            raise ValueError("max_parallel_fetches, max_uploads, chunk_bytes and max_packet_bytes must be positive")
+        if min(self.max_parallel_fetches, self.max_uploads, self.max_snapshot_uploads, self.chunk_bytes,
+               self.max_packet_bytes) < 1:
+            raise ValueError("max_parallel_fetches, max_uploads, max_snapshot_uploads, chunk_bytes and "
+                             "max_packet_bytes must be positive")
         if min(self.announce_ttl_s, self.connect_timeout_s, self.stall_timeout_s, self.request_timeout_s,
                self.bootstrap_timeout_s) <= 0:
             raise ValueError("time-outs and the announcement lifetime must be positive")
@@ -102,6 +109,7 @@ class P2PExchange:
         self.config = config
         self._host = host
         self._background: set[asyncio.Task] = set()
+        self._refreshers: set[asyncio.Task] = set()  # re-announcing held snapshots: not waited for, cancelled
         self._closed = False
         rng = random.Random()  # packet and holder order, and whom a busy answer names
         self._store = PacketStore()
@@ -195,15 +203,36 @@ class P2PExchange:
         """Serve a snapshot of the parameters that start `round`, for peers catching up.
 
         Snapshots are held under the reserved publisher id `PARAMS_ID`, read unit by unit as they
-        are served (serve.py), and announced only as holder records (key
-        ".../round/R/holders/params", subkey this node's libp2p id), so a round's packet
+        are served (serve.py, on upload slots of their own), and announced only as holder records
+        (key ".../round/R/holders/params", subkey this node's libp2p id), so a round's packet
         announcements stay packets only; a peer that loaded a snapshot publishes its own (several
-        donors, swarming). Raises AnnounceFailed (node.exchange.announce) if no DHT node stored
-        the record.
+        donors, swarming). The record is stored again every half `announce_ttl_s` while the
+        snapshot is held. Raises AnnounceFailed (node.exchange.announce) if no DHT node stored
+        the record the first time.
         """
-        self._store.hold_snapshot((round, PARAMS_ID), HeldSnapshot(snapshot.digest, snapshot, own=True))
+        held = HeldSnapshot(snapshot.digest, snapshot, own=True)
+        self._store.hold_snapshot((round, PARAMS_ID), held)
         await self._announcer.announce_params(round, self._announcer.record(snapshot.digest, snapshot.size_bytes))
+        refresher = asyncio.create_task(self._keep_announced(round, held))
+        self._refreshers.add(refresher)
+        refresher.add_done_callback(self._refreshers.discard)
         return self._announcer.announcement(PARAMS_ID, round, snapshot.digest, snapshot.size_bytes)
+
+    async def _keep_announced(self, round: int, held: HeldSnapshot) -> None:
+        """Store the snapshot's record again every half `announce_ttl_s` while this node still
+        serves that snapshot (a durable one lasts as long as its checkpoint is the newest): a
+        record left to expire would hide the holder from peers catching up later."""
+        while True:
+            await asyncio.sleep(self.config.announce_ttl_s * REANNOUNCE_FRACTION)
+            if self._store.held.get((round, PARAMS_ID)) is not held:
+                return
+            await self._reannounce(round, held)
+
+    async def _reannounce(self, round: int, held: HeldSnapshot) -> None:
+        try:
+            await self._announcer.announce_params(round, self._announcer.record(held.digest, held.source.size_bytes))
+        except Exception as e:  # AnnounceFailed, or the DHT is away for a moment: the next pass tries again
+            log.info("round %d: re-announcing the parameter snapshot failed: %r", round, e)
 
     async def params_holders(self, round: int) -> list[Announcement]:
         """Every announced snapshot of the parameters that start `round` (digests may differ)."""
@@ -213,6 +242,24 @@ class P2PExchange:
         """Receive the snapshot for `round` named `digest` into `sink`, from any holders (resuming
         at the next one where one fails); True once all of it verified and is written."""
         return await self._fetcher.fetch_snapshot(round, digest, sink, timeout_s)
+
+    # -- the DHT's membership ------------------------------------------------------------------
+
+    @property
+    def dht_peers(self) -> set[str]:
+        """libp2p ids of the DHT nodes this node knows (its routing table); empty: a DHT of its own."""
+        return self._host.dht_peers
+
+    async def rejoin_dht(self, maddrs: list[str]) -> list[str]:
+        """Enter the DHT of the peers at `maddrs` that this node's routing table lacks (a DHT split
+        into islands after a whole-swarm restart: host.py), each given `bootstrap_timeout_s`; the
+        libp2p ids that joined. With any new, the parameter snapshots held here are announced
+        again at once, so that the peers just met find them."""
+        joined = await self._host.rejoin(maddrs, self.config.bootstrap_timeout_s)
+        if joined:
+            snapshots = [(k[0], c) for k, c in self._store.held.items() if isinstance(c, HeldSnapshot)]
+            await asyncio.gather(*(self._reannounce(round, held) for round, held in snapshots))
+        return joined
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -239,8 +286,8 @@ class P2PExchange:
         if self._closed:
             return
         self._closed = True
-        for task in list(self._background):
+        for task in [*self._background, *self._refreshers]:
             task.cancel()
-        await asyncio.gather(*list(self._background), return_exceptions=True)
+        await asyncio.gather(*self._background, *self._refreshers, return_exceptions=True)
         await self._host.shutdown()  # the DHT node, then p2pd (waits for it to exit)
         self._store.clear()

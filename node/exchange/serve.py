@@ -3,8 +3,8 @@
     server = PacketServer(config, store, rng, payload_for)
     await host.serve(server.handle)        # P2PExchange registers its `_serve`, which calls this
 
-Swarming: a holder serves at most `max_uploads` streams at once, so each gets a fair share of its
-uplink, and answers further requests "busy" with the peers that confirmed a verified copy. One
+Swarming: a holder serves at most `max_uploads` packet streams at once, so each gets a fair share
+of its uplink, and answers further requests "busy" with the peers that confirmed a verified copy. One
 exception: a publisher whose packet nobody has confirmed yet serves it on up to SEED_STREAMS
 extra streams, so that a fresh packet (the last one submitted is on every peer's critical path)
 starts its tree at once instead of queueing behind copies of older packets this node forwards. A
@@ -24,9 +24,11 @@ latency, not a whole packet's transfer time.
 
 Snapshots: a `HeldSnapshot` is served unit by unit from its source (a checkpoint file or the
 round-start tensors), each unit read in a worker thread and checked against the snapshot's hash
-tree before it goes out, from the request's offset on. A source whose bytes moved on (the
-tensors after the next outer step) ends the stream short and is no longer served: the fetcher
-resumes elsewhere without blaming this node. A held packet is also served from an offset; a copy
+tree before it goes out, from the request's offset on. Snapshot streams take slots of their own
+(`max_snapshot_uploads`, queued and answered busy as packets are): a download the model's size
+lasts minutes and must never hold a slot that the round's packets wait for. A source whose
+bytes moved on (the tensors after the next outer step) ends the stream short and is no longer
+served: the fetcher resumes elsewhere without blaming this node. A held packet is also served from an offset; a copy
 still arriving only from 0.
 
 The handler never raises: a malformed request, one for another run, or for a packet not held gets
@@ -63,16 +65,68 @@ SEED_STREAMS = 2  # streams a publisher may add beyond max_uploads for its packe
 PayloadFor = Callable[[int, str, bytes], bytes]
 
 
+class UploadSlots:
+    """At most `limit` streams at once (a seed stream may take an extra one); further requests
+    wait for a free slot in first-come order, or are turned away."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.num_taken = 0  # streams being served now (at most limit, plus extra ones)
+        self.queue: deque[asyncio.Future] = deque()  # requests waiting for a slot, oldest first
+
+    async def take(self, wait_s: float, extra: int = 0) -> bool:
+        """A slot, waiting up to `wait_s` in first-come order for one to free; `extra` slots
+        beyond the limit may be taken instead of waiting."""
+        if self.num_taken < self.limit + extra:
+            self.num_taken += 1
+            return True
+        if wait_s <= 0:
+            return False
+        handed = asyncio.get_running_loop().create_future()  # resolved by release
+        self.queue.append(handed)
+        try:
+            await asyncio.wait_for(asyncio.shield(handed), wait_s)
+        except asyncio.TimeoutError:
+            if not handed.done():
+                handed.cancel()
+                return False
+        except BaseException:
+            if handed.done() and not handed.cancelled():
+                self.release()  # handed over as this handler was being cancelled
+            handed.cancel()
+            raise
+        return True
+
+    def release(self) -> None:
+        """Hand the slot to the longest-waiting request, or free it (an extra one always)."""
+        while self.num_taken <= self.limit and self.queue:
+            handed = self.queue.popleft()
+            if not handed.done():
+                handed.set_result(None)
+                return
+        self.num_taken -= 1
+
+
 class PacketServer:
-    """Answers packet streams from the store, within the upload, seed and child stream limits."""
+    """Answers packet streams from the store, within the upload, seed, snapshot and child stream limits."""
 
     def __init__(self, config: ExchangeConfig, store: PacketStore, rng: random.Random, payload_for: PayloadFor):
         self.config = config
         self._store, self._rng = store, rng  # rng: which peers a busy answer names
         self._payload_for = payload_for
-        self.num_uploads = 0  # streams being served now (at most config.max_uploads, plus seed streams)
-        self.upload_queue: deque[asyncio.Future] = deque()  # requests waiting for a slot, oldest first
+        self.uploads = UploadSlots(config.max_uploads)  # packet streams (plus seed streams)
+        self.snapshot_uploads = UploadSlots(config.max_snapshot_uploads)  # snapshot streams, apart
         self.num_child_uploads = 0  # streams to tree children now (at most MAX_CHILD_STREAMS)
+
+    @property
+    def num_uploads(self) -> int:
+        """Packet streams being served now (not children's, not snapshots')."""
+        return self.uploads.num_taken
+
+    @property
+    def upload_queue(self) -> deque[asyncio.Future]:
+        """Packet requests waiting for an upload slot, oldest first."""
+        return self.uploads.queue
 
     def parse_request(self, raw: bytes) -> PacketRequest:
         """A request body from a peer, refused unless it is well formed and for this run."""
@@ -83,7 +137,8 @@ class PacketServer:
 
     async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         cfg = self.config
-        slot: str | None = None  # "upload" (of max_uploads, or a seed stream) or "child"
+        slot: UploadSlots | None = None  # the slots this stream holds one of (none: a child stream)
+        child = False  # served as a tree child, beside the slots
         try:
             length = request_body_length(
                 await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s))
@@ -94,10 +149,10 @@ class PacketServer:
                 raise HolderRefused("not held")
             if request.offset and isinstance(copy, Partial):
                 raise HolderRefused("a copy still arriving is served from its start only")
-            if request.child and self.num_child_uploads < MAX_CHILD_STREAMS:
+            if request.child and self.num_child_uploads < MAX_CHILD_STREAMS and not isinstance(copy, HeldSnapshot):
                 # The packet's tree bounds these (a few children per packet), so no slot is taken.
                 self.num_child_uploads += 1
-                slot = "child"
+                child = True
             else:
                 # With every slot taken, name the peers with a copy (whole ones first), or queue the
                 # request if it asks to wait or there is nobody to name. A packet only its
@@ -105,8 +160,9 @@ class PacketServer:
                 can_name = bool(copy.sent_to or copy.receiving)  # what a busy answer would list
                 seed = isinstance(copy, Held) and copy.own and not copy.sent_to and len(copy.receiving) < SEED_STREAMS
                 wait_s = cfg.request_timeout_s if request.wait or not can_name else 0.0
-                slot = "upload" if await self._take_upload_slot(wait_s, seed) else None
-            if slot is None:
+                slots = self.snapshot_uploads if isinstance(copy, HeldSnapshot) else self.uploads
+                slot = slots if await slots.take(wait_s, SEED_STREAMS if seed else 0) else None
+            if slot is None and not child:
                 writer.write(encode_busy(self._copy_holders(copy)))
                 await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
                 return
@@ -142,9 +198,9 @@ class PacketServer:
         except Exception:  # a bug here must not take the node down with it
             log.exception("packet stream handler failed")
         finally:
-            if slot == "upload":
-                self._release_upload_slot()
-            elif slot == "child":
+            if slot is not None:
+                slot.release()
+            elif child:
                 self.num_child_uploads -= 1
             writer.close()
 
@@ -153,38 +209,6 @@ class PacketServer:
         confirmed = self._rng.sample(copy.sent_to, min(MAX_BUSY_NAMES, len(copy.sent_to)))
         arriving = [p for p in dict.fromkeys(copy.receiving) if p not in confirmed]
         return confirmed + self._rng.sample(arriving, min(MAX_BUSY_NAMES - len(confirmed), len(arriving)))
-
-    async def _take_upload_slot(self, wait_s: float, seed: bool = False) -> bool:
-        """An upload slot, waiting up to `wait_s` in first-come order for one to free; a `seed`
-        stream may take one of SEED_STREAMS extra slots instead of waiting."""
-        if self.num_uploads < self.config.max_uploads + (SEED_STREAMS if seed else 0):
-            self.num_uploads += 1
-            return True
-        if wait_s <= 0:
-            return False
-        handed = asyncio.get_running_loop().create_future()  # resolved by _release_upload_slot
-        self.upload_queue.append(handed)
-        try:
-            await asyncio.wait_for(asyncio.shield(handed), wait_s)
-        except asyncio.TimeoutError:
-            if not handed.done():
-                handed.cancel()
-                return False
-        except BaseException:
-            if handed.done() and not handed.cancelled():
-                self._release_upload_slot()  # handed over as this handler was being cancelled
-            handed.cancel()
-            raise
-        return True
-
-    def _release_upload_slot(self) -> None:
-        """Hand the slot to the longest-waiting request, or free it (an extra one always)."""
-        while self.num_uploads <= self.config.max_uploads and self.upload_queue:
-            handed = self.upload_queue.popleft()
-            if not handed.done():
-                handed.set_result(None)
-                return
-        self.num_uploads -= 1
 
     async def _write(self, payload: memoryview, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
         for offset in range(0, len(payload), self.config.chunk_bytes):

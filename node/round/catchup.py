@@ -12,6 +12,12 @@ some packet (forgotten, or its publisher gone), it goes to a snapshot at once in
 out a fetch time-out, and it never reports packets missing (that is for the peers applying the
 round as it happens). Error feedback restarts at zero after a snapshot (the update it held is
 lost, not sent twice).
+
+Only a snapshot newer than the parameters held is loaded: when the round after a loaded snapshot
+cannot be replayed yet (its packets gone, its successor's digest not agreed yet), loading the same
+snapshot again changes nothing, and the node waits instead, polling the coordinator at growing
+intervals (IDLE_FIRST_S doubling to IDLE_MAX_S, from the first again once the open round or the
+newest agreed digest moves) until a replay or a newer snapshot can go on.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ log = logging.getLogger("locoswarm.node")
 
 SNAPSHOT_ROUNDS_TRIED = 3  # the newest agreed snapshots tried, newest first
 HOLDERS_LOOKUP_S = 10.0  # at most this long (or the fetch time-out) to learn who holds a round's packets
+IDLE_FIRST_S, IDLE_MAX_S = 1.0, 4.0  # with nothing to replay or load, poll again after this, doubling
 
 
 async def catch_up(s: Session, decoded: Decoded) -> CatchUpReport:
@@ -46,10 +53,13 @@ async def catch_up(s: Session, decoded: Decoded) -> CatchUpReport:
 async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, str]:
     s.activity.state = "catching_up"
     loaded = False  # a snapshot was loaded on an earlier pass
+    idle_s, seen = IDLE_FIRST_S, None  # the next pause with nothing to do; (open round, newest agreed)
     while not s.stopping.is_set():
         status = await s.client.status()
         current = status.current_round.round if status.current_round else status.run.current_round
         agreed = {h.round + 1: h.agreed_digest for h in status.history if h.agreed_digest}
+        if (current, max(agreed, default=None)) != seen:  # the swarm moved on: what could not be done may be now
+            idle_s, seen = IDLE_FIRST_S, (current, max(agreed, default=None))
         if s.params_round is not None and s.params_round < current:
             try:
                 for r in range(s.params_round, current):
@@ -59,18 +69,34 @@ async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, st
                 log.info("replay stopped: %s; loading a snapshot", e)
         if s.params_round == current:
             return current, "snapshot" if loaded else "none"
-        for start_round in sorted((r for r in agreed if r <= current), reverse=True)[:SNAPSHOT_ROUNDS_TRIED]:
+        # A snapshot no newer than the parameters held would only load them again (see above).
+        held = s.params_round if s.params_round is not None and s.params_round <= current else -1
+        newer = sorted((r for r in agreed if held < r <= current), reverse=True)[:SNAPSHOT_ROUNDS_TRIED]
+        for start_round in newer:
             if await load_snapshot(s, start_round, agreed[start_round]):
                 loaded = True
                 break
         else:
-            if current == 0 or not any(h.num_contributors for h in status.history):
+            if s.params_round != 0 and (current == 0 or not any(h.num_contributors for h in status.history)):
                 s.params_round = 0  # nothing was ever trained in: the seeded initialisation is the start
                 if current == 0:
                     return current, "none"
                 continue  # and the empty rounds since replay from it
-            await asyncio.sleep(1.0)  # snapshots not announced or not agreed yet: peers are applying, voting
+            # Snapshots not announced or not agreed yet (peers are applying, voting), or none newer
+            # than the parameters held while the next round cannot be replayed: wait, not spin.
+            log.debug("catch-up: nothing to replay or load at round %s (open round %d); polling again in %.1f s",
+                      s.params_round, current, idle_s)
+            await _pause(s, idle_s)
+            idle_s = min(2 * idle_s, IDLE_MAX_S)
     return s.params_round or 0, "none"
+
+
+async def _pause(s: Session, seconds: float) -> None:
+    """Sleep, ending early if the node is stopping."""
+    try:
+        await asyncio.wait_for(s.stopping.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
 
 
 async def replay(s: Session, round: int, decoded: Decoded) -> None:

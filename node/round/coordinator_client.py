@@ -31,7 +31,7 @@ import httpx
 
 from protocol.http import (API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse,
                            JoinChallenge, JoinRequest, JoinResponse, LeaveRequest, MissingRequest, MissingResponse,
-                           RoundView, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse, sign_request)
+                           PeerScoreReport, RoundView, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse, sign_request)
 from protocol.join_pow import solve
 from protocol.signing import PeerKey
 
@@ -247,9 +247,10 @@ class CoordinatorClient:
         return RoundView.model_validate(data)
 
     async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None,
-                      manifest_version: int = 1, val_loss: float | None = None) -> AppliedResponse:
+                      manifest_version: int = 1, val_loss: float | None = None,
+                      scores: dict[str, PeerScoreReport] | None = None) -> AppliedResponse:
         request = AppliedRequest(params_digest=params_digest, refused=refused or {}, manifest_version=manifest_version,
-                                 val_loss=val_loss)
+                                 val_loss=val_loss, scores=scores or {})
         return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
                                                                request))
 

@@ -32,11 +32,12 @@ from node.round.catchup import catch_up
 from node.round.coordinator_client import CoordinatorClient, CoordinatorError, Refused
 from node.round.overlap import Pipeline
 from node.round.prefetch import Decoded, Prefetch
+from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
 from node.round.session import Clock, Session
 from node.round.steps import CatchUpNeeded, apply_and_report, apply_manifest, collect, send, train, wait_open
 from node.testing.faults import FaultInjector
-from protocol.http import ErrorCode, JoinResponse
+from protocol.http import ErrorCode, JoinResponse, peer_id_from_public_key
 from protocol.signing import PeerKey
 
 log = logging.getLogger("locoswarm.node")
@@ -65,8 +66,9 @@ class Node:
 
     def __init__(self, config: NodeConfig, *, client: CoordinatorClient | None = None,
                  exchange: Exchange | None = None, clock: Clock = time.time,
-                 faults: FaultInjector | None = None):
+                 faults: FaultInjector | None = None, ranks=None):
         self.config = config
+        self.ranks = ranks  # node.training.distributed.Leader of a multi-rank node (rank 0); None: 1 rank
         self.faults = faults if faults is not None else FaultInjector.parse(config.inject)
         self.reports: list[RoundReport] = []
         self.catch_ups: list[CatchUpReport] = []
@@ -118,8 +120,10 @@ class Node:
             joined = await rejoin()
             log.info("joined run %s as %s (index %d, shard %d/%d) at round %d", run_id, joined.peer_id,
                      joined.peer_index, joined.data_shard, joined.num_shards, joined.current_round)
-            s = self.session = self._start_session(client, exchange, key, joined, rejoin)
+            s = self.session = await self._start_session_beating(client, exchange, key, joined, rejoin)
             heartbeat = asyncio.create_task(self._heartbeats(s, joined.heartbeat_interval_s))
+            # Nodes restarted together each start a DHT of their own: merge them (node/round/rejoin.py).
+            mender = start_mending(s, joined.config.membership.heartbeat_timeout_s)
             try:
                 await self._rounds(s, joined)
                 if self._pipeline.in_flight and not self._stopping.is_set():
@@ -129,6 +133,8 @@ class Node:
                     await self._linger(s, self.reports[-1].round)
             finally:
                 heartbeat.cancel()
+                if mender is not None:
+                    mender.cancel()
             try:
                 await client.leave("finished" if not self._stopping.is_set() else "stopped by the volunteer")
             except Exception as e:  # leaving is a courtesy; the coordinator times us out anyway
@@ -157,13 +163,36 @@ class Node:
         bootstrap = cfg.initial_peers
         if not bootstrap:  # the run's fixed bootstrap peers and its live members: any that answers will do
             status = await client.status(run_id, history=0)
-            members = [m for peer in status.peers if peer.status == "live" for m in peer.listen_multiaddrs]
+            members = live_member_addresses(  # not this node's own entry, from before a restart
+                status, exclude_peer=peer_id_from_public_key(client.key.public_bytes),
+                fresh_s=run_info.config.membership.heartbeat_timeout_s / 2)
             bootstrap = tuple(dict.fromkeys([*run_info.config.exchange.dht_bootstrap, *members]))[:MAX_BOOTSTRAP]
         return await self.faults.exchange_class(P2PExchange).create(ExchangeConfig(
             run_id=run_id, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
             initial_peers=bootstrap, client_mode=cfg.client_mode, use_auto_relay=cfg.use_auto_relay,
             max_packet_bytes=run_info.config.exchange.max_packet_bytes,
         ))
+
+    async def _start_session_beating(self, client, exchange, key, joined: JoinResponse, rejoin) -> Session:
+        """`_start_session` in a worker thread, heartbeating meanwhile: building the model and
+        loading the data take seconds (many on a busy host, with several nodes starting at once),
+        and a node silent past the heartbeat timeout would be marked gone right after joining (a
+        whole swarm restarting would pause its run again)."""
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(max(0.5, joined.heartbeat_interval_s))
+                try:
+                    await client.heartbeat(joined.current_round, "joining")
+                except CoordinatorError as e:
+                    log.debug("heartbeat while starting failed: %s", e)
+
+        if self.ranks is not None:  # the ranks build together, collectives included: keep it on this thread
+            return self._start_session(client, exchange, key, joined, rejoin)
+        beating = asyncio.create_task(beat())
+        try:
+            return await asyncio.to_thread(self._start_session, client, exchange, key, joined, rejoin)
+        finally:
+            beating.cancel()
 
     def _start_session(self, client, exchange, key, joined: JoinResponse, rejoin) -> Session:
         from node.training.data import load_corpus
@@ -172,10 +201,19 @@ class Node:
         run = joined.config
         if run.outer.strategy == "ddp":
             raise SystemExit("the ddp baseline syncs every step and runs in the simulator only")
-        corpus = load_corpus(self.config.data or run.model.data)
-        shard = corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
-        training = PeerTraining.build(run, self.config.device, shard,
-                                      val=corpus.val if self.config.eval_every_rounds else None)
+        if self.ranks is not None:  # N ranks, FSDP2 inside (node/training/ranked.py)
+            from node.training.ranked import RankedTraining
+
+            training = RankedTraining.build(self.ranks, run, device=self.config.device,
+                                            data=self.config.data or run.model.data,
+                                            shard_index=joined.data_shard % joined.num_shards,
+                                            num_shards=joined.num_shards, evaluate=bool(self.config.eval_every_rounds))
+        else:
+            corpus = load_corpus(self.config.data or run.model.data)
+            shard = corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
+            training = PeerTraining.build(run, self.config.device, shard,
+                                          val=corpus.val if self.config.eval_every_rounds else None,
+                                          node=self.config)
         self._pipeline = Pipeline(overlap=run.outer.overlap)
         return Session(config=self.config, client=client, exchange=exchange, key=key, faults=self.faults,
                        clock=self._clock, run_id=joined.run_id, peer_id=joined.peer_id, run=run,

@@ -40,6 +40,9 @@ class RoundReport:
     ended_at: float = 0.0  # unix time its outer step (or, with overlap, the previous round's) was applied
     applied_round: int = -1  # the round whose aggregate this report's digest follows (r, or r-1 with overlap)
     manifest_version: int = 1  # of applied_round's manifest; above 1 when it was amended and applied again
+    # this node's contribution scores of applied_round's updates, peer id -> {"loss_delta", "cosine"}
+    # (node/training/scoring.py; sent with the applied report); empty: not scored
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,12 @@ A fault spec (`poison`, node/testing/faults.py's grammar, e.g. "poison@factor=10
 arms the last peer, as `--inject` arms a node: its packets are then refused or clipped like any
 other; only its packets may be refused.
 
+Contribution scoring (`scoring`, on as in a run's default config): after each outer step every peer
+scores the others' updates on a batch of its own shard (node/training/scoring.py), and the round's
+verdicts and standings follow protocol/scoring.py, as the coordinator's do: a peer excluded after
+round r has its packets left out from round r+1 on (the coordinator refuses its submissions). The
+result lists the exclusions (`excluded`: peer -> first round left out) and the final standings.
+
 It writes `summary.json` and `val_loss.png` (validation loss against tokens seen by the whole
 swarm) to --out, and prints a table, or one JSON object with --json.
 
@@ -58,6 +64,8 @@ class SimConfig(BaseModel):
         "median_clip", description="SparseLoCo: median-norm clipping per tensor, or the plain scatter-mean."
     )
     poison: str | None = Field(None, description="A poison fault spec armed in the last peer (sparseloco, diloco).")
+    scoring: bool = Field(True, description="Contribution scoring and exclusion, with the run config's [scoring]"
+                          " defaults (sparseloco, diloco).")
     sparseloco_inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="Paper: 1e-3.")
     diloco_inner_lr: float = Field(8e-4, gt=0.0, le=1.0, description="Paper: 8e-4.")
     diloco_outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="Paper: 0.6..0.7, Nesterov momentum 0.9.")
@@ -93,6 +101,7 @@ class SimConfig(BaseModel):
             "outer": outer | {"overlap": self.overlap},
             "exchange": {"max_packet_bytes": DEFAULT_MAX_PACKET_BYTES},
             "membership": {"min_peers": self.num_peers},
+            "scoring": {"enabled": self.scoring},
         })
 
 
@@ -105,6 +114,8 @@ class StrategyResult:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, val loss)
     digests_identical_every_round: bool = True
     refused: dict[str, list[int]] = field(default_factory=dict)  # peer id -> rounds its payload was refused
+    excluded: dict[str, int] = field(default_factory=dict)  # peer id -> first round its packets were left out
+    standings: dict[str, dict] = field(default_factory=dict)  # peer id -> protocol.scoring.Standing, as JSON
 
 
 def _evaluate(model, corpus, cfg: SimConfig) -> float:
@@ -139,6 +150,7 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
         peers[-1] = FaultInjector.parse([cfg.poison]).wrap_training(peers[-1])
     outers = [peer.outer for peer in peers]
     result = StrategyResult(final_val_loss=float("nan"), tokens=0, bytes_sent_per_peer_per_round=0.0, wall_s=0.0)
+    scorer = _Scorer(run, peer_ids, peers, result) if run.scoring.enabled else None
     eval_model = build_model(model_config(run), cfg.seed).to(cfg.device)  # holds the global model for evaluation
 
     def evaluate_global() -> float:
@@ -160,13 +172,15 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
             payloads[peer_id] = peer.outer.make_payload(run_id="sim", round=r, peer_id=peer_id, base_digest=digest,
                                                         key=keys[peer_id])
             bytes_sent += len(payloads[peer_id])
+        if scorer is not None:  # as the coordinator refuses an excluded peer's submission
+            payloads = {p: payload for p, payload in payloads.items() if not scorer.excluded(p, r)}
         if (landed := pipeline.land(r, payloads)) is not None:
             applied_round, to_apply = landed
-            digest = _apply_everywhere(outers, to_apply, public, applied_round, result, cfg)
+            digest = _apply_everywhere(outers, to_apply, public, applied_round, result, cfg, scorer)
         result.tokens += cfg.num_peers * cfg.inner_steps * cfg.batch_size * cfg.seq_len
         if (r + 1) % cfg.eval_every_rounds == 0 or r + 1 == cfg.num_rounds:
             if r + 1 == cfg.num_rounds and (landed := pipeline.drain()) is not None:
-                digest = _apply_everywhere(outers, landed[1], public, landed[0], result, cfg)  # lands after training
+                digest = _apply_everywhere(outers, landed[1], public, landed[0], result, cfg, scorer)  # after training
             result.curve.append((result.tokens, evaluate_global()))
         progress.set_postfix_str(f"{algo} round {r + 1}/{cfg.num_rounds} val {result.curve[-1][1]:.3f}")
     result.wall_s = time.perf_counter() - start
@@ -179,17 +193,64 @@ def _peer_ids(cfg: SimConfig) -> list[str]:
     return [f"p{i:02d}" for i in range(cfg.num_peers)]
 
 
+class _Scorer:
+    """Contribution scoring in the simulator: every peer scores the others' updates after each
+    outer step; verdicts and standings by protocol/scoring.py, as on the coordinator."""
+
+    def __init__(self, run: RunConfig, peer_ids: list[str], peers: list, result: StrategyResult):
+        from protocol.scoring import ScoringRule, Standing
+
+        self.section, self.rule = run.scoring, ScoringRule.from_section(run.scoring)
+        self.peer_ids, self.peers, self.result = peer_ids, peers, result
+        self.seq_len, self.outer_lr = run.inner.seq_len, run.outer.lr
+        self.standings = {p: Standing() for p in peer_ids}
+
+    def excluded(self, peer_id: str, round: int) -> bool:
+        return self.standings[peer_id].exclusion(round) is not None
+
+    def score(self, index: int, outer, prepared, round: int) -> dict:
+        """Peer `index`'s scores of the round's accepted updates, before its outer step."""
+        from node.training.scoring import pick_peers, reportable, score_updates, scoring_batch
+        from protocol.scoring import Score
+
+        if prepared.aggregates is None:
+            return {}
+        peer = self.peers[index]
+        picked = pick_peers(prepared.result.accepted, self.peer_ids[index], round, self.section.max_peers_per_round)
+        batch = scoring_batch(peer.shard, round, self.section.batch_sequences, self.seq_len, peer.seed, peer.device)
+        scores = score_updates(peer.model, outer.start, {p: prepared.updates[p] for p in picked},
+                               prepared.aggregates, batch, self.outer_lr)
+        return {p: Score(s.loss_delta, s.cosine) for p, s in reportable(scores).items()}
+
+    def judge(self, reports: dict, contributors: list[str], round: int) -> None:
+        from protocol.scoring import round_verdicts, update_standing
+
+        for peer_id, verdict in round_verdicts(reports, contributors, self.rule).items():
+            was = self.standings[peer_id]
+            self.standings[peer_id] = now = update_standing(was, round, verdict, self.rule)
+            if now.excluded_at is not None and now.excluded_at != was.excluded_at:
+                self.result.excluded[peer_id] = round + 1
+        self.result.standings = {p: json.loads(s.to_json()) for p, s in self.standings.items()}
+
+
 def _apply_everywhere(outers, payloads: dict[str, bytes], public: dict[str, bytes], round: int,
-                      result: StrategyResult, cfg: SimConfig) -> str:
+                      result: StrategyResult, cfg: SimConfig, scorer: _Scorer | None = None) -> str:
     """Every peer applies the round's payloads; they must agree bit for bit on the global model
-    and refuse only the poisoned peer's payload (the last peer's, when cfg.poison is set)."""
+    and refuse only the poisoned peer's payload (the last peer's, when cfg.poison is set). With
+    `scorer`, every peer scores the round's updates before its outer step, and the round is judged."""
     from node.training.params import param_digest
 
     poisoned = _peer_ids(cfg)[-1] if cfg.poison is not None else None
-    for outer in outers:
-        applied = outer.apply(payloads, public.__getitem__, run_id="sim", round=round)
+    reports = {}
+    for index, outer in enumerate(outers):
+        prepared = outer.prepare(payloads, public.__getitem__, run_id="sim", round=round)
+        if scorer is not None:
+            reports[scorer.peer_ids[index]] = scorer.score(index, outer, prepared, round)
+        applied = outer.commit(prepared)
         if set(applied.refused) - {poisoned}:
             raise RuntimeError(f"round {round}: honest packets refused: {applied.refused}")
+    if scorer is not None:
+        scorer.judge(reports, applied.accepted, round)
     for peer in applied.refused:
         result.refused.setdefault(peer, []).append(round)
     digests = {param_digest(outer.start) for outer in outers}

@@ -14,7 +14,14 @@ Decisions at the boundaries, each logged:
   `CatchUpNeeded` and catches up (node/round/catchup.py);
 - a round this node applied whose manifest was amended since: recomputed from the kept round
   start before the next outer step (amend.py);
-- a packet that fails to verify or decode is left out (deterministically, by every honest peer).
+- a packet that fails to verify or decode is left out (deterministically, by every honest peer);
+- a submission refused "excluded" (contribution scoring judged this peer's updates harmful,
+  protocol/scoring.py): as a late one, the node applies the round without its packet and trains on.
+
+Contribution scores: before its outer step the node scores the round's updates on a batch of its own
+data (node/training/scoring.py, in a worker thread, with nothing training meanwhile) and sends them
+with its applied report; the report records them. Scoring that fails is logged and skipped: it never
+holds up a round.
 """
 
 from __future__ import annotations
@@ -31,15 +38,16 @@ from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
 from node.testing.faults import Phase
 from node.training.params import param_tree
+from node.training.scoring import PeerScore
 from protocol.digest import Tree
-from protocol.http import MAX_REFUSED, AppliedResponse, ErrorCode, RoundView
+from protocol.http import MAX_REFUSED, MAX_SCORES, AppliedResponse, ErrorCode, PeerScoreReport, RoundView
 
 log = logging.getLogger("locoswarm.node")
 
 MAX_REASON_CHARS = 256
 # Refusals of a submission after which the round goes on without this node's packet ("run_closed":
 # the run's last round closed first; its manifest is still applied, then the loop ends).
-REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round_not_open", "run_closed")
+REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round_not_open", "run_closed", "excluded")
 
 
 class CatchUpNeeded(Exception):
@@ -137,7 +145,8 @@ async def send(s: Session, round: int, base_digest: str, report: RoundReport, op
         if e.code not in REFUSED_SUBMISSION_CODES:
             raise
         report.submitted = False
-        log.warning("round %d: submission refused (%s); applying the round without this packet", round, e.code)
+        log.warning("round %d: submission refused (%s%s); applying the round without this packet", round, e.code,
+                    f": {e.detail}" if e.code == "excluded" else "")
 
 
 async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch, decoded: Decoded,
@@ -193,11 +202,13 @@ async def prepare(s: Session, view: RoundView, payloads: dict[str, bytes], decod
 
 
 async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTimes, decoded: Decoded,
-                         payloads: dict[str, bytes] | None = None, prepared=None, report_missing: bool = True):
+                         payloads: dict[str, bytes] | None = None, prepared=None, report_missing: bool = True,
+                         scores_out: dict[str, PeerScore] | None = None):
     """Take the round's outer step (fetching and aggregating its manifest unless given); report
     the digest of the global model; serve a snapshot of it. Packets that cannot be fetched are
     reported missing and the round applied as amended without them (`report_missing`; a replay
-    does not report: it loads a snapshot instead)."""
+    does not report: it loads a snapshot instead, nor scores). The round's contribution scores,
+    sent with the report, are also put in `scores_out` when given."""
     if payloads is None:
         payloads = await fetch_manifest(s, round, view, times)
     await s.faults.at_phase(Phase.TRANSFER, round, exchange=s.exchange, peer_id=s.peer_id)
@@ -219,12 +230,15 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
     if prepared is None:
         prepared = await prepare(s, view, payloads, decoded)
     amend.keep(s, round, view, payloads)
+    scores = await score(s, round, prepared) if report_missing else {}
     applied = s.outer.commit(prepared)
     tree = await asyncio.to_thread(param_tree, s.outer.start)
     s.digest = tree.hex
     s.params_round = round + 1
     times.aggregate_s += time.perf_counter() - start  # after the prepare's share, if collect ran it
-    response = await _report(s, round, applied, view.manifest_version)
+    if scores_out is not None:
+        scores_out.update(scores)
+    response = await _report(s, round, applied, view.manifest_version, scores)
     if response.manifest_version > view.manifest_version:  # amended while this node fetched
         applied = await _recompute_if_amended(s, await s.client.round(round)) or applied
     if outdated := s.amendments.outdated(response.amended):
@@ -237,14 +251,18 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
     return applied
 
 
-async def _report(s: Session, round: int, applied, manifest_version: int) -> AppliedResponse:
+async def _report(s: Session, round: int, applied, manifest_version: int,
+                  scores: dict[str, PeerScore] | None = None) -> AppliedResponse:
     """Tell the coordinator the digest after `round` (as of `manifest_version`); what this node
-    left out, and why, goes on its status page; so does the validation loss, in rounds it is due."""
+    left out, and why, goes on its status page; so does the validation loss, in rounds it is due,
+    and the contribution scores."""
     refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
     val_loss = await _validation_loss(s, round)
+    reports = {peer: PeerScoreReport(loss_delta=sc.loss_delta, cosine=sc.cosine)
+               for peer, sc in sorted((scores or {}).items())[:MAX_SCORES]}
     try:
         response = await s.signed(s.client.applied, round, s.digest, refused=refused,
-                                  manifest_version=manifest_version, val_loss=val_loss)
+                                  manifest_version=manifest_version, val_loss=val_loss, scores=reports)
     except Refused as e:
         if e.code != "conflicting_report":
             raise
@@ -258,6 +276,34 @@ async def _report(s: Session, round: int, applied, manifest_version: int) -> App
         log.warning("round %d: my digest %s differs from the provisional majority %s", round, s.digest[:12],
                     (response.majority_digest or "(none)")[:12])
     return response
+
+
+async def score(s: Session, round: int, prepared) -> dict[str, PeerScore]:
+    """This node's contribution scores of the round's updates (`prepared`, before the outer step
+    moves the start); {} when scoring is off, nothing was accepted, or scoring failed (logged)."""
+    section = s.run.scoring
+    if not section.enabled or prepared is None or prepared.aggregates is None or not prepared.updates:
+        return {}
+    from node.training.scoring import pick_peers, reportable, score_updates, scoring_batch
+
+    def work() -> dict[str, PeerScore]:
+        picked = pick_peers(prepared.result.accepted, s.peer_id, round, section.max_peers_per_round)
+        if not picked:
+            return {}
+        t = s.training
+        batch = scoring_batch(t.shard, round, section.batch_sequences, t.inner.seq_len, t.seed, t.device)
+        return reportable(score_updates(t.model, s.outer.start, {p: prepared.updates[p] for p in picked},
+                                        prepared.aggregates, batch, s.run.outer.lr))
+
+    start = time.perf_counter()
+    try:
+        scores = await asyncio.to_thread(work)
+    except Exception as e:  # scores are advice to the coordinator: a round never fails for them
+        log.warning("round %d: no contribution scores: %s: %s", round, type(e).__name__, e)
+        return {}
+    log.info("round %d: scored %d update(s) in %.2f s: %s", round, len(scores), time.perf_counter() - start,
+             ", ".join(f"{p[:8]} {sc.loss_delta:+.4f}/{sc.cosine:+.2f}" for p, sc in scores.items()))
+    return scores
 
 
 async def _validation_loss(s: Session, round: int) -> float | None:
@@ -299,7 +345,8 @@ async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
 async def apply_and_report(s: Session, report: RoundReport, applied_round: int, view: RoundView, payloads,
                            prepared, decoded: Decoded) -> RoundReport:
     """Apply `applied_round` (the report's round, or with overlap the one before) and fill the report."""
-    applied = await apply_manifest(s, applied_round, view, report.times, decoded, payloads, prepared)
+    scores: dict[str, PeerScore] = {}
+    applied = await apply_manifest(s, applied_round, view, report.times, decoded, payloads, prepared, scores_out=scores)
     traffic = s.exchange.traffic(applied_round)
     report.digest, report.num_packets, report.refused = s.digest, len(applied.accepted), applied.refused
     report.downloaded_bytes, report.fetching_s = traffic.downloaded_bytes, traffic.fetching_s()
@@ -309,6 +356,7 @@ async def apply_and_report(s: Session, report: RoundReport, applied_round: int, 
     report.uploaded_bytes = s.exchange.traffic(report.round).uploaded_bytes
     report.ended_at, report.applied_round = s.clock(), applied_round
     report.manifest_version = s.amendments.applied_versions.get(applied_round, view.manifest_version)
+    report.scores = {peer: {"loss_delta": sc.loss_delta, "cosine": sc.cosine} for peer, sc in scores.items()}
     return report
 
 

@@ -220,13 +220,14 @@ class FaultInjector:
         generator = torch.Generator().manual_seed(round)
         with torch.no_grad():
             for name, p in outer.params.items():
-                delta = outer.local_start[name] - p  # what outer.deltas() yields
+                start = outer.local_start[name].to(p.device)  # pinned host memory under CUDA placement
+                delta = start - p  # what outer.deltas() yields
                 if spec.mode in ("scale", "sign-flip"):
                     poisoned = delta * (spec.factor if spec.mode == "scale" else -spec.factor)
                 else:
                     spread = delta.float().std() if delta.numel() > 1 else delta.abs().max()
                     poisoned = torch.randn(delta.shape, generator=generator).to(delta) * spread * spec.factor
-                p.copy_(outer.local_start[name] - poisoned)
+                p.copy_(start - poisoned)
 
     @staticmethod
     def _overflow_packet(data: bytes, key) -> bytes:

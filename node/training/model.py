@@ -12,7 +12,8 @@ fp32: they are the master copy the outer step updates; the inner loop runs bf16 
 Usage:
     model = build_model("small", seed=0)         # nn.Module on the CPU, fp32
     logits = model(tokens)                       # (B, T) int64 -> (B, T, vocab) fp32
-    loss = lm_loss(model, x, y)                  # scalar mean next-token cross-entropy
+    loss = lm_loss(model, x, y)                  # scalar mean next-token cross-entropy (chunked when large)
+    model.activation_checkpointing = True        # a node option: recompute each block in backward
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# SDPA's own grouped-query attention (`enable_gqa`) arrived in torch 2.5.
+SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+# Tokens per piece of the chunked cross-entropy (`lm_loss`): at most this many rows of fp32 logits
+# exist at once, 2048 x 128256 x 4 B = 1 GB for the 8B vocabulary instead of 4 GB per 8192 tokens.
+LOSS_CHUNK_TOKENS = 2048
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +100,19 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=32000, hidden=2048, num_layers=22, num_heads=32, num_kv_heads=4,
         intermediate=5632, max_seq_len=2048, tie_embeddings=False,
     ),
+    # ~3.2B: the LLaMA-3.2-3B shape (hidden 3072, 28 layers, 24 query heads over 8 key/value heads,
+    # SwiGLU 8192, the LLaMA-3 vocabulary of 128256, tied embeddings; rope base 500000, without
+    # LLaMA-3.2's long-context rope scaling).
+    "3b": ModelConfig(
+        vocab_size=128256, hidden=3072, num_layers=28, num_heads=24, num_kv_heads=8,
+        intermediate=8192, max_seq_len=8192, rope_theta=500000.0,
+    ),
+    # ~8.0B: the LLaMA-3-8B shape (hidden 4096, 32 layers, 32 query heads over 8 key/value heads,
+    # SwiGLU 14336, vocab 128256, untied; rope base 500000). An 8-GPU peer shards it (FSDP2).
+    "8b": ModelConfig(
+        vocab_size=128256, hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        intermediate=14336, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
+    ),
 }
 
 
@@ -150,13 +171,16 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.num_kv_heads != self.num_heads:
+        if self.num_kv_heads == self.num_heads:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        elif SDPA_HAS_GQA:
             # Grouped-query attention: each key/value head serves num_heads/num_kv_heads queries.
-            # repeat_interleave rather than SDPA's enable_gqa, which needs torch >= 2.5.
+            # SDPA broadcasts the groups itself, so K/V are never copied out to H heads.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, D)
+        else:  # torch < 2.5 has no enable_gqa: copy each K/V head out to its group of queries
             groups = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(groups, dim=1)  # (B, H, T, D)
-            v = v.repeat_interleave(groups, dim=1)  # (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, T, D)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, C)
         return self.o_proj(y)
 
@@ -199,6 +223,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # A node option, not part of the architecture: when training, keep only each block's input
+        # and recompute its activations in the backward pass (about one extra forward of compute).
+        self.activation_checkpointing = False
 
     def reset_rope(self) -> None:
         """Recompute the rotary tables (after `to_empty`, which leaves buffers uninitialised)."""
@@ -207,22 +234,54 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final normalised residual stream, (B, T) int64 -> (B, T, C): the logits before lm_head."""
         B, T = tokens.shape  # (B, T)
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D)
         x = self.embed(tokens)  # (B, T, C)
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin)  # (B, T, C)
-        return self.lm_head(self.norm(x))  # (B, T, V)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)  # (B, T, C), activations dropped
+            else:
+                x = layer(x, cos, sin)  # (B, T, C)
+        return self.norm(x)  # (B, T, C)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(tokens))  # (B, T, V)
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of `model` on inputs x and targets y, both (B, T) int64."""
-    logits = model(x)  # (B, T, V)
-    # Cross-entropy in fp32: the log-softmax over a large vocabulary is not safe in bf16.
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+def _chunk_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # hidden (N, C), targets (N,) -> summed fp32 cross-entropy; the (N, V) logits live only in here.
+    return F.cross_entropy(lm_head(hidden).float(), targets, reduction="sum")
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+            chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """Mean next-token cross-entropy of `model` on inputs x and targets y, both (B, T) int64.
+
+    Cross-entropy runs in fp32 (the log-softmax over a large vocabulary is not safe in bf16). With
+    more than `chunk_tokens` tokens, the project's Transformer computes it chunk by chunk, each
+    chunk's logits recomputed in the backward pass, so the full (B*T, V) fp32 logits never exist;
+    equal to the plain loss up to the order of the float sums. Up to `chunk_tokens`, and for any
+    other module, it is the plain form, bit for bit.
+    """
+    if not isinstance(model, Transformer) or x.numel() <= chunk_tokens:
+        logits = model(x)  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    hidden = model.hidden_states(x).flatten(0, 1)  # (N, C)
+    targets = y.flatten()  # (N,)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, targets.numel(), chunk_tokens):  # a few pieces, each one whole-tensor op
+        piece = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss_sum, model.lm_head, hidden[piece], targets[piece],
+                                       use_reentrant=False)
+        else:
+            total = total + _chunk_loss_sum(model.lm_head, hidden[piece], targets[piece])
+    return total / targets.numel()
 
 
 def autocast_for(device: torch.device | str) -> contextlib.AbstractContextManager:

@@ -21,6 +21,16 @@ Every payload is bounded before it is aggregated: a value (decoded, or a dense e
 The third baseline, `ddp` (gradients averaged every inner step), has no outer step and lives in
 the simulator only.
 
+Placement (`state_placement`, a node option): the parameters and the inner optimizer live on the
+training device; the outer state (round start, error buffers, aggregates, DiLoCo's momentum) stays
+fp32 and lives in pinned host memory when training on CUDA ("host", the default) or beside the
+parameters ("device"). The aggregate is the exception without overlap: it exists only between the
+inner steps, when the gradients' memory on the training device is free, so it is made there (with
+overlap it is made beside training, in the state's memory). Copies between the two are non-blocking, and work that is heavy per element
+(error feedback and Top-k) is staged to the training device one tensor at a time; every method
+waits for its copies before it returns, so host readers (digest, checkpoint, snapshot) see them.
+On the CPU both placements are the same memory and the same code path.
+
 Determinism: payloads are aggregated in peer-id order, each peer's values added once per element
 in float32, median-clip norms are float64 sums in a fixed order (kernels.sparse.SparseTensor.squared_norm),
 and the outer step is computed as separate IEEE operations, so the result does not depend on arrival
@@ -48,6 +58,19 @@ log = logging.getLogger(__name__)
 
 STRATEGIES = ("sparseloco", "diloco")
 AGGREGATIONS = ("median_clip", "mean")
+STATE_PLACEMENTS = ("host", "device")
+
+
+def state_device_for(param_device: torch.device | str, placement: str) -> tuple[torch.device, bool]:
+    """Where the outer state of parameters on `param_device` lives under `placement`, and whether
+    it is pinned: "host" puts it in CPU memory (pinned for CUDA, so copies can be non-blocking),
+    "device" beside the parameters. Pure: it answers for CUDA on a machine without one."""
+    if placement not in STATE_PLACEMENTS:
+        raise ValueError(f"outer state placement must be one of {STATE_PLACEMENTS}, got {placement!r}")
+    param_device = torch.device(param_device)
+    if placement == "device" or param_device.type in ("cpu", "meta"):
+        return param_device, False
+    return torch.device("cpu"), param_device.type == "cuda"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +115,9 @@ class Prepared:
 
     result: ApplyResult
     aggregates: dict[str, torch.Tensor] | None  # name -> aggregate; None when no payload was usable
+    # peer id -> name -> its decoded update (SparseTensor, or DiLoCo's dense delta), for contribution
+    # scoring (node/training/scoring.py); sparse, so small beside the aggregates
+    updates: dict[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 class OuterStep:
@@ -106,11 +132,34 @@ class OuterStep:
     model is G_r - delta_r: the global model plus its own update still in flight.
     """
 
-    def __init__(self, params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig):
+    def __init__(self, params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig, state_placement: str = "host"):
         self.params = dict(params)
         self.cfg = cfg
-        self.start = {name: p.detach().clone() for name, p in self.params.items()}
-        self.local_start = {name: p.detach().clone() for name, p in self.params.items()}
+        self.param_device = next(iter(self.params.values())).device if self.params else torch.device("cpu")
+        self.state_device, self.state_pinned = state_device_for(self.param_device, state_placement)
+        self.aggregate_device = self.state_device if cfg.overlap else self.param_device
+        self.start = {name: self._state_copy(p) for name, p in self.params.items()}
+        # Without overlap the local round start is always the global one: one buffer serves both.
+        self.local_start = ({name: self._state_copy(p) for name, p in self.params.items()} if cfg.overlap
+                            else self.start)
+        self._copies_done()
+
+    def _state_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of `tensor` in the outer state's memory (queued, non-blocking)."""
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.state_device, pin_memory=self.state_pinned)
+        return out.copy_(tensor.detach(), non_blocking=True)
+
+    def _state_zeros(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(like.shape, dtype=torch.float32, device=self.state_device, pin_memory=self.state_pinned)
+
+    def _to_params(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the training device (itself when it is there already)."""
+        return tensor.to(self.param_device, non_blocking=True)
+
+    def _copies_done(self) -> None:
+        """Wait for the non-blocking copies into host memory, before any host code reads it."""
+        if self.param_device.type == "cuda" and self.state_device != self.param_device:
+            torch.cuda.current_stream(self.param_device).synchronize()
 
     # The payload errors `decode` raises for a hostile or broken payload (it is refused, not fatal).
     refusable: tuple[type[Exception], ...] = (ProtocolError,)
@@ -143,20 +192,22 @@ class OuterStep:
     def begin_round(self) -> None:
         """Mark the start of this peer's inner steps (without overlap also the global model)."""
         for name, p in self.params.items():
-            self.local_start[name].copy_(p.detach())
-            if not self.cfg.overlap:
-                self.start[name].copy_(p.detach())
+            self.local_start[name].copy_(p.detach(), non_blocking=True)  # also `start` without overlap
+        self._copies_done()
 
     def reset_to_params(self) -> None:
         """Take the current parameters as the global model (after a snapshot load or a resume)."""
         for name, p in self.params.items():
-            self.start[name].copy_(p.detach())
-            self.local_start[name].copy_(p.detach())
+            self.start[name].copy_(p.detach(), non_blocking=True)
+            if self.local_start is not self.start:
+                self.local_start[name].copy_(p.detach(), non_blocking=True)
+        self._copies_done()
 
     def finish(self) -> None:
         """Set the parameters to the global model (end of an overlapped run, before evaluation)."""
         for name, p in self.params.items():
-            p.data.copy_(self.start[name])
+            p.data.copy_(self.start[name], non_blocking=True)
+        self._copies_done()
 
     def apply(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes] | None = None, *,
               run_id: str = "", round: int = 0) -> ApplyResult:
@@ -173,30 +224,32 @@ class OuterStep:
 
     def deltas(self):
         for name, p in self.params.items():
-            yield name, self.local_start[name] - p.detach()
+            yield name, self._to_params(self.local_start[name]) - p.detach()  # on the training device
 
     def _apply_nothing(self) -> None:
         """A round with no usable packet (empty manifest, all refused): the global model stays, and
         every peer's parameters go back to it. Leaving the locally trained ones would fork the peers."""
         for name in self.params:
             self._set_params(name, self.start[name].clone())
+        self._copies_done()
 
     def _set_params(self, name: str, new: torch.Tensor) -> None:
+        """The new global model of tensor `name` (on either device; with overlap in the state's
+        memory). The caller waits for the copies (`_copies_done`) once all tensors are set."""
         if self.cfg.overlap:
             # Keep this peer's progress since its round start on top of the new global model.
-            self.params[name].data.add_(new - self.local_start[name])
+            self.params[name].data.add_(self._to_params(new - self.local_start[name]))
         else:
-            self.params[name].data.copy_(new)
-            self.local_start[name].copy_(new)
-        self.start[name].copy_(new)
+            self.params[name].data.copy_(new, non_blocking=True)
+        self.start[name].copy_(new)  # also `local_start` without overlap
 
 
 class SparseLoCoOuter(OuterStep):
-    def __init__(self, params, cfg: OuterConfig):
-        super().__init__(params, cfg)
+    def __init__(self, params, cfg: OuterConfig, state_placement: str = "host"):
+        super().__init__(params, cfg, state_placement)
         self.spec = ModelSpec.from_named_tensors(self.params, cfg.top_k, cfg.chunk_size)
         self.layouts = self.spec.layouts()
-        self.error_buffers = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in self.params.items()}
+        self.error_buffers = {name: self._state_zeros(p) for name, p in self.params.items()}
 
     def load_snapshot_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         # What the buffers held belongs to rounds this peer missed: start over rather than send it late.
@@ -208,11 +261,16 @@ class SparseLoCoOuter(OuterStep):
                      deltas: Mapping[str, torch.Tensor] | None = None) -> bytes:
         """Fold this round's delta (given, or the parameters' since the round began) into the error
         buffers and encode what leaves them."""
-        sparse = {
-            name: error_feedback_step(self.error_buffers[name], delta.float(), self.layouts[name],
-                                      self.cfg.error_decay, self.cfg.outer_lr)
-            for name, delta in (deltas.items() if deltas is not None else self.deltas())
-        }
+        sparse = {}
+        for name, delta in (deltas.items() if deltas is not None else self.deltas()):
+            # Top-k runs on the training device: the buffer is staged there a tensor at a time.
+            buffer = self.error_buffers[name]
+            staged = self._to_params(buffer)
+            sparse[name] = error_feedback_step(staged, self._to_params(delta.float()), self.layouts[name],
+                                               self.cfg.error_decay, self.cfg.outer_lr)
+            if staged is not buffer:
+                buffer.copy_(staged, non_blocking=True)
+        self._copies_done()
         return encode_packet(run_id, round, peer_id, bytes.fromhex(base_digest), self.spec, sparse, key)
 
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
@@ -239,12 +297,12 @@ class SparseLoCoOuter(OuterStep):
                 for peer, scale in zip(result.accepted, scales):
                     if scale < 1.0:
                         result.scales.setdefault(peer, {})[name] = scale
-            aggregate = scatter_mean(selections, device=p.device, divide_by_peers=self.cfg.divide_by_peers,
-                                     peer_scales=scales)
+            aggregate = scatter_mean(selections, device=self.aggregate_device,
+                                     divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales)
             if self.cfg.outer_lr != 1.0:
                 aggregate = aggregate * self.cfg.outer_lr
             aggregates[name] = aggregate
-        return Prepared(result, aggregates)
+        return Prepared(result, aggregates, decoded)
 
     def commit(self, prepared: Prepared) -> ApplyResult:
         """The outer step: theta = theta_start - outer_lr * aggregate."""
@@ -252,14 +310,16 @@ class SparseLoCoOuter(OuterStep):
             self._apply_nothing()
         else:
             for name in self.params:
-                self._set_params(name, self.start[name] - prepared.aggregates[name])
+                aggregate = prepared.aggregates[name]
+                self._set_params(name, self.start[name].to(aggregate.device, non_blocking=True) - aggregate)
+            self._copies_done()
         return prepared.result
 
 
 class DiLoCoOuter(OuterStep):
-    def __init__(self, params, cfg: OuterConfig):
-        super().__init__(params, cfg)
-        self.momentum = {name: torch.zeros_like(p) for name, p in self.params.items()}
+    def __init__(self, params, cfg: OuterConfig, state_placement: str = "host"):
+        super().__init__(params, cfg, state_placement)
+        self.momentum = {name: self._state_zeros(p) for name, p in self.params.items()}
         self.shapes = {name: tuple(p.shape) for name, p in self.params.items()}
 
     def snapshot_state(self) -> dict[str, torch.Tensor]:
@@ -310,7 +370,7 @@ class DiLoCoOuter(OuterStep):
             for peer in result.accepted:
                 total += deltas[peer][name].to(total.device)
             means[name] = total / len(result.accepted)
-        return Prepared(result, means)
+        return Prepared(result, means, deltas)
 
     def commit(self, prepared: Prepared) -> ApplyResult:
         """Outer SGD with (Nesterov) momentum on the mean delta."""
@@ -324,8 +384,11 @@ class DiLoCoOuter(OuterStep):
                 self.momentum[name].mul_(mu).add_(update)
                 update = update + mu * self.momentum[name] if self.cfg.nesterov else self.momentum[name].clone()
             self._set_params(name, self.start[name] - update * lr)
+        self._copies_done()
         return prepared.result
 
 
-def make_outer(params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig) -> SparseLoCoOuter | DiLoCoOuter:
-    return {"sparseloco": SparseLoCoOuter, "diloco": DiLoCoOuter}[cfg.strategy](params, cfg)
+def make_outer(params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig,
+               state_placement: str = "host") -> SparseLoCoOuter | DiLoCoOuter:
+    """The outer step of `cfg.strategy`; `state_placement` ("host", "device"): see the module docstring."""
+    return {"sparseloco": SparseLoCoOuter, "diloco": DiLoCoOuter}[cfg.strategy](params, cfg, state_placement)

@@ -14,16 +14,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from node.training.build import inner_config, model_config, outer_config
 from node.training.data import EmptyData, TokenDataset, check_vocabulary, evaluate
-from node.training.inner import InnerConfig, InnerResult, make_inner_optimizer, run_inner_steps
+from node.training.inner import (ExecutionConfig, InnerConfig, InnerResult, make_inner_optimizer, prepare_model,
+                                  run_inner_steps)
 from node.training.model import build_model
 from node.training.outer import DiLoCoOuter, SparseLoCoOuter, make_outer
 from node.training.params import flat_named_params
 from protocol.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from node.config import NodeConfig
 
 log = logging.getLogger("locoswarm.node")
 
@@ -39,16 +44,26 @@ class PeerTraining:
     seed: int  # data order
     inner_steps: int  # H
     val: TokenDataset | None = None  # the held-out split, for `evaluate_global` (None: no evaluation)
+    execution: ExecutionConfig = ExecutionConfig()  # this node's micro-batches, checkpointing, compile
+
+    @staticmethod
+    def execution_of(node: "NodeConfig") -> ExecutionConfig:
+        """The inner-step execution choices of a node config (node/config.py)."""
+        return ExecutionConfig(micro_batch_size=node.micro_batch_size, compile=node.compile_model,
+                               activation_checkpointing=node.activation_checkpointing,
+                               loss_chunk_tokens=node.loss_chunk_tokens)
 
     @classmethod
     def build(cls, run: RunConfig, device: torch.device | str, shard: TokenDataset,
-              inner: InnerConfig | None = None, val: TokenDataset | None = None) -> "PeerTraining":
+              inner: InnerConfig | None = None, val: TokenDataset | None = None,
+              node: "NodeConfig | None" = None) -> "PeerTraining":
         """The peer's state at the run's start (seeded initialisation or the run's init_from, zero
         error feedback); `inner` replaces the run's inner config (the simulator's per-strategy
         learning rates); `val` is the held-out split `evaluate_global` reads. A shard the run's
         model cannot train on is refused before anything is built (node.training.data.DataMismatch),
         and so is an init_from that is not the run's (node.training.hf.InitMismatch): each says what
-        to do."""
+        to do. `node` brings this node's choices: where the outer state lives (outer_state_device)
+        and how the inner steps run (`execution_of`); unset: the defaults."""
         device = torch.device(device)
         cfg = model_config(run)
         # Before anything is built: shards of another tokenizer, or with ids the model cannot embed,
@@ -62,9 +77,12 @@ class PeerTraining:
             load_init_weights(model, run.model.init_from, run.model.init_sha256)
         model = model.to(device)
         inner = inner or inner_config(run)
-        return cls(model=model, optimizer=make_inner_optimizer(model, inner), inner=inner,
-                   outer=make_outer(flat_named_params(model), outer_config(run)), shard=shard, device=device,
-                   seed=run.model.seed, inner_steps=run.inner.steps, val=val)
+        execution = cls.execution_of(node) if node is not None else ExecutionConfig()
+        prepare_model(model, execution)
+        outer = make_outer(flat_named_params(model), outer_config(run),
+                           node.outer_state_device if node is not None else "host")
+        return cls(model=model, optimizer=make_inner_optimizer(model, inner), inner=inner, outer=outer, shard=shard,
+                   device=device, seed=run.model.seed, inner_steps=run.inner.steps, val=val, execution=execution)
 
     def evaluate_global(self, num_batches: int = 1) -> float | None:
         """Mean loss of the global model (`outer.start`, the same on every peer) on the first
@@ -102,4 +120,4 @@ class PeerTraining:
         batches = self.shard.batches(self.inner.batch_size, self.inner.seq_len, self.seed, self.device,
                                      start_step=start_step)
         return run_inner_steps(self.model, self.optimizer, batches, start_step, self.inner_steps, self.inner,
-                               self.device, on_step, on_step_queued)
+                               self.device, on_step, on_step_queued, self.execution)

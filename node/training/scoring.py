@@ -11,25 +11,36 @@ accepted packet of a round itself, after the outer step's aggregate is known:
   working against the swarm.
 
 The node reports the scores with its applied digest; the coordinator keeps a running score per
-peer from every reporter's figures and leaves a peer whose updates keep hurting out of the
-manifests (coordinator/scoring.py). Scores never change what a node applies in the round they
-are computed for: the outer step stays identical on every honest peer.
+peer from every reporter's figures and refuses the packets of a peer whose updates keep hurting
+(the rule: protocol/scoring.py). Scores never change what a node applies in the round they are
+computed for: the outer step stays identical on every honest peer.
 
-Cost: one forward pass on the held-out batch for the start and one per scored peer, with one dense
-copy of the parameters at a time, in no_grad; the batch is small (`scoring_batch_size` sequences).
+The batch (`scoring_batch`) is `scoring.batch_sequences` windows of the node's own shard, drawn
+for the round with a seed apart from training's: data the other peers never trained on (shards
+are disjoint), so an update is judged on how it generalises. A node does not score itself, and
+scores at most `scoring.max_peers_per_round` peers (`pick_peers`: a pick that rotates with the
+round and the node, so every peer gets judges at any swarm size).
+
+Cost: one forward pass on the batch for the start and one per scored peer, with one dense copy of
+the parameters at a time, in no_grad.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from kernels.sparse import SparseTensor, decompress
+from node.training.data import TokenDataset
 from node.training.model import lm_loss
+from protocol.http import MAX_ABS_LOSS_DELTA  # reported loss deltas are clamped to it
+
+SCORING_SEED = 0x5C0E  # added to the run's seed: scoring batches are not training's
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +53,13 @@ class PeerScore:
 def score_updates(
     model: nn.Module,
     start: Mapping[str, torch.Tensor],
-    updates: Mapping[str, Mapping[str, SparseTensor]],
+    updates: Mapping[str, Mapping[str, SparseTensor | torch.Tensor]],
     aggregate: Mapping[str, torch.Tensor],
     batch: tuple[torch.Tensor, torch.Tensor],
     outer_lr: float = 1.0,
 ) -> dict[str, PeerScore]:
-    """Score each peer's decoded update (peer id -> name -> SparseTensor). The model's parameters are
-    set to each candidate in turn and restored to what they held before the call."""
+    """Score each peer's decoded update (peer id -> name -> SparseTensor, or a dense delta). The
+    model's parameters are set to each candidate in turn and restored to what they held before."""
     params = dict(model.named_parameters())
     saved = {name: p.detach().clone() for name, p in params.items() if name in start}
     x, y = batch
@@ -60,7 +71,8 @@ def score_updates(
         for peer_id in sorted(updates):
             dot, squares = 0.0, 0.0
             for name, sparse in updates[peer_id].items():
-                dense = decompress(sparse).to(params[name].device, torch.float32).reshape(params[name].shape)
+                dense = decompress(sparse) if isinstance(sparse, SparseTensor) else sparse
+                dense = dense.to(params[name].device, torch.float32).reshape(params[name].shape)
                 params[name].copy_(start[name] - outer_lr * dense)
                 dot += float((dense.double() * aggregate[name].double()).sum())
                 squares += float(dense.double().square().sum())
@@ -80,3 +92,29 @@ def score_updates(
 def _set(params: Mapping[str, nn.Parameter], values: Mapping[str, torch.Tensor]) -> None:
     for name, value in values.items():
         params[name].copy_(value)
+
+
+def scoring_batch(shard: TokenDataset, round: int, num_sequences: int, seq_len: int, seed: int,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Round r's scoring batch from this node's shard: (B, T) inputs and targets."""
+    return shard.batch(round, num_sequences, seq_len, (seed + SCORING_SEED) % 2**63, device)
+
+
+def pick_peers(peer_ids: Collection[str], scorer_id: str, round: int, max_peers: int) -> list[str]:
+    """The peers `scorer_id` scores in round r: all others when they are few, else `max_peers` of
+    them by a hash of (round, scorer, peer), which every party can recompute."""
+    others = sorted(p for p in peer_ids if p != scorer_id)
+    if len(others) <= max_peers:
+        return others
+    rank = {p: hashlib.sha256(f"{round}:{scorer_id}:{p}".encode()).digest() for p in others}
+    return sorted(sorted(others, key=rank.__getitem__)[:max_peers])
+
+
+def reportable(scores: Mapping[str, PeerScore]) -> dict[str, PeerScore]:
+    """Scores as the applied report carries them: finite, loss deltas within MAX_ABS_LOSS_DELTA."""
+    out = {}
+    for peer_id, score in scores.items():
+        delta = score.loss_delta if not math.isnan(score.loss_delta) else math.inf
+        cosine = score.cosine if math.isfinite(score.cosine) else 0.0
+        out[peer_id] = PeerScore(loss_delta=max(-MAX_ABS_LOSS_DELTA, min(MAX_ABS_LOSS_DELTA, delta)), cosine=cosine)
+    return out

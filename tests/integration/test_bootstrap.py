@@ -4,8 +4,9 @@ A node restarted after a crash is handed the addresses of peers that died with i
 here are of three kinds: a p2pd that was started and shut down (its port closed), a made-up peer
 id on a closed port, and a listener whose backlog is full, so that further connection attempts
 are dropped without an answer (a host that went away). A live p2pd with no DHT node on it stands
-for a daemon that outlived its node. Every process is stopped by its own handle; every test ends
-by checking that no p2pd child of the test process survives.
+for a daemon that outlived its node. A node whose p2pd was killed under it still shuts down in
+seconds. Every process is stopped by its own handle; every test ends by checking that no p2pd
+child of the test process survives.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import time
 
@@ -28,6 +30,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 BOOTSTRAP_TIMEOUT_S = 1.0
 START_BOUND_S = 10.0  # p2pd start-up on a loaded 2-core machine, plus the dial time-out
 ALONE = "started a DHT of its own"
+SHUTDOWN_BOUND_S = 6.0  # node/exchange/host.py bounds each step by 5 s; a dead daemon is not waited for
 
 
 def closed_port() -> int:
@@ -163,5 +166,24 @@ def test_a_bootstrap_daemon_without_a_dht_node_leaves_the_node_on_its_own_dht(ca
             second, _ = await create(first.visible_maddrs)
             own(second)
             assert await exchanges_a_packet(first, second, 0)
+
+    asyncio.run(scenario())
+
+
+def test_shutdown_after_p2pd_was_killed_under_the_node_is_bounded():
+    """p2pd SIGKILLed (by the pid the Host holds) before and during a node's shutdown: hivemind's
+    own shutdown would wait forever for the dead daemon's answer; the Host's ends in seconds."""
+    async def scenario():
+        async with cleanup() as own:
+            settled, racing = own((await create())[0]), own((await create())[0])
+            os.kill(settled.daemon_pid, signal.SIGKILL)
+            await asyncio.sleep(0.5)  # the node has seen its daemon exit
+            os.kill(racing.daemon_pid, signal.SIGKILL)  # ...and this one has not yet
+            for exchange in (settled, racing):
+                started = time.monotonic()
+                await asyncio.wait_for(exchange.shutdown(), 30)
+                took_s = time.monotonic() - started
+                assert took_s < SHUTDOWN_BOUND_S, f"shutdown after p2pd was killed took {took_s:.1f} s"
+                assert not pid_alive(exchange.daemon_pid)
 
     asyncio.run(scenario())

@@ -330,3 +330,30 @@ def test_page_of_a_run_every_peer_left(start_coordinator, tmp_path: Path):
     dom, _ = open_page(f"{coordinator.url}/?run={run_id}", tmp_path, "paused")
     assert '<div id="banner" class="banner stalled">Paused since ' in dom
     assert "every peer has stopped; the run is paused at round 1" in dom
+
+
+@needs_chromium
+def test_page_shows_a_peer_excluded_by_contribution_scoring(start_coordinator, tmp_path: Path):
+    """Three peers score the fourth's updates as hurting in rounds 0 and 1 (protocol/scoring.py):
+    its next submission is refused `excluded` (403), and the page shows why and everyone's score."""
+    from tests.fixtures.coordinator import error_of
+
+    coordinator = start_coordinator()
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, peers = start_run(client, 4)
+        ids = [peer.peer_id for peer in peers]
+        for round_index in range(2):
+            for peer in peers:
+                assert peer.submit(run_id, round_index, train_loss=4.0).status_code == 200
+            for peer in peers:
+                scores = {p: {"loss_delta": 0.1 if p == ids[3] else -0.1, "cosine": 0.5}
+                          for p in ids if p != peer.peer_id}
+                response = peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
+                                     {"params_digest": "ab" * 32, "scores": scores})
+                assert response.status_code == 200, response.text
+        refused = peers[3].submit(run_id, 2, train_loss=4.0)
+        assert refused.status_code == 403 and error_of(refused) == "excluded"
+    dom, _ = open_page(f"{coordinator.url}/", tmp_path)
+    assert dom.count('class="peer-row"') == 4
+    assert "excluded: hurting_updates: its updates hurt in 2 of its last 2 scored rounds" in dom
+    assert "dloss 0.100 cos 0.50 (2/2 hurt)" in dom and dom.count("dloss -0.100 cos 0.50") == 3

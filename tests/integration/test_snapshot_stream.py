@@ -6,7 +6,8 @@ the fetcher's tensors. Faults: a holder process (with its p2pd) killed with SIGK
 a holder whose tensors move on mid-stream (the next outer step); a holder that sends a wrong
 chunk or a wrong prologue (a subclass of the real exchange, as in test_p2p_exchange.py). In each
 case the fetch goes on at the next holder from the first chunk not yet verified and ends with
-the agreed bytes. Every test stops what it started.
+the agreed bytes. A snapshot stream holds a slot of its own, never the upload slot packets wait
+for. Every test stops what it started.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import tracemalloc
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 
 from node.exchange.p2p import P2PExchange
 from node.training.checkpoint import save_checkpoint
@@ -28,6 +30,7 @@ from node.training.params import param_digest
 from node.training.snapshot import Snapshot, SnapshotSink
 from protocol.digest import CHUNK_BYTES
 from protocol.dht_records import PARAMS_ID
+from protocol.stream import PROTOCOL_NAME, RESPONSE_HEADER, STATUS_OK, PacketRequest, encode_request
 from tests.fixtures.coordinator import REPO_ROOT
 from tests.integration.snapshot_holder import Toy, momentum_of, toy_snapshot
 from tests.integration.test_p2p_exchange import RUN_ID, FirstHolder, poll, swarm
@@ -233,5 +236,41 @@ def test_a_holder_sending_wrong_bytes_is_refused_and_the_next_one_used(bad_unit,
                 assert from_honest == sink.total_bytes
             else:  # the prologue and the first chunk from the hostile one, the rest from the honest one
                 assert from_honest == sink.total_bytes - sink.layout.prologue_bytes - CHUNK_BYTES
+
+    asyncio.run(scenario())
+
+
+async def _open(requester: P2PExchange, holder: P2PExchange, publisher: str, digest: str, round: int):
+    """A raw request to `holder` (not queued); the response status, and the stream to close."""
+    _, reader, writer = await requester._host.p2p.call_binary_stream_handler(
+        PeerID.from_base58(holder.holder_id), PROTOCOL_NAME)
+    writer.write(encode_request(PacketRequest(run=RUN_ID, round=round, publisher=publisher, digest=digest)))
+    status, _ = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(RESPONSE_HEADER.size), 10))
+    return status, writer
+
+
+def test_a_snapshot_stream_never_takes_the_upload_slot_packets_wait_for():
+    """The holder has one upload slot. A snapshot download that reads nothing after its header
+    (a slow link: the holder's writes block) holds a snapshot slot, not that one: a request for a
+    packet another peer already confirmed (no seed stream for it) is served at once, not answered busy."""
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, P2PExchange, max_packet_bytes=MAX_PACKET_BYTES,
+                         max_uploads=1) as (holder, slow, fetcher):
+            await holder.publish_params(ROUND, toy_snapshot()[1])
+            (ann,) = await announced(slow, 1)
+            data = os.urandom(64 << 10)
+            packet_ann = await holder.publish(ROUND, "pub", data)
+            assert await slow.fetch(ROUND, {"pub": packet_ann.digest}, {"pub": packet_ann.multiaddrs},
+                                    timeout_s=10) == {"pub": data}
+            await poll(lambda: holder._server.num_uploads == 0, what="the confirmed packet's slot freed")
+
+            status, snapshot_stream = await _open(slow, holder, PARAMS_ID, ann.digest, ROUND)
+            assert status == STATUS_OK
+            server = holder._server
+            assert (server.snapshot_uploads.num_taken, server.num_uploads) == (1, 0)
+            status, packet_stream = await _open(fetcher, holder, "pub", packet_ann.digest, ROUND)
+            assert status == STATUS_OK, "the packet was answered busy behind a snapshot stream"
+            packet_stream.close()
+            snapshot_stream.close()
 
     asyncio.run(scenario())

@@ -6,8 +6,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from node.training.model import PRESETS, ModelConfig, build_model, llama_tensor_shapes, lm_loss, num_parameters
+from node.training.model import (PRESETS, SDPA_HAS_GQA, ModelConfig, apply_rope, build_model, llama_tensor_shapes,
+                                 lm_loss, num_parameters, rope_tables)
 from node.training.params import flat_named_params, param_digest
 
 
@@ -104,3 +106,61 @@ def test_digest_covers_dtype_and_device_independent():
     assert param_digest(bf16) == param_digest({"x": bf16["x"].clone()}) != param_digest({"x": torch.ones(3)})
     if torch.cuda.is_available():
         assert param_digest({k: v.cuda() for k, v in state.items()}) == param_digest(state)
+
+
+def _gqa_model(**overrides):
+    cfg = dataclasses.replace(PRESETS["tiny"], num_heads=4, num_kv_heads=2, **overrides)
+    return build_model(cfg, seed=1)
+
+
+def test_sdpa_gqa_equals_repeated_kv():
+    """SDPA's own grouped-query attention against the plain reference that copies K/V to every head."""
+    attn = _gqa_model().layers[0].attn
+    x = torch.randn(2, 9, 128, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_tables(attn.head_dim, 9, 10000.0)
+    B, T, _ = x.shape
+    q = apply_rope(attn.q_proj(x).view(B, T, 4, 32).transpose(1, 2), cos, sin)  # (B, H, T, D)
+    k = apply_rope(attn.k_proj(x).view(B, T, 2, 32).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+    v = attn.v_proj(x).view(B, T, 2, 32).transpose(1, 2)  # (B, Hkv, T, D)
+    y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1),
+                                       is_causal=True)
+    reference = attn.o_proj(y.transpose(1, 2).reshape(B, T, 128))
+    assert SDPA_HAS_GQA
+    torch.testing.assert_close(attn(x, cos, sin), reference, rtol=0, atol=1e-6)
+
+
+def _loss_and_grads(model, x, y, **kwargs):
+    model.zero_grad(set_to_none=True)
+    loss = lm_loss(model, x, y, **kwargs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in flat_named_params(model).items()}
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = _gqa_model()
+    x, y = torch.randint(0, 256, (2, 2, 24), generator=torch.Generator().manual_seed(3))
+    plain_loss, plain = _loss_and_grads(model, x, y)
+    model.activation_checkpointing = True
+    ckpt_loss, ckpt = _loss_and_grads(model, x, y)
+    assert torch.equal(plain_loss, ckpt_loss)
+    assert all(torch.equal(plain[n], ckpt[n]) for n in plain)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_chunked_cross_entropy_equals_the_plain_one(tie):
+    model = _gqa_model(tie_embeddings=tie)
+    x, y = torch.randint(0, 256, (2, 3, 20), generator=torch.Generator().manual_seed(4))  # 60 tokens
+    plain_loss, plain = _loss_and_grads(model, x, y, chunk_tokens=60)  # one chunk: the plain path
+    chunked_loss, chunked = _loss_and_grads(model, x, y, chunk_tokens=16)  # 16, 16, 16, 12
+    torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-6, atol=1e-6)
+    for name in plain:
+        torch.testing.assert_close(chunked[name], plain[name], rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(lm_loss(model, x, y, chunk_tokens=7), plain_loss, rtol=1e-6, atol=1e-6)
+
+
+def test_llama3_presets():
+    assert 3.1e9 < num_parameters("3b") < 3.3e9 and 8.0e9 < num_parameters("8b") < 8.1e9
+    cfg = PRESETS["8b"]
+    assert (cfg.hidden, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate, cfg.vocab_size) == (
+        4096, 32, 32, 8, 14336, 128256)

@@ -264,9 +264,11 @@ def test_poison_sign_flip_negates_and_overflow_signs_an_overflowing_packet():
 
 # -- a poisoning peer in the simulator ------------------------------------------------------------------
 
-# 4 peers, tiny preset, 4 rounds of H = 4: a few seconds a case on one thread.
+# 4 peers, tiny preset, 4 rounds of H = 4: a few seconds a case on one thread. Clipping alone:
+# contribution scoring, which excludes the sign-flipped and random peers after two rounds, is
+# measured at this config in test_scoring_sim.py.
 SIM = dict(algos=("sparseloco",), preset="tiny", num_peers=4, inner_steps=4, num_rounds=4, batch_size=8,
-           seq_len=32, eval_every_rounds=4, eval_batches=4, threads=1)
+           seq_len=32, eval_every_rounds=4, eval_batches=4, threads=1, scoring=False)
 
 
 def _sim(poison: str | None = None, aggregation: str = "median_clip") -> dict:

@@ -53,3 +53,46 @@ def test_honest_updates_score_better_than_flipped_and_random_ones():
     assert scores["honest"].cosine > 0.5 and scores["flipped"].cosine < -0.5
     assert abs(scores["random"].cosine) < 0.2
     assert all(torch.equal(p, before[n]) for n, p in params.items())
+
+
+def test_dense_updates_score_as_their_sparse_form_does():
+    """DiLoCo's dense deltas go through the same scoring as decoded sparse updates."""
+    from kernels.sparse import decompress
+
+    torch.manual_seed(1)
+    model = build_model("tiny", seed=0)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    sparse = {n: compress(torch.randn_like(t) * 1e-2, chunk_layout(t.shape, top_k=64)) for n, t in start.items()}
+    dense = {n: decompress(s).reshape(start[n].shape) for n, s in sparse.items()}
+    aggregate = {n: d * 0.5 for n, d in dense.items()}
+    batch = (x, torch.roll(x, -1, dims=1))
+    a = score_updates(model, start, {"p": sparse}, aggregate, batch)["p"]
+    b = score_updates(model, start, {"p": dense}, aggregate, batch)["p"]
+    assert a.loss_delta == pytest.approx(b.loss_delta, abs=1e-6) and a.cosine == pytest.approx(b.cosine, abs=1e-9)
+
+
+def test_peers_picked_for_scoring_leave_out_the_scorer_and_rotate_when_many():
+    from node.training.scoring import pick_peers
+
+    few = ["p1", "p2", "p3", "p4"]
+    assert pick_peers(few, "p2", 0, 16) == ["p1", "p3", "p4"]
+    many = [f"p{i:03d}" for i in range(100)]
+    picks = [pick_peers(many, "p007", r, 16) for r in range(20)]
+    assert all(len(p) == 16 and "p007" not in p and p == sorted(p) for p in picks)
+    assert picks[0] == pick_peers(many, "p007", 0, 16)  # anyone can recompute it
+    assert len({tuple(p) for p in picks}) == 20  # a new pick each round
+    assert len({peer for p in picks for peer in p}) > 80  # over rounds, most peers get this judge
+
+
+def test_reported_scores_are_finite_and_bounded():
+    import math
+
+    from node.training.scoring import MAX_ABS_LOSS_DELTA, PeerScore, reportable
+    from protocol.http import MAX_ABS_LOSS_DELTA as WIRE_BOUND
+
+    assert MAX_ABS_LOSS_DELTA == WIRE_BOUND
+    out = reportable({"a": PeerScore(math.inf, 0.1), "b": PeerScore(math.nan, math.nan), "c": PeerScore(-1e9, -1.0),
+                      "d": PeerScore(-0.25, 0.5)})
+    assert out["a"].loss_delta == out["b"].loss_delta == MAX_ABS_LOSS_DELTA and out["b"].cosine == 0.0
+    assert out["c"].loss_delta == -MAX_ABS_LOSS_DELTA and out["d"] == PeerScore(-0.25, 0.5)

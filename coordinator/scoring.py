@@ -1,0 +1,98 @@
+"""Contribution scoring on the coordinator: stored scores -> verdicts -> standings -> exclusion.
+
+The rule is protocol/scoring.py's (the simulator runs the same); this module reads and writes the
+database around it, inside the service's transactions (coordinator/service.py calls it):
+
+- `judge_round`, once per round (``rounds.scored``), when its votes are in: every contributor of
+  its latest manifest version voted, or the next round closed (the round is settled). The scores
+  that count are those sent with votes on that version (``applied.scores``), so only contributors
+  judge. Each contributor's standing (``peers.standing``) takes the round's verdict; a peer whose
+  verdicts exclude it gets ``peers.excluded_round``, which the waited-for query reads (an excluded
+  peer is waited for by no round).
+- `check_submission`: a submission of an excluded peer is refused ``excluded`` (403), while the
+  exclusion is in force; one that lapsed (``scoring.exclusion_rounds``) is cleared here and the
+  submission accepted. Decision: refused rather than accepted and left out of the manifest, so that
+  the manifest stays "the round's submissions less the dropped entries" everywhere (votes, standing,
+  amendments), and the node learns at once why its packet is not in (node/round/steps.py applies
+  the round without it and trains on, as after a late submission).
+
+Scoring never holds up a round: a round without enough judges gives no verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from coordinator import errors
+from coordinator.storage import PeerRow, RoundRow, Storage
+from protocol.http import AppliedRequest
+from protocol.run_config import RunConfig
+from protocol.scoring import Score, ScoringRule, Standing, round_verdicts, update_standing
+
+log = logging.getLogger("locoswarm.coordinator")
+
+
+def scores_json(request: AppliedRequest) -> str | None:
+    """The scores of an applied report as stored: {peer id: [loss_delta, cosine]}, or None."""
+    if not request.scores:
+        return None
+    return json.dumps({p: [s.loss_delta, s.cosine] for p, s in sorted(request.scores.items())})
+
+
+def due(storage: Storage, round_row: RoundRow, settled: bool) -> bool:
+    """Whether round r's verdicts are due: not taken yet, and its votes are in."""
+    if round_row.scored or round_row.closed_at is None:
+        return False
+    if settled:
+        return True
+    voters = {a.peer_id for a in storage.list_applied(round_row.run_id, round_row.round)
+              if a.vote and a.manifest_version == round_row.manifest_version}
+    return bool(voters) and voters >= _contributors(storage, round_row)
+
+
+def judge_round(storage: Storage, round_row: RoundRow, config: RunConfig) -> dict[str, str]:
+    """Take round r's verdicts into its contributors' standings (once); returns the peers it
+    excluded, with why."""
+    run_id, round_index = round_row.run_id, round_row.round
+    storage.update_round(run_id, round_index, scored=1)
+    if not config.scoring.enabled:
+        return {}
+    rule = ScoringRule.from_section(config.scoring)
+    reports = {a.peer_id: {p: Score(float(v[0]), float(v[1])) for p, v in json.loads(a.scores).items()}
+               for a in storage.list_applied(run_id, round_index)
+               if a.vote and a.manifest_version == round_row.manifest_version and a.scores}
+    excluded = {}
+    for peer_id, verdict in round_verdicts(reports, _contributors(storage, round_row), rule).items():
+        peer = storage.get_peer(run_id, peer_id)
+        if peer is None:
+            continue
+        standing = Standing.from_json(peer.standing)
+        new = update_standing(standing, round_index, verdict, rule)
+        if new == standing:
+            continue
+        fields: dict = {"standing": new.to_json()}
+        if new.excluded_at is not None and new.excluded_at != standing.excluded_at:
+            fields["excluded_round"] = new.excluded_at
+            excluded[peer_id] = new.reason
+            log.warning("run %s: %s excluded after round %d: %s", run_id, peer_id, round_index, new.reason)
+        storage.update_peer(run_id, peer_id, **fields)
+    return excluded
+
+
+def check_submission(storage: Storage, peer: PeerRow, round_index: int) -> None:
+    """Refuse a submission of a peer whose exclusion is in force; clear one that lapsed."""
+    if peer.excluded_round is None:
+        return
+    why = Standing.from_json(peer.standing).exclusion(round_index)
+    if why is not None:
+        raise errors.Excluded(f"round {round_index}: {peer.peer_id} is excluded ({why})")
+    storage.update_peer(peer.run_id, peer.peer_id, excluded_round=None)
+    log.info("run %s: %s's exclusion lapsed; its submissions are accepted again", peer.run_id, peer.peer_id)
+
+
+def _contributors(storage: Storage, round_row: RoundRow) -> set[str]:
+    """The peers in round r's latest manifest version."""
+    dropped = {d.peer_id for d in storage.list_dropped(round_row.run_id, round_row.round)
+               if d.manifest_version <= round_row.manifest_version}
+    return {s.peer_id for s in storage.list_submissions(round_row.run_id, round_row.round)} - dropped

@@ -1,0 +1,119 @@
+"""Catch-up waits instead of spinning when the round after the snapshot it loaded cannot be replayed.
+
+A real `Session` with `tiny` training and the in-memory exchange; the coordinator's answers are
+scripted (the state under test, a closed round whose packets nobody holds and whose successor has
+no agreed digest yet, takes a whole swarm to reach otherwise). The node loads the newest agreed
+snapshot once, finds the next round's packets gone, and then polls at growing intervals: it must
+not load the same snapshot again (before the fix: about ten loads a second). Once a newer agreed
+snapshot appears it loads that one and is caught up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from node.config import NodeConfig
+from node.round.catchup import IDLE_MAX_S, catch_up
+from node.round.prefetch import Decoded
+from node.round.session import Session
+from node.testing.faults import FaultInjector
+from node.testing.memory_exchange import MemorySwarm
+from node.training.data import load_corpus
+from node.training.params import flat_named_params, param_digest
+from node.training.peer import PeerTraining
+from node.training.snapshot import Snapshot
+from protocol.http import ManifestEntry, RoundView
+from protocol.run_config import RunConfig
+from protocol.signing import PeerKey
+
+pytestmark = pytest.mark.timeout(60)
+
+RUN_ID = "run-backoff"
+GONE_PEER = "p" + "c" * 16
+STUCK_S = 3.0  # how long the node sits with nothing to do before the swarm moves on
+
+
+class ScriptedCoordinator:
+    """Status and round views as a coordinator would answer them; counts status polls."""
+
+    def __init__(self, current: int, agreed: dict[int, str]):
+        self.current, self.agreed = current, agreed  # agreed: round start -> digest
+        self.num_status = 0
+
+    async def status(self, *_, **__):
+        self.num_status += 1
+        history = [SimpleNamespace(round=r, num_contributors=1, agreed_digest=self.agreed.get(r + 1))
+                   for r in range(self.current)]
+        return SimpleNamespace(current_round=SimpleNamespace(round=self.current),
+                               run=SimpleNamespace(current_round=self.current), history=history)
+
+    async def round(self, round: int, **_) -> RoundView:
+        # Closed, with one packet that nobody announces (its publisher left, the others forgot it).
+        entry = ManifestEntry(peer_id=GONE_PEER, packet_digest="0" * 64, packet_size_bytes=100, multiaddrs=[])
+        return RoundView(run_id=RUN_ID, round=round, state="closed", opened_at=0.0, deadline=1.0, closed_at=1.0,
+                         num_submitted=1, majority_digest=None, manifest=[entry])
+
+
+def _training(run: RunConfig) -> PeerTraining:
+    return PeerTraining.build(run, "cpu", load_corpus(None).train)
+
+
+def _publish(holder, training: PeerTraining, round: int, shift: float) -> str:
+    """Serve the holder's parameters moved by `shift` as the snapshot that starts `round`; its digest."""
+    with torch.no_grad():
+        for p in training.model.parameters():
+            p.add_(shift)
+    params = dict(flat_named_params(training.model))
+    asyncio.get_running_loop().create_task(
+        holder.publish_params(round, Snapshot.from_tensors(params, training.outer.snapshot_state())))
+    return param_digest(params)
+
+
+def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be_replayed(tmp_path: Path):
+    async def main():
+        run = RunConfig.model_validate({"name": "backoff", "model": {"preset": "tiny"},
+                                        "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2,
+                                                  "total_steps": 100}})
+        network = MemorySwarm()
+        holder, exchange = network.exchange("holder"), network.exchange("node")
+        source = _training(run)
+        start_2 = _publish(holder, source, 2, 0.01)
+        coordinator = ScriptedCoordinator(current=3, agreed={2: start_2})
+        key_path = tmp_path / "node.key"
+        key = PeerKey.load_or_create(key_path)
+        s = Session(config=NodeConfig(coordinator="http://coordinator.test", run_id=RUN_ID, key_path=key_path,
+                                      device="cpu", progress=False, fetch_timeout_s=3.0, threads=1),
+                    client=coordinator, exchange=exchange, key=key, faults=FaultInjector(), clock=time.time,
+                    run_id=RUN_ID, peer_id="p" + "a" * 16, run=run, training=_training(run),
+                    rejoin=None, stopping=asyncio.Event(), params_round=None)
+        await asyncio.sleep(0)  # the holder's snapshot is published
+
+        catching_up = asyncio.create_task(catch_up(s, Decoded()))
+        await asyncio.sleep(STUCK_S)
+        assert not catching_up.done()
+        loads_while_stuck, polls_while_stuck = exchange.traffic(2).num_fetched, coordinator.num_status
+        assert s.params_round == 2 and s.digest == start_2
+        assert loads_while_stuck == 1, f"the snapshot of round 2 was loaded {loads_while_stuck} times in {STUCK_S} s"
+        # Polls at 1, 2, 4 s intervals: the first pass, then about log2(STUCK_S) more.
+        assert polls_while_stuck <= 4, f"{polls_while_stuck} status polls in {STUCK_S} s"
+
+        # The swarm moves on: round 2's successor is agreed and a peer serves the start of round 3.
+        start_3 = _publish(holder, source, 3, 0.02)
+        await asyncio.sleep(0)
+        moved_at = time.monotonic()
+        coordinator.current, coordinator.agreed = 3, {2: start_2, 3: start_3}
+        report = await asyncio.wait_for(catching_up, IDLE_MAX_S + 10.0)
+        assert time.monotonic() - moved_at < IDLE_MAX_S + 5.0
+        assert (report.to_round, report.method) == (3, "snapshot")
+        assert s.params_round == 3 and s.digest == start_3 == param_digest(flat_named_params(s.training.model))
+        assert exchange.traffic(2).num_fetched == 1 and exchange.traffic(3).num_fetched == 1
+        for task in list(s.background):
+            await task
+
+    asyncio.run(main())

@@ -1,0 +1,78 @@
+"""The memory layout: the bench's accounting equals a real CPU state, the 1B budget, and the outer
+state's placement gives the same digests whichever memory it lives in."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from node.training.memory_bench import PRESETS, measured_state, meta_state, report
+from node.training.model import build_model
+from node.training.outer import OuterConfig, make_outer, state_device_for
+from node.training.params import flat_named_params, param_digest
+from protocol.signing import PeerKey
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _args(**overrides) -> argparse.Namespace:
+    values = dict(preset="1b", device="cuda", placement="host", overlap=False, micro_batch=1, seq_len=2048,
+                  device_memory_gb=24.0, overhead_gb=1.5, measure=False, measure_preset="tiny")
+    return argparse.Namespace(**(values | overrides))
+
+
+def test_accounting_equals_a_real_cpu_state():
+    real = measured_state("tiny")
+    assert real == meta_state(PRESETS["tiny"], overlap=False)
+    assert real.local_round_start_bytes == 0  # without overlap the round start serves both
+    assert real.params_bytes == 4 * real.num_params and real.adam_bytes >= 8 * real.num_params
+
+
+def test_1b_fits_a_24_gb_gpu_with_the_outer_state_on_the_host():
+    r = report(_args())
+    assert r["device_bytes_per_param"] <= 18.0 < r["baseline_device_bytes_per_param"]
+    assert set(r["host_categories"]) == {"round_start", "error_buffer", "kept_round_start"}
+    assert r["largest_preset_that_fits"]["checkpointed"] == "1b"
+    assert r["fsdp_8b_on_8x80gb"]["device_total_gb"] < 80
+    on_device = report(_args(placement="device"))
+    assert on_device["host_bytes_per_param"] == 0 and on_device["device_bytes_per_param"] > 18.0
+
+
+def test_state_placement_for_each_device():
+    assert state_device_for("cuda:1", "host") == (torch.device("cpu"), True)
+    assert state_device_for("cuda", "device") == (torch.device("cuda"), False)
+    assert state_device_for("cpu", "host") == (torch.device("cpu"), False)
+    with pytest.raises(ValueError):
+        state_device_for("cpu", "disk")
+
+
+def _swarm_digests(placement: str, overlap: bool, strategy: str = "sparseloco") -> list[str]:
+    peers = ["p0", "p1"]
+    keys = {p: PeerKey.from_seed(p.encode()) for p in peers}
+    models = [build_model("tiny", seed=0) for _ in peers]
+    cfg = OuterConfig(strategy=strategy, overlap=overlap, outer_momentum=0.9 if strategy == "diloco" else 0.0)
+    outers = [make_outer(flat_named_params(m), cfg, placement) for m in models]
+    digests = []
+    for round in range(3):
+        payloads = {}
+        for i, (model, outer) in enumerate(zip(models, outers)):
+            outer.begin_round()
+            gen = torch.Generator().manual_seed(10 * round + i)
+            with torch.no_grad():
+                for p in flat_named_params(model).values():
+                    p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
+            payloads[peers[i]] = outer.make_payload(run_id="r", round=round, peer_id=peers[i],
+                                                    base_digest="00" * 32, key=keys[peers[i]])
+        for outer in outers:
+            outer.apply(payloads, lambda p: keys[p].public_bytes, run_id="r", round=round)
+        digests.append(param_digest(outers[0].start))
+        assert param_digest(outers[1].start) == digests[-1]
+    return digests
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("strategy", ["sparseloco", "diloco"])
+def test_placement_gives_identical_digests(overlap, strategy):
+    assert _swarm_digests("host", overlap, strategy) == _swarm_digests("device", overlap, strategy)
