@@ -25,8 +25,11 @@ coordinator/service.py and protocol/http.py ("Amended manifests"). node/round/st
   raises `CatchUpNeeded` and loads the swarm's parameters from a snapshot instead of staying
   forked.
 
-Costs: one copy of the global model and one round of packet bytes held per round; a recompute
-decodes the kept packets again (it is rare). The checkpoint written after the older version is
+Costs: one round of packet bytes held per round, and what puts the start back: for SparseLoCo only
+the coordinates the aggregate moved (an outer step `theta - aggregate` leaves every other coordinate
+exactly as it was, so the start is the current round start with those coordinates restored: about
+R x k/chunk of the model for R packets, `StartPatch`), for DiLoCo (dense) a copy of the global model
+and its momentum. A recompute decodes the kept packets again (it is rare). The checkpoint written after the older version is
 not rewritten: on a restart the coordinator disagrees with its digest and the node catches up.
 
 With overlap (outer.overlap) the parameters have run a round ahead of the global model when a
@@ -65,13 +68,64 @@ class Recomputed:
     digest: str  # of the global model after the amended round
 
 
+# Above this share of a tensor's coordinates moved, a patch (int32 or int64 index + fp32 value per
+# coordinate) costs about as much as a dense copy: keep the copy.
+MAX_PATCH_FRACTION = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class StartPatch:
+    """A SparseLoCo round start kept as the coordinates its outer step changed: name -> (flat
+    indices, values before the step), or a dense copy where too much of the tensor moved."""
+
+    coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    dense: dict[str, torch.Tensor]
+
+    @classmethod
+    def before(cls, start: dict[str, torch.Tensor], aggregates: dict[str, torch.Tensor] | None) -> StartPatch:
+        """What `start` holds where `aggregates` is non-zero (nothing moves where it is zero: x - 0 == x)."""
+        import torch
+
+        coordinates, dense = {}, {}
+        for name, value in start.items():
+            if aggregates is None:
+                continue  # no aggregate: the outer step changes nothing
+            aggregate = aggregates[name]
+            if aggregate.numel() != value.numel():  # a multi-rank node's rank 0 holds its own rows only
+                dense[name] = value.clone()
+                continue
+            moved = aggregate.reshape(-1).nonzero().squeeze(1)  # (M,)
+            if moved.numel() > MAX_PATCH_FRACTION * value.numel():
+                dense[name] = value.clone()
+                continue
+            index_dtype = torch.int32 if value.numel() < 2**31 else torch.int64
+            moved = moved.to(value.device)
+            coordinates[name] = (moved.to(index_dtype), value.reshape(-1)[moved].clone())
+        return cls(coordinates, dense)
+
+    def restored(self, name: str, after: torch.Tensor) -> torch.Tensor:
+        """Tensor `name` before the step, from the same tensor after it (`after` is not changed)."""
+        if name in self.dense:
+            return self.dense[name]
+        before = after.clone()
+        if name in self.coordinates:
+            index, values = self.coordinates[name]
+            before.view(-1)[index.long()] = values
+        return before
+
+    @property
+    def num_bytes(self) -> int:
+        return (sum(i.nbytes + v.nbytes for i, v in self.coordinates.values())
+                + sum(t.nbytes for t in self.dense.values()))
+
+
 @dataclass(slots=True)
 class KeptRound:
     """The last round this node applied, as needed to apply an amended version of it instead."""
 
     round: int
     manifest_version: int  # the version applied
-    start: dict[str, torch.Tensor]  # the global model before the round's outer step ({} with overlap)
+    start: dict[str, torch.Tensor] | StartPatch  # the global model before the round's outer step ({} with overlap)
     outer_state: dict[str, torch.Tensor]  # DiLoCo's outer momentum before the step ({} otherwise)
     payloads: dict[str, bytes]  # the applied manifest's packets, by publisher ({} with overlap)
     public_keys: dict[str, bytes]
@@ -129,8 +183,10 @@ async def await_amendment(s: Session, round: int, view: RoundView, missing: list
     return None
 
 
-def keep(s: Session, round: int, view: RoundView, payloads: dict[str, bytes]) -> None:
-    """Keep what recomputing `round` needs; called just before its outer step commits."""
+def keep(s: Session, round: int, view: RoundView, payloads: dict[str, bytes],
+         aggregates: dict[str, torch.Tensor] | None) -> None:
+    """Keep what recomputing `round` needs; called just before its outer step commits the
+    `aggregates` (node/training/outer.py `Prepared.aggregates`)."""
     s.amendments.forget()
     versions = s.amendments.applied_versions
     versions[round] = view.manifest_version
@@ -143,7 +199,8 @@ def keep(s: Session, round: int, view: RoundView, payloads: dict[str, bytes]) ->
     s.amendments.kept = KeptRound(
         round=round,
         manifest_version=view.manifest_version,
-        start={name: t.clone() for name, t in s.outer.start.items()},
+        start=({name: t.clone() for name, t in s.outer.start.items()} if momentum
+               else StartPatch.before(s.outer.start, aggregates)),
         outer_state={name: m.clone() for name, m in momentum.items()},
         payloads={e.peer_id: payloads[e.peer_id] for e in view.manifest},
         public_keys={e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest},
@@ -176,8 +233,9 @@ async def recompute(s: Session, view: RoundView) -> ApplyResult | None:
     prepared = await asyncio.to_thread(s.outer.prepare, payloads, kept.public_keys.__getitem__,
                                        run_id=s.run_id, round=kept.round)
     with torch.no_grad():
-        for name, p in s.outer.params.items():
-            p.copy_(kept.start[name])
+        for name, p in s.outer.params.items():  # one tensor at a time: no second copy of the model
+            p.copy_(kept.start.restored(name, s.outer.start[name]) if isinstance(kept.start, StartPatch)
+                    else kept.start[name])
         for name, m in (getattr(s.outer, "momentum", None) or {}).items():
             m.copy_(kept.outer_state[name])
     s.outer.reset_to_params()  # the kept start is the global model again

@@ -229,7 +229,7 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
     await _recompute_if_amended(s)
     if prepared is None:
         prepared = await prepare(s, view, payloads, decoded)
-    amend.keep(s, round, view, payloads)
+    amend.keep(s, round, view, payloads, prepared.aggregates)
     scores = await score(s, round, prepared) if report_missing else {}
     applied = s.outer.commit(prepared)
     tree = await asyncio.to_thread(param_tree, s.outer.start)

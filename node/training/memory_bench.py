@@ -37,6 +37,7 @@ from node.training.outer import OuterConfig, SparseLoCoOuter, state_device_for
 from node.training.params import flat_named_params, tensor_nbytes
 
 PHASES = ("inner", "payload", "apply")
+DEFAULT_PEERS = 8  # packets in a round, for the kept start of an amendable round
 GIB = 1 << 30
 DEFAULT_OVERHEAD_GB = 1.5  # CUDA context, cuBLAS workspaces, allocator slack: what a budget keeps back
 
@@ -105,9 +106,23 @@ def meta_state(cfg: ModelConfig, overlap: bool) -> NodeState:
     return count_state(model, optimizer, outer, aggregates)
 
 
-def categories(state: NodeState, device: str, placement: str, overlap: bool, *, baseline: bool = False) -> list[Category]:
-    """Where each category lives and when, for training on `device` with the outer state at `placement`;
-    `baseline`: the first build's layout (all on the device, two round starts, no staging)."""
+def kept_start_bytes(num_params: int, num_peers: int, overlap: bool, cfg: OuterConfig = OuterConfig()) -> int:
+    """node/round/amend.py's `StartPatch`: an int32 index and an fp32 value for each coordinate the
+    round's aggregate moved, about the union of `num_peers` Top-k selections (k of each chunk_size^2
+    tile, peers' choices taken as independent); a dense copy above MAX_PATCH_FRACTION. Nothing with overlap."""
+    from node.round.amend import MAX_PATCH_FRACTION
+
+    if overlap:
+        return 0
+    moved = 1.0 - (1.0 - cfg.top_k / cfg.chunk_size**2) ** num_peers
+    return int(num_params * (4 if moved > MAX_PATCH_FRACTION else 8 * moved))
+
+
+def categories(state: NodeState, device: str, placement: str, overlap: bool, *, baseline: bool = False,
+               num_peers: int = DEFAULT_PEERS) -> list[Category]:
+    """Where each category lives and when, for training on `device` with the outer state at `placement`
+    in a round of `num_peers` packets; `baseline`: the first build's layout (all on the device, two round
+    starts, a dense kept start, no staging)."""
     if baseline:
         state_on_device = aggregate_on_device = True
     else:
@@ -125,8 +140,9 @@ def categories(state: NodeState, device: str, placement: str, overlap: bool, *, 
         Category(name="error_buffer", num_bytes=state.error_buffer_bytes, device=state_on_device, phases=PHASES),
         Category(name="aggregate", num_bytes=state.aggregate_bytes, device=aggregate_on_device,
                  phases=aggregate_phases),
-        # node/round/amend.py keeps a clone of the round start until the manifest is final.
-        Category(name="kept_round_start", num_bytes=state.round_start_bytes, device=state_on_device, phases=PHASES),
+        # node/round/amend.py keeps the round start (the first build: a dense clone) until the manifest is final.
+        Category(name="kept_round_start", device=state_on_device, phases=PHASES,
+                 num_bytes=state.round_start_bytes if baseline else kept_start_bytes(state.num_params, num_peers, overlap)),
     ]
     if not baseline and not state_on_device:
         out += [Category(name="staging", num_bytes=4 * state.largest_tensor_bytes, device=True, phases=("payload",)),
@@ -209,7 +225,7 @@ def measured_state(preset: str) -> NodeState:
 def report(args) -> dict:
     cfg = PRESETS[args.preset]
     state = meta_state(cfg, overlap=args.overlap)
-    after = categories(state, args.device, args.placement, args.overlap)
+    after = categories(state, args.device, args.placement, args.overlap, num_peers=args.peers)
     before = categories(state, args.device, args.placement, args.overlap, baseline=True)
     n = state.num_params
 
@@ -223,7 +239,7 @@ def report(args) -> dict:
     seq_len = min(args.seq_len, cfg.max_seq_len)
     result = {
         "preset": args.preset, "num_params": n, "device": args.device, "placement": args.placement,
-        "overlap": args.overlap,
+        "overlap": args.overlap, "peers": args.peers,
         "device_bytes_per_param": peak_bytes(after, True) / n,
         "host_bytes_per_param": peak_bytes(after, False) / n,
         "baseline_device_bytes_per_param": peak_bytes(before, True) / n,
@@ -280,6 +296,7 @@ def main(argv=None, prog=None) -> None:
     parser.add_argument("--device", default="cuda", help="the training device whose placement is counted")
     parser.add_argument("--placement", default="host", choices=("host", "device"), help="outer state placement")
     parser.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
+    parser.add_argument("--peers", type=int, default=DEFAULT_PEERS, help="packets per round (the kept start's size)")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--device-memory-gb", type=float, default=24.0)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 def _args(**overrides) -> argparse.Namespace:
     values = dict(preset="1b", device="cuda", placement="host", overlap=False, micro_batch=1, seq_len=2048,
-                  device_memory_gb=24.0, overhead_gb=1.5, measure=False, measure_preset="tiny")
+                  device_memory_gb=24.0, overhead_gb=1.5, measure=False, measure_preset="tiny", peers=8)
     return argparse.Namespace(**(values | overrides))
 
 
@@ -36,6 +36,8 @@ def test_1b_fits_a_24_gb_gpu_with_the_outer_state_on_the_host():
     assert set(r["host_categories"]) == {"round_start", "error_buffer", "kept_round_start"}
     assert r["largest_preset_that_fits"]["checkpointed"] == "1b"
     assert r["fsdp_8b_on_8x80gb"]["device_total_gb"] < 80
+    # The kept start of an amendable round is a patch of the coordinates the step moved, not a copy.
+    assert 0 < r["host_categories"]["kept_round_start"] < 1.0 and r["host_bytes_per_param"] < 9.0
     on_device = report(_args(placement="device"))
     assert on_device["host_bytes_per_param"] == 0 and on_device["device_bytes_per_param"] > 18.0
 
