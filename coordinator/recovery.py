@@ -68,10 +68,10 @@ def hold(storage: Storage, run: RunRow, config: RunConfig, now: float,
     """Pause, keep waiting, resume or rewind a running run (see the module docstring); True while
     it stays paused. `round_timeout_s(r)` is the deadline policy's timeout for round r;
     `settle(r)` counts closed round r's votes as final (the service's vote count)."""
+    if run.paused_since is None and storage.count_live_peers(run.run_id):
+        return False  # the common case, on every request of every peer: one count, no peer list
     live = [p for p in storage.list_peers(run.run_id) if p.status == "live"]
     if run.paused_since is None:
-        if live:
-            return False
         if run.current_round > 0:
             # Nobody is left to vote on the last closed round: its votes are all in, as when the next
             # round closes. So a lone contributor's digest is agreed and its checkpoint can restart the run.
@@ -134,11 +134,13 @@ def _reopen(storage: Storage, run: RunRow, config: RunConfig, now: float, plan: 
                             member_since_round=plan.round + (0 if peer.peer_id in plan.holders else 1))
 
 
-def view(storage: Storage, run: RunRow, config: RunConfig, now: float) -> Recovery | None:
-    """What a paused run waits for, for the status JSON (None while it is not paused)."""
+def view(storage: Storage, run: RunRow, config: RunConfig, now: float,
+         peers: list[PeerRow] | None = None) -> Recovery | None:
+    """What a paused run waits for, for the status JSON (None while it is not paused); `peers`: the
+    run's peers where the caller has read them already."""
     if run.paused_since is None or run.state != "running":
         return None
-    peers = storage.list_peers(run.run_id)
+    peers = storage.list_peers(run.run_id) if peers is None else peers
     live = [p for p in peers if p.status == "live"]
     needed = agreed_start(storage, run.run_id, run.current_round)
     held = [HeldState(peer_id=p.peer_id, state_round=p.state_round, agreed=holds(storage, run.run_id, p))

@@ -293,10 +293,7 @@ class CoordinatorService:
                 self._open_round(run.run_id, 0, now, config)
                 self.storage.update_run(run.run_id, state="running", current_round=0)
             return
-        # recovery.hold reads every peer; its common case (not paused, a peer live: go on) is
-        # answered by one count here, since every request of every peer comes through this line.
-        paused_or_empty = run.paused_since is not None or not self.storage.count_live_peers(run.run_id)
-        if paused_or_empty and recovery.hold(
+        if recovery.hold(
                 self.storage, run, config, now, lambda r: self._round_timeout_s(run.run_id, r, config),
                 lambda r: self._count_votes(run.run_id, r, settled=True)):
             return  # paused: every peer stopped (coordinator/recovery.py)

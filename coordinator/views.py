@@ -188,7 +188,7 @@ class Views:
             current_round=self._current_round(run, peers),
             peers=self._peer_views(run, peers),
             history=self._history(run_id, history_limit),
-            recovery=recovery.view(self.storage, run, self.config_of(run), now),
+            recovery=recovery.view(self.storage, run, self.config_of(run), now, peers),
             rewinds=recovery.rewinds(run),
         )
 
