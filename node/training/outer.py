@@ -244,6 +244,16 @@ class OuterStep:
         self.start[name].copy_(new)  # also `local_start` without overlap
 
 
+def decode_sparse(payload: bytes, spec: ModelSpec, cfg: OuterConfig, public_key: Callable[[str], bytes], *,
+                  peer_id: str, run_id: str, round: int) -> dict[str, SparseTensor]:
+    """A SparseLoCo packet verified, bounded and decoded; refused when it names another peer."""
+    packet = decode_packet(payload, spec, public_key, run_id=run_id, round=round,
+                           max_bytes=cfg.max_packet_bytes, max_abs_value=cfg.max_abs_value)
+    if packet.peer_id != peer_id:
+        raise ProtocolError(f"packet names peer {packet.peer_id!r}")
+    return packet.tensors
+
+
 class SparseLoCoOuter(OuterStep):
     def __init__(self, params, cfg: OuterConfig, state_placement: str = "host"):
         super().__init__(params, cfg, state_placement)
@@ -275,11 +285,7 @@ class SparseLoCoOuter(OuterStep):
 
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
                round: int) -> dict[str, SparseTensor]:
-        packet = decode_packet(payload, self.spec, public_key, run_id=run_id, round=round,
-                               max_bytes=self.cfg.max_packet_bytes, max_abs_value=self.cfg.max_abs_value)
-        if packet.peer_id != peer_id:
-            raise ProtocolError(f"packet names peer {packet.peer_id!r}")
-        return packet.tensors
+        return decode_sparse(payload, self.spec, self.cfg, public_key, peer_id=peer_id, run_id=run_id, round=round)
 
     def prepare(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
                 round: int, decoded: Mapping[str, Any] | None = None) -> Prepared:

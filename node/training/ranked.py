@@ -24,10 +24,9 @@ import torch
 from kernels.sparse import SparseTensor
 from node.training.distributed import KEPT_PREPARED, Leader
 from node.training.inner import InnerConfig, InnerResult
-from node.training.outer import ApplyResult, OuterConfig, Prepared
+from node.training.outer import ApplyResult, OuterConfig, Prepared, decode_sparse
 from node.training.params import flat_named_params
 from protocol.errors import ProtocolError
-from protocol.packet import decode_packet
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
 
@@ -59,11 +58,7 @@ class RankedOuter:
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
                round: int) -> dict[str, SparseTensor]:
         """Verify and decode on rank 0 alone (as packets arrive; each rank decodes again to apply)."""
-        packet = decode_packet(payload, self.spec, public_key, run_id=run_id, round=round,
-                               max_bytes=self.cfg.max_packet_bytes, max_abs_value=self.cfg.max_abs_value)
-        if packet.peer_id != peer_id:
-            raise ProtocolError(f"packet names peer {packet.peer_id!r}")
-        return packet.tensors
+        return decode_sparse(payload, self.spec, self.cfg, public_key, peer_id=peer_id, run_id=run_id, round=round)
 
     def prepare(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
                 round: int, decoded: Mapping[str, Any] | None = None) -> Prepared:

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -23,9 +24,10 @@ from tests.integration.test_faults import (assert_history_complete, assert_ident
 pytestmark = [pytest.mark.slow]
 
 
-@pytest.mark.timeout(300)
-def test_a_run_every_node_left_pauses_and_resumes_where_it_stopped(tmp_path):
-    rounds, timeout_s, round_timeout_s = 5, 8.0, 12.0
+@contextmanager
+def swarm_killed_in_round_2(tmp_path, rounds: int, timeout_s: float, round_timeout_s: float):
+    """(swarm, status before the kill, checkpoint folders): three nodes with checkpoints (and 2 s of
+    compute a round) run until every one trains round 2 from its checkpoint, then are SIGKILLed."""
     ckpt = [tmp_path / f"ckpt{i}" for i in range(3)]
     extra = {i: ("--checkpoint-dir", str(ckpt[i]), "--inject", "slow-compute@min_s=2") for i in range(3)}
     with swarm_for(tmp_path, 3, rounds, extra) as swarm:
@@ -41,6 +43,13 @@ def test_a_run_every_node_left_pauses_and_resumes_where_it_stopped(tmp_path):
         for node in swarm.nodes:
             os.killpg(node.pid, signal.SIGKILL)
         assert [node.wait(timeout=30) for node in swarm.nodes] == [-signal.SIGKILL] * 3
+        yield swarm, before, ckpt
+
+
+@pytest.mark.timeout(300)
+def test_a_run_every_node_left_pauses_and_resumes_where_it_stopped(tmp_path):
+    rounds, timeout_s, round_timeout_s = 5, 8.0, 12.0
+    with swarm_killed_in_round_2(tmp_path, rounds, timeout_s, round_timeout_s) as (swarm, before, ckpt):
         deadline = before["current_round"]["deadline"]
         paused = wait_until(swarm, lambda s: s["recovery"] is not None and s["now"] > deadline + 2,
                             "the run paused and past round 2's deadline", timeout_s=60, may_die=(0, 1, 2))
@@ -78,21 +87,7 @@ def test_nodes_restarted_together_one_with_an_empty_disk_find_one_dht_and_the_fr
     lists. Nodes 0 and 1 resume from their checkpoints; node 2 finds them as snapshot holders,
     loads round 2's start, and contributes again; every digest agrees."""
     rounds, timeout_s = 6, 5.0  # the fresh node starts in ~10 s on 2 busy cores: rounds 2-5 leave it two to join
-    ckpt = [tmp_path / f"ckpt{i}" for i in range(3)]
-    extra = {i: ("--checkpoint-dir", str(ckpt[i]), "--inject", "slow-compute@min_s=2") for i in range(3)}
-    with swarm_for(tmp_path, 3, rounds, extra) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": timeout_s, "membership.state_wait_s": 120.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 12.0}})
-
-        def all_training_round_2(status) -> bool:
-            current = status["current_round"] or {}
-            return (current.get("round") == 2 and current.get("num_submitted") == 0
-                    and all(checkpoint_round(c) == 2 for c in ckpt))
-
-        before = wait_until(swarm, all_training_round_2, "every node training round 2 from its checkpoint")
-        for node in swarm.nodes:
-            os.killpg(node.pid, signal.SIGKILL)
-        assert [node.wait(timeout=30) for node in swarm.nodes] == [-signal.SIGKILL] * 3
+    with swarm_killed_in_round_2(tmp_path, rounds, timeout_s, 12.0) as (swarm, before, ckpt):
         wait_until(swarm, lambda s: s["recovery"] is not None, "the run paused", timeout_s=60, may_die=(0, 1, 2))
         shutil.rmtree(ckpt[2])
         ckpt[2].mkdir()
