@@ -363,7 +363,9 @@ class AppliedRequest(RequestModel):
     scores: dict[PeerId, PeerScoreReport] = Field(
         default_factory=dict, max_length=MAX_SCORES,
         description="Contribution scores of the manifest's updates (protocol/scoring.py), peer id -> score; counted"
-        " only from a report that is a vote, never for the reporter itself. Empty: not scored.")
+        " only from a report that is a vote, never for the reporter itself. Empty: not scored.",
+        json_schema_extra={"additionalProperties": False},  # as `refused`: peer ids are the only keys
+    )
 
 
 class AppliedResponse(ResponseModel):

@@ -210,8 +210,9 @@ def test_the_document_states_the_refusals_it_answers(target: Target) -> None:
             if "422" in operation["responses"]:
                 assert "ErrorBody" in json.dumps(operation["responses"]["422"]), (method, path)
     assert too_long.status_code == 422 and set(too_long.json()) == {"error", "detail"}
-    refused = components["AppliedRequest"]["properties"]["refused"]
-    assert refused["additionalProperties"] is False and list(refused["patternProperties"]) == ["^p[0-9a-f]{16}$"]
+    for keyed_by_peer in ("refused", "scores"):
+        field = components["AppliedRequest"]["properties"][keyed_by_peer]
+        assert field["additionalProperties"] is False and list(field["patternProperties"]) == ["^p[0-9a-f]{16}$"]
 
 
 def test_integers_are_integers_as_the_document_says(target: Target) -> None:
