@@ -1,4 +1,8 @@
-"""Vectorized entropy coding for packets: Rice codes for index gaps, 2-bit code packing.
+"""Entropy coding for packets in numpy: Rice codes for index gaps, 2-bit code packing.
+
+This is the wire format's definition and the reference the torch coder is tested against
+(kernels/entropy_torch.py, byte for byte); `protocol.packet` encodes and decodes with the torch
+coder, on the tensors' device.
 
 Rice coding with parameter b writes a gap g as its quotient g >> b in unary and its low b bits
 verbatim. Instead of interleaving the two parts per symbol, which forces a sequential decoder,

@@ -22,13 +22,14 @@ is at most n * B (B <= 1e30 keeps it finite up to 3e8 peers).
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from dataclasses import dataclass
 
 import torch
 
 from kernels.chunking import ChunkLayout, flat_indices, from_chunks, to_chunks
-from kernels.quantize import QuantTable, quantize
+from kernels.quantize import NUM_BINS, QuantTable, quantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,25 +135,68 @@ def scatter_mean(
     bit-identical whatever order the packets arrived in and on whatever device it runs.
     `peer_scales` multiplies each peer's values first (norm clipping), each in [0, 1] so that a
     scaled value is never larger than the value. Returns the dense tensor in the layout's shape.
+
+    Batched: every peer's positions and codes are stacked once, the values come from one gather in
+    a (peers, 4) table of what each code decodes to (computed per peer exactly as
+    `QuantTable.decode` and the scale would compute it element by element), and the counts from one
+    integer `index_add_` (integer sums do not depend on order). The float32 sums keep peer order:
+    one `index_add_` per peer (its indices are distinct), or, asked for, one Triton launch that walks
+    the peers in order inside each chunk (kernels.triton_aggregate; `_use_triton`).
     """
     if peer_scales is not None and not all(0.0 <= s <= 1.0 for s in peer_scales):
         raise ValueError("peer scales must lie in [0, 1]")
     layout = selections[0].layout
-    total = torch.zeros(layout.num_chunks * layout.chunk_len, dtype=dtype, device=device)
-    row_offsets = torch.arange(0, total.numel(), layout.chunk_len, device=device).unsqueeze(1)
-    indices = []
-    for i, sparse in enumerate(selections):
-        if sparse.layout != layout:
-            raise ValueError("selections have different layouts")
-        index = (sparse.positions.to(device=device, dtype=torch.int64) + row_offsets).reshape(-1)
-        values = sparse.table.decode(sparse.codes.to(device)).reshape(-1).to(dtype)
-        if peer_scales is not None:
-            values = values * peer_scales[i]
-        total.index_put_((index,), values, accumulate=True)
-        indices.append(index)
+    if any(sparse.layout != layout for sparse in selections):
+        raise ValueError("selections have different layouts")
+    device = torch.device(device)
+    numel = layout.num_chunks * layout.chunk_len
+    values_by_code = _values_by_code(selections, dtype, peer_scales).to(device)  # (P, NUM_BINS)
+    positions = torch.stack([s.positions.to(device) for s in selections])  # (P, C, k)
+    codes = torch.stack([s.codes.to(device) for s in selections])  # (P, C, k) uint8
+    if _use_triton(device, dtype):
+        from kernels.triton_aggregate import ordered_scatter_add
+
+        total = torch.zeros(numel, dtype=dtype, device=device)
+        count = torch.zeros(numel, dtype=torch.int32, device=device)
+        ordered_scatter_add(positions, codes, values_by_code, total, count)
+    else:
+        num_peers = len(selections)
+        row_offsets = torch.arange(0, numel, layout.chunk_len, device=device).unsqueeze(1)  # (C, 1)
+        index = (positions.to(torch.int64) + row_offsets).reshape(num_peers, -1)  # (P, C * k)
+        code_index = codes.reshape(num_peers, -1).to(torch.int64)
+        code_index += torch.arange(0, num_peers * NUM_BINS, NUM_BINS, device=device).unsqueeze(1)
+        values = values_by_code.reshape(-1).index_select(0, code_index.reshape(-1)).view(num_peers, -1)
+        total = torch.zeros(numel, dtype=dtype, device=device)
+        for peer in range(num_peers):  # peer order; distinct indices inside a peer
+            total.index_add_(0, index[peer], values[peer])
+        count = None if divide_by_peers else torch.zeros(numel, dtype=torch.int32, device=device).index_add_(
+            0, index.reshape(-1), torch.ones(1, dtype=torch.int32, device=device).expand(index.numel()))
     if divide_by_peers:
         mean = total.div_(max(1, len(selections)))
     else:  # counts are integers (exact on any device); where nobody sent a coordinate, 0 / 1 = 0
-        count = torch.bincount(torch.cat(indices), minlength=total.numel())
         mean = total.div_(count.clamp_min_(1).to(dtype))
     return from_chunks(mean.view(layout.num_chunks, layout.chunk_len), layout)
+
+
+def _values_by_code(selections: list[SparseTensor], dtype: torch.dtype,
+                    peer_scales: list[float] | None) -> torch.Tensor:
+    """(P, NUM_BINS): what each code of each peer adds to the sum, by the same IEEE operations the
+    element-wise path performs (decode in the table's dtype, cast to `dtype`, times the scale)."""
+    all_codes = torch.arange(NUM_BINS, dtype=torch.uint8)
+    rows = []
+    for i, sparse in enumerate(selections):
+        row = sparse.table.decode(all_codes).to(dtype)
+        rows.append(row * peer_scales[i] if peer_scales is not None else row)
+    return torch.stack(rows)
+
+
+def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
+    """The Triton kernel for float32 sums when LOCOSWARM_TRITON=1 and triton is there (on CPU under
+    TRITON_INTERPRET=1, for tests). Off by default, on CUDA too: it has run only under the interpreter,
+    and every peer must sum bit for bit alike (deploy/gpu_check.sh compares it on a GPU); the torch
+    path (one index_add_ per peer, distinct indices) is deterministic on any device."""
+    if dtype != torch.float32 or os.environ.get("LOCOSWARM_TRITON") != "1":
+        return False
+    from kernels.triton_aggregate import available
+
+    return available(device)

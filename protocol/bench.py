@@ -11,6 +11,11 @@ it measures, median over repeats:
   quantize + entropy-code + pack + sign;
 - decode_aggregate_s: verify and decode `--peers` packets and form their scatter-mean;
 
+Ours runs on `--device` end to end: the Rice coder and the 2-bit packing are torch ops
+(kernels/entropy_torch.py), decoding happens on the device after the size checks, and the
+scatter-mean is batched over the peers (kernels/sparse.py; on CUDA one Triton launch per tensor,
+kernels/triton_aggregate.py); only the packet bytes cross to and from the host.
+
 and the same for the plain path in the same run (`baseline_*`): chunking by copy, torch.topk,
 the local reconstruction through a dense scatter_reduce, int64 indices and uint8 codes on the
 wire (what the SparseLoCo authors' code sends), aggregation by one scatter_reduce over all peers'
@@ -122,7 +127,7 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
     base_packets = [baseline() for _ in range(num_peers)]
 
     def decode_aggregate():
-        decoded = [decode_packet(p, spec, keys[i].public_bytes) for i, p in enumerate(packets)]
+        decoded = [decode_packet(p, spec, keys[i].public_bytes, device=device) for i, p in enumerate(packets)]
         for name in layouts:
             scatter_mean([d.tensors[name] for d in decoded], device=device)
 

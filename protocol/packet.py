@@ -24,8 +24,10 @@ Header map (short keys; every field required, no others allowed):
 
 Per tensor, chunking and k follow from its shape, top_k and chunk (kernels.chunking), so a
 receiver checks them against its own model instead of trusting counts from the wire. Indices are
-Rice-coded gaps between ascending positions inside each chunk (kernels.entropy), which cannot
-express a duplicate or an unsorted index; only the chunk bound is checked.
+Rice-coded gaps between ascending positions inside each chunk (kernels.entropy has the format and
+the numpy reference; kernels.entropy_torch the whole-tensor torch coder this module uses, on the
+tensors' device), which cannot express a duplicate or an unsorted index; only the chunk bound is
+checked, and a unary stream longer than any in-range selection needs is refused unread.
 
 `decode_packet` treats its input as hostile: the total size is bounded first, the header is parsed
 with msgpack limits, every count and length is checked against what the model implies before any
@@ -50,18 +52,37 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgpack
-import numpy as np
 import torch
 import zstandard
 
 from kernels.chunking import ChunkLayout, chunk_layout
-from kernels.entropy import (MAX_RICE_PARAM, best_rice_param, gaps_to_positions, pack_2bit, positions_to_gaps,
-                             rice_decode, rice_encode, unpack_2bit)
+from kernels.entropy import MAX_RICE_PARAM
+from kernels.entropy_torch import (
+    StreamError,
+    best_rice_param,
+    max_unary_bytes,
+    pack_2bit,
+    positions_to_gaps,
+    rice_decode_batch,
+    rice_encode,
+    rows_to_positions,
+    unpack_2bit,
+)
 from kernels.quantize import QuantTable
 from kernels.sparse import SparseTensor
 from protocol.errors import (
-    BadMagic, BadSignature, IndexOutOfRange, MalformedPacket, NonFiniteValue, OversizedPacket,
-    ProtocolError, ShapeMismatch, TruncatedPacket, UnsupportedVersion, ValueOutOfRange, WrongRound,
+    BadMagic,
+    BadSignature,
+    IndexOutOfRange,
+    MalformedPacket,
+    NonFiniteValue,
+    OversizedPacket,
+    ProtocolError,
+    ShapeMismatch,
+    TruncatedPacket,
+    UnsupportedVersion,
+    ValueOutOfRange,
+    WrongRound,
 )
 from protocol.run_config import DEFAULT_MAX_ABS_VALUE
 from protocol.signing import SIGNATURE_BYTES, PeerKey, verify
@@ -102,7 +123,7 @@ class Packet:
     round: int
     peer_id: str
     base_digest: bytes
-    tensors: dict[str, SparseTensor]  # positions int64 and codes uint8, on the CPU
+    tensors: dict[str, SparseTensor]  # positions int64 and codes uint8, on the device decoded to
     num_bytes: int
     digest: str  # sha256 hex of the whole packet, as listed in round manifests
 
@@ -115,20 +136,29 @@ def encode_packet(
     run_id: str, round: int, peer_id: str, base_digest: bytes, spec: ModelSpec,
     tensors: Mapping[str, SparseTensor], key: PeerKey, zstd_level: int = 3,
 ) -> bytes:
-    """Serialize and sign one peer's selections (one SparseTensor per name in `spec`)."""
+    """Serialize and sign one peer's selections (one SparseTensor per name in `spec`).
+
+    The streams are coded on the selections' device; only the finished bytes cross to the host,
+    in one copy."""
     if list(tensors) != list(spec.shapes):
         raise ValueError("tensors must be given for exactly the spec's names, in its order")
     sections, streams, all_codes = [], [], []
     for name, sparse in tensors.items():
-        gaps = positions_to_gaps(sparse.positions.cpu().numpy())
+        gaps = positions_to_gaps(sparse.positions)
         rice_b = best_rice_param(gaps)
         unary, remainders = rice_encode(gaps, rice_b)
         table = TABLE.pack(sparse.table.shift, *sparse.table.lookup.tolist())
         sections.append([name, list(sparse.layout.shape), DTYPE_NAMES[sparse.table.dtype], rice_b, table,
-                         len(unary), len(remainders)])
-        streams += [unary, remainders]
-        all_codes.append(sparse.codes.cpu().numpy().reshape(-1))
-    codes = pack_2bit(np.concatenate(all_codes)) if all_codes else b""
+                         unary.numel(), remainders.numel()])
+        streams += [unary, remainders.to(unary.device)]
+        all_codes.append(sparse.codes.reshape(-1).to(unary.device))
+    if streams:
+        packed = pack_2bit(torch.cat(all_codes))
+        host = torch.cat([*streams, packed]).cpu().numpy().tobytes()
+        split = len(host) - packed.numel()
+        stream_bytes, codes = host[:split], host[split:]
+    else:
+        stream_bytes, codes = b"", b""
     coder = CODER_RAW
     compressed = zstandard.ZstdCompressor(level=zstd_level).compress(codes)
     if len(compressed) < len(codes):
@@ -137,7 +167,7 @@ def encode_packet(
         "run": run_id, "round": round, "peer": peer_id, "base": bytes(base_digest), "top_k": spec.top_k,
         "chunk": spec.chunk_size, "codes": [coder, len(codes)], "tensors": sections,
     })
-    body = b"".join([PREFIX.pack(MAGIC, WIRE_VERSION, len(header)), header, *streams, codes])
+    body = b"".join([PREFIX.pack(MAGIC, WIRE_VERSION, len(header)), header, stream_bytes, codes])
     return body + key.sign(body)
 
 
@@ -177,13 +207,15 @@ def read_header(data: bytes, max_bytes: int = DEFAULT_MAX_PACKET_BYTES) -> tuple
 def decode_packet(
     data: bytes, spec: ModelSpec, public_key: bytes | Callable[[str], bytes], *,
     run_id: str | None = None, round: int | None = None, max_bytes: int = DEFAULT_MAX_PACKET_BYTES,
-    max_abs_value: float = DEFAULT_MAX_ABS_VALUE,
+    max_abs_value: float = DEFAULT_MAX_ABS_VALUE, device: torch.device | str = "cpu",
 ) -> Packet:
     """Verify and decode hostile `data` against the model `spec`; raise a ProtocolError subclass.
 
     `public_key` is the sender's key, or a function from peer id to key (raising ProtocolError
     for peers that are not members). `run_id` and `round`, when given, must match the header.
     `max_abs_value` bounds every value the packet can decode to (inf: finite is enough).
+    The streams are decoded on `device` (the payload crosses to it in one copy, after every size
+    check), and the tensors are returned there.
     """
     if not max_abs_value > 0:
         raise ValueError(f"max_abs_value must be positive, got {max_abs_value}")
@@ -227,63 +259,96 @@ def decode_packet(
             raise MalformedPacket(f"tensor {name!r}: coder fields out of range")
         if cursor + unary_len + rem_len > signed_len:
             raise TruncatedPacket(f"tensor {name!r}: streams run past the payload")
-        unary, cursor = data[cursor: cursor + unary_len], cursor + unary_len
-        remainders, cursor = data[cursor: cursor + rem_len], cursor + rem_len
-        quant_table = _bounded_table(name, table, DTYPES[s_dtype], max_abs_value)
-        parsed.append((name, layouts[name], quant_table, rice_b, unary, remainders))
+        layout = layouts[name]
+        if unary_len > max_unary_bytes(layout.num_chunks, layout.k, layout.chunk_len, rice_b):
+            # Such a stream holds an index past its chunk, or is malformed: either way out of range.
+            raise IndexOutOfRange(f"tensor {name!r}: unary stream is longer than any in-range selection needs")
+        # (unary start, unary length, remainder start, remainder length, symbols, b), from the streams' start
+        streams_at = cursor - offset
+        parsed.append((name, layout, (streams_at, unary_len, streams_at + unary_len, rem_len,
+                                      layout.num_selected, rice_b)))
+        cursor += unary_len + rem_len
+    quant_tables = _bounded_tables([name for name, _, _ in parsed], [s[4] for s in sections],
+                                   [DTYPES[s[2]] for s in sections], max_abs_value)
     if codes_len < 0 or cursor + codes_len < signed_len:
         raise MalformedPacket("payload holds bytes the header does not account for")
     if cursor + codes_len > signed_len:
         raise TruncatedPacket("code stream runs past the payload")
     num_codes = sum(layout.num_selected for layout in layouts.values())
-    codes = _decode_code_stream(coder, data[cursor:signed_len], num_codes)
+    codes = _decode_code_stream(coder, data[cursor:signed_len], num_codes, device)
 
-    tensors, code_offset = {}, 0
-    for name, layout, quant_table, rice_b, unary, remainders in parsed:
-        try:
-            gaps = rice_decode(unary, remainders, layout.num_selected, rice_b)
-        except ValueError as e:
-            raise MalformedPacket(f"tensor {name!r}: {e}") from None
-        if gaps.size and int(gaps.max()) >= layout.chunk_len:
-            raise IndexOutOfRange(f"tensor {name!r}: an index gap exceeds the chunk length")
-        positions = gaps_to_positions(gaps, layout.num_chunks, layout.k)
-        if positions.size and int(positions[:, -1].max()) >= layout.chunk_len:
-            raise IndexOutOfRange(f"tensor {name!r}: an index falls outside its chunk")
-        tensor_codes = codes[code_offset: code_offset + layout.num_selected].reshape(layout.num_chunks, layout.k)
-        code_offset += layout.num_selected
-        tensors[name] = SparseTensor(
-            layout, torch.from_numpy(positions), torch.from_numpy(tensor_codes.copy()),
-            quant_table,
-        )
+    # Every tensor's gaps in one batch (kernels.entropy_torch), then positions row by row.
+    streams = _to_device(data[offset:cursor], device)
+    try:
+        gaps = rice_decode_batch(streams, [coding for _, _, coding in parsed])
+    except StreamError as e:
+        raise MalformedPacket(f"tensor {parsed[e.index][0]!r}: {e}") from None
+    num_chunks = torch.tensor([layout.num_chunks for _, layout, _ in parsed], dtype=torch.int64, device=device)
+    row_k = torch.repeat_interleave(torch.tensor([layout.k for _, layout, _ in parsed], dtype=torch.int64,
+                                                 device=device), num_chunks)
+    positions = rows_to_positions(gaps, row_k)
+    # Positions rise inside a row, so each row's last one bounds all of its positions (and gaps).
+    chunk_len = torch.repeat_interleave(torch.tensor([layout.chunk_len for _, layout, _ in parsed],
+                                                     dtype=torch.int64, device=device), num_chunks)
+    outside = positions[torch.cumsum(row_k, dim=0) - 1] >= chunk_len if row_k.numel() else row_k.bool()
+    if bool(outside.any()):
+        first_row = int(outside.nonzero()[0, 0])
+        bad = int(torch.searchsorted(torch.cumsum(num_chunks, dim=0), first_row, right=True))
+        raise IndexOutOfRange(f"tensor {parsed[bad][0]!r}: an index falls outside its chunk")
+
+    tensors, offset_selected = {}, 0
+    for (name, layout, _), quant_table in zip(parsed, quant_tables):
+        span = slice(offset_selected, offset_selected + layout.num_selected)
+        offset_selected += layout.num_selected
+        tensors[name] = SparseTensor(layout, positions[span].view(layout.num_chunks, layout.k),
+                                     codes[span].view(layout.num_chunks, layout.k), quant_table)
     return Packet(packet_run, packet_round, peer_id, base, tensors, len(data), packet_digest(data))
 
 
-def _bounded_table(name: str, table: bytes, dtype: torch.dtype, max_abs_value: float) -> QuantTable:
-    """The tensor's quantization table, once its fields and every value a code can decode to are
-    finite and within `max_abs_value`, in float32 and in `dtype`; a ProtocolError otherwise."""
-    shift, *lookup = TABLE.unpack(table)
-    if not all(math.isfinite(v) for v in (shift, *lookup)):
-        raise NonFiniteValue(f"tensor {name!r}: quantization table holds NaN or Inf")
-    if max(abs(shift), *map(abs, lookup)) > max_abs_value:
-        raise ValueOutOfRange(f"tensor {name!r}: a shift or table entry exceeds max_abs_value {max_abs_value:g}")
-    quant = QuantTable(shift=shift, lookup=torch.tensor(lookup, dtype=torch.float32), dtype=dtype)
-    narrow_shift = torch.tensor(shift, dtype=dtype)
-    if not bool(torch.isfinite(narrow_shift)):
-        raise NonFiniteValue(f"tensor {name!r}: shift overflows {DTYPE_NAMES[dtype]}")
-    # The four values the codes can stand for, as decode computes them: the float32 sum, then the
-    # cast to the declared dtype (which may round up past the bound, or overflow float16).
-    wide = quant.lookup + narrow_shift
-    narrow = quant.decode(torch.arange(len(lookup), dtype=torch.uint8))
-    for values, where in ((wide, "float32"), (narrow, DTYPE_NAMES[dtype])):
-        if not bool(torch.isfinite(values).all()):
-            raise NonFiniteValue(f"tensor {name!r}: a decoded value overflows {where}")
-        if float(values.abs().max()) > max_abs_value:
-            raise ValueOutOfRange(f"tensor {name!r}: a decoded value exceeds max_abs_value {max_abs_value:g}"
-                                  f" in {where}")
-    return quant
+def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dtype],
+                    max_abs_value: float) -> list[QuantTable]:
+    """Each tensor's quantization table, once its fields and every value a code can decode to are
+    finite and within `max_abs_value`, in float32 and in its dtype; a ProtocolError naming the
+    first tensor that fails otherwise. The four decodable values are computed as
+    `QuantTable.decode` computes them (the float32 entry plus the shift in the tensor's dtype, then
+    the cast to that dtype), for all tensors of one dtype in one op."""
+    fields = [TABLE.unpack(table) for table in tables]
+    for name, (shift, *lookup) in zip(names, fields):
+        if not all(math.isfinite(v) for v in (shift, *lookup)):
+            raise NonFiniteValue(f"tensor {name!r}: quantization table holds NaN or Inf")
+        if max(abs(shift), *map(abs, lookup)) > max_abs_value:
+            raise ValueOutOfRange(f"tensor {name!r}: a shift or table entry exceeds max_abs_value {max_abs_value:g}")
+    lookups = torch.tensor([lookup for _, *lookup in fields], dtype=torch.float32).reshape(len(fields), 4)
+    verdicts: list[str | None] = [None] * len(fields)
+    for dtype in set(dtypes):
+        rows = [i for i, d in enumerate(dtypes) if d == dtype]
+        narrow_shift = torch.tensor([fields[i][0] for i in rows], dtype=dtype).unsqueeze(1)  # (n, 1)
+        wide = lookups[rows] + narrow_shift  # float32, as the 0-dim shift in QuantTable.decode
+        narrow = wide.to(dtype)
+        checks = torch.stack([~torch.isfinite(narrow_shift[:, 0]), ~torch.isfinite(wide).all(1),
+                              wide.abs().amax(1) > max_abs_value, ~torch.isfinite(narrow).all(1),
+                              narrow.float().abs().amax(1) > max_abs_value], dim=1).tolist()
+        for i, failed in zip(rows, checks):
+            if any(failed):
+                verdicts[i] = ("shift overflows {d}", "a decoded value overflows float32",
+                               "a decoded value exceeds max_abs_value {m:g} in float32", "a decoded value overflows {d}",
+                               "a decoded value exceeds max_abs_value {m:g} in {d}")[failed.index(True)]
+    for name, verdict, dtype in zip(names, verdicts, dtypes):
+        if verdict is not None:
+            kind = ValueOutOfRange if "exceeds" in verdict else NonFiniteValue
+            raise kind(f"tensor {name!r}: " + verdict.format(d=DTYPE_NAMES[dtype], m=max_abs_value))
+    return [QuantTable(shift=shift, lookup=lookups[i], dtype=dtype)
+            for i, ((shift, *_), dtype) in enumerate(zip(fields, dtypes))]
 
 
-def _decode_code_stream(coder: int, stream: bytes, num_codes: int) -> np.ndarray:
+def _to_device(data: bytes, device: torch.device | str) -> torch.Tensor:
+    """A uint8 tensor of `data` on `device` (copied: the packet's bytes stay immutable)."""
+    if not data:
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _decode_code_stream(coder: int, stream: bytes, num_codes: int, device: torch.device | str) -> torch.Tensor:
     expected = (num_codes + 3) // 4
     if coder == CODER_ZSTD:
         try:
@@ -298,7 +363,7 @@ def _decode_code_stream(coder: int, stream: bytes, num_codes: int) -> np.ndarray
     elif coder != CODER_RAW:
         raise MalformedPacket(f"unknown code coder {coder}")
     try:
-        return unpack_2bit(stream, num_codes)
+        return unpack_2bit(_to_device(stream, device), num_codes)
     except ValueError as e:
         raise MalformedPacket(str(e)) from None
 
