@@ -245,9 +245,10 @@ class ScoringSection(RequestModel):
     max_loss_delta: float = Field(
         0.0, ge=-1e3, le=1e3, allow_inf_nan=False,
         description="A node judges an update hurting when the held-out loss after it alone, applied to the round's"
-        " start, rose by more than this (nats) plus loss_tolerance times the gain of the typical update it scored"
-        " (minus their median loss delta), or when its cosine with the aggregate is below min_cosine. A node whose"
-        " typical update did not lower the loss abstains (protocol/scoring.py).",
+        " start, rose by more than 20 times (this, in nats, plus loss_tolerance times the gain of the typical update"
+        " it scored, minus their median loss delta), or when the update's cosine with the node's own update is"
+        " below min_cosine. A node whose typical update did not lower the loss judges by the cosine alone"
+        " (protocol/scoring.py).",
     )
     loss_tolerance: float = Field(
         0.5, ge=0.0, le=100.0, allow_inf_nan=False,
@@ -255,9 +256,10 @@ class ScoringSection(RequestModel):
         " honest ones lower it, or raise it by a small part of it at worst.",
     )
     min_cosine: float = Field(
-        -0.25, ge=-1.0, le=1.0, allow_inf_nan=False,
-        description="See max_loss_delta. An update is part of the aggregate, so an honest one's cosine with it is"
-        " positive (about its share of the aggregate); -1 turns this test off.",
+        -0.4, ge=-1.0, le=1.0, allow_inf_nan=False,
+        description="See max_loss_delta: the cosine of an update with the judging node's own update of the round,"
+        " on the coordinates the update holds. Honest ones stay above it (measured down to -0.25 late in a"
+        " run), sign-flipped ones far below (-0.64..-0.95); -1 turns this test off.",
     )
     min_reporters: int = Field(
         2, ge=1, le=64,

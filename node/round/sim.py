@@ -219,7 +219,7 @@ class _Scorer:
         picked = pick_peers(prepared.result.accepted, self.peer_ids[index], round, self.section.max_peers_per_round)
         batch = scoring_batch(peer.shard, round, self.section.batch_sequences, self.seq_len, peer.seed, peer.device)
         scores = score_updates(peer.model, outer.start, {p: prepared.updates[p] for p in picked},
-                               prepared.aggregates, batch, self.outer_lr)
+                               batch, self.outer_lr)
         return {p: Score(s.loss_delta, s.cosine) for p, s in reportable(scores).items()}
 
     def judge(self, reports: dict, contributors: list[str], round: int) -> None:

@@ -292,8 +292,10 @@ async def score(s: Session, round: int, prepared) -> dict[str, PeerScore]:
             return {}
         t = s.training
         batch = scoring_batch(t.shard, round, section.batch_sequences, t.inner.seq_len, t.seed, t.device)
+        # With overlap the parameters already train the next round: the aggregate is the reference.
+        reference = prepared.aggregates if s.run.outer.overlap else None  # None: its own update
         return reportable(score_updates(t.model, s.outer.start, {p: prepared.updates[p] for p in picked},
-                                        prepared.aggregates, batch, s.run.outer.lr))
+                                        batch, s.run.outer.lr, reference))
 
     start = time.perf_counter()
     try:

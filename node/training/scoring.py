@@ -6,9 +6,12 @@ accepted packet of a round itself, after the outer step's aggregate is known:
 - `loss_delta`: the loss on a small held-out batch of the node's own shard at theta_r - outer_lr
   * update_p (the peer's decoded update applied alone to the round's start), minus the loss at
   theta_r. A useful update lowers it (negative); a sign-flipped or random one raises it.
-- `cosine`: the cosine between the peer's update and the round's aggregate (which median-norm
-  clipping keeps mostly honest): about +1/sqrt(R) or more for an honest peer, negative for one
-  working against the swarm.
+- `cosine`: the cosine between the peer's update and this node's own update of the round (its
+  dense delta theta_r - theta_local) on the coordinates the peer sent. Peers training
+  the same model on the same kind of data move those coordinates the same way: clearly positive
+  for an honest peer, negative for a sign-flipped one, near 0 for noise. (Against the round's
+  aggregate instead, every update's cosine is about its own share of it, flipped or not: sparse
+  updates barely overlap.)
 
 The node reports the scores with its applied digest; the coordinator keeps a running score per
 peer from every reporter's figures and refuses the packets of a peer whose updates keep hurting
@@ -46,7 +49,7 @@ SCORING_SEED = 0x5C0E  # added to the run's seed: scoring batches are not traini
 @dataclass(frozen=True, slots=True)
 class PeerScore:
     loss_delta: float  # held-out loss after the peer's update alone minus before; < 0 helps
-    cosine: float  # cosine of the peer's update with the round's aggregate, in [-1, 1]
+    cosine: float  # with this node's own update, on the coordinates the peer sent, in [-1, 1]
 
 
 @torch.no_grad()
@@ -54,33 +57,38 @@ def score_updates(
     model: nn.Module,
     start: Mapping[str, torch.Tensor],
     updates: Mapping[str, Mapping[str, SparseTensor | torch.Tensor]],
-    aggregate: Mapping[str, torch.Tensor],
     batch: tuple[torch.Tensor, torch.Tensor],
     outer_lr: float = 1.0,
+    reference: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, PeerScore]:
     """Score each peer's decoded update (peer id -> name -> SparseTensor, or a dense delta). The
-    model's parameters are set to each candidate in turn and restored to what they held before."""
+    cosine is taken against `reference` (name -> dense tensor), by default this node's own update:
+    `start` minus the parameters as the call finds them (the trained model, before the outer step).
+    The model's parameters are set to each candidate in turn and restored to what they held before."""
     params = dict(model.named_parameters())
     saved = {name: p.detach().clone() for name, p in params.items() if name in start}
     x, y = batch
     try:
         _set(params, start)
         loss_start = float(lm_loss(model, x, y))
-        aggregate_norm = math.sqrt(sum(float(a.double().square().sum()) for a in aggregate.values()))
         scores = {}
         for peer_id in sorted(updates):
-            dot, squares = 0.0, 0.0
+            dot, squares, reference_squares = 0.0, 0.0, 0.0
             for name, sparse in updates[peer_id].items():
                 dense = decompress(sparse) if isinstance(sparse, SparseTensor) else sparse
                 dense = dense.to(params[name].device, torch.float32).reshape(params[name].shape)
                 params[name].copy_(start[name] - outer_lr * dense)
-                dot += float((dense.double() * aggregate[name].double()).sum())
+                # Own update on the coordinates the peer sent (all of them for a dense delta).
+                mine = start[name].to(dense.device) - saved[name] if reference is None else reference[name]
+                own = mine.to(dense.device, torch.float64).reshape(dense.shape) * (dense != 0)
+                dot += float((dense.double() * own).sum())
                 squares += float(dense.double().square().sum())
+                reference_squares += float(own.square().sum())
             loss = float(lm_loss(model, x, y))
             for name in updates[peer_id]:
                 params[name].copy_(start[name])
-            norm = math.sqrt(squares)
-            cosine = dot / (norm * aggregate_norm) if norm > 0 and aggregate_norm > 0 else 0.0
+            norm = math.sqrt(squares) * math.sqrt(reference_squares)
+            cosine = dot / norm if norm > 0 else 0.0
             finite = math.isfinite(loss) and math.isfinite(loss_start)
             scores[peer_id] = PeerScore(loss_delta=loss - loss_start if finite else math.inf,
                                         cosine=max(-1.0, min(1.0, cosine)))

@@ -15,7 +15,7 @@ from tests.unit.test_coordinator_votes import HONEST, Coordinator
 
 pytestmark = pytest.mark.timeout(30)
 
-GOOD, BAD = PeerScoreReport(loss_delta=-0.1, cosine=0.5), PeerScoreReport(loss_delta=0.1, cosine=0.45)
+GOOD, BAD = PeerScoreReport(loss_delta=-0.1, cosine=0.8), PeerScoreReport(loss_delta=0.1, cosine=-0.8)
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_a_peer_whose_updates_hurt_twice_is_refused_and_shown_excluded(coordinat
     # `locoswarm status` renders the same JSON.
     text = render_status(c.status(run_id).model_dump(mode="json"), now=c.clock())
     line = next(line for line in text.splitlines() if line.startswith(e))
-    assert "dloss 0.100 cos 0.45 2/2 hurt" in line and "excluded: hurting_updates: its updates hurt" in line
+    assert "dloss 0.100 cos -0.80 2/2 hurt" in line and "excluded: hurting_updates: its updates hurt" in line
 
 
 def test_one_bad_round_and_strangers_scores_exclude_nobody(coordinator):

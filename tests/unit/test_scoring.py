@@ -30,10 +30,7 @@ def test_honest_updates_score_better_than_flipped_and_random_ones():
         optimizer.zero_grad()
         lm_loss(model, *batch).backward()
         optimizer.step()
-    delta = {n: start[n] - p.detach() for n, p in params.items()}
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(start[n])
+    delta = {n: start[n] - p.detach() for n, p in params.items()}  # the model stays trained: the judge's own
 
     def sparse(tensors):
         return {n: compress(t, chunk_layout(t.shape, top_k=512)) for n, t in tensors.items()}
@@ -43,10 +40,10 @@ def test_honest_updates_score_better_than_flipped_and_random_ones():
         "flipped": sparse({n: -d for n, d in delta.items()}),
         "random": sparse({n: torch.randn_like(d) * d.abs().mean() * 20 for n, d in delta.items()}),
     }
-    aggregate = {n: d.clone() for n, d in delta.items()}
     before = {n: p.detach().clone() for n, p in params.items()}
 
-    scores = score_updates(model, start, updates, aggregate, batch)
+    # The cosine is against the judge's own update: start minus the parameters the call finds.
+    scores = score_updates(model, start, updates, batch)
 
     assert scores["honest"].loss_delta < 0 < scores["flipped"].loss_delta
     assert scores["random"].loss_delta > scores["honest"].loss_delta
@@ -67,8 +64,8 @@ def test_dense_updates_score_as_their_sparse_form_does():
     dense = {n: decompress(s).reshape(start[n].shape) for n, s in sparse.items()}
     aggregate = {n: d * 0.5 for n, d in dense.items()}
     batch = (x, torch.roll(x, -1, dims=1))
-    a = score_updates(model, start, {"p": sparse}, aggregate, batch)["p"]
-    b = score_updates(model, start, {"p": dense}, aggregate, batch)["p"]
+    a = score_updates(model, start, {"p": sparse}, batch, reference=aggregate)["p"]
+    b = score_updates(model, start, {"p": dense}, batch, reference=aggregate)["p"]
     assert a.loss_delta == pytest.approx(b.loss_delta, abs=1e-6) and a.cosine == pytest.approx(b.cosine, abs=1e-9)
 
 

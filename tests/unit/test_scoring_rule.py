@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(30)
 
 RULE = ScoringRule()
 PEERS = ["a", "b", "c", "d"]
-HONEST, FLIPPED = Score(-0.10, 0.5), Score(+0.10, 0.45)  # figures like the simulator's (test_scoring_sim.py)
+HONEST, FLIPPED = Score(-0.10, 0.8), Score(+0.10, -0.8)  # figures like the simulator's (test_scoring_sim.py)
 
 
 def reports(scores: dict[str, Score], judges=PEERS, lies: dict[str, dict[str, Score]] | None = None):
@@ -84,13 +84,22 @@ def test_one_bad_round_is_not_excluded_and_hurting_rounds_outside_the_window_do_
 def test_a_mildly_worse_honest_update_and_a_plateau_are_not_hurting():
     """The false positive a fixed threshold of 0 gave in the simulator (round 12 of 16): an honest
     update that raised the loss a little while the typical one lowered it; and a judge whose
-    typical update did not help at all abstains rather than call noise harm."""
+    typical update did not help at all judges by the cosine alone rather than call noise harm."""
     mild = {"a": Score(-0.017, 0.5), "b": Score(+0.006, 0.5), "c": Score(-0.013, 0.5), "d": Score(-0.020, 0.5)}
     assert not any(judge({p: s for p, s in mild.items() if p != "a"}, RULE).values())
-    plateau = {"b": Score(+0.002, 0.5), "c": Score(-0.001, 0.5), "d": Score(+0.004, 0.5)}
-    assert judge(plateau, RULE) == {}
-    verdicts = round_verdicts(reports(plateau | {"a": Score(+0.003, 0.5)}), PEERS, RULE)
-    assert all(v.hurt is None and v.num_judges == 0 for v in verdicts.values())
+    plateau = {"b": Score(+0.002, 0.5), "c": Score(-0.001, 0.5), "d": Score(+0.004, -0.8)}
+    assert judge(plateau, RULE) == {"b": False, "c": False, "d": True}
+
+
+def test_an_honest_peer_whose_data_raises_the_judges_loss_for_rounds_is_never_excluded():
+    """The false positive of the loss rule alone (the simulator at 32 rounds excluded one honest peer
+    in each of 4 seeds, from round 18 on): its update raised the others' held-out loss by up to 4x
+    the typical gain for rounds running, but moved its coordinates the way theirs did."""
+    unlike = reports({"a": Score(+0.018, 0.03), "b": Score(-0.005, 0.4), "c": Score(-0.004, 0.5), "d": Score(-0.006, 0.4)})
+    assert round_verdicts(unlike, PEERS, RULE)["a"].num_hurt == 0
+    assert standings_after([unlike] * 12)["a"].excluded_at is None
+    scaled = reports({"a": Score(+5.0, 0.9), "b": HONEST, "c": HONEST, "d": HONEST})  # x1000, same direction
+    assert round_verdicts(scaled, PEERS, RULE)["a"].hurt
 
 
 def test_too_few_judges_give_no_verdict():
