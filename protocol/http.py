@@ -343,7 +343,8 @@ class PeerScoreReport(RequestModel):
     loss_delta: float = Field(
         allow_inf_nan=False, ge=-MAX_ABS_LOSS_DELTA, le=MAX_ABS_LOSS_DELTA,
         description="Held-out loss (the reporter's data) after the update alone minus before; < 0 helps.")
-    cosine: float = Field(allow_inf_nan=False, ge=-1.0, le=1.0, description="Cosine with the round's aggregate.")
+    cosine: float = Field(allow_inf_nan=False, ge=-1.0, le=1.0, description="Cosine with the reporter's own"
+                          " update of the round, on the coordinates this update holds.")
 
 
 class AppliedRequest(RequestModel):

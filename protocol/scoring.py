@@ -75,7 +75,7 @@ class Score:
     """One judge's figures for one peer's update of a round."""
 
     loss_delta: float  # held-out loss after the update alone minus before; < 0 helps
-    cosine: float  # with the round's aggregate, in [-1, 1]
+    cosine: float  # with the judge's own update of the round, on this update's coordinates, in [-1, 1]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
