@@ -346,7 +346,7 @@ def test_page_shows_a_peer_excluded_by_contribution_scoring(start_coordinator, t
             for peer in peers:
                 assert peer.submit(run_id, round_index, train_loss=4.0).status_code == 200
             for peer in peers:
-                scores = {p: {"loss_delta": 0.1 if p == ids[3] else -0.1, "cosine": 0.5}
+                scores = {p: {"loss_delta": 0.1 if p == ids[3] else -0.1, "cosine": -0.8 if p == ids[3] else 0.8}
                           for p in ids if p != peer.peer_id}
                 response = peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
                                      {"params_digest": "ab" * 32, "scores": scores})
@@ -356,4 +356,4 @@ def test_page_shows_a_peer_excluded_by_contribution_scoring(start_coordinator, t
     dom, _ = open_page(f"{coordinator.url}/", tmp_path)
     assert dom.count('class="peer-row"') == 4
     assert "excluded: hurting_updates: its updates hurt in 2 of its last 2 scored rounds" in dom
-    assert "dloss 0.100 cos 0.50 (2/2 hurt)" in dom and dom.count("dloss -0.100 cos 0.50") == 3
+    assert "dloss 0.100 cos -0.80 (2/2 hurt)" in dom and dom.count("dloss -0.100 cos 0.80") == 3
