@@ -150,17 +150,22 @@ def order_sensitive_selections(num_peers: int, shape=(67, 130), top_k=2048, dtyp
     return layout, selections
 
 
+def reference_of(selections, layout, peer_scales=None) -> torch.Tensor:
+    """kernels.reference's element-by-element, peer-order scatter-mean of `selections`."""
+    contributions = []
+    for i, s in enumerate(selections):
+        values = s.values().reshape(-1).float()
+        contributions.append((s.flat_indices().tolist(), values * peer_scales[i] if peer_scales else values))
+    return reference_scatter_mean(contributions, layout.numel)
+
+
 @pytest.mark.parametrize("num_peers", [1, 2, 7, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_scatter_mean_is_the_peer_order_sum(num_peers, dtype):
     layout, selections = order_sensitive_selections(num_peers, dtype=dtype)
     scales = [1.0 if i % 3 else 0.37 + i / 100 for i in range(num_peers)]
     for peer_scales in (None, scales):
-        contributions = []
-        for i, s in enumerate(selections):
-            values = s.values().reshape(-1).float()
-            contributions.append((s.flat_indices().tolist(), values * peer_scales[i] if peer_scales else values))
-        expected = reference_scatter_mean(contributions, layout.numel)
+        expected = reference_of(selections, layout, peer_scales)
         got = scatter_mean(selections, peer_scales=peer_scales).reshape(-1)
         assert torch.equal(got, expected)
     # the order matters for these values: the reversed peer order gives other bits somewhere

@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="triton is not installed (it is in the test
 
 from kernels.reference import reference_scatter_mean
 from kernels.sparse import scatter_mean
-from tests.unit.test_kernels_torch_codec import order_sensitive_selections
+from tests.unit.test_kernels_torch_codec import order_sensitive_selections, reference_of
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,11 +35,7 @@ def test_triton_scatter_mean_is_the_peer_order_sum(interpreted, num_peers, monke
     layout, selections = order_sensitive_selections(num_peers, shape=(6, 130), top_k=2048)
     scales = [1.0 if i % 2 else 0.5 + i / 64 for i in range(num_peers)]
     for peer_scales in (None, scales):
-        contributions = []
-        for i, s in enumerate(selections):
-            values = s.values().reshape(-1).float()
-            contributions.append((s.flat_indices().tolist(), values * peer_scales[i] if peer_scales else values))
-        expected = reference_scatter_mean(contributions, layout.numel)
+        expected = reference_of(selections, layout, peer_scales)
         got = scatter_mean(selections, peer_scales=peer_scales).reshape(-1)
         assert torch.equal(got, expected)
         monkeypatch.setenv("LOCOSWARM_TRITON", "0")  # the torch path agrees
