@@ -581,7 +581,8 @@ ErrorCode = Literal[
     "late",  # submit past the round's deadline. The node skips its packet and applies the round.
     "round_not_open",  # submit while round 0 waits for min_peers. The node skips its packet.
     "round_not_closed",  # an applied report for a round with no manifest yet. Stops (reports follow it).
-    "conflicting_submission",  # this peer already submitted another digest to the round. Stops: a bug.
+    "conflicting_submission",  # this peer already submitted another digest to the round (it caught up and
+    #                            trained the round again). Goes on: the round keeps the first packet.
     "conflicting_report",  # this peer already reported another digest for this round and manifest version
     # (reports are immutable). The node's state is suspect: it catches up from the agreed state.
     "not_in_manifest",  # a missing report names a peer with no entry in that round's manifest. Stops: a bug.

@@ -46,8 +46,11 @@ log = logging.getLogger("locoswarm.node")
 
 MAX_REASON_CHARS = 256
 # Refusals of a submission after which the round goes on without this node's packet ("run_closed":
-# the run's last round closed first; its manifest is still applied, then the loop ends).
-REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round_not_open", "run_closed", "excluded")
+# the run's last round closed first; its manifest is still applied, then the loop ends;
+# "conflicting_submission": a node that caught up within a round it had already submitted to trained
+# it again; the round keeps the first packet, served while this node still holds it, else amended out).
+REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round_not_open", "run_closed", "excluded",
+                                                   "conflicting_submission")
 
 
 class CatchUpNeeded(Exception):
@@ -284,6 +287,10 @@ async def score(s: Session, round: int, prepared) -> dict[str, PeerScore]:
     section = s.run.scoring
     if not section.enabled or prepared is None or prepared.aggregates is None or not prepared.updates:
         return {}
+    if s.run.outer.overlap:
+        # The next round trains on the same model meanwhile: scoring would move its parameters
+        # under the inner steps (seen as a forked digest under load). Such a node judges nobody.
+        return {}
     from node.training.scoring import pick_peers, reportable, score_updates, scoring_batch
 
     def work() -> dict[str, PeerScore]:
@@ -292,10 +299,8 @@ async def score(s: Session, round: int, prepared) -> dict[str, PeerScore]:
             return {}
         t = s.training
         batch = scoring_batch(t.shard, round, section.batch_sequences, t.inner.seq_len, t.seed, t.device)
-        # With overlap the parameters already train the next round: the aggregate is the reference.
-        reference = prepared.aggregates if s.run.outer.overlap else None  # None: its own update
         return reportable(score_updates(t.model, s.outer.start, {p: prepared.updates[p] for p in picked},
-                                        batch, s.run.outer.lr, reference))
+                                        batch, s.run.outer.lr))
 
     start = time.perf_counter()
     try:
