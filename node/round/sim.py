@@ -202,7 +202,7 @@ class _Scorer:
 
         self.section, self.rule = run.scoring, ScoringRule.from_section(run.scoring)
         self.peer_ids, self.peers, self.result = peer_ids, peers, result
-        self.seq_len, self.outer_lr = run.inner.seq_len, run.outer.lr
+        self.outer_lr = run.outer.lr
         self.standings = {p: Standing() for p in peer_ids}
 
     def excluded(self, peer_id: str, round: int) -> bool:
@@ -210,17 +210,14 @@ class _Scorer:
 
     def score(self, index: int, outer, prepared, round: int) -> dict:
         """Peer `index`'s scores of the round's accepted updates, before its outer step."""
-        from node.training.scoring import pick_peers, reportable, score_updates, scoring_batch
+        from node.training.scoring import score_round
         from protocol.scoring import Score
 
         if prepared.aggregates is None:
             return {}
-        peer = self.peers[index]
-        picked = pick_peers(prepared.result.accepted, self.peer_ids[index], round, self.section.max_peers_per_round)
-        batch = scoring_batch(peer.shard, round, self.section.batch_sequences, self.seq_len, peer.seed, peer.device)
-        scores = score_updates(peer.model, outer.start, {p: prepared.updates[p] for p in picked},
-                               batch, self.outer_lr)
-        return {p: Score(s.loss_delta, s.cosine) for p, s in reportable(scores).items()}
+        scores = score_round(self.peers[index], outer.start, prepared, self.peer_ids[index], round, self.section,
+                             self.outer_lr)
+        return {p: Score(s.loss_delta, s.cosine) for p, s in scores.items()}
 
     def judge(self, reports: dict, contributors: list[str], round: int) -> None:
         from protocol.scoring import round_verdicts, update_standing

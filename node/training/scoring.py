@@ -59,12 +59,11 @@ def score_updates(
     updates: Mapping[str, Mapping[str, SparseTensor | torch.Tensor]],
     batch: tuple[torch.Tensor, torch.Tensor],
     outer_lr: float = 1.0,
-    reference: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, PeerScore]:
     """Score each peer's decoded update (peer id -> name -> SparseTensor, or a dense delta). The
-    cosine is taken against `reference` (name -> dense tensor), by default this node's own update:
-    `start` minus the parameters as the call finds them (the trained model, before the outer step).
-    The model's parameters are set to each candidate in turn and restored to what they held before."""
+    cosine is taken against this node's own update: `start` minus the parameters as the call finds
+    them (the trained model, before the outer step). The model's parameters are set to each
+    candidate in turn and restored to what they held before."""
     params = dict(model.named_parameters())
     saved = {name: p.detach().clone() for name, p in params.items() if name in start}
     x, y = batch
@@ -79,8 +78,8 @@ def score_updates(
                 dense = dense.to(params[name].device, torch.float32).reshape(params[name].shape)
                 params[name].copy_(start[name] - outer_lr * dense)
                 # Own update on the coordinates the peer sent (all of them for a dense delta).
-                mine = start[name].to(dense.device) - saved[name] if reference is None else reference[name]
-                own = mine.to(dense.device, torch.float64).reshape(dense.shape) * (dense != 0)
+                mine = start[name].to(dense.device) - saved[name]
+                own = mine.to(torch.float64).reshape(dense.shape) * (dense != 0)
                 dot += float((dense.double() * own).sum())
                 squares += float(dense.double().square().sum())
                 reference_squares += float(own.square().sum())
@@ -95,6 +94,19 @@ def score_updates(
         return scores
     finally:
         _set(params, saved)
+
+
+def score_round(training, start: Mapping[str, torch.Tensor], prepared, scorer_id: str, round: int, section,
+                outer_lr: float) -> dict[str, PeerScore]:
+    """`scorer_id`'s reportable scores of round r's accepted updates (`prepared`, node/training/outer.py,
+    before its outer step), on its own scoring batch; `training` is its PeerTraining, `section` the
+    run's [scoring]. The node (node/round/steps.py) and the simulator (node/round/sim.py) both call it."""
+    picked = pick_peers(prepared.result.accepted, scorer_id, round, section.max_peers_per_round)
+    if not picked:
+        return {}
+    batch = scoring_batch(training.shard, round, section.batch_sequences, training.inner.seq_len, training.seed,
+                          training.device)
+    return reportable(score_updates(training.model, start, {p: prepared.updates[p] for p in picked}, batch, outer_lr))
 
 
 def _set(params: Mapping[str, nn.Parameter], values: Mapping[str, torch.Tensor]) -> None:
