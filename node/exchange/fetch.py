@@ -32,7 +32,10 @@ announced it, but its bytes go into a `SnapshotSink` (node/training/snapshot.py)
 buffer: the request carries the sink's offset, the answer must be exactly the rest of the
 snapshot as the sink's own layout sizes it, and each unit (the prologue, then 4 MiB chunks) is
 checked and written as it completes. A holder that fails mid-stream costs only the unit in
-progress: the next holder is asked from the first byte not yet verified.
+progress: the next holder is asked from the first byte not yet verified. A holder keeps only its
+newest snapshot, so once every holder known refuses it ("not held") on two passes with a DHT
+re-read between them, the snapshot is gone from the swarm: the fetch gives up at once rather than
+ask until its time-out, and the caller looks for a newer one.
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ class FetchState:
     size_bytes: int | None  # from an announcement; None: unknown, bounded by max_packet_bytes
     banned: set[str] = field(default_factory=set)  # holders that sent bad bytes
     sink: SnapshotSink | None = None  # a snapshot's receiver (its layout sizes the stream)
+    refused: set[str] = field(default_factory=set)  # holders that answered they do not hold it
+
+
+class SnapshotGone(Exception):
+    """Every holder known refused the snapshot: they moved on to a newer one."""
 
 
 class PacketFetcher:
@@ -173,6 +181,10 @@ class PacketFetcher:
         started = loop.time()
         try:
             await asyncio.wait_for(self._fetch_one(state, [], lookup, deadline), max(0.0, deadline - loop.time()))
+        except SnapshotGone:
+            log.info("round %d: snapshot %s: no holder still has it (%d refused)", round, digest[:12],
+                     len(state.refused))
+            return False
         except asyncio.TimeoutError:
             log.warning("round %d: snapshot %s: %d of %d bytes verified within %.1f s", round, digest[:12],
                         sink.offset, sink.total_bytes, timeout_s)
@@ -262,6 +274,8 @@ class PacketFetcher:
                 continue
             if not looked_up:
                 continue  # the hinted holders failed: wait for the DHT's
+            if state.sink is not None and passes >= 2 and tried and tried <= state.refused:
+                raise SnapshotGone()  # refused by all, before and after a DHT re-read
             # Every known holder failed: wait for new ones (other peers finishing their fetches, or
             # the publisher's announcement, which is stored beside the round and may come late).
             await asyncio.sleep(min(self.config.holder_refresh_s, max(0.0, deadline - loop.time())))
@@ -291,6 +305,7 @@ class PacketFetcher:
             log.warning("round %d: holder %s of %s's packet banned: %s", state.round, holder.holder,
                         state.publisher, e)
         except HolderRefused as e:
+            state.refused.add(holder.holder)
             log.info("round %d: holder %s refused %s's packet: %s", state.round, holder.holder, state.publisher, e)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             self._dialed.discard(holder.holder)

@@ -144,7 +144,9 @@ class PacketServer:
                 await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s))
             request = self.parse_request(await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s))
             round, publisher = request.round, request.publisher
-            copy = await self._store.copy_for(round, publisher, request.digest, cfg.request_timeout_s)
+            # A snapshot is never on its way here: only a packet's copy is worth waiting for.
+            wait_s = 0.0 if publisher == PARAMS_ID else cfg.request_timeout_s
+            copy = await self._store.copy_for(round, publisher, request.digest, wait_s)
             if copy is None:
                 raise HolderRefused("not held")
             if request.offset and isinstance(copy, Partial):

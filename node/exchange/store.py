@@ -127,11 +127,12 @@ class PacketStore:
             for copy in (self.held.get((round, publisher)), self.partial.get((round, publisher))):
                 if copy is not None and copy.digest == digest:
                     return copy
-            wanted = (round, publisher, digest) in self._wanted
-            if loop.time() >= (deadline if wanted else grace):
+            # Not wanted here yet: wait only the grace for this node to start fetching it.
+            until = deadline if (round, publisher, digest) in self._wanted else grace
+            if loop.time() >= until:
                 return None
             try:
-                await asyncio.wait_for(self._copy_added.wait(), deadline - loop.time())
+                await asyncio.wait_for(self._copy_added.wait(), until - loop.time())
             except asyncio.TimeoutError:
                 pass
 

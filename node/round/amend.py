@@ -27,8 +27,9 @@ coordinator/service.py and protocol/http.py ("Amended manifests"). node/round/st
 
 Costs: one round of packet bytes held per round, and what puts the start back: for SparseLoCo only
 the coordinates the aggregate moved (an outer step `theta - aggregate` leaves every other coordinate
-exactly as it was, so the start is the current round start with those coordinates restored: about
-R x k/chunk of the model for R packets, `StartPatch`), for DiLoCo (dense) a copy of the global model
+exactly as it was, so the start is the current round start with those coordinates restored: a bit
+per coordinate and 4 bytes for each of about R x k/chunk of the model for R packets, on the training
+device, `StartPatch`), for DiLoCo (dense) a copy of the global model
 and its momentum. A recompute decodes the kept packets again (it is rare). The checkpoint written after the older version is
 not rewritten: on a restart the coordinator disagrees with its digest and the node catches up.
 
@@ -68,24 +69,44 @@ class Recomputed:
     digest: str  # of the global model after the amended round
 
 
-# Above this share of a tensor's coordinates moved, a patch (int32 or int64 index + fp32 value per
-# coordinate) costs about as much as a dense copy: keep the copy.
-MAX_PATCH_FRACTION = 0.3
+# Above this share of a tensor's coordinates moved, a patch (1 bit per coordinate + 4 bytes per moved
+# one) saves too little over a dense copy (4 bytes per coordinate) to be worth its restore.
+MAX_PATCH_FRACTION = 0.75
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A flat bool tensor as uint8, eight to a byte, first in the high bit (zero-padded)."""
+    import torch
+
+    padded = torch.zeros((mask.numel() + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
+    padded[: mask.numel()] = mask.reshape(-1)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: the first `count` bits as a flat bool tensor."""
+    import torch
+
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
+    return (packed.unsqueeze(1) & weights).bool().reshape(-1)[:count]
 
 
 @dataclass(frozen=True, slots=True)
 class StartPatch:
-    """A SparseLoCo round start kept as the coordinates its outer step changed: name -> (flat
-    indices, values before the step), or a dense copy where too much of the tensor moved."""
+    """A SparseLoCo round start kept as the coordinates its outer step changed: name -> (bitmask of
+    the moved coordinates, their values before the step, in index order), or a dense copy where
+    too much of the tensor moved. The patch lives on `device` (the training device: the host then
+    holds only the round start and the error buffer); dense copies stay beside the start."""
 
     coordinates: dict[str, tuple[torch.Tensor, torch.Tensor]]
     dense: dict[str, torch.Tensor]
 
     @classmethod
-    def before(cls, start: dict[str, torch.Tensor], aggregates: dict[str, torch.Tensor] | None) -> StartPatch:
+    def before(cls, start: dict[str, torch.Tensor], aggregates: dict[str, torch.Tensor] | None,
+               device: torch.device | str | None = None) -> StartPatch:
         """What `start` holds where `aggregates` is non-zero (nothing moves where it is zero: x - 0 == x)."""
-        import torch
-
         coordinates, dense = {}, {}
         for name, value in start.items():
             if aggregates is None:
@@ -94,13 +115,13 @@ class StartPatch:
             if aggregate.numel() != value.numel():  # a multi-rank node's rank 0 holds its own rows only
                 dense[name] = value.clone()
                 continue
-            moved = aggregate.reshape(-1).nonzero().squeeze(1)  # (M,)
-            if moved.numel() > MAX_PATCH_FRACTION * value.numel():
+            moved = aggregate.reshape(-1) != 0
+            index = moved.nonzero().squeeze(1).to(value.device)  # (M,), ascending
+            if index.numel() > MAX_PATCH_FRACTION * value.numel():
                 dense[name] = value.clone()
                 continue
-            index_dtype = torch.int32 if value.numel() < 2**31 else torch.int64
-            moved = moved.to(value.device)
-            coordinates[name] = (moved.to(index_dtype), value.reshape(-1)[moved].clone())
+            target = device if device is not None else value.device
+            coordinates[name] = (pack_bits(moved).to(target), value.reshape(-1)[index].to(target))
         return cls(coordinates, dense)
 
     def restored(self, name: str, after: torch.Tensor) -> torch.Tensor:
@@ -109,13 +130,14 @@ class StartPatch:
             return self.dense[name]
         before = after.clone()
         if name in self.coordinates:
-            index, values = self.coordinates[name]
-            before.view(-1)[index.long()] = values
+            bits, values = self.coordinates[name]
+            moved = unpack_bits(bits.to(after.device), after.numel())
+            before.view(-1)[moved] = values.to(after.device)  # boolean index: ascending order, as kept
         return before
 
     @property
     def num_bytes(self) -> int:
-        return (sum(i.nbytes + v.nbytes for i, v in self.coordinates.values())
+        return (sum(b.nbytes + v.nbytes for b, v in self.coordinates.values())
                 + sum(t.nbytes for t in self.dense.values()))
 
 
@@ -200,7 +222,7 @@ def keep(s: Session, round: int, view: RoundView, payloads: dict[str, bytes],
         round=round,
         manifest_version=view.manifest_version,
         start=({name: t.clone() for name, t in s.outer.start.items()} if momentum
-               else StartPatch.before(s.outer.start, aggregates)),
+               else StartPatch.before(s.outer.start, aggregates, device=getattr(s.outer, "param_device", None))),
         outer_state={name: m.clone() for name, m in momentum.items()},
         payloads={e.peer_id: payloads[e.peer_id] for e in view.manifest},
         public_keys={e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest},

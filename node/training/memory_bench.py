@@ -107,15 +107,16 @@ def meta_state(cfg: ModelConfig, overlap: bool) -> NodeState:
 
 
 def kept_start_bytes(num_params: int, num_peers: int, overlap: bool, cfg: OuterConfig = OuterConfig()) -> int:
-    """node/round/amend.py's `StartPatch`: an int32 index and an fp32 value for each coordinate the
-    round's aggregate moved, about the union of `num_peers` Top-k selections (k of each chunk_size^2
-    tile, peers' choices taken as independent); a dense copy above MAX_PATCH_FRACTION. Nothing with overlap."""
+    """node/round/amend.py's `StartPatch`: a bit per coordinate and an fp32 value for each coordinate
+    the round's aggregate moved, about the union of `num_peers` Top-k selections (k of each
+    chunk_size^2 tile, peers' choices taken as independent); a dense copy above MAX_PATCH_FRACTION.
+    Nothing with overlap."""
     from node.round.amend import MAX_PATCH_FRACTION
 
     if overlap:
         return 0
     moved = 1.0 - (1.0 - cfg.top_k / cfg.chunk_size**2) ** num_peers
-    return int(num_params * (4 if moved > MAX_PATCH_FRACTION else 8 * moved))
+    return int(num_params * (4 if moved > MAX_PATCH_FRACTION else 1 / 8 + 4 * moved))
 
 
 def categories(state: NodeState, device: str, placement: str, overlap: bool, *, baseline: bool = False,
@@ -140,8 +141,9 @@ def categories(state: NodeState, device: str, placement: str, overlap: bool, *, 
         Category(name="error_buffer", num_bytes=state.error_buffer_bytes, device=state_on_device, phases=PHASES),
         Category(name="aggregate", num_bytes=state.aggregate_bytes, device=aggregate_on_device,
                  phases=aggregate_phases),
-        # node/round/amend.py keeps the round start (the first build: a dense clone) until the manifest is final.
-        Category(name="kept_round_start", device=state_on_device, phases=PHASES,
+        # node/round/amend.py keeps the round start (the first build: a dense clone) until the manifest is
+        # final, as a patch on the training device.
+        Category(name="kept_round_start", device=True, phases=PHASES,
                  num_bytes=state.round_start_bytes if baseline else kept_start_bytes(state.num_params, num_peers, overlap)),
     ]
     if not baseline and not state_on_device:

@@ -214,6 +214,29 @@ def test_a_holder_whose_tensors_move_on_stops_serving_them_and_the_fetch_resumes
     asyncio.run(scenario())
 
 
+def test_a_snapshot_every_holder_moved_on_from_is_given_up_long_before_the_time_out():
+    """Both holders announced the snapshot, then dropped it (their next outer step, as after a
+    whole-swarm restart when a fresh node asks for the round the others just left): each answers
+    "not held". The fetch stops after two passes with a DHT re-read between them instead of asking
+    until its 40 s time-out, so the node's catch-up can look for the newer snapshot."""
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, P2PExchange, max_packet_bytes=MAX_PACKET_BYTES) as peers:
+            fetcher, *holders = peers
+            for holder in holders:
+                await holder.publish_params(ROUND, toy_snapshot()[1])
+            records = await announced(fetcher, 2)
+            for holder in holders:
+                del holder._store.held[(ROUND, PARAMS_ID)]  # moved on: the record stays in the DHT
+            _, _, sink = fresh_sink(records[0].digest)
+            started = time.monotonic()
+            assert not await fetcher.fetch_params(ROUND, records[0].digest, sink, timeout_s=40)
+            elapsed = time.monotonic() - started
+            assert elapsed < 10, f"gave up after {elapsed:.1f} s"
+            assert sink.offset == 0 and sink.written_bytes == 0
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("bad_unit", [0, 2], ids=["wrong-prologue", "wrong-chunk"])
 def test_a_holder_sending_wrong_bytes_is_refused_and_the_next_one_used(bad_unit, caplog):
     async def scenario():
