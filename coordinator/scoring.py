@@ -93,6 +93,4 @@ def check_submission(storage: Storage, peer: PeerRow, round_index: int) -> None:
 
 def _contributors(storage: Storage, round_row: RoundRow) -> set[str]:
     """The peers in round r's latest manifest version."""
-    dropped = {d.peer_id for d in storage.list_dropped(round_row.run_id, round_row.round)
-               if d.manifest_version <= round_row.manifest_version}
-    return {s.peer_id for s in storage.list_submissions(round_row.run_id, round_row.round)} - dropped
+    return storage.manifest_peers(round_row.run_id, round_row.round, round_row.manifest_version)

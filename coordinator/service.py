@@ -705,10 +705,7 @@ class CoordinatorService:
 
     def _in_manifest(self, run_id: str, round_index: int, peer_id: str, version: int) -> bool:
         """Whether version `version` of round r's manifest holds a packet of this peer."""
-        if self.storage.get_submission(run_id, round_index, peer_id) is None:
-            return False
-        return not any(d.peer_id == peer_id and d.manifest_version <= version
-                       for d in self.storage.list_dropped(run_id, round_index))
+        return peer_id in self.storage.manifest_peers(run_id, round_index, version)
 
     def _is_vote(self, run_id: str, round_index: int, peer_id: str, version: int, config: RunConfig) -> bool:
         """Whether this peer's report of that version votes: its packet is in it (and, with
@@ -729,8 +726,7 @@ class CoordinatorService:
         fields: dict = {"num_votes": len(votes)}
         if round_row.agreed_digest is None and votes:
             settled = settled or self._settled(run_id, round_index)
-            dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index) if d.manifest_version <= version}
-            num_contributors = sum(s.peer_id not in dropped for s in self.storage.list_submissions(run_id, round_index))
+            num_contributors = len(self.storage.manifest_peers(run_id, round_index, version))
             leader, agreed = tally(votes, num_contributors, settled, round_row.majority_digest)
             fields |= {"majority_digest": leader, "agreed_digest": agreed}
             if agreed is not None:
@@ -813,9 +809,8 @@ class CoordinatorService:
         if round_row is None or round_row.closed_at is None:
             return
         grace_s = self.views.config_of(run).exchange.missing_grace_s
-        dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index)}
         submitters = {s.peer_id for s in self.storage.list_submissions(run_id, round_index)}
-        manifest = sorted(submitters - dropped)
+        manifest = sorted(self.storage.manifest_peers(run_id, round_index))
         live = {p.peer_id for p in self.storage.list_peers(run_id) if p.status == "live"}
         # Every version so far held each entry still undropped: whoever applied one got its packet.
         # Only the round's contributors are believed: a stranger's report must not keep an entry
@@ -859,12 +854,10 @@ class CoordinatorService:
                    if p.withheld_round is not None and p.withheld_round < round_index and p.peer_id != reporter_id}
         if not flagged:
             return
-        dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index)}
-        for s in self.storage.list_submissions(run_id, round_index):
-            if s.peer_id in flagged and s.peer_id not in dropped:
-                self.storage.update_peer(run_id, s.peer_id, withheld_round=None)
-                log.info("run %s: %s's packet of round %d was applied by %s; it is waited for again",
-                         run_id, s.peer_id, round_index, reporter_id)
+        for peer_id in sorted(self.storage.manifest_peers(run_id, round_index) & set(flagged)):
+            self.storage.update_peer(run_id, peer_id, withheld_round=None)
+            log.info("run %s: %s's packet of round %d was applied by %s; it is waited for again",
+                     run_id, peer_id, round_index, reporter_id)
 
 
 def tally(votes: list[str], num_contributors: int, settled: bool, previous: str | None) -> tuple[str, str | None]:

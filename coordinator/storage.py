@@ -525,6 +525,16 @@ class Storage:
             (run_id, round_index),
         )
 
+    def manifest_peers(self, run_id: str, round_index: int, version: int | None = None) -> set[str]:
+        """The publishers in version `version` of round r's manifest (None: its latest): its
+        submitters less the entries dropped by that version."""
+        rows = self._rows(
+            "SELECT peer_id FROM submissions WHERE run_id = ? AND round = ? AND peer_id NOT IN"
+            " (SELECT peer_id FROM dropped_entries WHERE run_id = ? AND round = ? AND manifest_version <= ?)",
+            (run_id, round_index, run_id, round_index, 2**62 if version is None else version),
+        )
+        return {r["peer_id"] for r in rows}
+
     def count_submissions(self, run_id: str, round_index: int) -> int:
         rows = self._rows(
             "SELECT COUNT(*) AS n FROM submissions WHERE run_id = ? AND round = ?",
