@@ -21,6 +21,8 @@ from functools import lru_cache
 
 import torch
 
+from kernels.quantize import NUM_BINS
+
 
 @lru_cache(maxsize=4096)
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -109,6 +111,16 @@ def from_chunks(chunks: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return tiles.permute(0, 2, 1, 3).reshape(layout.shape)
 
 
+def tile_view(x: torch.Tensor, layout: ChunkLayout, chunk_space: bool = False) -> torch.Tensor:
+    """A 4-D view, (tile row, tile column, row in tile, column in tile), of `x`: a tensor of the
+    layout's shape, or with `chunk_space` its chunks one after another (what `to_chunks` makes,
+    flattened). Copying one such view into the other is `to_chunks` or `from_chunks`."""
+    grid_rows, grid_cols = layout.rows // layout.tile_rows, layout.cols // layout.tile_cols
+    if chunk_space:
+        return x.view(grid_rows, grid_cols, layout.tile_rows, layout.tile_cols)
+    return x.view(grid_rows, layout.tile_rows, grid_cols, layout.tile_cols).permute(0, 2, 1, 3)
+
+
 def flat_indices(chunk_positions: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """Row-major indices into the flat tensor of (num_chunks, k) positions inside chunks."""
     chunk = torch.arange(layout.num_chunks, device=chunk_positions.device, dtype=torch.int64).unsqueeze(1)
@@ -119,3 +131,63 @@ def flat_indices(chunk_positions: torch.Tensor, layout: ChunkLayout) -> torch.Te
     row = (chunk // grid_cols) * layout.tile_rows + pos // layout.tile_cols
     col = (chunk % grid_cols) * layout.tile_cols + pos % layout.tile_cols
     return row * layout.cols + col
+
+
+# Aggregation buffers hold whole tensors, consecutive small ones together up to this many elements
+# (16 MiB of float32 sums: a block and its counts stay in cache while every peer adds into it).
+BLOCK_ELEMENTS = 1 << 22
+
+
+class PacketLayout:
+    """Constants of a model's tensors taken together, selections concatenated in order (a packet's
+    order: tensor by tensor, chunk by chunk, k positions a chunk). Built once per layouts and device
+    (`packet_layout`), so that decoding and aggregating a packet rebuild none of them.
+
+    Chunk space: a tensor's chunks one after another (`to_chunks(x).reshape(-1)`). Tensors are
+    grouped into blocks of consecutive tensors (`BLOCK_ELEMENTS`); a selected value's *index* is its
+    place in its block's chunk space, the tensors of a block lying one after another there.
+    """
+
+    def __init__(self, layouts: tuple[ChunkLayout, ...], device: torch.device):
+        self.layouts, self.device = layouts, device
+        counts = [layout.num_selected for layout in layouts]
+        self.symbol_starts = [sum(counts[:t]) for t in range(len(counts) + 1)]  # per tensor, then the total
+        self.num_symbols = self.symbol_starts[-1]
+        # Blocks: [first tensor, end tensor), and each tensor's offset in its block's chunk space.
+        self.blocks: list[tuple[int, int]] = []
+        self.block_offsets: list[int] = []
+        size = BLOCK_ELEMENTS
+        for t, layout in enumerate(layouts):
+            numel = layout.num_chunks * layout.chunk_len
+            if size + numel > BLOCK_ELEMENTS or not self.blocks:
+                self.blocks.append((t, t))
+                size = 0
+            self.blocks[-1] = (self.blocks[-1][0], t + 1)
+            self.block_offsets.append(size)
+            size += numel
+        self.block_sizes = [sum(layouts[t].num_chunks * layouts[t].chunk_len for t in range(a, b))
+                            for a, b in self.blocks]
+
+        long = dict(dtype=torch.int64, device=device)
+        num_chunks = torch.tensor([layout.num_chunks for layout in layouts], **long)
+        per_row = lambda values: torch.repeat_interleave(torch.tensor(values, **long), num_chunks)
+        self.row_lengths = per_row([layout.k for layout in layouts])  # a row is a chunk: k symbols
+        self.row_chunk_len = per_row([layout.chunk_len for layout in layouts])
+        self.rows_per_tensor = [layout.num_chunks for layout in layouts]
+        first_row = torch.cumsum(num_chunks, 0) - num_chunks
+        row_in_tensor = torch.arange(int(num_chunks.sum()), **long) - torch.repeat_interleave(first_row, num_chunks)
+        # Where each row starts in its block's chunk space, and in its tensor's.
+        self.row_offsets = per_row(self.block_offsets) + row_in_tensor * self.row_chunk_len
+        self.symbol_row_offsets = torch.repeat_interleave(self.row_offsets, self.row_lengths)  # index - position
+        self.row_ends = torch.cumsum(self.row_lengths, 0) - 1  # each row's last symbol
+        self.row_counts_through = torch.cumsum(num_chunks, 0)  # rows up to each tensor's end
+        symbols_per_tensor = torch.tensor(counts, **long)
+        # NUM_BINS * tensor of each symbol: where its code's entries start in a (tensors * NUM_BINS) table.
+        self.code_offsets = torch.repeat_interleave(
+            torch.arange(0, NUM_BINS * len(layouts), NUM_BINS, dtype=torch.int32, device=device), symbols_per_tensor)
+
+
+@lru_cache(maxsize=16)
+def packet_layout(layouts: tuple[ChunkLayout, ...], device: torch.device | str = "cpu") -> PacketLayout:
+    """The cached `PacketLayout` of these layouts, its tensors on `device`."""
+    return PacketLayout(layouts, torch.device(device))

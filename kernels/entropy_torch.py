@@ -13,19 +13,20 @@ How the bit streams are built without a sequential coder:
   distinct, so the sum is their OR, and integer sums do not depend on order).
 - remainders, encode: gap i's b bits start at bit i*b; shifted into a 32-bit big-endian window
   (offset <= 7, b <= 24, so they fit), its four bytes are added into place the same way.
-- unary, decode: a popcount table per byte gives how many ones each byte holds; the ones are laid
-  out with `repeat_interleave`, and a (256, 8) table gives the bit offset of the r-th one of a byte.
-  The work is proportional to the stream's bytes plus the count, not to its bits.
-- remainders, decode: the two to four bytes that hold gap i's bits, from byte (i*b) // 8, are
-  gathered into one window and shifted down.
-
-Decoding indexes in int32 when the streams are short enough for every bit position to fit (any
-packet under 256 MiB), which halves the memory traffic on the CPU; the gaps come back as int64.
+- decode (`rice_decode_rows`): positions rather than gaps. With Z_i the zeros before the i-th
+  terminating one in the unary bytes and D_i the running sum of remainder + 1, position i is
+  (Z_i << b) + D_i minus a constant per row, so neither the quotients nor a segmented sum are ever
+  formed. Z_i is the zeros before its byte plus a (256 * 8) table entry for its rank in the byte;
+  values per byte, per section and per row reach the symbols through `_spread` (one integer
+  index_add_ of the steps and a cumsum, several times cheaper than repeat_interleave on the CPU).
+  A remainder is read from a 31-bit big-endian window of the four bytes from its first one.
+  Small values (bit offsets, Z, remainders) run in int32, positions in int64.
 
 Decoders assume their caller bounded the stream sizes (`protocol.packet` does, before any
 allocation); they raise ValueError, like the reference, for streams that do not hold exactly the
 expected symbols. A few host syncs remain where a size must be known (the Rice parameter, the
-stream lengths, the symbol count check): a handful per tensor, none per element.
+stream lengths, the symbol count check): a handful per tensor when encoding, one per packet when
+decoding, none per element.
 """
 
 from __future__ import annotations
@@ -161,69 +162,162 @@ def _segment_starts(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(lengths, dim=0) - lengths
 
 
-def rice_decode_batch(streams: torch.Tensor, sections: list[tuple[int, int, int, int, int, int]]) -> torch.Tensor:
-    """The gaps of many tensors at once, concatenated in section order (int64).
+@lru_cache(maxsize=16)
+def _unary_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(popcount (256,), zeros before the r-th set bit MSB-first at byte * 8 + r (256 * 8,)) in `dtype`."""
+    popcount, bit_order = _byte_tables(device, torch.int64)
+    zeros_before = bit_order.view(256, 8) - torch.arange(8, device=device)  # bit offset minus the ones before
+    return popcount.to(dtype), zeros_before.reshape(-1).to(dtype)
 
-    `streams` holds the packet's coded bytes; each section is (unary_start, unary_len,
-    remainder_start, remainder_len, count, b), byte offsets into `streams`. Accepts and refuses
-    exactly what `rice_decode` does section by section (StreamError names the first bad section),
-    with a fixed number of whole-tensor ops and two host syncs for the whole packet."""
-    device = streams.device
+
+def _spread(starts: torch.Tensor, values: torch.Tensor, count: int) -> torch.Tensor:
+    """(count,) int64: values[j] at every place from starts[j] on (starts ascending, < count + 1).
+
+    The repeat_interleave of a segmented array, built as one integer index_add_ of the steps between
+    consecutive values and a cumsum: equal starts (empty segments) add their steps into one place."""
+    steps = torch.diff(values.to(torch.int64), prepend=values.new_zeros(1, dtype=torch.int64))
+    out = torch.zeros(count + 1, dtype=torch.int64, device=values.device).index_add_(0, starts, steps)
+    return torch.cumsum(out[:count], dim=0)
+
+
+def _spread_pair(starts: torch.Tensor, low: torch.Tensor, high: torch.Tensor, count: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_spread` of two arrays. In int32 (every value in [-2^31, 2^31)) both ride one int64 spread,
+    high * 2^32 + (low + 2^31) (the offset keeps the low word from borrowing), read back as the two
+    int32 halves of each int64 (little-endian: low first); in int64, two spreads."""
+    if dtype == torch.int64:
+        return _spread(starts, low, count), _spread(starts, high, count)
+    packed = _spread(starts, (high.to(torch.int64) << 32) + (low.to(torch.int64) + 2**31), count)
+    halves = packed.view(torch.int32).view(count, 2)
+    return halves[:, 0] ^ -(2**31), halves[:, 1]  # the xor takes the offset back off, without overflow
+
+
+@lru_cache(maxsize=8)
+def _symbol_params(counts_and_b: tuple[tuple[int, int], ...], device: torch.device,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per symbol, its section's b and c = 8 * (the section's remainder start) - (its first symbol) * b,
+    so that symbol i's remainder starts at bit i * b + c. Cached: packets of one model mostly share
+    their Rice parameters (they follow from the density), so this is the same from packet to packet."""
+    long = dict(dtype=torch.int64, device=device)
+    counts, rice_b = (torch.tensor(column, **long) for column in zip(*counts_and_b))
+    symbol_start = _segment_starts(counts)
+    c = 8 * _segment_starts((counts * rice_b + 7) // 8) - symbol_start * rice_b
+    return _spread_pair(symbol_start, rice_b, c, int(counts.sum()), dtype)
+
+
+def _check_sections(sections: list[tuple[int, int, int, int, int, int]]) -> None:
     for i, (_, _, _, rem_len, count, b) in enumerate(sections):
         if not 0 <= b <= MAX_RICE_PARAM:
             raise StreamError(i, f"rice parameter {b} outside [0, {MAX_RICE_PARAM}]")
         if rem_len != (count * b + 7) // 8:
             raise StreamError(i, f"remainder stream has {rem_len} bytes, expected {(count * b + 7) // 8}")
+
+
+def rice_decode_rows(streams: torch.Tensor, sections: list[tuple[int, int, int, int, int, int]],
+                     row_lengths: torch.Tensor, rows_per_section: list[int],
+                     row_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions, not gaps: each row's running sum of gap + 1, minus 1, plus its `row_offsets` entry
+    (0 if None), for all sections' symbols in order (int64).
+
+    `streams` holds the packet's coded bytes; each section is (unary_start, unary_len,
+    remainder_start, remainder_len, count, b), byte offsets into `streams`. Rows split the symbols:
+    `row_lengths` (int64 on the streams' device), `rows_per_section[s]` rows for section s, summing to
+    its count. Accepts and refuses exactly what `rice_decode` does section by section (StreamError
+    names the first bad section), with a fixed number of whole-tensor ops and one host sync.
+
+    Gap i is (q_i << b) | r_i, q_i the zeros before the i-th terminating one since the previous one.
+    With Z_i the zeros before the i-th one in all the unary bytes and D_i = sum_{j<=i} (r_j + 1),
+    position i = (Z_i << b) + D_i minus a constant per row (Z and D where the row starts): no
+    per-symbol quotient, no segmented sum. Z_i is the zeros before its byte plus a table entry for
+    its rank in the byte; the per-byte and per-section values reach the symbols through `_spread`
+    (an index_add_ and a cumsum, much cheaper than repeat_interleave). Small values run in int32.
+    """
+    device = streams.device
+    _check_sections(sections)
+    num_symbols = sum(s[4] for s in sections)
     if not sections:
         return torch.zeros(0, dtype=torch.int64, device=device)
-    # int32 throughout when every bit position in the streams fits (any packet under 256 MiB).
-    index_dtype = torch.int32 if streams.numel() * 8 + 64 < 2**31 else torch.int64
-    as_tensor = lambda column: torch.tensor([s[column] for s in sections], dtype=index_dtype, device=device)
-    unary_start, unary_len, rem_start, counts, rice_b = (as_tensor(c) for c in (0, 1, 2, 4, 5))
-    num_sections, num_unary, num_symbols = len(sections), sum(s[1] for s in sections), sum(s[4] for s in sections)
-    popcount, bit_order = _byte_tables(device, index_dtype)
-    spread = lambda per_section, lengths, total: torch.repeat_interleave(per_section, lengths, output_size=total)
+    # int32 when every bit offset and Z fits (any packet under 256 MiB), else int64.
+    small = streams.numel() * 8 + 64 < 2**31 and num_symbols * (MAX_RICE_PARAM + 1) < 2**31
+    index_dtype = torch.int32 if small else torch.int64
+    long = dict(dtype=torch.int64, device=device)
+    unary_len, counts, rice_b = (torch.tensor([s[c] for s in sections], **long) for c in (1, 4, 5))
+    symbol_start = _segment_starts(counts)
+    unary = torch.cat([streams[s[0]:s[0] + s[1]] for s in sections])
+    remainders = torch.cat([streams[s[2]:s[2] + s[3]] for s in sections] + [streams.new_zeros(4)])
 
-    # Every unary byte, gathered in section order, and the section each belongs to.
-    unary_at = torch.arange(num_unary, device=device, dtype=index_dtype)
-    raw = streams.index_select(0, unary_at + spread(unary_start - _segment_starts(unary_len), unary_len, num_unary))
-    raw = raw.to(index_dtype)
-    ones_per_byte = popcount.index_select(0, raw)
-    section_of_byte = spread(torch.arange(num_sections, device=device), unary_len, num_unary)
-    found = torch.zeros(num_sections, dtype=index_dtype, device=device).index_add_(0, section_of_byte, ones_per_byte)
-    last_byte = (torch.cumsum(unary_len, dim=0, dtype=index_dtype) - 1).clamp_min(0)
-    last_is_zero = (unary_len > 0) & (raw[last_byte] == 0) if num_unary else unary_len < 0
-    for i, (got, zero_tail, section) in enumerate(zip(found.tolist(), last_is_zero.tolist(), sections)):
+    # Unary: ones per byte, each section's count and last byte (the one host sync).
+    popcount, zeros_before_rank = _unary_tables(device, index_dtype)
+    raw = unary.to(index_dtype)
+    ones = popcount.index_select(0, raw)
+    ones_through = torch.cumsum(ones, dim=0)  # int64
+    unary_end = torch.cumsum(unary_len, dim=0)
+    through_end = torch.where(unary_len > 0, ones_through[(unary_end - 1).clamp_min(0)], 0) if unary.numel() else unary_len
+    through_start = torch.where(unary_end - unary_len > 0, ones_through[(unary_end - unary_len - 1).clamp_min(0)], 0) \
+        if unary.numel() else unary_len
+    last_is_zero = (unary_len > 0) & (raw[(unary_end - 1).clamp_min(0)] == 0) if unary.numel() else unary_len < 0
+    for i, (got, zero_tail, section) in enumerate(zip((through_end - through_start).tolist(), last_is_zero.tolist(),
+                                                      sections)):
         if got != section[4]:
             raise StreamError(i, f"unary stream holds {got} symbols, expected {section[4]}")
         if section[4] and zero_tail:
             raise StreamError(i, "unary stream has trailing bytes")
+    if num_symbols == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
 
-    # The terminating ones in order, as bit positions in the gathered unary bytes; a section's
-    # first symbol counts from just before its own first byte.
-    byte_of_one = torch.repeat_interleave(unary_at, ones_per_byte, output_size=num_symbols)
-    rank = torch.arange(num_symbols, device=device, dtype=index_dtype)
-    rank -= (torch.cumsum(ones_per_byte, dim=0, dtype=index_dtype) - ones_per_byte).index_select(0, byte_of_one)
-    ends = byte_of_one * 8 + bit_order.index_select(0, raw.index_select(0, byte_of_one) * 8 + rank)
-    previous = torch.roll(ends, 1)
-    first_symbols = _segment_starts(counts)[counts > 0].long()
-    previous[first_symbols] = (_segment_starts(unary_len)[counts > 0] * 8 - 1).to(index_dtype)
-    quotients = (ends - previous - 1).to(torch.int64)
+    # Z_i: per byte, the zeros before it (8 * byte - ones before it) and the key 8 * byte value - ones
+    # before it; key + i is the byte value * 8 + the symbol's rank in its byte.
+    first_one = ones_through - ones
+    byte_bits = torch.arange(0, 8 * raw.numel(), 8, **long)
+    key, zeros = _spread_pair(first_one, raw * 8 - first_one, byte_bits - first_one, num_symbols, index_dtype)
+    at = torch.arange(num_symbols, dtype=index_dtype, device=device)
+    z = zeros_before_rank.index_select(0, key + at).add_(zeros)
 
-    # Remainders: b bits per symbol from bit (remainder_start * 8 + j * b), through a window of the
-    # two to four bytes they can touch.
-    b = spread(rice_b, counts, num_symbols)
-    start = spread(rem_start * 8 - _segment_starts(counts) * rice_b, counts, num_symbols)
-    start += torch.arange(num_symbols, device=device, dtype=index_dtype) * b
-    window_bytes = (max(s[5] for s in sections) + 14) // 8
-    window_dtype = torch.int32 if window_bytes <= 3 else torch.int64
-    padded = torch.cat([streams, torch.zeros(4, dtype=torch.uint8, device=device)]).to(window_dtype)
-    first = start >> 3
-    window = padded.index_select(0, first)
-    for j in range(1, window_bytes):  # at most three more gathers, not a loop over elements
-        window = (window << 8) | padded.index_select(0, first + j)
-    low = (window >> (8 * window_bytes - (start & 7) - b)) & ((1 << b) - 1)
-    return (quotients << b.to(torch.int64)) | low.to(torch.int64)
+    # Remainders: symbol i's b bits start at bit i * b + c of the concatenated remainder streams
+    # (c per section); a 31-bit big-endian window from their byte holds them (offset <= 7, b <= 24).
+    b, c = _symbol_params(tuple((s[4], s[5]) for s in sections), device, index_dtype)
+    w = remainders.to(index_dtype)
+    window = (w[:-3] << 23) | (w[1:-2] << 15) | (w[2:-1] << 7) | (w[3:] >> 1)
+    start = at * b
+    start += c
+    low = window.index_select(0, start >> 3)
+    low <<= start & 7
+    low &= 2**31 - 1
+    low >>= 31 - b
+    low += 1
+    d = torch.cumsum(low, dim=0, dtype=torch.int64)
+
+    # Per row: Z before its first symbol (its section's zeros before it, for a section's first row)
+    # and D before it, folded with the offset into one constant.
+    row_start = _segment_starts(row_lengths)
+    row_section = torch.repeat_interleave(torch.arange(len(sections), device=device),
+                                          torch.tensor(rows_per_section, **long))
+    first_row = row_start == symbol_start.index_select(0, row_section)
+    before = (row_start - 1).clamp_min(0)
+    section_zeros = 8 * (unary_end - unary_len) - symbol_start
+    z_before = torch.where(first_row, section_zeros.index_select(0, row_section), z.index_select(0, before).long())
+    d_before = torch.where(row_start > 0, d.index_select(0, before), 0)
+    constant = -1 - d_before - (z_before << rice_b.index_select(0, row_section))
+    if row_offsets is not None:
+        constant += row_offsets
+    positions = z.to(torch.int64)
+    positions <<= b
+    positions += d
+    positions += _spread(row_start, constant, num_symbols)
+    return positions
+
+
+def rice_decode_batch(streams: torch.Tensor, sections: list[tuple[int, int, int, int, int, int]]) -> torch.Tensor:
+    """The gaps of many tensors at once, concatenated in section order (int64): `rice_decode_rows`
+    with one row a section, then the differences."""
+    counts = torch.tensor([s[4] for s in sections], dtype=torch.int64, device=streams.device)
+    positions = rice_decode_rows(streams, sections, counts, [1] * len(sections))
+    if not positions.numel():
+        return positions
+    gaps = torch.diff(positions, prepend=positions.new_full((1,), -1)) - 1
+    firsts = _segment_starts(counts)[counts > 0]
+    gaps[firsts] = positions[firsts]
+    return gaps
 
 
 def rows_to_positions(gaps: torch.Tensor, row_lengths: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ positions are sorted ascending inside each chunk, which the wire's delta coding 
 
 Many peers, one round: each peer's tensor may first be scaled down to the round's median norm of
 that tensor (`squared_norm`, `median_clip_scales`), then `scatter_mean` averages per coordinate.
+A node aggregates whole decoded packets instead (`PacketSelections`, `packet_clip_scales`,
+`aggregate_packets`): every tensor at once from the packets' flat arrays, with the same bits as
+`squared_norm` and `scatter_mean` tensor by tensor (tests/unit/test_packet_aggregate.py).
 Neither can make a non-finite value from finite inputs bounded by B (protocol.packet checks every
 decodable value against the run's bound): a scale lies in [0, 1], and the float32 sum of n peers
 is at most n * B (B <= 1e30 keeps it finite up to 3e8 peers).
@@ -24,11 +27,12 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kernels.chunking import ChunkLayout, flat_indices, from_chunks, to_chunks
+from kernels.chunking import ChunkLayout, PacketLayout, flat_indices, from_chunks, tile_view, to_chunks
 from kernels.quantize import NUM_BINS, QuantTable, quantize
 
 
@@ -200,3 +204,115 @@ def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
     from kernels.triton_aggregate import available
 
     return available(device)
+
+
+def code_values(tables: Sequence[QuantTable]) -> torch.Tensor:
+    """(tables, NUM_BINS) float32: what each code of each table decodes to, by `QuantTable.decode`'s
+    operations (float32 entry plus the shift in the table's dtype, cast to that dtype), then cast to
+    float32 (exact), for all tables of one dtype in one op."""
+    out = torch.empty(len(tables), NUM_BINS, dtype=torch.float32)
+    lookups = torch.stack([table.lookup.float() for table in tables]) if tables else out
+    for dtype in {table.dtype for table in tables}:
+        rows = [i for i, table in enumerate(tables) if table.dtype == dtype]
+        shifts = torch.tensor([tables[i].shift for i in rows], dtype=dtype).unsqueeze(1)  # (n, 1)
+        out[rows] = (lookups[rows] + shifts).to(dtype).float()
+    return out
+
+
+class PacketSelections(dict):
+    """One packet's selections, name -> SparseTensor, and the flat arrays those are views of, which
+    `aggregate_packets` reads whole: `index` (n,) int32 (int64 for a block of 2^31 elements or
+    more), each selected value's place in its block's chunk space (kernels.chunking.PacketLayout),
+    `codes` (n,) uint8, and `code_values` (tensors, NUM_BINS) float32 (`code_values`). Positions are
+    kept int16 where every chunk is at most 2^15 long. A node holds every packet of a round decoded
+    at once: 7 bytes a selected value."""
+
+    def __init__(self, names: Sequence[str], layout: PacketLayout, index: torch.Tensor, positions: torch.Tensor,
+                 codes: torch.Tensor, tables: Sequence[QuantTable]):
+        super().__init__()
+        self.layout, self.codes, self.code_values = layout, codes, code_values(tables)
+        self.index = index.to(torch.int32) if max(layout.block_sizes, default=0) < 2**31 else index
+        if all(chunks.chunk_len <= 2**15 for chunks in layout.layouts):
+            positions = positions.to(torch.int16)
+        starts = layout.symbol_starts
+        for t, (name, chunks, table) in enumerate(zip(names, layout.layouts, tables)):
+            shape = (chunks.num_chunks, chunks.k)
+            self[name] = SparseTensor(chunks, positions[starts[t]:starts[t + 1]].view(shape),
+                                      codes[starts[t]:starts[t + 1]].view(shape), table)
+        self._norms: list[float] | None = None
+
+    def code_index(self) -> torch.Tensor:
+        """(n,) int32: each selected value's code plus NUM_BINS times its tensor's number, its entry in
+        the flattened `code_values`."""
+        return self.codes.to(torch.int32).add_(self.layout.code_offsets.to(self.codes.device))
+
+    def squared_norms(self) -> list[float]:
+        """`SparseTensor.squared_norm` of every tensor, in order, the same bits: one bincount of
+        `code_index` gives every count, and the products are the same float64 operations."""
+        if self._norms is None:
+            counts = torch.bincount(self.code_index(), minlength=self.code_values.numel()).view(self.code_values.shape)
+            values = self.code_values.double()
+            products = (counts.cpu().double() * values * values).tolist()
+            self._norms = [math.fsum(row) for row in products]
+        return self._norms
+
+
+def packet_clip_scales(packets: Sequence[PacketSelections]) -> list[list[float]]:
+    """scales[p][t], as `aggregate_packets` takes them: tensor t's `median_clip_scales` over the
+    packets' norms of it (the square roots of `PacketSelections.squared_norms`)."""
+    norms = [packet.squared_norms() for packet in packets]
+    per_tensor = [median_clip_scales([math.sqrt(peer_norms[t]) for peer_norms in norms])
+                  for t in range(len(packets[0].layout.layouts))]
+    return [list(row) for row in zip(*per_tensor)]
+
+
+def aggregate_packets(
+    packets: Sequence[PacketSelections], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    divide_by_peers: bool = False, peer_scales: Sequence[Sequence[float]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor's `scatter_mean` over the packets (sorted by peer id), the same bits, all at once:
+    `peer_scales[p][t]` scales packet p's tensor t.
+
+    Per packet, one gather in its (tensors * NUM_BINS) table of values (times the scales: the same
+    float32 product as `scatter_mean`'s) gives every value. Per block of consecutive tensors
+    (kernels.chunking.PacketLayout), one float32 buffer in chunk space takes one `index_add_` per
+    packet, in packet order (indices distinct inside a packet, so each element is added to once per
+    packet), and the counts one integer `index_add_` per packet; the division
+    writes each tensor straight into its own shape (no separate `from_chunks` copy)."""
+    layout = packets[0].layout
+    if any(p.layout.layouts != layout.layouts for p in packets):
+        raise ValueError("packets have different layouts")
+    if peer_scales is not None and not all(0.0 <= s <= 1.0 for row in peer_scales for s in row):
+        raise ValueError("peer scales must lie in [0, 1]")
+    device = torch.device(device)
+    values = []
+    for i, packet in enumerate(packets):
+        table = packet.code_values.to(device, dtype)
+        if peer_scales is not None:
+            table = table * torch.tensor(peer_scales[i], dtype=dtype, device=device).unsqueeze(1)
+        values.append(table.view(-1).index_select(0, packet.code_index().to(device)))
+    index = [packet.index.to(device) for packet in packets]
+    count_dtype = torch.uint8 if len(packets) < 256 else torch.int32
+    ones = torch.ones(1, dtype=count_dtype, device=device).expand(layout.num_symbols)
+    names = list(packets[0])
+    out = {}
+    for (first, end), size in zip(layout.blocks, layout.block_sizes):
+        span = slice(layout.symbol_starts[first], layout.symbol_starts[end])
+        total = torch.zeros(size, dtype=dtype, device=device)
+        for peer_index, peer_values in zip(index, values):  # peer order
+            total.index_add_(0, peer_index[span], peer_values[span])
+        if divide_by_peers:
+            count = max(1, len(packets))
+        else:  # integer counts (exact in any order); where nobody sent a coordinate, 0 / 1 = 0
+            count = torch.zeros(size, dtype=count_dtype, device=device)
+            for peer_index in index:
+                count.index_add_(0, peer_index[span], ones[:span.stop - span.start])
+            count.clamp_min_(1)
+        for t in range(first, end):
+            chunks, offset = layout.layouts[t], layout.block_offsets[t]
+            numel = chunks.num_chunks * chunks.chunk_len
+            dense = torch.empty(chunks.shape, dtype=dtype, device=device)
+            part = lambda x: tile_view(x[offset:offset + numel], chunks, chunk_space=True)
+            torch.div(part(total), count if divide_by_peers else part(count), out=tile_view(dense, chunks))
+            out[names[t]] = dense
+    return out

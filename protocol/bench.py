@@ -9,12 +9,15 @@ it measures, median over repeats:
 - bits_per_value at top_k 64 and 128: packet bytes * 8 / values sent, everything counted;
 - encode_gbps: fp32 pseudo-gradient bytes per second through error feedback + chunking + top-k +
   quantize + entropy-code + pack + sign;
-- decode_aggregate_s: verify and decode `--peers` packets and form their scatter-mean;
+- decode_aggregate_s: what a node does with a round of `--peers` packets
+  (node/training/outer.py, SparseLoCoOuter.prepare): verify and decode each packet, then the
+  median-clip scales (the node's default aggregation) and the clipped scatter-mean of every tensor;
 
 Ours runs on `--device` end to end: the Rice coder and the 2-bit packing are torch ops
-(kernels/entropy_torch.py), decoding happens on the device after the size checks, and the
-scatter-mean is batched over the peers (kernels/sparse.py; on CUDA one Triton launch per tensor,
-kernels/triton_aggregate.py); only the packet bytes cross to and from the host.
+(kernels/entropy_torch.py), decoding happens on the device after the size checks and yields each
+selected value's place in chunk space, and the aggregation takes whole packets at once
+(kernels/sparse.py, `aggregate_packets`: one value gather per packet, one index_add_ per packet
+and block of tensors, in peer order); only the packet bytes cross to and from the host.
 
 and the same for the plain path in the same run (`baseline_*`): chunking by copy, torch.topk,
 the local reconstruction through a dense scatter_reduce, int64 indices and uint8 codes on the
@@ -35,7 +38,7 @@ import torch
 
 from kernels.chunking import ChunkLayout, from_chunks, to_chunks
 from kernels.quantize import quantize
-from kernels.sparse import error_feedback_step, scatter_mean
+from kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
 
 BETA, OUTER_LR = 0.95, 1.0
 
@@ -126,10 +129,10 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
     packets = [encode(keys[i], f"p{i:02d}") for i in range(num_peers)]
     base_packets = [baseline() for _ in range(num_peers)]
 
-    def decode_aggregate():
-        decoded = [decode_packet(p, spec, keys[i].public_bytes, device=device) for i, p in enumerate(packets)]
-        for name in layouts:
-            scatter_mean([d.tensors[name] for d in decoded], device=device)
+    def decode_aggregate():  # what a node does (node/training/outer.py, SparseLoCoOuter.prepare)
+        decoded = [decode_packet(p, spec, keys[i].public_bytes, device=device).tensors for i, p in enumerate(packets)]
+        # median_clip, the node's default aggregation
+        aggregate_packets(decoded, device=device, peer_scales=packet_clip_scales(decoded))
 
     decode_s, baseline_decode_s = _paired_medians(
         decode_aggregate, lambda: baseline_decode_aggregate(base_packets, layouts, device), repeats, device)

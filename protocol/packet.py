@@ -55,7 +55,7 @@ import msgpack
 import torch
 import zstandard
 
-from kernels.chunking import ChunkLayout, chunk_layout
+from kernels.chunking import ChunkLayout, chunk_layout, packet_layout
 from kernels.entropy import MAX_RICE_PARAM
 from kernels.entropy_torch import (
     StreamError,
@@ -63,13 +63,12 @@ from kernels.entropy_torch import (
     max_unary_bytes,
     pack_2bit,
     positions_to_gaps,
-    rice_decode_batch,
+    rice_decode_rows,
     rice_encode,
-    rows_to_positions,
     unpack_2bit,
 )
 from kernels.quantize import QuantTable
-from kernels.sparse import SparseTensor
+from kernels.sparse import PacketSelections, SparseTensor
 from protocol.errors import (
     BadMagic,
     BadSignature,
@@ -123,7 +122,7 @@ class Packet:
     round: int
     peer_id: str
     base_digest: bytes
-    tensors: dict[str, SparseTensor]  # positions int64 and codes uint8, on the device decoded to
+    tensors: PacketSelections  # name -> SparseTensor (positions int64, codes uint8) on the device decoded to
     num_bytes: int
     digest: str  # sha256 hex of the whole packet, as listed in round manifests
 
@@ -277,31 +276,24 @@ def decode_packet(
     num_codes = sum(layout.num_selected for layout in layouts.values())
     codes = _decode_code_stream(coder, data[cursor:signed_len], num_codes, device)
 
-    # Every tensor's gaps in one batch (kernels.entropy_torch), then positions row by row.
+    # Every tensor's positions in one batch, as places in chunk space (kernels.entropy_torch,
+    # kernels.chunking.PacketLayout): a row is a chunk.
+    plan = packet_layout(tuple(layouts.values()), torch.device(device))
     streams = _to_device(data[offset:cursor], device)
     try:
-        gaps = rice_decode_batch(streams, [coding for _, _, coding in parsed])
+        index = rice_decode_rows(streams, [coding for _, _, coding in parsed], plan.row_lengths,
+                                 plan.rows_per_tensor, plan.row_offsets)
     except StreamError as e:
         raise MalformedPacket(f"tensor {parsed[e.index][0]!r}: {e}") from None
-    num_chunks = torch.tensor([layout.num_chunks for _, layout, _ in parsed], dtype=torch.int64, device=device)
-    row_k = torch.repeat_interleave(torch.tensor([layout.k for _, layout, _ in parsed], dtype=torch.int64,
-                                                 device=device), num_chunks)
-    positions = rows_to_positions(gaps, row_k)
+    positions = index - plan.symbol_row_offsets
     # Positions rise inside a row, so each row's last one bounds all of its positions (and gaps).
-    chunk_len = torch.repeat_interleave(torch.tensor([layout.chunk_len for _, layout, _ in parsed],
-                                                     dtype=torch.int64, device=device), num_chunks)
-    outside = positions[torch.cumsum(row_k, dim=0) - 1] >= chunk_len if row_k.numel() else row_k.bool()
+    outside = positions.index_select(0, plan.row_ends) >= plan.row_chunk_len
     if bool(outside.any()):
         first_row = int(outside.nonzero()[0, 0])
-        bad = int(torch.searchsorted(torch.cumsum(num_chunks, dim=0), first_row, right=True))
+        bad = int(torch.searchsorted(plan.row_counts_through, first_row, right=True))
         raise IndexOutOfRange(f"tensor {parsed[bad][0]!r}: an index falls outside its chunk")
 
-    tensors, offset_selected = {}, 0
-    for (name, layout, _), quant_table in zip(parsed, quant_tables):
-        span = slice(offset_selected, offset_selected + layout.num_selected)
-        offset_selected += layout.num_selected
-        tensors[name] = SparseTensor(layout, positions[span].view(layout.num_chunks, layout.k),
-                                     codes[span].view(layout.num_chunks, layout.k), quant_table)
+    tensors = PacketSelections(list(layouts), plan, index, positions, codes, quant_tables)
     return Packet(packet_run, packet_round, peer_id, base, tensors, len(data), packet_digest(data))
 
 

@@ -41,14 +41,13 @@ since decoding is deterministic, every honest peer leaves out the same payloads.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kernels.sparse import SparseTensor, error_feedback_step, median_clip_scales, scatter_mean
+from kernels.sparse import PacketSelections, aggregate_packets, error_feedback_step, packet_clip_scales
 from protocol.errors import MalformedPacket, NonFiniteValue, ProtocolError, ShapeMismatch, ValueOutOfRange
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
 from protocol.run_config import DEFAULT_MAX_ABS_VALUE, MAX_ABS_VALUE_LIMIT
@@ -245,7 +244,7 @@ class OuterStep:
 
 
 def decode_sparse(payload: bytes, spec: ModelSpec, cfg: OuterConfig, public_key: Callable[[str], bytes], *,
-                  peer_id: str, run_id: str, round: int) -> dict[str, SparseTensor]:
+                  peer_id: str, run_id: str, round: int) -> PacketSelections:
     """A SparseLoCo packet verified, bounded and decoded; refused when it names another peer."""
     packet = decode_packet(payload, spec, public_key, run_id=run_id, round=round,
                            max_bytes=cfg.max_packet_bytes, max_abs_value=cfg.max_abs_value)
@@ -284,7 +283,7 @@ class SparseLoCoOuter(OuterStep):
         return encode_packet(run_id, round, peer_id, bytes.fromhex(base_digest), self.spec, sparse, key)
 
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
-               round: int) -> dict[str, SparseTensor]:
+               round: int) -> PacketSelections:
         return decode_sparse(payload, self.spec, self.cfg, public_key, peer_id=peer_id, run_id=run_id, round=round)
 
     def prepare(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
@@ -294,17 +293,19 @@ class SparseLoCoOuter(OuterStep):
         decoded, result = self._decode_all(payloads, public_key, run_id, round, decoded)
         if not decoded:
             return Prepared(result, None)
-        aggregates = {}
-        for name, p in self.params.items():
-            selections = [decoded[peer][name] for peer in result.accepted]
-            scales = None
-            if self.cfg.aggregation == "median_clip":
-                scales = median_clip_scales([math.sqrt(s.squared_norm()) for s in selections])
-                for peer, scale in zip(result.accepted, scales):
+        packets = [decoded[peer] for peer in result.accepted]  # PacketSelections, in peer-id order
+        peer_scales = None
+        if self.cfg.aggregation == "median_clip":
+            peer_scales = packet_clip_scales(packets)
+            for peer, scales in zip(result.accepted, peer_scales):
+                for name, scale in zip(self.spec.shapes, scales):
                     if scale < 1.0:
                         result.scales.setdefault(peer, {})[name] = scale
-            aggregate = scatter_mean(selections, device=self.aggregate_device,
-                                     divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales)
+        means = aggregate_packets(packets, device=self.aggregate_device, divide_by_peers=self.cfg.divide_by_peers,
+                                  peer_scales=peer_scales)
+        aggregates = {}
+        for name in self.params:
+            aggregate = means[name]
             if self.cfg.outer_lr != 1.0:
                 aggregate = aggregate * self.cfg.outer_lr
             aggregates[name] = aggregate
