@@ -40,8 +40,9 @@ Rules (the contract is written out in `protocol.http`):
   trained cannot outvote the peers that did. Over the votes on the latest version, the majority
   (`tally`) is agreed once it has at least two votes and more than half of the round's
   contributors (no later vote can overturn that), or once the round is settled - round r+1 has
-  closed, so every honest contributor has voted, since it applies r before training r+1 - with more
-  than half of the votes cast. Until then it is provisional. Decision for a round with exactly one
+  closed, so every honest contributor has voted, since it applies r before training r+1 (r+2 with
+  ``outer.overlap``, whose nodes train r+1 before applying r: `settle_lag`) - with more than half
+  of the votes cast. Until then it is provisional. Decision for a round with exactly one
   contributor: its lone vote is provisional until r+1 closes, then agreed, so a solo honest peer
   goes on (it never waits for agreement) and a newcomer catches up from its snapshot one round
   later; that peer is trusted exactly as far as its packet made the round. Likewise a round whose
@@ -363,8 +364,9 @@ class CoordinatorService:
     ) -> None:
         self.storage.update_round(run.run_id, open_round.round, closed_at=now)
         self.storage.mark_contributors(run.run_id, open_round.round)
-        if open_round.round > 0:  # the round before is settled now (see "Agreed digests")
-            self._count_votes(run.run_id, open_round.round - 1, settled=True)
+        settled = open_round.round - settle_lag(config)  # settled now (see "Agreed digests")
+        if settled >= 0:
+            self._count_votes(run.run_id, settled, settled=True)
         next_round = open_round.round + 1
         if config.max_rounds is not None and next_round >= config.max_rounds:
             self.storage.update_run(
@@ -743,10 +745,11 @@ class CoordinatorService:
         return round_row
 
     def _settled(self, run_id: str, round_index: int) -> bool:
-        """Round r is settled once round r+1 has closed: every honest contributor applied r before
-        it trained r+1, so its vote is in."""
-        next_row = self.storage.get_round(run_id, round_index + 1)
-        return next_row is not None and next_row.closed_at is not None
+        """Round r is settled once round r + `settle_lag` has closed: every honest contributor has
+        applied r by then, so its vote is in."""
+        lag = settle_lag(self.views.config_of(self.views.require_run(run_id)))
+        later = self.storage.get_round(run_id, round_index + lag)
+        return later is not None and later.closed_at is not None
 
     def _closed_round(self, run_id: str, round_index: int) -> RoundRow:
         round_row = self.storage.get_round(run_id, round_index)
@@ -858,6 +861,15 @@ class CoordinatorService:
             self.storage.update_peer(run_id, peer_id, withheld_round=None)
             log.info("run %s: %s's packet of round %d was applied by %s; it is waited for again",
                      run_id, peer_id, round_index, reporter_id)
+
+
+def settle_lag(config: RunConfig) -> int:
+    """How many rounds after r closes every honest contributor has applied r: 1 (a node applies r
+    before it trains r+1), 2 with the one-round-delayed outer step (`outer.overlap`: a node trains
+    r+1 first and applies r before it trains r+2). Settling after one round with overlap let a
+    lone early vote (a peer whose packet was later dropped, racing ahead on the old manifest)
+    become the agreed digest before the others had voted: they were told they had forked."""
+    return 2 if config.outer.overlap else 1
 
 
 def tally(votes: list[str], num_contributors: int, settled: bool, previous: str | None) -> tuple[str, str | None]:

@@ -288,9 +288,10 @@ async def score(s: Session, round: int, prepared) -> dict[str, PeerScore]:
     if not section.enabled or prepared is None or prepared.aggregates is None or not prepared.updates:
         return {}
     if s.run.outer.overlap:
-        # With scoring on, the overlap catch-up test (tests/unit/test_round_loop.py) saw an honest
-        # peer's digest differ from the agreed one under load; the cause is not known. Such a node
-        # judges nobody (it is still judged).
+        # Such a node judges nobody (it is still judged): its parameters are already training the
+        # next round, so it holds no own update of this round for the cosine. (The forked digests
+        # once blamed on scoring here came from settling votes a round early with overlap; see
+        # coordinator/service.py `settle_lag`.)
         return {}
     from node.training.scoring import score_round
 

@@ -25,7 +25,10 @@ scores at most `scoring.max_peers_per_round` peers (`pick_peers`: a pick that ro
 round and the node, so every peer gets judges at any swarm size).
 
 Cost: one forward pass on the batch for the start and one per scored peer, with one dense copy of
-the parameters at a time, in no_grad.
+the parameters at a time, in no_grad. The passes run on a parameter-less copy of the model's
+structure (`torch.func.functional_call`), never on the live parameters: scoring runs in a worker
+thread that a cancelled round does not stop, and it had set the live parameters to each candidate
+and restored them afterwards, which could write a stale model over a snapshot just loaded.
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from kernels.sparse import SparseTensor, decompress
 from node.training.data import TokenDataset
-from node.training.model import lm_loss
+from node.training.model import Transformer, lm_loss
 from protocol.http import MAX_ABS_LOSS_DELTA  # reported loss deltas are clamped to it
 
 SCORING_SEED = 0x5C0E  # added to the run's seed: scoring batches are not training's
@@ -54,7 +58,7 @@ class PeerScore:
 
 @torch.no_grad()
 def score_updates(
-    model: nn.Module,
+    model: Transformer,
     start: Mapping[str, torch.Tensor],
     updates: Mapping[str, Mapping[str, SparseTensor | torch.Tensor]],
     batch: tuple[torch.Tensor, torch.Tensor],
@@ -62,38 +66,52 @@ def score_updates(
 ) -> dict[str, PeerScore]:
     """Score each peer's decoded update (peer id -> name -> SparseTensor, or a dense delta). The
     cosine is taken against this node's own update: `start` minus the parameters as the call finds
-    them (the trained model, before the outer step). The model's parameters are set to each
-    candidate in turn and restored to what they held before."""
+    them (the trained model, before the outer step). The model itself is only read."""
     params = dict(model.named_parameters())
-    saved = {name: p.detach().clone() for name, p in params.items() if name in start}
-    x, y = batch
-    try:
-        _set(params, start)
-        loss_start = float(lm_loss(model, x, y))
-        scores = {}
-        for peer_id in sorted(updates):
-            dot, squares, reference_squares = 0.0, 0.0, 0.0
-            for name, sparse in updates[peer_id].items():
-                dense = decompress(sparse) if isinstance(sparse, SparseTensor) else sparse
-                dense = dense.to(params[name].device, torch.float32).reshape(params[name].shape)
-                params[name].copy_(start[name] - outer_lr * dense)
-                # Own update on the coordinates the peer sent (all of them for a dense delta).
-                mine = start[name].to(dense.device) - saved[name]
-                own = mine.to(torch.float64).reshape(dense.shape) * (dense != 0)
-                dot += float((dense.double() * own).sum())
-                squares += float(dense.double().square().sum())
-                reference_squares += float(own.square().sum())
-            loss = float(lm_loss(model, x, y))
-            for name in updates[peer_id]:
-                params[name].copy_(start[name])
-            norm = math.sqrt(squares) * math.sqrt(reference_squares)
-            cosine = dot / norm if norm > 0 else 0.0
-            finite = math.isfinite(loss) and math.isfinite(loss_start)
-            scores[peer_id] = PeerScore(loss_delta=loss - loss_start if finite else math.inf,
-                                        cosine=max(-1.0, min(1.0, cosine)))
-        return scores
-    finally:
-        _set(params, saved)
+    loss_of = _LossOf(model)
+    buffers = {f"model.{name}": b for name, b in model.named_buffers()}
+
+    def loss(values: Mapping[str, torch.Tensor]) -> float:
+        named = {f"model.{name}": values.get(name, p) for name, p in params.items()}
+        return float(functional_call(loss_of, {**named, **buffers}, batch))
+
+    loss_start = loss(start)
+    scores = {}
+    for peer_id in sorted(updates):
+        dot, squares, reference_squares = 0.0, 0.0, 0.0
+        candidate = dict(start)
+        for name, sparse in updates[peer_id].items():
+            dense = decompress(sparse) if isinstance(sparse, SparseTensor) else sparse
+            dense = dense.to(params[name].device, torch.float32).reshape(params[name].shape)
+            candidate[name] = start[name].to(dense.device) - outer_lr * dense
+            # Own update on the coordinates the peer sent (all of them for a dense delta).
+            mine = start[name].to(dense.device) - params[name].detach()
+            own = mine.to(torch.float64).reshape(dense.shape) * (dense != 0)
+            dot += float((dense.double() * own).sum())
+            squares += float(dense.double().square().sum())
+            reference_squares += float(own.square().sum())
+        loss_peer = loss(candidate)
+        del candidate  # one dense copy of the parameters at a time
+        norm = math.sqrt(squares) * math.sqrt(reference_squares)
+        cosine = dot / norm if norm > 0 else 0.0
+        finite = math.isfinite(loss_peer) and math.isfinite(loss_start)
+        scores[peer_id] = PeerScore(loss_delta=loss_peer - loss_start if finite else math.inf,
+                                    cosine=max(-1.0, min(1.0, cosine)))
+    return scores
+
+
+class _LossOf(nn.Module):
+    """`lm_loss` of a copy of `model`'s structure whose parameters and buffers are on the meta
+    device (no memory): `functional_call` supplies the real ones for each call, so every pass reads
+    the tensors it is given and the live model is never written."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        with torch.device("meta"):
+            self.model = Transformer(model.config)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.model, x, y)
 
 
 def score_round(training, start: Mapping[str, torch.Tensor], prepared, scorer_id: str, round: int, section,
@@ -107,11 +125,6 @@ def score_round(training, start: Mapping[str, torch.Tensor], prepared, scorer_id
     batch = scoring_batch(training.shard, round, section.batch_sequences, training.inner.seq_len, training.seed,
                           training.device)
     return reportable(score_updates(training.model, start, {p: prepared.updates[p] for p in picked}, batch, outer_lr))
-
-
-def _set(params: Mapping[str, nn.Parameter], values: Mapping[str, torch.Tensor]) -> None:
-    for name, value in values.items():
-        params[name].copy_(value)
 
 
 def scoring_batch(shard: TokenDataset, round: int, num_sequences: int, seq_len: int, seed: int,

@@ -175,6 +175,29 @@ def test_a_round_with_one_contributor_is_agreed_when_the_next_closes(coordinator
     assert c.round(run_id, 1).agreed_digest == OTHER
 
 
+def test_with_overlap_a_lone_early_vote_waits_for_the_round_after_next(coordinator):
+    """With the one-round-delayed outer step a node trains r+1 before it applies r, so round r+1
+    can close before the others voted on r. A peer racing ahead (its packet later dropped, it kept
+    the old manifest) must not have its lone vote agreed then: the others would be told they forked."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3, "outer.overlap": True})
+    a, b, fast = c.join(run_id, 3)
+    c.submit(run_id, 0, a, b, fast)
+    c.applied(run_id, 0, fast, FAKE)  # alone, before a and b applied round 0
+    c.submit(run_id, 1, a, b, fast)  # round 1 closes: with overlap, round 0 is not settled yet
+    view = c.round(run_id, 0)
+    assert (view.majority_digest, view.agreed_digest, view.provisional) == (FAKE, None, True)
+    c.applied(run_id, 0, a, HONEST)
+    c.applied(run_id, 0, b, HONEST)
+    assert c.round(run_id, 0).agreed_digest == HONEST
+    # A round whose votes stay lone is settled once the round after next has closed.
+    c.applied(run_id, 1, fast, OTHER)
+    c.submit(run_id, 2, a, b, fast)
+    assert c.round(run_id, 1).agreed_digest is None
+    c.submit(run_id, 3, a, b, fast)
+    assert c.round(run_id, 1).agreed_digest == OTHER
+
+
 def test_a_tie_stays_provisional_when_settled(coordinator):
     c = coordinator
     run_id = c.create_run(**{"membership.min_peers": 2})

@@ -41,9 +41,22 @@ def test_honest_updates_score_better_than_flipped_and_random_ones():
         "random": sparse({n: torch.randn_like(d) * d.abs().mean() * 20 for n, d in delta.items()}),
     }
     before = {n: p.detach().clone() for n, p in params.items()}
+    versions = {n: p._version for n, p in params.items()}  # bumped by any in-place write
 
     # The cosine is against the judge's own update: start minus the parameters the call finds.
     scores = score_updates(model, start, updates, batch)
+    # Scoring only reads the live parameters: it runs in a thread a cancelled round does not stop,
+    # and must never write over what the node loaded meanwhile (a snapshot, the next outer step).
+    assert {n: p._version for n, p in params.items()} == versions
+    model_loss = float(lm_loss(model, *batch))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(start[n])
+        assert scores["honest"].loss_delta == pytest.approx(
+            score_updates(model, start, {"honest": updates["honest"]}, batch)["honest"].loss_delta)
+        for n, p in params.items():
+            p.copy_(before[n])
+    assert float(lm_loss(model, *batch)) == model_loss
 
     assert scores["honest"].loss_delta < 0 < scores["flipped"].loss_delta
     assert scores["random"].loss_delta > scores["honest"].loss_delta
