@@ -175,8 +175,15 @@ async def test_late_joiner_catches_up_by_snapshot(swarm):
     (checked against the coordinator's digest) and trains the next rounds with the others."""
     await swarm.create_run(max_rounds=5, min_peers=2)
     d, _ = swarm.node("d")
-    a, _ = swarm.node("a", HoldUntil(3, lambda: bool(d.catch_ups)))
-    b, _ = swarm.node("b", HoldUntil(3, lambda: bool(d.catch_ups)))
+
+    def d_trains_round_3() -> bool:
+        """d caught up to round 3, or to round 2 and applied it: its next round is 3. (Released as
+        soon as d loaded round 2, a and b had closed round 3 before d, still applying 2 on a
+        loaded machine, could submit it, and d caught up a second time.)"""
+        return bool(d.catch_ups) and (d.catch_ups[0].to_round >= 3 or bool(d.reports))
+
+    a, _ = swarm.node("a", HoldUntil(3, d_trains_round_3))
+    b, _ = swarm.node("b", HoldUntil(3, d_trains_round_3))
     first = asyncio.gather(a.run(), b.run())
 
     async def join_late():
