@@ -13,7 +13,8 @@ the aggregate on the training device without overlap (made when the gradients ar
 A node's memory has phases; the peak is the largest of them:
   inner   the H inner steps: parameters, gradients, AdamW moments, activations, resident outer state
   payload between rounds: the error feedback, staged a tensor at a time (about 4 of the largest tensor)
-  apply   the outer step: the aggregate, and the staged round start and new tensor (2 of the largest)
+  apply   the outer step: the aggregate, and the staged round start and new tensor (2 of the largest),
+          the round's packets and their decoded form (`--peers` of them, in host memory)
 
 Baseline, in the same run: the first build's layout (everything on the training device, a second
 round-start copy, the aggregate beside it, the kept start of node/round/amend.py cloned there too),
@@ -119,6 +120,16 @@ def kept_start_bytes(num_params: int, num_peers: int, overlap: bool, cfg: OuterC
     return int(num_params * (4 if moved > MAX_PATCH_FRACTION else 1 / 8 + 4 * moved))
 
 
+PACKET_BITS_PER_VALUE = 8.7  # a packet's bytes * 8 / values sent at top_k 64 (`locoswarm bench codec`: 8.68)
+DECODED_BYTES_PER_VALUE = 7  # kernels/sparse.py `PacketSelections`: int32 index, int16 position, uint8 code
+
+
+def round_packet_bytes(num_params: int, num_peers: int, cfg: OuterConfig = OuterConfig()) -> tuple[int, int]:
+    """(bytes, decoded bytes) of a round's `num_peers` packets: each sends top_k of every chunk_size^2."""
+    values = num_peers * num_params * cfg.top_k / cfg.chunk_size**2
+    return int(values * PACKET_BITS_PER_VALUE / 8), int(values * DECODED_BYTES_PER_VALUE)
+
+
 def categories(state: NodeState, device: str, placement: str, overlap: bool, *, baseline: bool = False,
                num_peers: int = DEFAULT_PEERS) -> list[Category]:
     """Where each category lives and when, for training on `device` with the outer state at `placement`
@@ -146,6 +157,12 @@ def categories(state: NodeState, device: str, placement: str, overlap: bool, *, 
         Category(name="kept_round_start", device=True, phases=PHASES,
                  num_bytes=state.round_start_bytes if baseline else kept_start_bytes(state.num_params, num_peers, overlap)),
     ]
+    # The round's packets, in host memory in both layouts: the kept round's bytes until the next outer
+    # step (node/round/amend.py), the applied round's too, and those decoded (on the CPU, as they arrive).
+    packet_bytes, decoded_bytes = round_packet_bytes(state.num_params, num_peers)
+    out += [Category(name="kept_packets", num_bytes=packet_bytes, device=False, phases=PHASES),
+            Category(name="round_packets", num_bytes=packet_bytes, device=False, phases=("apply",)),
+            Category(name="decoded_packets", num_bytes=decoded_bytes, device=False, phases=("apply",))]
     if not baseline and not state_on_device:
         out += [Category(name="staging", num_bytes=4 * state.largest_tensor_bytes, device=True, phases=("payload",)),
                 Category(name="staging", num_bytes=2 * state.largest_tensor_bytes, device=True, phases=("apply",))]
