@@ -134,7 +134,8 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
     outer state), each unit checked against a hash tree whose root must be `params_digest` before
     it is written (node/training/snapshot.py); host memory holds one 4 MiB chunk, whatever the
     model's size. A holder that fails midway is followed by the next from the first chunk not yet
-    verified; a snapshot is given up after a fetch time-out without progress. Once bytes were
+    verified; a snapshot is given up after a fetch time-out without progress, or at once when every
+    holder has moved on from it (the caller then looks for a newer one). Once bytes were
     written and no snapshot completed, the parameters are unknown (`params_round` None)."""
     from node.training.params import flat_named_params
     from node.training.snapshot import SnapshotSink
