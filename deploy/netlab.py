@@ -377,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    # Ctrl+C tears the lab down, also when it was started from a background job of a shell without
+    # job control, which starts it with SIGINT ignored (Python then installs no handler of its own).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     try:

@@ -24,8 +24,11 @@ pytestmark = [pytest.mark.timeout(30),
 
 PR_SET_CHILD_SUBREAPER = 36
 
-# Prints "ready" once SIGINT would interrupt it (Python's handler is set), then sleeps.
-EXITS_ON_SIGINT = "import time; print('ready', flush=True); time.sleep(60)"
+# Prints "ready" once SIGINT would interrupt it (Python's handler is set), then sleeps. The handler is
+# set explicitly: started from a background job (no job control), the suite and its children inherit
+# SIGINT ignored, and Python then installs none.
+EXITS_ON_SIGINT = ("import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "print('ready', flush=True); time.sleep(60)")
 # Ignores SIGINT, starts a grandchild that ignores it too, prints the grandchild's pid once both
 # are ready, then sleeps (or with `exit` as argv[1], exits and leaves the grandchild behind).
 IGNORES_SIGINT_WITH_GRANDCHILD = """
