@@ -12,7 +12,7 @@ finish a run nobody trained. Instead:
   (its newest checkpoint; `protocol.http.JoinRequest.state_round`). The run needs the agreed
   start of its open round r: the majority digest of round r - 1, or the seeded initialisation
   for r = 0. As soon as a live peer holds it, the open round starts afresh (a new deadline from
-  now) and that peer trains it at once; peers with older or no state catch up from it by snapshot.
+  now, with a heartbeat time-out added for the peer's start) and that peer trains it at once; peers with older or no state catch up from it by snapshot.
 - **Rewind to the newest state held.** When no live peer holds the open round's start, the
   coordinator waits ``membership.state_wait_s`` from the first return for a peer that does. Then
   it takes the newest agreed state a live peer holds, round s < r, and reopens the run at round s:
@@ -87,7 +87,11 @@ def hold(storage: Storage, run: RunRow, config: RunConfig, now: float,
     plan = _plan(storage, run, live)
     wait_since = run.state_wait_since if run.state_wait_since is not None else now
     if plan is not None and (plan.round == run.current_round or now - wait_since >= config.membership.state_wait_s):
-        _reopen(storage, run, config, now, plan, live, round_timeout_s(plan.round))
+        # A heartbeat time-out more than a round's: the peer that resumed the run has only joined, and
+        # still loads its checkpoint (10 s for tiny on 2 busy cores, where the round's 12 s ran out
+        # and it closed empty). Every waited-for peer in, the round closes as early as ever.
+        _reopen(storage, run, config, now, plan, live,
+                round_timeout_s(plan.round) + config.membership.heartbeat_timeout_s)
         return False
     if run.state_wait_since is None:
         storage.update_run(run.run_id, state_wait_since=now)

@@ -73,7 +73,8 @@ def test_a_peer_holding_the_open_rounds_start_resumes_the_run_at_once(swarm, fak
     assert body["recovery"] is None and body["rewinds"] == []
     current = body["current_round"]
     assert current["round"] == 4 and current["opened_at"] == fake_clock()
-    assert current["deadline"] == fake_clock() + 30.0 and current["num_expected"] == 1
+    # A fresh deadline: the round's 30 s and a heartbeat time-out for the returning peer to load its state.
+    assert current["deadline"] == fake_clock() + 30.0 + TIMEOUT_S and current["num_expected"] == 1
     # A second returner without the state is expected from round 5 and catches up first.
     assert peers[1].join(run_id).status_code == 200
     assert status(client, run_id)["current_round"]["num_expected"] == 1
