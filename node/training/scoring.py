@@ -72,7 +72,8 @@ def score_updates(
     buffers = {f"model.{name}": b for name, b in model.named_buffers()}
 
     def loss(values: Mapping[str, torch.Tensor]) -> float:
-        named = {f"model.{name}": values.get(name, p) for name, p in params.items()}
+        # `start` may live in host memory (the outer state's placement on CUDA): on the model's device.
+        named = {f"model.{name}": values[name].to(p.device) if name in values else p for name, p in params.items()}
         return float(functional_call(loss_of, {**named, **buffers}, batch))
 
     loss_start = loss(start)
@@ -83,9 +84,10 @@ def score_updates(
         for name, sparse in updates[peer_id].items():
             dense = decompress(sparse) if isinstance(sparse, SparseTensor) else sparse
             dense = dense.to(params[name].device, torch.float32).reshape(params[name].shape)
-            candidate[name] = start[name].to(dense.device) - outer_lr * dense
+            base = start[name].to(dense.device)
+            candidate[name] = base - outer_lr * dense
             # Own update on the coordinates the peer sent (all of them for a dense delta).
-            mine = start[name].to(dense.device) - params[name].detach()
+            mine = base - params[name].detach()
             own = mine.to(torch.float64).reshape(dense.shape) * (dense != 0)
             dot += float((dense.double() * own).sum())
             squares += float(dense.double().square().sum())
