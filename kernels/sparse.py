@@ -185,13 +185,12 @@ def scatter_mean(
 def _values_by_code(selections: list[SparseTensor], dtype: torch.dtype,
                     peer_scales: list[float] | None) -> torch.Tensor:
     """(P, NUM_BINS): what each code of each peer adds to the sum, by the same IEEE operations the
-    element-wise path performs (decode in the table's dtype, cast to `dtype`, times the scale)."""
-    all_codes = torch.arange(NUM_BINS, dtype=torch.uint8)
-    rows = []
-    for i, sparse in enumerate(selections):
-        row = sparse.table.decode(all_codes).to(dtype)
-        rows.append(row * peer_scales[i] if peer_scales is not None else row)
-    return torch.stack(rows)
+    element-wise path performs (decode in the table's dtype, cast to `dtype`, times the scale; the
+    float32 step of `code_values` between them is exact)."""
+    values = code_values([sparse.table for sparse in selections]).to(dtype)
+    if peer_scales is None:
+        return values
+    return torch.stack([row * scale for row, scale in zip(values, peer_scales)])
 
 
 def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
