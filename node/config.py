@@ -102,6 +102,11 @@ class NodeConfig(BaseModel):
     loss_chunk_tokens: int = Field(
         2048, ge=1, le=1 << 24, description="Tokens per piece of the cross-entropy: fp32 logits for at most this "
         "many tokens exist at once.")
+    packet_spool_dir: ExpandedPath | None = Field(
+        None, description="A directory on disk where the packets this node holds and serves are kept, in unnamed "
+        "files mapped into memory, instead of in the heap (node/exchange/spool.py); unset: the cache directory's "
+        "spool/ (LOCOSWARM_CACHE, else ~/.cache/locoswarm). Not a tmpfs: its pages are memory.")
+    packets_in_memory: bool = Field(False, description="Keep held packets in the heap instead (no spool).")
     inject: tuple[str, ...] = Field(
         (), strict=False,
         description="Faults to inject, for tests and demos (node/testing/faults.py): 'crash@round=3'.")

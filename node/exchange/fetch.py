@@ -399,7 +399,7 @@ class PacketFetcher:
             if hasher.hexdigest() != state.digest:
                 raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
                                      f"wanted {state.digest[:16]}...")
-            data = bytes(partial.buffer)
+            data = await asyncio.to_thread(self._store.spool.keep, partial.buffer)
             if (held := self._store.held.get(key)) is None or held.digest != state.digest:
                 self._store.held[key] = Held(state.digest, data, partial.sent_to, partial.receiving)
             partial.verified = True

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.exchange.announce import Announcer
@@ -37,6 +38,7 @@ from node.exchange.fetch import PacketFetcher
 from node.exchange.host import Host
 from node.exchange.reachability import Reachability, assess_reachability
 from node.exchange.serve import PacketServer
+from node.exchange.spool import Spool
 from node.exchange.store import Held, HeldSnapshot, PacketStore
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, packet_digest
@@ -86,6 +88,9 @@ class ExchangeConfig:
     # skipped, and with none answering the node starts a DHT of its own (node/exchange/host.py)
     bootstrap_timeout_s: float = 5.0
     dht_wait_timeout_s: float = 3.0  # one DHT RPC
+    # keep held packets in unnamed files here, mapped, instead of in the heap (node/exchange/spool.py);
+    # None: in the heap
+    spool_dir: str | None = None
 
     def __post_init__(self):
         packets_key(self.run_id, 0)  # raises ValueError for a run id that cannot be part of a key
@@ -112,7 +117,7 @@ class P2PExchange:
         self._refreshers: set[asyncio.Task] = set()  # re-announcing held snapshots: not waited for, cancelled
         self._closed = False
         rng = random.Random()  # packet and holder order, and whom a busy answer names
-        self._store = PacketStore()
+        self._store = PacketStore(Spool(Path(config.spool_dir) if config.spool_dir is not None else None))
         self._announcer = Announcer(host.dht, config, host.holder_id, maddrs, self._spawn)
         self._server = PacketServer(config, self._store, rng, self._payload_for)
         self._fetcher = PacketFetcher(config, host, self._store, self._announcer, rng)
@@ -157,7 +162,7 @@ class P2PExchange:
         digest = packet_digest(data)
         key = packets_key(self.config.run_id, round)
         holders_key(self.config.run_id, round, peer_id)  # fetchers must be able to announce copies under it
-        self._store.held[(round, peer_id)] = Held(digest, data, own=True)
+        self._store.held[(round, peer_id)] = Held(digest, await asyncio.to_thread(self._store.spool.keep, data), own=True)
         self._store.notify_copy()
         record = self._announcer.record(digest, len(data))
         # Announced beside the round, not before it: fetchers start from the addresses in the

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from node.exchange.base import Traffic
+from node.exchange.spool import Spool
 
 if TYPE_CHECKING:
     from node.training.snapshot import Snapshot
@@ -40,7 +41,7 @@ WANT_GRACE_S = 1.0  # how long a request for a packet this node does not have wa
 @dataclass(slots=True)
 class Held:
     digest: str
-    data: bytes
+    data: bytes | memoryview  # `PacketStore.spool.keep`'s copy
     sent_to: list[str] = field(default_factory=list)  # libp2p ids of peers that confirmed all of it
     receiving: list[str] = field(default_factory=list)  # libp2p ids of peers being sent it now
     own: bool = False  # published by this node
@@ -87,7 +88,8 @@ class Partial:
 class PacketStore:
     """This node's copies by (round, publisher), the packets it is fetching, and per-round traffic."""
 
-    def __init__(self):
+    def __init__(self, spool: Spool | None = None):
+        self.spool = spool or Spool(None)  # where whole packets' bytes are kept (node/exchange/spool.py)
         self.held: dict[tuple[int, str], Held | HeldSnapshot] = {}
         self.partial: dict[tuple[int, str], Partial] = {}  # packets arriving now, served as they arrive
         self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched

@@ -170,8 +170,18 @@ class Node:
         return await self.faults.exchange_class(P2PExchange).create(ExchangeConfig(
             run_id=run_id, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
             initial_peers=bootstrap, client_mode=cfg.client_mode, use_auto_relay=cfg.use_auto_relay,
-            max_packet_bytes=run_info.config.exchange.max_packet_bytes,
+            max_packet_bytes=run_info.config.exchange.max_packet_bytes, spool_dir=self._spool_dir(),
         ))
+
+    def _spool_dir(self) -> str | None:
+        """Where the exchange keeps held packets (node/exchange/spool.py); None: in the heap."""
+        if self.config.packets_in_memory:
+            return None
+        if self.config.packet_spool_dir is not None:
+            return str(self.config.packet_spool_dir)
+        from node.training.data import default_cache_dir
+
+        return str(default_cache_dir() / "spool")
 
     async def _start_session_beating(self, client, exchange, key, joined: JoinResponse, rejoin) -> Session:
         """`_start_session` in a worker thread, heartbeating meanwhile: building the model and

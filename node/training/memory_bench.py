@@ -47,8 +47,9 @@ DEFAULT_OVERHEAD_GB = 1.5  # CUDA context, cuBLAS workspaces, allocator slack: w
 class Category:
     name: str  # params, grads, adam_moments, round_start, ...
     num_bytes: int
-    device: bool  # on the training device (else host memory)
+    device: bool  # on the training device (else host memory, or disk)
     phases: tuple[str, ...]  # the phases in which it is alive
+    disk: bool = False  # in files the kernel may write out and reclaim (node/exchange/spool.py), not memory
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,12 +158,17 @@ def categories(state: NodeState, device: str, placement: str, overlap: bool, *, 
         Category(name="kept_round_start", device=True, phases=PHASES,
                  num_bytes=state.round_start_bytes if baseline else kept_start_bytes(state.num_params, num_peers, overlap)),
     ]
-    # The round's packets, in host memory in both layouts: the kept round's bytes until the next outer
-    # step (node/round/amend.py), the applied round's too, and those decoded (on the CPU, as they arrive).
+    # The round's packets: the kept round's bytes until the next outer step (node/round/amend.py) and
+    # the applied round's, held and served from the spool's mapped files (node/exchange/spool.py; the
+    # first build: the heap), and those decoded, as they arrive, where the aggregate is made (the first
+    # build: on the CPU). Peers faster than this node send theirs while it still trains: decoded
+    # packets may meet the inner steps' gradients.
     packet_bytes, decoded_bytes = round_packet_bytes(state.num_params, num_peers)
-    out += [Category(name="kept_packets", num_bytes=packet_bytes, device=False, phases=PHASES),
-            Category(name="round_packets", num_bytes=packet_bytes, device=False, phases=("apply",)),
-            Category(name="decoded_packets", num_bytes=decoded_bytes, device=False, phases=("apply",))]
+    out += [Category(name="kept_packets", num_bytes=packet_bytes, device=False, phases=PHASES, disk=not baseline),
+            Category(name="round_packets", num_bytes=packet_bytes, device=False, phases=("inner", "apply"),
+                     disk=not baseline),
+            Category(name="decoded_packets", num_bytes=decoded_bytes, device=aggregate_on_device and not baseline,
+                     phases=("inner", "apply"))]
     if not baseline and not state_on_device:
         out += [Category(name="staging", num_bytes=4 * state.largest_tensor_bytes, device=True, phases=("payload",)),
                 Category(name="staging", num_bytes=2 * state.largest_tensor_bytes, device=True, phases=("apply",))]
@@ -170,8 +176,9 @@ def categories(state: NodeState, device: str, placement: str, overlap: bool, *, 
 
 
 def peak_bytes(cats: list[Category], on_device: bool) -> int:
-    """The largest total over the phases of what lives on the device (or the host)."""
-    return max(sum(c.num_bytes for c in cats if c.device == on_device and phase in c.phases) for phase in PHASES)
+    """The largest total over the phases of what lives in memory on the device (or the host)."""
+    return max(sum(c.num_bytes for c in cats if c.device == on_device and not c.disk and phase in c.phases)
+               for phase in PHASES)
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, checkpointing: bool,
@@ -248,10 +255,10 @@ def report(args) -> dict:
     before = categories(state, args.device, args.placement, args.overlap, baseline=True)
     n = state.num_params
 
-    def by_category(cats: list[Category], on_device: bool) -> dict[str, float]:
+    def by_category(cats: list[Category], on_device: bool, disk: bool = False) -> dict[str, float]:
         out: dict[str, float] = {}
         for c in cats:
-            if c.device == on_device and c.num_bytes:
+            if c.device == on_device and c.disk == disk and c.num_bytes:
                 out[c.name] = max(out.get(c.name, 0.0), c.num_bytes / n)
         return out
 
@@ -264,6 +271,7 @@ def report(args) -> dict:
         "baseline_device_bytes_per_param": peak_bytes(before, True) / n,
         "baseline_host_bytes_per_param": peak_bytes(before, False) / n,
         "device_categories": by_category(after, True), "host_categories": by_category(after, False),
+        "disk_categories": by_category(after, False, disk=True),
         "baseline_device_categories": by_category(before, True),
         "activations": {"micro_batch": args.micro_batch, "seq_len": seq_len,
                         "bytes_checkpointed": activation_bytes(cfg, args.micro_batch, seq_len, True),
@@ -287,11 +295,13 @@ def print_table(r: dict) -> None:
     n = r["num_params"]
     print(f"memory: preset {r['preset']} ({n / 1e9:.2f}B params), training on {r['device']}, outer state "
           f"placement {r['placement']}, overlap {r['overlap']}")
-    print(f"{'category':<20}{'before dev B/p':>16}{'after dev B/p':>16}{'after host B/p':>16}")
-    names = dict.fromkeys([*r["baseline_device_categories"], *r["device_categories"], *r["host_categories"]])
+    print(f"{'category':<20}{'before dev B/p':>16}{'after dev B/p':>16}{'after host B/p':>16}{'after disk B/p':>16}")
+    names = dict.fromkeys([*r["baseline_device_categories"], *r["device_categories"], *r["host_categories"],
+                           *r["disk_categories"]])
     for name in names:
         print(f"{name:<20}{r['baseline_device_categories'].get(name, 0):>16.2f}"
-              f"{r['device_categories'].get(name, 0):>16.2f}{r['host_categories'].get(name, 0):>16.2f}")
+              f"{r['device_categories'].get(name, 0):>16.2f}{r['host_categories'].get(name, 0):>16.2f}"
+              f"{r['disk_categories'].get(name, 0):>16.2f}")
     print(f"{'peak over phases':<20}{r['baseline_device_bytes_per_param']:>16.2f}"
           f"{r['device_bytes_per_param']:>16.2f}{r['host_bytes_per_param']:>16.2f}")
     print(f"ratio after/before (device): {r['device_bytes_per_param'] / r['baseline_device_bytes_per_param']:.3f}")

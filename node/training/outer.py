@@ -244,10 +244,10 @@ class OuterStep:
 
 
 def decode_sparse(payload: bytes, spec: ModelSpec, cfg: OuterConfig, public_key: Callable[[str], bytes], *,
-                  peer_id: str, run_id: str, round: int) -> PacketSelections:
-    """A SparseLoCo packet verified, bounded and decoded; refused when it names another peer."""
+                  peer_id: str, run_id: str, round: int, device: torch.device | str = "cpu") -> PacketSelections:
+    """A SparseLoCo packet verified, bounded and decoded on `device`; refused when it names another peer."""
     packet = decode_packet(payload, spec, public_key, run_id=run_id, round=round,
-                           max_bytes=cfg.max_packet_bytes, max_abs_value=cfg.max_abs_value)
+                           max_bytes=cfg.max_packet_bytes, max_abs_value=cfg.max_abs_value, device=device)
     if packet.peer_id != peer_id:
         raise ProtocolError(f"packet names peer {packet.peer_id!r}")
     return packet.tensors
@@ -284,7 +284,10 @@ class SparseLoCoOuter(OuterStep):
 
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
                round: int) -> PacketSelections:
-        return decode_sparse(payload, self.spec, self.cfg, public_key, peer_id=peer_id, run_id=run_id, round=round)
+        # Decoded where the aggregate is made: on CUDA without overlap that is the training device, whose
+        # gradients are free by then, so the round's decoded packets take no host memory.
+        return decode_sparse(payload, self.spec, self.cfg, public_key, peer_id=peer_id, run_id=run_id, round=round,
+                             device=self.aggregate_device)
 
     def prepare(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
                 round: int, decoded: Mapping[str, Any] | None = None) -> Prepared:
@@ -353,7 +356,7 @@ class DiLoCoOuter(OuterStep):
 
         if len(payload) > self.cfg.max_packet_bytes:
             raise ValueError("payload exceeds the size limit")
-        tensors = load(payload)
+        tensors = load(bytes(payload))  # held packets may be views of a mapped file (node/exchange/spool.py)
         if {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
             raise ShapeMismatch("tensor names or shapes differ from the model's")
         for name, t in tensors.items():

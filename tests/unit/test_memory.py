@@ -33,18 +33,18 @@ def test_accounting_equals_a_real_cpu_state():
 def test_1b_fits_a_24_gb_gpu_with_the_outer_state_on_the_host():
     r = report(_args())
     assert r["device_bytes_per_param"] <= 18.0 < r["baseline_device_bytes_per_param"]
-    # The host holds the round start and the error buffer (8 B/param), and the round's packets.
-    state = {"round_start", "error_buffer"}
-    assert set(r["host_categories"]) == state | {"kept_packets", "round_packets", "decoded_packets"}
-    assert sum(r["host_categories"][name] for name in state) == 8.0
-    packets = sum(r["host_categories"][name] for name in ("kept_packets", "round_packets", "decoded_packets"))
-    assert 0.8 < packets < 1.5 and r["host_bytes_per_param"] == pytest.approx(8.0 + packets, abs=0.01)
+    # The host holds the round start and the error buffer (8 B/param); the round's packets are in the
+    # spool's files, and decoded where the aggregate is made, on the GPU.
+    assert r["host_categories"] == {"round_start": 4.0, "error_buffer": 4.0} and r["host_bytes_per_param"] == 8.0
+    assert set(r["disk_categories"]) == {"kept_packets", "round_packets"}
+    assert 0.1 < r["disk_categories"]["round_packets"] < 0.2
+    assert 0 < r["device_categories"]["decoded_packets"] < 1.0
     assert r["largest_preset_that_fits"]["checkpointed"] == "1b"
     assert r["fsdp_8b_on_8x80gb"]["device_total_gb"] < 80
     # The kept start of an amendable round is a patch of the coordinates the step moved, not a copy.
     assert 0 < r["device_categories"]["kept_round_start"] < 1.0
     on_device = report(_args(placement="device"))
-    assert on_device["host_bytes_per_param"] == pytest.approx(packets, abs=0.01)  # only the packets
+    assert on_device["host_bytes_per_param"] == 0  # the packets are on disk and on the device
     assert on_device["device_bytes_per_param"] > 18.0
 
 
