@@ -33,19 +33,32 @@ class Spool:
 
     def __init__(self, directory: Path | None):
         self.directory = directory
+        self._failing = False  # the last write failed (warned once until one succeeds)
         if directory is not None:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                self.keep(b"\0")  # fails here, at start-up, if the directory cannot hold files
+                self._mapped(b"\0")  # fails here, at start-up, if the directory cannot hold files
             except OSError as e:
                 log.warning("packets stay in memory: cannot keep them in %s (%s)", directory, e)
                 self.directory = None
 
     def keep(self, data: bytes | bytearray | memoryview) -> bytes | memoryview:
         """`data` as it will be held: a read-only view of a mapped file holding a copy of it, or
-        `bytes` in the heap without a directory (and for empty data, which cannot be mapped)."""
+        `bytes` in the heap without a directory, for empty data (which cannot be mapped), and when
+        the file cannot be written (a full disk loses no packet)."""
         if self.directory is None or not len(data):
             return bytes(data)
+        try:
+            view = self._mapped(data)
+        except OSError as e:
+            if not self._failing:
+                log.warning("keeping packets in memory while %s cannot hold them: %s", self.directory, e)
+            self._failing = True
+            return bytes(data)
+        self._failing = False
+        return view
+
+    def _mapped(self, data) -> memoryview:
         with tempfile.TemporaryFile(dir=self.directory, prefix="packet-") as f:
             f.write(data)
             f.flush()

@@ -63,3 +63,17 @@ def test_an_unusable_spool_directory_keeps_packets_in_memory(tmp_path, caplog):
     assert spool.directory is None and "packets stay in memory" in caplog.text
     kept = spool.keep(bytearray(b"abc"))
     assert kept == b"abc" and isinstance(kept, bytes)
+
+
+def test_a_spool_that_stops_taking_writes_keeps_packets_in_memory_and_loses_none(tmp_path, caplog):
+    from node.exchange.spool import Spool
+
+    spool = Spool(tmp_path / "spool")
+    assert isinstance(spool.keep(b"abc"), memoryview)
+    (tmp_path / "spool").rmdir()  # cleaned away under the node: every new file fails, as on a full disk
+    with caplog.at_level("WARNING"):
+        kept = [spool.keep(bytes([i]) * 10) for i in range(3)]
+    assert kept == [bytes([i]) * 10 for i in range(3)] and all(isinstance(k, bytes) for k in kept)
+    assert caplog.text.count("keeping packets in memory") == 1  # warned once, not per packet
+    (tmp_path / "spool").mkdir()
+    assert isinstance(spool.keep(b"again"), memoryview)  # and back on disk once it can write
