@@ -12,8 +12,6 @@ forward would use that stale copy); the next round trains from it.
 
 from __future__ import annotations
 
-import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
@@ -21,18 +19,13 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, rendezvous: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A file rendezvous: no port to pick and lose to another test between the pick and the bind.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
         _check(rank)
     finally:
@@ -92,5 +85,5 @@ def _check(rank: int) -> None:
     assert torch.isfinite(torch.tensor(execute(state, "train", {"round": 1}).mean_loss))
 
 
-def test_fsdp_ranks_encode_and_apply_like_one_rank():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+def test_fsdp_ranks_encode_and_apply_like_one_rank(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True)

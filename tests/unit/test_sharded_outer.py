@@ -12,8 +12,6 @@ gathering the delta to rank 0), a 1-D tensor of each kind, and a rank holding no
 
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
@@ -38,23 +36,18 @@ WORLD = 2
 ROUNDS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _full(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g) * scale for name, shape in SHAPES.items()}
 
 
-def _worker(rank: int, port: int, cfg: OuterConfig) -> None:
+def _worker(rank: int, rendezvous: str, cfg: OuterConfig) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A file rendezvous: no port to pick and lose to another test between the pick and the bind.
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
         _check(rank, cfg)
     finally:
@@ -128,5 +121,5 @@ def test_layout_alignment_follows_fsdp_rows():
 
 @pytest.mark.parametrize("cfg", [OuterConfig(), OuterConfig(aggregation="mean", outer_lr=0.7, error_decay=0.9)],
                          ids=["median_clip", "mean_lr0.7"])
-def test_two_ranks_match_one_rank_bit_for_bit(cfg):
-    mp.spawn(_worker, args=(_free_port(), cfg), nprocs=WORLD, join=True)
+def test_two_ranks_match_one_rank_bit_for_bit(cfg, tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), cfg), nprocs=WORLD, join=True)
