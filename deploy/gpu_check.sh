@@ -10,9 +10,11 @@
 # 4. the 1b inner loop's tokens/s and MFU (node/training/throughput_bench.py: bf16 autocast,
 #    activation checkpointing, 2 warm-up and 5 timed steps of 8 x 2048 tokens).
 #
-# 5. the opt-in Triton scatter-mean against the torch path on the card, bit for bit.
+# 5. the opt-in Triton scatter-mean against the torch path on the card, bit for bit;
+# 6. a node's packet path on the card (packets decoded on the GPU, median-clipped and aggregated
+#    there, as a CUDA node does): the same positions and the same aggregate bits as on the CPU.
 #
-# Each step has its own time limit (together 290 s) and writes its JSON to $OUT (a fresh temporary
+# Each step has its own time limit (together 300 s) and writes its JSON to $OUT (a fresh temporary
 # folder when unset); a step that fails is reported and the others still run. Exit status: 0 when
 # every step ran, 1 when one failed, 2 when there is no CUDA device.
 set -uo pipefail
@@ -69,7 +71,30 @@ for choice in ("0", "1"):
     out[choice] = scatter_mean(selections, device="cuda").cpu()
 print(json.dumps({"triton_bit_identical": bool(torch.equal(out["0"].view(torch.int32), out["1"].view(torch.int32)))}))
 PY
-step throughput 110 "$PYTHON" -m node.training.throughput_bench --preset 1b --device cuda --out "$OUT/throughput.json"
+# A CUDA node decodes and aggregates its round's packets on the GPU: every node must get the same bits.
+step packets 30 "$PYTHON" - <<'PY'
+import json, torch
+from kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
+from protocol.bench import llama_shapes
+from protocol.packet import ModelSpec, decode_packet, encode_packet
+from protocol.signing import PeerKey
+spec = ModelSpec(llama_shapes(hidden=256, num_layers=2, intermediate=704, vocab=4096), 64)
+layouts, gen = spec.layouts(), torch.Generator().manual_seed(0)
+keys = [PeerKey.from_seed(bytes([i])) for i in range(8)]
+packets = [encode_packet("gpu", 0, f"p{i}", bytes(32), spec, {
+    n: error_feedback_step(torch.zeros(s), torch.randn(s, generator=gen) * 1e-3, layouts[n], 0.95, 1.0)
+    for n, s in spec.shapes.items()}, key) for i, key in enumerate(keys)]
+result = {}
+for device in ("cpu", "cuda"):
+    decoded = [decode_packet(p, spec, k.public_bytes, device=device).tensors for p, k in zip(packets, keys)]
+    means = aggregate_packets(decoded, device=device, peer_scales=packet_clip_scales(decoded))
+    result[device] = ([d.index.cpu() for d in decoded], {n: t.cpu() for n, t in means.items()})
+(cpu_index, cpu_means), (gpu_index, gpu_means) = result["cpu"], result["cuda"]
+print(json.dumps({"decoded_positions_identical": all(torch.equal(a, b) for a, b in zip(cpu_index, gpu_index)),
+                  "aggregate_bit_identical": all(torch.equal(cpu_means[n].view(torch.int32), gpu_means[n].view(torch.int32))
+                                                 for n in cpu_means)}))
+PY
+step throughput 90 "$PYTHON" -m node.training.throughput_bench --preset 1b --device cuda --out "$OUT/throughput.json"
 
 "$PYTHON" - "$OUT" <<'PY'
 import json, pathlib, sys
@@ -80,6 +105,7 @@ def load(name):
     except (OSError, ValueError):
         return None
 card, codec, throughput, triton = load("card"), load("codec"), load("throughput"), load("triton")
+packets = load("packets")
 print("card:", card and card["name"], "memory GB:", card and round(card["memory_bytes"] / 1e9, 1))
 if codec:
     print("codec: decode+aggregate speed-up over the plain path %.2fx, encode %.2fx, bits/value %.2f" % (
@@ -87,6 +113,8 @@ if codec:
         codec["bits_per_value_top_k_64"]))
 if triton:
     print("triton scatter-mean bit-identical to the torch path:", triton["triton_bit_identical"])
+if packets:
+    print("packets decoded and aggregated on the GPU, identical to the CPU:", packets)
 if throughput:
     mfu = throughput["mfu"]
     print("1b inner loop: %.0f tokens/s, %.1f model TFLOP/s, MFU %s" % (
