@@ -88,7 +88,7 @@ result = {}
 for device in ("cpu", "cuda"):
     decoded = [decode_packet(p, spec, k.public_bytes, device=device).tensors for p, k in zip(packets, keys)]
     means = aggregate_packets(decoded, device=device, peer_scales=packet_clip_scales(decoded))
-    result[device] = ([d.index.cpu() for d in decoded], {n: t.cpu() for n, t in means.items()})
+    result[device] = ([d.positions.cpu() for d in decoded], {n: t.cpu() for n, t in means.items()})
 (cpu_index, cpu_means), (gpu_index, gpu_means) = result["cpu"], result["cuda"]
 print(json.dumps({"decoded_positions_identical": all(torch.equal(a, b) for a, b in zip(cpu_index, gpu_index)),
                   "aggregate_bit_identical": all(torch.equal(cpu_means[n].view(torch.int32), gpu_means[n].view(torch.int32))

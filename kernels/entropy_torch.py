@@ -31,10 +31,12 @@ decoding, none per element.
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
 import torch
 
+from kernels.chunking import scratch
 from kernels.entropy import MAX_RICE_PARAM
 
 _BYTE_SHIFTS = (24, 16, 8, 0)
@@ -351,3 +353,179 @@ def max_unary_bytes(num_chunks: int, k: int, chunk_len: int, b: int) -> int:
     at most chunk_len, so the quotients sum to at most (chunk_len - k) >> b. A longer stream cannot
     decode to positions inside their chunks, so a decoder may refuse it before reading it."""
     return (num_chunks * (k + ((chunk_len - k) >> b)) + 7) // 8
+
+
+def rice_decode_positions(streams: torch.Tensor, sections: list[tuple[int, int, int, int, int, int]],
+                          row_lengths: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions inside rows (int32), for all sections' symbols in order: what `rice_decode_rows`
+    gives without offsets, section s cut into rows of `row_lengths[s]` symbols (which divides its
+    count). Values that would reach 2^31 - 1 saturate there (a caller bounding positions by a chunk
+    length refuses them alike). Accepts and refuses exactly what `rice_decode_rows` does. Written
+    into `out` when given (int32, one entry a symbol).
+
+    The fast path works on groups: sections of one Rice parameter b and row length whose counts are
+    multiples of 8 (so that their remainder streams concatenate into one stream of b bits a symbol)
+    and whose values fit in int32, their streams concatenated. A group is a (rows, row length) grid:
+    positions are (Z << b) + D minus a constant per row (Z and D where the row starts, and 1), D the
+    running sum of remainder + 1 over the group, with every shift by a scalar. Eight
+    symbols take exactly b remainder bytes, so the eight remainders are read with eight scalar
+    shifts, no gather (`_remainders`). Other sections (short ones, in practice) go through
+    `rice_decode_rows`. Temporaries come from reused buffers (kernels.chunking.scratch). (Decoding
+    halves of a group on two worker threads was slower, 8 ms against 6 ms a packet on two cores:
+    each half pays the per-op overhead, and the ops are short.)"""
+    device = streams.device
+    _check_sections(sections)
+    for i, (section, row_len) in enumerate(zip(sections, row_lengths)):
+        if row_len < 1 or section[4] % row_len:
+            raise ValueError(f"section {i}: {section[4]} symbols do not split into rows of {row_len}")
+    num_symbols = sum(s[4] for s in sections)
+    if out is None:
+        out = torch.empty(num_symbols, dtype=torch.int32, device=device)
+    if not sections:
+        return out
+    # A group's int32 values stay below (8 * its unary bytes + its symbols) << b: (Z << b) + D.
+    groups: dict[tuple[int, int], list[list[int]]] = {}
+    general, bound = [], {}
+    for i, ((_, unary_len, _, _, count, b), row_len) in enumerate(zip(sections, row_lengths)):
+        if not (count and count % 8 == 0 and (8 * unary_len + count) << b < 2**31):
+            general.append(i)
+            continue
+        runs = groups.setdefault((b, row_len), [[]])
+        if runs[-1] and (bound[id(runs[-1])] + 8 * unary_len + count) << b >= 2**31:
+            runs.append([])
+        bound[id(runs[-1])] = bound.get(id(runs[-1]), 0) + 8 * unary_len + count
+        runs[-1].append(i)
+    groups_in_order = [(b, row_len, members) for (b, row_len), runs in groups.items() for members in runs]
+    order = [i for _, _, members in groups_in_order for i in members] + general
+
+    # Unary: ones per byte and each section's count and last byte (the one host sync), in `order`.
+    unary_len = torch.tensor([sections[i][1] for i in order], dtype=torch.int64)
+    total_bytes = int(unary_len.sum())
+    unary = torch.cat([streams[sections[i][0]:sections[i][0] + sections[i][1]] for i in order],
+                      out=scratch("rice.unary", total_bytes, torch.uint8, device))
+    popcount, zeros_before_rank = _unary_tables(device, torch.int32)
+    raw = scratch("rice.raw", total_bytes, torch.int32, device).copy_(unary)
+    ones = torch.index_select(popcount, 0, raw, out=scratch("rice.ones", total_bytes, torch.int32, device))
+    ones_through = torch.cumsum(ones, dim=0, out=scratch("rice.ones_through", total_bytes, torch.int32, device))
+    unary_end = torch.cumsum(unary_len, dim=0)
+    if total_bytes:
+        last = (unary_end - 1).clamp_min(0).to(device)
+        before = (unary_end - unary_len - 1).clamp_min(0).to(device)
+        got = torch.where(unary_len.to(device) > 0, ones_through.index_select(0, last), 0) \
+            - torch.where((unary_end - unary_len).to(device) > 0, ones_through.index_select(0, before), 0)
+        zero_tail = (unary_len.to(device) > 0) & (raw.index_select(0, last) == 0)
+        checks = torch.stack([got, zero_tail.to(torch.int32)]).tolist()
+    else:
+        checks = [[0] * len(order), [0] * len(order)]
+    found = {i: (got, tail) for i, got, tail in zip(order, *checks)}
+    for i, section in enumerate(sections):
+        got, zero_tail = found[i]
+        if got != section[4]:
+            raise StreamError(i, f"unary stream holds {got} symbols, expected {section[4]}")
+        if section[4] and zero_tail:
+            raise StreamError(i, "unary stream has trailing bytes")
+
+    symbol_starts = [0]
+    for section in sections:
+        symbol_starts.append(symbol_starts[-1] + section[4])
+
+    def place(members: list[int], decoded: torch.Tensor) -> None:
+        at = 0
+        for i in members:
+            out[symbol_starts[i]:symbol_starts[i + 1]].copy_(decoded[at:at + sections[i][4]])
+            at += sections[i][4]
+
+    first_one = ones_through.sub_(ones)  # symbols before each byte, counted over `order`
+    byte_at = symbol_at = 0
+    for b, row_len, members in groups_in_order:
+        group_bytes = sum(sections[i][1] for i in members)
+        span = slice(byte_at, byte_at + group_bytes)
+        place(members, _decode_group(streams, [sections[i] for i in members], b, row_len, raw[span],
+                                     first_one[span].sub_(symbol_at), zeros_before_rank))
+        byte_at, symbol_at = byte_at + group_bytes, symbol_at + sum(sections[i][4] for i in members)
+    if general:
+        lengths = torch.tensor([row_lengths[i] for i in general], dtype=torch.int64)
+        rows = [sections[i][4] // row_lengths[i] for i in general]
+        row_lengths_all = torch.repeat_interleave(lengths, torch.tensor(rows, dtype=torch.int64)).to(device)
+        rest = rice_decode_rows(streams, [sections[i] for i in general], row_lengths_all, rows)
+        place(general, rest.clamp_max_(2**31 - 1))
+    return out
+
+
+def _decode_group(streams: torch.Tensor, members: list[tuple[int, int, int, int, int, int]], b: int, row_len: int,
+                  raw: torch.Tensor, first_one: torch.Tensor, zeros_before_rank: torch.Tensor) -> torch.Tensor:
+    """One group of `rice_decode_positions`: (symbols,) int32 positions inside rows, in a work buffer.
+    `raw` holds the group's unary bytes (int32) and `first_one` the group's symbols before each."""
+    device = streams.device
+    count = sum(s[4] for s in members)
+    rows, num_bytes = count // row_len, raw.numel()
+    # Z, the zeros before each terminating one over the group's unary bytes. Per byte, in one int64:
+    # the zeros before it (high word) and its value * 8 - the symbols before it + count (low word,
+    # >= 0: no borrow between the words), spread to its symbols (`_spread`, with work buffers) over
+    # a start of ones, so that each symbol's low word gains its number + 1 and becomes value * 8 +
+    # its rank in the byte + count + 1: its entry in the table of zeros before a rank, placed at
+    # count + 1 in a work buffer (whose other entries are never read).
+    words = scratch("rice.per_byte", num_bytes, torch.int64, device).view(torch.int32).view(num_bytes, 2)
+    low, high = (scratch(name, num_bytes, torch.int32, device) for name in ("rice.low", "rice.high"))
+    torch.mul(raw, 8, out=low).sub_(first_one).add_(count)
+    torch.arange(0, 8 * num_bytes, 8, out=high).sub_(first_one)
+    words[:, 0], words[:, 1] = low, high  # little-endian: (low, high) words
+    per_byte = words.view(torch.int64).view(num_bytes)
+    steps = scratch("rice.byte_steps", num_bytes, torch.int64, device)
+    steps[:1] = per_byte[:1]
+    torch.sub(per_byte[1:], per_byte[:-1], out=steps[1:])
+    packed = scratch("rice.packed", count + 1, torch.int64, device).fill_(1).index_add_(0, first_one, steps)[:count]
+    halves = packed.cumsum_(0).view(torch.int32).view(count, 2)
+    table = scratch("rice.table", count + 1 + zeros_before_rank.numel(), torch.int32, device)
+    table[count + 1:] = zeros_before_rank
+    key = scratch("rice.key", count, torch.int32, device).copy_(halves[:, 0])
+    z = torch.index_select(table, 0, key, out=scratch("rice.z", count, torch.int32, device))
+    z = z.add_(halves[:, 1]).view(rows, row_len)
+    # Remainder + 1 per symbol, and D, their running sum over the group.
+    remainders = torch.cat([streams[s[2]:s[2] + s[3]] for s in members],
+                           out=scratch("rice.remainders", count * b // 8, torch.uint8, device))
+    d = _remainders(remainders, count, b).add_(1).view(-1).cumsum_(0).view(rows, row_len)
+    # Per row, (Z << b) + D before its first symbol, + 1: Z and D of the previous row's last symbol,
+    # except that a section's first row takes the zeros before the section's bytes (its first symbol
+    # has counted the padding of the section before) and D before the section.
+    row_before = torch.zeros(rows, dtype=torch.int32, device=device)
+    row_before[1:] = z[:-1, -1]
+    first_rows, section_zeros, row_at, byte_at, symbol_at = [], [], 0, 0, 0
+    for _, unary_len, _, _, section_count, _ in members:
+        first_rows.append(row_at)
+        section_zeros.append(8 * byte_at - symbol_at)
+        row_at, byte_at, symbol_at = row_at + section_count // row_len, byte_at + unary_len, symbol_at + section_count
+    row_before[torch.tensor(first_rows, device=device)] = torch.tensor(section_zeros, dtype=torch.int32, device=device)
+    row_before <<= b
+    row_before[1:] += d[:-1, -1]
+    row_before += 1
+    positions = z.bitwise_left_shift_(b).add_(d).sub_(row_before.unsqueeze(1))
+    return positions.view(-1)
+
+
+def _remainders(remainders: torch.Tensor, count: int, b: int) -> torch.Tensor:
+    """(count // 8, 8) int32 in a work buffer: the b-bit remainders of `count` symbols (a multiple
+    of 8) from their stream, which eight symbols fill exactly b bytes of. For b <= 8 those bytes,
+    reversed into the low bytes of a little-endian int64, are one big-endian number holding the
+    eight remainders (symbol j's at bit b * (7 - j)); for larger b, a 31-bit big-endian window from
+    every byte, read at a fixed byte and bit per j. Eight scalar shifts either way, no gather."""
+    device = remainders.device
+    out = scratch("rice.remainder_values", count, torch.int32, device).view(count // 8, 8)
+    if b == 0:
+        return out.zero_()
+    if b <= 8 and sys.byteorder == "little":
+        words = scratch("rice.words", count, torch.uint8, device).view(count // 8, 8).zero_()
+        grouped = remainders.view(count // 8, b)
+        for j in range(b):
+            words[:, b - 1 - j] = grouped[:, j]
+        words = words.view(torch.int64).view(-1)
+        for j in range(8):
+            torch.bitwise_right_shift(words, b * (7 - j), out=out[:, j])
+        return out.bitwise_and_((1 << b) - 1)
+    padded = torch.cat([remainders, remainders.new_zeros(3)]).to(torch.int32)
+    window = (padded[:-3] << 23) | (padded[1:-2] << 15) | (padded[2:-1] << 7) | (padded[3:] >> 1)
+    window = window.view(count // 8, b)
+    for j in range(8):
+        torch.bitwise_left_shift(window[:, (j * b) >> 3], (j * b) & 7, out=out[:, j])
+    out &= 2**31 - 1
+    return out.bitwise_right_shift_(31 - b)

@@ -32,7 +32,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.chunking import ChunkLayout, PacketLayout, flat_indices, from_chunks, tile_view, to_chunks
+from kernels.chunking import (
+    BLOCK_ELEMENTS,
+    ChunkLayout,
+    PacketLayout,
+    flat_indices,
+    from_chunks,
+    num_workers,
+    scratch,
+    tile_view,
+    to_chunks,
+    worker_pool,
+)
 from kernels.quantize import NUM_BINS, QuantTable, quantize
 
 
@@ -220,25 +231,40 @@ def code_values(tables: Sequence[QuantTable]) -> torch.Tensor:
 
 class PacketSelections(dict):
     """One packet's selections, name -> SparseTensor, and the flat arrays those are views of, which
-    `aggregate_packets` reads whole: `index` (n,) int32 (int64 for a block of 2^31 elements or
+    `aggregate_packets` reads whole: `positions` (n,) each selected value's place in its chunk,
+    int16 where every chunk is at most 2^15 long; `codes` (n,) uint8; `code_values` (tensors,
+    NUM_BINS) float32 (`code_values`); and `index` (n,) int32 (int64 for a block of 2^31 elements or
     more), each selected value's place in its block's chunk space (kernels.chunking.PacketLayout),
-    `codes` (n,) uint8, and `code_values` (tensors, NUM_BINS) float32 (`code_values`). Positions are
-    kept int16 where every chunk is at most 2^15 long. A node holds every packet of a round decoded
-    at once: 7 bytes a selected value."""
+    made from the positions when first read unless given (the CPU aggregation never reads it). A
+    node holds every packet of a round decoded at once: 3 bytes a selected value, 7 once `index`
+    has been read."""
 
-    def __init__(self, names: Sequence[str], layout: PacketLayout, index: torch.Tensor, positions: torch.Tensor,
+    def __init__(self, names: Sequence[str], layout: PacketLayout, index: torch.Tensor | None, positions: torch.Tensor,
                  codes: torch.Tensor, tables: Sequence[QuantTable]):
         super().__init__()
         self.layout, self.codes, self.code_values = layout, codes, code_values(tables)
-        self.index = index.to(torch.int32) if max(layout.block_sizes, default=0) < 2**31 else index
+        self._index = None if index is None else index.to(self._index_dtype())
         if all(chunks.chunk_len <= 2**15 for chunks in layout.layouts):
             positions = positions.to(torch.int16)
+        self.positions = positions  # (n,) each selected value's place in its chunk
         starts = layout.symbol_starts
         for t, (name, chunks, table) in enumerate(zip(names, layout.layouts, tables)):
             shape = (chunks.num_chunks, chunks.k)
             self[name] = SparseTensor(chunks, positions[starts[t]:starts[t + 1]].view(shape),
                                       codes[starts[t]:starts[t + 1]].view(shape), table)
         self._norms: list[float] | None = None
+
+    @property
+    def index(self) -> torch.Tensor:
+        """(n,) each selected value's place in its block's chunk space: given, or made from the
+        positions when first asked for (the CPU aggregation reads positions only)."""
+        if self._index is None:
+            offsets = self.layout.symbol_row_offsets.to(self.positions.device)
+            self._index = torch.add(self.positions, offsets).to(self._index_dtype())
+        return self._index
+
+    def _index_dtype(self) -> torch.dtype:
+        return torch.int32 if max(self.layout.block_sizes, default=0) < 2**31 else torch.int64
 
     def code_index(self) -> torch.Tensor:
         """(n,) int32: each selected value's code plus NUM_BINS times its tensor's number, its entry in
@@ -249,7 +275,9 @@ class PacketSelections(dict):
         """`SparseTensor.squared_norm` of every tensor, in order, the same bits: one bincount of
         `code_index` gives every count, and the products are the same float64 operations."""
         if self._norms is None:
-            counts = torch.bincount(self.code_index(), minlength=self.code_values.numel()).view(self.code_values.shape)
+            code_index = torch.add(self.codes, self.layout.code_offsets.to(self.codes.device),
+                                   out=scratch("norms.code_index", self.codes.numel(), torch.int32, self.codes.device))
+            counts = torch.bincount(code_index, minlength=self.code_values.numel()).view(self.code_values.shape)
             values = self.code_values.double()
             products = (counts.cpu().double() * values * values).tolist()
             self._norms = [math.fsum(row) for row in products]
@@ -268,50 +296,140 @@ def packet_clip_scales(packets: Sequence[PacketSelections]) -> list[list[float]]
 def aggregate_packets(
     packets: Sequence[PacketSelections], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     divide_by_peers: bool = False, peer_scales: Sequence[Sequence[float]] | None = None,
+    num_threads: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor's `scatter_mean` over the packets (sorted by peer id), the same bits, all at once:
     `peer_scales[p][t]` scales packet p's tensor t.
 
-    Per packet, one gather in its (tensors * NUM_BINS) table of values (times the scales: the same
-    float32 product as `scatter_mean`'s) gives every value. Per block of consecutive tensors
-    (kernels.chunking.PacketLayout), one float32 buffer in chunk space takes one `index_add_` per
-    packet, in packet order (indices distinct inside a packet, so each element is added to once per
-    packet), and the counts one integer `index_add_` per packet; the division
-    writes each tensor straight into its own shape (no separate `from_chunks` copy)."""
+    Each value is a gather in its packet's (tensors * NUM_BINS) table of values times the scales
+    (the same float32 product as `scatter_mean`'s); each element's sum runs in packet order, and its
+    count is exact, so the bits are the same on any device and any thread count. On the CPU, chunk
+    by chunk (`_aggregate_rows`), with `num_threads` workers taking whole tensors (by default
+    torch's thread count; kernels.chunking.num_workers); elsewhere, block by block
+    (`_aggregate_blocks`). Each division writes its tensor straight into its own shape (no
+    separate `from_chunks` copy). Work buffers are reused (kernels.chunking.scratch)."""
     layout = packets[0].layout
     if any(p.layout.layouts != layout.layouts for p in packets):
         raise ValueError("packets have different layouts")
     if peer_scales is not None and not all(0.0 <= s <= 1.0 for row in peer_scales for s in row):
         raise ValueError("peer scales must lie in [0, 1]")
     device = torch.device(device)
-    values = []
+    tables = []
     for i, packet in enumerate(packets):
         table = packet.code_values.to(device, dtype)
         if peer_scales is not None:
             table = table * torch.tensor(peer_scales[i], dtype=dtype, device=device).unsqueeze(1)
-        values.append(table.view(-1).index_select(0, packet.code_index().to(device)))
-    index = [packet.index.to(device) for packet in packets]
-    count_dtype = torch.uint8 if len(packets) < 256 else torch.int32
-    ones = torch.ones(1, dtype=count_dtype, device=device).expand(layout.num_symbols)
-    names = list(packets[0])
-    out = {}
+        tables.append(table.view(-1))
+    # Counts are whole numbers: exact in float32 up to 2^24 peers, and then the division is the
+    # float one; for narrower dtypes they are counted in int32 and cast, as scatter_mean does.
+    count_dtype = dtype if dtype in (torch.float32, torch.float64) and len(packets) < 2**24 else torch.int32
+    if device.type == "cpu":
+        return _aggregate_rows(packets, tables, dtype, divide_by_peers, count_dtype, num_workers(num_threads, device))
+    return _aggregate_blocks(packets, tables, dtype, device, divide_by_peers, count_dtype)
+
+
+def _aggregate_blocks(packets: Sequence[PacketSelections], tables: list[torch.Tensor], dtype: torch.dtype,
+                      device: torch.device, divide_by_peers: bool, count_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`aggregate_packets` block by block (kernels.chunking.PacketLayout): one buffer in a block's
+    chunk space takes one `scatter_add_` of each packet's values there, in packet order, and the
+    counts one of ones. Indices are distinct inside a packet, so each element is added to once a
+    call: in packet order on any device, atomics or not. A value's place in chunk space is made
+    here, a block at a time, from its position and its row's offset: the decoded packets stay at 3
+    bytes a value (reading `PacketSelections.index` would keep 4 more each)."""
+    layout, names, out = packets[0].layout, list(packets[0]), {}
+    codes = [packet.codes.to(device) for packet in packets]
+    positions = [packet.positions.to(device) for packet in packets]
+    code_offsets, row_offsets = layout.code_offsets.to(device), layout.symbol_row_offsets.to(device)
     for (first, end), size in zip(layout.blocks, layout.block_sizes):
         span = slice(layout.symbol_starts[first], layout.symbol_starts[end])
-        total = torch.zeros(size, dtype=dtype, device=device)
-        for peer_index, peer_values in zip(index, values):  # peer order
-            total.index_add_(0, peer_index[span], peer_values[span])
-        if divide_by_peers:
-            count = max(1, len(packets))
-        else:  # integer counts (exact in any order); where nobody sent a coordinate, 0 / 1 = 0
-            count = torch.zeros(size, dtype=count_dtype, device=device)
-            for peer_index in index:
-                count.index_add_(0, peer_index[span], ones[:span.stop - span.start])
-            count.clamp_min_(1)
+        n = span.stop - span.start
+        total = scratch("aggregate.total", size, dtype, device).zero_()
+        count = None if divide_by_peers else scratch("aggregate.count", size, count_dtype, device).zero_()
+        at = scratch("aggregate.index", n, torch.int64, device)
+        code_index = scratch("aggregate.code_index", n, torch.int32, device)
+        values = scratch("aggregate.values", n, dtype, device)
+        ones = torch.ones(1, dtype=count_dtype, device=device).expand(n)
+        for peer_positions, peer_codes, table in zip(positions, codes, tables):  # peer order
+            torch.add(row_offsets[span], peer_positions[span], out=at)
+            torch.add(code_offsets[span], peer_codes[span], out=code_index)
+            torch.index_select(table, 0, code_index, out=values)
+            total.scatter_add_(0, at, values)
+            if count is not None:
+                count.scatter_add_(0, at, ones)
+        if count is None:
+            divisor = max(1, len(packets))
+        else:  # where nobody sent a coordinate, 0 / 1 = 0
+            divisor = count.clamp_min_(1)
+            if count_dtype != dtype:
+                divisor = scratch("aggregate.divisor", size, dtype, device).copy_(divisor)
         for t in range(first, end):
             chunks, offset = layout.layouts[t], layout.block_offsets[t]
             numel = chunks.num_chunks * chunks.chunk_len
             dense = torch.empty(chunks.shape, dtype=dtype, device=device)
             part = lambda x: tile_view(x[offset:offset + numel], chunks, chunk_space=True)
-            torch.div(part(total), count if divide_by_peers else part(count), out=tile_view(dense, chunks))
+            torch.div(part(total), divisor if count is None else part(divisor), out=tile_view(dense, chunks))
             out[names[t]] = dense
+    return out
+
+
+def _aggregate_rows(packets: Sequence[PacketSelections], tables: list[torch.Tensor], dtype: torch.dtype,
+                    divide_by_peers: bool, count_dtype: torch.dtype, workers: int) -> dict[str, torch.Tensor]:
+    """`aggregate_packets` on the CPU, chunk by chunk: a run of one tensor's chunks at a time (whole
+    tile rows, at most about BLOCK_ELEMENTS elements), every packet's values of a chunk side by side
+    in packet order, (chunks, packets * k), and one `scatter_add_` along the chunks, which on the CPU
+    walks each chunk's entries in order, so that each element's sum runs in packet order. A chunk's
+    sums (16 KiB for 4096 float32) stay in cache while every packet adds to them; adding packet by
+    packet into a whole block instead missed the cache on nearly every value. Runs are independent:
+    `workers` threads take whole runs, and write disjoint parts of the outputs."""
+    layout, num_peers = packets[0].layout, len(packets)
+    names = list(packets[0])
+    table = torch.stack(tables).view(-1)  # (packets * tensors * NUM_BINS,)
+    num_entries = len(layout.layouts) * NUM_BINS
+    peer_base = torch.arange(0, num_peers * num_entries, num_entries, dtype=torch.int32).view(1, num_peers, 1)
+    out = {name: torch.empty(chunks.shape, dtype=dtype) for name, chunks in zip(names, layout.layouts)}
+
+    def run(t: int, first: int, end: int) -> None:
+        """Tensor t's chunks [first, end)."""
+        chunks = layout.layouts[t]
+        rows, k, chunk_len = end - first, chunks.k, chunks.chunk_len
+        at = slice(layout.symbol_starts[t] + first * k, layout.symbol_starts[t] + end * k)
+        stacked = lambda name, dtype, parts: torch.stack(  # (chunks, packets, k)
+            [part[at].view(rows, k) for part in parts], dim=1,
+            out=scratch(name, rows * num_peers * k, dtype, "cpu").view(rows, num_peers, k))
+        code_index = scratch("rows.code_index", rows * num_peers * k, torch.int32, "cpu").view(rows, num_peers, k)
+        torch.add(stacked("rows.codes", torch.uint8, [p.codes.cpu() for p in packets]), peer_base + NUM_BINS * t,
+                  out=code_index)
+        values = torch.index_select(table, 0, code_index.view(-1),
+                                    out=scratch("rows.values", code_index.numel(), dtype, "cpu")).view(rows, -1)
+        index = stacked("rows.index", torch.int64, [p.positions.cpu() for p in packets]).view(rows, -1)
+        total = scratch("rows.total", rows * chunk_len, dtype, "cpu").view(rows, chunk_len).zero_()
+        total.scatter_add_(1, index, values)
+        if divide_by_peers:
+            divisor = max(1, num_peers)
+        else:  # integer counts (exact in any order); where nobody sent a coordinate, 0 / 1 = 0
+            count = scratch("rows.count", rows * chunk_len, count_dtype, "cpu").view(rows, chunk_len).zero_()
+            divisor = count.scatter_add_(1, index, torch.ones(1, dtype=count_dtype).expand_as(index)).clamp_min_(1)
+            if count_dtype != dtype:
+                divisor = scratch("rows.divisor", divisor.numel(), dtype, "cpu").view_as(divisor).copy_(divisor)
+        dense = out[names[t]].view(-1)[first * chunk_len:end * chunk_len]
+        if chunks.is_view:  # chunk space is the tensor's own layout
+            torch.div(total, divisor, out=dense.view(rows, chunk_len))
+        else:  # whole tile rows: (tile rows, tiles, rows in tile, columns in tile) both ways
+            grid_cols = chunks.cols // chunks.tile_cols
+            tiles = lambda x: x.view(rows // grid_cols, grid_cols, chunks.tile_rows, chunks.tile_cols)
+            torch.div(tiles(total), divisor if divide_by_peers else tiles(divisor),
+                      out=dense.view(rows // grid_cols, chunks.tile_rows, grid_cols, chunks.tile_cols).permute(0, 2, 1, 3))
+
+    jobs = []
+    for t, chunks in enumerate(layout.layouts):
+        step = max(1, BLOCK_ELEMENTS // chunks.chunk_len)
+        if not chunks.is_view:  # whole tile rows
+            grid_cols = chunks.cols // chunks.tile_cols
+            step = max(1, step // grid_cols) * grid_cols
+        jobs += [(t, first, min(first + step, chunks.num_chunks)) for first in range(0, chunks.num_chunks, step)]
+    if workers > 1:
+        list(worker_pool(workers).map(lambda job: run(*job), jobs))
+    else:
+        for job in jobs:
+            run(*job)
     return out

@@ -15,9 +15,11 @@ it measures, median over repeats:
 
 Ours runs on `--device` end to end: the Rice coder and the 2-bit packing are torch ops
 (kernels/entropy_torch.py), decoding happens on the device after the size checks and yields each
-selected value's place in chunk space, and the aggregation takes whole packets at once
-(kernels/sparse.py, `aggregate_packets`: one value gather per packet, one index_add_ per packet
-and block of tensors, in peer order); only the packet bytes cross to and from the host.
+selected value's place in its chunk, and the aggregation takes whole packets at once
+(kernels/sparse.py, `aggregate_packets`: on the CPU, runs of chunks with every packet's values of a
+chunk side by side, one scatter_add_ along the chunks in peer order, runs spread over the
+`decode_aggregate_workers` threads; ours is also timed with one worker); only the packet bytes
+cross to and from the host.
 
 and the same for the plain path in the same run (`baseline_*`): chunking by copy, torch.topk,
 the local reconstruction through a dense scatter_reduce, int64 indices and uint8 codes on the
@@ -36,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.chunking import ChunkLayout, from_chunks, to_chunks
+from kernels.chunking import ChunkLayout, from_chunks, num_workers, to_chunks
 from kernels.quantize import quantize
 from kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
 
@@ -57,9 +59,14 @@ def llama_shapes(hidden=640, num_layers=8, intermediate=1728, vocab=8192) -> dic
 
 def _paired_medians(ours, baseline, repeats: int, device: torch.device) -> tuple[float, float]:
     """Median seconds of each, their runs interleaved so that load from elsewhere hits both alike."""
-    times: tuple[list[float], list[float]] = ([], [])
+    return tuple(_interleaved_medians([ours, baseline], repeats, device))
+
+
+def _interleaved_medians(fns, repeats: int, device: torch.device) -> list[float]:
+    """Median seconds of each of `fns`, their runs interleaved."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in ((ours, times[0]), (baseline, times[1])):
+        for fn, out in zip(fns, times):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -67,7 +74,7 @@ def _paired_medians(ours, baseline, repeats: int, device: torch.device) -> tuple
             if device.type == "cuda":
                 torch.cuda.synchronize()
             out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(t) for t in times]
 
 
 def baseline_encode(error_buffer: torch.Tensor, delta: torch.Tensor, layout: ChunkLayout) -> bytes:
@@ -129,17 +136,20 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
     packets = [encode(keys[i], f"p{i:02d}") for i in range(num_peers)]
     base_packets = [baseline() for _ in range(num_peers)]
 
-    def decode_aggregate():  # what a node does (node/training/outer.py, SparseLoCoOuter.prepare)
+    def decode_aggregate(num_threads=None):  # what a node does (node/training/outer.py, SparseLoCoOuter.prepare)
         decoded = [decode_packet(p, spec, keys[i].public_bytes, device=device).tensors for i, p in enumerate(packets)]
         # median_clip, the node's default aggregation
-        aggregate_packets(decoded, device=device, peer_scales=packet_clip_scales(decoded))
+        aggregate_packets(decoded, device=device, peer_scales=packet_clip_scales(decoded), num_threads=num_threads)
 
-    decode_s, baseline_decode_s = _paired_medians(
-        decode_aggregate, lambda: baseline_decode_aggregate(base_packets, layouts, device), repeats, device)
+    # Ours with the aggregation's default workers (kernels.chunking.num_workers) and with one, for the record.
+    decode_s, decode_single_s, baseline_decode_s = _interleaved_medians(
+        [decode_aggregate, lambda: decode_aggregate(num_threads=1),
+         lambda: baseline_decode_aggregate(base_packets, layouts, device)], repeats, device)
     return {
         "num_parameters": numel, "values_sent": values_sent, "density": values_sent / numel,
         "packet_bytes": len(packets[0]), "bits_per_value": len(packets[0]) * 8 / values_sent,
         "encode_s": encode_s, "encode_gbps": numel * 4 / encode_s / 1e9, "decode_aggregate_s": decode_s,
+        "decode_aggregate_workers": num_workers(None, device), "decode_aggregate_single_worker_s": decode_single_s,
         "baseline_packet_bytes": sum(map(len, base_packets[0])),
         "baseline_bits_per_value": sum(map(len, base_packets[0])) * 8 / values_sent,
         "baseline_encode_s": baseline_s, "baseline_encode_gbps": numel * 4 / baseline_s / 1e9,
@@ -170,13 +180,17 @@ def run_cli(args: argparse.Namespace) -> int:
         "size_ratio_baseline_over_ours": first["baseline_packet_bytes"] / first["packet_bytes"],
         "encode_speedup_over_baseline": first["baseline_encode_s"] / first["encode_s"],
         "decode_aggregate_speedup_over_baseline": first["baseline_decode_aggregate_s"] / first["decode_aggregate_s"],
+        "decode_aggregate_workers": first["decode_aggregate_workers"],
+        "decode_aggregate_single_worker_speedup_over_baseline":
+            first["baseline_decode_aggregate_s"] / first["decode_aggregate_single_worker_s"],
         "per_top_k": results,
     }
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     print(f"codec benchmark: {first['num_parameters'] / 1e6:.1f}M parameters on {device}, "
-          f"{torch.get_num_threads()} threads, medians of {args.repeats}")
+          f"{torch.get_num_threads()} threads, {first['decode_aggregate_workers']} decode/aggregate workers "
+          f"(1w: one), medians of {args.repeats}")
     print(f"{'top_k':>6} {'':>9} {'bits/value':>11} {'packet MB':>10} {'encode s':>9} {'encode GB/s':>12} "
           f"{'dec+agg s':>10}")
     for k in args.top_k:
@@ -188,6 +202,9 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"{'':>6} {'ratio':>9} {r['baseline_packet_bytes'] / r['packet_bytes']:>10.1f}x {'':>10} "
               f"{r['baseline_encode_s'] / r['encode_s']:>8.2f}x {'':>12} "
               f"{r['baseline_decode_aggregate_s'] / r['decode_aggregate_s']:>9.2f}x")
+        print(f"{'':>6} {'ours 1w':>9} {'':>11} {'':>10} {'':>9} {'':>12} {r['decode_aggregate_single_worker_s']:>10.3f}")
+        print(f"{'':>6} {'ratio 1w':>9} {'':>11} {'':>10} {'':>9} {'':>12} "
+              f"{r['baseline_decode_aggregate_s'] / r['decode_aggregate_single_worker_s']:>9.2f}x")
     return 0
 
 

@@ -55,7 +55,7 @@ import msgpack
 import torch
 import zstandard
 
-from kernels.chunking import ChunkLayout, chunk_layout, packet_layout
+from kernels.chunking import ChunkLayout, chunk_layout, packet_layout, scratch
 from kernels.entropy import MAX_RICE_PARAM
 from kernels.entropy_torch import (
     StreamError,
@@ -63,7 +63,7 @@ from kernels.entropy_torch import (
     max_unary_bytes,
     pack_2bit,
     positions_to_gaps,
-    rice_decode_rows,
+    rice_decode_positions,
     rice_encode,
     unpack_2bit,
 )
@@ -276,16 +276,16 @@ def decode_packet(
     num_codes = sum(layout.num_selected for layout in layouts.values())
     codes = _decode_code_stream(coder, data[cursor:signed_len], num_codes, device)
 
-    # Every tensor's positions in one batch, as places in chunk space (kernels.entropy_torch,
-    # kernels.chunking.PacketLayout): a row is a chunk.
+    # Every tensor's positions inside its chunks in one batch (kernels.entropy_torch), a row being a
+    # chunk (kernels.chunking.PacketLayout has the per-row constants).
     plan = packet_layout(tuple(layouts.values()), torch.device(device))
     streams = _to_device(data[offset:cursor], device)
     try:
-        index = rice_decode_rows(streams, [coding for _, _, coding in parsed], plan.row_lengths,
-                                 plan.rows_per_tensor, plan.row_offsets)
+        positions = rice_decode_positions(streams, [coding for _, _, coding in parsed],
+                                          [layout.k for layout in layouts.values()],
+                                          out=scratch("packet.positions", num_codes, torch.int32, device))
     except StreamError as e:
         raise MalformedPacket(f"tensor {parsed[e.index][0]!r}: {e}") from None
-    positions = index - plan.symbol_row_offsets
     # Positions rise inside a row, so each row's last one bounds all of its positions (and gaps).
     outside = positions.index_select(0, plan.row_ends) >= plan.row_chunk_len
     if bool(outside.any()):
@@ -293,7 +293,11 @@ def decode_packet(
         bad = int(torch.searchsorted(plan.row_counts_through, first_row, right=True))
         raise IndexOutOfRange(f"tensor {parsed[bad][0]!r}: an index falls outside its chunk")
 
-    tensors = PacketSelections(list(layouts), plan, index, positions, codes, quant_tables)
+    # `positions` is a work buffer: what the packet keeps is a copy (int16 where chunks allow), and
+    # each value's place in chunk space is made from it when asked for (PacketSelections.index).
+    narrow = all(layout.chunk_len <= 2**15 for layout in layouts.values())
+    positions = positions.to(torch.int16) if narrow else positions.clone()
+    tensors = PacketSelections(list(layouts), plan, None, positions, codes, quant_tables)
     return Packet(packet_run, packet_round, peer_id, base, tensors, len(data), packet_digest(data))
 
 

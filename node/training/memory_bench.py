@@ -122,7 +122,7 @@ def kept_start_bytes(num_params: int, num_peers: int, overlap: bool, cfg: OuterC
 
 
 PACKET_BITS_PER_VALUE = 8.7  # a packet's bytes * 8 / values sent at top_k 64 (`locoswarm bench codec`: 8.68)
-DECODED_BYTES_PER_VALUE = 7  # kernels/sparse.py `PacketSelections`: int32 index, int16 position, uint8 code
+DECODED_BYTES_PER_VALUE = 3  # kernels/sparse.py `PacketSelections`: int16 position in its chunk, uint8 code
 
 
 def round_packet_bytes(num_params: int, num_peers: int, cfg: OuterConfig = OuterConfig()) -> tuple[int, int]:
