@@ -240,9 +240,11 @@ class PacketSelections(dict):
     has been read."""
 
     def __init__(self, names: Sequence[str], layout: PacketLayout, index: torch.Tensor | None, positions: torch.Tensor,
-                 codes: torch.Tensor, tables: Sequence[QuantTable]):
+                 codes: torch.Tensor, tables: Sequence[QuantTable], values: torch.Tensor | None = None):
+        """`values`: `code_values(tables)` when the caller has it already (protocol.packet checks them)."""
         super().__init__()
-        self.layout, self.codes, self.code_values = layout, codes, code_values(tables)
+        self.layout, self.codes = layout, codes
+        self.code_values = code_values(tables) if values is None else values
         self._index = None if index is None else index.to(self._index_dtype())
         if all(chunks.chunk_len <= 2**15 for chunks in layout.layouts):
             positions = positions.to(torch.int16)

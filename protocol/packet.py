@@ -50,6 +50,7 @@ import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 import msgpack
 import torch
@@ -111,7 +112,14 @@ class ModelSpec:
         return cls({name: tuple(t.shape) for name, t in sorted(tensors.items())}, top_k, chunk_size)
 
     def layouts(self) -> dict[str, ChunkLayout]:
-        return {name: chunk_layout(shape, self.top_k, self.chunk_size) for name, shape in self.shapes.items()}
+        return dict(_layouts(tuple(self.shapes.items()), self.top_k, self.chunk_size))
+
+
+@lru_cache(maxsize=64)
+def _layouts(shapes: tuple[tuple[str, tuple[int, ...]], ...], top_k: int,
+             chunk_size: int) -> tuple[tuple[str, ChunkLayout], ...]:
+    """`ModelSpec.layouts`, made once per model and density (every packet decode asks for them)."""
+    return tuple((name, chunk_layout(shape, top_k, chunk_size)) for name, shape in shapes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +132,8 @@ class Packet:
     base_digest: bytes
     tensors: PacketSelections  # name -> SparseTensor (positions int64, codes uint8) on the device decoded to
     num_bytes: int
-    digest: str  # sha256 hex of the whole packet, as listed in round manifests
+    # Its digest (`packet_digest`, as round manifests list it) is not computed here: whoever fetched
+    # the bytes checked them against it already.
 
 
 def packet_digest(data: bytes) -> str:
@@ -267,7 +276,7 @@ def decode_packet(
         parsed.append((name, layout, (streams_at, unary_len, streams_at + unary_len, rem_len,
                                       layout.num_selected, rice_b)))
         cursor += unary_len + rem_len
-    quant_tables = _bounded_tables([name for name, _, _ in parsed], [s[4] for s in sections],
+    quant_tables, values = _bounded_tables([name for name, _, _ in parsed], [s[4] for s in sections],
                                    [DTYPES[s[2]] for s in sections], max_abs_value)
     if codes_len < 0 or cursor + codes_len < signed_len:
         raise MalformedPacket("payload holds bytes the header does not account for")
@@ -297,17 +306,18 @@ def decode_packet(
     # each value's place in chunk space is made from it when asked for (PacketSelections.index).
     narrow = all(layout.chunk_len <= 2**15 for layout in layouts.values())
     positions = positions.to(torch.int16) if narrow else positions.clone()
-    tensors = PacketSelections(list(layouts), plan, None, positions, codes, quant_tables)
-    return Packet(packet_run, packet_round, peer_id, base, tensors, len(data), packet_digest(data))
+    tensors = PacketSelections(list(layouts), plan, None, positions, codes, quant_tables, values)
+    return Packet(packet_run, packet_round, peer_id, base, tensors, len(data))
 
 
 def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dtype],
-                    max_abs_value: float) -> list[QuantTable]:
+                    max_abs_value: float) -> tuple[list[QuantTable], torch.Tensor]:
     """Each tensor's quantization table, once its fields and every value a code can decode to are
     finite and within `max_abs_value`, in float32 and in its dtype; a ProtocolError naming the
     first tensor that fails otherwise. The four decodable values are computed as
     `QuantTable.decode` computes them (the float32 entry plus the shift in the tensor's dtype, then
-    the cast to that dtype), for all tensors of one dtype in one op."""
+    the cast to that dtype), for all tensors of one dtype in one op, and returned beside the tables
+    in float32 (exact), (tensors, NUM_BINS): kernels.sparse.code_values of the tables."""
     fields = [TABLE.unpack(table) for table in tables]
     for name, (shift, *lookup) in zip(names, fields):
         if not all(math.isfinite(v) for v in (shift, *lookup)):
@@ -316,11 +326,13 @@ def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dt
             raise ValueOutOfRange(f"tensor {name!r}: a shift or table entry exceeds max_abs_value {max_abs_value:g}")
     lookups = torch.tensor([lookup for _, *lookup in fields], dtype=torch.float32).reshape(len(fields), 4)
     verdicts: list[str | None] = [None] * len(fields)
+    values = torch.empty(len(fields), 4, dtype=torch.float32)
     for dtype in set(dtypes):
         rows = [i for i, d in enumerate(dtypes) if d == dtype]
         narrow_shift = torch.tensor([fields[i][0] for i in rows], dtype=dtype).unsqueeze(1)  # (n, 1)
         wide = lookups[rows] + narrow_shift  # float32, as the 0-dim shift in QuantTable.decode
         narrow = wide.to(dtype)
+        values[rows] = narrow.float()
         checks = torch.stack([~torch.isfinite(narrow_shift[:, 0]), ~torch.isfinite(wide).all(1),
                               wide.abs().amax(1) > max_abs_value, ~torch.isfinite(narrow).all(1),
                               narrow.float().abs().amax(1) > max_abs_value], dim=1).tolist()
@@ -334,7 +346,7 @@ def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dt
             kind = ValueOutOfRange if "exceeds" in verdict else NonFiniteValue
             raise kind(f"tensor {name!r}: " + verdict.format(d=DTYPE_NAMES[dtype], m=max_abs_value))
     return [QuantTable(shift=shift, lookup=lookups[i], dtype=dtype)
-            for i, ((shift, *_), dtype) in enumerate(zip(fields, dtypes))]
+            for i, ((shift, *_), dtype) in enumerate(zip(fields, dtypes))], values
 
 
 def _to_device(data: bytes, device: torch.device | str) -> torch.Tensor:

@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kernels.sparse import decompress, error_feedback_step
     from node.training.model import llama_tensor_shapes, num_parameters
-    from protocol.packet import ModelSpec, decode_packet, encode_packet
+    from protocol.packet import ModelSpec, decode_packet, encode_packet, packet_digest
     from protocol.signing import PeerKey
 
     shapes = llama_tensor_shapes(args.preset)
@@ -44,6 +44,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"preset {args.preset}: {num_parameters(args.preset):,} parameters in {len(shapes)} tensors")
     print(f"sent {sent:,} values ({sent / numel:.3%}) in {len(data):,} bytes: {len(data) * 8 / sent:.2f} bits/value "
           f"(dense fp32 would be {numel * 4:,} bytes, {numel * 4 / len(data):.0f}x more)")
-    print(f"decoded packet equals the encoded selection: {exact}; signature verified; digest {packet.digest[:16]}")
+    print(f"decoded packet equals the encoded selection: {exact}; signature verified; digest {packet_digest(data)[:16]}")
     print(f"error feedback keeps {residual / total:.1%} of the update's norm for later rounds")
     return 0 if exact else 1
