@@ -18,8 +18,9 @@ Ours runs on `--device` end to end: the Rice coder and the 2-bit packing are tor
 selected value's place in its chunk, and the aggregation takes whole packets at once
 (kernels/sparse.py, `aggregate_packets`: on the CPU, runs of chunks with every packet's values of a
 chunk side by side, one scatter_add_ along the chunks in peer order, runs spread over the
-`decode_aggregate_workers` threads; ours is also timed with one worker); only the packet bytes
-cross to and from the host.
+`decode_aggregate_workers` threads, over which the packets are decoded too, as a node decodes
+them; ours is also timed with one worker for both); only the packet bytes cross to and from the
+host.
 
 and the same for the plain path in the same run (`baseline_*`): chunking by copy, torch.topk,
 the local reconstruction through a dense scatter_reduce, int64 indices and uint8 codes on the
@@ -38,7 +39,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.chunking import ChunkLayout, from_chunks, num_workers, to_chunks
+from kernels.chunking import ChunkLayout, from_chunks, num_workers, to_chunks, worker_pool
 from kernels.quantize import quantize
 from kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
 
@@ -137,7 +138,11 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
     base_packets = [baseline() for _ in range(num_peers)]
 
     def decode_aggregate(num_threads=None):  # what a node does (node/training/outer.py, SparseLoCoOuter.prepare)
-        decoded = [decode_packet(p, spec, keys[i].public_bytes, device=device).tensors for i, p in enumerate(packets)]
+        # Packets decode `num_workers` at once on the pool (OuterStep.decode_many, and as they arrive:
+        # node/round/prefetch.py).
+        decode = lambda i: decode_packet(packets[i], spec, keys[i].public_bytes, device=device).tensors
+        workers = num_workers(num_threads, device)
+        decoded = list(worker_pool(workers).map(decode, range(num_peers)) if workers > 1 else map(decode, range(num_peers)))
         # median_clip, the node's default aggregation
         aggregate_packets(decoded, device=device, peer_scales=packet_clip_scales(decoded), num_threads=num_threads)
 

@@ -4,15 +4,17 @@ The coordinator's long-poll answers at every new submission, so packets move whi
 peers (and this node) still train; only the last ones are left for after the close. Each packet
 spreads down its own tree of the run's live members (node/exchange/topology.py): this node asks
 its parent there first. Each packet that arrives is decoded at once, in a worker thread, off the
-round's critical path; `Decoded.take` hands those results to the outer step's `prepare`.
+round's critical path (several at once on a CPU node); `Decoded.take` hands those results to the outer step's `prepare`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
 
+from kernels.chunking import worker_pool
 from node.exchange.topology import tree_parent
 from node.round.session import Session
 from protocol.http import ManifestEntry, RoundView
@@ -27,7 +29,7 @@ class Decoded:
     """Packets decoded as they arrived, by round, until the round's aggregate takes them."""
 
     tasks: dict[int, dict[PacketKey, asyncio.Task]] = field(default_factory=dict)
-    slot: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    slots: asyncio.Semaphore | None = None  # the outer step's `decode_workers`, made at the first packet
 
     def start(self, s: Session, round: int, entry: ManifestEntry, payload: bytes) -> None:
         self.tasks.setdefault(round, {})[entry.peer_id, entry.packet_digest] = asyncio.create_task(
@@ -35,10 +37,17 @@ class Decoded:
 
     async def _decode(self, s: Session, payload: bytes, peer_id: str, public_key: bytes, round: int):
         """What outer.decode makes of one payload, or the refusal it raised (for outer.prepare)."""
-        async with self.slot:  # one at a time: decoding shares the CPU with training
+        # Decoding shares the CPU with training: on the CPU as many at once as the packet kernels'
+        # pool has workers, one torch thread each (the threads one decode at a time would take).
+        workers = s.outer.decode_workers
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(workers)
+        async with self.slots:
+            decode = functools.partial(s.outer.decode, payload, public_key, peer_id=peer_id, run_id=s.run_id,
+                                       round=round)
             try:
-                return await asyncio.to_thread(s.outer.decode, payload, public_key, peer_id=peer_id,
-                                               run_id=s.run_id, round=round)
+                return await asyncio.get_running_loop().run_in_executor(
+                    worker_pool(workers) if workers > 1 else None, decode)
             except s.outer.refusable as e:
                 return e
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from kernels.chunking import num_workers, worker_pool
 from kernels.sparse import PacketSelections, aggregate_packets, error_feedback_step, packet_clip_scales
 from protocol.errors import MalformedPacket, NonFiniteValue, ProtocolError, ShapeMismatch, ValueOutOfRange
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
@@ -169,19 +170,45 @@ class OuterStep:
         `refusable`. Pure: may run in a worker thread as each packet arrives."""
         raise NotImplementedError
 
+    @property
+    def decode_workers(self) -> int:
+        """Payloads decoded at once (`decode_many`, and on arrival): on the CPU the packet kernels'
+        pool, one torch thread each, as many as torch's own threads (the cores one decode at a
+        time would use, used better: a decode is many short ops, which split across cores poorly);
+        elsewhere one."""
+        return num_workers(None, self.aggregate_device)
+
+    def decode_or_refusal(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
+                          round: int) -> Mapping[str, Any] | Exception:
+        """`decode`, or the refusal it raised (one of `refusable`), returned."""
+        try:
+            return self.decode(payload, public_key, peer_id=peer_id, run_id=run_id, round=round)
+        except self.refusable as e:
+            return e
+
+    def decode_many(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
+                    round: int) -> dict[str, Mapping[str, Any] | Exception]:
+        """`decode_or_refusal` of every payload, `decode_workers` at a time."""
+        peers = sorted(payloads)
+        one = lambda peer: self.decode_or_refusal(payloads[peer], public_key, peer_id=peer, run_id=run_id, round=round)
+        workers = min(self.decode_workers, len(peers))
+        return dict(zip(peers, worker_pool(workers).map(one, peers) if workers > 1 else map(one, peers)))
+
     def _decode_all(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], run_id: str,
                     round: int, decoded: Mapping[str, Any] | None) -> tuple[dict[str, Mapping[str, Any]], ApplyResult]:
         """Every payload decoded (taken from `decoded` where a payload was decoded on arrival: its
-        tensors, or the exception its decoding raised), in peer-id order; refusals recorded."""
+        tensors, or the exception its decoding raised; the others `decode_many`), in peer-id order;
+        refusals recorded."""
         out: dict[str, Mapping[str, Any]] = {}
         result = ApplyResult(accepted=[])
+        decoded = dict(decoded or {})
+        decoded |= self.decode_many({peer: data for peer, data in payloads.items() if decoded.get(peer) is None},
+                                    public_key, run_id=run_id, round=round)
         for peer_id in sorted(payloads):
             try:
-                early = (decoded or {}).get(peer_id)
-                if isinstance(early, BaseException):
-                    raise early
-                out[peer_id] = early if early is not None else self.decode(
-                    payloads[peer_id], public_key, peer_id=peer_id, run_id=run_id, round=round)
+                if isinstance(decoded[peer_id], BaseException):
+                    raise decoded[peer_id]
+                out[peer_id] = decoded[peer_id]
             except self.refusable as e:
                 result.refused[peer_id] = f"{type(e).__name__}: {e}"
                 log.warning("round %d: refusing packet of %s: %s", round, peer_id, result.refused[peer_id])

@@ -35,6 +35,7 @@ class RankedOuter:
     """The SparseLoCo outer step of a multi-rank node, as the round loop sees it from rank 0."""
 
     refusable: tuple[type[Exception], ...] = (ProtocolError,)
+    decode_workers = 1  # packets rank 0 decodes at once as they arrive (every rank decodes again to apply)
 
     def __init__(self, leader: Leader, global_model: Mapping[str, torch.nn.Parameter], cfg: OuterConfig):
         self.leader, self.cfg = leader, cfg
