@@ -6,7 +6,9 @@ at RETRY_DELAY_MAX_S) and jitter: by default for as long as it takes, so a node 
 coordinator outage of any length with its state and its exchange intact; a call that must not
 wait (a heartbeat, leaving) passes its own `retry_for_s` and gets `CoordinatorUnavailable` after
 it. An outage is logged when it starts, once a minute while it lasts (`coordinator unreachable
-for 3m20s; retrying`), and when it ends, however many calls are waiting on it. Before the
+for 3m20s; retrying`), and when it ends, however many calls are waiting on it. When one call gets
+through, the others waiting out the outage retry at once instead of at the end of their backoff (a
+node's report would otherwise arrive up to RETRY_DELAY_MAX_S late, and miss the next round). Before the
 coordinator has answered this client even once, a wrong address is the likelier cause than an
 outage: those calls give up after FIRST_CONTACT_S with `CoordinatorUnreachable`, whose message
 says to check the address. A 429 (over a rate, e.g. too many new keys joining from one address) is
@@ -22,6 +24,7 @@ a key that joined the run before rejoins without one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -90,6 +93,7 @@ class CoordinatorClient:
         self._unreachable_since: float | None = None  # monotonic time of the outage's first failure
         self._answered = False  # the coordinator has answered this client at least once
         self._outage_logged_at = 0.0
+        self._back = asyncio.Event()  # set when the coordinator answers after an outage (a fresh one per outage)
         self._member_of: set[str] = set()  # runs this key joined: a rejoin needs no proof of work
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False,
                                        transport=transport)
@@ -106,6 +110,7 @@ class CoordinatorClient:
         now = time.monotonic()
         if self._unreachable_since is None:
             self._unreachable_since = self._outage_logged_at = now
+            self._back = asyncio.Event()
             log.warning("coordinator %s unreachable (%s); retrying", self.base_url, error)
         elif now - self._outage_logged_at >= OUTAGE_LOG_EVERY_S:
             self._outage_logged_at = now
@@ -118,6 +123,7 @@ class CoordinatorClient:
             log.warning("coordinator reachable again after %s",
                         format_duration(time.monotonic() - self._unreachable_since))
             self._unreachable_since = None
+            self._back.set()  # wakes the calls waiting out the outage
 
     async def _call(self, method: str, path: str, body=None, params: dict | None = None, signed: bool = True,
                     retry_for_s: float | None = None) -> dict:
@@ -130,7 +136,7 @@ class CoordinatorClient:
         deadline = float("inf") if budget is None else time.monotonic() + budget
         delay_s, last_error = 0.2, "no attempt"
         while True:
-            retry_after_s = 0.0
+            retry_after_s, unreached = 0.0, False
             headers = {"content-type": "application/json"}
             if signed:
                 headers |= sign_request(self.key, method, path, content)
@@ -138,7 +144,7 @@ class CoordinatorClient:
                 response = await self._http.request(method, path, content=content or None, params=params,
                                                     headers=headers)
             except httpx.TransportError as e:
-                last_error = f"{type(e).__name__}: {e}"
+                last_error, unreached = f"{type(e).__name__}: {e}", True
             else:
                 if response.status_code < 500:
                     self._note_answer()  # a refusal or a rate limit is an answer, not an outage
@@ -165,7 +171,11 @@ class CoordinatorClient:
             wait_s = max(delay_s * (0.5 + random.random()), retry_after_s * (1.0 + 0.2 * random.random()))
             log.log(logging.INFO if retry_after_s else logging.DEBUG, "coordinator %s %s: %s; retrying in %.1f s",
                     method, path, last_error, wait_s)
-            await asyncio.sleep(wait_s)
+            if unreached:  # ...or as soon as another call gets an answer (not after a 5xx or a 429)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._back.wait(), wait_s)
+            else:
+                await asyncio.sleep(wait_s)
             delay_s = min(delay_s * 2, RETRY_DELAY_MAX_S)
 
     async def runs(self) -> RunList:

@@ -87,6 +87,39 @@ def test_a_call_waits_out_an_outage_and_carries_on(tmp_path, fast_backoff, caplo
 
 
 @pytest.mark.timeout(60)
+def test_calls_waiting_out_an_outage_retry_as_soon_as_one_call_gets_through(tmp_path, monkeypatch):
+    """A node's report, deep in its backoff when the coordinator comes back, must not wait out the
+    rest of it while the node's heartbeats already get through (the faults test's node then missed
+    the next round). Jitter held at its top: the report's sleeps are 0.3, 0.6, 1.2, 2.4, then 4.8 s."""
+    monkeypatch.setattr(client_module.random, "random", lambda: 1.0)
+
+    async def main():
+        coordinator = Coordinator(tmp_path)
+        await coordinator.start()
+        client = CoordinatorClient(coordinator.url, PeerKey.from_seed(b"client"))
+        try:
+            assert (await client.runs()).runs == []
+            await coordinator.stop()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            report = asyncio.create_task(client.runs())
+            await asyncio.sleep(5.0)  # the report now sleeps until about 9.3 s
+            await coordinator.start()  # the same port, the same database
+            assert not report.done()
+            assert (await client.runs()).runs == []  # a heartbeat, say, gets through
+            answered = loop.time()
+            assert (await asyncio.wait_for(report, 30)).runs == []
+            assert loop.time() - answered < 1.0, f"the report waited {loop.time() - answered:.1f} s more"
+            assert loop.time() - started < 7.0
+        finally:
+            await client.close()
+            await coordinator.stop()
+            coordinator.storage.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
 def test_a_call_with_its_own_budget_gives_up_and_a_refusal_is_final(tmp_path, fast_backoff):
     async def main():
         coordinator = Coordinator(tmp_path)
