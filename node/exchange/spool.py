@@ -28,6 +28,28 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def file_system_type(path: Path) -> str | None:
+    """The type of the file system `path` lives on (the mount point in /proc/self/mounts that is its
+    longest prefix), or None where that cannot be read."""
+    path = path.resolve()
+    best, kind = -1, None
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount_point = Path(fields[1].replace("\\040", " "))
+                if (path == mount_point or mount_point in path.parents) and len(mount_point.parts) > best:
+                    best, kind = len(mount_point.parts), fields[2]
+    except OSError:
+        return None
+    return kind
+
+
 class Spool:
     """Where a node keeps the packets it holds: files in `directory`, or the heap when None."""
 
@@ -41,6 +63,10 @@ class Spool:
             except OSError as e:
                 log.warning("packets stay in memory: cannot keep them in %s (%s)", directory, e)
                 self.directory = None
+            else:
+                if (kind := file_system_type(directory)) in MEMORY_FILE_SYSTEMS:
+                    log.warning("the packet spool %s is on a %s, whose files are memory: set packet_spool_dir "
+                                "to a directory on a disk", directory, kind)
 
     def keep(self, data: bytes | bytearray | memoryview) -> bytes | memoryview:
         """`data` as it will be held: a read-only view of a mapped file holding a copy of it, or

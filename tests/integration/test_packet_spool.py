@@ -77,3 +77,22 @@ def test_a_spool_that_stops_taking_writes_keeps_packets_in_memory_and_loses_none
     assert caplog.text.count("keeping packets in memory") == 1  # warned once, not per packet
     (tmp_path / "spool").mkdir()
     assert isinstance(spool.keep(b"again"), memoryview)  # and back on disk once it can write
+
+
+def test_a_spool_on_a_tmpfs_is_named_as_memory(tmp_path, caplog):
+    from node.exchange.spool import Spool, file_system_type
+
+    shm = Path("/dev/shm")
+    if file_system_type(shm) != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    directory = shm / f"locoswarm-spool-test-{tmp_path.name}"
+    try:
+        with caplog.at_level("WARNING"):
+            Spool(directory)
+        assert "is on a tmpfs, whose files are memory" in caplog.text
+    finally:
+        directory.rmdir()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        Spool(tmp_path / "spool")
+    assert "whose files are memory" not in caplog.text or file_system_type(tmp_path) == "tmpfs"
