@@ -16,7 +16,6 @@ round, as the reference), clamped to the chunk length.
 from __future__ import annotations
 
 import math
-import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -222,28 +221,6 @@ def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device | st
     if buffer is None or buffer.numel() < numel:
         buffer = _scratch.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buffer[:numel]
-
-
-HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
-
-
-def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A (numel,) CPU tensor of undefined contents in fresh anonymous memory that the kernel is asked
-    to back with transparent huge pages (madvise; Linux's default THP mode honours it).
-
-    Filling fresh memory faults it in a page at a time: for 200 MB of 4 KiB pages that took 66 ms
-    here, against 13 ms with huge pages (torch.empty then fill_ against this; medians of 9). For
-    less than a few huge pages, or where the mapping or the advice is refused, a plain torch.empty.
-    The memory is returned when the last view of the tensor is gone."""
-    num_bytes = numel * torch.empty(0, dtype=dtype).element_size()
-    if num_bytes < 4 * HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(numel, dtype=dtype)
-    try:
-        memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        return torch.empty(numel, dtype=dtype)
-    return torch.frombuffer(memory, dtype=dtype)  # keeps `memory` alive
 
 
 @lru_cache(maxsize=4)

@@ -38,7 +38,6 @@ from kernels.chunking import (
     PacketLayout,
     flat_indices,
     from_chunks,
-    huge_page_empty,
     num_workers,
     scratch,
     tile_view,
@@ -389,12 +388,7 @@ def _aggregate_rows(packets: Sequence[PacketSelections], tables: list[torch.Tens
     table = torch.stack(tables).view(-1)  # (packets * tensors * NUM_BINS,)
     num_entries = len(layout.layouts) * NUM_BINS
     peer_base = torch.arange(0, num_peers * num_entries, num_entries, dtype=torch.int32).view(1, num_peers, 1)
-    # Every output in one block of fresh memory backed by huge pages where the kernel allows: the
-    # aggregate is the largest allocation of a round, and faulting it in 4 KiB at a time cost more
-    # than summing into it (kernels.chunking.huge_page_empty).
-    sizes = [math.prod(chunks.shape) for chunks in layout.layouts]
-    outputs = huge_page_empty(sum(sizes), dtype).split(sizes)
-    out = {name: part.view(chunks.shape) for name, part, chunks in zip(names, outputs, layout.layouts)}
+    out = {name: torch.empty(chunks.shape, dtype=dtype) for name, chunks in zip(names, layout.layouts)}
 
     def run(t: int, first: int, end: int) -> None:
         """Tensor t's chunks [first, end)."""

@@ -125,16 +125,3 @@ def test_scratch_buffers_are_reused_per_thread_and_name():
     assert scratch("test.a", 5, torch.int32, "cpu").data_ptr() == a.data_ptr()
     assert scratch("test.b", 5, torch.int32, "cpu").data_ptr() != a.data_ptr()
     assert scratch("test.a", 20, torch.int32, "cpu").numel() == 20
-
-
-def test_huge_page_outputs_are_ordinary_tensors_and_plain_below_the_threshold():
-    from kernels.chunking import HUGE_PAGE_BYTES, huge_page_empty
-
-    big = huge_page_empty(4 * HUGE_PAGE_BYTES, torch.float32)
-    assert big.numel() == 4 * HUGE_PAGE_BYTES and big.dtype == torch.float32 and big.is_contiguous()
-    parts = big.split([3, big.numel() - 3])
-    parts[1].fill_(2.0)
-    parts[0].copy_(torch.tensor([1.0, 2.0, 3.0]))
-    assert big[:4].tolist() == [1.0, 2.0, 3.0, 2.0] and float(big.sum()) == 2.0 * (big.numel() - 3) + 6.0
-    small = huge_page_empty(10, torch.int32)
-    assert small.numel() == 10 and small.dtype == torch.int32
