@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kernels.chunking import worker_pool
 from node.exchange.topology import tree_parent
 from node.round.session import Session
+from node.training.outer import decode_or_refusal
 from protocol.http import ManifestEntry, RoundView
 
 log = logging.getLogger("locoswarm.node")
@@ -43,13 +44,10 @@ class Decoded:
         if self.slots is None:
             self.slots = asyncio.Semaphore(workers)
         async with self.slots:
-            decode = functools.partial(s.outer.decode, payload, public_key, peer_id=peer_id, run_id=s.run_id,
-                                       round=round)
-            try:
-                return await asyncio.get_running_loop().run_in_executor(
-                    worker_pool(workers) if workers > 1 else None, decode)
-            except s.outer.refusable as e:
-                return e
+            decode = functools.partial(decode_or_refusal, s.outer, payload, public_key, peer_id=peer_id,
+                                       run_id=s.run_id, round=round)
+            return await asyncio.get_running_loop().run_in_executor(worker_pool(workers) if workers > 1 else None,
+                                                                    decode)
 
     async def take(self, view: RoundView) -> dict:
         """The round's manifest packets decoded so far (publisher -> decoded or refusal); rounds

@@ -178,19 +178,11 @@ class OuterStep:
         elsewhere one."""
         return num_workers(None, self.aggregate_device)
 
-    def decode_or_refusal(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
-                          round: int) -> Mapping[str, Any] | Exception:
-        """`decode`, or the refusal it raised (one of `refusable`), returned."""
-        try:
-            return self.decode(payload, public_key, peer_id=peer_id, run_id=run_id, round=round)
-        except self.refusable as e:
-            return e
-
     def decode_many(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
                     round: int) -> dict[str, Mapping[str, Any] | Exception]:
         """`decode_or_refusal` of every payload, `decode_workers` at a time."""
         peers = sorted(payloads)
-        one = lambda peer: self.decode_or_refusal(payloads[peer], public_key, peer_id=peer, run_id=run_id, round=round)
+        one = lambda peer: decode_or_refusal(self, payloads[peer], public_key, peer_id=peer, run_id=run_id, round=round)
         workers = min(self.decode_workers, len(peers))
         return dict(zip(peers, worker_pool(workers).map(one, peers) if workers > 1 else map(one, peers)))
 
@@ -268,6 +260,16 @@ class OuterStep:
         else:
             self.params[name].data.copy_(new, non_blocking=True)
         self.start[name].copy_(new)  # also `local_start` without overlap
+
+
+def decode_or_refusal(outer, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
+                      round: int) -> Mapping[str, Any] | Exception:
+    """`outer.decode` (any outer step, a multi-rank node's too), or the refusal it raised (one of
+    `outer.refusable`), returned."""
+    try:
+        return outer.decode(payload, public_key, peer_id=peer_id, run_id=run_id, round=round)
+    except outer.refusable as e:
+        return e
 
 
 def decode_sparse(payload: bytes, spec: ModelSpec, cfg: OuterConfig, public_key: Callable[[str], bytes], *,
