@@ -140,7 +140,11 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
     def decode_aggregate(num_threads=None):  # what a node does (node/training/outer.py, SparseLoCoOuter.prepare)
         # Packets decode `num_workers` at once on the pool (OuterStep.decode_many, and as they arrive:
         # node/round/prefetch.py).
-        decode = lambda i: decode_packet(packets[i], spec, keys[i].public_bytes, device=device).tensors
+        def decode(i):  # and its norms taken on the decoding worker, as node.training.outer.decode_sparse does
+            tensors = decode_packet(packets[i], spec, keys[i].public_bytes, device=device).tensors
+            tensors.squared_norms()
+            return tensors
+
         workers = num_workers(num_threads, device)
         decoded = list(worker_pool(workers).map(decode, range(num_peers)) if workers > 1 else map(decode, range(num_peers)))
         # median_clip, the node's default aggregation

@@ -279,6 +279,8 @@ def decode_sparse(payload: bytes, spec: ModelSpec, cfg: OuterConfig, public_key:
                            max_bytes=cfg.max_packet_bytes, max_abs_value=cfg.max_abs_value, device=device)
     if packet.peer_id != peer_id:
         raise ProtocolError(f"packet names peer {packet.peer_id!r}")
+    if cfg.aggregation == "median_clip":  # its norms now, on the decoding worker (kept for the aggregation)
+        packet.tensors.squared_norms()
     return packet.tensors
 
 
