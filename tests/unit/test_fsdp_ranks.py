@@ -12,6 +12,8 @@ forward would use that stale copy); the next round trains from it.
 
 from __future__ import annotations
 
+import os
+import sys
 
 import torch
 import torch.multiprocessing as mp
@@ -30,6 +32,13 @@ def _worker(rank: int, rendezvous: str) -> None:
         _check(rank)
     finally:
         dist.destroy_process_group()
+    # Passed: leave without the interpreter's teardown. Twice in fresh-clone CI runs (never in 24
+    # runs alone, two at a time) rank 0 aborted with "terminate called without an active exception"
+    # and no assertion reported: a C++ thread still joinable when something was destroyed, most
+    # likely at exit. If the abort comes during the checks, this does not hide it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _check(rank: int) -> None:
