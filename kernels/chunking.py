@@ -189,6 +189,12 @@ class PacketLayout:
         # NUM_BINS * tensor of each symbol: where its code's entries start in a (tensors * NUM_BINS) table.
         self.code_offsets = torch.repeat_interleave(
             torch.arange(0, NUM_BINS * len(layouts), NUM_BINS, dtype=torch.int32, device=device), symbols_per_tensor)
+        # 256 * tensor of each byte of the packed codes, where every tensor's codes fill whole bytes
+        # (kernels.sparse.code_counts counts codes by byte then); else None.
+        self.byte_code_offsets = None
+        if all(count % 4 == 0 for count in counts):
+            self.byte_code_offsets = torch.repeat_interleave(
+                torch.arange(0, 256 * len(layouts), 256, dtype=torch.int32, device=device), symbols_per_tensor // 4)
 
 
 @lru_cache(maxsize=16)

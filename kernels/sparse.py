@@ -29,6 +29,7 @@ import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -240,9 +241,12 @@ class PacketSelections(dict):
     has been read."""
 
     def __init__(self, names: Sequence[str], layout: PacketLayout, index: torch.Tensor | None, positions: torch.Tensor,
-                 codes: torch.Tensor, tables: Sequence[QuantTable], values: torch.Tensor | None = None):
-        """`values`: `code_values(tables)` when the caller has it already (protocol.packet checks them)."""
+                 codes: torch.Tensor, tables: Sequence[QuantTable], values: torch.Tensor | None = None,
+                 counts: torch.Tensor | None = None):
+        """`values`: `code_values(tables)` when the caller has it already (protocol.packet checks them);
+        `counts`: `code_counts` of the packed codes, when the caller has them (else counted when needed)."""
         super().__init__()
+        self._counts = counts
         self.layout, self.codes = layout, codes
         self.code_values = code_values(tables) if values is None else values
         self._index = None if index is None else index.to(self._index_dtype())
@@ -274,17 +278,39 @@ class PacketSelections(dict):
         return self.codes.to(torch.int32).add_(self.layout.code_offsets.to(self.codes.device))
 
     def squared_norms(self) -> list[float]:
-        """`SparseTensor.squared_norm` of every tensor, in order, the same bits: one bincount of
-        `code_index` gives every count, and the products are the same float64 operations."""
+        """`SparseTensor.squared_norm` of every tensor, in order, the same bits: the counts of every
+        tensor's codes (given, or one bincount of `code_index`), and the same float64 operations."""
         if self._norms is None:
-            # Widened by a copy, then added: uint8 + int32 into int32 in one op took 7x as long on the CPU.
-            code_index = scratch("norms.code_index", self.codes.numel(), torch.int32, self.codes.device)
-            code_index.copy_(self.codes).add_(self.layout.code_offsets.to(self.codes.device))
-            counts = torch.bincount(code_index, minlength=self.code_values.numel()).view(self.code_values.shape)
+            counts = self._counts
+            if counts is None:
+                # Widened by a copy, then added: uint8 + int32 into int32 in one op took 7x as long on the CPU.
+                code_index = scratch("norms.code_index", self.codes.numel(), torch.int32, self.codes.device)
+                code_index.copy_(self.codes).add_(self.layout.code_offsets.to(self.codes.device))
+                counts = torch.bincount(code_index, minlength=self.code_values.numel()).view(self.code_values.shape)
             values = self.code_values.double()
             products = (counts.cpu().double() * values * values).tolist()
             self._norms = [math.fsum(row) for row in products]
         return self._norms
+
+
+def code_counts(packed: torch.Tensor, layout: PacketLayout) -> torch.Tensor | None:
+    """(tensors, NUM_BINS) int64: how many of each tensor's values have each code, from a packet's
+    packed codes (`pack_2bit`'s bytes) by one bincount over bytes, a quarter of the values a count
+    of codes reads; None unless every tensor's codes fill whole bytes (`PacketLayout.byte_code_offsets`)."""
+    offsets = layout.byte_code_offsets
+    if offsets is None or packed.numel() != offsets.numel():
+        return None
+    index = scratch("counts.byte_index", packed.numel(), torch.int32, packed.device)
+    index.copy_(packed).add_(offsets.to(packed.device))
+    per_byte = torch.bincount(index, minlength=256 * len(layout.layouts)).view(-1, 256, 1)
+    return (per_byte * _codes_per_byte(packed.device)).sum(1)
+
+
+@lru_cache(maxsize=8)
+def _codes_per_byte(device: torch.device) -> torch.Tensor:
+    """(256, NUM_BINS) int64: how many of each code a packed byte holds (four 2-bit codes)."""
+    codes = (torch.arange(256, device=device).view(-1, 1) >> torch.tensor([6, 4, 2, 0], device=device)) & 3
+    return torch.nn.functional.one_hot(codes, NUM_BINS).sum(1)
 
 
 def packet_clip_scales(packets: Sequence[PacketSelections]) -> list[list[float]]:

@@ -69,7 +69,7 @@ from kernels.entropy_torch import (
     unpack_2bit,
 )
 from kernels.quantize import QuantTable
-from kernels.sparse import PacketSelections, SparseTensor
+from kernels.sparse import PacketSelections, SparseTensor, code_counts
 from protocol.errors import (
     BadMagic,
     BadSignature,
@@ -283,11 +283,13 @@ def decode_packet(
     if cursor + codes_len > signed_len:
         raise TruncatedPacket("code stream runs past the payload")
     num_codes = sum(layout.num_selected for layout in layouts.values())
-    codes = _decode_code_stream(coder, data[cursor:signed_len], num_codes, device)
+    plan = packet_layout(tuple(layouts.values()), torch.device(device))
+    packed = _code_bytes(coder, data[cursor:signed_len], num_codes, device)
+    counts = code_counts(packed, plan)  # for the norms: cheaper on the packed bytes
+    codes = unpack_2bit(packed, num_codes)
 
     # Every tensor's positions inside its chunks in one batch (kernels.entropy_torch), a row being a
     # chunk (kernels.chunking.PacketLayout has the per-row constants).
-    plan = packet_layout(tuple(layouts.values()), torch.device(device))
     streams = _to_device(data[offset:cursor], device)
     try:
         positions = rice_decode_positions(streams, [coding for _, _, coding in parsed],
@@ -306,7 +308,7 @@ def decode_packet(
     # each value's place in chunk space is made from it when asked for (PacketSelections.index).
     narrow = all(layout.chunk_len <= 2**15 for layout in layouts.values())
     positions = positions.to(torch.int16) if narrow else positions.clone()
-    tensors = PacketSelections(list(layouts), plan, None, positions, codes, quant_tables, values)
+    tensors = PacketSelections(list(layouts), plan, None, positions, codes, quant_tables, values, counts)
     return Packet(packet_run, packet_round, peer_id, base, tensors, len(data))
 
 
@@ -356,7 +358,8 @@ def _to_device(data: bytes, device: torch.device | str) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
-def _decode_code_stream(coder: int, stream: bytes, num_codes: int, device: torch.device | str) -> torch.Tensor:
+def _code_bytes(coder: int, stream: bytes, num_codes: int, device: torch.device | str) -> torch.Tensor:
+    """The packed 2-bit codes on `device`, exactly ceil(num_codes / 4) bytes, or MalformedPacket."""
     expected = (num_codes + 3) // 4
     if coder == CODER_ZSTD:
         try:
@@ -370,10 +373,9 @@ def _decode_code_stream(coder: int, stream: bytes, num_codes: int, device: torch
             raise MalformedPacket(f"code stream does not decompress: {e}") from None
     elif coder != CODER_RAW:
         raise MalformedPacket(f"unknown code coder {coder}")
-    try:
-        return unpack_2bit(_to_device(stream, device), num_codes)
-    except ValueError as e:
-        raise MalformedPacket(str(e)) from None
+    if len(stream) != expected:
+        raise MalformedPacket(f"code stream has {len(stream)} bytes, expected {expected}")
+    return _to_device(stream, device)
 
 
 __all__ = [

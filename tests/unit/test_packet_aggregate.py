@@ -68,6 +68,22 @@ def test_median_clip_norms_scales_and_aggregate_match_the_per_tensor_path(seed):
     assert_same_bits(aggregate_packets(packets, peer_scales=peer_scales), reference(packets, peer_scales=peer_scales))
 
 
+def test_code_counts_from_packed_bytes_are_the_counts_of_the_codes():
+    # Every tensor's codes fill whole bytes here (k a multiple of 4): decoding counts them by byte.
+    aligned = {n: s for n, s in SHAPES.items() if n in ("embed.weight", "layers.0.attn.wq.weight", "wide.weight")}
+    aligned["norm.weight"] = (256,)
+    _, packets = decoded_packets(num_peers=3, seed=5, top_k=256, shapes=aligned)
+    for packet in packets:
+        assert packet._counts is not None
+        expected = torch.bincount(packet.code_index(), minlength=packet.code_values.numel()).view(-1, 4)
+        assert torch.equal(packet._counts, expected)
+        assert packet.squared_norms() == [sparse.squared_norm() for sparse in packet.values()]
+    # A scalar keeps one value: its code shares a byte with the next tensor's, so codes are counted one by one.
+    _, packets = decoded_packets(num_peers=1, seed=5)
+    assert packets[0]._counts is None and packets[0].layout.byte_code_offsets is None
+    assert packets[0].squared_norms() == [sparse.squared_norm() for sparse in packets[0].values()]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_arbitrary_scales_give_the_same_float32_products(seed):
     gen = torch.Generator().manual_seed(seed)
