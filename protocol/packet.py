@@ -46,7 +46,6 @@ sees a value it cannot add.
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -113,6 +112,27 @@ class ModelSpec:
 
     def layouts(self) -> dict[str, ChunkLayout]:
         return dict(_layouts(tuple(self.shapes.items()), self.top_k, self.chunk_size))
+
+
+@dataclass(frozen=True, slots=True)
+class _SectionPlan:
+    """What decoding checks a packet's sections against, made once per model and density."""
+
+    names: tuple[str, ...]
+    shapes: tuple[list[int], ...]  # as the header carries them
+    layouts: tuple[ChunkLayout, ...]
+    unary_caps: tuple[tuple[int, ...], ...]  # per section, per Rice parameter: `max_unary_bytes`
+    num_codes: int
+    narrow_positions: bool  # every position fits int16
+
+
+@lru_cache(maxsize=64)
+def _section_plan(shapes: tuple[tuple[str, tuple[int, ...]], ...], top_k: int, chunk_size: int) -> _SectionPlan:
+    layouts = tuple(layout for _, layout in _layouts(shapes, top_k, chunk_size))
+    caps = tuple(tuple(max_unary_bytes(c.num_chunks, c.k, c.chunk_len, b) for b in range(MAX_RICE_PARAM + 1))
+                 for c in layouts)
+    return _SectionPlan(tuple(name for name, _ in shapes), tuple(list(shape) for _, shape in shapes), layouts, caps,
+                        sum(layout.num_selected for layout in layouts), all(c.chunk_len <= 2**15 for c in layouts))
 
 
 @lru_cache(maxsize=64)
@@ -251,39 +271,38 @@ def decode_packet(
         raise MalformedPacket("codes field is not [coder, length]")
     coder, codes_len = codes_field
 
-    layouts = spec.layouts()
+    expected = _section_plan(tuple(spec.shapes.items()), spec.top_k, spec.chunk_size)
     parsed, cursor = [], offset
-    for section, (name, shape) in zip(sections, spec.shapes.items()):
-        if not isinstance(section, list) or len(section) != 7:
+    for section, name, shape, layout, unary_caps in zip(sections, expected.names, expected.shapes, expected.layouts,
+                                                        expected.unary_caps):
+        if type(section) is not list or len(section) != 7:
             raise MalformedPacket(f"tensor section for {name!r} is not a 7-field list")
         s_name, s_shape, s_dtype, rice_b, table, unary_len, rem_len = section
-        if s_name != name or s_shape != list(shape):
-            raise ShapeMismatch(f"section {s_name!r} {s_shape} where the model has {name!r} {list(shape)}")
-        if s_dtype not in DTYPES or not isinstance(table, bytes) or len(table) != TABLE.size:
+        if s_name != name or s_shape != shape:
+            raise ShapeMismatch(f"section {s_name!r} {s_shape} where the model has {name!r} {shape}")
+        if s_dtype not in DTYPES or type(table) is not bytes or len(table) != TABLE.size:
             raise MalformedPacket(f"tensor {name!r}: bad dtype or table")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rice_b, unary_len, rem_len)):
+        if not type(rice_b) is type(unary_len) is type(rem_len) is int:  # (bool is not int here)
             raise MalformedPacket(f"tensor {name!r}: non-integer coder field")
         if not 0 <= rice_b <= MAX_RICE_PARAM or unary_len < 0 or rem_len < 0:
             raise MalformedPacket(f"tensor {name!r}: coder fields out of range")
         if cursor + unary_len + rem_len > signed_len:
             raise TruncatedPacket(f"tensor {name!r}: streams run past the payload")
-        layout = layouts[name]
-        if unary_len > max_unary_bytes(layout.num_chunks, layout.k, layout.chunk_len, rice_b):
+        if unary_len > unary_caps[rice_b]:
             # Such a stream holds an index past its chunk, or is malformed: either way out of range.
             raise IndexOutOfRange(f"tensor {name!r}: unary stream is longer than any in-range selection needs")
         # (unary start, unary length, remainder start, remainder length, symbols, b), from the streams' start
         streams_at = cursor - offset
-        parsed.append((name, layout, (streams_at, unary_len, streams_at + unary_len, rem_len,
-                                      layout.num_selected, rice_b)))
+        parsed.append((streams_at, unary_len, streams_at + unary_len, rem_len, layout.num_selected, rice_b))
         cursor += unary_len + rem_len
-    quant_tables, values = _bounded_tables([name for name, _, _ in parsed], [s[4] for s in sections],
-                                   [DTYPES[s[2]] for s in sections], max_abs_value)
+    quant_tables, values = _bounded_tables(expected.names, [s[4] for s in sections],
+                                           [DTYPES[s[2]] for s in sections], max_abs_value)
     if codes_len < 0 or cursor + codes_len < signed_len:
         raise MalformedPacket("payload holds bytes the header does not account for")
     if cursor + codes_len > signed_len:
         raise TruncatedPacket("code stream runs past the payload")
-    num_codes = sum(layout.num_selected for layout in layouts.values())
-    plan = packet_layout(tuple(layouts.values()), torch.device(device))
+    num_codes = expected.num_codes
+    plan = packet_layout(expected.layouts, torch.device(device))
     packed = _code_bytes(coder, data[cursor:signed_len], num_codes, device)
     counts = code_counts(packed, plan)  # for the norms: cheaper on the packed bytes
     codes = unpack_2bit(packed, num_codes)
@@ -292,23 +311,21 @@ def decode_packet(
     # chunk (kernels.chunking.PacketLayout has the per-row constants).
     streams = _to_device(data[offset:cursor], device)
     try:
-        positions = rice_decode_positions(streams, [coding for _, _, coding in parsed],
-                                          [layout.k for layout in layouts.values()],
+        positions = rice_decode_positions(streams, parsed, [layout.k for layout in expected.layouts],
                                           out=scratch("packet.positions", num_codes, torch.int32, device))
     except StreamError as e:
-        raise MalformedPacket(f"tensor {parsed[e.index][0]!r}: {e}") from None
+        raise MalformedPacket(f"tensor {expected.names[e.index]!r}: {e}") from None
     # Positions rise inside a row, so each row's last one bounds all of its positions (and gaps).
     outside = positions.index_select(0, plan.row_ends) >= plan.row_chunk_len
     if bool(outside.any()):
         first_row = int(outside.nonzero()[0, 0])
         bad = int(torch.searchsorted(plan.row_counts_through, first_row, right=True))
-        raise IndexOutOfRange(f"tensor {parsed[bad][0]!r}: an index falls outside its chunk")
+        raise IndexOutOfRange(f"tensor {expected.names[bad]!r}: an index falls outside its chunk")
 
     # `positions` is a work buffer: what the packet keeps is a copy (int16 where chunks allow), and
     # each value's place in chunk space is made from it when asked for (PacketSelections.index).
-    narrow = all(layout.chunk_len <= 2**15 for layout in layouts.values())
-    positions = positions.to(torch.int16) if narrow else positions.clone()
-    tensors = PacketSelections(list(layouts), plan, None, positions, codes, quant_tables, values, counts)
+    positions = positions.to(torch.int16) if expected.narrow_positions else positions.clone()
+    tensors = PacketSelections(expected.names, plan, None, positions, codes, quant_tables, values, counts)
     return Packet(packet_run, packet_round, peer_id, base, tensors, len(data))
 
 
@@ -320,18 +337,23 @@ def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dt
     `QuantTable.decode` computes them (the float32 entry plus the shift in the tensor's dtype, then
     the cast to that dtype), for all tensors of one dtype in one op, and returned beside the tables
     in float32 (exact), (tensors, NUM_BINS): kernels.sparse.code_values of the tables."""
-    fields = [TABLE.unpack(table) for table in tables]
-    for name, (shift, *lookup) in zip(names, fields):
-        if not all(math.isfinite(v) for v in (shift, *lookup)):
-            raise NonFiniteValue(f"tensor {name!r}: quantization table holds NaN or Inf")
-        if max(abs(shift), *map(abs, lookup)) > max_abs_value:
-            raise ValueOutOfRange(f"tensor {name!r}: a shift or table entry exceeds max_abs_value {max_abs_value:g}")
-    lookups = torch.tensor([lookup for _, *lookup in fields], dtype=torch.float32).reshape(len(fields), 4)
-    verdicts: list[str | None] = [None] * len(fields)
-    values = torch.empty(len(fields), 4, dtype=torch.float32)
+    # Every table's five float32 fields at once, in float64 (exact), checked as one.
+    fields = torch.tensor(struct.unpack(f"<{TABLE.size // 4 * len(tables)}f", b"".join(tables)),
+                          dtype=torch.float64).view(len(tables), 5)
+    finite = torch.isfinite(fields).all(1)
+    within = fields.abs().amax(1) <= max_abs_value
+    if not bool((finite & within).all()):
+        for name, is_finite, is_within in zip(names, finite.tolist(), within.tolist()):
+            if not is_finite:
+                raise NonFiniteValue(f"tensor {name!r}: quantization table holds NaN or Inf")
+            if not is_within:
+                raise ValueOutOfRange(f"tensor {name!r}: a shift or table entry exceeds max_abs_value {max_abs_value:g}")
+    shifts, lookups = fields[:, 0].tolist(), fields[:, 1:].float()
+    verdicts: list[str | None] = [None] * len(tables)
+    values = torch.empty(len(tables), 4, dtype=torch.float32)
     for dtype in set(dtypes):
         rows = [i for i, d in enumerate(dtypes) if d == dtype]
-        narrow_shift = torch.tensor([fields[i][0] for i in rows], dtype=dtype).unsqueeze(1)  # (n, 1)
+        narrow_shift = torch.tensor([shifts[i] for i in rows], dtype=dtype).unsqueeze(1)  # (n, 1)
         wide = lookups[rows] + narrow_shift  # float32, as the 0-dim shift in QuantTable.decode
         narrow = wide.to(dtype)
         values[rows] = narrow.float()
@@ -347,8 +369,8 @@ def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dt
         if verdict is not None:
             kind = ValueOutOfRange if "exceeds" in verdict else NonFiniteValue
             raise kind(f"tensor {name!r}: " + verdict.format(d=DTYPE_NAMES[dtype], m=max_abs_value))
-    return [QuantTable(shift=shift, lookup=lookups[i], dtype=dtype)
-            for i, ((shift, *_), dtype) in enumerate(zip(fields, dtypes))], values
+    return [QuantTable(shift=shift, lookup=lookup, dtype=dtype)
+            for shift, lookup, dtype in zip(shifts, lookups.unbind(0), dtypes)], values
 
 
 def _to_device(data: bytes, device: torch.device | str) -> torch.Tensor:
