@@ -189,12 +189,22 @@ class PacketLayout:
         # NUM_BINS * tensor of each symbol: where its code's entries start in a (tensors * NUM_BINS) table.
         self.code_offsets = torch.repeat_interleave(
             torch.arange(0, NUM_BINS * len(layouts), NUM_BINS, dtype=torch.int32, device=device), symbols_per_tensor)
-        # 256 * tensor of each byte of the packed codes, where every tensor's codes fill whole bytes
-        # (kernels.sparse.code_counts counts codes by byte then); else None.
-        self.byte_code_offsets = None
-        if all(count % 4 == 0 for count in counts):
-            self.byte_code_offsets = torch.repeat_interleave(
-                torch.arange(0, 256 * len(layouts), 256, dtype=torch.int32, device=device), symbols_per_tensor // 4)
+        # For kernels.sparse.code_counts, which counts codes by byte of the packed codes (four a byte):
+        # 256 * the tensor of each byte whose four codes are all one tensor's, 256 * len(layouts) (a
+        # row of counts thrown away) for the others; and the codes of those others, counted one by
+        # one: their symbols and NUM_BINS * their tensors.
+        byte_tensor = torch.full(((self.num_symbols + 3) // 4,), len(layouts), dtype=torch.int64)
+        loose: list[int] = []
+        for t, (start, end) in enumerate(zip(self.symbol_starts, self.symbol_starts[1:])):
+            first_whole, end_whole = (start + 3) // 4, end // 4
+            if first_whole < end_whole:
+                byte_tensor[first_whole:end_whole] = t
+                loose += list(range(start, 4 * first_whole)) + list(range(4 * end_whole, end))
+            else:
+                loose += list(range(start, end))
+        self.byte_code_offsets = (byte_tensor * 256).to(device=device, dtype=torch.int32)
+        self.loose_symbols = torch.tensor(loose, dtype=torch.int64, device=device)
+        self.loose_code_offsets = self.code_offsets.index_select(0, self.loose_symbols)
 
 
 @lru_cache(maxsize=16)

@@ -244,7 +244,7 @@ class PacketSelections(dict):
                  codes: torch.Tensor, tables: Sequence[QuantTable], values: torch.Tensor | None = None,
                  counts: torch.Tensor | None = None):
         """`values`: `code_values(tables)` when the caller has it already (protocol.packet checks them);
-        `counts`: `code_counts` of the packed codes, when the caller has them (else counted when needed)."""
+        `counts`: `code_counts`, when the caller has them (else counted when needed)."""
         super().__init__()
         self._counts = counts
         self.layout, self.codes = layout, codes
@@ -293,17 +293,22 @@ class PacketSelections(dict):
         return self._norms
 
 
-def code_counts(packed: torch.Tensor, layout: PacketLayout) -> torch.Tensor | None:
-    """(tensors, NUM_BINS) int64: how many of each tensor's values have each code, from a packet's
-    packed codes (`pack_2bit`'s bytes) by one bincount over bytes, a quarter of the values a count
-    of codes reads; None unless every tensor's codes fill whole bytes (`PacketLayout.byte_code_offsets`)."""
-    offsets = layout.byte_code_offsets
-    if offsets is None or packed.numel() != offsets.numel():
-        return None
+def code_counts(packed: torch.Tensor, codes: torch.Tensor, layout: PacketLayout) -> torch.Tensor:
+    """(tensors, NUM_BINS) int64: how many of each tensor's values have each code, the bincount of
+    `PacketSelections.code_index`, from a packet's packed codes (`pack_2bit`'s bytes) and the same
+    codes unpacked (`codes`): one bincount over the bytes whose four codes are one tensor's (a
+    quarter of the values), and the few codes in bytes that two tensors share (or the padding
+    ends), one by one (`PacketLayout.byte_code_offsets`, `loose_symbols`). Padding is never counted."""
+    num_tensors = len(layout.layouts)
     index = scratch("counts.byte_index", packed.numel(), torch.int32, packed.device)
-    index.copy_(packed).add_(offsets.to(packed.device))
-    per_byte = torch.bincount(index, minlength=256 * len(layout.layouts)).view(-1, 256, 1)
-    return (per_byte * _codes_per_byte(packed.device)).sum(1)
+    index.copy_(packed).add_(layout.byte_code_offsets.to(packed.device))
+    per_byte = torch.bincount(index, minlength=256 * (num_tensors + 1))[:256 * num_tensors].view(-1, 256, 1)
+    counts = (per_byte * _codes_per_byte(packed.device)).sum(1)
+    if layout.loose_symbols.numel():
+        loose = codes.index_select(0, layout.loose_symbols.to(codes.device)).to(torch.int32)
+        loose += layout.loose_code_offsets.to(codes.device)
+        counts += torch.bincount(loose, minlength=NUM_BINS * num_tensors).view(num_tensors, NUM_BINS)
+    return counts
 
 
 @lru_cache(maxsize=8)

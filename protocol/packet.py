@@ -304,8 +304,8 @@ def decode_packet(
     num_codes = expected.num_codes
     plan = packet_layout(expected.layouts, torch.device(device))
     packed = _code_bytes(coder, data[cursor:signed_len], num_codes, device)
-    counts = code_counts(packed, plan)  # for the norms: cheaper on the packed bytes
     codes = unpack_2bit(packed, num_codes)
+    counts = code_counts(packed, codes, plan)  # for the norms: cheaper on the packed bytes
 
     # Every tensor's positions inside its chunks in one batch (kernels.entropy_torch), a row being a
     # chunk (kernels.chunking.PacketLayout has the per-row constants).

@@ -68,20 +68,36 @@ def test_median_clip_norms_scales_and_aggregate_match_the_per_tensor_path(seed):
     assert_same_bits(aggregate_packets(packets, peer_scales=peer_scales), reference(packets, peer_scales=peer_scales))
 
 
-def test_code_counts_from_packed_bytes_are_the_counts_of_the_codes():
-    # Every tensor's codes fill whole bytes here (k a multiple of 4): decoding counts them by byte.
-    aligned = {n: s for n, s in SHAPES.items() if n in ("embed.weight", "layers.0.attn.wq.weight", "wide.weight")}
-    aligned["norm.weight"] = (256,)
-    _, packets = decoded_packets(num_peers=3, seed=5, top_k=256, shapes=aligned)
-    for packet in packets:
-        assert packet._counts is not None
-        expected = torch.bincount(packet.code_index(), minlength=packet.code_values.numel()).view(-1, 4)
-        assert torch.equal(packet._counts, expected)
-        assert packet.squared_norms() == [sparse.squared_norm() for sparse in packet.values()]
-    # A scalar keeps one value: its code shares a byte with the next tensor's, so codes are counted one by one.
-    _, packets = decoded_packets(num_peers=1, seed=5)
-    assert packets[0]._counts is None and packets[0].layout.byte_code_offsets is None
-    assert packets[0].squared_norms() == [sparse.squared_norm() for sparse in packets[0].values()]
+@pytest.mark.parametrize("top_k", [256, 64])
+def test_code_counts_from_packed_bytes_are_the_counts_of_the_codes(top_k):
+    # At top_k 256 every tensor's codes fill whole bytes; at 64 a 1-value scalar and other small
+    # tensors share bytes with their neighbours, and the last byte holds padding.
+    shapes = {n: s for n, s in SHAPES.items() if n in ("embed.weight", "layers.0.attn.wq.weight", "wide.weight")}
+    shapes["norm.weight"] = (256,)
+    for shapes in (shapes, SHAPES):
+        _, packets = decoded_packets(num_peers=3, seed=5, top_k=top_k, shapes=shapes)
+        for packet in packets:
+            expected = torch.bincount(packet.code_index(), minlength=packet.code_values.numel()).view(-1, 4)
+            assert torch.equal(packet._counts, expected)
+            assert packet.squared_norms() == [sparse.squared_norm() for sparse in packet.values()]
+    assert packets[0].layout.loose_symbols.numel() > 0
+
+
+def test_code_counts_ignore_the_padding_bits():
+    from kernels.chunking import packet_layout
+    from kernels.entropy_torch import pack_2bit, unpack_2bit
+    from kernels.sparse import code_counts
+
+    spec = ModelSpec({"a": (3,), "b": (5,)}, top_k=4096)  # 8 values: 3 of a's, 5 of b's, no padding
+    layout = packet_layout(tuple(spec.layouts().values()))
+    codes = torch.tensor([3, 1, 2, 0, 0, 3, 3, 1], dtype=torch.uint8)
+    assert code_counts(pack_2bit(codes), codes, layout).tolist() == [[0, 1, 1, 1], [2, 1, 0, 2]]
+    spec = ModelSpec({"a": (3,), "b": (6,)}, top_k=4096)  # 9 values: the last byte holds 3 padding codes
+    layout = packet_layout(tuple(spec.layouts().values()))
+    packed = pack_2bit(torch.tensor([3, 1, 2, 0, 0, 3, 3, 1, 2], dtype=torch.uint8))
+    packed[-1] |= 0b00111111  # hostile padding: codes 3, 3, 3 after the last value
+    codes = unpack_2bit(packed, 9)
+    assert code_counts(packed, codes, layout).tolist() == [[0, 1, 1, 1], [2, 1, 1, 2]]
 
 
 @pytest.mark.parametrize("seed", range(3))
