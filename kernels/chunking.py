@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TypeVar
 
 import torch
 
 from kernels.quantize import NUM_BINS
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @lru_cache(maxsize=4096)
@@ -265,6 +270,11 @@ def worker_pool(workers: int) -> ThreadPoolExecutor:
     started.wait()
     torch.set_num_threads(own)
     return pool
+
+
+def pool_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> list[R]:
+    """`fn` of every item, in order: on `worker_pool(workers)` when `workers` > 1, else in this thread."""
+    return list(worker_pool(workers).map(fn, items) if workers > 1 else map(fn, items))
 
 
 def num_workers(num_threads: int | None, device: torch.device | str) -> int:

@@ -40,10 +40,10 @@ from kernels.chunking import (
     flat_indices,
     from_chunks,
     num_workers,
+    pool_map,
     scratch,
     tile_view,
     to_chunks,
-    worker_pool,
 )
 from kernels.quantize import NUM_BINS, QuantTable, quantize
 
@@ -461,9 +461,5 @@ def _aggregate_rows(packets: Sequence[PacketSelections], tables: list[torch.Tens
             grid_cols = chunks.cols // chunks.tile_cols
             step = max(1, step // grid_cols) * grid_cols
         jobs += [(t, first, min(first + step, chunks.num_chunks)) for first in range(0, chunks.num_chunks, step)]
-    if workers > 1:
-        list(worker_pool(workers).map(lambda job: run(*job), jobs))
-    else:
-        for job in jobs:
-            run(*job)
+    pool_map(lambda job: run(*job), jobs, workers)
     return out

@@ -39,7 +39,7 @@ import time
 import numpy as np
 import torch
 
-from kernels.chunking import ChunkLayout, from_chunks, num_workers, to_chunks, worker_pool
+from kernels.chunking import ChunkLayout, from_chunks, num_workers, pool_map, to_chunks
 from kernels.quantize import quantize
 from kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
 
@@ -146,7 +146,7 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
             return tensors
 
         workers = num_workers(num_threads, device)
-        decoded = list(worker_pool(workers).map(decode, range(num_peers)) if workers > 1 else map(decode, range(num_peers)))
+        decoded = pool_map(decode, range(num_peers), workers)
         # median_clip, the node's default aggregation
         aggregate_packets(decoded, device=device, peer_scales=packet_clip_scales(decoded), num_threads=num_threads)
 

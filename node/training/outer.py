@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kernels.chunking import num_workers, worker_pool
+from kernels.chunking import num_workers, pool_map
 from kernels.sparse import PacketSelections, aggregate_packets, error_feedback_step, packet_clip_scales
 from protocol.errors import MalformedPacket, NonFiniteValue, ProtocolError, ShapeMismatch, ValueOutOfRange
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
@@ -184,7 +184,7 @@ class OuterStep:
         peers = sorted(payloads)
         one = lambda peer: decode_or_refusal(self, payloads[peer], public_key, peer_id=peer, run_id=run_id, round=round)
         workers = min(self.decode_workers, len(peers))
-        return dict(zip(peers, worker_pool(workers).map(one, peers) if workers > 1 else map(one, peers)))
+        return dict(zip(peers, pool_map(one, peers, workers)))
 
     def _decode_all(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], run_id: str,
                     round: int, decoded: Mapping[str, Any] | None) -> tuple[dict[str, Mapping[str, Any]], ApplyResult]:
