@@ -123,12 +123,20 @@ def kept_start_bytes(num_params: int, num_peers: int, overlap: bool, cfg: OuterC
 
 PACKET_BITS_PER_VALUE = 8.7  # a packet's bytes * 8 / values sent at top_k 64 (`locoswarm bench codec`: 8.68)
 DECODED_BYTES_PER_VALUE = 3  # kernels/sparse.py `PacketSelections`: int16 position in its chunk, uint8 code
+# kernels/chunking.py `PacketLayout`, cached where packets are decoded: int32 code_offsets and
+# symbol_row_offsets per value a packet sends, and an int32 byte_code_offsets per four
+LAYOUT_BYTES_PER_VALUE = 4 + 4 + 1
 
 
 def round_packet_bytes(num_params: int, num_peers: int, cfg: OuterConfig = OuterConfig()) -> tuple[int, int]:
     """(bytes, decoded bytes) of a round's `num_peers` packets: each sends top_k of every chunk_size^2."""
     values = num_peers * num_params * cfg.top_k / cfg.chunk_size**2
     return int(values * PACKET_BITS_PER_VALUE / 8), int(values * DECODED_BYTES_PER_VALUE)
+
+
+def packet_layout_bytes(num_params: int, cfg: OuterConfig = OuterConfig()) -> int:
+    """The per-value constants of the model's `PacketLayout`: one packet's worth of values."""
+    return int(num_params * cfg.top_k / cfg.chunk_size**2 * LAYOUT_BYTES_PER_VALUE)
 
 
 def categories(state: NodeState, device: str, placement: str, overlap: bool, *, baseline: bool = False,
@@ -169,6 +177,9 @@ def categories(state: NodeState, device: str, placement: str, overlap: bool, *, 
                      disk=not baseline),
             Category(name="decoded_packets", num_bytes=decoded_bytes, device=aggregate_on_device and not baseline,
                      phases=("inner", "apply"))]
+    if not baseline:  # made at the first decode and kept (the first build decoded without one)
+        out.append(Category(name="packet_layout", num_bytes=packet_layout_bytes(state.num_params),
+                            device=aggregate_on_device, phases=PHASES))
     if not baseline and not state_on_device:
         out += [Category(name="staging", num_bytes=4 * state.largest_tensor_bytes, device=True, phases=("payload",)),
                 Category(name="staging", num_bytes=2 * state.largest_tensor_bytes, device=True, phases=("apply",))]

@@ -30,6 +30,20 @@ def test_accounting_equals_a_real_cpu_state():
     assert real.params_bytes == 4 * real.num_params and real.adam_bytes >= 8 * real.num_params
 
 
+def test_packet_layout_constants_are_counted_as_built():
+    from kernels.chunking import packet_layout
+    from node.training.memory_bench import packet_layout_bytes
+    from protocol.packet import ModelSpec
+
+    params = flat_named_params(build_model("tiny", seed=0))
+    cfg = OuterConfig()
+    layout = packet_layout(tuple(ModelSpec.from_named_tensors(params, cfg.top_k, cfg.chunk_size).layouts().values()))
+    built = sum(t.numel() * t.element_size()
+                for t in (layout.code_offsets, layout.symbol_row_offsets, layout.byte_code_offsets))
+    counted = packet_layout_bytes(sum(p.numel() for p in params.values()), cfg)
+    assert abs(built - counted) < 0.05 * built  # (k rounds per tensor)
+
+
 def test_1b_fits_a_24_gb_gpu_with_the_outer_state_on_the_host():
     r = report(_args())
     assert r["device_bytes_per_param"] <= 18.0 < r["baseline_device_bytes_per_param"]
@@ -39,6 +53,7 @@ def test_1b_fits_a_24_gb_gpu_with_the_outer_state_on_the_host():
     assert set(r["disk_categories"]) == {"kept_packets", "round_packets"}
     assert 0.1 < r["disk_categories"]["round_packets"] < 0.2
     assert 0 < r["device_categories"]["decoded_packets"] < 1.0
+    assert 0 < r["device_categories"]["packet_layout"] < 0.2
     assert r["largest_preset_that_fits"]["checkpointed"] == "1b"
     assert r["fsdp_8b_on_8x80gb"]["device_total_gb"] < 80
     # The kept start of an amendable round is a patch of the coordinates the step moved, not a copy.
