@@ -347,12 +347,12 @@ def unpack_2bit(packed: torch.Tensor, count: int) -> torch.Tensor:
     int32 (2.6x faster on the CPU than shifting every byte four ways)."""
     if packed.numel() != (count + 3) // 4:
         raise ValueError(f"code stream has {packed.numel()} bytes, expected {(count + 3) // 4}")
-    quads = _code_quads(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
+    quads = code_quads(packed.device).index_select(0, packed.reshape(-1).to(torch.int32))
     return quads.view(torch.uint8)[:count]
 
 
 @lru_cache(maxsize=8)
-def _code_quads(device: torch.device) -> torch.Tensor:
+def code_quads(device: torch.device) -> torch.Tensor:
     """(256,) int32: byte value -> its four 2-bit codes, first in the high bits, as four uint8."""
     shifts = torch.tensor([6, 4, 2, 0], device=device)
     return ((torch.arange(256, device=device).view(-1, 1) >> shifts) & 3).to(torch.uint8).view(torch.int32).view(-1)

@@ -45,6 +45,7 @@ from kernels.chunking import (
     tile_view,
     to_chunks,
 )
+from kernels.entropy_torch import code_quads
 from kernels.quantize import NUM_BINS, QuantTable, quantize
 
 
@@ -313,8 +314,9 @@ def code_counts(packed: torch.Tensor, codes: torch.Tensor, layout: PacketLayout)
 
 @lru_cache(maxsize=8)
 def _codes_per_byte(device: torch.device) -> torch.Tensor:
-    """(256, NUM_BINS) int64: how many of each code a packed byte holds (four 2-bit codes)."""
-    codes = (torch.arange(256, device=device).view(-1, 1) >> torch.tensor([6, 4, 2, 0], device=device)) & 3
+    """(256, NUM_BINS) int64: how many of each code a packed byte holds (its four codes: the
+    unpacking table of kernels.entropy_torch)."""
+    codes = code_quads(device).view(torch.uint8).view(256, 4).long()
     return torch.nn.functional.one_hot(codes, NUM_BINS).sum(1)
 
 
