@@ -340,6 +340,10 @@ function drawRound(s) {
     warning = "Paused since " + new Date(s.recovery.paused_since * 1000).toISOString().slice(11, 19) +
       " UTC, " + (s.now - s.recovery.paused_since).toFixed(0) + " s: " + s.recovery.message;
   }
+  if (s.stuck) {  // live peers catching up on a round whose packets nobody serves (textContent: escaped)
+    kind = "stalled";
+    warning = (warning ? warning + " | " : "") + s.stuck;
+  }
   banner.hidden = warning === null;
   banner.className = kind ? "banner " + kind : "banner";
   banner.textContent = warning || "";

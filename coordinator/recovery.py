@@ -9,7 +9,9 @@ finish a run nobody trained. Instead:
   deadline and nothing closes. The last closed round's votes are final from then on (nobody is left
   to cast another), so its digest is agreed as when the next round closes.
 - **Waiting for state.** A returning peer says at join which round start it holds and its digest
-  (its newest checkpoint; `protocol.http.JoinRequest.state_round`). The run needs the agreed
+  (its newest checkpoint; `protocol.http.JoinRequest.state_round`), and each applied report since
+  (after applying round r it holds r + 1's start: a peer that replays the last closed round, its
+  packets kept on the authors' disks, brings the open round's start back itself). The run needs the agreed
   start of its open round r: the majority digest of round r - 1, or the seeded initialisation
   for r = 0. As soon as a live peer holds it, the open round starts afresh (a new deadline from
   now, with a heartbeat time-out added for the peer's start) and that peer trains it at once; peers with older or no state catch up from it by snapshot.

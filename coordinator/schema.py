@@ -213,6 +213,11 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "ALTER TABLE peers ADD COLUMN excluded_round BIGINT",
         ),
     ),
+    (
+        11,
+        # What a peer says it is stuck on (its heartbeat's `detail`; NULL: nothing).
+        ("ALTER TABLE peers ADD COLUMN detail TEXT",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -364,6 +364,7 @@ class CoordinatorService:
     ) -> None:
         self.storage.update_round(run.run_id, open_round.round, closed_at=now)
         self.storage.mark_contributors(run.run_id, open_round.round)
+        self._agree_empty_from(run.run_id, open_round.round)
         settled = open_round.round - settle_lag(config)  # settled now (see "Agreed digests")
         if settled >= 0:
             self._count_votes(run.run_id, settled, settled=True)
@@ -506,7 +507,7 @@ class CoordinatorService:
             self._require_live_member(run_id, peer_id)
             # inner_step always: a step count left from an older round would read as progress in this one.
             fields: dict = {"activity": request.state, "progress_round": request.round,
-                            "inner_step": request.inner_step}
+                            "inner_step": request.inner_step, "detail": request.detail}
             if request.bandwidth_mbps is not None:
                 fields["bandwidth_mbps"] = request.bandwidth_mbps
             if request.train_loss is not None:
@@ -602,7 +603,7 @@ class CoordinatorService:
                 run_id,
                 peer_id,
                 last_loss=request.train_loss,
-                progress_round=max(round_index, peer.progress_round or 0),
+                progress_round=max(round_index, peer.progress_round or 0), detail=None,
                 **({"activity": "submitted"} if (peer.progress_round or 0) <= round_index else {}),
             )
             self._changed.add(run_id)
@@ -682,7 +683,10 @@ class CoordinatorService:
             # Unless it already said it works on a later round (with overlap it applies r after
             # training r+1): then its own word stands.
             progress = max(round_index + 1, peer.progress_round or 0)
-            fields: dict = {"progress_round": progress}
+            # It now holds the start of round r+1 (coordinator/recovery.py: a paused run whose returning
+            # peers replay the last closed round resumes as soon as one holds the open round's start).
+            fields: dict = {"progress_round": progress, "detail": None, "state_round": round_index + 1,
+                            "state_digest": request.params_digest}
             if (peer.progress_round or 0) <= round_index:
                 fields |= {"activity": "applied", "inner_step": None}
             self.storage.update_peer(run_id, peer_id, **fields)
@@ -736,6 +740,8 @@ class CoordinatorService:
                          round_index, agreed[:16], votes.count(agreed), len(votes), num_contributors,
                          " (settled)" if settled else "")
         self.storage.update_round(run_id, round_index, **fields)
+        if fields.get("agreed_digest") is not None:
+            self._agree_empty_from(run_id, round_index + 1)
         round_row = dataclasses.replace(round_row, **fields)
         if not round_row.scored and scoring.due(self.storage, round_row, settled or self._settled(run_id, round_index)):
             run = self.views.require_run(run_id)
@@ -743,6 +749,21 @@ class CoordinatorService:
                 self._changed.add(run_id)
             round_row = dataclasses.replace(round_row, scored=1)
         return round_row
+
+    def _agree_empty_from(self, run_id: str, round_index: int) -> None:
+        """Closed round r, and the closed rounds after it, whose latest manifest is empty take their
+        start's agreed digest (see "Agreed digests"): the outer step of no packet changes nothing."""
+        r = round_index
+        while (row := self.storage.get_round(run_id, r)) is not None and row.closed_at is not None:
+            if row.agreed_digest is not None or self.storage.manifest_peers(run_id, r, row.manifest_version):
+                return
+            start = recovery.agreed_start(self.storage, run_id, r)
+            if start is None:
+                return
+            self.storage.update_round(run_id, r, majority_digest=start, agreed_digest=start)
+            log.info("run %s round %d: no packet in its manifest; its start's digest %s is agreed", run_id, r,
+                     start[:16])
+            r += 1
 
     def _settled(self, run_id: str, round_index: int) -> bool:
         """Round r is settled once round r + `settle_lag` has closed: every honest contributor has
@@ -781,14 +802,17 @@ class CoordinatorService:
             entries = {s.peer_id for s in self.storage.list_submissions(run_id, round_index)}
             wanted = sorted(set(request.peer_ids))
             if reporter_id in wanted:
-                raise errors.InvalidRequest("a peer cannot report its own packet missing")
+                raise errors.InvalidRequest("a peer cannot report its own packet missing (lost_own says it lost it)")
             strangers = [p for p in wanted if p not in entries]
             if strangers:
                 raise errors.NotInManifest(
                     f"round {round_index}'s manifest has no entry of {', '.join(strangers[:4])}"
                 )
+            if request.lost_own and reporter_id not in entries:
+                raise errors.NotInManifest(f"round {round_index}'s manifest has no entry of {reporter_id}")
             dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index)}
-            for entry in wanted:
+            # A lost packet is reported by its own author: the row whose reporter is the entry itself.
+            for entry in wanted + ([reporter_id] if request.lost_own else []):
                 if entry not in dropped:
                     self.storage.add_missing_report(
                         MissingReportRow(run_id, round_index, entry, reporter_id, now)
@@ -829,7 +853,13 @@ class CoordinatorService:
             reporters = {r.reporter_id for r in rows}
             others = {p for p in manifest if p != entry and p in live}
             waited_s = now - min(r.reported_at for r in rows)
-            if others and others <= reporters:
+            copies = (appliers & live) - reporters - {entry}  # live peers that applied it hold a copy
+            if entry in reporters and not copies:
+                due[entry] = "its author said it lost the packet (restarted without it)"
+            elif entry not in live and not copies:
+                due[entry] = f"reported missing; its author is {self._status_of(run_id, entry)} and no live peer " \
+                             "that applied the round serves a copy"
+            elif others and others <= reporters:
                 due[entry] = f"reported missing by all {len(others)} other live contributors"
             elif waited_s >= grace_s and not appliers - reporters - {entry}:
                 due[entry] = (f"reported missing by {len(reporters)} peer(s) and not served for"
@@ -846,9 +876,14 @@ class CoordinatorService:
         # A new version is a new vote: no report can name it yet.
         self.storage.update_round(run_id, round_index, manifest_version=version, majority_digest=None,
                                   agreed_digest=None, num_votes=0)
+        self._agree_empty_from(run_id, round_index)
         log.warning("run %s round %d: manifest version %d drops %s", run_id, round_index, version,
                     "; ".join(f"{entry}: {reason}" for entry, reason in sorted(due.items())))
         self._changed.add(run_id)
+
+    def _status_of(self, run_id: str, peer_id: str) -> str:
+        peer = self.storage.get_peer(run_id, peer_id)
+        return "unknown" if peer is None else peer.status
 
     def _clear_withheld(self, run_id: str, round_index: int, reporter_id: str) -> None:
         """A peer applied round r's latest manifest: the publishers in it that were flagged for an

@@ -105,6 +105,7 @@ class PeerRow:
     last_contributed_round: int | None = None  # latest round whose manifest holds its packet (None: probation)
     standing: str | None = None  # JSON of protocol.scoring.Standing (None: never judged)
     excluded_round: int | None = None  # while an exclusion is in force: the round whose verdict decided it
+    detail: str | None = None  # what its last heartbeat said it is stuck on (None: nothing)
 
 
 @dataclass(slots=True)

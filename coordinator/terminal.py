@@ -75,6 +75,8 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         if recovery["rewind_at"] is not None:
             out.append(f"  goes back to round {recovery['newest_held_round']}'s start in "
                        f"{max(0.0, recovery['rewind_at'] - now):.0f} s")
+    if status.get("stuck"):  # live peers waiting on packets nobody serves (node/round/catchup.py)
+        out.append(status["stuck"])
     for rewind in status.get("rewinds", [])[-3:]:
         out.append(f"rewound from round {rewind['from_round']} to {rewind['to_round']}: {rewind['reason']}")
     if current is None:

@@ -190,6 +190,7 @@ class Views:
             history=self._history(run_id, history_limit),
             recovery=recovery.view(self.storage, run, self.config_of(run), now, peers),
             rewinds=recovery.rewinds(run),
+            stuck=_stuck(peers),
         )
 
     def _current_round(self, run: RunRow, peers: list[PeerRow]) -> CurrentRound | None:
@@ -267,6 +268,7 @@ class Views:
                     standing_reason=standing_reason,
                     waited_for=peer.peer_id in waited,
                     last_contributed_round=peer.last_contributed_round,
+                    detail=peer.detail,
                     **_score_fields(peer, run.current_round),
                 )
             )
@@ -309,6 +311,16 @@ class Views:
                 )
             )
         return history
+
+
+def _stuck(peers: list[PeerRow]) -> str | None:
+    """The run's "stuck: ..." line: what the first live peer (by id) that says it is stuck waits for."""
+    stuck = sorted((p for p in peers if p.status == "live" and p.activity == "stuck" and p.detail),
+                   key=lambda p: p.peer_id)
+    if not stuck:
+        return None
+    more = f" ({len(stuck)} peers)" if len(stuck) > 1 else ""
+    return f"stuck: {stuck[0].peer_id}: {stuck[0].detail}{more}"
 
 
 def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tuple[str, str]:

@@ -78,11 +78,15 @@ Amended manifests (amended, never forked): a closed round's manifest starts at
 ``manifest_version`` 1. A member that cannot fetch an entry within its fetch time-out reports it
 (``POST rounds/{r}/missing``, at most ``MAX_REFUSED`` peer ids, each an entry of that round's
 manifest other than the reporter's own, for a round closed at most ``MISSING_REPORT_ROUNDS`` rounds
-before the open one; a repeated report changes nothing). The coordinator drops an entry once every
+before the open one; a repeated report changes nothing); a member that restarted without its own
+packet of the round says so with ``lost_own``. The coordinator drops an entry at once when its
+author said it lost it or is not live (gone, left) and no live peer but the author and the
+reporters reported applying the round (one that did holds a copy and serves it); else once every
 other live contributor of the round (its manifest's peers, the entry's publisher excluded) has
 reported it, or once ``exchange.missing_grace_s`` has passed since its first report and no peer
 but its publisher and its reporters reported applying the round (one that did holds the packet
-and serves it on: the reporters catch up instead). Then the round's
+and serves it on: the reporters catch up instead). A round whose latest manifest is empty changes
+no parameter: its agreed digest is its start's (round r-1's agreed digest). Then the round's
 ``manifest_version`` grows by one (entries due together go in one version), the entry leaves
 ``manifest`` and enters ``dropped`` with the reason, and its publisher is flagged
 ``withheld_packet`` and not expected (for the early close) in later rounds until a packet of
@@ -141,7 +145,7 @@ import hashlib
 import time
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, StringConstraints, model_validator
 
 from protocol.errors import BadSignature
 from protocol.fields import (MAX_ADDRS, MAX_REFUSED, HexKey, Multiaddr, ParamsDigest, PeerId, RequestModel,
@@ -156,6 +160,7 @@ SIGNATURE_HEADER = "X-Locoswarm-Signature"
 NONCE_WINDOW_S = 300.0
 SIGNING_DOMAIN = b"locoswarm-request-v1\n"
 MAX_LONG_POLL_S = 60.0
+MAX_DETAIL_CHARS = 200  # a heartbeat's `detail` line at most
 MISSING_REPORT_ROUNDS = 4  # missing packets are reported for rounds closed this many rounds back at most
 MAX_INNER_STEPS = 100_000  # a heartbeat's inner_step at most: H's own bound (run_config.InnerSection)
 MAX_SCORES = 64  # peers one applied report scores at most (run_config.ScoringSection.max_peers_per_round's bound)
@@ -258,6 +263,9 @@ class HeartbeatRequest(RequestModel):
     listen_multiaddrs: list[Multiaddr] | None = Field(None, max_length=MAX_ADDRS)
     inner_step: int | None = Field(
         None, ge=0, le=MAX_INNER_STEPS, description="Inner steps done in `round` so far (null: not training).")
+    detail: Annotated[str, StringConstraints(pattern=r"^[\x20-\x7e]{1,%d}$" % MAX_DETAIL_CHARS)] | None = Field(
+        None, description="With state 'stuck': one line saying what the peer waits for and from whom (printable "
+        "ASCII); shown as the run's `stuck`. Null clears it.")
 
 
 class HeartbeatResponse(ResponseModel):
@@ -391,8 +399,17 @@ class AppliedResponse(ResponseModel):
 
 class MissingRequest(RequestModel):
     peer_ids: list[PeerId] = Field(
-        min_length=1, max_length=MAX_REFUSED,
+        default_factory=list, max_length=MAX_REFUSED,
         description="Entries of the round's manifest whose packets this peer could not fetch in time.")
+    lost_own: bool = Field(
+        False, description="This peer no longer holds its own packet of the round (it restarted without it): "
+        "its entry is dropped at once, unless a peer that applied the round serves a copy.")
+
+    @model_validator(mode="after")
+    def _reports_something(self) -> "MissingRequest":
+        if not self.peer_ids and not self.lost_own:
+            raise ValueError("name at least one entry in peer_ids, or set lost_own")
+        return self
 
 
 class MissingResponse(ResponseModel):
@@ -462,6 +479,7 @@ class PeerView(ResponseModel):
     excluded_until_round: int | None = Field(
         None, description="The first round it may submit to again; null while excluded: for the rest of the run.")
     score: PeerScoreView | None = Field(None, description="Its running contribution score; null: never judged.")
+    detail: str | None = Field(None, description="Its last heartbeat's `detail` (what it is stuck on); null: none.")
 
 
 class RoundSummary(ResponseModel):
@@ -529,6 +547,9 @@ class RunStatus(ResponseModel):
     recovery: Recovery | None = Field(None, description="Set while the run is paused for want of live peers.")
     rewinds: list[Rewind] = Field(
         default_factory=list, description="Times the run went back to an older agreed state nobody newer held.")
+    stuck: str | None = Field(
+        None, description="'stuck: <what a live peer waits for>' while live peers say they are stuck (catching up "
+        "on a round whose packets nobody serves, say), '(N peers)' after it when several are; null otherwise.")
 
 
 class Health(ResponseModel):

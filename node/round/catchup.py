@@ -13,6 +13,17 @@ out a fetch time-out, and it never reports packets missing (that is for the peer
 round as it happens). Error feedback restarts at zero after a snapshot (the update it held is
 lost, not sent twice).
 
+Packets nobody serves (DESIGN.md, "A submitted packet is durable until its round is final"): a
+whole swarm stopped after a round closed comes back with that round's manifest and its packets
+only on the disks of the nodes that kept them (node/round/own_packets.py), served again as each
+restarts. A replay that finds entries nobody serves (`PacketsGone`) does not wait in silence: it
+reports its own entry lost at once when it no longer holds its packet, an author's entry missing at
+once when the coordinator says the author is gone, and any other entry once it has waited
+`missing_after_s` for its live author to serve it; the coordinator drops such entries in a new
+manifest version (coordinator/service.py, "Amended manifests") and the replay goes on with it.
+Meanwhile the node's heartbeats say "stuck" with one line naming the round, what it waits for and
+from whom (the status page shows it as the run's "stuck: ..."), logged once per change.
+
 Only a snapshot newer than the parameters held is loaded: when the round after a loaded snapshot
 cannot be replayed yet (its packets gone, its successor's digest not agreed yet), loading the same
 snapshot again changes nothing, and the node waits instead, polling the coordinator at growing
@@ -24,13 +35,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 
 from node.round.prefetch import Decoded
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
-from node.round.steps import CatchUpNeeded, apply_manifest, serve_snapshot
-from protocol.http import RoundView
+from node.round.coordinator_client import Refused
+from node.round.steps import CatchUpNeeded, PacketsGone, apply_manifest, serve_snapshot
+from protocol.http import MAX_REFUSED, RoundView, RunStatus
 
 log = logging.getLogger("locoswarm.node")
 
@@ -44,7 +57,10 @@ async def catch_up(s: Session, decoded: Decoded) -> CatchUpReport:
     Whatever local progress ran ahead of the global model (overlap) is dropped with the rounds
     skipped."""
     from_round = s.params_round
-    round, method = await _catch_up_to_open_round(s, decoded)
+    try:
+        round, method = await _catch_up_to_open_round(s, decoded)
+    finally:
+        s.activity.detail = None
     s.outer.finish()
     s.outer.reset_to_params()
     return CatchUpReport(from_round=from_round, to_round=round, method=method)
@@ -54,6 +70,7 @@ async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, st
     s.activity.state = "catching_up"
     loaded = False  # a snapshot was loaded on an earlier pass
     idle_s, seen = IDLE_FIRST_S, None  # the next pause with nothing to do; (open round, newest agreed)
+    waits = GoneWaits(s)
     while not s.stopping.is_set():
         status = await s.client.status()
         current = status.current_round.round if status.current_round else status.run.current_round
@@ -65,6 +82,9 @@ async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, st
                 for r in range(s.params_round, current):
                     await replay(s, r, decoded)
                 return current, "snapshot+replay" if loaded else "replay"
+            except PacketsGone as e:
+                if await waits.settle(e, status):
+                    continue  # the manifest was amended: replay it at once
             except CatchUpNeeded as e:
                 log.info("replay stopped: %s; loading a snapshot", e)
         if s.params_round == current:
@@ -105,7 +125,7 @@ async def replay(s: Session, round: int, decoded: Decoded) -> None:
     if view.state != "closed":
         raise CatchUpNeeded(f"round {round} is not closed")
     if gone := await packets_gone(s, round, view):
-        raise CatchUpNeeded(f"round {round}: no peer holds the packets of {', '.join(gone)}")
+        raise PacketsGone(round, view, gone)
     await apply_manifest(s, round, view, RoundTimes(), decoded, report_missing=False)
     log.info("round %d: replayed the manifest (%d packets)", round, len(view.manifest))
 
@@ -158,6 +178,7 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
             continue
         await asyncio.to_thread(_load_outer_state, s, state)
         s.amendments.reset()  # these parameters follow none of the rounds applied here
+        s.sent.clear()  # the error buffers restarted at zero: nothing sent from them can go back
         s.params_round, s.digest = round, params_digest
         log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], sink.total_bytes)
         await serve_snapshot(s, round, *sink.trees)  # a holder now too
@@ -168,3 +189,64 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
 def _load_outer_state(s: Session, tensors) -> None:
     with s.buffers_lock:  # an encode cancelled by the catch-up may still be running
         s.outer.load_snapshot_state(tensors)
+
+
+class GoneWaits:
+    """What one catch-up does about manifest entries nobody serves (see the module docstring)."""
+
+    def __init__(self, s: Session):
+        self.s = s
+        self.first_seen: dict[tuple[int, str], float] = {}  # (round, author) -> monotonic time first found gone
+        self.reported: set[tuple[int, str]] = set()
+        self.said = ""  # the last stuck line logged
+
+    @property
+    def missing_after_s(self) -> float:
+        """How long a live author gets to serve its packet again (it may be restarting too)."""
+        return min(self.s.config.fetch_timeout_s, self.s.run.membership.heartbeat_timeout_s)
+
+    async def settle(self, gone: PacketsGone, status: RunStatus) -> bool:
+        """Report what is due for `gone`'s round and say what the node waits for; True when the
+        round's manifest is now a newer version than the one the replay tried."""
+        s, round, now = self.s, gone.round, time.monotonic()
+        live = {p.peer_id for p in status.peers if p.status == "live"}
+        lost_own = s.peer_id in gone.peer_ids  # kept packets are served from the start: this one is lost
+        others = [p for p in gone.peer_ids if p != s.peer_id]
+        for author in others:
+            self.first_seen.setdefault((round, author), now)
+        due = [p for p in others if (round, p) not in self.reported
+               and (p not in live or now - self.first_seen[round, p] >= self.missing_after_s)]
+        version = gone.view.manifest_version
+        if due or (lost_own and (round, s.peer_id) not in self.reported):
+            self.reported.update((round, p) for p in [*due, *([s.peer_id] if lost_own else [])])
+            try:
+                answer = await s.signed(s.client.missing, round, due[:MAX_REFUSED], lost_own=lost_own)
+            except Refused as e:  # too old, say: the snapshot route is the way
+                log.warning("round %d: reporting %s missing was refused (%s: %s)", round,
+                            ", ".join([*due, *(["this node's own packet"] if lost_own else [])]), e.code, e.detail)
+            else:
+                log.warning("round %d: reported %s missing; manifest version %d (dropped so far: %s)", round,
+                            ", ".join([*due, *(["this node's own packet (lost in a restart)"] if lost_own else [])]),
+                            answer.manifest_version, ", ".join(f"{p}: {why}" for p, why in answer.dropped.items())
+                            or "none")
+                version = answer.manifest_version
+        self._say(round, others, live, lost_own)
+        return version > gone.view.manifest_version
+
+    def _say(self, round: int, others: list[str], live: set[str], lost_own: bool) -> None:
+        """One line, logged when it changes and sent with the heartbeats while the node is stuck."""
+        parts = []
+        for author in others:
+            if (round, author) in self.reported:
+                parts.append(f"{author} ({'gone' if author not in live else 'live'}; reported missing, "
+                             "waiting for the amended manifest)")
+            else:
+                parts.append(f"{author} (live; not served yet, reported missing after "
+                             f"{self.missing_after_s:.0f} s)")
+        if lost_own:
+            parts.append("this node's own (lost in a restart; reported)")
+        line = f"round {round}: waiting for the packets of {', '.join(parts)}"
+        self.s.activity.state, self.s.activity.detail = "stuck", line[:200]
+        if line != self.said:
+            log.warning("catch-up %s", line)
+            self.said = line

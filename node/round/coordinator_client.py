@@ -264,9 +264,10 @@ class CoordinatorClient:
         return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
                                                                request))
 
-    async def missing(self, round: int, peer_ids: list[str]) -> MissingResponse:
-        """Report manifest entries of closed round `round` whose packets could not be fetched."""
-        request = MissingRequest(peer_ids=peer_ids)
+    async def missing(self, round: int, peer_ids: list[str], lost_own: bool = False) -> MissingResponse:
+        """Report manifest entries of closed round `round` whose packets could not be fetched, and
+        with `lost_own` that this node no longer holds its own packet of that round."""
+        request = MissingRequest(peer_ids=peer_ids, lost_own=lost_own)
         return MissingResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/missing",
                                                                request))
 

@@ -31,13 +31,14 @@ from node.round import resume
 from node.round.catchup import catch_up
 from node.round.coordinator_client import CoordinatorClient, CoordinatorError, Refused
 from node.round.overlap import Pipeline
+from node.round.own_packets import HeldPacket, OwnPackets
 from node.round.prefetch import Decoded, Prefetch
 from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
 from node.round.session import Clock, Session
 from node.round.steps import CatchUpNeeded, apply_and_report, apply_manifest, collect, send, train, wait_open
 from node.testing.faults import FaultInjector
-from protocol.http import ErrorCode, JoinResponse, peer_id_from_public_key
+from protocol.http import MISSING_REPORT_ROUNDS, ErrorCode, JoinResponse, peer_id_from_public_key
 from protocol.signing import PeerKey
 
 log = logging.getLogger("locoswarm.node")
@@ -120,7 +121,11 @@ class Node:
             joined = await rejoin()
             log.info("joined run %s as %s (index %d, shard %d/%d) at round %d", run_id, joined.peer_id,
                      joined.peer_index, joined.data_shard, joined.num_shards, joined.current_round)
+            # Before the model is built: peers replaying a round may be waiting for these packets now.
+            own_packets = OwnPackets.beside(cfg.checkpoint_dir)
+            await serve_kept_packets(exchange, own_packets, joined)
             s = self.session = await self._start_session_beating(client, exchange, key, joined, rejoin)
+            s.own_packets = own_packets
             heartbeat = asyncio.create_task(self._heartbeats(s, joined.heartbeat_interval_s))
             # Nodes restarted together each start a DHT of their own: merge them (node/round/rejoin.py).
             mender = start_mending(s, joined.config.membership.heartbeat_timeout_s)
@@ -246,7 +251,7 @@ class Node:
             a = s.activity
             try:
                 await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss,
-                               bandwidth_mbps=a.bandwidth_mbps, inner_step=a.inner_step)
+                               bandwidth_mbps=a.bandwidth_mbps, inner_step=a.inner_step, detail=a.detail)
             except CoordinatorError as e:  # an outage is logged once a minute by the client
                 log.log(logging.DEBUG if s.client.unreachable_for_s is not None else logging.WARNING,
                         "heartbeat failed: %s", e)
@@ -296,6 +301,7 @@ class Node:
                      f" ({len(report.refused)} refused)" if report.refused else "", report.digest[:12],
                      t.compute_s, t.encode_s, t.wait_s, t.transfer_s, t.aggregate_s)
             await s.exchange.forget_before(round - 2)
+            await forget_final(s, round)
             round += 1
             rounds_done += 1
 
@@ -318,11 +324,16 @@ class Node:
         base_digest = await asyncio.to_thread(param_digest, s.outer.start)  # reads every parameter: off the loop
         report = RoundReport(round, 0.0, "", 0, started_at=s.clock())
         s.outer.begin_round()
+        held = None if overlap else await asyncio.to_thread(held_packet, s, round, base_digest)
         # Others' packets are fetched as they are submitted, from the start of our own training:
         # the last peer to finish then has only its own packet left to spread.
         prefetch = Prefetch.start(s, round, self._decoded)
         try:
-            report.train_loss = await train(s, round, report.times)
+            if held is None:
+                report.train_loss = await train(s, round, report.times)
+            else:  # trained before a restart: its packet goes as it was (steps.send)
+                report.train_loss = s.activity.last_loss = held.train_loss
+                report.times.compute_s = held.compute_s
         except BaseException:
             prefetch.cancel()
             raise
@@ -330,7 +341,7 @@ class Node:
         deltas = {name: delta.float().clone() for name, delta in s.outer.deltas()} if overlap else None
         times = RoundTimes() if overlap else report.times
         exchange = asyncio.create_task(self._send_and_collect(s, round, base_digest, report, opened, deltas,
-                                                              times, prefetch, foreground=not overlap))
+                                                              times, prefetch, foreground=not overlap, held=held))
         landed = self._pipeline.land(round, (exchange, times))
         if landed is None:  # overlap's first round: nothing lands yet
             s.params_round = round + 1
@@ -346,11 +357,12 @@ class Node:
         return report
 
     async def _send_and_collect(self, s: Session, round: int, base_digest: str, report: RoundReport, opened: bool,
-                                deltas: dict | None, times: RoundTimes, prefetch: Prefetch, foreground: bool):
+                                deltas: dict | None, times: RoundTimes, prefetch: Prefetch, foreground: bool,
+                                held: HeldPacket | None = None):
         """Everything of round r after its training: in the foreground, or with overlap beside
         round r+1's training."""
         try:
-            await send(s, round, base_digest, report, opened, deltas, foreground)
+            await send(s, round, base_digest, report, opened, deltas, foreground, held)
         except BaseException:
             prefetch.cancel()
             raise
@@ -396,3 +408,42 @@ class Node:
                 return
             await asyncio.sleep(0.5)
         log.info("leaving with round %d applied by fewer than all live peers", round)
+
+
+async def serve_kept_packets(exchange: Exchange, own_packets: OwnPackets | None, joined: JoinResponse) -> None:
+    """Serve again the packets this node kept on disk for rounds that may still be applied (after a
+    restart, the only copies there may be: node/round/own_packets.py)."""
+    if own_packets is None:
+        return
+    oldest = joined.current_round - MISSING_REPORT_ROUNDS - 1
+    kept = await asyncio.to_thread(own_packets.held, joined.run_id, joined.peer_id)
+    for packet in kept:
+        if packet.round >= oldest:
+            await exchange.publish(packet.round, joined.peer_id, packet.payload)
+    if served := [p.round for p in kept if p.round >= oldest]:
+        log.info("serving this node's packet%s of round%s %s again, kept on disk", "" if len(served) == 1 else "s",
+                 "" if len(served) == 1 else "s", ", ".join(map(str, served)))
+
+
+def held_packet(s: Session, round: int, base_digest: str) -> HeldPacket | None:
+    """The packet this node kept for `round` before a restart, if it was made from these parameters:
+    it was encoded from error buffers a checkpoint does not hold (they are the round start's), so
+    the round is not trained again and its packet goes as it was. The buffers keep the
+    checkpoint's values: what of them the packet carried may be sent a second time, one round's
+    share at most, rather than a round's training lost."""
+    if s.own_packets is None or round in s.sent:  # made in this session: its values left the buffers here
+        return None
+    held = s.own_packets.load(round)
+    if held is None or (held.run_id, held.peer_id, held.base_digest) != (s.run_id, s.peer_id, base_digest):
+        return None
+    return held
+
+
+async def forget_final(s: Session, applied_round: int) -> None:
+    """Drop what only an amendment of a round could need, once the round is past the coordinator's
+    window for amendments: this session's sent packets and the packets kept on disk."""
+    oldest = applied_round - MISSING_REPORT_ROUNDS - 1
+    for r in [r for r in s.sent if r < oldest]:
+        del s.sent[r]
+    if s.own_packets is not None:
+        await asyncio.to_thread(s.own_packets.forget_before, oldest)

@@ -28,16 +28,17 @@ from node.round.session import Session
 log = logging.getLogger("locoswarm.node")
 
 
-def save(s: Session, applied_round: int) -> None:
+def save(s: Session, applied_round: int, midway=None) -> None:
     """The checkpoint after applying `applied_round` (it starts the next); a failure is logged and
-    training goes on: the swarm does not need this node's copy."""
+    training goes on: the swarm does not need this node's copy. `midway`: fault injection's crash
+    while the checkpoint is written (node/testing/faults.py)."""
     from node.training.checkpoint import CheckpointError, save_checkpoint
 
     try:
         save_checkpoint(s.config.checkpoint_dir, applied_round + 1, s.training.model, s.training.optimizer,
                         getattr(s.outer, "error_buffers", None),
                         {"run_id": s.run_id, "applied_round": applied_round, "peer_id": s.peer_id},
-                        outer_momentum=getattr(s.outer, "momentum", None), params=s.outer.start)
+                        outer_momentum=getattr(s.outer, "momentum", None), params=s.outer.start, midway=midway)
     except CheckpointError as e:  # disk full, unwritable
         log.error("round %d: checkpoint not saved, training goes on: %s", applied_round, e)
 

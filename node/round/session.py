@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from node.exchange.base import Exchange
 from node.round.amend import Amendments
 from node.round.coordinator_client import CoordinatorClient, Refused
+from node.round.own_packets import OwnPackets
 from node.testing.faults import FaultInjector
 from node.training.peer import PeerTraining
 from protocol.http import ErrorCode, JoinResponse
@@ -41,6 +42,7 @@ class Activity:
     inner_step: int | None = None  # inner steps done in `round` (set from the training thread)
     last_loss: float | None = None
     bandwidth_mbps: float | None = None  # measured on the last round's packet downloads
+    detail: str | None = None  # with state "stuck": what the node waits for, and from whom (one line)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,6 +66,10 @@ class Session:
     encode_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # error feedback folds rounds in order
     buffers_lock: threading.Lock = field(default_factory=threading.Lock)  # held by an encode and a reset
     background: set[asyncio.Task] = field(default_factory=set)  # snapshot publications
+    own_packets: OwnPackets | None = None  # this node's packets on disk until final (own_packets.py)
+    # This session's own packets by round while their rounds may still leave them out: their values
+    # left the error buffers, and go back in if the packet is not applied (`steps.return_if_unsent`).
+    sent: dict[int, bytes] = field(default_factory=dict)
 
     @property
     def outer(self):

@@ -33,6 +33,7 @@ import time
 
 from node.round import amend, resume
 from node.round.coordinator_client import Refused
+from node.round.own_packets import HeldPacket
 from node.round.prefetch import Decoded, Prefetch
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
@@ -55,6 +56,15 @@ REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round
 
 class CatchUpNeeded(Exception):
     """This node cannot reproduce a round exactly and must load the swarm's parameters."""
+
+
+class PacketsGone(CatchUpNeeded):
+    """Entries of a closed round's manifest that no holder serves (node/round/catchup.py decides
+    whether to wait for them, report them missing, or load a snapshot)."""
+
+    def __init__(self, round: int, view: RoundView, peer_ids: list[str]):
+        super().__init__(f"round {round}: no peer holds the packets of {', '.join(peer_ids)}")
+        self.round, self.view, self.peer_ids = round, view, peer_ids
 
 
 async def wait_open(s: Session, round: int) -> RoundView | None:
@@ -107,16 +117,18 @@ async def beat_now(s: Session) -> None:
     a = s.activity
     try:
         await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss, bandwidth_mbps=a.bandwidth_mbps,
-                       inner_step=a.inner_step)
+                       inner_step=a.inner_step, detail=a.detail)
     except CoordinatorError as e:
         log.debug("heartbeat at the start of training failed: %s", e)
 
 
 async def send(s: Session, round: int, base_digest: str, report: RoundReport, opened: bool,
-               deltas: dict | None = None, foreground: bool = True) -> None:
+               deltas: dict | None = None, foreground: bool = True, held: HeldPacket | None = None) -> None:
     """Encode the round's update (the given deltas, or the parameters' since the round began),
-    publish the packet and submit it. In the background (overlap) it runs beside the next
-    round's training and its time counts as hidden."""
+    keep the packet on disk (with a checkpoint directory), publish it and submit it. `held`: the
+    packet this node kept for the round before a restart, sent as it is instead (nothing is
+    encoded: its values left the error buffer of the process that made it). In the background
+    (overlap) it runs beside the next round's training and its time counts as hidden."""
     if foreground:
         s.activity.state = "encoding"
     start = time.perf_counter()
@@ -126,9 +138,16 @@ async def send(s: Session, round: int, base_digest: str, report: RoundReport, op
             return s.outer.make_payload(run_id=s.run_id, round=round, peer_id=s.peer_id,
                                         base_digest=base_digest, key=s.key, deltas=deltas)
 
-    async with s.encode_lock:  # error feedback folds rounds in order
-        payload = await asyncio.to_thread(encode)
+    if held is None:
+        async with s.encode_lock:  # error feedback folds rounds in order
+            payload = await asyncio.to_thread(encode)
+        s.sent[round] = payload
+        await keep_own(s, round, payload, base_digest, report)
+    else:
+        payload = held.payload
+        log.info("round %d: sending the packet kept on disk before this node restarted (%s)", round, held.digest[:12])
     announcement = await s.exchange.publish(round, s.peer_id, payload)
+    await s.faults.at_phase(Phase.PUBLISHED, round)
     encode_s = time.perf_counter() - start
     if foreground:
         report.times.encode_s = encode_s
@@ -150,6 +169,35 @@ async def send(s: Session, round: int, base_digest: str, report: RoundReport, op
         report.submitted = False
         log.warning("round %d: submission refused (%s%s); applying the round without this packet", round, e.code,
                     f": {e.detail}" if e.code == "excluded" else "")
+    await s.faults.at_phase(Phase.SUBMITTED, round)
+
+
+async def keep_own(s: Session, round: int, payload: bytes, base_digest: str, report: RoundReport) -> None:
+    """This node's packet on disk before it is submitted (node/round/own_packets.py). A disk that
+    refuses is logged and the round goes on: only a restart before the round is final loses it."""
+    if s.own_packets is None:
+        return
+    try:
+        await asyncio.to_thread(s.own_packets.keep, round, payload, run_id=s.run_id, peer_id=s.peer_id,
+                                base_digest=base_digest, train_loss=report.train_loss,
+                                compute_s=report.times.compute_s)
+    except OSError as e:
+        log.error("round %d: the packet could not be kept on disk (%s); a restart before the round is final "
+                  "loses it", round, e)
+
+
+def return_if_unsent(s: Session, round: int, view: RoundView) -> None:
+    """DESIGN.md, "A packet that misses its round keeps its mass": this session's packet of `round`
+    is not in the manifest as applied (refused as late, excluded, amended out), so the values it
+    carried go back into the error buffer and are sent in a later round instead of lost."""
+    payload = s.sent.get(round)
+    if payload is None or s.peer_id in {e.peer_id for e in view.manifest}:
+        return
+    del s.sent[round]
+    with s.buffers_lock:
+        s.outer.return_unsent(payload, s.key.public_bytes, peer_id=s.peer_id, run_id=s.run_id, round=round)
+    log.info("round %d: this node's packet is not in manifest version %d; its values are back in the error "
+             "buffer", round, view.manifest_version)
 
 
 async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch, decoded: Decoded,
@@ -220,7 +268,7 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
         amended = await amend.await_amendment(s, round, view, missing) if report_missing else None
         if amended is None:
             # Aggregating a subset would fork this peer from the swarm: catch up instead.
-            raise CatchUpNeeded(f"round {round}: no holder served the packets of {', '.join(missing)}")
+            raise PacketsGone(round, view, missing)
         view, prepared = amended, None
         payloads = {e.peer_id: payloads[e.peer_id] for e in view.manifest}
 
@@ -235,6 +283,8 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
     amend.keep(s, round, view, payloads, prepared.aggregates)
     scores = await score(s, round, prepared) if report_missing else {}
     applied = s.outer.commit(prepared)
+    await asyncio.to_thread(return_if_unsent, s, round, view)
+    await s.faults.at_phase(Phase.APPLIED, round)
     tree = await asyncio.to_thread(param_tree, s.outer.start)
     s.digest = tree.hex
     s.params_round = round + 1
@@ -249,7 +299,7 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
         raise CatchUpNeeded("amended after this node applied them: " + ", ".join(
             f"round {r} (version {old} -> {new})" for r, (old, new) in outdated.items()))
     if resume.due(s, round):
-        await asyncio.to_thread(resume.save, s, round)
+        await asyncio.to_thread(resume.save, s, round, s.faults.checkpoint_hook(round))
     await serve_snapshot(s, round + 1, tree)
     return applied
 
@@ -334,6 +384,8 @@ async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
     if latest.manifest_version <= kept.manifest_version:
         return None
     applied = await amend.recompute(s, latest)
+    if applied is not None:
+        await asyncio.to_thread(return_if_unsent, s, kept.round, latest)
     if applied is None:
         s.amendments.forget()
         raise CatchUpNeeded(f"round {kept.round}: its manifest was amended to version {latest.manifest_version} "

@@ -18,13 +18,13 @@ the first round that reaches the phase).
 ==============  =====================================  ===========================================
 fault           keys (defaults)                        what the node does
 ==============  =====================================  ===========================================
-crash           round, phase=training|transfer,        SIGKILL itself (no leave, no clean-up).
-                wait_s=30                              training: as the inner steps of the round
-                                                       begin. transfer: after it fetched the
-                                                       round's packets, once some peer announced a
-                                                       verified copy of its own packet (at most
-                                                       wait_s later), so it is in the manifest and
-                                                       a copy survives it.
+crash           round, phase=training|published|       SIGKILL itself (no leave, no clean-up), at
+                submitted|transfer|applied|            the `Phase` named (training: as the inner
+                checkpoint, wait_s=30                  steps of the round begin). transfer: after it
+                                                       fetched the round's packets, once some peer
+                                                       announced a verified copy of its own packet
+                                                       (at most wait_s later; 0: at once), so it
+                                                       is in the manifest and a copy survives it.
 slow-upload     delay_s=5                              every stream it serves (packets, snapshots)
                                                        waits delay_s before the first byte.
 corrupt-packet  round                                  flips one bit of its packet after signing;
@@ -83,8 +83,14 @@ class Fault(enum.Enum):
 
 
 class Phase(enum.Enum):
-    TRAINING = "training"
-    TRANSFER = "transfer"
+    """Where in a round a crash fires, in the round's order."""
+
+    TRAINING = "training"  # as the inner steps begin
+    PUBLISHED = "published"  # the packet kept on disk and announced, not submitted yet
+    SUBMITTED = "submitted"  # the coordinator accepted (or refused) the submission
+    TRANSFER = "transfer"  # the manifest's packets fetched (see wait_s), before the outer step
+    APPLIED = "applied"  # after the outer step, before the applied report
+    CHECKPOINT = "checkpoint"  # while the checkpoint is written: the old one set aside, the new not in place
 
 
 class FaultSpecError(ValueError):
@@ -200,6 +206,19 @@ class FaultInjector:
             if await exchange.holders(round, peer_id):
                 return
             await asyncio.sleep(0.2)
+
+    def checkpoint_hook(self, round: int):
+        """crash at the checkpoint phase: a callable the checkpoint writer calls midway (None if unarmed)."""
+        if not any(spec.phase is Phase.CHECKPOINT for spec in self._firing(Fault.CRASH, round)):
+            return None
+
+        def crash() -> None:
+            log.warning("fault injection: crash (SIGKILL) in round %d while writing the checkpoint", round)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return crash
 
     async def pad_compute(self, round: int, compute_s: float) -> float:
         """slow-compute: idle until the inner steps took min_s; return the round's compute time."""

@@ -31,7 +31,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,11 +116,14 @@ def save_checkpoint(
     *,
     outer_momentum: Mapping[str, torch.Tensor] | None = None,
     params: Mapping[str, torch.Tensor] | None = None,
+    midway: Callable[[], None] | None = None,
 ) -> str:
     """Write the checkpoint for `round` into `directory` atomically; returns the parameter digest.
 
     `params` replaces the model's own tensors as the saved parameters (the node saves the global
-    model that starts `round`, which with overlap is not what the model holds)."""
+    model that starts `round`, which with overlap is not what the model holds). `midway` is called
+    at the most fragile moment, the old checkpoint set aside and the new one not in place yet (fault
+    injection's crash; `resolve` then finds the old one)."""
     directory = Path(directory)
     params = {name: _cpu(p) for name, p in sorted((params or dict(model.named_parameters())).items())}
     digest = param_digest(params)
@@ -154,6 +157,8 @@ def save_checkpoint(
         _fsync_dir(staging)
         if directory.exists():
             os.replace(directory, aside)
+        if midway is not None:
+            midway()
         os.replace(staging, directory)
         _fsync_dir(directory.parent)
     except (OSError, SafetensorError) as error:

@@ -240,6 +240,16 @@ class OuterStep:
         """After loading a parameter snapshot: take its shared state and restart the round here."""
         self.reset_to_params()
 
+    def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
+        """Put back into the error feedback what this node's own packet carried, when the swarm did
+        not apply it (refused as late, excluded, amended out): DESIGN.md, "A packet that misses its
+        round keeps its mass". Only for a packet made from this object's buffers (in this process),
+        at most once, and not after a snapshot reset them. The node calls it once the round's
+        manifest as applied leaves the packet out, so the values skip the decay of any round folded
+        in meanwhile (with overlap, the next one). Raises `ProtocolError` for a packet that does not
+        decode, leaving the buffers as they were. Strategies without error feedback send everything
+        they have: nothing is kept to put back, and this does nothing."""
+
     def deltas(self):
         for name, p in self.params.items():
             yield name, self._to_params(self.local_start[name]) - p.detach()  # on the training device
@@ -312,6 +322,15 @@ class SparseLoCoOuter(OuterStep):
                 buffer.copy_(staged, non_blocking=True)
         self._copies_done()
         return encode_packet(run_id, round, peer_id, bytes.fromhex(base_digest), self.spec, sparse, key)
+
+    def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
+        # The packet's dense values are its aggregate alone: with one peer each coordinate's mean is its value.
+        packet = decode_sparse(payload, self.spec, self.cfg, lambda _: public_key, peer_id=peer_id, run_id=run_id,
+                               round=round, device=self.aggregate_device)
+        sent = aggregate_packets([packet], device=self.aggregate_device)
+        for name, buffer in self.error_buffers.items():
+            buffer.add_(sent[name].to(buffer.device, non_blocking=True))
+        self._copies_done()
 
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
                round: int) -> PacketSelections:

@@ -45,13 +45,19 @@ class ScriptedCoordinator:
     def __init__(self, current: int, agreed: dict[int, str]):
         self.current, self.agreed = current, agreed  # agreed: round start -> digest
         self.num_status = 0
+        self.missing_reports: list[tuple[int, list[str], bool]] = []
 
     async def status(self, *_, **__):
         self.num_status += 1
         history = [SimpleNamespace(round=r, num_contributors=1, agreed_digest=self.agreed.get(r + 1))
                    for r in range(self.current)]
         return SimpleNamespace(current_round=SimpleNamespace(round=self.current),
-                               run=SimpleNamespace(current_round=self.current), history=history)
+                               run=SimpleNamespace(current_round=self.current), history=history, peers=[])
+
+    async def missing(self, round: int, peer_ids: list[str], lost_own: bool = False):
+        # Recorded, and not amended (the state under test: nothing the node does unsticks the round).
+        self.missing_reports.append((round, peer_ids, lost_own))
+        return SimpleNamespace(manifest_version=1, dropped={}, pending=peer_ids)
 
     async def round(self, round: int, **_) -> RoundView:
         # Closed, with one packet that nobody announces (its publisher left, the others forgot it).
@@ -102,6 +108,10 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
         assert loads_while_stuck == 1, f"the snapshot of round 2 was loaded {loads_while_stuck} times in {STUCK_S} s"
         # Polls at 1, 2, 4 s intervals: the first pass, then about log2(STUCK_S) more.
         assert polls_while_stuck <= 4, f"{polls_while_stuck} status polls in {STUCK_S} s"
+        # It is not silent: the gone author's entry was reported missing once, and its heartbeats say why it waits.
+        assert coordinator.missing_reports == [(2, [GONE_PEER], False)]
+        assert s.activity.state == "stuck" and s.activity.detail.startswith(f"round 2: waiting for the packets of "
+                                                                            f"{GONE_PEER} (gone; reported missing")
 
         # The swarm moves on: round 2's successor is agreed and a peer serves the start of round 3.
         start_3 = _publish(holder, source, 3, 0.02)
@@ -111,6 +121,7 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
         report = await asyncio.wait_for(catching_up, IDLE_MAX_S + 10.0)
         assert time.monotonic() - moved_at < IDLE_MAX_S + 5.0
         assert (report.to_round, report.method) == (3, "snapshot")
+        assert s.activity.detail is None
         assert s.params_round == 3 and s.digest == start_3 == param_digest(flat_named_params(s.training.model))
         assert exchange.traffic(2).num_fetched == 1 and exchange.traffic(3).num_fetched == 1
         for task in list(s.background):
