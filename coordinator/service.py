@@ -857,8 +857,8 @@ class CoordinatorService:
             if entry in reporters and not copies:
                 due[entry] = "its author said it lost the packet (restarted without it)"
             elif entry not in live and not copies:
-                due[entry] = f"reported missing; its author is {self._status_of(run_id, entry)} and no live peer " \
-                             "that applied the round serves a copy"
+                due[entry] = (f"reported missing; its author is not live ({self._status_of(run_id, entry)}) and no "
+                              "live peer that applied the round serves a copy")
             elif others and others <= reporters:
                 due[entry] = f"reported missing by all {len(others)} other live contributors"
             elif waited_s >= grace_s and not appliers - reporters - {entry}:

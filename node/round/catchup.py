@@ -210,7 +210,7 @@ class GoneWaits:
         round's manifest is now a newer version than the one the replay tried."""
         s, round, now = self.s, gone.round, time.monotonic()
         live = {p.peer_id for p in status.peers if p.status == "live"}
-        lost_own = s.peer_id in gone.peer_ids  # kept packets are served from the start: this one is lost
+        lost_own = s.peer_id in gone.peer_ids and not await self._serve_own(gone)
         others = [p for p in gone.peer_ids if p != s.peer_id]
         for author in others:
             self.first_seen.setdefault((round, author), now)
@@ -232,6 +232,17 @@ class GoneWaits:
                 version = answer.manifest_version
         self._say(round, others, live, lost_own)
         return version > gone.view.manifest_version
+
+    async def _serve_own(self, gone: PacketsGone) -> bool:
+        """Whether this node still holds its own entry's packet on disk (then it announces it again:
+        the lookup did not find the announcement made at start); False: it is lost."""
+        s = self.s
+        entry = next((e for e in gone.view.manifest if e.peer_id == s.peer_id), None)
+        held = await asyncio.to_thread(s.own_packets.load, gone.round) if s.own_packets is not None else None
+        if entry is None or held is None or held.digest != entry.packet_digest:
+            return False
+        await s.exchange.publish(gone.round, s.peer_id, held.payload)
+        return True
 
     def _say(self, round: int, others: list[str], live: set[str], lost_own: bool) -> None:
         """One line, logged when it changes and sent with the heartbeats while the node is stuck."""

@@ -332,6 +332,7 @@ class Node:
             if held is None:
                 report.train_loss = await train(s, round, report.times)
             else:  # trained before a restart: its packet goes as it was (steps.send)
+                report.kept_packet = True
                 report.train_loss = s.activity.last_loss = held.train_loss
                 report.times.compute_s = held.compute_s
         except BaseException:

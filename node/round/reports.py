@@ -31,6 +31,7 @@ class RoundReport:
     refused: dict[str, str] = field(default_factory=dict)
     times: RoundTimes = field(default_factory=RoundTimes)
     submitted: bool = True
+    kept_packet: bool = False  # its packet was the one kept on disk before a restart (not trained again)
     caught_up: bool = False  # the node caught up (node/round/catchup.py) just before this round
     packet_bytes: int = 0
     downloaded_bytes: int = 0  # stream bytes this node fetched for the round it applied

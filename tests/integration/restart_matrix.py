@@ -79,6 +79,7 @@ class CellResult:
     recovered_s: float | None = None  # restart -> first round >= CRASH_ROUND with contributors agreed
     round_time_s: float = 0.0  # median closed-opened of the rounds before the kill
     resumed_from: list[int | None] = field(default_factory=list)  # per restarted node: its checkpoint's round
+    kept_sent: int = 0  # rounds a restarted node sent the packet it had kept on disk
     wall_s: float = 0.0
 
     @property
@@ -219,6 +220,7 @@ def run_cell(workdir: Path, cell: Cell) -> CellResult:
             if report.exists():
                 result.resumed_from.append(json.loads(report.read_text()).get("resumed_from"))
                 for r in json.loads(report.read_text())["rounds"]:
+                    result.kept_sent += bool(r.get("kept_packet"))
                     if r.get("applied_round", -1) >= 0:  # -1: nothing applied (overlap's first round)
                         result.node_digests.setdefault(r["applied_round"], set()).add(r["digest"])
     result.wall_s = time.monotonic() - started
@@ -227,13 +229,13 @@ def run_cell(workdir: Path, cell: Cell) -> CellResult:
 
 def table(results: list[CellResult]) -> str:
     lines = ["phase       timing          killed  rounds lost  unagreed  forked  rewinds  round 2 pkts  "
-             "recovered s  round s  wall s  ok",
-             "-" * 114]
+             "kept sent  recovered s  round s  wall s  ok",
+             "-" * 125]
     for r in results:
         recovered = f"{r.recovered_s:.1f}" if r.recovered_s is not None else "-"
         lines.append(f"{r.cell.phase:<11} {r.cell.timing:<15} {r.cell.killed:<7} {r.rounds_lost:>11}  "
                      f"{len(r.unagreed):>8}  {len(r.forked):>6}  {len(r.rewinds):>7}  "
-                     f"{'-' if r.crash_round_packets is None else r.crash_round_packets:>12}  {recovered:>11}  "
+                     f"{'-' if r.crash_round_packets is None else r.crash_round_packets:>12}  {r.kept_sent:>9}  {recovered:>11}  "
                      f"{r.round_time_s:>7.1f}  {r.wall_s:>6.0f}  {'yes' if not r.problems() else '; '.join(r.problems())}")
     return "\n".join(lines)
 
