@@ -667,7 +667,12 @@ class CoordinatorService:
                     raise errors.ConflictingReport(
                         f"round {round_index} version {request.manifest_version}: this peer already reported"
                         f" digest {report.params_digest[:16]}; a report cannot be changed")
-                return self._applied_response(run_id, round_row, report)  # a retry: answered as the first
+                # A retry, or a node that replays after a restart what it reported before: answered as
+                # the first; it holds round r+1's start again (a paused run may wait for just that).
+                if (peer.state_round or 0) <= round_index + 1:
+                    self.storage.update_peer(run_id, peer_id, state_round=round_index + 1,
+                                             state_digest=request.params_digest)
+                return self._applied_response(run_id, round_row, report)
             vote = self._is_vote(run_id, round_index, peer_id, request.manifest_version, self.views.config_of(run))
             refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
             report = AppliedRow(run_id, round_index, peer_id, request.params_digest, now, refused,
@@ -685,8 +690,9 @@ class CoordinatorService:
             progress = max(round_index + 1, peer.progress_round or 0)
             # It now holds the start of round r+1 (coordinator/recovery.py: a paused run whose returning
             # peers replay the last closed round resumes as soon as one holds the open round's start).
-            fields: dict = {"progress_round": progress, "detail": None, "state_round": round_index + 1,
-                            "state_digest": request.params_digest}
+            fields: dict = {"progress_round": progress, "detail": None}
+            if (peer.state_round or 0) <= round_index + 1:
+                fields |= {"state_round": round_index + 1, "state_digest": request.params_digest}
             if (peer.progress_round or 0) <= round_index:
                 fields |= {"activity": "applied", "inner_step": None}
             self.storage.update_peer(run_id, peer_id, **fields)

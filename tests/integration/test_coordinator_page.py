@@ -196,6 +196,22 @@ def test_page_shows_a_stalled_round(start_coordinator, tmp_path: Path):
 
 
 @needs_chromium
+def test_page_shows_what_a_stuck_peer_waits_for(start_coordinator, tmp_path: Path):
+    """A peer catching up on a round whose packets nobody serves says so in its heartbeats; the banner
+    shows the line as text (a detail that looks like markup stays text)."""
+    coordinator = start_coordinator()
+    line = "round 4: waiting for the packets of p00 (gone; reported missing) <b>x</b>"
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, peers = start_run(client, 2)
+        response = peers[0].post(f"/v1/runs/{run_id}/heartbeat", {"round": 5, "state": "stuck", "detail": line})
+        assert response.status_code == 200, response.text
+    dom, _ = open_page(f"{coordinator.url}/?run={run_id}", tmp_path, "stuck")
+    shown = f"stuck: {peers[0].peer_id}: " + line.replace("<", "&lt;").replace(">", "&gt;")
+    assert f'<div id="banner" class="banner stalled">{shown}</div>' in dom
+    assert "<b>x</b>" not in dom
+
+
+@needs_chromium
 def test_page_of_a_finished_one_round_run(start_coordinator, tmp_path: Path):
     coordinator = start_coordinator()
     with httpx.Client(base_url=coordinator.url, timeout=10) as client:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.terminal import render_status
 from tests.fixtures.coordinator import SignedPeer, create_run, error_of
 from tests.unit.test_coordinator_rounds import peers_for, round_of
 
@@ -131,6 +132,7 @@ def test_stuck_peers_say_why_and_the_status_shows_it(coordinator_client, fake_cl
     assert beat.status_code == 200, beat.text
     status = status_of(client, run_id)
     assert status["stuck"] == f"stuck: {a.peer_id}: {line}"
+    assert f"stuck: {a.peer_id}: {line}" in render_status(status).splitlines()  # `locoswarm status`
     assert {p["peer_id"]: p["detail"] for p in status["peers"]}[a.peer_id] == line
     c.post(f"/v1/runs/{run_id}/heartbeat", {"round": 2, "state": "stuck", "detail": "round 1: waiting"})
     assert status_of(client, run_id)["stuck"].endswith("(2 peers)")

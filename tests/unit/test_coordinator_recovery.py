@@ -159,3 +159,23 @@ def test_a_paused_run_survives_a_coordinator_restart(tmp_path, fake_clock):
         assert peers[0].join(run_id, state_round=2, state_digest=digest(2)).status_code == 200
         assert status(client, run_id)["recovery"] is None
         assert peers[0].submit(run_id, 2).status_code == 200
+
+
+def test_peers_back_with_an_older_checkpoint_resume_by_replaying_the_closed_round(swarm, fake_clock):
+    """Every peer died while writing its checkpoint after applying round 3 (reported, agreed): each
+    comes back holding round 3's start. Replaying round 3 (its packets kept on their authors' disks)
+    and reporting the same digest again is what brings back round 4's start: the run resumes at
+    round 4 at once, and never rewinds past the agreed round 3."""
+    client, _, run_id, peers = swarm
+    fake_clock.advance(TIMEOUT_S + 1)
+    assert status(client, run_id)["recovery"] is not None
+    for peer in peers:
+        assert peer.join(run_id, state_round=3, state_digest=digest(3)).status_code == 200
+    body = status(client, run_id)
+    assert body["recovery"]["newest_held_round"] == 3, "held: round 3's start, not the open round 4's"
+    assert peers[0].applied(run_id, 3, digest(4)).status_code == 200  # the same report again: a retry
+    body = status(client, run_id)
+    assert body["recovery"] is None and body["current_round"]["round"] == 4 and body["rewinds"] == []
+    assert [h["agreed_digest"] for h in body["history"]] == [digest(r + 1) for r in range(4)]
+    fake_clock.advance(WAIT_S + 1)
+    assert status(client, run_id)["rewinds"] == []
