@@ -229,14 +229,74 @@ def _final_val_loss(path: Path, preset: str, corpus) -> float:
 
 
 def _progress_line(status: dict, rounds: int) -> str:
-    current = status.get("current_round") or {}
-    peers = status.get("peers", [])
-    live = [p for p in peers if p["status"] == "live"]
-    acts = ", ".join(f"{p['peer_id'][:7]}:{p['activity']}" for p in live)
-    losses = [p["last_loss"] for p in live if p.get("last_loss") is not None]
-    loss = f" loss {sum(losses) / len(losses):.3f}" if losses else ""
-    return (f"round {current.get('round', '?')}/{rounds} {current.get('state', '')} "
-            f"submitted {current.get('num_submitted', 0)}/{current.get('num_expected', 0)}{loss} | {acts}")
+    """One line of the swarm's progress, true at the moment of `status` (the coordinator's status
+    JSON, protocol/http.py RunStatus) for a run of `rounds` rounds (numbered from 0, as everywhere):
+
+        round 2 of 0-3 open: 1/3 submitted; round 1: 3 contributors, 2 applied, mean loss 5.412 | ...
+        run finished after 4 rounds; round 3: 3 contributors, 3 applied, mean loss 4.981 | ...
+
+    The open round's count and each peer's activity can be of different rounds: a round closes as
+    its last expected packet comes in, so its peers still say "submitted" beside the next round's
+    0 submitted. Each peer's activity therefore names its round where that is not the open one."""
+    line, peers = _run_progress(status, rounds), _peer_activities(status)
+    return f"{line} | {peers}" if peers else line
+
+
+def _run_progress(status: dict, rounds: int) -> str:
+    """Where the run stands: finished (the open round is null then), paused, waiting for peers, or
+    its open round's count; with the figures of the last closed round."""
+    run, current, recovery = status["run"], status.get("current_round"), status.get("recovery")
+    history = status.get("history") or []
+    last = f"; {_round_figures(history[-1])}" if history else ""
+    if run["state"] in ("finished", "closed"):
+        if not history:
+            return f"run {run['state']} before any round closed"
+        return f"run {run['state']} after {history[-1]['round'] + 1} rounds{last}"
+    if recovery is not None:
+        return f"run paused: {recovery['message']}{last}"  # the message names the round
+    if current is None or current["state"] == "pending":
+        live = sum(p["status"] == "live" for p in status.get("peers", []))
+        needed = run["config"]["membership"]["min_peers"]
+        return f"waiting for peers: {live} live of the {needed} the run needs to start"
+    return (f"round {current['round']} of 0-{rounds - 1} open: "
+            f"{current['num_submitted']}/{current['num_expected']} submitted{last}")
+
+
+def _round_figures(summary: dict) -> str:
+    """A closed round's figures from the status history (protocol/http.py RoundSummary)."""
+    loss = f", mean loss {summary['mean_loss']:.3f}" if summary.get("mean_loss") is not None else ""
+    contributors = summary["num_contributors"]
+    return (f"round {summary['round']}: {contributors} contributor{'' if contributors == 1 else 's'}, "
+            f"{summary['num_applied']} applied{loss}")
+
+
+def _peer_activities(status: dict) -> str:
+    """Each live peer's activity ("a1b2c3d:training 7/15"), with " rN" where it is of round N and
+    N is not the open round; every peer's round is named once no round is open."""
+    run, current = status["run"], status.get("current_round")
+    open_round = current["round"] if current is not None else None
+    steps = run["config"]["inner"]["steps"]
+    parts = []
+    for peer in (p for p in status.get("peers", []) if p["status"] == "live"):
+        text = f"{peer['peer_id'][:7]}:{peer['activity']}"
+        if peer["activity"] == "training" and peer.get("inner_step") is not None:
+            text += f" {peer['inner_step']}/{steps}"
+        round_index = _activity_round(peer, run["current_round"])
+        if round_index is not None and round_index != open_round:
+            text += f" r{round_index}"
+        parts.append(text)
+    return ", ".join(parts)
+
+
+def _activity_round(peer: dict, run_round: int) -> int | None:
+    """The round a peer's activity is of; None before it reports one. `lag_rounds` counts back from
+    the run's round (the open one, or the next once finished) to the round the peer said it works
+    on, which after "applied" is the one after the round applied (coordinator/service.py). A peer
+    ahead of the open round (overlap) reads as on it: `lag_rounds` stops at 0."""
+    if peer.get("lag_rounds") is None:
+        return None
+    round_index = run_round - peer["lag_rounds"]
+    return round_index - 1 if peer["activity"] == "applied" else round_index
 
 
 def _repo_root() -> str:
