@@ -152,11 +152,7 @@ def view(storage: Storage, run: RunRow, config: RunConfig, now: float,
     held = [HeldState(peer_id=p.peer_id, state_round=p.state_round, agreed=holds(storage, run.run_id, p))
             for p in live]
     plan = _plan(storage, run, live) if live else None
-    # Who applied the needed state last: their checkpoints may hold it.
-    last_holders = []
-    if needed is not None:
-        last_holders = sorted({a.peer_id for a in storage.list_applied(run.run_id, run.current_round - 1)
-                               if a.params_digest == needed})
+    last_holders = _last_holders(storage, run.run_id, run.current_round, needed) if needed is not None else []
     rewind_at = (run.state_wait_since + config.membership.state_wait_s
                  if run.state_wait_since is not None and plan is not None else None)
     if not live:
@@ -181,6 +177,21 @@ def view(storage: Storage, run: RunRow, config: RunConfig, now: float,
         last_holders=last_holders,
         message=message,
     )
+
+
+def _last_holders(storage: Storage, run_id: str, round_index: int, needed: str) -> list[str]:
+    """Who applied the state that starts `round_index` last: their checkpoints may hold it. Empty
+    rounds just before it end on the same state (they change no parameter), so those who applied
+    the rounds back to the last one with packets hold it too; nobody may have applied an empty
+    round (it closed while every peer was down)."""
+    holders: set[str] = set()
+    r = round_index - 1
+    while (row := storage.get_round(run_id, r)) is not None and row.agreed_digest == needed:
+        holders |= {a.peer_id for a in storage.list_applied(run_id, r) if a.params_digest == needed}
+        if storage.manifest_peers(run_id, r, row.manifest_version):
+            break  # the round that made this state
+        r -= 1
+    return sorted(holders)
 
 
 def rewinds(run: RunRow) -> list[Rewind]:

@@ -50,7 +50,13 @@ Rules (the contract is written out in `protocol.http`):
   ended is never settled (agreed by a contributor majority only). An agreed digest never changes:
   only an amendment (a new manifest version) starts a new vote. Everything that trusts a digest
   (the join's snapshot source, a returning peer's state, ``params_mismatch`` flags, nodes'
-  snapshots and checkpoints) trusts the agreed one only.
+  snapshots and checkpoints) trusts the agreed one only. A closed round whose latest manifest has
+  no entry (nobody submitted, or amendments dropped them all) changes no parameter, so nobody
+  votes on it: its majority and agreed digest are its start's, round r-1's agreed digest, set as
+  soon as that is known (when r closes, when an amendment empties it, or when r-1's is agreed
+  later, carried on through consecutive empty rounds; `_agree_empty_from`). Round 0's start, the
+  seeded initialisation, has no recorded digest: an empty round 0 gets none. Without this, a node
+  whose checkpoint starts the round after an empty one could never resume from it.
 - Joining (coordinator/join_guard.py). A key new to the run is rate-limited per source address and
   per run (``membership.join_rate_*``, ``join_burst*``: 429 ``rate_limited`` with Retry-After), then
   checked against the join policy and, with ``membership.join_pow_bits``, a proof of work whose
@@ -77,23 +83,37 @@ Rules (the contract is written out in `protocol.http`):
   cannot fetch some of its entries reports them (`report_missing`): only entries of that round's
   manifest, never the reporter's own, only for rounds closed at most ``MISSING_REPORT_ROUNDS``
   before the open one (older packets are forgotten by design: catch up instead), one report per
-  reporter and entry (a repeat changes nothing). An entry is dropped when every other live
-  contributor of the round (the latest manifest's peers but its publisher) has reported it, or
-  when ``exchange.missing_grace_s`` has passed since its first report (any member's) and no peer
-  but its publisher and its reporters (of the round's contributors: a stranger's word does not
-  count) has reported applying the round (every version so far held
-  the entry). Such a peer got the packet and serves its copy on: the fault is the reporters'
-  links, and they catch up from a snapshot rather than take the packet from everyone (one peer
-  that can fetch nothing must not empty every manifest). An entry still undecided when its round
-  falls out of the report window stays. Entries due together make one new version:
-  ``manifest_version`` + 1, the entries recorded in ``dropped_entries`` with the reason, and a new
-  vote on the new version (majority and agreed digest null until its votes come). The
-  publisher is flagged (``withheld_round``): not expected in any round while flagged, so rounds
-  close without waiting for it; it may still submit. The flag clears once another peer votes on
-  the latest manifest of a later round that holds a packet of its (the swarm could fetch
-  it again). The grace is applied on reports, before reads (`advance`) and by the tick, also in
-  finished runs (their last round's stragglers still apply it). Amendments never hold up opening
-  or closing rounds.
+  reporter and entry (a repeat changes nothing). An author that no longer holds its own packet of
+  the round (it restarted without it) says so with ``lost_own``, stored as a report of its entry
+  whose reporter is the author itself. A contributor of the round that reported applying it got
+  every entry still undropped (every version so far held them all) and serves its copies on; a
+  stranger's applied report is not believed. A reported entry is dropped:
+  1. at once when no live contributor but the author and the entry's reporters applied the
+     round, and either its author said it lost it or its author is not live (gone, left). Nobody
+     can serve that packet now, and nobody will: waiting helps nobody. Why: a whole swarm killed
+     after a round closed (its manifest here, its packets only in the dead nodes' memory) came
+     back unable to fetch them, and stuck for good. An author cannot report its own entry, so a
+     lone live author's entry never met rules 2 and 3, and elsewhere the swarm waited for every
+     other contributor's report, or the grace, on a packet nobody holds. Rule 1 holds however
+     few peers are live, all of them authors included;
+  2. when every other live contributor of the round (the latest manifest's peers but its
+     publisher) has reported it;
+  3. when ``exchange.missing_grace_s`` has passed since its first report (any member's) and no
+     contributor but its publisher and its reporters, live or not, applied the round. One that
+     did got the packet: the fault is the reporters' links, and they catch up from a snapshot
+     rather than take the packet from everyone (one peer that can fetch nothing must not empty
+     every manifest).
+  An entry still undecided when its round falls out of the report window stays. Entries due
+  together make one new version: ``manifest_version`` + 1, the entries recorded in
+  ``dropped_entries`` with the reason (which rule), and a new vote on the new version (majority
+  and agreed digest null until its votes come; an emptied round takes its start's, see "Agreed
+  digests"). The publisher is flagged (``withheld_round``): not expected in any round while
+  flagged, so rounds close without waiting for it; it may still submit. The flag clears once
+  another peer votes on the latest manifest of a later round that holds a packet of its (the
+  swarm could fetch it again). These rules are applied on reports, before reads (`advance`) and
+  by the tick (so an entry becomes due when its author times out, or the grace ends), also in
+  finished runs (their last round's stragglers still apply them). Amendments never hold up
+  opening or closing rounds.
 - Contribution scoring (coordinator/scoring.py, the rule in protocol/scoring.py). Applied reports
   may carry the reporter's scores of the round's updates. Once a round's votes are in (every
   contributor of its latest version voted, or the round settled) its contributors are judged from
@@ -859,9 +879,11 @@ class CoordinatorService:
             reporters = {r.reporter_id for r in rows}
             others = {p for p in manifest if p != entry and p in live}
             waited_s = now - min(r.reported_at for r in rows)
-            copies = (appliers & live) - reporters - {entry}  # live peers that applied it hold a copy
-            if entry in reporters and not copies:
-                due[entry] = "its author said it lost the packet (restarted without it)"
+            # Rule 1: nobody can serve it. A live applier that did not report it holds a copy.
+            copies = (appliers & live) - reporters - {entry}
+            if entry in reporters and not copies:  # the author's own report: lost_own
+                due[entry] = ("its author said it lost the packet (restarted without it) and no live peer that "
+                              "applied the round serves a copy")
             elif entry not in live and not copies:
                 due[entry] = (f"reported missing; its author is not live ({self._status_of(run_id, entry)}) and no "
                               "live peer that applied the round serves a copy")

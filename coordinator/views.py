@@ -314,7 +314,9 @@ class Views:
 
 
 def _stuck(peers: list[PeerRow]) -> str | None:
-    """The run's "stuck: ..." line: what the first live peer (by id) that says it is stuck waits for."""
+    """The run's "stuck: ..." line: what the first live peer (by id) that says it is stuck waits for,
+    and how many say so when several do. A submission or an applied report clears a peer's line
+    (it got on), so a peer whose activity still reads "stuck" without one is not counted."""
     stuck = sorted((p for p in peers if p.status == "live" and p.activity == "stuck" and p.detail),
                    key=lambda p: p.peer_id)
     if not stuck:

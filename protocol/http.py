@@ -68,7 +68,10 @@ has at least two votes and more than half of the round's contributors, or once t
 closed (or the run ended) and it holds more than half of the votes cast (a lone vote included: a
 round with one contributor is agreed when the next one closes). Until then it is provisional
 (``provisional``). An agreed digest never changes; an amendment starts a new vote on the new
-version. Snapshots, checkpoints and flags trust ``agreed_digest`` only.
+version. A closed round whose latest manifest is empty (nobody submitted, or every entry was
+dropped) changes no parameter: its majority and agreed digest are its start's, round r-1's agreed
+digest, as soon as that is agreed (none for round 0, whose start is the seeded initialisation).
+Snapshots, checkpoints and flags trust ``agreed_digest`` only.
 
 Joining: a key that is new to the run is rate-limited per source address and per run
 (``membership.join_rate_*``; 429 ``rate_limited`` with ``Retry-After``), and with
@@ -76,27 +79,36 @@ Joining: a key that is new to the run is rate-limited per source address and per
 
 Amended manifests (amended, never forked): a closed round's manifest starts at
 ``manifest_version`` 1. A member that cannot fetch an entry within its fetch time-out reports it
-(``POST rounds/{r}/missing``, at most ``MAX_REFUSED`` peer ids, each an entry of that round's
-manifest other than the reporter's own, for a round closed at most ``MISSING_REPORT_ROUNDS`` rounds
-before the open one; a repeated report changes nothing); a member that restarted without its own
-packet of the round says so with ``lost_own``. The coordinator drops an entry at once when its
-author said it lost it or is not live (gone, left) and no live peer but the author and the
-reporters reported applying the round (one that did holds a copy and serves it); else once every
-other live contributor of the round (its manifest's peers, the entry's publisher excluded) has
-reported it, or once ``exchange.missing_grace_s`` has passed since its first report and no peer
-but its publisher and its reporters reported applying the round (one that did holds the packet
-and serves it on: the reporters catch up instead). A round whose latest manifest is empty changes
-no parameter: its agreed digest is its start's (round r-1's agreed digest). Then the round's
-``manifest_version`` grows by one (entries due together go in one version), the entry leaves
-``manifest`` and enters ``dropped`` with the reason, and its publisher is flagged
+(``POST rounds/{r}/missing``, ``peer_ids``: at most ``MAX_REFUSED`` peer ids, each an entry of that
+round's manifest other than the reporter's own, for a round closed at most
+``MISSING_REPORT_ROUNDS`` rounds before the open one; a repeated report changes nothing). A member
+that restarted without its own packet of the round sets ``lost_own`` (``peer_ids`` may then be
+empty; a report that names nothing and does not set it is refused ``invalid_request``, one that
+names the reporter is refused too: ``lost_own`` is how an author speaks of its own entry; with no
+entry of its own it is refused ``not_in_manifest``). The
+coordinator drops a reported entry at once when its author said it lost it or is not live (gone,
+left), unless a live contributor other than the author and the entry's reporters reported applying
+the round (one that did holds a copy and serves it); else once every other live contributor of
+the round (its manifest's peers, the entry's publisher excluded) has reported it, or once
+``exchange.missing_grace_s`` has passed since its first report and no contributor but its
+publisher and its reporters reported applying the round (the reporters catch up instead). Then
+the round's ``manifest_version`` grows by one (entries due together go in one version), the entry
+leaves ``manifest`` and enters ``dropped`` with the reason, and its publisher is flagged
 ``withheld_packet`` and not expected (for the early close) in later rounds until a packet of
-its, in a later round's latest manifest, has been applied by another peer. Rounds go on meanwhile:
+its, in a later round's latest manifest, has been applied by another peer. A round the amendment
+leaves empty is agreed on its start's digest (see "Agreed digests"). Rounds go on meanwhile:
 an amendment never holds up a close. ``GET rounds/{r}?version_gt=V&wait_s=W`` answers once the
 manifest version exceeds V. Applied reports carry the ``manifest_version`` applied; a round's
 majority digest counts only reports of its latest version (null until one arrives after an
 amendment: a new vote); ``AppliedResponse.manifest_version`` and ``amended`` (recent amended rounds) tell a
 node that applied an older version to recompute from its kept round start, or to catch up
 (node/round/amend.py).
+
+Stuck peers: a node that cannot go on (it waits for packets nobody serves, for an amendment) sends
+heartbeats with state ``stuck`` and a one-line ``detail`` (printable ASCII, at most
+``MAX_DETAIL_CHARS``) saying what it waits for and from whom. The coordinator keeps the line per
+peer (``PeerView.detail``) until a heartbeat without one, a submission or an applied report, and
+``RunStatus.stuck`` shows the first live stuck peer's.
 
 A node's loop, in JSON (digests shortened)::
 
@@ -403,7 +415,8 @@ class MissingRequest(RequestModel):
         description="Entries of the round's manifest whose packets this peer could not fetch in time.")
     lost_own: bool = Field(
         False, description="This peer no longer holds its own packet of the round (it restarted without it): "
-        "its entry is dropped at once, unless a peer that applied the round serves a copy.")
+        "its entry is dropped at once, unless a live contributor that applied the round (and reported nothing "
+        "missing of it) serves a copy. `peer_ids` may then be empty.")
 
     @model_validator(mode="after")
     def _reports_something(self) -> "MissingRequest":
@@ -548,8 +561,9 @@ class RunStatus(ResponseModel):
     rewinds: list[Rewind] = Field(
         default_factory=list, description="Times the run went back to an older agreed state nobody newer held.")
     stuck: str | None = Field(
-        None, description="'stuck: <what a live peer waits for>' while live peers say they are stuck (catching up "
-        "on a round whose packets nobody serves, say), '(N peers)' after it when several are; null otherwise.")
+        None, description="'stuck: <peer id>: <its detail>' for the first live peer (by id) whose last heartbeat "
+        "said 'stuck' with a detail (catching up on a round whose packets nobody serves, say), ' (N peers)' after "
+        "it when several did; null otherwise.")
 
 
 class Health(ResponseModel):
@@ -606,7 +620,8 @@ ErrorCode = Literal[
     #                            trained the round again). Goes on: the round keeps the first packet.
     "conflicting_report",  # this peer already reported another digest for this round and manifest version
     # (reports are immutable). The node's state is suspect: it catches up from the agreed state.
-    "not_in_manifest",  # a missing report names a peer with no entry in that round's manifest. Stops: a bug.
+    "not_in_manifest",  # a missing report names a peer (or, lost_own, the reporter) with no entry in that round's
+    # manifest. Stops: a bug.
     "round_too_old",  # a missing report for a round closed over MISSING_REPORT_ROUNDS ago. The node catches up.
     "unknown_manifest_version",  # an applied report names a version the round never had. Stops: a bug.
     "peer_gone",  # the peer was marked gone (silent past the timeout) or left. The node rejoins, retries.

@@ -6,8 +6,14 @@ are stuck on in their heartbeats and the status shows it. In-process, fake clock
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
+
 import pytest
 
+from coordinator import recovery
+from coordinator.schema import CREATE_MIGRATIONS_TABLE, MIGRATIONS
+from coordinator.storage import open_storage
 from coordinator.terminal import render_status
 from tests.fixtures.coordinator import SignedPeer, create_run, error_of
 from tests.unit.test_coordinator_rounds import peers_for, round_of
@@ -15,7 +21,8 @@ from tests.unit.test_coordinator_rounds import peers_for, round_of
 pytestmark = pytest.mark.timeout(30)
 
 DEADLINE_S = 60.0
-D0, D1 = "d0" * 16, "d1" * 16
+HEARTBEAT_TIMEOUT_S = 300.0
+D0, D1, D2 = "d0" * 16, "d1" * 16, "d2" * 16
 
 
 def report_missing(peer: SignedPeer, run_id: str, round_index: int, *suspects: SignedPeer, lost_own: bool = False):
@@ -33,10 +40,28 @@ def history_of(client, run_id: str) -> dict[int, dict]:
     return {h["round"]: h for h in status_of(client, run_id)["history"]}
 
 
+def storage_of(client):
+    return client.app.state.service.storage
+
+
+def applied_version(peer: SignedPeer, run_id: str, round_index: int, digest: str, version: int):
+    return peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
+                     {"params_digest": digest, "manifest_version": version})
+
+
+def everyone_gone(client, fake_clock, run_id: str, peers: list[SignedPeer]) -> None:
+    """The whole swarm killed: silent past the heartbeat timeout, so the coordinator marks every
+    peer gone and pauses the run (coordinator/recovery.py)."""
+    fake_clock.advance(HEARTBEAT_TIMEOUT_S + 1)
+    status = status_of(client, run_id)
+    assert {p["peer_id"]: p["status"] for p in status["peers"]} == {p.peer_id: "gone" for p in peers}
+    assert status["recovery"] is not None
+
+
 def round_1_closed_with_a_and_b(client, fake_clock):
     """Three peers; round 0 applied and agreed by all (D0); round 1 closed at its deadline with the
     packets of a and b only (c never submitted), before anyone's heartbeat timed out."""
-    run_id = create_run(client, {"membership.min_peers": 3, "membership.heartbeat_timeout_s": 300.0,
+    run_id = create_run(client, {"membership.min_peers": 3, "membership.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
                                  "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S}})
     a, b, c = peers_for(client, fake_clock, run_id, 3)
     for peer in (a, b, c):
@@ -54,7 +79,10 @@ def round_1_closed_with_a_and_b(client, fake_clock):
 def test_authors_that_lost_their_packets_empty_the_round_and_it_keeps_its_start(coordinator_client, fake_clock):
     client = coordinator_client
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
-    # Every node restarted (same keys): a and b kept no packet. Only authors are involved.
+    # Every node restarted (same keys) and rejoined before its heartbeat timed out: a and b kept no
+    # packet. Only authors are involved.
+    for peer in (a, b, c):
+        assert peer.join(run_id, state_round=1, state_digest=D0).status_code == 200
     first = report_missing(a, run_id, 1, lost_own=True)
     assert first.status_code == 200, first.text
     assert first.json()["manifest_version"] == 2 and "said it lost" in first.json()["dropped"][a.peer_id]
@@ -66,6 +94,7 @@ def test_authors_that_lost_their_packets_empty_the_round_and_it_keeps_its_start(
     view = round_of(client, run_id, 1)
     assert view["manifest"] == [] and view["agreed_digest"] == D0, "no packet: the round's start is its result"
     assert history_of(client, run_id)[1]["agreed_digest"] == D0
+    assert recovery.agreed_start(storage_of(client), run_id, 2) == D0, "round 2's start is agreed"
     # A repeat changes nothing; c was never an entry and cannot claim to have lost one.
     assert report_missing(a, run_id, 1, lost_own=True).json()["manifest_version"] == 3
     assert error_of(report_missing(c, run_id, 1, lost_own=True)) == "not_in_manifest"
@@ -82,6 +111,63 @@ def test_authors_report_each_other_and_themselves_at_once(coordinator_client, fa
     assert "all 1 other live contributors" in answer["dropped"][b.peer_id]
     view = round_of(client, run_id, 1)
     assert view["manifest"] == [] and view["agreed_digest"] == D0
+    # b says the same of itself and of a: both are out already, so nothing changes.
+    again = report_missing(b, run_id, 1, a, lost_own=True).json()
+    assert again["manifest_version"] == 2 and again["dropped"] == answer["dropped"]
+
+
+def test_authors_that_only_say_they_lost_their_own_are_dropped_at_once(coordinator_client, fake_clock):
+    """Every live peer an author, nobody reporting anyone else: each lost_own alone drops its entry."""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    c.post(f"/v1/runs/{run_id}/leave", {"reason": "gone for good"})
+    first = report_missing(b, run_id, 1, lost_own=True).json()
+    assert first["manifest_version"] == 2 and list(first["dropped"]) == [b.peer_id]
+    second = report_missing(a, run_id, 1, lost_own=True).json()
+    assert second["manifest_version"] == 3 and set(second["dropped"]) == {a.peer_id, b.peer_id}
+    assert round_of(client, run_id, 1)["agreed_digest"] == D0
+
+
+def test_a_swarm_marked_gone_comes_back_without_its_packets_and_resumes(coordinator_client, fake_clock):
+    """The issue's scenario with the heartbeat timeout passed: every peer gone, the run paused at
+    round 2; all rejoin holding round 1's start; the authors lost their packets. Once round 1 is
+    empty its start is its result, so a peer that replays it holds round 2's start and the run
+    resumes there: nothing is rewound."""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    everyone_gone(client, fake_clock, run_id, [a, b, c])
+    for peer in (a, b, c):
+        assert peer.join(run_id, state_round=1, state_digest=D0).status_code == 200
+    assert status_of(client, run_id)["recovery"]["needed_digest"] is None  # round 1 has no agreed digest
+    first = report_missing(a, run_id, 1, lost_own=True).json()
+    assert first["manifest_version"] == 2 and list(first["dropped"]) == [a.peer_id]
+    assert "its author said it lost the packet" in first["dropped"][a.peer_id]
+    second = report_missing(b, run_id, 1, lost_own=True).json()
+    assert second["manifest_version"] == 3 and set(second["dropped"]) == {a.peer_id, b.peer_id}
+    view = round_of(client, run_id, 1)
+    assert view["manifest"] == [] and view["agreed_digest"] == D0 and view["majority_digest"] == D0
+    assert recovery.agreed_start(storage_of(client), run_id, 2) == D0
+    paused = status_of(client, run_id)["recovery"]
+    assert paused["needed_digest"] == D0
+    assert paused["last_holders"] == sorted(p.peer_id for p in (a, b, c)), "round 0's appliers hold round 2's start"
+    assert applied_version(a, run_id, 1, D0, 3).status_code == 200  # a replays the empty round 1
+    status = status_of(client, run_id)
+    assert status["recovery"] is None and status["rewinds"] == []
+    assert status["current_round"]["round"] == 2 and status["current_round"]["state"] == "open"
+
+
+def test_a_returning_author_drops_its_own_and_a_gone_authors_entry_at_once(coordinator_client, fake_clock):
+    """Only a comes back after the whole swarm was marked gone: it lost its packet and cannot fetch
+    b's (b is gone). Both leave in one version, each with its reason."""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    everyone_gone(client, fake_clock, run_id, [a, b, c])
+    assert a.join(run_id, state_round=1, state_digest=D0).status_code == 200
+    answer = report_missing(a, run_id, 1, b, lost_own=True).json()
+    assert answer["manifest_version"] == 2 and answer["pending"] == []
+    assert "said it lost" in answer["dropped"][a.peer_id]
+    assert "its author is not live (gone)" in answer["dropped"][b.peer_id]
+    assert history_of(client, run_id)[1]["agreed_digest"] == D0
 
 
 def test_a_gone_authors_entry_is_dropped_at_once_unless_an_applier_serves_it(coordinator_client, fake_clock):
@@ -101,12 +187,25 @@ def test_a_gone_authors_entry_is_dropped_at_once_unless_an_applier_serves_it(coo
     assert dropped["manifest_version"] == 2 and "its author is not live (left)" in dropped["dropped"][b.peer_id]
 
 
+def test_an_author_that_lost_its_packet_keeps_its_entry_while_an_applier_serves_it(coordinator_client, fake_clock):
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    assert a.applied(run_id, 1, D1).status_code == 200  # a fetched b's packet: it serves a copy
+    held = report_missing(b, run_id, 1, lost_own=True).json()
+    assert held["manifest_version"] == 1 and held["pending"] == [b.peer_id]
+    # The applier says it cannot serve it after all (it restarted too): nobody holds a copy now.
+    dropped = report_missing(a, run_id, 1, b).json()
+    assert dropped["manifest_version"] == 2 and "said it lost" in dropped["dropped"][b.peer_id]
+
+
 def test_reports_that_name_nothing_or_oneself_are_refused(coordinator_client, fake_clock):
     client = coordinator_client
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
-    empty = a.post(f"/v1/runs/{run_id}/rounds/1/missing", {"peer_ids": []})
-    assert empty.status_code == 422 and "lost_own" in empty.text
+    for nothing in ({"peer_ids": []}, {}, {"peer_ids": [], "lost_own": False}):
+        empty = a.post(f"/v1/runs/{run_id}/rounds/1/missing", nothing)
+        assert empty.status_code == 422 and error_of(empty) == "invalid_request" and "lost_own" in empty.text
     assert error_of(report_missing(a, run_id, 1, a)) == "invalid_request"
+    assert error_of(report_missing(a, run_id, 1, a, lost_own=True)) == "invalid_request"
     assert a.post(f"/v1/runs/{run_id}/rounds/1/missing", {"lost_own": "yes"}).status_code == 422
     assert round_of(client, run_id, 1)["manifest_version"] == 1
 
@@ -114,14 +213,58 @@ def test_reports_that_name_nothing_or_oneself_are_refused(coordinator_client, fa
 def test_empty_rounds_take_their_starts_agreed_digest_when_it_comes(coordinator_client, fake_clock):
     client = coordinator_client
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
-    fake_clock.advance(DEADLINE_S + 1)  # round 2: nobody submitted; closed at its deadline
+    for peer in (a, b, c):  # alive, training nothing
+        peer.heartbeat(run_id, 2)
+    for _ in range(2):  # rounds 2 and 3: nobody submitted; each closed at its deadline (at the next read)
+        fake_clock.advance(DEADLINE_S + 1)
+        status_of(client, run_id)
     history = history_of(client, run_id)
-    assert history[2]["num_contributors"] == 0 and history[1]["agreed_digest"] is None
-    assert history[2]["agreed_digest"] is None, "its start (round 1's result) is not agreed yet"
+    assert history[2]["num_contributors"] == 0 and history[3]["num_contributors"] == 0
+    assert history[1]["agreed_digest"] is None
+    assert history[2]["agreed_digest"] is None and history[3]["agreed_digest"] is None, \
+        "their start (round 1's result) is not agreed yet"
     for peer in (a, b):
         assert peer.applied(run_id, 1, D1).status_code == 200
     history = history_of(client, run_id)
-    assert history[1]["agreed_digest"] == D1 and history[2]["agreed_digest"] == D1
+    assert [history[r]["agreed_digest"] for r in (1, 2, 3)] == [D1, D1, D1]
+    assert [history[r]["majority_digest"] for r in (2, 3)] == [D1, D1]
+    assert not history[2]["provisional"] and not history[3]["provisional"]
+    assert recovery.agreed_start(storage_of(client), run_id, 4) == D1
+
+
+def test_an_empty_round_after_an_agreed_one_is_agreed_when_it_closes(coordinator_client, fake_clock):
+    client = coordinator_client
+    run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+                                 "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S}})
+    a, b = peers_for(client, fake_clock, run_id, 2)
+    for peer in (a, b):
+        assert peer.submit(run_id, 0).status_code == 200
+    for peer in (a, b):
+        assert peer.applied(run_id, 0, D0).status_code == 200
+    fake_clock.advance(DEADLINE_S + 1)  # round 1 closes empty, its start already agreed
+    view = round_of(client, run_id, 1)
+    assert view["state"] == "closed" and view["manifest"] == []
+    assert view["agreed_digest"] == D0 and view["majority_digest"] == D0
+    # A report on it is no vote (no packet of the reporter's in it): the agreed digest stays.
+    answer = b.applied(run_id, 1, D2).json()
+    assert answer["vote"] is False and answer["agreed_digest"] == D0 and not answer["agrees"]
+    assert round_of(client, run_id, 1)["agreed_digest"] == D0
+
+
+def test_an_empty_round_0_has_no_agreed_digest(coordinator_client, fake_clock):
+    """Round 0 starts from the seeded initialisation, whose digest nobody recorded."""
+    client = coordinator_client
+    run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+                                 "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S}})
+    a, b = peers_for(client, fake_clock, run_id, 2)
+    fake_clock.advance(DEADLINE_S + 1)
+    for peer in (a, b):
+        peer.heartbeat(run_id, 1)
+    fake_clock.advance(DEADLINE_S + 1)
+    history = history_of(client, run_id)
+    assert [history[r]["num_contributors"] for r in (0, 1)] == [0, 0]
+    assert [history[r]["agreed_digest"] for r in (0, 1)] == [None, None]
+    assert [history[r]["majority_digest"] for r in (0, 1)] == [None, None]
 
 
 def test_stuck_peers_say_why_and_the_status_shows_it(coordinator_client, fake_clock):
@@ -136,10 +279,56 @@ def test_stuck_peers_say_why_and_the_status_shows_it(coordinator_client, fake_cl
     assert {p["peer_id"]: p["detail"] for p in status["peers"]}[a.peer_id] == line
     c.post(f"/v1/runs/{run_id}/heartbeat", {"round": 2, "state": "stuck", "detail": "round 1: waiting"})
     assert status_of(client, run_id)["stuck"].endswith("(2 peers)")
-    for bad in ("x" * 201, "line\nbreak", "\x1b[31mred"):
+    before = status_of(client, run_id)["stuck"]
+    for bad in ("x" * 201, "line\nbreak", "\x1b[31mred", "tab\there", "", "caf\u00e9", "\u202eevil", 42, ["x"]):
         refused = a.post(f"/v1/runs/{run_id}/heartbeat", {"round": 2, "state": "stuck", "detail": bad})
-        assert refused.status_code == 422, bad
+        assert refused.status_code == 422 and error_of(refused) == "invalid_request", bad
+    status = status_of(client, run_id)
+    assert status["stuck"] == before, "a refused heartbeat changes nothing"
+    assert {p["peer_id"]: p["detail"] for p in status["peers"]}[a.peer_id] == line
+    longest = a.post(f"/v1/runs/{run_id}/heartbeat", {"round": 2, "state": "stuck", "detail": "x" * 200})
+    assert longest.status_code == 200
     a.heartbeat(run_id, 2)
     c.heartbeat(run_id, 2)
     status = status_of(client, run_id)
     assert status["stuck"] is None and all(p["detail"] is None for p in status["peers"])
+
+
+def test_a_submission_or_an_applied_report_clears_the_stuck_line(coordinator_client, fake_clock):
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    for peer in (a, b):
+        assert peer.post(f"/v1/runs/{run_id}/heartbeat",
+                         {"round": 2, "state": "stuck", "detail": "round 1: waiting"}).status_code == 200
+    assert a.submit(run_id, 2).status_code == 200
+    assert b.applied(run_id, 1, D1).status_code == 200
+    status = status_of(client, run_id)
+    assert status["stuck"] is None and all(p["detail"] is None for p in status["peers"])
+
+
+def test_a_database_from_before_detail_gains_the_column(tmp_path):
+    """Migration 11 on a SQLite file at version 10 with a peer in it: the peer reads back, detail NULL."""
+    db_path = tmp_path / "old.db"
+    with closing(sqlite3.connect(db_path)) as conn, conn:  # closed after its transaction commits
+        conn.execute(CREATE_MIGRATIONS_TABLE)
+        for version, statements in MIGRATIONS:
+            if version > 10:
+                break
+            for statement in statements:
+                conn.execute(statement)
+            conn.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (?, 0)", (version,))
+        conn.execute("INSERT INTO runs (run_id, name, config_json, join_token_hashes, state, created_at, current_round)"
+                     " VALUES ('run-old', 'old', '{}', '[]', 'running', 0, 0)")
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(peers)")]
+        assert "detail" not in columns
+        values = {name: 0 for name in columns} | {"run_id": "run-old", "peer_id": "p" + "0" * 16, "status": "live",
+                                                  "activity": "stuck", "listen_multiaddrs": "[]"}
+        conn.execute(f"INSERT INTO peers ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
+                     tuple(values.values()))
+    storage = open_storage(f"sqlite:///{db_path}")
+    try:
+        assert storage.schema_version() == MIGRATIONS[-1][0]
+        (peer,) = storage.list_peers("run-old")
+        assert peer.activity == "stuck" and peer.detail is None
+    finally:
+        storage.close()
