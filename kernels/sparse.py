@@ -7,6 +7,7 @@ One peer, one round (arXiv 2508.15706; README.md, "The algorithm"):
     S  = top-k of |e| inside every chunk      # kernels.chunking
     c  = quantize(e[S])                        # kernels.quantize, per tensor
     e[S] -= decode(c)                          # what was sent leaves the buffer
+    e[S] += decode(c)                          # restore_sent: only if the swarm did not apply it
 
 Everything here is whole-tensor torch, device-agnostic, with no Python loop over chunks or
 elements; `kernels.reference` is the slow, obvious version the tests compare against. Selected
@@ -122,6 +123,20 @@ def error_feedback_step(
     else:
         error_buffer.view(-1).index_put_((sparse.flat_indices(),), residual.reshape(-1))
     return sparse
+
+
+def restore_sent(error_buffer: torch.Tensor, sparse: SparseTensor) -> None:
+    """Add back into `error_buffer` (contiguous, shaped like `sparse.layout`) what `sparse` sent: the
+    inverse of `error_feedback_step`'s removal, for a packet the swarm did not apply.
+
+    Only the selected elements are touched, each by one addition in the buffer's dtype (residual plus
+    decoded value, which is the folded value up to that rounding); no dense tensor is made. The
+    selection may live on another device than the buffer: its few values and indices move, not the
+    buffer."""
+    index = sparse.flat_indices().to(error_buffer.device)
+    values = sparse.values().reshape(-1).to(error_buffer.device, error_buffer.dtype)
+    # Positions are unique, so each element is added to once: deterministic on any device.
+    error_buffer.view(-1).index_add_(0, index, values)
 
 
 def decompress(sparse: SparseTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -11,7 +11,8 @@ holds bit-identical parameters after every round; `param_digest` checks it.
   peers that sent each coordinate, plain SGD `theta = theta_start - outer_lr * aggregate`.
   By default (`aggregation = "median_clip"`, as production SparseLoCo) each peer's tensor is first
   scaled down to the round's median norm of that tensor, so one peer's update weighs at most as
-  much as a typical one; `"mean"` is the paper's plain scatter-mean.
+  much as a typical one; `"mean"` is the paper's plain scatter-mean. A peer's own packet that the
+  swarm did not apply goes back into its error buffers (`return_unsent`), to be sent later.
 - `diloco` (arXiv 2311.08105): the dense delta (safetensors bytes), mean over peers, SGD with
   Nesterov momentum (torch.optim.SGD's formula) on the outer learning rate.
 
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 from kernels.chunking import num_workers, pool_map
-from kernels.sparse import PacketSelections, aggregate_packets, error_feedback_step, packet_clip_scales
+from kernels.sparse import PacketSelections, aggregate_packets, error_feedback_step, packet_clip_scales, restore_sent
 from protocol.errors import MalformedPacket, NonFiniteValue, ProtocolError, ShapeMismatch, ValueOutOfRange
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
 from protocol.run_config import DEFAULT_MAX_ABS_VALUE, MAX_ABS_VALUE_LIMIT
@@ -241,14 +242,29 @@ class OuterStep:
         self.reset_to_params()
 
     def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
-        """Put back into the error feedback what this node's own packet carried, when the swarm did
-        not apply it (refused as late, excluded, amended out): DESIGN.md, "A packet that misses its
-        round keeps its mass". Only for a packet made from this object's buffers (in this process),
-        at most once, and not after a snapshot reset them. The node calls it once the round's
-        manifest as applied leaves the packet out, so the values skip the decay of any round folded
-        in meanwhile (with overlap, the next one). Raises `ProtocolError` for a packet that does not
-        decode, leaving the buffers as they were. Strategies without error feedback send everything
-        they have: nothing is kept to put back, and this does nothing."""
+        """Put back into this node's outer state what its own packet of `round` carried, because the
+        swarm did not apply it (refused as late, amended out of the manifest, not picked).
+
+        DESIGN.md, "A packet that misses its round keeps its mass": when the packet is not applied the
+        node adds those values back, so they are sent later instead of lost. For SparseLoCo the packet's
+        decoded values go back into the error buffers, which then hold what they held once the round's
+        delta was folded in and before compression (to one float32 rounding per sent element).
+
+        The caller may call it only for a packet made by `make_payload` from this object's current
+        buffers, in this process; at most once per packet (a second call would add the values twice);
+        and not after the buffers were reset (`load_snapshot_state`), whose zeroed buffers never held
+        them. `payload`, `public_key`, `peer_id`, `run_id` and `round` are what the packet was made and
+        signed with. A packet that does not decode raises `ProtocolError` (or a subclass) and leaves
+        the state as it was; no reference to `payload` is kept.
+
+        When: adding the values back before the next round's fold or after it differs only by the
+        decay beta, which that fold applies to them in the first case and not in the second. The node
+        calls it once the manifest it applies the round with is known and leaves the packet out, or an
+        amendment of the applied round takes it out (node/round/steps.py, `return_if_unsent`), and so
+        only once the packet can no longer be applied. Without overlap that is before the next round's
+        fold; with overlap (the round applied one round late) or for an amendment, after one or more
+        folds, whose decay the returned values then skip."""
+        raise NotImplementedError
 
     def deltas(self):
         for name, p in self.params.items():
@@ -324,13 +340,15 @@ class SparseLoCoOuter(OuterStep):
         return encode_packet(run_id, round, peer_id, bytes.fromhex(base_digest), self.spec, sparse, key)
 
     def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
-        # The packet's dense values are its aggregate alone: with one peer each coordinate's mean is its value.
+        """Add the packet's decoded values back into the error buffers (`OuterStep.return_unsent`):
+        each buffer then holds its folded value before compression, to one float32 rounding."""
+        # Decoded where the buffers live: with host placement this takes no memory on the training
+        # device, whose gradients may be in use when the manifest comes; no transfer of the packet either.
         packet = decode_sparse(payload, self.spec, self.cfg, lambda _: public_key, peer_id=peer_id, run_id=run_id,
-                               round=round, device=self.aggregate_device)
-        sent = aggregate_packets([packet], device=self.aggregate_device)
-        for name, buffer in self.error_buffers.items():
-            buffer.add_(sent[name].to(buffer.device, non_blocking=True))
-        self._copies_done()
+                               round=round, device=self.state_device)
+        # Only the selected elements change, one tensor at a time: no dense copy of the model is made.
+        for name, sparse in packet.items():
+            restore_sent(self.error_buffers[name], sparse)
 
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
                round: int) -> PacketSelections:
@@ -398,6 +416,12 @@ class DiLoCoOuter(OuterStep):
 
         pairs = deltas.items() if deltas is not None else self.deltas()
         return save({name: delta.float().contiguous().cpu() for name, delta in pairs})
+
+    def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
+        """Does nothing, on purpose: DiLoCo has no error feedback, so there is no state to put a packet
+        back into. The packet is the round's whole dense delta and nothing on this node keeps a copy,
+        so when the swarm does not apply it that delta is lost (the DESIGN.md rule holds for SparseLoCo
+        only). Keeping it would need a second model-sized buffer, which this dense baseline does not have."""
 
     refusable = (Exception,)  # safetensors raises its own and OS errors on hostile bytes
 

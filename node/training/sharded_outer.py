@@ -19,6 +19,9 @@ rank holds exactly its rows of what a 1-rank node would hold:
 - Any other tensor (an awkward shape) keeps its whole error buffer on rank 0: its delta rows are
   gathered there and the 1-rank `error_feedback_step` runs on the full tensor.
 
+A packet the swarm did not apply goes back into the buffers (`return_unsent`): every rank decodes
+it and adds the values of the chunks it holds, so the rows again equal a 1-rank node's.
+
 Apply: every rank decodes the whole packets (cheap: the compressed sections), takes the
 median-clip norms from the whole tensors, and scatter-means only its own chunks (aligned) or the
 whole tensor then its rows (the rest). Sums run per element in peer order, as on a 1-rank node.
@@ -46,6 +49,7 @@ from kernels.sparse import (
     SparseTensor,
     error_feedback_step,
     median_clip_scales,
+    restore_sent,
     scatter_mean,
     select_topk,
 )
@@ -217,6 +221,26 @@ class ShardedSparseLoCo:
         if not ok[0]:
             raise ValueError(f"cannot compress {shard.name}: it holds NaN or Inf")
         return sparse
+
+    def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
+        """Add this node's own packet's values back into the error buffers' rows, when the swarm did
+        not apply it (node.training.outer.OuterStep.return_unsent has the contract). Every rank
+        decodes the whole packet, as `prepare` does, and adds the values of its own chunks (aligned
+        tensors) or, on rank 0, of the whole tensor (the rest): each rank's rows end as a 1-rank
+        node's buffer would. No collective runs: a packet that does not decode raises the same
+        `ProtocolError` on every rank, before any buffer changes."""
+        packet = decode_packet(payload, self.spec, public_key, run_id=run_id, round=round,
+                               max_bytes=self.cfg.max_packet_bytes, max_abs_value=self.cfg.max_abs_value)
+        if packet.peer_id != peer_id:
+            raise ProtocolError(f"packet names peer {packet.peer_id!r}")
+        for name, shard in self.shards.items():
+            sent = packet.tensors[name]
+            if shard.aligned:
+                first, count = _chunk_span(shard, self.rank)
+                restore_sent(self.error_buffers[name], SparseTensor(
+                    shard.local, sent.positions[first:first + count], sent.codes[first:first + count], sent.table))
+            elif self.rank == 0:
+                restore_sent(self.error_buffers[name], sent)
 
     # --- apply -------------------------------------------------------------------------------
 
