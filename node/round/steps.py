@@ -41,6 +41,7 @@ from node.testing.faults import Phase
 from node.training.params import param_tree
 from node.training.scoring import PeerScore
 from protocol.digest import Tree
+from protocol.errors import ProtocolError
 from protocol.http import MAX_REFUSED, MAX_SCORES, AppliedResponse, ErrorCode, PeerScoreReport, RoundView
 
 log = logging.getLogger("locoswarm.node")
@@ -194,8 +195,12 @@ def return_if_unsent(s: Session, round: int, view: RoundView) -> None:
     if payload is None or s.peer_id in {e.peer_id for e in view.manifest}:
         return
     del s.sent[round]
-    with s.buffers_lock:
-        s.outer.return_unsent(payload, s.key.public_bytes, peer_id=s.peer_id, run_id=s.run_id, round=round)
+    try:
+        with s.buffers_lock:
+            s.outer.return_unsent(payload, s.key.public_bytes, peer_id=s.peer_id, run_id=s.run_id, round=round)
+    except ProtocolError as e:  # its own packet, made here: a bug, but it costs one round's values, not the run
+        log.error("round %d: this node's unapplied packet could not be put back: %s", round, e)
+        return
     log.info("round %d: this node's packet is not in manifest version %d; its values are back in the error "
              "buffer", round, view.manifest_version)
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from node.training.inner import InnerResult, make_inner_optimizer, run_inner_steps
 from node.training.outer import ApplyResult, Prepared
 from node.training.params import flat_named_params
+from protocol.errors import ProtocolError
 
 log = logging.getLogger("locoswarm.node")
 
@@ -270,6 +271,9 @@ def execute(state: RankState, op: str, args: Mapping[str, Any], *, key=None,
         for name in outer.spec.shapes:
             outer.load(name, mirror[name].detach() if mirror is not None else None)
         return None
+    if op == "return_unsent":  # every rank puts its rows of an unapplied packet back (no collective)
+        return outer.return_unsent(args["payload"], args["public_key"], peer_id=args["peer_id"],
+                                   run_id=args["run_id"], round=args["round"])
     if op == "zero_errors":
         return outer.zero_error_buffers()
     if op == "evaluate":
@@ -291,7 +295,7 @@ def follow(group: RankGroup) -> int:
             continue
         try:
             execute(state, op, args)
-        except ValueError as e:  # raised alike on every rank (a NaN update): rank 0 decides what follows
+        except (ValueError, ProtocolError) as e:  # raised alike on every rank: rank 0 decides what follows
             log.warning("rank %d: %s failed: %s", group.rank, op, e)
 
 

@@ -15,7 +15,6 @@ offered on a multi-rank node.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +28,6 @@ from node.training.outer import ApplyResult, OuterConfig, Prepared, decode_spars
 from node.training.params import flat_named_params
 from protocol.errors import ProtocolError
 from protocol.run_config import RunConfig
-
-log = logging.getLogger("locoswarm.node")
 from protocol.signing import PeerKey
 
 
@@ -60,10 +57,10 @@ class RankedOuter:
                                       "base_digest": base_digest}, key=key)
 
     def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
-        """Not offered on a multi-rank node (the ranks hold the error buffer's rows, and no collective
-        puts a packet back into them yet): the values of a packet the swarm did not apply are lost,
-        as they were before single-rank nodes kept them."""
-        log.info("round %d: a multi-rank node does not put an unapplied packet's values back", round)
+        """Every rank puts its rows of this node's unapplied packet back into its error buffer
+        (ShardedSparseLoCo.return_unsent; node/training/outer.py states the contract)."""
+        self.leader("return_unsent", {"payload": bytes(payload), "public_key": bytes(public_key), "peer_id": peer_id,
+                                      "run_id": run_id, "round": round})
 
     def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
                round: int) -> dict[str, SparseTensor]:
