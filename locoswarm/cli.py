@@ -20,10 +20,10 @@ import sys
 from collections.abc import Iterable
 
 from coordinator import cli as coordinator_cli
-from node.cli import bench, codec_demo, data, demo, doctor, export, join, sim
+from node.cli import bench, codec_demo, data, demo, doctor, export, generate, join, sim
 
 # Modules that contribute subcommands, in the order --help lists them.
-COMMAND_MODULES = (codec_demo, coordinator_cli, sim, join, demo, doctor, bench, data, export)
+COMMAND_MODULES = (codec_demo, coordinator_cli, sim, join, demo, doctor, bench, data, export, generate)
 
 EPILOG = """\
 first steps:

@@ -5,8 +5,10 @@
 The demo starts a coordinator on a free port with a SQLite file in a temporary folder, creates a
 run, starts N node processes on 127.0.0.1 (each its own key, DHT identity and libp2p daemon),
 shows the swarm's progress from the coordinator's status, and at the end checks that every
-peer holds the same parameter digest and that the validation loss fell. Every process it
-starts, it stops (SIGINT, then SIGKILL after a grace period), by its own handle.
+peer holds the same parameter digest and that the validation loss fell, and prints a short sample
+of text from the final model (node 0's parameters at the end, which its --report saves beside the
+report; `locoswarm generate` does the sampling). Every process it starts, it stops (SIGINT, then
+SIGKILL after a grace period), by its own handle.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import time
 from pathlib import Path
 
 from node.cli.processes import stop_processes
+
+# The demo trains on Python's standard library (byte-level text): a sample continues a definition.
+SAMPLE_PROMPT = "def "
+SAMPLE_TOKENS = 40
+SAMPLE_TEMPERATURE = 0.8
 
 
 def register(subparsers) -> None:
@@ -48,6 +55,7 @@ def _demo(args: argparse.Namespace) -> int:
                     run_overrides={"outer.overlap": args.overlap},
                     extra_node_args={0: ("--ranks", str(args.ranks))} if args.ranks > 1 else None) as swarm:
         summary = swarm.run()
+    summary["sample"] = _sample(workdir / "node0.report.safetensors", args.preset)
     if args.json:
         print(json.dumps(summary))
     else:
@@ -56,6 +64,9 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"validation loss: {summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} "
               f"({'fell' if summary['loss_fell'] else 'did NOT fall'})")
         print(f"packet size: {summary['mean_packet_bytes']:,.0f} bytes per peer per round; logs in {workdir}")
+        if summary["sample"] is not None:
+            print(f"sample from the final model ({SAMPLE_TOKENS} tokens, temperature {SAMPLE_TEMPERATURE:g}, seed 0): "
+                  f"{summary['sample']!r}")
     return 0 if summary["digests_identical"] and summary["loss_fell"] else 1
 
 
@@ -217,15 +228,34 @@ class LocalSwarm:
         stop_processes([*self.nodes, *([self.coordinator] if self.coordinator is not None else [])], grace_s)
 
 
-def _final_val_loss(path: Path, preset: str, corpus) -> float:
+def _final_model(path: Path, preset: str):
     from safetensors.torch import load_file
 
-    from node.training.data import evaluate
     from node.training.model import build_model
 
     model = build_model(preset, 0)
     model.load_state_dict(load_file(str(path)), strict=False)  # tied weights are saved once
-    return evaluate(model, corpus.val, 8, batch_size=8, seq_len=64)
+    return model
+
+
+def _final_val_loss(path: Path, preset: str, corpus) -> float:
+    from node.training.data import evaluate
+
+    return evaluate(_final_model(path, preset), corpus.val, 8, batch_size=8, seq_len=64)
+
+
+def _sample(path: Path, preset: str) -> str | None:
+    """A short sample from the final model (`path`, as for the validation loss), or None after one
+    line on stderr: the sample is a look at the model, and no reason for the demo to fail."""
+    from node.cli.generate import SampleConfig, generate_text, run_tokenizer
+
+    try:
+        model = _final_model(path, preset).eval()
+        sample = SampleConfig(max_new_tokens=SAMPLE_TOKENS, temperature=SAMPLE_TEMPERATURE, seed=0)
+        return generate_text(model, run_tokenizer(model.config, None), SAMPLE_PROMPT, sample)
+    except Exception as error:  # whatever went wrong, the demo's verdict stands without the sample
+        print(f"no sample from the final model: {type(error).__name__}: {error}".splitlines()[0], file=sys.stderr)
+        return None
 
 
 def _progress_line(status: dict, rounds: int) -> str:

@@ -2,16 +2,25 @@
 
     locoswarm sim --algos sparseloco,diloco,ddp [--json] [--peers 4 --inner-steps 15 --rounds 20]
     locoswarm sim --data DIR        # shards from `locoswarm data prepare`: the model takes their vocabulary
+    locoswarm sim --plot sim.png    # the figure there instead of OUT/val_loss.png
+    locoswarm sim --from-out runs/sim [--plot sim.png]   # a saved run: its table and figure, no simulation
+
+A run writes OUT/summary.json and the figure (node/cli/sim_plot.py: validation loss against rounds
+and against bytes sent per peer), to --plot or else OUT/val_loss.png. matplotlib is optional: without
+it a run still writes its summary and says how to install it, while an explicit --plot is refused
+before anything is simulated.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from node.cli import sim_plot
 from node.round import sim as simulator
 from node.round.sim import ALGOS, SimConfig, simulate
 from protocol.config_file import describe_validation_error
@@ -53,8 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token ids the model embeds (default: the preset's, or what prepared shards record)")
     parser.add_argument("--threads", type=int, default=d.threads)
     parser.add_argument("--device", default=d.device)
-    parser.add_argument("--out", default="runs/sim", help="where summary.json and val_loss.png go")
+    parser.add_argument("--out", default="runs/sim", help="where summary.json and (without --plot) val_loss.png go")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write the figure here (.png, .svg or .pdf; default OUT/val_loss.png): validation loss "
+                             "against rounds and against bytes sent per peer, one line per strategy; needs "
+                             "matplotlib (pip install 'locoswarm[plot]')")
+    parser.add_argument("--from-out", default=None, metavar="DIR",
+                        help="simulate nothing: print the table of the run saved in DIR (its --out) and draw its "
+                             "figure (to --plot, default DIR/val_loss.png); the simulation's flags are refused with it")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -81,22 +97,96 @@ def _sim_config(args: argparse.Namespace, algos: tuple[str, ...]) -> SimConfig:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    if args.from_out is not None:
+        return _show_saved(args)
     cfg = config_from_args(args)
+    out = Path(args.out)
+    figure = Path(args.plot) if args.plot else out / sim_plot.FIGURE_FILE
+    if args.plot:  # asked for: refused now, not after the simulation
+        _check_plot_path(figure)
     if not args.json:
         print("resolved config:", cfg.model_dump_json())
     from node.training.data import DataError
 
     try:
-        summary = simulate(cfg, Path(args.out), show_progress=True)
+        # The summary and figure are written here, not by simulate(): the figure is this module's,
+        # and matplotlib is optional.
+        summary = simulate(cfg, None, show_progress=True)
     except DataError as e:  # data missing, malformed, or not what the model embeds: the message says what to do
         raise SystemExit(f"error: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / sim_plot.SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    _print_results(summary, args.json)
+    drawn = _draw(summary, figure, required=bool(args.plot))
+    if not args.json:
+        print(f"wrote {out / sim_plot.SUMMARY_FILE}" + (f" and {figure}" if drawn else ""))
+    return 0
+
+
+def _show_saved(args: argparse.Namespace) -> int:
+    """--from-out: the saved run's table and figure."""
+    given = _simulation_flags_given(args)
+    if given:
+        raise SystemExit(f"error: --from-out shows a saved run; {', '.join(given)} would need a new simulation "
+                         "(drop --from-out to run one)")
+    out = Path(args.from_out)
+    try:
+        summary = sim_plot.read_summary(out)
+    except sim_plot.PlotError as e:
+        raise SystemExit(f"error: {e}") from None
+    figure = Path(args.plot) if args.plot else out / sim_plot.FIGURE_FILE
+    if args.plot:
+        _check_plot_path(figure)
+    try:
+        _print_results(summary, args.json)
+        drawn = _draw(summary, figure, required=bool(args.plot))
+    except (KeyError, TypeError, ValueError) as e:  # hand-edited, or written by another version
+        raise SystemExit(f"error: {out / sim_plot.SUMMARY_FILE} lacks what the table and figure need ({e!r})") from None
+    if drawn and not args.json:
+        print(f"wrote {figure}")
+    return 0
+
+
+def _simulation_flags_given(args: argparse.Namespace) -> list[str]:
+    """The flags on the command line that set up a simulation (--peers, --out...), found as the
+    values that differ from a fresh parser's defaults."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return [action.option_strings[0] for action in parser._actions
+            if action.option_strings and action.dest not in ("help", "json", "plot", "from_out")
+            and getattr(args, action.dest, action.default) != action.default]
+
+
+def _check_plot_path(figure: Path) -> None:
+    if figure.suffix.lower() not in sim_plot.FIGURE_SUFFIXES:
+        raise SystemExit(f"error: --plot {figure}: give a path ending in {', '.join(sim_plot.FIGURE_SUFFIXES)}")
+    try:
+        sim_plot.check_matplotlib()
+    except sim_plot.PlotError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _draw(summary: dict, figure: Path, required: bool) -> bool:
+    """Draw the figure; without matplotlib, a run that did not ask for one says so and goes on."""
+    try:
+        sim_plot.plot_summary(summary, figure)
+    except sim_plot.PlotError as e:
+        if required:
+            raise SystemExit(f"error: {e}") from None
+        print(f"no figure: {e}", file=sys.stderr)
+        return False
+    return True
+
+
+def _print_results(summary: dict, as_json: bool) -> None:
+    """The table of the strategies' results, or one JSON object of them."""
     per_strategy = {
         algo: {k: r[k] for k in ("final_val_loss", "tokens", "bytes_sent_per_peer_per_round", "wall_s")}
         for algo, r in summary["strategies"].items()
     }
-    if args.json:
+    if as_json:
         print(json.dumps(per_strategy))
-        return 0
+        return
     print(f"{'strategy':<12} {'val loss':>9} {'tokens':>11} {'bytes/peer/round':>17} {'wall s':>8}")
     for algo, r in per_strategy.items():
         print(f"{algo:<12} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>17,.0f} "
@@ -105,8 +195,6 @@ def run_cli(args: argparse.Namespace) -> int:
         for peer_id, first_round in r.get("excluded", {}).items():
             reason = r["standings"][peer_id]["reason"]
             print(f"{algo}: {peer_id} excluded from round {first_round} on: {reason}")
-    print(f"wrote {args.out}/summary.json and {args.out}/val_loss.png")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
