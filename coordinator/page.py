@@ -52,6 +52,7 @@ th { color: #6b7280; font-weight: 600; }
 .live { color: #15803d; } .gone { color: #b91c1c; } .left { color: #6b7280; }
 .flag { color: #b45309; font-weight: 600; }
 .muted { color: #6b7280; }
+#sample { white-space: pre-wrap; margin: 0.4em 0 0; font-size: 0.9em; }
 .plot { display: block; width: 100%; height: 150px; }
 .plot.bottom { height: 180px; }
 #error { color: #fca5a5; }
@@ -78,6 +79,8 @@ th { color: #6b7280; font-weight: 600; }
 <svg id="plot-loss" class="plot" role="img" aria-label="mean train loss per round"></svg>
 <svg id="plot-time" class="plot bottom" role="img" aria-label="round time in seconds per round"></svg>
 </section>
+<section class="wide"><h2>What the model writes</h2><div id="sample-info" class="muted">no sample yet</div>
+<pre id="sample"></pre></section>
 <section class="wide"><h2>Peers</h2><table id="peers"><thead><tr>
 <th>peer</th><th>#</th><th>state</th><th>activity</th><th>device</th><th>last loss</th>
 <th>bandwidth</th><th>lag</th><th>score</th><th>flags / reason</th></tr></thead><tbody></tbody></table>
@@ -362,6 +365,10 @@ function render(s) {
       : "adaptive (q" + c.deadline.quantile + " x" + c.deadline.margin + ")") +
     (c.outer.overlap ? " / overlap" : "") + " / min peers " + c.membership.min_peers;
   drawRound(s);
+  // The newest sample a peer sent with its validation loss: text (textContent), never markup.
+  document.getElementById("sample-info").textContent = s.sample
+    ? "after round " + s.sample.round + ", from " + s.sample.peer_id : "no sample yet";
+  document.getElementById("sample").textContent = s.sample ? s.sample.text : "";
   const peers = document.querySelector("#peers tbody");
   peers.textContent = "";
   for (const p of s.peers) {

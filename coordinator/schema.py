@@ -218,6 +218,11 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         # What a peer says it is stuck on (its heartbeat's `detail`; NULL: nothing).
         ("ALTER TABLE peers ADD COLUMN detail TEXT",),
     ),
+    (
+        12,
+        # A text sample of the model a peer sent with its validation loss (NULL: none).
+        ("ALTER TABLE applied ADD COLUMN sample TEXT",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -696,7 +696,8 @@ class CoordinatorService:
             vote = self._is_vote(run_id, round_index, peer_id, request.manifest_version, self.views.config_of(run))
             refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
             report = AppliedRow(run_id, round_index, peer_id, request.params_digest, now, refused,
-                                request.manifest_version, vote=int(vote), scores=scoring.scores_json(request))
+                                request.manifest_version, vote=int(vote), scores=scoring.scores_json(request),
+                                sample=request.sample)
             self.storage.add_applied(report)
             if request.manifest_version == latest and vote:
                 round_row = self._count_votes(run_id, round_index)

@@ -148,6 +148,7 @@ class AppliedRow:
     vote: int = 0  # 1: it counts towards the agreed digest (its peer has a packet in that version)
     val_loss: float | None = None  # the model's held-out loss after the round, when the peer evaluated it
     scores: str | None = None  # JSON {peer id: [loss_delta, cosine]}: its contribution scores (None: none)
+    sample: str | None = None  # a text the model wrote after the round, sent with val_loss (None: none)
 
 
 @dataclass(slots=True)
@@ -561,10 +562,10 @@ class Storage:
         manifest version: reports are immutable (the service compares the two)."""
         return self._exec(
             "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
-            " manifest_version, vote, scores) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " manifest_version, vote, scores, sample) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (run_id, round, peer_id, manifest_version) DO NOTHING",
             (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
-             row.manifest_version, row.vote, row.scores),
+             row.manifest_version, row.vote, row.scores, row.sample),
         ) == 1
 
     def upsert_applied(self, row: AppliedRow) -> None:
@@ -627,6 +628,12 @@ class Storage:
             "UPDATE applied SET val_loss = ? WHERE run_id = ? AND round = ? AND peer_id = ? AND manifest_version = ?",
             (val_loss, run_id, round_index, peer_id, manifest_version),
         )
+
+    def latest_sample(self, run_id: str) -> AppliedRow | None:
+        """The applied report with the newest text sample (newest round; then the lowest peer id)."""
+        rows = self._many(AppliedRow, "SELECT * FROM applied WHERE run_id = ? AND sample IS NOT NULL"
+                          " ORDER BY round DESC, reported_at DESC, peer_id LIMIT 1", (run_id,))
+        return rows[0] if rows else None
 
     def val_losses(self, run_id: str, first_round: int, last_round: int) -> dict[int, float]:
         """Per round, the mean validation loss reported with applied reports of its latest manifest

@@ -12,7 +12,7 @@ import json
 
 from coordinator import errors, recovery
 from coordinator.storage import PeerRow, RoundRow, RoundStats, RunRow, Storage
-from protocol.http import CurrentRound, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerScoreView, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus
+from protocol.http import CurrentRound, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerScoreView, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus, Sample
 from protocol.model_sizes import dense_bytes
 from protocol.scoring import Standing
 from protocol.run_config import RunConfig
@@ -191,7 +191,12 @@ class Views:
             recovery=recovery.view(self.storage, run, self.config_of(run), now, peers),
             rewinds=recovery.rewinds(run),
             stuck=_stuck(peers),
+            sample=self._sample(run_id),
         )
+
+    def _sample(self, run_id: str) -> Sample | None:
+        row = self.storage.latest_sample(run_id)
+        return None if row is None else Sample(round=row.round, peer_id=row.peer_id, text=row.sample)
 
     def _current_round(self, run: RunRow, peers: list[PeerRow]) -> CurrentRound | None:
         if run.state == "waiting":

@@ -173,6 +173,9 @@ NONCE_WINDOW_S = 300.0
 SIGNING_DOMAIN = b"locoswarm-request-v1\n"
 MAX_LONG_POLL_S = 60.0
 MAX_DETAIL_CHARS = 200  # a heartbeat's `detail` line at most
+MAX_SAMPLE_CHARS = 280  # an applied report's text sample at most
+# Any text but control characters (newline and tab allowed): the page shows it as text, never markup.
+SampleText = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x08\x0b-\x1f\x7f-\x9f]{1,%d}$" % MAX_SAMPLE_CHARS)]
 MISSING_REPORT_ROUNDS = 4  # missing packets are reported for rounds closed this many rounds back at most
 MAX_INNER_STEPS = 100_000  # a heartbeat's inner_step at most: H's own bound (run_config.InnerSection)
 MAX_SCORES = 64  # peers one applied report scores at most (run_config.ScoringSection.max_peers_per_round's bound)
@@ -387,6 +390,9 @@ class AppliedRequest(RequestModel):
         " only from a report that is a vote, never for the reporter itself. Empty: not scored.",
         json_schema_extra={"additionalProperties": False},  # as `refused`: peer ids are the only keys
     )
+    sample: SampleText | None = Field(
+        None, description="A short text the model wrote after the round, sent with `val_loss` (at most "
+        "MAX_SAMPLE_CHARS characters, no control characters but newline and tab); shown on the status page.")
 
 
 class AppliedResponse(ResponseModel):
@@ -551,6 +557,12 @@ class Rewind(ResponseModel):
     reason: str
 
 
+class Sample(ResponseModel):
+    round: int = Field(description="The round after which the model wrote it.")
+    peer_id: str
+    text: str = Field(description="The prompt and the model's continuation (text: escape it where it is shown).")
+
+
 class RunStatus(ResponseModel):
     now: float
     run: RunInfo
@@ -560,6 +572,8 @@ class RunStatus(ResponseModel):
     recovery: Recovery | None = Field(None, description="Set while the run is paused for want of live peers.")
     rewinds: list[Rewind] = Field(
         default_factory=list, description="Times the run went back to an older agreed state nobody newer held.")
+    sample: Sample | None = Field(
+        None, description="The newest text sample a peer sent with its validation loss; null: none yet.")
     stuck: str | None = Field(
         None, description="'stuck: <peer id>: <its detail>' for the first live peer (by id) whose last heartbeat "
         "said 'stuck' with a detail (catching up on a round whose packets nobody serves, say), ' (N peers)' after "

@@ -247,7 +247,7 @@ def _final_val_loss(path: Path, preset: str, corpus) -> float:
 def _sample(path: Path, preset: str) -> str | None:
     """A short sample from the final model (`path`, as for the validation loss), or None after one
     line on stderr: the sample is a look at the model, and no reason for the demo to fail."""
-    from node.cli.generate import SampleConfig, generate_text, run_tokenizer
+    from node.training.sampling import SampleConfig, generate_text, run_tokenizer
 
     try:
         model = _final_model(path, preset).eval()

@@ -258,9 +258,9 @@ class CoordinatorClient:
 
     async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None,
                       manifest_version: int = 1, val_loss: float | None = None,
-                      scores: dict[str, PeerScoreReport] | None = None) -> AppliedResponse:
+                      scores: dict[str, PeerScoreReport] | None = None, sample: str | None = None) -> AppliedResponse:
         request = AppliedRequest(params_digest=params_digest, refused=refused or {}, manifest_version=manifest_version,
-                                 val_loss=val_loss, scores=scores or {})
+                                 val_loss=val_loss, scores=scores or {}, sample=sample)
         return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
                                                                request))
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 
 from node.round import amend, resume
@@ -42,11 +43,13 @@ from node.training.params import param_tree
 from node.training.scoring import PeerScore
 from protocol.digest import Tree
 from protocol.errors import ProtocolError
-from protocol.http import MAX_REFUSED, MAX_SCORES, AppliedResponse, ErrorCode, PeerScoreReport, RoundView
+from protocol.http import MAX_REFUSED, MAX_SAMPLE_CHARS, MAX_SCORES, AppliedResponse, ErrorCode, PeerScoreReport, RoundView
 
 log = logging.getLogger("locoswarm.node")
 
 MAX_REASON_CHARS = 256
+SAMPLE_PROMPT, SAMPLE_TOKENS = "def ", 48  # the text sample sent with a validation loss (greedy)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # what protocol.http.SampleText refuses
 # Refusals of a submission after which the round goes on without this node's packet ("run_closed":
 # the run's last round closed first; its manifest is still applied, then the loop ends;
 # "conflicting_submission": a node that caught up within a round it had already submitted to trained
@@ -316,11 +319,13 @@ async def _report(s: Session, round: int, applied, manifest_version: int,
     and the contribution scores."""
     refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
     val_loss = await _validation_loss(s, round)
+    sample = await asyncio.to_thread(text_sample, s, round) if val_loss is not None else None
     reports = {peer: PeerScoreReport(loss_delta=sc.loss_delta, cosine=sc.cosine)
                for peer, sc in sorted((scores or {}).items())[:MAX_SCORES]}
     try:
         response = await s.signed(s.client.applied, round, s.digest, refused=refused,
-                                  manifest_version=manifest_version, val_loss=val_loss, scores=reports)
+                                  manifest_version=manifest_version, val_loss=val_loss, scores=reports,
+                                  sample=sample)
     except Refused as e:
         if e.code != "conflicting_report":
             raise
@@ -376,6 +381,35 @@ async def _validation_loss(s: Session, round: int) -> float | None:
         return None
     log.info("round %d: validation loss %.4f", round, val_loss)
     return val_loss
+
+
+def text_sample(s: Session, round: int) -> str | None:
+    """A short text the global model writes after `round` (greedy, from SAMPLE_PROMPT), sent with the
+    validation loss for the status page; None where it cannot be made here (a multi-rank node's
+    sharded model, overlap's parameters running ahead of the global model, no tokenizer at hand).
+    Control characters become "?": the coordinator refuses them."""
+    from node.training.data import DataError
+    from node.training.peer import PeerTraining
+    from node.training.sampling import GenerateError, SampleConfig, generate_text, run_tokenizer
+
+    if s.run.outer.overlap or not isinstance(s.training, PeerTraining):
+        return None
+    model = s.training.model
+    try:
+        # A byte-level model needs no tokenizer file; a tokenizer run's data directory holds its own.
+        source = (s.config.data or s.run.model.data) if model.config.tokenizer_id else None
+        tokenizer = run_tokenizer(model.config, source)
+        was_training = model.training
+        model.eval()
+        try:
+            text = generate_text(model, tokenizer, SAMPLE_PROMPT, SampleConfig(max_new_tokens=SAMPLE_TOKENS,
+                                                                               temperature=0.0))
+        finally:
+            model.train(was_training)
+    except (GenerateError, DataError, OSError, ValueError) as e:  # a look at the model: never fails a round
+        log.debug("round %d: no text sample: %s", round, e)
+        return None
+    return _CONTROL.sub("?", text)[:MAX_SAMPLE_CHARS]
 
 
 async def _recompute_if_amended(s: Session, latest: RoundView | None = None):

@@ -212,6 +212,24 @@ def test_page_shows_what_a_stuck_peer_waits_for(start_coordinator, tmp_path: Pat
 
 
 @needs_chromium
+def test_page_shows_what_the_model_writes(start_coordinator, tmp_path: Path):
+    """The newest text sample a peer sent with its validation loss, as text (markup stays text)."""
+    coordinator = start_coordinator()
+    text = "def __init__(self, <b>name</b>):\n    self.name = name"
+    with httpx.Client(base_url=coordinator.url, timeout=10) as client:
+        run_id, peers = start_run(client, 2)
+        for peer in peers:
+            assert peer.submit(run_id, 0).status_code == 200
+        response = peers[1].post(f"/v1/runs/{run_id}/rounds/0/applied",
+                                 {"params_digest": "ab" * 32, "val_loss": 3.5, "sample": text})
+        assert response.status_code == 200, response.text
+    dom, _ = open_page(f"{coordinator.url}/?run={run_id}", tmp_path, "sample")
+    assert f'<div id="sample-info" class="muted">after round 0, from {peers[1].peer_id}</div>' in dom
+    escaped = text.replace("<", "&lt;").replace(">", "&gt;")
+    assert f'<pre id="sample">{escaped}</pre>' in dom and "<b>name</b>" not in dom
+
+
+@needs_chromium
 def test_page_of_a_finished_one_round_run(start_coordinator, tmp_path: Path):
     coordinator = start_coordinator()
     with httpx.Client(base_url=coordinator.url, timeout=10) as client:

@@ -18,8 +18,8 @@ import torch
 
 from locoswarm.cli import main as locoswarm
 from node.cli import demo
-from node.cli.generate import (ByteTokenizer, GenerateError, SampleConfig, generate_ids, generate_text,
-                               load_checkpoint_model, run_tokenizer)
+from node.training.sampling import (ByteTokenizer, GenerateError, SampleConfig, generate_ids, generate_text,
+                                    load_checkpoint_model, run_tokenizer)
 from node.training.checkpoint import save_checkpoint
 from node.training.model import PRESETS, build_model
 from tests.fixtures.coordinator import REPO_ROOT
