@@ -103,7 +103,10 @@ Rules (the contract is written out in `protocol.http`):
      did got the packet: the fault is the reporters' links, and they catch up from a snapshot
      rather than take the packet from everyone (one peer that can fetch nothing must not empty
      every manifest).
-  An entry still undecided when its round falls out of the report window stays. Entries due
+  An entry still undecided when its round falls out of the report window stays. A round older
+  than the window whose state nobody agreed since (no agreed digest at or after it: the swarm was
+  down for more rounds than the window, and back before its heartbeat time-out) still takes
+  reports, applied at once (rule 1): amending it is the only way on. Entries due
   together make one new version: ``manifest_version`` + 1, the entries recorded in
   ``dropped_entries`` with the reason (which rule), and a new vote on the new version (majority
   and agreed digest null until its votes come; an emptied round takes its start's, see "Agreed
@@ -821,7 +824,7 @@ class CoordinatorService:
             run = self.views.require_run(run_id)
             self._require_live_member(run_id, reporter_id)
             self._closed_round(run_id, round_index)
-            if round_index < run.current_round - MISSING_REPORT_ROUNDS:
+            if round_index < run.current_round - MISSING_REPORT_ROUNDS and self._settled_past(run_id, round_index):
                 raise errors.RoundTooOld(
                     f"round {round_index} closed over {MISSING_REPORT_ROUNDS} rounds ago (open: {run.current_round});"
                     " its packets may be forgotten: catch up from a snapshot"
@@ -909,6 +912,14 @@ class CoordinatorService:
         log.warning("run %s round %d: manifest version %d drops %s", run_id, round_index, version,
                     "; ".join(f"{entry}: {reason}" for entry, reason in sorted(due.items())))
         self._changed.add(run_id)
+
+    def _settled_past(self, run_id: str, round_index: int) -> bool:
+        """Whether the swarm agreed a state at or after round r, so a peer catches up past it from a
+        snapshot. While it has not (every round since closed with nobody applying: a swarm down
+        for more than MISSING_REPORT_ROUNDS deadlines, back before its heartbeat time-out), round r's
+        missing entries are still taken, however old: amending r is the only way on."""
+        latest = self.storage.latest_agreed_round(run_id)
+        return latest is not None and latest.round >= round_index
 
     def _status_of(self, run_id: str, peer_id: str) -> str:
         peer = self.storage.get_peer(run_id, peer_id)

@@ -155,6 +155,9 @@ def test_hostile_and_early_reports_are_refused(coordinator_client, fake_clock):
         for peer in (a, b, c, w):
             peer.submit(run_id, r)
     assert round_of(client, run_id, 5)["state"] == "closed"
+    for peer in (a, b, c):  # the swarm went on: a later state is agreed, a snapshot of it is the way past
+        assert applied(peer, run_id, 3, "cd" * 32).status_code == 200
+    assert round_of(client, run_id, 3)["agreed_digest"] == "cd" * 32
     assert error_of(missing(a, run_id, 0, w)) == "round_too_old"
     assert missing(a, run_id, 2, w).status_code == 200
     assert round_of(client, run_id, 0)["manifest_version"] == 1

@@ -15,6 +15,7 @@ from coordinator import recovery
 from coordinator.schema import CREATE_MIGRATIONS_TABLE, MIGRATIONS
 from coordinator.storage import open_storage
 from coordinator.terminal import render_status
+from protocol.http import MISSING_REPORT_ROUNDS
 from tests.fixtures.coordinator import SignedPeer, create_run, error_of
 from tests.unit.test_coordinator_rounds import peers_for, round_of
 
@@ -58,10 +59,10 @@ def everyone_gone(client, fake_clock, run_id: str, peers: list[SignedPeer]) -> N
     assert status["recovery"] is not None
 
 
-def round_1_closed_with_a_and_b(client, fake_clock):
+def round_1_closed_with_a_and_b(client, fake_clock, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
     """Three peers; round 0 applied and agreed by all (D0); round 1 closed at its deadline with the
     packets of a and b only (c never submitted), before anyone's heartbeat timed out."""
-    run_id = create_run(client, {"membership.min_peers": 3, "membership.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+    run_id = create_run(client, {"membership.min_peers": 3, "membership.heartbeat_timeout_s": heartbeat_timeout_s,
                                  "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S}})
     a, b, c = peers_for(client, fake_clock, run_id, 3)
     for peer in (a, b, c):
@@ -332,3 +333,23 @@ def test_a_database_from_before_detail_gains_the_column(tmp_path):
         assert peer.activity == "stuck" and peer.detail is None
     finally:
         storage.close()
+
+
+def test_a_round_nobody_got_past_takes_reports_however_old(coordinator_client, fake_clock):
+    """The swarm died after round 1 closed and stayed away for more rounds than the report window,
+    but less than the heartbeat time-out: the rounds after 1 closed empty and nothing was agreed
+    since round 0. Round 1's lost entries are still taken (there is no later state to catch up to),
+    and amending it empty lets every round after it agree on round 0's state."""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock, heartbeat_timeout_s=3600.0)
+    for _ in range(MISSING_REPORT_ROUNDS + 2):
+        fake_clock.advance(DEADLINE_S + 1)
+        status_of(client, run_id)  # each read closes the round past its deadline
+    history = history_of(client, run_id)
+    assert max(history) >= 1 + MISSING_REPORT_ROUNDS + 1 and all(h["agreed_digest"] is None
+                                                                  for r, h in history.items() if r >= 1)
+    for author in (a, b):
+        answer = report_missing(author, run_id, 1, lost_own=True)
+        assert answer.status_code == 200, answer.text
+    history = history_of(client, run_id)
+    assert all(h["agreed_digest"] == D0 for h in history.values()), "round 1 emptied: every later round keeps D0"
