@@ -12,33 +12,11 @@ forward would use that stale copy); the next round trains from it.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
-import torch.multiprocessing as mp
+
+from tests.fixtures.ranks import spawn_ranks
 
 WORLD = 2
-
-
-
-def _worker(rank: int, rendezvous: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    # A file rendezvous: no port to pick and lose to another test between the pick and the bind.
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
-        _check(rank)
-    finally:
-        dist.destroy_process_group()
-    # Passed: leave without the interpreter's teardown. Twice in fresh-clone CI runs (never in 24
-    # runs alone, two at a time) rank 0 aborted with "terminate called without an active exception"
-    # and no assertion reported: a C++ thread still joinable when something was destroyed, most
-    # likely at exit. If the abort comes during the checks, this does not hide it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _check(rank: int) -> None:
@@ -95,4 +73,4 @@ def _check(rank: int) -> None:
 
 
 def test_fsdp_ranks_encode_and_apply_like_one_rank(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True)
+    spawn_ranks(_check, tmp_path, world_size=WORLD)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 
 import pytest
+
+from tests.fixtures.ranks import spawn_ranks
 import torch
-import torch.multiprocessing as mp
 
 from node.training.outer import OuterConfig, SparseLoCoOuter
 from node.training.params import param_digest
@@ -40,18 +41,6 @@ ROUNDS = 3
 def _full(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g) * scale for name, shape in SHAPES.items()}
-
-
-def _worker(rank: int, rendezvous: str, cfg: OuterConfig) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    # A file rendezvous: no port to pick and lose to another test between the pick and the bind.
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
-        _check(rank, cfg)
-    finally:
-        dist.destroy_process_group()
 
 
 def _check(rank: int, cfg: OuterConfig) -> None:
@@ -122,4 +111,4 @@ def test_layout_alignment_follows_fsdp_rows():
 @pytest.mark.parametrize("cfg", [OuterConfig(), OuterConfig(aggregation="mean", outer_lr=0.7, error_decay=0.9)],
                          ids=["median_clip", "mean_lr0.7"])
 def test_two_ranks_match_one_rank_bit_for_bit(cfg, tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), cfg), nprocs=WORLD, join=True)
+    spawn_ranks(_check, tmp_path, cfg, world_size=WORLD)

@@ -12,8 +12,9 @@ is 2 eps * max|v| (`ROUNDING` = 2^-22 for float32 buffers), with rtol 0.
 from __future__ import annotations
 
 import pytest
+
+from tests.fixtures.ranks import spawn_ranks
 import torch
-import torch.multiprocessing as mp
 
 from kernels.chunking import chunk_layout
 from kernels.sparse import decompress, error_feedback_step, restore_sent
@@ -204,17 +205,6 @@ SHARDED_SHAPES = {
 WORLD = 2
 
 
-def _sharded_worker(rank: int, rendezvous: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
-    try:
-        _check_sharded(rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def _check_sharded(rank: int) -> None:
     """Each rank's buffer rows after a return equal the 1-rank node's bit for bit, and so its folded
     buffer to rounding; a damaged packet is refused on every rank and changes no row."""
@@ -265,4 +255,4 @@ def _check_sharded(rank: int) -> None:
 
 
 def test_a_multi_rank_node_returns_its_rows(tmp_path):
-    mp.spawn(_sharded_worker, args=(str(tmp_path / "rendezvous"),), nprocs=WORLD, join=True)
+    spawn_ranks(_check_sharded, tmp_path, world_size=WORLD)
