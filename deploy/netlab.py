@@ -37,6 +37,7 @@ from pathlib import Path
 from deploy.netlab_report import format_table, summarize
 from deploy.netlab_topology import (REPO_ROOT, SHAPERS, LabError, LinkSpec, Topology, cleanup_stale,
                                     lab_available, read_line)
+from node.cli.demo import progress_line
 from node.cli.processes import stop_processes
 
 
@@ -165,7 +166,7 @@ class LabSwarm:
                 status = self.status()
                 if finished_at is None and status["run"]["state"] != "running" and status["history"]:
                     finished_at = now
-                line = _progress_line(status)
+                line = progress_line(status, self.rounds)
                 if line != last_line:
                     self.say(line)
                     last_line = line
@@ -195,14 +196,6 @@ class LabSwarm:
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop every process this swarm started, nodes first, and what they left running (p2pd)."""
         stop_processes([*self.nodes, *([self.coordinator] if self.coordinator else [])], grace_s)
-
-
-def _progress_line(status: dict) -> str:
-    current = status.get("current_round") or {}
-    peers = [p for p in status.get("peers", []) if p["status"] == "live"]
-    activity = ", ".join(f"{p['peer_id'][:6]}:{p['activity']}" for p in peers)
-    return (f"round {current.get('round', status['run'].get('current_round'))} {current.get('state', status['run']['state'])}"
-            f" submitted {current.get('num_submitted', 0)}/{current.get('num_expected', 0)} | {activity}")
 
 
 def overlap_support() -> tuple[bool, str | None]:

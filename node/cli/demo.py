@@ -192,7 +192,7 @@ class LocalSwarm:
             if time.monotonic() > deadline:
                 raise TimeoutError("the swarm did not finish in time")
             status = self.status()
-            line = _progress_line(status, self.rounds)
+            line = progress_line(status, self.rounds)
             if line != last_line:
                 self._say(line)
                 last_line = line
@@ -258,7 +258,7 @@ def _sample(path: Path, preset: str) -> str | None:
         return None
 
 
-def _progress_line(status: dict, rounds: int) -> str:
+def progress_line(status: dict, rounds: int) -> str:
     """One line of the swarm's progress, true at the moment of `status` (the coordinator's status
     JSON, protocol/http.py RunStatus) for a run of `rounds` rounds (numbered from 0, as everywhere):
 

@@ -1,4 +1,4 @@
-"""The demo's progress line (node/cli/demo.py `_progress_line`) says what is true at each moment.
+"""The demo's progress line (node/cli/demo.py `progress_line`) says what is true at each moment.
 
 Each status is the real coordinator's status JSON (the app in-process with a fake clock, peers
 simulated by `SignedPeer`), taken where the line used to mislead: once the run finished (the open
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from node.cli.demo import _progress_line
+from node.cli.demo import progress_line
 from tests.fixtures.coordinator import ADMIN_HEADERS, SignedPeer, create_run
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +65,7 @@ def assert_counts_match_peers(line: str, status: dict) -> None:
 def test_waiting_for_peers(swarm):
     client, run_id, peers = swarm
     assert peers[0].join(run_id).status_code == 200
-    line = _progress_line(status_of(client, run_id), NUM_ROUNDS)
+    line = progress_line(status_of(client, run_id), NUM_ROUNDS)
     assert line == (f"waiting for peers: 1 live of the {NUM_PEERS} the run needs to start"
                     f" | {peers[0].peer_id[:7]}:joining")
 
@@ -76,7 +76,7 @@ def test_mid_round_counts_the_open_rounds_packets(swarm, fake_clock):
     peers[1].post(f"/v1/runs/{run_id}/heartbeat", {"round": 0, "state": "training", "inner_step": 7})
     submit_all(run_id, peers[:1], 0, fake_clock)
     status = status_of(client, run_id)
-    line = _progress_line(status, NUM_ROUNDS)
+    line = progress_line(status, NUM_ROUNDS)
     assert line.startswith("round 0 of 0-1 open: 1/3 submitted | "), line
     assert activities(line) == {peers[0].peer_id[:7]: "submitted", peers[1].peer_id[:7]: "training 7/15",
                                 peers[2].peer_id[:7]: "joining"}
@@ -88,7 +88,7 @@ def test_a_round_whose_peers_all_submitted_is_named_beside_the_next_ones_count(s
     join_all(client, run_id, peers)
     submit_all(run_id, peers, 0, fake_clock)  # round 0 closes on its last expected packet; round 1 opens
     status = status_of(client, run_id)
-    line = _progress_line(status, NUM_ROUNDS)
+    line = progress_line(status, NUM_ROUNDS)
     assert status["current_round"]["num_submitted"] == 0
     assert line.startswith("round 1 of 0-1 open: 0/3 submitted; round 0: 3 contributors, 0 applied, "
                            "mean loss 3.000 | "), line
@@ -96,7 +96,7 @@ def test_a_round_whose_peers_all_submitted_is_named_beside_the_next_ones_count(s
     assert_counts_match_peers(line, status)
 
     apply(run_id, peers, 0, fake_clock)
-    line = _progress_line(status_of(client, run_id), NUM_ROUNDS)
+    line = progress_line(status_of(client, run_id), NUM_ROUNDS)
     assert "round 0: 3 contributors, 3 applied" in line
     assert set(activities(line).values()) == {"applied r0"}  # applied round 0, not (yet) working on 1
 
@@ -111,7 +111,7 @@ def test_a_finished_run_says_so_with_its_last_rounds_figures(swarm, fake_clock):
     peers[2].post(f"/v1/runs/{run_id}/heartbeat", {"round": 1, "state": "serving"})
     status = status_of(client, run_id)
     assert status["run"]["state"] == "finished" and status["current_round"] is None
-    line = _progress_line(status, NUM_ROUNDS)
+    line = progress_line(status, NUM_ROUNDS)
     assert line.startswith("run finished after 2 rounds; round 1: 3 contributors, 2 applied, mean loss 3.000 | "), line
     assert activities(line) == {peers[0].peer_id[:7]: "applied r1", peers[1].peer_id[:7]: "applied r1",
                                 peers[2].peer_id[:7]: "serving r1"}
@@ -125,7 +125,7 @@ def test_a_run_whose_peers_all_stopped_says_it_is_paused(swarm, fake_clock):
     submit_all(run_id, peers, 0, fake_clock)
     fake_clock.advance(100.0)  # past the heartbeat timeout: every peer is gone
     status = status_of(client, run_id)
-    line = _progress_line(status, NUM_ROUNDS)
+    line = progress_line(status, NUM_ROUNDS)
     assert line == f"run paused: {status['recovery']['message']}; round 0: 3 contributors, 0 applied, mean loss 3.000"
     assert "round 1" in status["recovery"]["message"]
 
@@ -136,7 +136,7 @@ def test_a_run_closed_by_its_operator_mid_round(swarm, fake_clock):
     submit_all(run_id, peers, 0, fake_clock)
     submit_all(run_id, peers[:1], 1, fake_clock)
     assert client.post(f"/v1/runs/{run_id}/close", headers=ADMIN_HEADERS).status_code == 200
-    line = _progress_line(status_of(client, run_id), NUM_ROUNDS)
+    line = progress_line(status_of(client, run_id), NUM_ROUNDS)
     # Round 1 closed with the one packet it had: the run's last round.
     assert line.startswith("run closed after 2 rounds; round 1: 1 contributor, 0 applied"), line
 
@@ -144,4 +144,4 @@ def test_a_run_closed_by_its_operator_mid_round(swarm, fake_clock):
 def test_a_run_closed_before_any_peer_came(swarm):
     client, run_id, _ = swarm
     assert client.post(f"/v1/runs/{run_id}/close", headers=ADMIN_HEADERS).status_code == 200
-    assert _progress_line(status_of(client, run_id), NUM_ROUNDS) == "run closed before any round closed"
+    assert progress_line(status_of(client, run_id), NUM_ROUNDS) == "run closed before any round closed"
