@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.storage import PeerRow, RoundRow, RunRow, Storage
-from protocol.http import HeldState, Recovery, Rewind
+from protocol.http import MISSING_REPORT_ROUNDS, HeldState, Recovery, Rewind
 from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
@@ -134,10 +134,15 @@ def _reopen(storage: Storage, run: RunRow, config: RunConfig, now: float, plan: 
         log.warning("run %s resumed at round %d: %s hold(s) its start", run.run_id, plan.round,
                     ", ".join(plan.holders))
     storage.update_run(run.run_id, **fields)
-    # The holders train the round at once, so it waits for them; the others catch up from them first.
+    # The holders train the round at once, so it waits for them, and so for the peers that hold an
+    # agreed state at most MISSING_REPORT_ROUNDS older: they replay up to it from the packets their
+    # authors kept, a moment behind (after a whole swarm restarted, the first replay to report
+    # resumes the run; the others must not find it closed on that one packet). The others catch up
+    # by snapshot and are expected from the next round. The deadline bounds the wait either way.
     for peer in live:
-        storage.update_peer(run.run_id, peer.peer_id,
-                            member_since_round=plan.round + (0 if peer.peer_id in plan.holders else 1))
+        replays = holds(storage, run.run_id, peer) and plan.round - peer.state_round <= MISSING_REPORT_ROUNDS
+        expected = peer.peer_id in plan.holders or replays
+        storage.update_peer(run.run_id, peer.peer_id, member_since_round=plan.round + (0 if expected else 1))
 
 
 def view(storage: Storage, run: RunRow, config: RunConfig, now: float,

@@ -106,13 +106,16 @@ def test_the_run_waits_for_the_newest_state_then_goes_back_to_the_newest_held(sw
     fake_clock.advance(1)
     body = status(client, run_id)
     assert body["recovery"] is None
-    assert body["current_round"]["round"] == 3 and body["current_round"]["num_expected"] == 1
+    # Expected: the holder, and the peer with round 2's agreed start (it replays round 2 first).
+    assert body["current_round"]["round"] == 3 and body["current_round"]["num_expected"] == 2
     assert [h["round"] for h in body["history"]] == [0, 1, 2], "round 3's result is gone with its holders"
     [rewind] = body["rewinds"]
     assert (rewind["from_round"], rewind["to_round"], rewind["at"]) == (4, 3, fake_clock())
     assert peers[1].peer_id in rewind["reason"]
-    # The run goes on from there: the holder trains round 3, the other joins at 4.
+    # The run goes on from there: the holder trains round 3; the other replays round 2 and trains it too.
     assert peers[1].submit(run_id, 3).status_code == 200
+    assert status(client, run_id)["current_round"]["round"] == 3, "waits for the peer replaying"
+    assert peers[0].submit(run_id, 3).status_code == 200
     assert status(client, run_id)["current_round"]["round"] == 4
     # A peer coming back later with the old round 4 start holds nothing agreed any more.
     assert storage.get_round(run_id, 3).majority_digest is None
@@ -177,5 +180,13 @@ def test_peers_back_with_an_older_checkpoint_resume_by_replaying_the_closed_roun
     body = status(client, run_id)
     assert body["recovery"] is None and body["current_round"]["round"] == 4 and body["rewinds"] == []
     assert [h["agreed_digest"] for h in body["history"]] == [digest(r + 1) for r in range(4)]
+    # The first to replay resumed the run; the others, a moment behind, are waited for all the same.
+    assert body["current_round"]["num_expected"] == 3
+    assert peers[0].submit(run_id, 4).status_code == 200
+    assert status(client, run_id)["current_round"]["round"] == 4, "not closed on the first replayer's packet"
+    for peer in peers[1:]:
+        assert peer.applied(run_id, 3, digest(4)).status_code == 200
+        assert peer.submit(run_id, 4).status_code == 200
+    assert status(client, run_id)["history"][4]["num_contributors"] == 3
     fake_clock.advance(WAIT_S + 1)
     assert status(client, run_id)["rewinds"] == []
