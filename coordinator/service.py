@@ -684,6 +684,10 @@ class CoordinatorService:
                 raise errors.UnknownManifestVersion(
                     f"round {round_index}'s manifest is at version {latest}, not {request.manifest_version}"
                 )
+            # Having applied round r the peer holds round r+1's start (coordinator/recovery.py: a paused
+            # run whose returning peers replay the last closed round resumes once one holds its start).
+            holds_next = ({"state_round": round_index + 1, "state_digest": request.params_digest}
+                          if (peer.state_round or 0) <= round_index + 1 else {})
             report = self.storage.get_applied(run_id, round_index, peer_id, request.manifest_version)
             if report is not None:
                 if report.params_digest != request.params_digest:
@@ -691,10 +695,9 @@ class CoordinatorService:
                         f"round {round_index} version {request.manifest_version}: this peer already reported"
                         f" digest {report.params_digest[:16]}; a report cannot be changed")
                 # A retry, or a node that replays after a restart what it reported before: answered as
-                # the first; it holds round r+1's start again (a paused run may wait for just that).
-                if (peer.state_round or 0) <= round_index + 1:
-                    self.storage.update_peer(run_id, peer_id, state_round=round_index + 1,
-                                             state_digest=request.params_digest)
+                # the first, and it holds round r+1's start again.
+                if holds_next:
+                    self.storage.update_peer(run_id, peer_id, **holds_next)
                 return self._applied_response(run_id, round_row, report)
             vote = self._is_vote(run_id, round_index, peer_id, request.manifest_version, self.views.config_of(run))
             refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
@@ -712,11 +715,7 @@ class CoordinatorService:
             # Unless it already said it works on a later round (with overlap it applies r after
             # training r+1): then its own word stands.
             progress = max(round_index + 1, peer.progress_round or 0)
-            # It now holds the start of round r+1 (coordinator/recovery.py: a paused run whose returning
-            # peers replay the last closed round resumes as soon as one holds the open round's start).
-            fields: dict = {"progress_round": progress, "detail": None}
-            if (peer.state_round or 0) <= round_index + 1:
-                fields |= {"state_round": round_index + 1, "state_digest": request.params_digest}
+            fields: dict = {"progress_round": progress, "detail": None, **holds_next}
             if (peer.progress_round or 0) <= round_index:
                 fields |= {"activity": "applied", "inner_step": None}
             self.storage.update_peer(run_id, peer_id, **fields)

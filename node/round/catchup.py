@@ -43,7 +43,7 @@ from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
 from node.round.coordinator_client import Refused
 from node.round.steps import CatchUpNeeded, PacketsGone, apply_manifest, serve_snapshot
-from protocol.http import MAX_REFUSED, RoundView, RunStatus
+from protocol.http import MAX_DETAIL_CHARS, MAX_REFUSED, RoundView, RunStatus
 
 log = logging.getLogger("locoswarm.node")
 
@@ -257,7 +257,7 @@ class GoneWaits:
         if lost_own:
             parts.append("this node's own (lost in a restart; reported)")
         line = f"round {round}: waiting for the packets of {', '.join(parts)}"
-        self.s.activity.state, self.s.activity.detail = "stuck", line[:200]
+        self.s.activity.state, self.s.activity.detail = "stuck", line[:MAX_DETAIL_CHARS]
         if line != self.said:
             log.warning("catch-up %s", line)
             self.said = line

@@ -31,14 +31,14 @@ from node.round import resume
 from node.round.catchup import catch_up
 from node.round.coordinator_client import CoordinatorClient, CoordinatorError, Refused
 from node.round.overlap import Pipeline
-from node.round.own_packets import HeldPacket, OwnPackets
+from node.round.own_packets import KEPT_ROUNDS, HeldPacket, OwnPackets
 from node.round.prefetch import Decoded, Prefetch
 from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
 from node.round.session import Clock, Session
 from node.round.steps import CatchUpNeeded, apply_and_report, apply_manifest, collect, send, train, wait_open
 from node.testing.faults import FaultInjector
-from protocol.http import MISSING_REPORT_ROUNDS, ErrorCode, JoinResponse, peer_id_from_public_key
+from protocol.http import ErrorCode, JoinResponse, peer_id_from_public_key
 from protocol.signing import PeerKey
 
 log = logging.getLogger("locoswarm.node")
@@ -416,14 +416,13 @@ async def serve_kept_packets(exchange: Exchange, own_packets: OwnPackets | None,
     restart, the only copies there may be: node/round/own_packets.py)."""
     if own_packets is None:
         return
-    oldest = joined.current_round - MISSING_REPORT_ROUNDS - 1
     kept = await asyncio.to_thread(own_packets.held, joined.run_id, joined.peer_id)
-    for packet in kept:
-        if packet.round >= oldest:
-            await exchange.publish(packet.round, joined.peer_id, packet.payload)
-    if served := [p.round for p in kept if p.round >= oldest]:
+    served = [p for p in kept if p.round >= joined.current_round - KEPT_ROUNDS]
+    for packet in served:
+        await exchange.publish(packet.round, joined.peer_id, packet.payload)
+    if served:
         log.info("serving this node's packet%s of round%s %s again, kept on disk", "" if len(served) == 1 else "s",
-                 "" if len(served) == 1 else "s", ", ".join(map(str, served)))
+                 "" if len(served) == 1 else "s", ", ".join(str(p.round) for p in served))
 
 
 def held_packet(s: Session, round: int, base_digest: str) -> HeldPacket | None:
@@ -443,7 +442,7 @@ def held_packet(s: Session, round: int, base_digest: str) -> HeldPacket | None:
 async def forget_final(s: Session, applied_round: int) -> None:
     """Drop what only an amendment of a round could need, once the round is past the coordinator's
     window for amendments: this session's sent packets and the packets kept on disk."""
-    oldest = applied_round - MISSING_REPORT_ROUNDS - 1
+    oldest = applied_round - KEPT_ROUNDS
     for r in [r for r in s.sent if r < oldest]:
         del s.sent[r]
     if s.own_packets is not None:

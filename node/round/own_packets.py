@@ -32,9 +32,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.durable import fsync_dir, replace_synced
+from protocol.http import MISSING_REPORT_ROUNDS
+
 log = logging.getLogger("locoswarm.node")
 
 _NAME = re.compile(r"^round-(\d{1,10})\.json$")
+# Rounds back from the newest whose packets may still be asked for: the coordinator's window for
+# missing reports (and so amendments), plus the round being applied.
+KEPT_ROUNDS = MISSING_REPORT_ROUNDS + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +83,9 @@ class OwnPackets:
         self.directory.mkdir(parents=True, exist_ok=True)
         meta = {"round": round, "digest": digest, "run_id": run_id, "peer_id": peer_id, "base_digest": base_digest,
                 "train_loss": train_loss, "compute_s": compute_s, "size_bytes": len(payload)}
-        _write_atomic(data_path, payload)
-        _write_atomic(meta_path, json.dumps(meta, sort_keys=True).encode())
-        _fsync_dir(self.directory)
+        replace_synced(data_path, payload)
+        replace_synced(meta_path, json.dumps(meta, sort_keys=True).encode())
+        fsync_dir(self.directory)
         return digest
 
     def load(self, round: int) -> HeldPacket | None:
@@ -127,20 +133,3 @@ class OwnPackets:
                     pass
                 except OSError as e:
                     log.warning("round %d: cannot delete the kept packet %s: %s", r, path, e)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    with open(staging, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(staging, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

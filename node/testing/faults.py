@@ -193,10 +193,7 @@ class FaultInjector:
                 continue
             if phase is Phase.TRANSFER and exchange is not None and peer_id is not None:
                 await self._wait_for_copy(exchange, round, peer_id, spec.wait_s)
-            log.warning("fault injection: crash (SIGKILL) in round %d, phase %s", round, phase.value)
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            _crash(f"in round {round}, phase {phase.value}")
 
     @staticmethod
     async def _wait_for_copy(exchange, round: int, peer_id: str, wait_s: float) -> None:
@@ -212,13 +209,7 @@ class FaultInjector:
         if not any(spec.phase is Phase.CHECKPOINT for spec in self._firing(Fault.CRASH, round)):
             return None
 
-        def crash() -> None:
-            log.warning("fault injection: crash (SIGKILL) in round %d while writing the checkpoint", round)
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        return crash
+        return lambda: _crash(f"in round {round} while writing the checkpoint")
 
     async def pad_compute(self, round: int, compute_s: float) -> float:
         """slow-compute: idle until the inner steps took min_s; return the round's compute time."""
@@ -384,3 +375,11 @@ class _Proxy:
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
+
+
+def _crash(where: str) -> None:
+    """SIGKILL this process, its log flushed first (the line says where it died)."""
+    log.warning("fault injection: crash (SIGKILL) %s", where)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), signal.SIGKILL)

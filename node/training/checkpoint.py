@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from node.durable import fsync_dir, write_synced
 from node.training.params import param_digest
 
 FORMAT_VERSION = 2
@@ -91,21 +92,6 @@ def _reason(error: Exception) -> str:
     return "disk full" if any(f"os error {code})" in str(error) for code in disk_full) else str(error)
 
 
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_file(path: Path, write) -> None:
-    write(path)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def save_checkpoint(
     directory: str | os.PathLike,
     round: int,
@@ -151,16 +137,16 @@ def save_checkpoint(
     try:
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
-        _write_file(staging / PARAMS_FILE, lambda p: save_file(params, p))
-        _write_file(staging / STATE_FILE, lambda p: save_file(state, p))
-        _write_file(staging / META_FILE, lambda p: p.write_text(meta_text))
-        _fsync_dir(staging)
+        write_synced(staging / PARAMS_FILE, lambda p: save_file(params, p))
+        write_synced(staging / STATE_FILE, lambda p: save_file(state, p))
+        write_synced(staging / META_FILE, lambda p: p.write_text(meta_text))
+        fsync_dir(staging)
         if directory.exists():
             os.replace(directory, aside)
         if midway is not None:
             midway()
         os.replace(staging, directory)
-        _fsync_dir(directory.parent)
+        fsync_dir(directory.parent)
     except (OSError, SafetensorError) as error:
         # safetensors reports its own I/O failures as SafetensorError("... (os error N) ...").
         shutil.rmtree(staging, ignore_errors=True)
