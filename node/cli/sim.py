@@ -109,13 +109,10 @@ def run_cli(args: argparse.Namespace) -> int:
     from node.training.data import DataError
 
     try:
-        # The summary and figure are written here, not by simulate(): the figure is this module's,
-        # and matplotlib is optional.
-        summary = simulate(cfg, None, show_progress=True)
+        summary = simulate(cfg, show_progress=True)
     except DataError as e:  # data missing, malformed, or not what the model embeds: the message says what to do
         raise SystemExit(f"error: {e}") from None
-    out.mkdir(parents=True, exist_ok=True)
-    (out / sim_plot.SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    write_summary(summary, out)
     _print_results(summary, args.json)
     drawn = _draw(summary, figure, required=bool(args.plot))
     if not args.json:
@@ -164,6 +161,14 @@ def _check_plot_path(figure: Path) -> None:
         sim_plot.check_matplotlib()
     except sim_plot.PlotError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def write_summary(summary: dict, out: Path) -> Path:
+    """A run's summary as OUT/summary.json, which `--from-out` reads back; its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / sim_plot.SUMMARY_FILE
+    path.write_text(json.dumps(summary, indent=2))
+    return path
 
 
 def _draw(summary: dict, figure: Path, required: bool) -> bool:

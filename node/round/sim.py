@@ -22,8 +22,8 @@ verdicts and standings follow protocol/scoring.py, as the coordinator's do: a pe
 round r has its packets left out from round r+1 on (the coordinator refuses its submissions). The
 result lists the exclusions (`excluded`: peer -> first round left out) and the final standings.
 
-It writes `summary.json` and `val_loss.png` (validation loss against tokens seen by the whole
-swarm) to --out, and prints a table, or one JSON object with --json.
+`simulate` returns the summary; `locoswarm sim` (node/cli/sim.py) writes it to --out with its
+figure (node/cli/sim_plot.py) and prints a table, or one JSON object with --json.
 
 Bytes sent per peer per round: the packet for sparseloco; the fp32 delta for diloco; for ddp,
 what a ring all-reduce of fp32 gradients sends per peer over H steps, 2 (R-1)/R * 4 * numel * H.
@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -296,7 +295,9 @@ def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
     return result
 
 
-def simulate(cfg: SimConfig, out_dir: Path | None = None, show_progress: bool = True) -> dict:
+def simulate(cfg: SimConfig, show_progress: bool = True) -> dict:
+    """Every strategy of `cfg` on the same model and data; the summary (`locoswarm sim` writes it
+    and draws its figure: node/cli/sim.py, node/cli/sim_plot.py)."""
     import torch
     from tqdm import tqdm
 
@@ -319,31 +320,5 @@ def simulate(cfg: SimConfig, out_dir: Path | None = None, show_progress: bool = 
                 results[algo] = run_ddp(cfg, corpus, progress)
             else:
                 results[algo] = run_local_updates(algo, cfg, corpus, progress)
-    summary = {"config": cfg.model_dump(mode="json"), "corpus": corpus.description,
-               "strategies": {a: asdict(r) for a, r in results.items()}}
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        _plot(results, out_dir / "val_loss.png", cfg)
-    return summary
-
-
-def _plot(results: dict[str, StrategyResult], path: Path, cfg: SimConfig) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for algo, r in results.items():
-        tokens, losses = zip(*r.curve)
-        ax.plot([t / 1e6 for t in tokens], losses, marker="o", ms=3,
-                label=f"{algo} ({r.bytes_sent_per_peer_per_round / 1e6:.3g} MB/peer/round)")
-    ax.set_xlabel("tokens seen by the swarm (millions)")
-    ax.set_ylabel(f"validation loss (nats/{'token' if cfg.tokenizer_id else 'byte'})")
-    ax.set_title(f"{cfg.num_peers} peers, H={cfg.inner_steps}, preset {cfg.preset}, top_k {cfg.top_k}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return {"config": cfg.model_dump(mode="json"), "corpus": corpus.description,
+            "strategies": {a: asdict(r) for a, r in results.items()}}

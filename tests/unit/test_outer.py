@@ -12,6 +12,8 @@ from kernels.sparse import median_clip_scales, scatter_mean
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
 from node.training.params import flat_named_params, param_digest
+from node.cli.sim import write_summary
+from node.cli.sim_plot import plot_summary
 from node.round.sim import SimConfig, simulate
 from protocol.packet import decode_packet
 from protocol.signing import PeerKey
@@ -162,7 +164,9 @@ def test_diloco_outer_step_is_nesterov_sgd():
 def test_simulator_smoke(tmp_path):
     cfg = SimConfig(preset="tiny", num_peers=2, inner_steps=2, num_rounds=2, batch_size=2, seq_len=32,
                     eval_every_rounds=1, eval_batches=1, threads=1)
-    summary = simulate(cfg, tmp_path, show_progress=False)
+    summary = simulate(cfg, show_progress=False)
+    write_summary(summary, tmp_path)  # as `locoswarm sim` writes it, with its figure
+    plot_summary(summary, tmp_path / "val_loss.png")
     for algo in ("sparseloco", "diloco", "ddp"):
         r = summary["strategies"][algo]
         assert r["tokens"] == 2 * 2 * 2 * 2 * 32
@@ -178,7 +182,7 @@ def test_overlap_keeps_the_global_model_identical_and_learns(tmp_path):
     otherwise) and the model still learns; the local model is global minus own in-flight update."""
     cfg = SimConfig(algos=("sparseloco",), preset="tiny", num_peers=2, inner_steps=3, num_rounds=3, batch_size=2,
                     seq_len=32, eval_every_rounds=1, eval_batches=1, threads=1, overlap=True)
-    r = simulate(cfg, None, show_progress=False)["strategies"]["sparseloco"]
+    r = simulate(cfg, show_progress=False)["strategies"]["sparseloco"]
     assert r["final_val_loss"] < r["curve"][0][1]
 
 

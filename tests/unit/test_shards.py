@@ -184,7 +184,7 @@ def test_sim_trains_on_prepared_shards(prepared, single_thread):
 
     cfg = SimConfig(algos=("sparseloco",), preset="tiny", num_peers=2, inner_steps=2, num_rounds=1, batch_size=2,
                     seq_len=32, eval_batches=1, data=prepared.out_dir, threads=1)
-    summary = simulate(cfg, out_dir=None, show_progress=False)
+    summary = simulate(cfg, show_progress=False)
     assert summary["config"]["vocab_size"] == 700
     assert summary["config"]["tokenizer_id"] == prepared.tokenizer_id
     assert np.isfinite(summary["strategies"]["sparseloco"]["final_val_loss"])

@@ -133,7 +133,7 @@ def test_without_matplotlib(tiny_run, tmp_path, capsys, monkeypatch):
     assert str(refused.value.code) == "error: drawing the figure needs matplotlib: pip install 'locoswarm[plot]'"
 
     saved = sim_plot.read_summary(tiny_run[0])
-    monkeypatch.setattr(sim_cli, "simulate", lambda cfg, out_dir, show_progress: saved)
+    monkeypatch.setattr(sim_cli, "simulate", lambda cfg, show_progress: saved)
     assert locoswarm(["sim", *TINY, "--out", str(tmp_path / "run")]) == 0
     captured = capsys.readouterr()
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == saved
