@@ -83,11 +83,11 @@ th { color: #6b7280; font-weight: 600; }
 <pre id="sample"></pre></section>
 <section class="wide"><h2>Peers</h2><table id="peers"><thead><tr>
 <th>peer</th><th>#</th><th>state</th><th>activity</th><th>device</th><th>last loss</th>
-<th>bandwidth</th><th>lag</th><th>score</th><th>flags / reason</th></tr></thead><tbody></tbody></table>
+<th>bandwidth</th><th>lag</th><th>score</th><th>credit</th><th>flags / reason</th></tr></thead><tbody></tbody></table>
 </section>
 <section class="wide"><h2>Recent rounds</h2><table id="history"><thead><tr>
 <th>round</th><th>contributors</th><th>mean loss</th><th>val loss</th><th>round time</th><th>tokens</th>
-<th>packet bytes</th><th>vs dense</th><th>applied</th><th>agreed digest</th><th>refused packets</th></tr></thead>
+<th>packet bytes</th><th>vs dense</th><th>applied</th><th>agreed digest</th><th>disputes, refused packets</th></tr></thead>
 <tbody></tbody></table></section>
 </main>
 <script>
@@ -128,6 +128,7 @@ function cell(row, value, cls) {
   td.textContent = value;
   if (cls) td.className = cls;
   row.appendChild(td);
+  return td;
 }
 function svg(tag, attrs, content) {
   const el = document.createElementNS(SVG_NS, tag);
@@ -384,6 +385,9 @@ function render(s) {
     const sc = p.score;
     cell(row, sc ? "dloss " + text(sc.loss_delta, 3) + " cos " + text(sc.cosine, 2) +
       (sc.num_hurt ? " (" + sc.num_hurt + "/" + sc.num_rounds + " hurt)" : "") : "-", sc && sc.num_hurt ? "flag" : "muted");
+    // Credit (protocol/scoring.py, rule 5): standing earned by useful work, its weight as judge and voter.
+    const credit = cell(row, p.credit, p.credit ? "" : "muted");
+    credit.title = p.credit_reason || "";
     const note = p.flags.map(f => f + (p.mismatch_round !== null ? " @" + p.mismatch_round : ""));
     if (p.excluded) note.push("excluded: " + p.excluded_reason);
     if (p.reason) note.push(p.reason);
@@ -409,6 +413,10 @@ function render(s) {
     cell(row, h.agreed_digest ? h.agreed_digest.slice(0, 16)
       : h.majority_digest ? h.majority_digest.slice(0, 16) + " (provisional)" : "-", h.agreed_digest ? "" : "muted");
     const refused = Object.entries(h.refused || {}).map(([p, why]) => p + ": " + why);
+    // A dispute (coordinator/disputes.py): the digests the votes named, and what the recomputation found.
+    if (h.dispute) refused.unshift("dispute: " + h.dispute.sides.map(d => d.digest.slice(0, 12) + " by " +
+      d.peers.length + " (credit " + d.credit + (d.chunks && d.chunks.length ? ", chunks " + d.chunks.join(",") : "") +
+      ")").join(" vs ") + "; " + h.dispute.verdict);
     cell(row, refused.length ? refused.join("; ") : "-", refused.length ? "flag" : "muted");
     hist.appendChild(row);
   }

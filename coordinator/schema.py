@@ -223,6 +223,18 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         # A text sample of the model a peer sent with its validation loss (NULL: none).
         ("ALTER TABLE applied ADD COLUMN sample TEXT",),
     ),
+    (
+        13,
+        # Truth by standing, not headcount (coordinator/service.py, "Agreed digests"): the leaf hashes of
+        # the digest an applied report names (hex; NULL: sent none), a peer's credit (protocol/scoring.py
+        # rule 5, also in its standing JSON: here for the tally's query), and a round's dispute as
+        # decided (JSON; NULL: none).
+        (
+            "ALTER TABLE applied ADD COLUMN leaves TEXT",
+            "ALTER TABLE peers ADD COLUMN credit BIGINT NOT NULL DEFAULT 0",
+            "ALTER TABLE rounds ADD COLUMN dispute TEXT",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

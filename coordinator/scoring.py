@@ -28,7 +28,7 @@ from coordinator import errors
 from coordinator.storage import PeerRow, RoundRow, Storage
 from protocol.http import AppliedRequest
 from protocol.run_config import RunConfig
-from protocol.scoring import Score, ScoringRule, Standing, round_verdicts, update_standing
+from protocol.scoring import Score, ScoringRule, Standing, round_verdicts, update_standing, wrong_digest
 
 log = logging.getLogger("locoswarm.coordinator")
 
@@ -63,7 +63,9 @@ def judge_round(storage: Storage, round_row: RoundRow, config: RunConfig) -> dic
                for a in storage.list_applied(run_id, round_index)
                if a.vote and a.manifest_version == round_row.manifest_version and a.scores}
     excluded = {}
-    for peer_id, verdict in round_verdicts(reports, _contributors(storage, round_row), rule).items():
+    contributors = _contributors(storage, round_row)
+    credit = {p.peer_id: p.credit for p in storage.list_peers(run_id) if p.peer_id in contributors}
+    for peer_id, verdict in round_verdicts(reports, contributors, rule, credit).items():
         peer = storage.get_peer(run_id, peer_id)
         if peer is None:
             continue
@@ -71,13 +73,28 @@ def judge_round(storage: Storage, round_row: RoundRow, config: RunConfig) -> dic
         new = update_standing(standing, round_index, verdict, rule)
         if new == standing:
             continue
-        fields: dict = {"standing": new.to_json()}
+        fields: dict = {"standing": new.to_json(), "credit": new.credit}
         if new.excluded_at is not None and new.excluded_at != standing.excluded_at:
             fields["excluded_round"] = new.excluded_at
             excluded[peer_id] = new.reason
             log.warning("run %s: %s excluded after round %d: %s", run_id, peer_id, round_index, new.reason)
         storage.update_peer(run_id, peer_id, **fields)
     return excluded
+
+
+def exclude_for_wrong_digest(storage: Storage, run_id: str, peer_id: str, round_index: int, reason: str,
+                             config: RunConfig) -> None:
+    """A contributor reported a digest of round r that the peers of credit did not compute: it loses its
+    credit (so its votes weigh nothing, in round r and every round still undecided) and is excluded."""
+    peer = storage.get_peer(run_id, peer_id)
+    if peer is None:
+        return
+    standing = Standing.from_json(peer.standing)
+    if standing.code == "wrong_digest" and standing.exclusion(round_index + 1) is not None:
+        return
+    new = wrong_digest(standing, round_index, reason, ScoringRule.from_section(config.scoring))
+    storage.update_peer(run_id, peer_id, standing=new.to_json(), credit=0, excluded_round=round_index)
+    log.warning("run %s: %s excluded after round %d: %s", run_id, peer_id, round_index, new.reason)
 
 
 def check_submission(storage: Storage, peer: PeerRow, round_index: int) -> None:

@@ -31,26 +31,41 @@ Rules (the contract is written out in `protocol.http`):
   least 1 s), at most until the deadline. Without it a newcomer, which starts each round a replay
   behind, loses every race by a fraction of a second and never contributes. A key that claims to
   train and never submits costs each round at most that quarter, for its first K rounds only.
-- Agreed digests (DESIGN.md, "Agreed state"). After applying round r every peer reports its
-  parameter digest for the manifest version it applied; one report per peer, round and version,
-  immutable (the same again is answered as the first time, another digest is refused
-  ``conflicting_report``). A report is a vote when its peer's packet is in that version of the
-  manifest (and, with ``membership.vote_after_rounds`` K > 0, in K earlier rounds' manifests);
-  other reports are kept, shown and flagged when they differ, but never count, so keys that never
-  trained cannot outvote the peers that did. Over the votes on the latest version, the majority
-  (`tally`) is agreed once it has at least two votes and more than half of the round's
-  contributors (no later vote can overturn that), or once the round is settled - round r+1 has
-  closed, so every honest contributor has voted, since it applies r before training r+1 (r+2 with
+- Agreed digests (DESIGN.md, "Agreed state"): truth by standing, not by headcount. After applying
+  round r every peer reports its parameter digest for the manifest version it applied, with the
+  digest's hash tree (`AppliedRequest.tree`, checked to hash to it); one report per peer, round
+  and version, immutable (the same again is answered as the first time, another digest is
+  refused ``conflicting_report``). A report is a vote when its peer's packet is in that version
+  of the manifest (and, with ``membership.vote_after_rounds`` K > 0, in K earlier rounds'
+  manifests), and void (`_forked`) when none of its peer's reports of round r-1 names r-1's
+  agreed digest on r-1's latest version: it applied r from another start (an amendment learnt
+  late), so it neither votes nor disputes. Votes weigh their peer's credit, standing earned by
+  useful work (protocol/scoring.py, rule 5; new keys have none), so keys that sent empty updates
+  or noise, however many, weigh nothing (`tally`): with C the credit of the round's contributors,
+  the leading digest is agreed once at least two votes of credit back it with more than C/2 (no
+  later vote can overturn that), or once the round is settled - round r+1 has closed, so every
+  honest contributor has voted, since it applies r before training r+1 (r+2 with
   ``outer.overlap``, whose nodes train r+1 before applying r: `settle_lag`) - with more than half
-  of the votes cast. Until then it is provisional. Decision for a round with exactly one
-  contributor: its lone vote is provisional until r+1 closes, then agreed, so a solo honest peer
-  goes on (it never waits for agreement) and a newcomer catches up from its snapshot one round
-  later; that peer is trusted exactly as far as its packet made the round. Likewise a round whose
-  other contributors died before voting settles on the votes it has. The last round of a run that
-  ended is never settled (agreed by a contributor majority only). An agreed digest never changes:
-  only an amendment (a new manifest version) starts a new vote. Everything that trusts a digest
-  (the join's snapshot source, a returning peer's state, ``params_mismatch`` flags, nodes'
-  snapshots and checkpoints) trusts the agreed one only. A closed round whose latest manifest has
+  of the credit cast. While no contributor has credit (a run's first round, before any verdict;
+  ``outer.overlap``, whose nodes judge nobody) a digest is agreed only when every vote names it,
+  once every contributor voted or the round settled: a dispute waits, and credit decides it when
+  the next verdicts come (`_count_votes` weighs every round still undecided again). With
+  ``scoring.enabled`` false it is a headcount as before standing existed (two votes and more than
+  half of the contributors, or more than half of those cast once settled): an operator who turns
+  scoring off trusts every key. Until agreed a majority is provisional. A contributor whose vote
+  differs from the agreed digest, then or later, is excluded (`wrong_digest`: its credit is gone,
+  so its votes weigh nothing in every round still undecided) and the dispute is recorded with the
+  chunks each side's leaves differ in (coordinator/disputes.py). Every contributor computed the
+  whole outer step from r's start and r's packets, a recomputation of every chunk: the verdict is
+  that of the peers with credit. A made-up digest is backed by no peer that did useful work, so it
+  is never agreed. Decision for a round with exactly one contributor: its lone vote is agreed
+  when r+1 closes, so a solo honest peer goes on (it never waits for agreement) and a newcomer
+  catches up from its snapshot one round later. Likewise a round whose other contributors died
+  before voting settles on the votes it has. The last round of a run that ended is never settled
+  (agreed early only). An agreed digest never changes: only an amendment (a new manifest
+  version) starts a new vote. Everything that trusts a digest (the join's snapshot source, a
+  returning peer's state, ``params_mismatch`` flags, nodes' snapshots and checkpoints) trusts the
+  agreed one only. A closed round whose latest manifest has
   no entry (nobody submitted, or amendments dropped them all) changes no parameter, so nobody
   votes on it: its majority and agreed digest are its start's, round r-1's agreed digest, set as
   soon as that is known (when r closes, when an amendment empties it, or when r-1's is agreed
@@ -143,9 +158,9 @@ import secrets
 import time
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
-from coordinator import errors, recovery, scoring
+from coordinator import disputes, errors, recovery, scoring
 from coordinator.join_guard import JoinGuard, check_proof, period_of, salt_of
 from coordinator.storage import AppliedRow, DroppedRow, MissingReportRow, PeerRow, RoundRow, RunRow, Storage, SubmissionRow
 from coordinator.views import Views
@@ -163,6 +178,8 @@ NONCE_PRUNE_INTERVAL_S = 30.0
 NEWCOMER_GRACE_FRACTION = 0.25
 NEWCOMER_GRACE_MIN_S = 1.0
 NEWCOMER_STEP_STATES = frozenset({"training", "encoding", "submitting"})
+# How far back a change of credit weighs the votes of undecided rounds again (see "Agreed digests").
+RETALLY_ROUNDS = 16
 
 
 def hash_join_token(token: str) -> str:
@@ -703,7 +720,7 @@ class CoordinatorService:
             refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
             report = AppliedRow(run_id, round_index, peer_id, request.params_digest, now, refused,
                                 request.manifest_version, vote=int(vote), scores=scoring.scores_json(request),
-                                sample=request.sample)
+                                sample=request.sample, leaves=request.tree.leaves if request.tree else None)
             self.storage.add_applied(report)
             if request.manifest_version == latest and vote:
                 round_row = self._count_votes(run_id, round_index)
@@ -751,33 +768,76 @@ class CoordinatorService:
         return needed == 0 or self.storage.contributed_rounds_before(run_id, peer_id, round_index) >= needed
 
     def _count_votes(self, run_id: str, round_index: int, settled: bool = False) -> RoundRow:
-        """Recount the votes on round r's latest manifest version and fix its agreed digest when it
-        is due (see "Agreed digests"); an agreed digest is never changed here. `settled`: the next
-        round has closed (the caller knows), else it is looked up."""
-        round_row = self._closed_round(run_id, round_index)  # votes are on closed rounds only
-        version = round_row.manifest_version
-        votes = [a.params_digest for a in self.storage.list_applied(run_id, round_index)
-                 if a.manifest_version == version and a.vote]
-        fields: dict = {"num_votes": len(votes)}
-        if round_row.agreed_digest is None and votes:
-            settled = settled or self._settled(run_id, round_index)
-            num_contributors = len(self.storage.manifest_peers(run_id, round_index, version))
-            leader, agreed = tally(votes, num_contributors, settled, round_row.majority_digest)
-            fields |= {"majority_digest": leader, "agreed_digest": agreed}
-            if agreed is not None:
-                log.info("run %s round %d: digest %s agreed by %d of %d vote(s), %d contributor(s)%s", run_id,
-                         round_index, agreed[:16], votes.count(agreed), len(votes), num_contributors,
-                         " (settled)" if settled else "")
-        self.storage.update_round(run_id, round_index, **fields)
-        if fields.get("agreed_digest") is not None:
-            self._agree_empty_from(run_id, round_index + 1)
-        round_row = dataclasses.replace(round_row, **fields)
+        """Recount the votes on round r's latest manifest version (`_tally`), then take its
+        contribution verdicts when they are due; credit they move weighs again in every round still
+        undecided. `settled`: the next round has closed (the caller knows), else it is looked up."""
+        round_row = self._tally(run_id, round_index, settled)
         if not round_row.scored and scoring.due(self.storage, round_row, settled or self._settled(run_id, round_index)):
             run = self.views.require_run(run_id)
             if scoring.judge_round(self.storage, round_row, self.views.config_of(run)):
                 self._changed.add(run_id)
-            round_row = dataclasses.replace(round_row, scored=1)
+            for r in range(max(0, round_index - RETALLY_ROUNDS), round_index + 1):
+                row = self.storage.get_round(run_id, r)
+                if row is not None and row.closed_at is not None and row.agreed_digest is None and row.num_votes:
+                    self._tally(run_id, r)
+            round_row = self._closed_round(run_id, round_index)
         return round_row
+
+    def _tally(self, run_id: str, round_index: int, settled: bool = False) -> RoundRow:
+        """Weigh the votes on round r's latest manifest version and fix its agreed digest when it is
+        due (see "Agreed digests"); an agreed digest is never changed here. A contributor whose vote
+        differs from the agreed digest is excluded (`wrong_digest`), and the dispute recorded."""
+        round_row = self._closed_round(run_id, round_index)  # votes are on closed rounds only
+        version = round_row.manifest_version
+        run = self.views.require_run(run_id)
+        config = self.views.config_of(run)
+        forked = self._forked(run_id, round_index)
+        reports = [a for a in self.storage.list_applied(run_id, round_index)
+                   if a.manifest_version == version and a.vote and a.peer_id not in forked]
+        fields: dict = {"num_votes": len(reports)}
+        contributors = self.storage.manifest_peers(run_id, round_index, version) - forked
+        credit = {p.peer_id: p.credit for p in self.storage.list_peers(run_id) if p.peer_id in contributors}
+        weighed = config.scoring.enabled
+        if round_row.agreed_digest is None and reports:
+            settled = settled or self._settled(run_id, round_index)
+            leader, agreed = tally([(a.params_digest, credit.get(a.peer_id, 0)) for a in reports], len(contributors),
+                                   settled, round_row.majority_digest, sum(credit.values()) if weighed else None)
+            fields |= {"majority_digest": leader, "agreed_digest": agreed}
+            if agreed is not None:
+                backers = [a.peer_id for a in reports if a.params_digest == agreed]
+                log.info("run %s round %d: digest %s agreed by %d of %d vote(s) (credit %d of %d), %d contributor(s)%s",
+                         run_id, round_index, agreed[:16], len(backers), len(reports),
+                         sum(credit.get(p, 0) for p in backers), sum(credit.values()), len(contributors),
+                         " (settled)" if settled else "")
+        agreed = fields.get("agreed_digest", round_row.agreed_digest)
+        if agreed is not None and weighed and any(a.params_digest != agreed for a in reports):
+            old = disputes.load(round_row.dispute)
+            if old is None or disputes.voters(old) != {a.peer_id for a in reports}:  # decided as first seen
+                record = disputes.decide(reports, agreed, credit)
+                fields["dispute"] = json.dumps(record, sort_keys=True)
+                for peer_id in record["excluded"]:
+                    scoring.exclude_for_wrong_digest(self.storage, run_id, peer_id, round_index,
+                                                     disputes.reason(record, peer_id, round_index), config)
+                self._changed.add(run_id)
+        self.storage.update_round(run_id, round_index, **fields)
+        if fields.get("agreed_digest") is not None:
+            self._agree_empty_from(run_id, round_index + 1)
+        return dataclasses.replace(round_row, **fields)
+
+    def _forked(self, run_id: str, round_index: int) -> set[str]:
+        """The peers whose reports of round r are void: none of their reports of round r-1 names its
+        agreed digest on its latest manifest version, so they applied r from another start (an
+        amendment they learnt of late, a wrong digest of r-1). Their reports of r neither vote nor
+        dispute: a fork of an earlier round is not a lie about this one, and a liar gains nothing
+        by it. Peers that did not report r-1 (they joined from a snapshot) vote."""
+        previous = self.storage.get_round(run_id, round_index - 1) if round_index > 0 else None
+        if previous is None or previous.agreed_digest is None:
+            return set()
+        reports: dict[str, bool] = {}
+        for a in self.storage.list_applied(run_id, round_index - 1):
+            held = a.manifest_version == previous.manifest_version and a.params_digest == previous.agreed_digest
+            reports[a.peer_id] = reports.get(a.peer_id, False) or held
+        return {peer_id for peer_id, held in reports.items() if not held}
 
     def _agree_empty_from(self, run_id: str, round_index: int) -> None:
         """Closed round r, and the closed rounds after it, whose latest manifest is empty take their
@@ -946,19 +1006,47 @@ def settle_lag(config: RunConfig) -> int:
     return 2 if config.outer.overlap else 1
 
 
-def tally(votes: list[str], num_contributors: int, settled: bool, previous: str | None) -> tuple[str, str | None]:
-    """(majority, agreed or None) of a round's votes (see "Agreed digests"). The majority is the
-    digest most votes name; on a tie the previous one stays (so it does not flip back and forth as
-    equal counts arrive), else the smallest (deterministic). It is agreed with at least two votes
-    and more than half of the contributors, which no later vote can overturn; or once the round is
-    settled, with more than half of the votes cast (a lone vote too)."""
-    counts = Counter(votes)
-    top = max(counts.values())
-    leaders = sorted(digest for digest, count in counts.items() if count == top)
+def tally(votes: Sequence[tuple[str, int]], num_contributors: int, settled: bool, previous: str | None,
+          total_credit: int | None = None) -> tuple[str, str | None]:
+    """(majority, agreed or None) of a round's votes, (digest, its voter's credit) each (see "Agreed
+    digests"). On a tie the previous majority stays (so it does not flip back and forth as equal
+    counts arrive), else the smallest digest (deterministic).
+
+    - `total_credit` None (scoring off): a headcount. Agreed with at least two votes and more
+      than half of the contributors, which no later vote can overturn; or once the round is
+      settled, with more than half of the votes cast (a lone vote too).
+    - `total_credit` > 0, the credit of the round's contributors: votes weigh their credit, and
+      a vote without credit weighs nothing. Agreed once at least two votes of credit back it and
+      it holds more than half of `total_credit`; or once the round is settled, with more than
+      half of the credit cast. While no vote of credit is in, the majority is the headcount's,
+      never agreed.
+    - `total_credit` 0 (no contributor has earned credit yet: a run's first rounds): agreed only
+      when every vote names it, once every contributor voted (two at least) or the round
+      settled (a lone vote too). A dispute
+      waits until credit decides it (`_count_votes` weighs undecided rounds again as credit
+      moves): a majority of fresh keys decides nothing."""
+    counts = Counter(digest for digest, _ in votes)
+    weights = Counter({digest: 0 for digest in counts})
+    backers = Counter()
+    for digest, credit in votes:
+        if total_credit and credit > 0:
+            weights[digest] += credit
+            backers[digest] += 1
+    ranking = weights if total_credit and any(weights.values()) else counts
+    top = max(ranking.values())
+    leaders = sorted(digest for digest, value in ranking.items() if value == top)
     majority = previous if previous in leaders else leaders[0]
-    count = counts[majority]
-    if count >= 2 and 2 * count > num_contributors:
+    if total_credit is None:
+        count = counts[majority]
+        if (count >= 2 and 2 * count > num_contributors) or (settled and 2 * count > len(votes)):
+            return majority, majority
+        return majority, None
+    if total_credit == 0:
+        everyone = len(votes) >= max(2, num_contributors)
+        return majority, majority if len(counts) == 1 and (everyone or settled) else None
+    weight = weights[majority]
+    if backers[majority] >= 2 and 2 * weight > total_credit:
         return majority, majority
-    if settled and 2 * count > len(votes):
+    if settled and weight > 0 and 2 * weight > sum(weights.values()):
         return majority, majority
     return majority, None

@@ -106,6 +106,7 @@ class PeerRow:
     standing: str | None = None  # JSON of protocol.scoring.Standing (None: never judged)
     excluded_round: int | None = None  # while an exclusion is in force: the round whose verdict decided it
     detail: str | None = None  # what its last heartbeat said it is stuck on (None: nothing)
+    credit: int = 0  # its standing's credit (protocol/scoring.py, rule 5): its weight as judge and voter
 
 
 @dataclass(slots=True)
@@ -120,6 +121,7 @@ class RoundRow:
     agreed_digest: str | None = None  # fixed once set, until an amendment starts a new vote
     num_votes: int = 0  # votes on the latest manifest version
     scored: int = 0  # 1: its contribution verdicts were taken (protocol/scoring.py)
+    dispute: str | None = None  # JSON of the dispute over its digest, as decided (None: none)
 
 
 @dataclass(slots=True)
@@ -149,6 +151,7 @@ class AppliedRow:
     val_loss: float | None = None  # the model's held-out loss after the round, when the peer evaluated it
     scores: str | None = None  # JSON {peer id: [loss_delta, cosine]}: its contribution scores (None: none)
     sample: str | None = None  # a text the model wrote after the round, sent with val_loss (None: none)
+    leaves: str | None = None  # hex leaf hashes of params_digest's tree (None: sent none)
 
 
 @dataclass(slots=True)
@@ -562,10 +565,10 @@ class Storage:
         manifest version: reports are immutable (the service compares the two)."""
         return self._exec(
             "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
-            " manifest_version, vote, scores, sample) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " manifest_version, vote, scores, sample, leaves) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (run_id, round, peer_id, manifest_version) DO NOTHING",
             (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
-             row.manifest_version, row.vote, row.scores, row.sample),
+             row.manifest_version, row.vote, row.scores, row.sample, row.leaves),
         ) == 1
 
     def upsert_applied(self, row: AppliedRow) -> None:

@@ -111,17 +111,18 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
             bandwidth(peer["bandwidth_mbps"], peer.get("uplink_mbps")),
             _fmt(peer["lag_rounds"]),
             score_text(peer.get("score")),
+            str(peer.get("credit", 0)),
             "; ".join(notes),
         ])
     out.append(table(
-        ["peer", "#", "state", "activity", "last loss", "bandwidth", "lag", "score", "flags / reason"],
+        ["peer", "#", "state", "activity", "last loss", "bandwidth", "lag", "score", "credit", "flags / reason"],
         peer_rows,
     ))
     history = status["history"][-RECENT_ROUNDS:]
     if history:
         out.append("")
         out.append(table(
-            ["round", "contributors", "mean loss", "round time", "applied", "majority digest"],
+            ["round", "contributors", "mean loss", "round time", "applied", "digest"],
             [
                 [
                     str(h["round"]),
@@ -129,9 +130,13 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
                     _fmt(h["mean_loss"], 4),
                     f"{h['round_time_s']:.1f} s",
                     str(h["num_applied"]),
-                    (h["majority_digest"] or "-")[:16],
+                    (h.get("agreed_digest") or h["majority_digest"] or "-")[:16]
+                    + ("" if h.get("agreed_digest") or not h["majority_digest"] else " (provisional)"),
                 ]
                 for h in reversed(history)
             ],
         ))
+        for h in history:
+            if h.get("dispute"):
+                out.append(f"round {h['round']} dispute: {h['dispute']['verdict']}")
     return "\n".join(out)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 
-from coordinator import errors, recovery
+from coordinator import disputes, errors, recovery
 from coordinator.storage import PeerRow, RoundRow, RoundStats, RunRow, Storage
-from protocol.http import CurrentRound, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerScoreView, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus, Sample
+from protocol.http import CurrentRound, Dispute, DisputeSide, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerScoreView, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus, Sample
 from protocol.model_sizes import dense_bytes
 from protocol.scoring import Standing
 from protocol.run_config import RunConfig
@@ -308,6 +308,7 @@ class Views:
                     agreed_digest=round_row.agreed_digest,
                     provisional=round_row.majority_digest is not None and round_row.agreed_digest is None,
                     num_votes=round_row.num_votes,
+                    dispute=self._dispute(run_id, round_row),
                     refused=refusals.get(round_row.round, {}),
                     tokens=(stat.num_contributors if stat else 0) * tokens_per_contributor,
                     packet_bytes=stat.packet_bytes if stat else 0,
@@ -316,6 +317,25 @@ class Views:
                 )
             )
         return history
+
+
+    def _dispute(self, run_id: str, round_row: RoundRow) -> Dispute | None:
+        """The round's dispute: as decided (stored), or while undecided, its sides as the votes stand."""
+        record = disputes.load(round_row.dispute)
+        if record is not None:
+            return Dispute(sides=[DisputeSide(**side) for side in record["sides"]], decided=True,
+                           excluded=record["excluded"], verdict=record["verdict"])
+        if round_row.agreed_digest is not None or round_row.num_votes < 2:
+            return None
+        reports = [a for a in self.storage.list_applied(run_id, round_row.round)
+                   if a.vote and a.manifest_version == round_row.manifest_version]
+        if len({a.params_digest for a in reports}) < 2:
+            return None
+        credit = {p.peer_id: p.credit for p in self.storage.list_peers(run_id)}
+        sides = disputes.sides(reports, credit, round_row.majority_digest)
+        return Dispute(sides=[DisputeSide(**side) for side in sides], decided=False, verdict=(
+            "undecided: " + (f"the votes of credit lead with {sides[0]['digest'][:16]}" if sides[0]["credit"]
+                             else "no vote of credit yet; a majority of keys without credit decides nothing")))
 
 
 def _stuck(peers: list[PeerRow]) -> str | None:
@@ -353,14 +373,27 @@ def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tupl
 def _score_fields(peer: PeerRow, open_round: int) -> dict:
     """PeerView's contribution-scoring fields from the stored standing (protocol/scoring.py)."""
     if peer.standing is None:
-        return {}
+        return {"credit_reason": "none: not judged yet (a new key starts with none)"}
     standing = Standing.from_json(peer.standing)
     why = standing.exclusion(open_round) if peer.excluded_round is not None else None
     score = PeerScoreView(num_rounds=standing.num_rounds, num_hurt=standing.num_hurt,
                           recent_hurt=list(standing.recent_hurt), loss_delta=standing.loss_delta,
-                          cosine=standing.cosine)
+                          cosine=standing.cosine, num_useful=standing.num_useful, last_verdict=standing.last_verdict)
     return {"score": score, "excluded": why is not None, "excluded_reason": why,
-            "excluded_until_round": standing.excluded_until if why is not None else None}
+            "excluded_until_round": standing.excluded_until if why is not None else None,
+            "credit": peer.credit, "credit_reason": _credit_reason(standing, peer.credit)}
+
+
+def _credit_reason(standing: Standing, credit: int) -> str:
+    """Why a judged peer's credit (protocol/scoring.py, rule 5) is what it is."""
+    if standing.code == "wrong_digest":
+        return "none: it reported a digest the peers of credit did not compute"
+    judged = (f"useful in {standing.num_useful} of {standing.num_rounds} judged round(s)"
+              f"{', hurting in ' + str(standing.num_hurt) if standing.num_hurt else ''}")
+    last = {"useful": "its last update was useful (+1)",
+            "not_useful": "its last update was neither useful nor hurting: empty, noise or unrelated (halved)",
+            "hurt": "its last update hurt (all lost)"}.get(standing.last_verdict or "", "")
+    return f"{'none' if credit == 0 else credit}: {judged}" + (f"; {last}" if last else "")
 
 
 def _compression_ratio(model, stat: RoundStats | None) -> float | None:

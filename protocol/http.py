@@ -180,6 +180,10 @@ MISSING_REPORT_ROUNDS = 4  # missing packets are reported for rounds closed this
 MAX_INNER_STEPS = 100_000  # a heartbeat's inner_step at most: H's own bound (run_config.InnerSection)
 MAX_SCORES = 64  # peers one applied report scores at most (run_config.ScoringSection.max_peers_per_round's bound)
 MAX_ABS_LOSS_DELTA = 1e6  # a reported score's loss delta at most, either sign (nodes clamp to it)
+# An applied report's hash tree (protocol/digest.py) at most: 4096 leaves of 4 MiB is a 16 GiB body (a 4B
+# model in fp32); a larger model's nodes send none, and its disputes name no chunk.
+MAX_TREE_LEAVES = 4096
+MAX_TREE_HEADER_BYTES = 1 << 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,6 +374,30 @@ class PeerScoreReport(RequestModel):
                           " update of the round, on the coordinates this update holds.")
 
 
+class ParamsTree(RequestModel):
+    """A parameter digest's hash tree (protocol/digest.py): the coordinator checks that it hashes to the
+    reported digest, and compares the leaves of reports that differ to name the chunks they differ in."""
+
+    header: str = Field(max_length=4 * MAX_TREE_HEADER_BYTES // 3 + 4, pattern=r"^[A-Za-z0-9+/]*={0,2}$",
+                        description="The canonical layout's header, base64.")
+    body_bytes: int = Field(ge=0, le=MAX_TREE_LEAVES * (4 << 20), description="The body's length in bytes.")
+    leaves: str = Field(max_length=64 * MAX_TREE_LEAVES, pattern=r"^(?:[0-9a-f]{64})*$",
+                        description="The chunks' leaf hashes in order, each 64 lowercase hex characters.")
+
+    def tree(self):
+        """The `protocol.digest.Tree`; ValueError when the fields do not make one."""
+        import base64
+
+        from protocol.digest import Tree
+
+        leaves = bytes.fromhex(self.leaves)
+        return Tree(base64.b64decode(self.header, validate=True), self.body_bytes,
+                    tuple(leaves[i:i + 32] for i in range(0, len(leaves), 32)))
+
+    def leaf_hex(self) -> list[str]:
+        return [self.leaves[i:i + 64] for i in range(0, len(self.leaves), 64)]
+
+
 class AppliedRequest(RequestModel):
     params_digest: ParamsDigest
     refused: dict[PeerId, ShortText] = Field(
@@ -393,6 +421,20 @@ class AppliedRequest(RequestModel):
     sample: SampleText | None = Field(
         None, description="A short text the model wrote after the round, sent with `val_loss` (at most "
         "MAX_SAMPLE_CHARS characters, no control characters but newline and tab); shown on the status page.")
+    tree: ParamsTree | None = Field(
+        None, description="The hash tree of `params_digest` (it must hash to it): when reports differ, the "
+        "coordinator names the chunks they differ in. Null for a model over MAX_TREE_LEAVES chunks.")
+
+    @model_validator(mode="after")
+    def _tree_hashes_to_digest(self) -> "AppliedRequest":
+        if self.tree is not None:
+            try:
+                root = self.tree.tree().hex
+            except ValueError as e:
+                raise ValueError(f"tree: {e}") from None
+            if root != self.params_digest:
+                raise ValueError(f"tree: its root is {root[:16]}..., not params_digest")
+        return self
 
 
 class AppliedResponse(ResponseModel):
@@ -459,6 +501,8 @@ class PeerScoreView(ResponseModel):
     recent_hurt: list[int] = Field(description="Hurting rounds among the latest scoring.window_rounds verdicts.")
     loss_delta: float | None = Field(description="Running median held-out loss delta (nats; < 0 helps).")
     cosine: float | None = Field(description="Running median cosine with the rounds' aggregates.")
+    num_useful: int = Field(0, description="Rounds in which more than half of its judges' weight found it useful.")
+    last_verdict: Literal["useful", "not_useful", "hurt"] | None = Field(None, description="Its latest verdict.")
 
 
 class PeerView(ResponseModel):
@@ -493,12 +537,35 @@ class PeerView(ResponseModel):
     last_contributed_round: int | None = Field(
         None, description="The latest round whose manifest holds a packet of its (null: none).")
     excluded: bool = Field(
-        False, description="Its submissions are refused ('excluded'): its updates kept hurting (protocol/scoring.py).")
+        False, description="Its submissions are refused ('excluded'): its updates kept hurting, or it reported a"
+        " digest the peers of credit did not compute (protocol/scoring.py).")
     excluded_reason: str | None = Field(None, description="Why, with the verdicts that decided it; null: not excluded.")
     excluded_until_round: int | None = Field(
         None, description="The first round it may submit to again; null while excluded: for the rest of the run.")
     score: PeerScoreView | None = Field(None, description="Its running contribution score; null: never judged.")
     detail: str | None = Field(None, description="Its last heartbeat's `detail` (what it is stuck on); null: none.")
+    credit: int = Field(
+        0, description="Standing earned by useful work (protocol/scoring.py, rule 5): its weight as a judge of"
+        " updates and as a voter on digests; new keys have none.")
+    credit_reason: str = Field("", description="Why its credit is what it is, for a person.")
+
+
+class DisputeSide(ResponseModel):
+    digest: str
+    peers: list[str] = Field(description="The contributors whose votes named it.")
+    credit: int = Field(description="Their credit, summed (as at the decision, for a decided dispute).")
+    chunks: list[int] | None = Field(
+        description="Chunks of the hash tree whose leaves differ from the agreed (or leading) digest's, at most 16;"
+        " null when a side sent no tree.")
+
+
+class Dispute(ResponseModel):
+    """Votes on a round's latest manifest that name more than one digest (coordinator/disputes.py)."""
+
+    sides: list[DisputeSide] = Field(description="The agreed (or leading) digest first.")
+    decided: bool = Field(description="A digest was agreed: the verdict is final.")
+    excluded: list[str] = Field(default_factory=list, description="Contributors excluded for a wrong digest.")
+    verdict: str = Field(description="What the recomputation found, for a person.")
 
 
 class RoundSummary(ResponseModel):
@@ -513,6 +580,7 @@ class RoundSummary(ResponseModel):
     agreed_digest: str | None = Field(None, description="As in RoundView: fixed once agreed; null while none is.")
     provisional: bool = Field(False, description="The majority digest is not agreed yet.")
     num_votes: int = Field(0, description="Votes cast on the latest manifest version.")
+    dispute: Dispute | None = Field(None, description="When the votes name more than one digest; null: none.")
     refused: dict[str, str] = Field(
         default_factory=dict,
         description="Manifest packets that peers left out, peer id -> reason (first report).",

@@ -275,6 +275,17 @@ class ScoringSection(RequestModel):
         0, ge=0, le=100_000_000,
         description="Rounds an excluded peer's submissions are refused ('excluded'); 0: for the rest of the run.",
     )
+    useful_cosine: float = Field(
+        0.1, ge=-1.0, le=1.0, allow_inf_nan=False,
+        description="A judge finds an update useful when its cosine with the judge's own update is at least this"
+        " and it does not hurt. Useful verdicts earn credit, the weight of a peer's judgements and digest votes"
+        " (protocol/scoring.py, rule 5): an empty update scores 0, noise about 0, honest updates +0.3..+0.9.",
+    )
+    max_credit: int = Field(
+        8, ge=1, le=1_000_000,
+        description="Credit a peer can earn at most (one per useful round; halved by a round neither useful nor"
+        " hurting, lost by a hurting one or a wrong digest).",
+    )
 
     @model_validator(mode="after")
     def _window(self) -> "ScoringSection":

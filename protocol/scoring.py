@@ -24,15 +24,30 @@ Once round r's votes are in (every contributor reported, or round r+1 closed):
    with loss deltas of up to 4x the typical gain from round 15 on (a rule on the loss excluded it
    in every seed, and "loss up and cosine below 0" in one); a single judge's lowest was -0.25; a
    sign-flipped update's median stays at -0.64..-0.95.
-3. Verdict. p hurt in round r when more than half of its judges say so: the median judgement, so
-   one lying judge among three can neither frame an honest peer nor clear a harmful one. With
-   fewer than `min_reporters` judges there is no verdict. The medians of the judges' figures are
+3. Verdict. p hurt in round r when more than half of its judges' weight says so: the weighted
+   median judgement, so one lying judge among three can neither frame an honest peer nor clear a
+   harmful one. p was useful when more than half of its judges' weight found its update agreeing
+   with their own: cosine at least `useful_cosine` and not hurting. Judges weigh their credit (5.)
+   once any judge of the round has some; until then (a run's first rounds) each weighs one. A
+   judge without credit then weighs nothing: a flood of fresh keys cannot judge. With less than
+   `min_reporters` judges of weight there is no verdict. The medians of the judges' figures are
    kept for the status page.
-4. Standing. The last `window_rounds` verdicts; a peer with `exclude_after_rounds` hurting ones
+4. Exclusion. The last `window_rounds` verdicts; a peer with `exclude_after_rounds` hurting ones
    among them is excluded from the next round on, for `exclusion_rounds` rounds (0: for good): its
    submissions are refused ("excluded"), so its packets leave the manifests. The window then starts
    afresh, so a peer whose exclusion lapsed is judged on its new rounds only. The running figures
    are exponential averages of the medians (weight `EMA_WEIGHT` on the newest round).
+5. Credit: standing earned by useful work. Every key starts with none. A useful verdict adds one,
+   up to `max_credit`; a verdict neither useful nor hurting (an empty update, noise, an update
+   unrelated to what the judges' data wants) halves it, rounded down; a hurting one takes it all.
+   Credit is a peer's weight as a judge (3.) and as a voter on the round's digest
+   (coordinator/service.py, "Agreed digests"): a peer that reported a digest the credited peers
+   did not compute loses it all and is excluded (`wrong_digest`). Why each parameter:
+   ``useful_cosine`` 0.1 (an empty update scores 0, noise at any scale about 0 on the k
+   coordinates it sends, an honest update +0.3..+0.9: measured in node/round/sim.py); halving
+   rather than zeroing, so an honest peer whose data once pulled elsewhere keeps most of its
+   weight; ``max_credit`` 8, so a peer that trained long is trusted more than a newcomer, but
+   eight newcomers that proved useful for eight rounds weigh as much as it.
 
     verdicts = round_verdicts(reports, contributors, rule)     # {peer: Verdict}; judge() per judge
     standing = update_standing(standing, round, verdicts[p], rule)
@@ -50,7 +65,7 @@ from typing import Literal
 
 EMA_WEIGHT = 0.5  # of the newest round in the running figures
 SEVERE_FACTOR = 20.0  # a loss rise this many times past the bound condemns an update whatever its cosine
-ExclusionCode = Literal["hurting_updates"]
+ExclusionCode = Literal["hurting_updates", "wrong_digest"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +79,8 @@ class ScoringRule:
     window_rounds: int = 4
     exclude_after_rounds: int = 2
     exclusion_rounds: int = 0  # 0: for good
+    useful_cosine: float = 0.1
+    max_credit: int = 8
 
     @classmethod
     def from_section(cls, section) -> ScoringRule:
@@ -85,6 +102,8 @@ class Verdict:
     hurt: bool | None  # None: fewer than min_reporters judges
     num_judges: int
     num_hurt: int  # judges that found it hurting
+    useful: bool | None = None  # more than half of the judges' weight found it useful; None: no verdict
+    num_useful: int = 0  # judges that found it useful
     loss_delta: float | None  # medians over the judges
     cosine: float | None
 
@@ -101,23 +120,32 @@ def judge(scores: Mapping[str, Score], rule: ScoringRule) -> dict[str, bool]:
 
 
 def round_verdicts(reports: Mapping[str, Mapping[str, Score]], contributors: Collection[str],
-                   rule: ScoringRule) -> dict[str, Verdict]:
+                   rule: ScoringRule, credit: Mapping[str, int] | None = None) -> dict[str, Verdict]:
     """Each contributor's verdict for a round from `reports` (judge -> peer -> score): only
-    contributors judge, only contributors are judged, nobody judges itself."""
-    judged: dict[str, list[tuple[Score, bool]]] = {peer: [] for peer in contributors}
-    for judge_id in sorted(reports):
-        if judge_id not in judged:
+    contributors judge, only contributors are judged, nobody judges itself. `credit`: each judge's
+    (absent: none); once a judge of the round has some, judges weigh their credit, else one each."""
+    credit = credit or {}
+    judges = [j for j in sorted(reports) if j in contributors]
+    weighted = any(credit.get(j, 0) > 0 for j in judges)
+    judged: dict[str, list[tuple[Score, bool, bool, int]]] = {peer: [] for peer in contributors}
+    for judge_id in judges:
+        weight = credit.get(judge_id, 0) if weighted else 1
+        if weight <= 0:
             continue
         scores = {peer: s for peer, s in reports[judge_id].items() if peer != judge_id and peer in judged}
         for peer, hurting in judge(scores, rule).items():
-            judged[peer].append((scores[peer], hurting))
+            useful = not hurting and scores[peer].cosine >= rule.useful_cosine
+            judged[peer].append((scores[peer], hurting, useful, weight))
     verdicts = {}
     for peer, findings in sorted(judged.items()):
-        num_hurt = sum(hurting for _, hurting in findings)
+        total = sum(weight for *_, weight in findings)
+        decided = len(findings) >= max(1, rule.min_reporters)
         verdicts[peer] = Verdict(
-            hurt=2 * num_hurt > len(findings) if len(findings) >= max(1, rule.min_reporters) else None,
-            num_judges=len(findings), num_hurt=num_hurt,
-            loss_delta=_median([s.loss_delta for s, _ in findings]), cosine=_median([s.cosine for s, _ in findings]))
+            hurt=2 * sum(w for _, hurting, _, w in findings if hurting) > total if decided else None,
+            useful=2 * sum(w for _, _, useful, w in findings if useful) > total if decided else None,
+            num_judges=len(findings), num_hurt=sum(hurting for _, hurting, _, _ in findings),
+            num_useful=sum(useful for _, _, useful, _ in findings),
+            loss_delta=_median([s.loss_delta for s, *_ in findings]), cosine=_median([s.cosine for s, *_ in findings]))
     return verdicts
 
 
@@ -135,6 +163,9 @@ class Standing:
     excluded_until: int | None = None  # the first round it may submit to again (None with excluded_at: never)
     code: ExclusionCode | None = None
     reason: str | None = None  # for a person
+    credit: int = 0  # earned by useful verdicts (rule 5): its weight as a judge and a voter
+    num_useful: int = 0  # verdicts that found it useful (over the whole run)
+    last_verdict: Literal["useful", "not_useful", "hurt"] | None = None
 
     def exclusion(self, round: int) -> str | None:
         """Why a submission to `round` is refused, or None when it is not."""
@@ -160,8 +191,15 @@ def update_standing(standing: Standing, round: int, verdict: Verdict | None, rul
         return standing
     recent = (*standing.recent, round)[-rule.window_rounds:]
     recent_hurt = tuple(r for r in (*standing.recent_hurt, *([round] if verdict.hurt else [])) if r in recent)
+    if verdict.hurt:
+        credit, last = 0, "hurt"
+    elif verdict.useful:
+        credit, last = min(rule.max_credit, standing.credit + 1), "useful"
+    else:
+        credit, last = standing.credit // 2, "not_useful"
     new = replace(standing, num_rounds=standing.num_rounds + 1, num_hurt=standing.num_hurt + verdict.hurt,
-                  recent=recent, recent_hurt=recent_hurt,
+                  recent=recent, recent_hurt=recent_hurt, credit=credit, last_verdict=last,
+                  num_useful=standing.num_useful + bool(verdict.useful),
                   loss_delta=_ema(standing.loss_delta, verdict.loss_delta), cosine=_ema(standing.cosine, verdict.cosine))
     if len(recent_hurt) >= rule.exclude_after_rounds and new.exclusion(round + 1) is None:
         until = round + 1 + rule.exclusion_rounds if rule.exclusion_rounds else None
@@ -173,6 +211,16 @@ def update_standing(standing: Standing, round: int, verdict: Verdict | None, rul
             f" median loss delta {verdict.loss_delta:+.4g}, cosine {verdict.cosine:+.3f})"
             + (f"; refused until round {until}" if until is not None else "; refused for the rest of the run")))
     return new
+
+
+def wrong_digest(standing: Standing, round: int, reason: str, rule: ScoringRule) -> Standing:
+    """The standing of a peer that reported a digest of round r the credited peers did not compute:
+    no credit, and excluded from round r+1 on for `exclusion_rounds` (0: for good), as a harmful
+    peer is."""
+    until = round + 1 + rule.exclusion_rounds if rule.exclusion_rounds else None
+    return replace(standing, credit=0, recent=(), recent_hurt=(), excluded_at=round, excluded_until=until,
+                   code="wrong_digest", reason=reason + (f"; refused until round {until}" if until is not None
+                                                         else "; refused for the rest of the run"))
 
 
 def _median(values: list[float]) -> float | None:

@@ -112,10 +112,12 @@ def test_majority_counts_only_the_latest_version(coordinator_client, fake_clock)
     assert applied(c, run_id, 0, amended, version=2).json()["num_reports"] == 2
     recomputed = applied(w, run_id, 0, amended, version=2).json()  # its packet is not in version 2: no vote
     assert recomputed["agrees"] is True and recomputed["vote"] is False and recomputed["num_votes"] == 2
-    assert round_of(client, run_id, 0)["agreed_digest"] == amended
+    # Nobody has earned credit yet: agreed once every contributor of version 2 voted the same.
+    assert round_of(client, run_id, 0)["agreed_digest"] is None
+    assert applied(a, run_id, 0, amended, version=2).json()["agreed_digest"] == amended
     assert round_of(client, run_id, 0)["majority_digest"] == amended
     joined = SignedPeer(client, clock=fake_clock).join(run_id).json()["params"]
-    assert joined["digest"] == amended and len(joined["holders"]) == 3
+    assert joined["digest"] == amended and len(joined["holders"]) == 4, "w recomputed it too"
 
 
 def test_the_flag_clears_once_a_later_packet_is_applied(coordinator_client, fake_clock):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from coordinator.storage import open_storage
 from protocol.http import RoundView
 
 from tests.fixtures.coordinator import (
@@ -129,7 +130,7 @@ def test_empty_rounds_close_at_deadline_and_max_rounds_finishes(coordinator_clie
     assert [h["num_contributors"] for h in status["history"]] == [0, 1]
 
 
-def test_applied_digests_majority_and_flags(coordinator_client, fake_clock):
+def test_applied_digests_majority_and_flags(coordinator_client, fake_clock, tmp_path):
     client = coordinator_client
     run_id = create_run(client, {"membership.min_peers": 3})
     a, b, c = peers_for(client, fake_clock, run_id, 3)
@@ -143,12 +144,29 @@ def test_applied_digests_majority_and_flags(coordinator_client, fake_clock):
         "amended": {}, "agreed_digest": None, "provisional": True, "num_votes": 1, "vote": True}
     assert c.applied(run_id, 0, bad).json()["agrees"] is False, "a tie keeps the majority"
     last = b.applied(run_id, 0, good).json()
-    assert (last["num_reports"], last["agreed_digest"], last["provisional"]) == (3, good, False)
+    # Nobody has earned credit yet (no scores): a dispute waits for credit to decide it.
+    assert (last["num_reports"], last["agreed_digest"], last["provisional"]) == (3, None, True)
     assert round_of(client, run_id, 0)["majority_digest"] == good
+    status = client.get(f"/v1/runs/{run_id}/status").json()
+    dispute = status["history"][0]["dispute"]
+    assert dispute["decided"] is False and [side["digest"] for side in dispute["sides"]] == [good, bad], dispute
+    assert dispute["verdict"].startswith("undecided: no vote of credit yet"), dispute
+    # Credit as scoring gives it (protocol/scoring.py, rule 5): a and b earned it, c did not.
+    storage = open_storage(f"sqlite:///{tmp_path / 'coordinator.db'}")  # the service's database, beside it
+    for peer in (a, b):
+        storage.update_peer(run_id, peer.peer_id, credit=2)
+    storage.close()
+    for peer in (a, b, c):
+        peer.submit(run_id, 1)  # round 1 closes: round 0 is settled, and weighed with the credit
+    assert round_of(client, run_id, 0)["agreed_digest"] == good
     status = client.get(f"/v1/runs/{run_id}/status").json()
     flags = {p["peer_id"]: (p["flags"], p["mismatch_round"]) for p in status["peers"]}
     assert flags == {a.peer_id: ([], None), b.peer_id: ([], None),
                      c.peer_id: (["params_mismatch"], 0)}
+    excluded = next(p for p in status["peers"] if p["peer_id"] == c.peer_id)
+    assert excluded["excluded"] and excluded["excluded_reason"].startswith("wrong_digest: round 0:"), excluded
+    dispute = status["history"][0]["dispute"]
+    assert dispute["decided"] and dispute["excluded"] == [c.peer_id], dispute
     assert status["history"][0]["majority_digest"] == good
     assert status["history"][0]["num_applied"] == 3
     params = SignedPeer(client, clock=fake_clock).join(run_id).json()["params"]

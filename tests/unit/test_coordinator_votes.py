@@ -5,12 +5,16 @@ what trusts a digest (the join's parameter source, flags) trusts the agreed one.
 
 from __future__ import annotations
 
+import base64
+
 import pytest
+from pydantic import ValidationError
 
 from coordinator import errors
 from coordinator.service import CoordinatorService, tally
 from coordinator.storage import open_storage
-from protocol.http import AppliedRequest, JoinRequest, MissingRequest, SubmitRequest, peer_id_from_public_key
+from protocol.digest import CHUNK_BYTES
+from protocol.http import AppliedRequest, ParamsTree, JoinRequest, MissingRequest, SubmitRequest, peer_id_from_public_key
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
 from tests.fixtures.coordinator import packet_digest, run_config
@@ -62,6 +66,11 @@ class Coordinator:
     def status(self, run_id: str):
         self.service.advance(run_id)
         return self.service.views.status(run_id, now=self.clock())
+
+    def credit(self, run_id: str, credit: dict[str, int]) -> None:
+        """Give peers credit, as contribution scoring does (protocol/scoring.py, rule 5)."""
+        for peer_id, value in credit.items():
+            self.storage.update_peer(run_id, peer_id, credit=value)
 
     def flags(self, run_id: str) -> dict[str, list[str]]:
         return {p.peer_id: p.flags for p in self.status(run_id).peers}
@@ -120,9 +129,10 @@ def test_a_report_is_immutable(coordinator):
     assert c.round(run_id, 0).num_votes == 1
 
 
-def test_the_majority_of_contributors_wins_over_a_first_bogus_vote(coordinator):
-    """A contributor that reports a bogus digest first only leads provisionally; the digest more
-    than half of the contributors report is agreed."""
+def test_without_credit_a_dispute_waits_and_credit_decides_it(coordinator):
+    """A contributor that reports a bogus digest first only leads provisionally. While nobody has
+    earned credit a dispute is not settled by a headcount, not even once the round settles; credit
+    (as scoring gives it) decides it, and the liar is excluded with the dispute recorded."""
     c = coordinator
     run_id = c.create_run(**{"membership.min_peers": 3})
     liar, a, b = c.join(run_id, 3)
@@ -131,8 +141,78 @@ def test_the_majority_of_contributors_wins_over_a_first_bogus_vote(coordinator):
     tie = c.applied(run_id, 0, a, HONEST)
     assert (tie.majority_digest, tie.agreed_digest, tie.agrees) == (FAKE, None, False), "a tie keeps the lead"
     last = c.applied(run_id, 0, b, HONEST)
-    assert (last.majority_digest, last.agreed_digest, last.agrees) == (HONEST, HONEST, True)
+    assert (last.majority_digest, last.agreed_digest, last.agrees) == (HONEST, None, True)
+    c.submit(run_id, 1, liar, a, b)  # round 0 is settled: still no credit, still undecided
+    assert c.round(run_id, 0).agreed_digest is None
+    dispute = c.status(run_id).history[0].dispute
+    assert not dispute.decided and [s.digest for s in dispute.sides] == [HONEST, FAKE]
+    c.credit(run_id, {a: 1, b: 1})
+    c.submit(run_id, 2, liar, a, b)  # round 1 closes: the rounds still undecided are weighed again
+    assert c.round(run_id, 0).agreed_digest == HONEST
     assert c.flags(run_id)[liar] == ["params_mismatch"]
+    view = next(p for p in c.status(run_id).peers if p.peer_id == liar)
+    assert view.excluded and view.excluded_reason.startswith(f"wrong_digest: round 0: it reported digest {FAKE[:16]}")
+    dispute = c.status(run_id).history[0].dispute
+    assert dispute.decided and dispute.excluded == [liar] and "2 peer(s) of credit 2" in dispute.verdict
+    with pytest.raises(errors.Excluded, match="wrong_digest"):
+        c.submit(run_id, 3, liar)
+
+
+def test_a_majority_of_keys_without_credit_never_owns_the_digest(coordinator):
+    """Four contributors without credit report a made-up digest before the three honest ones that
+    earned some: the made-up digest is never agreed, the honest one is as soon as two of them voted,
+    and the four are excluded."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 7})
+    honest, liars = c.join(run_id, 3), c.join(run_id, 4, source="10.0.0.9")
+    c.submit(run_id, 0, *honest, *liars)
+    c.credit(run_id, {p: 3 for p in honest})
+    for liar in liars:
+        answer = c.applied(run_id, 0, liar, FAKE)
+        assert (answer.agreed_digest, answer.majority_digest) == (None, FAKE)
+    assert c.applied(run_id, 0, honest[0], HONEST).agreed_digest is None, "one vote of credit: not yet"
+    assert c.applied(run_id, 0, honest[1], HONEST).agreed_digest == HONEST
+    assert c.applied(run_id, 0, honest[2], HONEST).agreed_digest == HONEST
+    assert sorted(c.status(run_id).history[0].dispute.excluded) == sorted(liars)
+    assert {p: f for p, f in c.flags(run_id).items() if f} == {p: ["params_mismatch"] for p in liars}
+    params = c.service.join(run_id, *_newcomer()).params
+    assert (params.round, params.digest) == (1, HONEST)
+
+
+def test_a_late_vote_against_the_agreed_digest_is_excluded(coordinator):
+    """A peer that trained (it has credit) and reports a different digest after the agreement loses
+    its credit and is excluded; the agreed digest stays."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3})
+    a, b, turncoat = peers = c.join(run_id, 3)
+    c.credit(run_id, {p: 4 for p in peers})
+    c.submit(run_id, 0, *peers)
+    c.applied(run_id, 0, a, HONEST)
+    assert c.applied(run_id, 0, b, HONEST).agreed_digest == HONEST
+    late = c.applied(run_id, 0, turncoat, FAKE)
+    assert (late.agreed_digest, late.agrees) == (HONEST, False)
+    assert c.storage.get_peer(run_id, turncoat).credit == 0
+    assert next(p for p in c.status(run_id).peers if p.peer_id == turncoat).excluded
+
+
+def test_disputes_name_the_chunks_that_differ(coordinator):
+    """Reports carry their digest's hash tree: the dispute names the chunks whose leaves differ."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3})
+    a, b, liar = peers = c.join(run_id, 3)
+    c.credit(run_id, {a: 2, b: 2})
+    c.submit(run_id, 0, *peers)
+    honest_leaves = [bytes([i]) * 32 for i in range(4)]
+    lying_leaves = [honest_leaves[0], b"\xee" * 32, honest_leaves[2], b"\xef" * 32]
+    honest_tree, lying_tree = _tree(honest_leaves), _tree(lying_leaves)
+    for peer in (a, b):
+        c.service.applied(run_id, 0, peer, AppliedRequest(params_digest=honest_tree.tree().hex, tree=honest_tree))
+    c.service.applied(run_id, 0, liar, AppliedRequest(params_digest=lying_tree.tree().hex, tree=lying_tree))
+    dispute = c.status(run_id).history[0].dispute
+    assert [s.chunks for s in dispute.sides] == [[], [1, 3]] and dispute.excluded == [liar]
+    assert dispute.verdict.startswith("chunk(s) 1, 3 recompute to the agreed leaves by 2 peer(s) of credit 4")
+    with pytest.raises(ValidationError, match="not params_digest"):
+        AppliedRequest(params_digest=HONEST, tree=honest_tree)
 
 
 def test_an_agreed_digest_is_never_rewritten(coordinator):
@@ -181,7 +261,8 @@ def test_with_overlap_a_lone_early_vote_waits_for_the_round_after_next(coordinat
     the old manifest) must not have its lone vote agreed then: the others would be told they forked."""
     c = coordinator
     run_id = c.create_run(**{"membership.min_peers": 3, "outer.overlap": True})
-    a, b, fast = c.join(run_id, 3)
+    a, b, fast = peers = c.join(run_id, 3)
+    c.credit(run_id, {p: 1 for p in peers})
     c.submit(run_id, 0, a, b, fast)
     c.applied(run_id, 0, fast, FAKE)  # alone, before a and b applied round 0
     c.submit(run_id, 1, a, b, fast)  # round 1 closes: with overlap, round 0 is not settled yet
@@ -191,10 +272,10 @@ def test_with_overlap_a_lone_early_vote_waits_for_the_round_after_next(coordinat
     c.applied(run_id, 0, b, HONEST)
     assert c.round(run_id, 0).agreed_digest == HONEST
     # A round whose votes stay lone is settled once the round after next has closed.
-    c.applied(run_id, 1, fast, OTHER)
-    c.submit(run_id, 2, a, b, fast)
+    c.applied(run_id, 1, a, OTHER)
+    c.submit(run_id, 2, a, b)  # fast is excluded (its digest of round 0 was wrong)
     assert c.round(run_id, 1).agreed_digest is None
-    c.submit(run_id, 3, a, b, fast)
+    c.submit(run_id, 3, a, b)
     assert c.round(run_id, 1).agreed_digest == OTHER
 
 
@@ -227,6 +308,7 @@ def test_an_amendment_starts_a_new_vote_among_the_remaining_contributors(coordin
     c = coordinator
     run_id = c.create_run(**{"membership.min_peers": 4, "membership.heartbeat_timeout_s": 300.0})
     a, b, d, w = c.join(run_id, 4)
+    c.credit(run_id, {a: 1, b: 1, d: 1, w: 1})
     c.submit(run_id, 0, a, b, d, w)
     for peer in (a, b, d):
         c.applied(run_id, 0, peer, HONEST)
@@ -252,8 +334,37 @@ def test_an_amendment_starts_a_new_vote_among_the_remaining_contributors(coordin
     (["y", "x", "x"], 5, True, ("x", "x")),
     (["x", "y", "z"], 3, True, ("x", None)),
 ])
-def test_tally(votes, contributors, settled, expected):
-    assert tally(votes, contributors, settled, None) == expected
+def test_tally_by_headcount_with_scoring_off(votes, contributors, settled, expected):
+    assert tally([(v, 0) for v in votes], contributors, settled, None, None) == expected
+
+
+@pytest.mark.parametrize(("votes", "contributors", "settled", "expected"), [
+    ([("x", 0), ("x", 0)], 3, False, ("x", None)),  # not every contributor voted yet
+    ([("x", 0), ("x", 0), ("x", 0)], 3, False, ("x", "x")),
+    ([("x", 0)], 1, False, ("x", None)),  # a lone vote waits for the round to settle
+    ([("x", 0)], 1, True, ("x", "x")),
+    ([("y", 0), ("y", 0), ("x", 0)], 3, True, ("y", None)),  # a dispute: credit decides it, not heads
+])
+def test_tally_before_anyone_earned_credit(votes, contributors, settled, expected):
+    assert tally(votes, contributors, settled, None, 0) == expected
+
+
+@pytest.mark.parametrize(("votes", "total", "settled", "expected"), [
+    ([("f", 0)] * 10 + [("x", 1), ("x", 1)], 3, False, ("x", "x")),  # ten keys without credit weigh nothing
+    ([("f", 0)] * 10 + [("x", 2)], 3, False, ("x", None)),  # one vote of credit is not enough early
+    ([("f", 0)] * 10 + [("x", 2)], 3, True, ("x", "x")),  # ... but is once the round settled
+    ([("f", 0)] * 10, 3, True, ("f", None)),  # no vote of credit: never agreed
+    ([("x", 1), ("x", 1), ("y", 8)], 10, False, ("y", None)),  # credit, not heads, leads
+    ([("x", 1), ("x", 1), ("y", 8)], 10, True, ("y", "y")),
+    ([("x", 3), ("y", 3)], 6, True, ("x", None)),  # a tie of credit stays undecided
+])
+def test_tally_by_credit(votes, total, settled, expected):
+    assert tally(votes, len(votes), settled, None, total) == expected
+
+
+def _tree(leaves: list[bytes]) -> ParamsTree:
+    body_bytes = (len(leaves) - 1) * CHUNK_BYTES + 1
+    return ParamsTree(header=base64.b64encode(b"header").decode(), body_bytes=body_bytes, leaves=b"".join(leaves).hex())
 
 
 def _newcomer() -> tuple[str, JoinRequest]:
