@@ -281,6 +281,12 @@ class ScoringSection(RequestModel):
         " and it does not hurt. Useful verdicts earn credit, the weight of a peer's judgements and digest votes"
         " (protocol/scoring.py, rule 5): an empty update scores 0, noise about 0, honest updates +0.3..+0.9.",
     )
+    useful_gain: float = Field(
+        0.25, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="A judge also finds an update useful (when it does not hurt) when it lowered the judge's"
+        " held-out loss by at least this fraction of the most any update it scored lowered it: a judge whose own"
+        " update is empty has no cosine to go by.",
+    )
     max_credit: int = Field(
         8, ge=1, le=1_000_000,
         description="Credit a peer can earn at most (one per useful round; halved by a round neither useful nor"

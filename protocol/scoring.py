@@ -26,8 +26,12 @@ Once round r's votes are in (every contributor reported, or round r+1 closed):
    sign-flipped update's median stays at -0.64..-0.95.
 3. Verdict. p hurt in round r when more than half of its judges' weight says so: the weighted
    median judgement, so one lying judge among three can neither frame an honest peer nor clear a
-   harmful one. p was useful when more than half of its judges' weight found its update agreeing
-   with their own: cosine at least `useful_cosine` and not hurting. Judges weigh their credit (5.)
+   harmful one. p was useful when more than half of its judges' weight found it useful: not
+   hurting, and either agreeing with the judge's own update (cosine at least `useful_cosine`) or
+   lowering the judge's held-out loss by at least `useful_gain` times the most any update it
+   scored lowered it. The loss test is there for a judge whose own update says nothing (an empty
+   one: every cosine with it is 0); an empty update lowers nobody's loss, and noise lowers it by
+   far less than honest work does. Judges weigh their credit (5.)
    once any judge of the round has some; until then (a run's first rounds) each weighs one. A
    judge without credit then weighs nothing: a flood of fresh keys cannot judge. With less than
    `min_reporters` judges of weight there is no verdict. The medians of the judges' figures are
@@ -44,7 +48,9 @@ Once round r's votes are in (every contributor reported, or round r+1 closed):
    (coordinator/service.py, "Agreed digests"): a peer that reported a digest the credited peers
    did not compute loses it all and is excluded (`wrong_digest`). Why each parameter:
    ``useful_cosine`` 0.1 (an empty update scores 0, noise at any scale about 0 on the k
-   coordinates it sends, an honest update +0.3..+0.9: measured in node/round/sim.py); halving
+   coordinates it sends, an honest update +0.3..+0.9: measured in node/round/sim.py);
+   ``useful_gain`` 0.25 (an empty update's loss delta is exactly 0; an honest update's, on a
+   judge's data, -0.06..-0.48 in the tiny preset's first rounds, tests/integration/sybil_lab.py); halving
    rather than zeroing, so an honest peer whose data once pulled elsewhere keeps most of its
    weight; ``max_credit`` 8, so a peer that trained long is trusted more than a newcomer, but
    eight newcomers that proved useful for eight rounds weigh as much as it.
@@ -80,6 +86,7 @@ class ScoringRule:
     exclude_after_rounds: int = 2
     exclusion_rounds: int = 0  # 0: for good
     useful_cosine: float = 0.1
+    useful_gain: float = 0.25
     max_credit: int = 8
 
     @classmethod
@@ -133,8 +140,10 @@ def round_verdicts(reports: Mapping[str, Mapping[str, Score]], contributors: Col
         if weight <= 0:
             continue
         scores = {peer: s for peer, s in reports[judge_id].items() if peer != judge_id and peer in judged}
+        best = max((-s.loss_delta for s in scores.values() if math.isfinite(s.loss_delta)), default=0.0)
         for peer, hurting in judge(scores, rule).items():
-            useful = not hurting and scores[peer].cosine >= rule.useful_cosine
+            useful = not hurting and (scores[peer].cosine >= rule.useful_cosine
+                                      or (best > 0 and scores[peer].loss_delta <= -rule.useful_gain * best))
             judged[peer].append((scores[peer], hurting, useful, weight))
     verdicts = {}
     for peer, findings in sorted(judged.items()):

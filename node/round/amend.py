@@ -265,9 +265,10 @@ async def recompute(s: Session, view: RoundView) -> ApplyResult | None:
     from_version, kept.manifest_version = kept.manifest_version, view.manifest_version
     s.amendments.applied_versions[kept.round] = view.manifest_version
     kept.payloads = payloads
-    from node.training.params import param_digest
+    from node.training.params import param_tree
 
-    s.digest = await asyncio.to_thread(param_digest, s.outer.start)
+    s.tree = await asyncio.to_thread(param_tree, s.outer.start)
+    s.digest = s.tree.hex
     s.amendments.recomputed.append(Recomputed(kept.round, from_version, view.manifest_version, s.digest))
     log.warning("round %d: manifest amended from version %d to %d (dropped %s); recomputed from the kept "
                 "round start: digest %s", kept.round, from_version, view.manifest_version,

@@ -44,6 +44,7 @@ from node.round.session import Session
 from node.round.coordinator_client import Refused
 from node.round.steps import CatchUpNeeded, PacketsGone, apply_manifest, serve_snapshot
 from protocol.http import MAX_DETAIL_CHARS, MAX_REFUSED, RoundView, RunStatus
+from protocol.snapshot import PARAMS_SECTION
 
 log = logging.getLogger("locoswarm.node")
 
@@ -179,7 +180,7 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
         await asyncio.to_thread(_load_outer_state, s, state)
         s.amendments.reset()  # these parameters follow none of the rounds applied here
         s.sent.clear()  # the error buffers restarted at zero: nothing sent from them can go back
-        s.params_round, s.digest = round, params_digest
+        s.params_round, s.digest, s.tree = round, params_digest, sink.trees[PARAMS_SECTION]
         log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], sink.total_bytes)
         await serve_snapshot(s, round, *sink.trees)  # a holder now too
         return True

@@ -19,11 +19,15 @@ which the round loop decides on.
 Joining a run that asks new keys for proof of work (``membership.join_pow_bits``): `join` fetches
 the run's challenge, solves it in a worker thread (protocol/join_pow.py) and joins with the proof;
 a key that joined the run before rejoins without one.
+
+An applied report carries the hash tree of the digest it names (`wire_tree`; none for a model over
+the protocol's MAX_TREE_LEAVES chunks), so the coordinator can name the chunks in which reports differ.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -32,9 +36,11 @@ import time
 
 import httpx
 
-from protocol.http import (API_PREFIX, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse,
-                           JoinChallenge, JoinRequest, JoinResponse, LeaveRequest, MissingRequest, MissingResponse,
-                           PeerScoreReport, RoundView, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse, sign_request)
+from protocol.digest import Tree
+from protocol.http import (API_PREFIX, MAX_TREE_HEADER_BYTES, MAX_TREE_LEAVES, AppliedRequest, AppliedResponse,
+                           HeartbeatRequest, HeartbeatResponse, JoinChallenge, JoinRequest, JoinResponse, LeaveRequest,
+                           MissingRequest, MissingResponse, ParamsTree, PeerScoreReport, RoundView, RunInfo, RunList,
+                           RunStatus, SubmitRequest, SubmitResponse, sign_request)
 from protocol.join_pow import solve
 from protocol.signing import PeerKey
 
@@ -258,9 +264,14 @@ class CoordinatorClient:
 
     async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None,
                       manifest_version: int = 1, val_loss: float | None = None,
-                      scores: dict[str, PeerScoreReport] | None = None, sample: str | None = None) -> AppliedResponse:
+                      scores: dict[str, PeerScoreReport] | None = None, sample: str | None = None,
+                      tree: Tree | None = None) -> AppliedResponse:
+        """Report the digest after applying `manifest_version` of round `round`'s manifest. `tree`: the
+        hash tree this node holds; it goes with the report when it hashes to `params_digest` and fits
+        the protocol's bounds (`wire_tree`), else the report carries none."""
+        wire = wire_tree(tree) if tree is not None and tree.hex == params_digest else None
         request = AppliedRequest(params_digest=params_digest, refused=refused or {}, manifest_version=manifest_version,
-                                 val_loss=val_loss, scores=scores or {}, sample=sample)
+                                 val_loss=val_loss, scores=scores or {}, sample=sample, tree=wire)
         return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
                                                                request))
 
@@ -273,6 +284,15 @@ class CoordinatorClient:
 
     async def leave(self, reason: str = "left") -> None:
         await self._call("POST", f"/runs/{self.run_id}/leave", LeaveRequest(reason=reason), retry_for_s=3.0)
+
+
+def wire_tree(tree: Tree) -> ParamsTree | None:
+    """`tree` as an applied report carries it (its `.tree()` is `tree` again); None when it has more
+    than MAX_TREE_LEAVES leaves or a header over MAX_TREE_HEADER_BYTES (such a node sends no tree)."""
+    if len(tree.leaves) > MAX_TREE_LEAVES or len(tree.header) > MAX_TREE_HEADER_BYTES:
+        return None
+    return ParamsTree(header=base64.b64encode(tree.header).decode("ascii"), body_bytes=tree.body_bytes,
+                      leaves=b"".join(tree.leaves).hex())
 
 
 def _retry_after_s(value: str | None) -> float:

@@ -91,7 +91,7 @@ async def restore(s: Session) -> bool:
     except CheckpointError as e:  # unreadable or corrupt tensors: the digest check inside refuses them
         log.warning("the checkpoint in %s does not load: %s; catching up instead", directory, e)
         return False
-    s.params_round, s.digest = round, digest
+    s.params_round, s.digest, s.tree = round, digest, None
     log.info("resumed from the checkpoint of round %d (digest %s)", round, digest[:12])
     from node.round.steps import serve_snapshot
 

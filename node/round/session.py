@@ -20,6 +20,7 @@ from node.round.coordinator_client import CoordinatorClient, Refused
 from node.round.own_packets import OwnPackets
 from node.testing.faults import FaultInjector
 from node.training.peer import PeerTraining
+from protocol.digest import Tree
 from protocol.http import ErrorCode, JoinResponse
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
@@ -62,6 +63,9 @@ class Session:
     activity: Activity = field(default_factory=Activity)
     params_round: int | None = 0  # the round whose start the parameters are (None: unknown)
     digest: str = ""  # of the global model after the last applied round
+    # The hash tree of `digest` where this node computed or verified one (sent with applied reports);
+    # None where the digest came without one (a resumed checkpoint's).
+    tree: Tree | None = None
     amendments: Amendments = field(default_factory=Amendments)  # the last applied round, kept (amend.py)
     encode_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # error feedback folds rounds in order
     buffers_lock: threading.Lock = field(default_factory=threading.Lock)  # held by an encode and a reset

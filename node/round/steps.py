@@ -294,7 +294,7 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
     await asyncio.to_thread(return_if_unsent, s, round, view)
     await s.faults.at_phase(Phase.APPLIED, round)
     tree = await asyncio.to_thread(param_tree, s.outer.start)
-    s.digest = tree.hex
+    s.tree, s.digest = tree, tree.hex
     s.params_round = round + 1
     times.aggregate_s += time.perf_counter() - start  # after the prepare's share, if collect ran it
     if scores_out is not None:
@@ -325,7 +325,7 @@ async def _report(s: Session, round: int, applied, manifest_version: int,
     try:
         response = await s.signed(s.client.applied, round, s.digest, refused=refused,
                                   manifest_version=manifest_version, val_loss=val_loss, scores=reports,
-                                  sample=sample)
+                                  sample=sample, tree=s.tree)
     except Refused as e:
         if e.code != "conflicting_report":
             raise

@@ -1,19 +1,20 @@
-"""Fault injection for a node: crash, slow upload or compute, corrupt or poisoned packets, stale submissions.
+"""Fault injection for a node: crash, slow upload or compute, corrupt or poisoned packets, stale
+submissions, withheld packets, lies about the digest.
 
     locoswarm node join ... --inject crash@round=3,phase=training --inject poison@factor=1000
     faults = FaultInjector.parse(["corrupt-packet@round=1"])       # what node.round.loop does
 
 In the style of hivemind's FaultyAverager and torchft's EventInjector: a small enum of faults, each
-armed for one round or for every round. Most are wrappers around the node's collaborators, put in
-place once when the node starts: the coordinator client (stale-submit), the packet exchange
-(corrupt-packet; slow-upload as a subclass of the P2P exchange, whose stream handler it stalls),
-and the peer's training (poison). Two are calls the round loop makes at its phase boundaries
-(crash at a phase; slow-compute, which pads the inner steps' time). With no fault configured
-every wrapper is the object itself and every call returns at once, so an honest node runs
-exactly the code a faulty one runs, minus the fault.
+armed for one round, for every round, or (lie) from a round on. Most are wrappers around the node's
+collaborators, put in place once when the node starts: the coordinator client (stale-submit, lie),
+the packet exchange (corrupt-packet; slow-upload as a subclass of the P2P exchange, whose stream
+handler it stalls), and the peer's training (poison). Two are calls the round loop makes at its
+phase boundaries (crash at a phase; slow-compute, which pads the inner steps' time). With no fault
+configured every wrapper is the object itself and every call returns at once, so an honest node
+runs exactly the code a faulty one runs, minus the fault.
 
 Spec grammar: ``NAME[@key=value[,key=value...]]``; ``round`` absent means every round (a crash:
-the first round that reaches the phase).
+the first round that reaches the phase); ``from_round``: that round and every later one.
 
 ==============  =====================================  ===========================================
 fault           keys (defaults)                        what the node does
@@ -51,6 +52,16 @@ withhold        round                                  submits its packet's dige
                                                        packet to nobody (it is neither stored nor
                                                        announced): peers report it missing and the
                                                        coordinator amends the round's manifest.
+lie             from_round=0                           trains, fetches, applies and serves honestly
+                                                       and keeps its real digest, but every applied
+                                                       report of a round >= from_round names a
+                                                       made-up digest with a tree that hashes to it
+                                                       (`made_up_tree`: the real tree's header and
+                                                       length, leaves derived from the round and
+                                                       manifest version only), so every liar names
+                                                       the same one: colluding Sybils. Restarted,
+                                                       it repeats the same lie. The answer it acts
+                                                       on says whether its real digest agrees.
 ==============  =====================================  ===========================================
 """
 
@@ -62,14 +73,23 @@ import hashlib
 import logging
 import os
 import signal
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from blake3 import blake3
+
+from protocol.digest import Tree
 
 log = logging.getLogger("locoswarm.faults")
 
 POISON_MODES = ("scale", "sign-flip", "random", "overflow")
 # poison@mode=overflow: every tensor's table (float32 shift, then the 4 bin means) in the packet it signs.
 OVERFLOW_TABLE = (1e30, -3e38, -1e38, 1e38, 3e38)
+# lie: leaf i of a made-up tree is BLAKE3(LIE_TAG || u64 round || u64 manifest version || u64 i), all
+# little-endian; a made-up digest without a tree, BLAKE3(LIE_TAG || u64 round || u64 manifest version).
+LIE_TAG = b"locoswarm.lie"
+_LIE_LEAF, _LIE_BARE = struct.Struct("<QQQ"), struct.Struct("<QQ")
 
 
 class Fault(enum.Enum):
@@ -80,6 +100,7 @@ class Fault(enum.Enum):
     STALE_SUBMIT = "stale-submit"
     WITHHOLD = "withhold"
     SLOW_COMPUTE = "slow-compute"
+    LIE = "lie"
 
 
 class Phase(enum.Enum):
@@ -107,15 +128,18 @@ class FaultSpec:
     factor: float = 1000.0  # poison: scale of the update
     mode: str = "scale"  # poison: one of POISON_MODES
     min_s: float = 10.0  # slow-compute: the inner steps of a round take at least this long
+    from_round: int = 0  # lie: the first round whose applied reports lie
 
     def fires(self, round: int) -> bool:
+        if self.fault is Fault.LIE:
+            return round >= self.from_round
         return self.round is None or self.round == round
 
     def __str__(self) -> str:
         keys = {Fault.CRASH: ("round", "phase", "wait_s"), Fault.SLOW_UPLOAD: ("delay_s",),
                 Fault.CORRUPT_PACKET: ("round",), Fault.POISON: ("round", "factor", "mode"),
                 Fault.STALE_SUBMIT: ("round",), Fault.SLOW_COMPUTE: ("round", "min_s"),
-                Fault.WITHHOLD: ("round",)}[self.fault]
+                Fault.WITHHOLD: ("round",), Fault.LIE: ("from_round",)}[self.fault]
         values = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         args = ",".join(f"{k}={v.value if isinstance(v, Phase) else v}" for k, v in values.items())
         return self.fault.value + (f"@{args}" if args else "")
@@ -129,6 +153,7 @@ _KEYS = {
     Fault.STALE_SUBMIT: {"round"},
     Fault.SLOW_COMPUTE: {"round", "min_s"},
     Fault.WITHHOLD: {"round"},
+    Fault.LIE: {"from_round"},
 }
 
 
@@ -146,7 +171,7 @@ def parse_fault(text: str) -> FaultSpec:
         if not eq or key not in _KEYS[fault]:
             raise FaultSpecError(f"{text!r}: {fault.value} takes {', '.join(sorted(_KEYS[fault]))}; got {part!r}")
         try:
-            if key == "round":
+            if key in ("round", "from_round"):
                 values[key] = int(raw)
                 if values[key] < 0:
                     raise ValueError
@@ -333,12 +358,14 @@ class FaultInjector:
         return FaultyExchange(exchange)
 
     def wrap_client(self, client):
-        """stale-submit: a coordinator client that holds a submission until its round has closed."""
-        if not any(s.fault is Fault.STALE_SUBMIT for s in self.specs):
+        """stale-submit: a coordinator client that holds a submission until its round has closed.
+        lie: one whose applied reports name a made-up digest and tree (`made_up_report`) and whose
+        answers say what they would say of the real digest (`_real_answer`)."""
+        if not any(s.fault in (Fault.STALE_SUBMIT, Fault.LIE) for s in self.specs):
             return client
         injector = self
 
-        class StaleClient(_Proxy):
+        class FaultyClient(_Proxy):
             async def submit(self, round: int, **fields):
                 if injector._firing(Fault.STALE_SUBMIT, round):
                     log.warning("fault injection: holding the submission of round %d until the round closes", round)
@@ -346,7 +373,20 @@ class FaultInjector:
                         pass
                 return await self._inner.submit(round, **fields)
 
-        return StaleClient(client)
+            async def applied(self, round: int, params_digest: str, refused=None, manifest_version: int = 1, *,
+                              tree: Tree | None = None, **fields):
+                if not injector._firing(Fault.LIE, round):
+                    return await self._inner.applied(round, params_digest, refused=refused,
+                                                     manifest_version=manifest_version, tree=tree, **fields)
+                lie, lie_tree = made_up_report(round, manifest_version, tree if tree is not None and
+                                               tree.hex == params_digest else None)
+                log.warning("fault injection: reporting the made-up digest %s for round %d version %d (mine: %s)",
+                            lie[:12], round, manifest_version, params_digest[:12])
+                response = await self._inner.applied(round, lie, refused=refused, manifest_version=manifest_version,
+                                                     tree=lie_tree, **fields)
+                return _real_answer(response, params_digest, manifest_version)
+
+        return FaultyClient(client)
 
     def exchange_class(self, base: type) -> type:
         """slow-upload: a subclass of the exchange whose stream handler stalls before answering."""
@@ -365,6 +405,35 @@ class FaultInjector:
                 await super()._serve(stream_info, reader, writer)
 
         return SlowUploadExchange
+
+
+def made_up_tree(real: Tree, round: int, manifest_version: int) -> Tree:
+    """A tree with `real`'s header and body length whose leaves depend on nothing but the round, the
+    manifest version and the chunk index: every liar holding the same model layout makes the same
+    one, and a liar that restarts makes it again."""
+    leaves = tuple(blake3(LIE_TAG + _LIE_LEAF.pack(round, manifest_version, i)).digest()
+                   for i in range(len(real.leaves)))
+    return Tree(real.header, real.body_bytes, leaves)
+
+
+def made_up_report(round: int, manifest_version: int, real: Tree | None) -> tuple[str, Tree | None]:
+    """The digest and tree a liar reports for `manifest_version` of round `round`: `made_up_tree`
+    and its root; without the real tree (a digest this node holds no tree of), a bare made-up digest
+    of the round and version alone, reported with no tree."""
+    if real is None:
+        return blake3(LIE_TAG + _LIE_BARE.pack(round, manifest_version)).hexdigest(), None
+    tree = made_up_tree(real, round, manifest_version)
+    return tree.hex, tree
+
+
+def _real_answer(response, real_digest: str, manifest_version: int):
+    """The coordinator's answer to a lie with `agrees` said of the digest the liar holds, as the
+    coordinator says it of a report: of the latest manifest version, and the majority digest. The
+    rest stays as answered: the round's majority and agreed digests (which the node compares with
+    its real digest, as an honest node does), its manifest version and amendments (which do not
+    depend on the digest reported)."""
+    agrees = response.manifest_version == manifest_version and response.majority_digest == real_digest
+    return response.model_copy(update={"agrees": agrees})
 
 
 class _Proxy:

@@ -1,6 +1,6 @@
 """The fault injector (node/testing/faults.py): spec parsing, each hook's effect, and that an unarmed
 injector changes nothing; the `--inject` flag and NodeConfig field; refusals reported to the
-coordinator reaching its status (and their bounds)."""
+coordinator reaching its status (and their bounds); the liar's made-up reports."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ import time
 import pytest
 import torch
 
-from node.testing.faults import Fault, FaultInjector, FaultSpecError, Phase, parse_fault
+from node.round.coordinator_client import wire_tree
+from node.testing.faults import Fault, FaultInjector, FaultSpecError, Phase, made_up_tree, parse_fault
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
-from node.training.params import flat_named_params, param_digest
+from node.training.params import flat_named_params, param_digest, param_tree
 from protocol import errors
+from protocol.http import AppliedRequest, AppliedResponse
 from protocol.packet import decode_packet
 from protocol.signing import PeerKey
 from tests.fixtures.coordinator import REPO_ROOT, SignedPeer, create_run
+from tests.unit.test_round_loop import digests_by_round, in_swarm, run_all
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,12 +35,18 @@ def test_parse_specs_and_their_defaults():
     assert (poison.factor, poison.mode, poison.round) == (1000.0, "random", None)
     assert parse_fault("slow-upload@delay_s=2.5").delay_s == 2.5
     assert parse_fault("stale-submit@round=2").fires(2) and not parse_fault("stale-submit@round=2").fires(3)
-    for text in ("crash@round=3,phase=transfer", "poison@round=1,factor=10.0,mode=scale", "corrupt-packet"):
+    lie = parse_fault("lie@from_round=3")
+    assert (lie.fault, lie.from_round) == (Fault.LIE, 3)
+    assert [lie.fires(r) for r in (0, 2, 3, 4, 100)] == [False, False, True, True, True]
+    assert parse_fault("lie").from_round == 0 and parse_fault("lie").fires(0)
+    for text in ("crash@round=3,phase=transfer", "poison@round=1,factor=10.0,mode=scale", "corrupt-packet",
+                 "lie@from_round=3"):
         assert str(parse_fault(str(parse_fault(text)))) == str(parse_fault(text))
 
 
 @pytest.mark.parametrize("bad", ["explode", "crash@round=-1", "crash@phase=upload", "crash@factor=2",
-                                 "poison@mode=nice", "slow-upload@delay_s=inf", "crash@round", "poison@factor=x"])
+                                 "poison@mode=nice", "slow-upload@delay_s=inf", "crash@round", "poison@factor=x",
+                                 "lie@round=3", "lie@from_round=-1", "lie@from_round=1.5", "crash@from_round=1"])
 def test_bad_specs_are_refused_with_the_reason(bad):
     with pytest.raises(FaultSpecError) as info:
         parse_fault(bad)
@@ -162,6 +171,69 @@ def test_stale_submit_waits_for_the_round_to_close():
     assert inner.calls == 3 and inner.submitted == [(3, {"packet_digest": "d3"}), (4, {"packet_digest": "d4"})]
 
 
+class _ReportingClient:
+    """Records applied reports and answers each as the coordinator would when `majority` (default:
+    the digest reported) is the round's majority digest."""
+
+    def __init__(self, majority: str | None = None):
+        self.majority, self.reports = majority, []
+
+    async def applied(self, round, params_digest, refused=None, manifest_version=1, *, tree=None, **fields):
+        self.reports.append((round, params_digest, manifest_version, tree, refused, fields))
+        majority = self.majority or params_digest
+        return AppliedResponse(round=round, majority_digest=majority, agrees=majority == params_digest,
+                               num_reports=3, agreed_digest=majority, manifest_version=manifest_version)
+
+
+def _report(client, round: int, digest: str, tree, manifest_version: int = 1) -> AppliedResponse:
+    return asyncio.run(client.applied(round, digest, refused={"p1": "late"}, manifest_version=manifest_version,
+                                      tree=tree, val_loss=2.5))
+
+
+def test_lie_replaces_the_digest_and_tree_from_its_round_on():
+    real = param_tree(build_model("tiny", 0))
+    inner = _ReportingClient()
+    client = FaultInjector.parse(["lie@from_round=3"]).wrap_client(inner)
+    honest = _report(client, 2, real.hex, real)
+    assert inner.reports[0] == (2, real.hex, 1, real, {"p1": "late"}, {"val_loss": 2.5})
+    assert honest.agrees
+
+    lied = _report(client, 3, real.hex, real)
+    round, digest, version, tree, refused, fields = inner.reports[1]
+    assert (round, version, refused, fields) == (3, 1, {"p1": "late"}, {"val_loss": 2.5})
+    assert digest != real.hex and tree.hex == digest and tree == made_up_tree(real, 3, 1)
+    assert (tree.header, tree.body_bytes, len(tree.leaves)) == (real.header, real.body_bytes, len(real.leaves))
+    assert AppliedRequest(params_digest=digest, tree=wire_tree(tree)).tree is not None  # hashes to the lie
+    # The coordinator took the lie as the majority; the answer the node gets is of its real digest.
+    assert lied.majority_digest == lied.agreed_digest == digest and not lied.agrees
+
+    # Another liar, or this one restarted, tells the same lie; another round or version, another one.
+    other = FaultInjector.parse(["lie"]).wrap_client(_ReportingClient())
+    _report(other, 3, real.hex, real)
+    _report(other, 3, real.hex, real, manifest_version=2)
+    _report(other, 4, real.hex, real)
+    same, amended, later = (report[1] for report in other._inner.reports)
+    assert same == digest and len({digest, amended, later}) == 3
+
+
+def test_a_liar_among_honest_peers_hears_that_its_real_digest_agrees():
+    real = param_tree(build_model("tiny", 0))
+    client = FaultInjector.parse(["lie"]).wrap_client(_ReportingClient(majority=real.hex))
+    response = _report(client, 0, real.hex, real)
+    assert client._inner.reports[0][1] != real.hex
+    assert response.agrees and response.agreed_digest == real.hex
+
+
+def test_lie_without_a_tree_of_the_digest_reports_a_made_up_digest_alone():
+    real, stale = param_tree(build_model("tiny", 0)), param_tree(build_model("tiny", 1))
+    inner = _ReportingClient()
+    client = FaultInjector.parse(["lie"]).wrap_client(inner)
+    _report(client, 1, real.hex, None)
+    _report(client, 1, real.hex, stale)  # a tree of another digest is no tree of this one
+    (_, first, _, no_tree, _, _), (_, second, _, still_none, _, _) = inner.reports
+    assert first == second != real.hex and no_tree is None and still_none is None
+
+
 def test_slow_upload_delays_every_served_stream():
     class Exchange:
         served_at: list[float] = []
@@ -253,3 +325,18 @@ def test_a_round_with_no_usable_packet_leaves_every_peer_at_the_global_model(str
         assert result.accepted == [] and "p0" in result.refused
         digests.add(param_digest(model))
     assert digests == {start}
+
+
+@in_swarm
+async def test_a_liar_trains_on_with_its_real_state(swarm):
+    """Three honest peers and one that lies from round 1: the swarm agrees on the honest digests,
+    and the liar, whose answers say its real digest agrees, applies every round without a catch-up."""
+    await swarm.create_run(min_peers=4, max_rounds=4)
+    honest = [swarm.node(name)[0] for name in "abc"]
+    liar, _ = swarm.node("liar", FaultInjector.parse(["lie@from_round=1"]))
+    await run_all(*honest, liar)
+    agreed = {h.round: h.agreed_digest for h in (await swarm.status()).history}
+    assert sorted(agreed) == [0, 1, 2, 3]
+    assert liar.catch_ups == [] and [r.round for r in liar.reports] == [0, 1, 2, 3]
+    for node in (*honest, liar):
+        assert digests_by_round(node) == agreed

@@ -174,3 +174,56 @@ def test_applied_scores_are_validated_as_hostile_input():
         with pytest.raises(ValidationError):
             applied(scores)
     assert len(applied({f"p{i:016x}": {"loss_delta": 0.0, "cosine": 0.0} for i in range(MAX_SCORES)}).scores) == 64
+
+
+# -- credit: standing earned by useful work (rule 5) ------------------------------------------
+
+EMPTY = Score(0.0, 0.0)  # an empty update: no loss change, no cosine
+NOISE = Score(+0.004, 0.02)  # noise at the honest scale: a little harm, no agreement
+
+
+def test_empty_and_noise_earn_no_credit_and_useful_work_does():
+    """Three honest peers and four that send empty updates: the empty ones' own updates are empty,
+    so every cosine they report is 0, but the honest updates still lower their loss (the loss test
+    of rule 3). The honest peers earn a credit a round, the empty ones none; noise likewise."""
+    peers = ["h1", "h2", "h3", "s1", "s2", "s3", "s4"]
+    for bad in (EMPTY, NOISE):
+        judged_by_honest = {p: (HONEST if p.startswith("h") else bad) for p in peers}
+        judged_by_empty = {p: (Score(-0.08, 0.0) if p.startswith("h") else bad) for p in peers}
+        round_reports = {j: {p: s for p, s in (judged_by_honest if j.startswith("h") else judged_by_empty).items()
+                             if p != j} for j in peers}
+        standings = standings_after([round_reports] * 3, contributors=peers)
+        assert [standings[p].credit for p in peers] == [3, 3, 3, 0, 0, 0, 0], standings
+        assert standings["s1"].last_verdict == "not_useful" and standings["h1"].num_useful == 3
+
+
+def test_credit_is_capped_halved_and_lost():
+    rule = ScoringRule(max_credit=4)
+    useful = round_verdicts(reports({p: HONEST for p in PEERS}), PEERS, rule)["a"]
+    empty = round_verdicts(reports({"a": EMPTY, "b": HONEST, "c": HONEST, "d": HONEST}), PEERS, rule)["a"]
+    hurt = round_verdicts(reports({"a": FLIPPED, "b": HONEST, "c": HONEST, "d": HONEST}), PEERS, rule)["a"]
+    standing = Standing()
+    for r in range(6):
+        standing = update_standing(standing, r, useful, rule)
+    assert standing.credit == 4, "capped at max_credit"
+    standing = update_standing(standing, 6, empty, rule)
+    assert (standing.credit, standing.last_verdict) == (2, "not_useful"), "halved"
+    assert update_standing(standing, 7, hurt, rule).credit == 0, "a hurting round takes it all"
+
+
+def test_once_a_judge_has_credit_judges_without_it_weigh_nothing():
+    """Four fresh keys call the honest peers' updates harmful and each other's useful: against two
+    judges that earned credit they frame nobody and earn nothing; before anyone has credit each
+    judge weighs one."""
+    peers = ["h1", "h2", "s1", "s2", "s3", "s4"]
+    lie = {p: (FLIPPED if p.startswith("h") else HONEST) for p in peers}
+    truth = {p: (HONEST if p.startswith("h") else EMPTY) for p in peers}
+    round_reports = {j: {p: s for p, s in (truth if j.startswith("h") else lie).items() if p != j} for j in peers}
+    weighed = round_verdicts(round_reports, peers, RULE, credit={"h1": 2, "h2": 2})
+    assert [weighed[p].useful for p in peers] == [None, None, False, False, False, False]  # h's: 1 judge of credit
+    assert not any(v.hurt for v in weighed.values())
+    three = round_verdicts(round_reports | {"h3": {p: s for p, s in truth.items()}}, peers + ["h3"], RULE,
+                           credit={"h1": 2, "h2": 2, "h3": 1})
+    assert three["h1"].useful and not three["h1"].hurt and not three["s1"].useful
+    unweighed = round_verdicts(round_reports, peers, RULE)
+    assert unweighed["h1"].hurt, "with no credit anywhere, four liars outvote two (what credit is for)"
