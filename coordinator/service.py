@@ -210,6 +210,7 @@ class CoordinatorService:
         self._nonces_pruned_at = 0.0
         self.resumed_at = clock()  # see "Restart grace" above; `resume` sets it again
         self._failures_seen = storage.num_failures
+        self._credit_moved = False  # set by `_tally` when it excluded a liar (see `_count_votes`)
         self.join_guard = JoinGuard()  # rate limits of new keys, in memory (see "Joining" above)
 
     @contextmanager
@@ -771,11 +772,14 @@ class CoordinatorService:
         """Recount the votes on round r's latest manifest version (`_tally`), then take its
         contribution verdicts when they are due; credit they move weighs again in every round still
         undecided. `settled`: the next round has closed (the caller knows), else it is looked up."""
+        self._credit_moved = False
         round_row = self._tally(run_id, round_index, settled)
         if not round_row.scored and scoring.due(self.storage, round_row, settled or self._settled(run_id, round_index)):
             run = self.views.require_run(run_id)
             if scoring.judge_round(self.storage, round_row, self.views.config_of(run)):
                 self._changed.add(run_id)
+            self._credit_moved = True
+        if self._credit_moved:  # verdicts, or a liar's exclusion: weigh the undecided rounds again
             for r in range(max(0, round_index - RETALLY_ROUNDS), round_index + 1):
                 row = self.storage.get_round(run_id, r)
                 if row is not None and row.closed_at is not None and row.agreed_digest is None and row.num_votes:
@@ -819,6 +823,7 @@ class CoordinatorService:
                     scoring.exclude_for_wrong_digest(self.storage, run_id, peer_id, round_index,
                                                      disputes.reason(record, peer_id, round_index), config)
                 self._changed.add(run_id)
+                self._credit_moved = bool(record["excluded"])
         self.storage.update_round(run_id, round_index, **fields)
         if fields.get("agreed_digest") is not None:
             self._agree_empty_from(run_id, round_index + 1)
@@ -1018,8 +1023,10 @@ def tally(votes: Sequence[tuple[str, int]], num_contributors: int, settled: bool
     - `total_credit` > 0, the credit of the round's contributors: votes weigh their credit, and
       a vote without credit weighs nothing. Agreed once at least two votes of credit back it and
       it holds more than half of `total_credit`; or once the round is settled, with more than
-      half of the credit cast. While no vote of credit is in, the majority is the headcount's,
-      never agreed.
+      half of the credit cast, and two votes of credit unless no other vote has any (an honest
+      minority of one among keys without credit is agreed; one key of high credit against two
+      that computed otherwise is not). While no vote of credit is in, the majority is the
+      headcount's, never agreed.
     - `total_credit` 0 (no contributor has earned credit yet: a run's first rounds): agreed only
       when every vote names it, once every contributor voted (two at least) or the round
       settled (a lone vote too). A dispute
@@ -1047,6 +1054,9 @@ def tally(votes: Sequence[tuple[str, int]], num_contributors: int, settled: bool
     weight = weights[majority]
     if backers[majority] >= 2 and 2 * weight > total_credit:
         return majority, majority
-    if settled and weight > 0 and 2 * weight > sum(weights.values()):
+    # Once settled a lone vote of credit decides only against votes without any: one key that earned
+    # more credit than the rest cannot outvote two peers that computed otherwise on its own.
+    opposed = sum(weights.values()) > weight
+    if settled and weight > 0 and 2 * weight > sum(weights.values()) and (backers[majority] >= 2 or not opposed):
         return majority, majority
     return majority, None

@@ -202,6 +202,8 @@ def update_standing(standing: Standing, round: int, verdict: Verdict | None, rul
     recent_hurt = tuple(r for r in (*standing.recent_hurt, *([round] if verdict.hurt else [])) if r in recent)
     if verdict.hurt:
         credit, last = 0, "hurt"
+    elif standing.exclusion(round + 1) is not None:  # excluded (a wrong digest, say): earns nothing meanwhile
+        credit, last = 0, "useful" if verdict.useful else "not_useful"
     elif verdict.useful:
         credit, last = min(rule.max_credit, standing.credit + 1), "useful"
     else:

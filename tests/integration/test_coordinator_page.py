@@ -387,7 +387,17 @@ def test_page_shows_a_peer_excluded_by_contribution_scoring(start_coordinator, t
                 assert response.status_code == 200, response.text
         refused = peers[3].submit(run_id, 2, train_loss=4.0)
         assert refused.status_code == 403 and error_of(refused) == "excluded"
+        # Round 2: the three earned credit 2 each; one of them reports another digest. Two votes of
+        # credit 4 of 6 agree theirs, the third is excluded for a wrong digest, the dispute is shown.
+        for peer in peers[:3]:
+            assert peer.submit(run_id, 2, train_loss=4.0).status_code == 200
+        for peer, digest in zip(peers[:3], ("cd" * 32, "cd" * 32, "ef" * 32)):
+            response = peer.post(f"/v1/runs/{run_id}/rounds/2/applied", {"params_digest": digest})
+            assert response.status_code == 200, response.text
     dom, _ = open_page(f"{coordinator.url}/", tmp_path)
     assert dom.count('class="peer-row"') == 4
     assert "excluded: hurting_updates: its updates hurt in 2 of its last 2 scored rounds" in dom
     assert "dloss 0.100 cos -0.80 (2/2 hurt)" in dom and dom.count("dloss -0.100 cos 0.80") == 3
+    assert f"excluded: wrong_digest: round 2: it reported digest {'ef' * 8}" in dom
+    assert (f"dispute: {'cd' * 6} by 2 (credit 4) vs {'ef' * 6} by 1 (credit 2); its chunks recompute to the"
+            " agreed leaves by 2 peer(s) of credit 4") in dom

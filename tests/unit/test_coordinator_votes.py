@@ -355,8 +355,10 @@ def test_tally_before_anyone_earned_credit(votes, contributors, settled, expecte
     ([("f", 0)] * 10 + [("x", 2)], 3, True, ("x", "x")),  # ... but is once the round settled
     ([("f", 0)] * 10, 3, True, ("f", None)),  # no vote of credit: never agreed
     ([("x", 1), ("x", 1), ("y", 8)], 10, False, ("y", None)),  # credit, not heads, leads
-    ([("x", 1), ("x", 1), ("y", 8)], 10, True, ("y", "y")),
+    ([("x", 1), ("x", 1), ("y", 8)], 10, True, ("y", None)),  # one key of high credit against two: undecided
+    ([("y", 8), ("y", 1), ("x", 1)], 10, True, ("y", "y")),
     ([("x", 3), ("y", 3)], 6, True, ("x", None)),  # a tie of credit stays undecided
+    ([("y", 8), ("x", 2), ("x", 2), ("z", 0)], 12, False, ("y", None)),
 ])
 def test_tally_by_credit(votes, total, settled, expected):
     assert tally(votes, len(votes), settled, None, total) == expected
@@ -370,3 +372,23 @@ def _tree(leaves: list[bytes]) -> ParamsTree:
 def _newcomer() -> tuple[str, JoinRequest]:
     key = PeerKey.generate()
     return peer_id_from_public_key(key.public_bytes), JoinRequest(public_key=key.public_hex)
+
+
+def test_a_liars_exclusion_voids_its_votes_in_rounds_still_undecided(coordinator):
+    """Round 0 ties (one vote of credit each side) and stays undecided once settled. In round 1 the
+    same key lies again, against two: excluded, its credit gone, round 0 is weighed again and agreed
+    on the other vote."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3})
+    a, b, liar = peers = c.join(run_id, 3)
+    c.credit(run_id, {p: 1 for p in peers})
+    c.submit(run_id, 0, *peers)
+    c.applied(run_id, 0, a, HONEST)
+    c.applied(run_id, 0, liar, FAKE)
+    c.submit(run_id, 1, *peers)  # round 0 settled: 1 against 1
+    assert c.round(run_id, 0).agreed_digest is None
+    c.applied(run_id, 1, a, OTHER)
+    c.applied(run_id, 1, b, OTHER)
+    c.applied(run_id, 1, liar, FAKE)
+    assert c.round(run_id, 1).agreed_digest == OTHER
+    assert c.round(run_id, 0).agreed_digest == HONEST, "the liar's vote in round 0 weighs nothing now"

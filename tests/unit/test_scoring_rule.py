@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from protocol.http import MAX_SCORES, AppliedRequest
 from protocol.run_config import RunConfig
-from protocol.scoring import Score, ScoringRule, Standing, judge, round_verdicts, update_standing
+from protocol.scoring import Score, ScoringRule, Standing, judge, round_verdicts, update_standing, wrong_digest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -227,3 +227,11 @@ def test_once_a_judge_has_credit_judges_without_it_weigh_nothing():
     assert three["h1"].useful and not three["h1"].hurt and not three["s1"].useful
     unweighed = round_verdicts(round_reports, peers, RULE)
     assert unweighed["h1"].hurt, "with no credit anywhere, four liars outvote two (what credit is for)"
+
+
+def test_an_excluded_peer_earns_no_credit_while_excluded():
+    """A key excluded for a wrong digest in round 3 gets round 3's (useful) verdict after the
+    exclusion: it stays at no credit."""
+    useful = round_verdicts(reports({p: HONEST for p in PEERS}), PEERS, RULE)["a"]
+    standing = wrong_digest(update_standing(Standing(), 2, useful, RULE), 3, "it lied", RULE)
+    assert update_standing(standing, 3, useful, RULE).credit == 0
