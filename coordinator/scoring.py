@@ -34,10 +34,10 @@ log = logging.getLogger("locoswarm.coordinator")
 
 
 def scores_json(request: AppliedRequest) -> str | None:
-    """The scores of an applied report as stored: {peer id: [loss_delta, cosine]}, or None."""
+    """The scores of an applied report as stored: {peer id: [loss_delta, cosine, overlap, overlap_with]}, or None."""
     if not request.scores:
         return None
-    return json.dumps({p: [s.loss_delta, s.cosine] for p, s in sorted(request.scores.items())})
+    return json.dumps({p: [s.loss_delta, s.cosine, s.overlap, s.overlap_with] for p, s in sorted(request.scores.items())})
 
 
 def due(storage: Storage, round_row: RoundRow, settled: bool) -> bool:
@@ -59,13 +59,14 @@ def judge_round(storage: Storage, round_row: RoundRow, config: RunConfig) -> dic
     if not config.scoring.enabled:
         return {}
     rule = ScoringRule.from_section(config.scoring)
-    reports = {a.peer_id: {p: Score(float(v[0]), float(v[1])) for p, v in json.loads(a.scores).items()}
+    reports = {a.peer_id: {p: Score(float(v[0]), float(v[1]), *_overlap(v)) for p, v in json.loads(a.scores).items()}
                for a in storage.list_applied(run_id, round_index)
                if a.vote and a.manifest_version == round_row.manifest_version and a.scores}
     excluded = {}
     contributors = _contributors(storage, round_row)
     credit = {p.peer_id: p.credit for p in storage.list_peers(run_id) if p.peer_id in contributors}
-    for peer_id, verdict in round_verdicts(reports, contributors, rule, credit).items():
+    submitted = {s.peer_id: s.submitted_at for s in storage.list_submissions(run_id, round_index)}
+    for peer_id, verdict in round_verdicts(reports, contributors, rule, credit, submitted).items():
         peer = storage.get_peer(run_id, peer_id)
         if peer is None:
             continue
@@ -95,6 +96,11 @@ def exclude_for_wrong_digest(storage: Storage, run_id: str, peer_id: str, round_
     new = wrong_digest(standing, round_index, reason, ScoringRule.from_section(config.scoring))
     storage.update_peer(run_id, peer_id, standing=new.to_json(), credit=0, excluded_round=round_index)
     log.warning("run %s: %s excluded after round %d: %s", run_id, peer_id, round_index, new.reason)
+
+
+def _overlap(stored: list) -> tuple[float, tuple[str, ...]]:
+    """A stored score's overlap and the peers it names (none in scores stored before they were sent)."""
+    return (float(stored[2]), tuple(stored[3])) if len(stored) >= 4 else (0.0, ())
 
 
 def check_submission(storage: Storage, peer: PeerRow, round_index: int) -> None:

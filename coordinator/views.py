@@ -392,6 +392,7 @@ def _credit_reason(standing: Standing, credit: int) -> str:
               f"{', hurting in ' + str(standing.num_hurt) if standing.num_hurt else ''}")
     last = {"useful": "its last update was useful (+1)",
             "not_useful": "its last update was neither useful nor hurting: empty, noise or unrelated (halved)",
+            "copy": "its last packet was a copy of a packet submitted before it (halved)",
             "hurt": "its last update hurt (all lost)"}.get(standing.last_verdict or "", "")
     return f"{'none' if credit == 0 else credit}: {judged}" + (f"; {last}" if last else "")
 

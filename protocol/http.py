@@ -372,6 +372,11 @@ class PeerScoreReport(RequestModel):
         description="Held-out loss (the reporter's data) after the update alone minus before; < 0 helps.")
     cosine: float = Field(allow_inf_nan=False, ge=-1.0, le=1.0, description="Cosine with the reporter's own"
                           " update of the round, on the coordinates this update holds.")
+    overlap: float = Field(0.0, allow_inf_nan=False, ge=0.0, le=1.0, description="The largest share of this"
+                           " update's positions that another packet of the round also holds (a copy: 1).")
+    overlap_with: list[PeerId] = Field(
+        default_factory=list, max_length=8, description="The peers whose packets share scoring.copy_overlap of"
+        " this update's positions (a copy of a copy shares all with both), else the one that shares the most.")
 
 
 class ParamsTree(RequestModel):
@@ -502,7 +507,7 @@ class PeerScoreView(ResponseModel):
     loss_delta: float | None = Field(description="Running median held-out loss delta (nats; < 0 helps).")
     cosine: float | None = Field(description="Running median cosine with the rounds' aggregates.")
     num_useful: int = Field(0, description="Rounds in which more than half of its judges' weight found it useful.")
-    last_verdict: Literal["useful", "not_useful", "hurt"] | None = Field(None, description="Its latest verdict.")
+    last_verdict: Literal["useful", "not_useful", "copy", "hurt"] | None = Field(None, description="Its latest verdict.")
 
 
 class PeerView(ResponseModel):

@@ -287,6 +287,12 @@ class ScoringSection(RequestModel):
         " held-out loss by at least this fraction of the most any update it scored lowered it: a judge whose own"
         " update is empty has no cosine to go by.",
     )
+    copy_overlap: float = Field(
+        0.4, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="An update that shares this share of its positions with a packet submitted before it in the"
+        " round is a copy of that packet: never useful (honest updates share 0.03..0.15 in the tiny preset; a"
+        " re-signed copy shares all of them).",
+    )
     max_credit: int = Field(
         8, ge=1, le=1_000_000,
         description="Credit a peer can earn at most (one per useful round; halved by a round neither useful nor"

@@ -31,7 +31,11 @@ Once round r's votes are in (every contributor reported, or round r+1 closed):
    lowering the judge's held-out loss by at least `useful_gain` times the most any update it
    scored lowered it. The loss test is there for a judge whose own update says nothing (an empty
    one: every cosine with it is 0); an empty update lowers nobody's loss, and noise lowers it by
-   far less than honest work does. Judges weigh their credit (5.)
+   far less than honest work does. A copy is never useful: an update that shares `copy_overlap`
+   of its positions with a packet submitted before it in the round (a re-signed copy shares all;
+   honest peers' updates share 0.03..0.15 in the tiny preset, measured with `locoswarm sim`) is a
+   copy of that packet in the judge's finding, and the verdict names the original when more than
+   half of the judges' weight found the same. Judges weigh their credit (5.)
    once any judge of the round has some; until then (a run's first rounds) each weighs one. A
    judge without credit then weighs nothing: a flood of fresh keys cannot judge. With less than
    `min_reporters` judges of weight there is no verdict. The medians of the judges' figures are
@@ -65,6 +69,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
@@ -88,6 +93,7 @@ class ScoringRule:
     useful_cosine: float = 0.1
     useful_gain: float = 0.25
     max_credit: int = 8
+    copy_overlap: float = 0.4
 
     @classmethod
     def from_section(cls, section) -> ScoringRule:
@@ -100,6 +106,8 @@ class Score:
 
     loss_delta: float  # held-out loss after the update alone minus before; < 0 helps
     cosine: float  # with the judge's own update of the round, on this update's coordinates, in [-1, 1]
+    overlap: float = 0.0  # the largest share of its positions another packet of the round also holds
+    overlap_with: tuple[str, ...] = ()  # the peers whose packets share copy_overlap of them, or the one
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,6 +119,7 @@ class Verdict:
     num_hurt: int  # judges that found it hurting
     useful: bool | None = None  # more than half of the judges' weight found it useful; None: no verdict
     num_useful: int = 0  # judges that found it useful
+    copy_of: str | None = None  # more than half of the judges' weight found it a copy of this peer's packet
     loss_delta: float | None  # medians over the judges
     cosine: float | None
 
@@ -127,14 +136,24 @@ def judge(scores: Mapping[str, Score], rule: ScoringRule) -> dict[str, bool]:
 
 
 def round_verdicts(reports: Mapping[str, Mapping[str, Score]], contributors: Collection[str],
-                   rule: ScoringRule, credit: Mapping[str, int] | None = None) -> dict[str, Verdict]:
+                   rule: ScoringRule, credit: Mapping[str, int] | None = None,
+                   submitted: Mapping[str, float] | None = None) -> dict[str, Verdict]:
     """Each contributor's verdict for a round from `reports` (judge -> peer -> score): only
     contributors judge, only contributors are judged, nobody judges itself. `credit`: each judge's
-    (absent: none); once a judge of the round has some, judges weigh their credit, else one each."""
-    credit = credit or {}
+    (absent: none); once a judge of the round has some, judges weigh their credit, else one each.
+    `submitted`: when each contributor's submission was accepted, which tells a copy (the later of
+    two packets that share `copy_overlap` of their positions) from its original."""
+    credit, submitted = credit or {}, submitted or {}
+
+    def copied(peer: str, score: Score) -> str | None:
+        if score.overlap < rule.copy_overlap or peer not in submitted:
+            return None
+        earlier = [p for p in score.overlap_with if p in submitted and submitted[p] < submitted[peer]]
+        return min(earlier, key=lambda p: (submitted[p], p), default=None)
+
     judges = [j for j in sorted(reports) if j in contributors]
     weighted = any(credit.get(j, 0) > 0 for j in judges)
-    judged: dict[str, list[tuple[Score, bool, bool, int]]] = {peer: [] for peer in contributors}
+    judged: dict[str, list[tuple[Score, bool, bool, str | None, int]]] = {peer: [] for peer in contributors}
     for judge_id in judges:
         weight = credit.get(judge_id, 0) if weighted else 1
         if weight <= 0:
@@ -142,18 +161,25 @@ def round_verdicts(reports: Mapping[str, Mapping[str, Score]], contributors: Col
         scores = {peer: s for peer, s in reports[judge_id].items() if peer != judge_id and peer in judged}
         best = max((-s.loss_delta for s in scores.values() if math.isfinite(s.loss_delta)), default=0.0)
         for peer, hurting in judge(scores, rule).items():
-            useful = not hurting and (scores[peer].cosine >= rule.useful_cosine
-                                      or (best > 0 and scores[peer].loss_delta <= -rule.useful_gain * best))
-            judged[peer].append((scores[peer], hurting, useful, weight))
+            copy = copied(peer, scores[peer])
+            useful = not hurting and copy is None and (
+                scores[peer].cosine >= rule.useful_cosine
+                or (best > 0 and scores[peer].loss_delta <= -rule.useful_gain * best))
+            judged[peer].append((scores[peer], hurting, useful, copy, weight))
     verdicts = {}
     for peer, findings in sorted(judged.items()):
         total = sum(weight for *_, weight in findings)
         decided = len(findings) >= max(1, rule.min_reporters)
+        copies: Counter[str] = Counter()
+        for _, _, _, copy, weight in findings:
+            if copy is not None:
+                copies[copy] += weight
+        original, copy_weight = max(sorted(copies.items()), key=lambda kv: kv[1], default=(None, 0))
         verdicts[peer] = Verdict(
-            hurt=2 * sum(w for _, hurting, _, w in findings if hurting) > total if decided else None,
-            useful=2 * sum(w for _, _, useful, w in findings if useful) > total if decided else None,
-            num_judges=len(findings), num_hurt=sum(hurting for _, hurting, _, _ in findings),
-            num_useful=sum(useful for _, _, useful, _ in findings),
+            hurt=2 * sum(f[4] for f in findings if f[1]) > total if decided else None,
+            useful=2 * sum(f[4] for f in findings if f[2]) > total if decided else None,
+            num_judges=len(findings), num_hurt=sum(f[1] for f in findings), num_useful=sum(f[2] for f in findings),
+            copy_of=original if decided and 2 * copy_weight > total else None,
             loss_delta=_median([s.loss_delta for s, *_ in findings]), cosine=_median([s.cosine for s, *_ in findings]))
     return verdicts
 
@@ -174,7 +200,7 @@ class Standing:
     reason: str | None = None  # for a person
     credit: int = 0  # earned by useful verdicts (rule 5): its weight as a judge and a voter
     num_useful: int = 0  # verdicts that found it useful (over the whole run)
-    last_verdict: Literal["useful", "not_useful", "hurt"] | None = None
+    last_verdict: Literal["useful", "not_useful", "copy", "hurt"] | None = None
 
     def exclusion(self, round: int) -> str | None:
         """Why a submission to `round` is refused, or None when it is not."""
@@ -203,11 +229,11 @@ def update_standing(standing: Standing, round: int, verdict: Verdict | None, rul
     if verdict.hurt:
         credit, last = 0, "hurt"
     elif standing.exclusion(round + 1) is not None:  # excluded (a wrong digest, say): earns nothing meanwhile
-        credit, last = 0, "useful" if verdict.useful else "not_useful"
+        credit, last = 0, "useful" if verdict.useful else "copy" if verdict.copy_of else "not_useful"
     elif verdict.useful:
         credit, last = min(rule.max_credit, standing.credit + 1), "useful"
     else:
-        credit, last = standing.credit // 2, "not_useful"
+        credit, last = standing.credit // 2, "copy" if verdict.copy_of else "not_useful"
     new = replace(standing, num_rounds=standing.num_rounds + 1, num_hurt=standing.num_hurt + verdict.hurt,
                   recent=recent, recent_hurt=recent_hurt, credit=credit, last_verdict=last,
                   num_useful=standing.num_useful + bool(verdict.useful),

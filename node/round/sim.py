@@ -216,12 +216,13 @@ class _Scorer:
             return {}
         scores = score_round(self.peers[index], outer.start, prepared, self.peer_ids[index], round, self.section,
                              self.outer_lr)
-        return {p: Score(s.loss_delta, s.cosine) for p, s in scores.items()}
+        return {p: Score(s.loss_delta, s.cosine, s.overlap, s.overlap_with) for p, s in scores.items()}
 
     def judge(self, reports: dict, contributors: list[str], round: int) -> None:
         from protocol.scoring import round_verdicts, update_standing
 
-        for peer_id, verdict in round_verdicts(reports, contributors, self.rule).items():
+        credit = {p: self.standings[p].credit for p in contributors if p in self.standings}
+        for peer_id, verdict in round_verdicts(reports, contributors, self.rule, credit).items():
             was = self.standings[peer_id]
             self.standings[peer_id] = now = update_standing(was, round, verdict, self.rule)
             if now.excluded_at is not None and now.excluded_at != was.excluded_at:

@@ -320,7 +320,8 @@ async def _report(s: Session, round: int, applied, manifest_version: int,
     refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
     val_loss = await _validation_loss(s, round)
     sample = await asyncio.to_thread(text_sample, s, round) if val_loss is not None else None
-    reports = {peer: PeerScoreReport(loss_delta=sc.loss_delta, cosine=sc.cosine)
+    reports = {peer: PeerScoreReport(loss_delta=sc.loss_delta, cosine=sc.cosine, overlap=sc.overlap,
+                                     overlap_with=list(sc.overlap_with))
                for peer, sc in sorted((scores or {}).items())[:MAX_SCORES]}
     try:
         response = await s.signed(s.client.applied, round, s.digest, refused=refused,
@@ -363,7 +364,7 @@ async def score(s: Session, round: int, prepared) -> dict[str, PeerScore]:
         log.warning("round %d: no contribution scores: %s: %s", round, type(e).__name__, e)
         return {}
     log.info("round %d: scored %d update(s) in %.2f s: %s", round, len(scores), time.perf_counter() - start,
-             ", ".join(f"{p[:8]} {sc.loss_delta:+.4f}/{sc.cosine:+.2f}" for p, sc in scores.items()))
+             ", ".join(f"{p[:8]} {sc.loss_delta:+.4f}/{sc.cosine:+.2f}/{sc.overlap:.2f}" for p, sc in scores.items()))
     return scores
 
 

@@ -62,6 +62,11 @@ lie             from_round=0                           trains, fetches, applies 
                                                        the same one: colluding Sybils. Restarted,
                                                        it repeats the same lie. The answer it acts
                                                        on says whether its real digest agrees.
+copy            round, wait_s=30                       publishes and submits, instead of its own
+                                                       packet, the first packet of the round another
+                                                       peer announces (within wait_s), its header's
+                                                       peer rewritten and signed with its own key:
+                                                       a Sybil that sends others' work as its own.
 ==============  =====================================  ===========================================
 """
 
@@ -101,6 +106,7 @@ class Fault(enum.Enum):
     WITHHOLD = "withhold"
     SLOW_COMPUTE = "slow-compute"
     LIE = "lie"
+    COPY = "copy"
 
 
 class Phase(enum.Enum):
@@ -139,7 +145,7 @@ class FaultSpec:
         keys = {Fault.CRASH: ("round", "phase", "wait_s"), Fault.SLOW_UPLOAD: ("delay_s",),
                 Fault.CORRUPT_PACKET: ("round",), Fault.POISON: ("round", "factor", "mode"),
                 Fault.STALE_SUBMIT: ("round",), Fault.SLOW_COMPUTE: ("round", "min_s"),
-                Fault.WITHHOLD: ("round",), Fault.LIE: ("from_round",)}[self.fault]
+                Fault.WITHHOLD: ("round",), Fault.LIE: ("from_round",), Fault.COPY: ("round", "wait_s")}[self.fault]
         values = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         args = ",".join(f"{k}={v.value if isinstance(v, Phase) else v}" for k, v in values.items())
         return self.fault.value + (f"@{args}" if args else "")
@@ -154,6 +160,7 @@ _KEYS = {
     Fault.SLOW_COMPUTE: {"round", "min_s"},
     Fault.WITHHOLD: {"round"},
     Fault.LIE: {"from_round"},
+    Fault.COPY: {"round", "wait_s"},
 }
 
 
@@ -195,6 +202,7 @@ class FaultInjector:
 
     def __init__(self, specs: Iterable[FaultSpec] = ()):
         self.specs = tuple(specs)
+        self._key = None  # copy: this peer's key, from its outer step's first make_payload
 
     @classmethod
     def parse(cls, texts: Iterable[str]) -> "FaultInjector":
@@ -290,12 +298,13 @@ class FaultInjector:
     def wrap_training(self, training):
         """poison: the peer's training, whose rounds end with the update replaced, and whose outer
         step signs rewritten packets (mode=overflow)."""
-        if not any(s.fault is Fault.POISON for s in self.specs):
+        if not any(s.fault in (Fault.POISON, Fault.COPY) for s in self.specs):
             return training
         injector = self
 
         class OverflowingOuter(_Proxy):
             def make_payload(self, *, round: int, key, **kwargs) -> bytes:
+                injector._key = key  # copy: the exchange re-signs another peer's packet with it
                 data = self._inner.make_payload(round=round, key=key, **kwargs)
                 if any(s.mode == "overflow" for s in injector._firing(Fault.POISON, round)):
                     log.warning("fault injection: signing a packet of overflowing values in round %d", round)
@@ -320,7 +329,7 @@ class FaultInjector:
         publishing it (the announced digest is the corrupted bytes'). withhold: one that answers
         `publish` with the announcement it would make, but serves and announces nothing: the
         packet stays with this node's own outer step only."""
-        if not any(s.fault in (Fault.CORRUPT_PACKET, Fault.WITHHOLD) for s in self.specs):
+        if not any(s.fault in (Fault.CORRUPT_PACKET, Fault.WITHHOLD, Fault.COPY) for s in self.specs):
             return exchange
         injector = self
 
@@ -339,6 +348,8 @@ class FaultInjector:
                 return own | (await self._inner.fetch(round, rest, *args, **kwargs) if rest else {})
 
             async def publish(self, round: int, peer_id: str, data: bytes):
+                for spec in injector._firing(Fault.COPY, round):
+                    data = await injector._copy_of_another(self._inner, round, peer_id, data, spec.wait_s)
                 if injector._firing(Fault.CORRUPT_PACKET, round):
                     corrupted = bytearray(data)
                     corrupted[len(corrupted) // 2] ^= 0x01
@@ -356,6 +367,32 @@ class FaultInjector:
                 return await self._inner.publish(round, peer_id, data)
 
         return FaultyExchange(exchange)
+
+    async def _copy_of_another(self, exchange, round: int, peer_id: str, data: bytes, wait_s: float) -> bytes:
+        """copy: the first packet of round r another peer announces within wait_s, its header's peer
+        rewritten to this one and signed with this peer's key (a Sybil that sends others' work as its
+        own); this node's own packet when nobody announced one."""
+        import msgpack
+
+        from protocol.packet import MAGIC, PREFIX, WIRE_VERSION, read_header
+        from protocol.signing import SIGNATURE_BYTES
+
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while asyncio.get_running_loop().time() < deadline:
+            others = {p: a for p, a in (await exchange.announcements(round)).items() if p != peer_id}
+            for other, announcement in sorted(others.items()):
+                fetched = await exchange.fetch(round, {other: announcement.digest},
+                                               {other: list(announcement.multiaddrs)}, timeout_s=10)
+                if other in fetched:
+                    header, offset = read_header(fetched[other])
+                    header["peer"] = peer_id
+                    raw = msgpack.packb(header)
+                    body = PREFIX.pack(MAGIC, WIRE_VERSION, len(raw)) + raw + fetched[other][offset:-SIGNATURE_BYTES]
+                    log.warning("fault injection: round %d: sending %s's packet as this peer's own", round, other)
+                    return body + self._key.sign(body)
+            await asyncio.sleep(0.2)
+        log.warning("fault injection: round %d: no other packet to copy within %g s", round, wait_s)
+        return data
 
     def wrap_client(self, client):
         """stale-submit: a coordinator client that holds a submission until its round has closed.

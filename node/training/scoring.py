@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -50,10 +50,16 @@ from protocol.http import MAX_ABS_LOSS_DELTA  # reported loss deltas are clamped
 SCORING_SEED = 0x5C0E  # added to the run's seed: scoring batches are not training's
 
 
+OVERLAP_ROWS = 256  # chunk rows per tensor that index overlap samples (all when fewer)
+MAX_OVERLAP_PEERS = 8  # peers one score names as sharing its positions (protocol.http's bound)
+
+
 @dataclass(frozen=True, slots=True)
 class PeerScore:
     loss_delta: float  # held-out loss after the peer's update alone minus before; < 0 helps
     cosine: float  # with this node's own update, on the coordinates the peer sent, in [-1, 1]
+    overlap: float = 0.0  # the largest share of its positions another packet of the round also holds
+    overlap_with: tuple[str, ...] = ()  # the peers whose packets share copy_overlap of them, or that one
 
 
 @torch.no_grad()
@@ -126,7 +132,49 @@ def score_round(training, start: Mapping[str, torch.Tensor], prepared, scorer_id
         return {}
     batch = scoring_batch(training.shard, round, section.batch_sequences, training.inner.seq_len, training.seed,
                           training.device)
-    return reportable(score_updates(training.model, start, {p: prepared.updates[p] for p in picked}, batch, outer_lr))
+    scores = score_updates(training.model, start, {p: prepared.updates[p] for p in picked}, batch, outer_lr)
+    overlaps = index_overlaps(prepared.updates, picked, round, section.copy_overlap)
+    return reportable({p: replace(sc, overlap=overlaps[p][0], overlap_with=overlaps[p][1]) for p, sc in scores.items()})
+
+
+def index_overlaps(updates: Mapping[str, Mapping[str, SparseTensor | torch.Tensor]], picked: Collection[str],
+                   round: int, copy_overlap: float = 1.0) -> dict[str, tuple[float, tuple[str, ...]]]:
+    """For each picked peer, the largest share of its update's positions that another update of the
+    round (any in `updates`, this node's own included) also holds, and whose: every peer whose update
+    shares at least `copy_overlap` (a copy of a copy shares all with both), else the one. A re-signed copy of
+    another peer's packet holds all of them (1.0); a copy shifted a little, most. The positions of
+    up to OVERLAP_ROWS chunk rows per tensor are compared, the same rows for every pair (picked
+    by the round), so the cost does not grow with the model. Dense updates (DiLoCo) hold every
+    position: they are not compared (0.0)."""
+    rows: dict[str, dict[str, torch.Tensor]] = {}
+    for peer_id, update in updates.items():
+        keys = {}
+        for name, sparse in update.items():
+            if not isinstance(sparse, SparseTensor):
+                break
+            positions = sparse.positions
+            if positions.shape[0] > OVERLAP_ROWS:
+                generator = torch.Generator().manual_seed(round * 1_000_003 + len(name))
+                sample = torch.randperm(positions.shape[0], generator=generator)[:OVERLAP_ROWS].sort().values
+                positions = positions[sample]
+            offsets = torch.arange(positions.shape[0], dtype=torch.int64).unsqueeze(1) * (1 << 32)
+            keys[name] = (positions.to(torch.int64) + offsets).reshape(-1)
+        else:
+            rows[peer_id] = keys
+    out = {}
+    for peer_id in picked:
+        mine = rows.get(peer_id)
+        shares: dict[str, float] = {}
+        total = sum(len(v) for v in mine.values()) if mine else 0
+        for other, theirs in sorted(rows.items()):
+            if other == peer_id or not total:
+                continue
+            common = sum(int(torch.isin(keys, theirs[name]).sum()) for name, keys in mine.items() if name in theirs)
+            shares[other] = common / total
+        best = max(shares.values(), default=0.0)
+        above = tuple(sorted(p for p, share in shares.items() if share >= copy_overlap))[:MAX_OVERLAP_PEERS]
+        out[peer_id] = (best, above or tuple(p for p in sorted(shares) if shares[p] == best)[:1] if best else ())
+    return out
 
 
 def scoring_batch(shard: TokenDataset, round: int, num_sequences: int, seq_len: int, seed: int,
@@ -151,5 +199,6 @@ def reportable(scores: Mapping[str, PeerScore]) -> dict[str, PeerScore]:
     for peer_id, score in scores.items():
         delta = score.loss_delta if not math.isnan(score.loss_delta) else math.inf
         cosine = score.cosine if math.isfinite(score.cosine) else 0.0
-        out[peer_id] = PeerScore(loss_delta=max(-MAX_ABS_LOSS_DELTA, min(MAX_ABS_LOSS_DELTA, delta)), cosine=cosine)
+        out[peer_id] = PeerScore(loss_delta=max(-MAX_ABS_LOSS_DELTA, min(MAX_ABS_LOSS_DELTA, delta)), cosine=cosine,
+                                 overlap=min(1.0, max(0.0, score.overlap)), overlap_with=score.overlap_with)
     return out

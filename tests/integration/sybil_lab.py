@@ -10,7 +10,8 @@ preset, H = 5, min_peers = every starting node. Attackers are nodes started with
 - ``poison@factor=0,mode=scale``: its update is zero (a node that need not train at all);
 - ``poison@factor=1,mode=random``: Gaussian noise at the scale of its honest update;
 - ``lie`` (or ``lie@from_round=K``): every applied report names the same made-up digest, with a
-  made-up hash tree that hashes to it (colluding Sybils), while the node keeps its real state.
+  made-up hash tree that hashes to it (colluding Sybils), while the node keeps its real state;
+- ``copy``: it sends another peer's packet of the round as its own (re-signed), for credit.
 
 What a scenario measures (tests/integration/test_sybil_digest.py asserts it; the table prints it):
 rounds whose agreed digest is not the honest nodes' (captured), rounds agreed on the honest state,
@@ -57,6 +58,8 @@ SCENARIOS = {s.name: s for s in (
              why="four keys send empty updates and report a made-up digest (the attack as found)"),
     Scenario("empty_10_of_13", 3, 10, EMPTY, rounds=6, why="ten such keys against three"),
     Scenario("noise_4_of_7", 3, 4, NOISE, why="noise at the honest scale instead of empty updates"),
+    Scenario("copy_then_lie", 3, 3, ("--inject", "copy", "--inject", "lie@from_round=3"),
+             why="three keys send copies of honest packets (re-signed) for credit, then lie from round 3"),
     Scenario("honest_then_lie", 3, 1, ("--inject", "lie@from_round=3"),
              why="one key trains honestly for three rounds (earning credit), then lies"),
     Scenario("minority_of_one", 1, 3, EMPTY, rounds=6, why="one honest node among three liars"),
@@ -76,6 +79,7 @@ class Result:
     disputes: dict[int, str] = field(default_factory=dict)  # round -> verdict
     honest_credit: list[int] = field(default_factory=list)
     attacker_credit: list[int] = field(default_factory=list)
+    attacker_verdicts: list[str] = field(default_factory=list)  # each attacker's "useful of judged" rounds, last
     exit_codes: list[int] = field(default_factory=list)
 
     def row(self) -> list[str]:
@@ -148,6 +152,9 @@ def run(scenario: Scenario, workdir: Path) -> Result:
         elif peer["peer_id"] in attacker_ids:
             result.attackers_excluded += bool(peer["excluded"])
             result.attacker_credit.append(peer["credit"])
+            score = peer.get("score") or {}
+            result.attacker_verdicts.append(f"{score.get('num_useful', 0)}/{score.get('num_rounds', 0)}"
+                                            f" {score.get('last_verdict')}")
     if newcomer is not None:
         agreed = {h["round"]: h["agreed_digest"] for h in status["history"]}
         applied = _rounds(workdir, newcomer)
@@ -204,7 +211,8 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory(prefix=f"sybil-{name}-") as tmp:
             result = run(SCENARIOS[name], Path(tmp))
         results.append(result)
-        print(f"{name}: {SCENARIOS[name].why}; exit codes {result.exit_codes}", flush=True)
+        print(f"{name}: {SCENARIOS[name].why}; exit codes {result.exit_codes}; attackers' useful/judged rounds, last verdict"
+              f" {result.attacker_verdicts}", flush=True)
         for r, verdict in sorted(result.disputes.items())[:3]:
             print(f"  round {r} dispute: {verdict}", flush=True)
     print(table(results))

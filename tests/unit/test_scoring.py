@@ -109,3 +109,18 @@ def test_reported_scores_are_finite_and_bounded():
                       "d": PeerScore(-0.25, 0.5)})
     assert out["a"].loss_delta == out["b"].loss_delta == MAX_ABS_LOSS_DELTA and out["b"].cosine == 0.0
     assert out["c"].loss_delta == -MAX_ABS_LOSS_DELTA and out["d"] == PeerScore(-0.25, 0.5)
+
+
+def test_index_overlaps_find_a_copy_and_its_copies():
+    """A re-signed copy holds every position of its original; independent top-k selections share few."""
+    from node.training.scoring import index_overlaps
+
+    def update(seed: int):
+        x = torch.randn(512, 512, generator=torch.Generator().manual_seed(seed))
+        return {"w": compress(x, chunk_layout(x.shape, top_k=64))}
+
+    updates = {"a": update(0), "b": update(1), "c": update(0), "d": update(0)}  # c and d copy a
+    overlaps = index_overlaps(updates, ["a", "b", "c", "d"], round=3, copy_overlap=0.4)
+    assert overlaps["c"] == (1.0, ("a", "d")) and overlaps["a"] == (1.0, ("c", "d"))
+    share, peers = overlaps["b"]
+    assert share < 0.1 and len(peers) == 1, overlaps["b"]

@@ -235,3 +235,21 @@ def test_an_excluded_peer_earns_no_credit_while_excluded():
     useful = round_verdicts(reports({p: HONEST for p in PEERS}), PEERS, RULE)["a"]
     standing = wrong_digest(update_standing(Standing(), 2, useful, RULE), 3, "it lied", RULE)
     assert update_standing(standing, 3, useful, RULE).credit == 0
+
+
+def test_a_copy_of_an_earlier_packet_is_never_useful():
+    """c's packet shares all of b's positions and was submitted after it: a copy, whatever its
+    cosine; b (the original) is judged as usual. A copy of a copy names the earliest original."""
+    copy_of_b = Score(-0.10, 0.8, overlap=1.0, overlap_with=("b",))
+    submitted = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
+    verdicts = round_verdicts(reports({"a": HONEST, "b": HONEST, "c": copy_of_b, "d": HONEST}), PEERS, RULE,
+                              submitted=submitted)
+    assert verdicts["c"].copy_of == "b" and verdicts["c"].useful is False
+    assert verdicts["b"].copy_of is None and verdicts["b"].useful
+    assert update_standing(Standing(), 0, verdicts["c"], RULE).last_verdict == "copy"
+    chain = Score(-0.10, 0.8, overlap=1.0, overlap_with=("b", "c"))
+    assert round_verdicts(reports({"a": HONEST, "b": HONEST, "c": HONEST, "d": chain}), PEERS, RULE,
+                          submitted=submitted)["d"].copy_of == "b"
+    # Honest updates share a tenth of their positions: below copy_overlap, nobody is a copy.
+    honest = Score(-0.10, 0.8, overlap=0.15, overlap_with=("a",))
+    assert round_verdicts(reports({p: honest for p in PEERS}), PEERS, RULE, submitted=submitted)["d"].copy_of is None
