@@ -64,7 +64,7 @@ def judge_round(storage: Storage, round_row: RoundRow, config: RunConfig) -> dic
                if a.vote and a.manifest_version == round_row.manifest_version and a.scores}
     excluded = {}
     contributors = _contributors(storage, round_row)
-    credit = {p.peer_id: p.credit for p in storage.list_peers(run_id) if p.peer_id in contributors}
+    credit = {p: c for p, c in storage.credits(run_id).items() if p in contributors}
     submitted = {s.peer_id: s.submitted_at for s in storage.list_submissions(run_id, round_index)}
     for peer_id, verdict in round_verdicts(reports, contributors, rule, credit, submitted).items():
         peer = storage.get_peer(run_id, peer_id)

@@ -800,7 +800,7 @@ class CoordinatorService:
                    if a.manifest_version == version and a.vote and a.peer_id not in forked]
         fields: dict = {"num_votes": len(reports)}
         contributors = self.storage.manifest_peers(run_id, round_index, version) - forked
-        credit = {p.peer_id: p.credit for p in self.storage.list_peers(run_id) if p.peer_id in contributors}
+        credit = {p: c for p, c in self.storage.credits(run_id).items() if p in contributors}
         weighed = config.scoring.enabled
         if round_row.agreed_digest is None and reports:
             settled = settled or self._settled(run_id, round_index)

@@ -482,6 +482,11 @@ class Storage:
         waited = self.waited_for(run_id, round_index, window_rounds, min_contributors)
         return len(waited), sum(not submitted for submitted in waited.values())
 
+    def credits(self, run_id: str) -> dict[str, int]:
+        """The peers of the run that have credit (protocol/scoring.py, rule 5), with it; the others have none."""
+        return {row["peer_id"]: int(row["credit"]) for row in self._rows(
+            "SELECT peer_id, credit FROM peers WHERE run_id = ? AND credit > 0", (run_id,))}
+
     def mark_contributors(self, run_id: str, round_index: int) -> None:
         """Round r closed: its manifest's peers contributed to it last."""
         self._exec(

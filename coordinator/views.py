@@ -331,7 +331,7 @@ class Views:
                    if a.vote and a.manifest_version == round_row.manifest_version]
         if len({a.params_digest for a in reports}) < 2:
             return None
-        credit = {p.peer_id: p.credit for p in self.storage.list_peers(run_id)}
+        credit = self.storage.credits(run_id)
         sides = disputes.sides(reports, credit, round_row.majority_digest)
         return Dispute(sides=[DisputeSide(**side) for side in sides], decided=False, verdict=(
             "undecided: " + (f"the votes of credit lead with {sides[0]['digest'][:16]}" if sides[0]["credit"]

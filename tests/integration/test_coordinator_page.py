@@ -91,7 +91,11 @@ def populate(url: str) -> str:
                 assert peer.submit(run_id, round_index, train_loss=loss).status_code == 200
             for i, peer in enumerate(peers):
                 digest = "ab" * 32 if i < 2 or round_index < 7 else "cd" * 32
-                assert peer.applied(run_id, round_index, digest).status_code == 200
+                # Every update judged useful: the peers earn credit, which agrees round 7 against peer 2.
+                scores = {p.peer_id: {"loss_delta": -0.1, "cosine": 0.8} for p in peers if p is not peer}
+                response = peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
+                                     {"params_digest": digest, "scores": scores})
+                assert response.status_code == 200, response.text
         peers[0].submit(run_id, 8, train_loss=2.1)
     return run_id
 

@@ -232,6 +232,7 @@ def test_votes_and_standing_on_both_backends(storage_url, tmp_path, fake_clock):
                                  "membership.max_missed_rounds": 1, "membership.vote_after_rounds": 1})
         a, b = c.join(run_id, 2)
         (w,) = c.join(run_id)
+        c.credit(run_id, {a: 1, b: 1, w: 1})  # as scoring gives it: votes weigh credit (a peer column)
         c.submit(run_id, 0, w, a, b)
         (idler,) = c.join(run_id, source="10.0.0.7")
         c.submit(run_id, 1, a, b, w)  # the idler is on probation: round 1 closes without it
