@@ -50,6 +50,7 @@ class Scenario:
     attacker_args: tuple[str, ...]
     rounds: int = 8
     newcomer_after_round: int | None = None  # an honest node that joins once this round is agreed
+    attacker_args_by_index: dict[int, tuple[str, ...]] = field(default_factory=dict)  # attacker i's, if not the rest's
     why: str = ""
 
 
@@ -60,6 +61,9 @@ SCENARIOS = {s.name: s for s in (
     Scenario("noise_4_of_7", 3, 4, NOISE, why="noise at the honest scale instead of empty updates"),
     Scenario("copy_then_lie", 3, 3, ("--inject", "copy", "--inject", "lie@from_round=3"),
              why="three keys send copies of honest packets (re-signed) for credit, then lie from round 3"),
+    Scenario("credit_then_lie", 3, 2, ("--inject", "lie@from_round=3"),
+             attacker_args_by_index={1: ("--inject", "copy", "--inject", "lie@from_round=3")},
+             why="one key trains honestly for three rounds, one sends copies; both lie from round 3 (CI)"),
     Scenario("honest_then_lie", 3, 1, ("--inject", "lie@from_round=3"),
              why="one key trains honestly for three rounds (earning credit), then lies"),
     Scenario("minority_of_one", 1, 3, EMPTY, rounds=6, why="one honest node among three liars"),
@@ -98,7 +102,8 @@ HEADER = ["scenario", "honest+attackers", "rounds captured", "agreed honest", "u
 
 def run(scenario: Scenario, workdir: Path) -> Result:
     num = scenario.honest + scenario.attackers
-    extra = {i: scenario.attacker_args for i in range(scenario.honest, num)}
+    extra = {scenario.honest + i: scenario.attacker_args_by_index.get(i, scenario.attacker_args)
+             for i in range(scenario.attackers)}
     started = time.monotonic()
     swarm = LocalSwarm(workdir, num_peers=num, preset="tiny", rounds=scenario.rounds, inner_steps=H, top_k=64,
                        quiet=True, extra_node_args=extra)

@@ -38,22 +38,16 @@ def test_four_of_seven_empty_update_liars_own_no_round(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_key_that_earned_credit_and_then_lies_is_excluded(tmp_path):
-    result = run(SCENARIOS["honest_then_lie"], tmp_path)
-    print(result.row(), result.disputes)
-    assert result.exit_codes == [0] * len(result.exit_codes)
-    assert result.captured == [] and result.undecided == [] and result.honest_flagged == {}, result
-    assert result.attackers_excluded == 1 and result.attacker_credit == [0], result
-    assert sorted(result.disputes) == [3], "it lied from round 3 on, and was excluded then"
-
-
-@pytest.mark.timeout(300)
-def test_keys_that_send_copies_earn_no_credit_to_lie_with(tmp_path):
-    """Three keys send re-signed copies of honest packets (which judges would find useful), then lie
-    from round 3: their copies earned them nothing, so their lie weighs nothing."""
-    result = run(SCENARIOS["copy_then_lie"], tmp_path)
+def test_keys_that_earned_credit_or_sent_copies_and_then_lie_are_excluded(tmp_path):
+    """One key trains honestly for three rounds (earning credit), one sends re-signed copies of
+    honest packets (which would be judged useful, were they not copies); both lie from round 3 on:
+    the copier earned nothing, the other loses what it earned; both are excluded in round 3."""
+    result = run(SCENARIOS["credit_then_lie"], tmp_path)
     print(result.row(), result.disputes, result.attacker_verdicts)
     assert result.exit_codes == [0] * len(result.exit_codes)
-    assert result.captured == [] and result.honest_flagged == {}, result
-    assert result.attackers_excluded == 3 and result.attacker_credit == [0, 0, 0], result
-    assert "3 peer(s) of credit 0 reported another digest" in result.disputes[3], result.disputes
+    assert result.captured == [] and result.undecided == [] and result.honest_flagged == {}, result
+    assert result.attackers_excluded == 2 and result.attacker_credit == [0, 0], result
+    assert sorted(result.disputes) == [3], "they lied from round 3 on, and were excluded then"
+    assert "2 peer(s) of credit 3 reported another digest" in result.disputes[3], result.disputes
+    honest_trainer, copier = result.attacker_verdicts
+    assert copier.startswith("0/"), "a copy is never useful"
