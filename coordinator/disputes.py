@@ -46,8 +46,12 @@ def sides(reports: Iterable[AppliedRow], credit: Mapping[str, int], reference: s
     return out
 
 
-def decide(reports: list[AppliedRow], agreed: str, credit: Mapping[str, int]) -> dict:
-    """The record of a round whose votes named more than one digest, once `agreed` is agreed."""
+def decide(reports: list[AppliedRow], agreed: str, credit: Mapping[str, int], previous: Mapping | None = None) -> dict:
+    """The record of a round whose votes named more than one digest, once `agreed` is agreed. Votes
+    that come later are added to `previous` (the record so far) with the credit its voters had when
+    they were first counted: a liar's credit is gone once it is excluded, not before."""
+    credit = {**credit, **(previous or {}).get("credits", {})}
+    credit = {r.peer_id: credit.get(r.peer_id, 0) for r in reports}
     all_sides = sides(reports, credit, agreed)
     winner, losers = all_sides[0], all_sides[1:]
     excluded = sorted(p for side in losers for p in side["peers"])
@@ -56,7 +60,7 @@ def decide(reports: list[AppliedRow], agreed: str, credit: Mapping[str, int]) ->
     verdict = (f"{where} recompute to the agreed leaves by {len(winner['peers'])} peer(s) of credit"
                f" {winner['credit']} ({_list(winner['peers'])}); {len(excluded)} peer(s) of credit"
                f" {sum(side['credit'] for side in losers)} reported another digest: excluded")
-    return {"agreed": agreed, "sides": all_sides, "excluded": excluded, "verdict": verdict}
+    return {"agreed": agreed, "sides": all_sides, "excluded": excluded, "verdict": verdict, "credits": credit}
 
 
 def reason(record: Mapping, peer_id: str, round_index: int) -> str:

@@ -817,7 +817,7 @@ class CoordinatorService:
         if agreed is not None and weighed and any(a.params_digest != agreed for a in reports):
             old = disputes.load(round_row.dispute)
             if old is None or disputes.voters(old) != {a.peer_id for a in reports}:  # decided as first seen
-                record = disputes.decide(reports, agreed, credit)
+                record = disputes.decide(reports, agreed, credit, old)
                 fields["dispute"] = json.dumps(record, sort_keys=True)
                 for peer_id in record["excluded"]:
                     scoring.exclude_for_wrong_digest(self.storage, run_id, peer_id, round_index,

@@ -49,5 +49,6 @@ def test_keys_that_earned_credit_or_sent_copies_and_then_lie_are_excluded(tmp_pa
     assert result.attackers_excluded == 2 and result.attacker_credit == [0, 0], result
     assert sorted(result.disputes) == [3], "they lied from round 3 on, and were excluded then"
     assert "2 peer(s) of credit 3 reported another digest" in result.disputes[3], result.disputes
-    honest_trainer, copier = result.attacker_verdicts
-    assert copier.startswith("0/"), "a copy is never useful"
+    # Whichever packet the copier took (an honest node's or the other attacker's), one of the pair
+    # is a copy in every round, never useful: "useful/judged last-verdict" each.
+    assert min(int(v.split("/")[0]) for v in result.attacker_verdicts) == 0, result.attacker_verdicts

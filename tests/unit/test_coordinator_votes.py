@@ -183,16 +183,35 @@ def test_a_late_vote_against_the_agreed_digest_is_excluded(coordinator):
     """A peer that trained (it has credit) and reports a different digest after the agreement loses
     its credit and is excluded; the agreed digest stays."""
     c = coordinator
-    run_id = c.create_run(**{"membership.min_peers": 3})
-    a, b, turncoat = peers = c.join(run_id, 3)
+    run_id = c.create_run(**{"membership.min_peers": 4})
+    a, b, turncoat, d = peers = c.join(run_id, 4)
     c.credit(run_id, {p: 4 for p in peers})
     c.submit(run_id, 0, *peers)
     c.applied(run_id, 0, a, HONEST)
-    assert c.applied(run_id, 0, b, HONEST).agreed_digest == HONEST
+    c.applied(run_id, 0, b, HONEST)
+    assert c.applied(run_id, 0, d, HONEST).agreed_digest == HONEST
     late = c.applied(run_id, 0, turncoat, FAKE)
     assert (late.agreed_digest, late.agrees) == (HONEST, False)
     assert c.storage.get_peer(run_id, turncoat).credit == 0
     assert next(p for p in c.status(run_id).peers if p.peer_id == turncoat).excluded
+    assert "1 peer(s) of credit 4 reported another digest" in c.status(run_id).history[0].dispute.verdict
+
+
+def test_a_dispute_keeps_the_credit_its_voters_had_when_counted(coordinator):
+    """A liar excluded in a dispute has no credit afterwards; a vote that comes later adds to the
+    record, which still says what the liar's credit was when its vote was counted."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 4})
+    a, b, liar, d = peers = c.join(run_id, 4)
+    c.credit(run_id, {a: 4, b: 4, liar: 3, d: 1})
+    c.submit(run_id, 0, *peers)
+    c.applied(run_id, 0, liar, FAKE)
+    c.applied(run_id, 0, a, HONEST)
+    assert c.applied(run_id, 0, b, HONEST).agreed_digest == HONEST  # 8 of 12
+    c.applied(run_id, 0, d, HONEST)
+    dispute = c.status(run_id).history[0].dispute
+    assert [(s.peers, s.credit) for s in dispute.sides] == [(sorted([a, b, d]), 9), ([liar], 3)], dispute
+    assert "1 peer(s) of credit 3 reported another digest" in dispute.verdict
 
 
 def test_disputes_name_the_chunks_that_differ(coordinator):
