@@ -14,7 +14,10 @@ Rules (the contract is written out in `protocol.http`):
   for its contributors: the live members since r opened, not flagged ``withheld_round``, with a
   packet in the manifest of one of the ``membership.max_missed_rounds`` (K) rounds before r. A
   contributor that misses K rounds in a row is no longer waited for (it stays a member; its next
-  packet in a manifest makes it a contributor again). So a key that joins and only heartbeats, or
+  packet in a manifest makes it a contributor again). Nor is a contributor whose updates were
+  judged and earned no credit (empty, noise, copies, harm: protocol/scoring.py rule 5), while any
+  contributor has credit: a key sending empty packets cannot hold rounds to their deadlines by
+  skipping every other one. So a key that joins and only heartbeats, or
   stalls after contributing, costs no round its deadline. Decision for a forming swarm: while
   fewer live members are contributors than ``membership.min_peers`` (round 0, where there are
   none, so it is not closed on its first packet; a swarm whose contributors left; peers dropped as

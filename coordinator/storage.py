@@ -460,12 +460,15 @@ class Storage:
         """The live peers round r waits for, each with whether it submitted to r. Of the live members
         since r opened that are neither flagged for a withheld packet nor excluded by scoring: those with a packet in the
         manifest of one of the `window_rounds` rounds before r (contributors); when there are fewer
-        than `min_contributors` of them, all of them (round 0, a swarm still forming)."""
+        than `min_contributors` of them, all of them (round 0, a swarm still forming). Of the
+        contributors, those whose updates were judged and earned no credit (empty, noise, copies:
+        protocol/scoring.py rule 5) are not waited for, unless none has credit: a key that only
+        sends empty packets cannot hold a round to its deadline by skipping one."""
         rows = self._rows(
             "SELECT p.peer_id, s.peer_id AS submitted, EXISTS (SELECT 1 FROM submissions c"
             " WHERE c.run_id = p.run_id AND c.peer_id = p.peer_id AND c.round >= ? AND c.round < ?"
             " AND NOT EXISTS (SELECT 1 FROM dropped_entries d WHERE d.run_id = c.run_id AND d.round = c.round"
-            " AND d.peer_id = c.peer_id)) AS contributor"
+            " AND d.peer_id = c.peer_id)) AS contributor, (p.standing IS NULL OR p.credit > 0) AS credited"
             " FROM peers p LEFT JOIN submissions s ON s.run_id = p.run_id AND s.round = ? AND s.peer_id = p.peer_id"
             " WHERE p.run_id = ? AND p.status = 'live' AND p.member_since_round <= ? AND p.withheld_round IS NULL"
             " AND p.excluded_round IS NULL"
@@ -473,7 +476,8 @@ class Storage:
             (round_index - window_rounds, round_index, round_index, run_id, round_index),
         )
         contributors = [row for row in rows if row["contributor"]]
-        waited = contributors if contributors and len(contributors) >= min_contributors else rows
+        credited = [row for row in contributors if row["credited"]]
+        waited = (credited or contributors) if contributors and len(contributors) >= min_contributors else rows
         return {row["peer_id"]: row["submitted"] is not None for row in waited}
 
     def expected_and_missing(self, run_id: str, round_index: int, window_rounds: int = 1,

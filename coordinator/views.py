@@ -367,6 +367,9 @@ def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tupl
     if missed >= window:
         return "not_waited", (f"no packet in the last {missed} rounds (membership.max_missed_rounds {window});"
                               f" its last in round {last}")
+    if not waited and peer.standing is not None and peer.credit == 0:
+        return "not_waited", (f"its packet is in round {last}'s manifest, but its updates earned no credit (empty,"
+                              " noise, copies or harm): no round waits for it while others have some")
     return "contributor", f"its packet is in round {last}'s manifest"
 
 

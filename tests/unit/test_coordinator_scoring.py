@@ -27,9 +27,10 @@ def coordinator(tmp_path, fake_clock):
 
 def play_round(c: Coordinator, run_id: str, r: int, submitters: list[str], bad: set[str],
                reporters: list[str] | None = None) -> None:
-    """The submitters submit (the round closes when all waited-for peers did), then each reporter
-    reports the honest digest with scores of the others: GOOD, or BAD for the peers in `bad`."""
-    c.submit(run_id, r, *submitters)
+    """The submitters submit (the round closes when all waited-for peers did; the `bad` ones first:
+    a peer whose updates earned no credit is not waited for), then each reporter reports the honest
+    digest with scores of the others: GOOD, or BAD for the peers in `bad`."""
+    c.submit(run_id, r, *sorted(submitters, key=lambda p: p not in bad))
     assert c.round(run_id, r).state == "closed"
     for peer in reporters if reporters is not None else submitters:
         scores = {p: BAD if p in bad else GOOD for p in submitters if p != peer}
@@ -76,7 +77,8 @@ def test_one_bad_round_and_strangers_scores_exclude_nobody(coordinator):
     victim = peers[0]
     strangers = c.join(run_id, 6, source="10.0.0.9")
     for r in range(4):
-        play_round(c, run_id, r, peers, bad={peers[3]} if r == 0 else set())
+        # peers[3] first: after its bad round it has no credit, and no round waits for it.
+        play_round(c, run_id, r, [peers[3], *peers[:3]], bad={peers[3]} if r == 0 else set())
         for stranger in strangers:  # never contributed: their reports are no votes, their scores no judgements
             c.service.applied(run_id, r, stranger, AppliedRequest(
                 params_digest=HONEST, scores={p: BAD for p in peers}))
@@ -122,3 +124,22 @@ def test_scoring_off_judges_nothing(coordinator):
         play_round(c, run_id, r, peers, bad={peers[3]})
     assert all(peer_view(c, run_id, p).score is None for p in peers)
     assert c.storage.get_round(run_id, 0).scored == 1  # taken, with nothing to take
+
+
+def test_a_key_whose_updates_earned_no_credit_is_not_waited_for(coordinator):
+    """e's updates are empty (its judges see no loss change, no cosine): it earns no credit, and
+    round 1 closes on the three others' packets without waiting for e to skip it to the deadline."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 4})
+    a, b, d, e = peers = c.join(run_id, 4)
+    c.submit(run_id, 0, *peers)
+    empty = PeerScoreReport(loss_delta=0.0, cosine=0.0)
+    for peer in peers:
+        scores = {p: empty if p == e else GOOD for p in peers if p != peer}
+        c.service.applied(run_id, 0, peer, AppliedRequest(params_digest=HONEST, scores=scores))
+    view = peer_view(c, run_id, e)
+    assert (view.credit, view.score.last_verdict, view.waited_for) == (0, "not_useful", False), view
+    assert view.standing == "not_waited" and "earned no credit" in view.standing_reason
+    assert peer_view(c, run_id, a).credit == 1 and peer_view(c, run_id, a).waited_for
+    c.submit(run_id, 1, a, b, d)
+    assert c.round(run_id, 1).state == "closed"
