@@ -213,7 +213,6 @@ class CoordinatorService:
         self._nonces_pruned_at = 0.0
         self.resumed_at = clock()  # see "Restart grace" above; `resume` sets it again
         self._failures_seen = storage.num_failures
-        self._credit_moved = False  # set by `_tally` when it excluded a liar (see `_count_votes`)
         self.join_guard = JoinGuard()  # rate limits of new keys, in memory (see "Joining" above)
 
     @contextmanager
@@ -775,14 +774,13 @@ class CoordinatorService:
         """Recount the votes on round r's latest manifest version (`_tally`), then take its
         contribution verdicts when they are due; credit they move weighs again in every round still
         undecided. `settled`: the next round has closed (the caller knows), else it is looked up."""
-        self._credit_moved = False
-        round_row = self._tally(run_id, round_index, settled)
+        round_row, credit_moved = self._tally(run_id, round_index, settled)
         if not round_row.scored and scoring.due(self.storage, round_row, settled or self._settled(run_id, round_index)):
             run = self.views.require_run(run_id)
             if scoring.judge_round(self.storage, round_row, self.views.config_of(run)):
                 self._changed.add(run_id)
-            self._credit_moved = True
-        if self._credit_moved:  # verdicts, or a liar's exclusion: weigh the undecided rounds again
+            credit_moved = True
+        if credit_moved:  # verdicts, or a liar's exclusion: weigh the undecided rounds again
             for r in range(max(0, round_index - RETALLY_ROUNDS), round_index + 1):
                 row = self.storage.get_round(run_id, r)
                 if row is not None and row.closed_at is not None and row.agreed_digest is None and row.num_votes:
@@ -790,10 +788,11 @@ class CoordinatorService:
             round_row = self._closed_round(run_id, round_index)
         return round_row
 
-    def _tally(self, run_id: str, round_index: int, settled: bool = False) -> RoundRow:
+    def _tally(self, run_id: str, round_index: int, settled: bool = False) -> tuple[RoundRow, bool]:
         """Weigh the votes on round r's latest manifest version and fix its agreed digest when it is
         due (see "Agreed digests"); an agreed digest is never changed here. A contributor whose vote
-        differs from the agreed digest is excluded (`wrong_digest`), and the dispute recorded."""
+        differs from the agreed digest is excluded (`wrong_digest`), and the dispute recorded.
+        Returns the round, and whether it excluded anyone (their credit is gone)."""
         round_row = self._closed_round(run_id, round_index)  # votes are on closed rounds only
         version = round_row.manifest_version
         run = self.views.require_run(run_id)
@@ -802,6 +801,7 @@ class CoordinatorService:
         reports = [a for a in self.storage.list_applied(run_id, round_index)
                    if a.manifest_version == version and a.vote and a.peer_id not in forked]
         fields: dict = {"num_votes": len(reports)}
+        excluded_any = False
         contributors = self.storage.manifest_peers(run_id, round_index, version) - forked
         credit = {p: c for p, c in self.storage.credits(run_id).items() if p in contributors}
         weighed = config.scoring.enabled
@@ -826,11 +826,11 @@ class CoordinatorService:
                     scoring.exclude_for_wrong_digest(self.storage, run_id, peer_id, round_index,
                                                      disputes.reason(record, peer_id, round_index), config)
                 self._changed.add(run_id)
-                self._credit_moved = bool(record["excluded"])
+                excluded_any = bool(record["excluded"])
         self.storage.update_round(run_id, round_index, **fields)
         if fields.get("agreed_digest") is not None:
             self._agree_empty_from(run_id, round_index + 1)
-        return dataclasses.replace(round_row, **fields)
+        return dataclasses.replace(round_row, **fields), excluded_any
 
     def _forked(self, run_id: str, round_index: int) -> set[str]:
         """The peers whose reports of round r are void: none of their reports of round r-1 names its

@@ -318,7 +318,6 @@ class Views:
             )
         return history
 
-
     def _dispute(self, run_id: str, round_row: RoundRow) -> Dispute | None:
         """The round's dispute: as decided (stored), or while undecided, its sides as the votes stand."""
         record = disputes.load(round_row.dispute)

@@ -173,7 +173,7 @@ def index_overlaps(updates: Mapping[str, Mapping[str, SparseTensor | torch.Tenso
             shares[other] = common / total
         best = max(shares.values(), default=0.0)
         above = tuple(sorted(p for p, share in shares.items() if share >= copy_overlap))[:MAX_OVERLAP_PEERS]
-        out[peer_id] = (best, above or tuple(p for p in sorted(shares) if shares[p] == best)[:1] if best else ())
+        out[peer_id] = (best, (above or tuple(p for p in sorted(shares) if shares[p] == best)[:1]) if best else ())
     return out
 
 
