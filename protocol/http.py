@@ -373,10 +373,10 @@ class PeerScoreReport(RequestModel):
     cosine: float = Field(allow_inf_nan=False, ge=-1.0, le=1.0, description="Cosine with the reporter's own"
                           " update of the round, on the coordinates this update holds.")
     overlap: float = Field(0.0, allow_inf_nan=False, ge=0.0, le=1.0, description="The largest share of this"
-                           " update's positions that another packet of the round also holds (a copy: 1).")
+                           " update's entries (position and 2-bit code) that another packet of the round also holds (a copy: 1).")
     overlap_with: list[PeerId] = Field(
         default_factory=list, max_length=8, description="The peers whose packets share scoring.copy_overlap of"
-        " this update's positions (a copy of a copy shares all with both), else the one that shares the most.")
+        " this update's entries (a copy of a copy shares all with both), else the one that shares the most.")
 
 
 class ParamsTree(RequestModel):

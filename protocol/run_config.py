@@ -288,10 +288,10 @@ class ScoringSection(RequestModel):
         " update is empty has no cosine to go by.",
     )
     copy_overlap: float = Field(
-        0.4, ge=0.0, le=1.0, allow_inf_nan=False,
-        description="An update that shares this share of its positions with a packet submitted before it in the"
-        " round is a copy of that packet: never useful (honest updates share 0.03..0.15 in the tiny preset; a"
-        " re-signed copy shares all of them).",
+        0.8, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="An update that shares this share of its entries (position and 2-bit code) with a packet"
+        " submitted before it in the round is a copy of that packet: never useful (a re-signed copy shares all of"
+        " them; honest updates early in a run share up to about half their positions, fewer entries).",
     )
     max_credit: int = Field(
         8, ge=1, le=1_000_000,

@@ -32,8 +32,9 @@ Once round r's votes are in (every contributor reported, or round r+1 closed):
    scored lowered it. The loss test is there for a judge whose own update says nothing (an empty
    one: every cosine with it is 0); an empty update lowers nobody's loss, and noise lowers it by
    far less than honest work does. A copy is never useful: an update that shares `copy_overlap`
-   of its positions with a packet submitted before it in the round (a re-signed copy shares all;
-   honest peers' updates share 0.03..0.15 in the tiny preset, measured with `locoswarm sim`) is a
+   of its entries (position and 2-bit code) with a packet submitted before it in the round (a
+   re-signed copy shares all; honest peers' updates share far fewer, though early in a run they
+   pick many of the same positions: 0.55 in the mini preset after 3 inner steps) is a
    copy of that packet in the judge's finding, and the verdict names the original when more than
    half of the judges' weight found the same. Judges weigh their credit (5.)
    once any judge of the round has some; until then (a run's first rounds) each weighs one. A
@@ -93,7 +94,7 @@ class ScoringRule:
     useful_cosine: float = 0.1
     useful_gain: float = 0.25
     max_credit: int = 8
-    copy_overlap: float = 0.4
+    copy_overlap: float = 0.8
 
     @classmethod
     def from_section(cls, section) -> ScoringRule:

@@ -112,7 +112,8 @@ def test_reported_scores_are_finite_and_bounded():
 
 
 def test_index_overlaps_find_a_copy_and_its_copies():
-    """A re-signed copy holds every position of its original; independent top-k selections share few."""
+    """A re-signed copy holds every entry of its original; independent top-k selections share few, and
+    an update on the same positions with other codes (honest peers early in a run) is no copy."""
     from node.training.scoring import index_overlaps
 
     def update(seed: int):
@@ -120,7 +121,13 @@ def test_index_overlaps_find_a_copy_and_its_copies():
         return {"w": compress(x, chunk_layout(x.shape, top_k=64))}
 
     updates = {"a": update(0), "b": update(1), "c": update(0), "d": update(0)}  # c and d copy a
-    overlaps = index_overlaps(updates, ["a", "b", "c", "d"], round=3, copy_overlap=0.4)
+    overlaps = index_overlaps(updates, ["a", "b", "c", "d"], round=3, copy_overlap=0.8)
     assert overlaps["c"] == (1.0, ("a", "d")) and overlaps["a"] == (1.0, ("c", "d"))
     share, peers = overlaps["b"]
     assert share < 0.1 and len(peers) == 1, overlaps["b"]
+
+    x = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+    flipped = {"w": compress(-x, chunk_layout(x.shape, top_k=64))}  # a's positions, every sign the other way
+    assert torch.equal(flipped["w"].positions, updates["a"]["w"].positions)
+    share, _ = index_overlaps({"a": updates["a"], "e": flipped}, ["e"], round=3, copy_overlap=0.8)["e"]
+    assert share < 0.1, share

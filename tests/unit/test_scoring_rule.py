@@ -250,6 +250,6 @@ def test_a_copy_of_an_earlier_packet_is_never_useful():
     chain = Score(-0.10, 0.8, overlap=1.0, overlap_with=("b", "c"))
     assert round_verdicts(reports({"a": HONEST, "b": HONEST, "c": HONEST, "d": chain}), PEERS, RULE,
                           submitted=submitted)["d"].copy_of == "b"
-    # Honest updates share a tenth of their positions: below copy_overlap, nobody is a copy.
+    # Honest updates share some of their entries: below copy_overlap, nobody is a copy.
     honest = Score(-0.10, 0.8, overlap=0.15, overlap_with=("a",))
     assert round_verdicts(reports({p: honest for p in PEERS}), PEERS, RULE, submitted=submitted)["d"].copy_of is None
