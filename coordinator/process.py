@@ -2,7 +2,7 @@
 
 Readiness is the line `serve` prints once it listens (`coordinator listening on URL`), read from its
 stdout by a thread that keeps reading for the process's whole life, so a full pipe never blocks it.
-Used by the load benchmark (coordinator/bench_load.py) and the integration tests
+Used by the load benchmark (tools/bench/load.py) and the integration tests
 (tests/integration/coordinator_process.py); each stops the process by its own handle.
 """
 

@@ -4,10 +4,10 @@
 #   OUT=/tmp/gpu deploy/gpu_check.sh        (from anywhere; PYTHON=... to pick the interpreter)
 #
 # 1. the card: nvidia-smi's name, memory and driver, and torch's view of it;
-# 2. the codec bench on cuda (protocol/bench.py): bits per value, encode and decode+aggregate of
+# 2. the codec bench on cuda (tools/bench/codec.py): bits per value, encode and decode+aggregate of
 #    16 packets against the plain path, medians of 3;
-# 3. the memory bench of the 1b preset on cuda (node/training/memory_bench.py), if this build has it;
-# 4. the 1b inner loop's tokens/s and MFU (node/training/throughput_bench.py: bf16 autocast,
+# 3. the memory bench of the 1b preset on cuda (tools/bench/memory.py), if this build has it;
+# 4. the 1b inner loop's tokens/s and MFU (tools/bench/throughput.py: bf16 autocast,
 #    activation checkpointing, 2 warm-up and 5 timed steps of 8 x 2048 tokens).
 #
 # 5. the opt-in Triton scatter-mean against the torch path on the card, bit for bit;
@@ -52,10 +52,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/card
 cat "$OUT/card.json"; echo
 
 step codec 80 "$PYTHON" -m locoswarm bench codec --device cuda --repeats 3 --json
-if "$PYTHON" -c "import node.training.memory_bench" 2>/dev/null; then
+if "$PYTHON" -c "import tools.bench.memory" 2>/dev/null; then
     step memory 60 "$PYTHON" -m locoswarm bench memory --preset 1b --device cuda --json
 else
-    echo "== memory: skipped, this build has no node/training/memory_bench.py (locoswarm bench memory)"
+    echo "== memory: skipped, this build has no tools/bench/memory.py (locoswarm bench memory)"
 fi
 # The Triton scatter-mean (opt-in, LOCOSWARM_TRITON=1) must sum bit for bit as the torch path does.
 step triton 40 "$PYTHON" - <<'PY'
@@ -75,7 +75,7 @@ PY
 step packets 30 "$PYTHON" - <<'PY'
 import json, torch
 from kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
-from protocol.bench import llama_shapes
+from tools.bench.codec import llama_shapes
 from protocol.packet import ModelSpec, decode_packet, encode_packet
 from protocol.signing import PeerKey
 spec = ModelSpec(llama_shapes(hidden=256, num_layers=2, intermediate=704, vocab=4096), 64)
@@ -94,7 +94,7 @@ print(json.dumps({"decoded_positions_identical": all(torch.equal(a, b) for a, b 
                   "aggregate_bit_identical": all(torch.equal(cpu_means[n].view(torch.int32), gpu_means[n].view(torch.int32))
                                                  for n in cpu_means)}))
 PY
-step throughput 90 "$PYTHON" -m node.training.throughput_bench --preset 1b --device cuda --out "$OUT/throughput.json"
+step throughput 90 "$PYTHON" -m tools.bench.throughput --preset 1b --device cuda --out "$OUT/throughput.json"
 
 "$PYTHON" - "$OUT" <<'PY'
 import json, pathlib, sys

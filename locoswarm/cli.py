@@ -20,7 +20,9 @@ import sys
 from collections.abc import Iterable
 
 from coordinator import cli as coordinator_cli
-from node.cli import bench, codec_demo, data, demo, doctor, export, generate, join, sim
+from node.cli import codec_demo, data, demo, doctor, export, generate, join
+from tools.bench import cli as bench
+from tools.sim import cli as sim
 
 # Modules that contribute subcommands, in the order --help lists them.
 COMMAND_MODULES = (codec_demo, coordinator_cli, sim, join, demo, doctor, bench, data, export, generate)

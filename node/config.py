@@ -109,7 +109,7 @@ class NodeConfig(BaseModel):
     packets_in_memory: bool = Field(False, description="Keep held packets in the heap instead (no spool).")
     inject: tuple[str, ...] = Field(
         (), strict=False,
-        description="Faults to inject, for tests and demos (node/testing/faults.py): 'crash@round=3'.")
+        description="Faults to inject, for tests and demos (node/faults.py): 'crash@round=3'.")
 
     @field_validator("coordinator")
     @classmethod

@@ -32,7 +32,7 @@ the end of a tensor and the start of the next.
 BLAKE3 and hashlib both release the GIL on large inputs, so the chunks of one digest are hashed
 on every core at once (`HASH_THREADS`). A shard that owns a chunk-aligned byte range of the body
 hashes its own chunks with a `ChunkHasher`; the ordered concatenation of every shard's leaves
-gives the same `Tree`. Benchmark: `locoswarm bench digest` (node/training/digest_bench.py).
+gives the same `Tree`. Benchmark: `locoswarm bench digest` (tools/bench/digest.py).
 """
 
 from __future__ import annotations

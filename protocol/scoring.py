@@ -1,7 +1,7 @@
 """Contribution scoring's rule: from the scores peers report to a standing per peer, and exclusion.
 
 Pure and torch-free. The coordinator (coordinator/service.py) runs it on the scores stored with the
-applied reports, the simulator (node/round/sim.py) in process: both exclude the same peers from the
+applied reports, the simulator (tools/sim/engine.py) in process: both exclude the same peers from the
 same scores. A node's scores of round r (node/training/scoring.py): for each peer p in r's manifest,
 `loss_delta` (held-out loss on the node's own data after p's update alone, minus before) and
 `cosine` (p's update against the node's own update of the round, on the coordinates p sent).
@@ -19,7 +19,7 @@ Once round r's votes are in (every contributor reported, or round r+1 closed):
    the typical update it scored (-(median of its loss deltas)); with g <= 0 the cosine alone
    decides. A loss rise short of that condemns nobody: late in a run an honest peer whose data
    differs from the judge's raises the judge's loss for rounds running. Measured in the simulator
-   (tiny, 4 peers, H = 4, 32 rounds, seeds 0-3; node/round/sim.py): the median judge's cosine of an
+   (tiny, 4 peers, H = 4, 32 rounds, seeds 0-3; tools/sim/engine.py): the median judge's cosine of an
    honest update starts at +0.8..+0.9 and falls to about +0.3 by round 30; one peer's fell to -0.17
    with loss deltas of up to 4x the typical gain from round 15 on (a rule on the loss excluded it
    in every seed, and "loss up and cosine below 0" in one); a single judge's lowest was -0.25; a
@@ -53,7 +53,7 @@ Once round r's votes are in (every contributor reported, or round r+1 closed):
    (coordinator/service.py, "Agreed digests"): a peer that reported a digest the credited peers
    did not compute loses it all and is excluded (`wrong_digest`). Why each parameter:
    ``useful_cosine`` 0.1 (an empty update scores 0, noise at any scale about 0 on the k
-   coordinates it sends, an honest update +0.3..+0.9: measured in node/round/sim.py);
+   coordinates it sends, an honest update +0.3..+0.9: measured in tools/sim/engine.py);
    ``useful_gain`` 0.25 (an empty update's loss delta is exactly 0; an honest update's, on a
    judge's data, -0.06..-0.48 in the tiny preset's first rounds, tests/integration/sybil_lab.py); halving
    rather than zeroing, so an honest peer whose data once pulled elsewhere keeps most of its

@@ -83,7 +83,7 @@ def register(subparsers) -> None:
     join.add_argument("--inject", action="append", default=None, metavar="FAULT",
                       help="inject a fault, for tests and demos (repeatable): crash@round=3,phase=training, "
                            "slow-upload@delay_s=5, corrupt-packet@round=1, poison@factor=1000, stale-submit@round=2, "
-                           "lie@from_round=3 (node/testing/faults.py)")
+                           "lie@from_round=3 (node/faults.py)")
     join.add_argument("--report", default=None, help="write the per-round reports as JSON here on exit")
     join.add_argument("-v", "--verbose", action="store_true",
                       help="also the libraries' log lines (every HTTP request, hivemind), and a traceback with "

@@ -1,7 +1,7 @@
 """Stopping the child processes a launcher started: SIGINT first, then SIGKILL to their sessions.
 
-Used by `node.cli.demo.LocalSwarm` (the one-machine demo swarm) and `deploy.netlab` (the network
-lab). Standard library only, so that importing it (and so `deploy/netlab.py`) stays cheap.
+Used by `node.cli.demo.LocalSwarm` (the one-machine demo swarm) and `tools.netlab.lab` (the network
+lab). Standard library only, so that importing it (and so `tools/netlab/lab.py`) stays cheap.
 """
 
 from __future__ import annotations

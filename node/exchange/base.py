@@ -27,7 +27,7 @@ Parameter snapshots are never bytes in memory: a `Snapshot` reads each unit (the
 `SnapshotSink` checks each unit against the snapshot's hash tree (whose root is the agreed
 parameter digest) and writes it into the model (protocol/snapshot.py, node/training/snapshot.py).
 
-`node.exchange.p2p.P2PExchange` implements it over hivemind; `node.testing.memory_exchange`, an
+`node.exchange.p2p.P2PExchange` implements it over hivemind; `tests.doubles.memory_exchange`, an
 in-memory one written against this protocol (with `Traffic` from here), stands in for it in unit
 tests. This module imports no transport.
 """

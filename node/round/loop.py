@@ -37,7 +37,7 @@ from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
 from node.round.session import Clock, Session
 from node.round.steps import CatchUpNeeded, apply_and_report, apply_manifest, collect, send, train, wait_open
-from node.testing.faults import FaultInjector
+from node.faults import FaultInjector
 from protocol.http import ErrorCode, JoinResponse, peer_id_from_public_key
 from protocol.signing import PeerKey
 

@@ -31,7 +31,7 @@ log = logging.getLogger("locoswarm.node")
 def save(s: Session, applied_round: int, midway=None) -> None:
     """The checkpoint after applying `applied_round` (it starts the next); a failure is logged and
     training goes on: the swarm does not need this node's copy. `midway`: fault injection's crash
-    while the checkpoint is written (node/testing/faults.py)."""
+    while the checkpoint is written (node/faults.py)."""
     from node.training.checkpoint import CheckpointError, save_checkpoint
 
     try:

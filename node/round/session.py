@@ -18,7 +18,7 @@ from node.exchange.base import Exchange
 from node.round.amend import Amendments
 from node.round.coordinator_client import CoordinatorClient, Refused
 from node.round.own_packets import OwnPackets
-from node.testing.faults import FaultInjector
+from node.faults import FaultInjector
 from node.training.peer import PeerTraining
 from protocol.digest import Tree
 from protocol.http import ErrorCode, JoinResponse

@@ -38,7 +38,7 @@ from node.round.own_packets import HeldPacket
 from node.round.prefetch import Decoded, Prefetch
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
-from node.testing.faults import Phase
+from node.faults import Phase
 from node.training.params import param_tree
 from node.training.scoring import PeerScore
 from protocol.digest import Tree

@@ -5,7 +5,7 @@
     payload = training.outer.make_payload(...)                  # the round's signed packet
     val_loss = training.evaluate_global()                       # the global model, held-out batches
 
-The node (node/round/) and the simulator (node/round/sim.py) both build their peers here, so a
+The node (node/round/) and the simulator (tools/sim/engine.py) both build their peers here, so a
 run config means the same model, optimizers and data order in either.
 """
 

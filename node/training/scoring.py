@@ -126,7 +126,7 @@ def score_round(training, start: Mapping[str, torch.Tensor], prepared, scorer_id
                 outer_lr: float) -> dict[str, PeerScore]:
     """`scorer_id`'s reportable scores of round r's accepted updates (`prepared`, node/training/outer.py,
     before its outer step), on its own scoring batch; `training` is its PeerTraining, `section` the
-    run's [scoring]. The node (node/round/steps.py) and the simulator (node/round/sim.py) both call it."""
+    run's [scoring]. The node (node/round/steps.py) and the simulator (tools/sim/engine.py) both call it."""
     picked = pick_peers(prepared.result.accepted, scorer_id, round, section.max_peers_per_round)
     if not picked:
         return {}

@@ -4,7 +4,7 @@
     python -m tests.integration.restart_matrix submitted:deadline_first:nodes transfer:before:both
 
 Each cell runs a real swarm on 127.0.0.1 (coordinator, 3 nodes with checkpoint folders, their p2pd
-daemons, SQLite): every node is armed with `crash@round=2,phase=P,wait_s=0` (node/testing/faults.py)
+daemons, SQLite): every node is armed with `crash@round=2,phase=P,wait_s=0` (node/faults.py)
 and kills itself when it reaches phase P of round 2 ("mixed": nodes 0 and 1 after they submitted,
 node 2 as it starts training, the scenario of issue 27); once all are dead the test kills what is
 left of their process groups (their p2pd daemons) and, for "both", the coordinator too. The nodes

@@ -5,7 +5,7 @@
 
 Each scenario runs a real swarm on 127.0.0.1 (coordinator, nodes, their p2pd daemons, SQLite), tiny
 preset, H = 5, min_peers = every starting node. Attackers are nodes started with fault flags
-(node/testing/faults.py), which is what a modified node does:
+(node/faults.py), which is what a modified node does:
 
 - ``poison@factor=0,mode=scale``: its update is zero (a node that need not train at all);
 - ``poison@factor=1,mode=random``: Gaussian noise at the scale of its honest update;

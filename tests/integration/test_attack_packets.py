@@ -1,6 +1,6 @@
 """A member that signs absurd packets, with real processes on 127.0.0.1 (coordinator, three nodes,
 their p2pd daemons, SQLite), port 0, tiny preset: node 2 runs `--inject poison@mode=overflow`
-(node/testing/faults.py) in round 1, a signed packet whose every table field is finite float32 (shift
+(node/faults.py) in round 1, a signed packet whose every table field is finite float32 (shift
 1e30, bin means +-3e38) and whose values overflow once two peers' are summed. Before packets were
 bounded, every peer accepted it and turned thousands of parameters into NaN, identically, so the
 digests agreed and nothing was flagged. Now every node (the attacker too, applying its own round)

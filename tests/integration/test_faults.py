@@ -1,6 +1,6 @@
 """Faults a swarm must survive, with real processes on 127.0.0.1 (coordinator, nodes, p2pd daemons,
 SQLite), port 0, tiny preset, H = 5, threads 1. Faults come from the node's own injector
-(`--inject`, node/testing/faults.py) or from the test's signals sent through each process's handle;
+(`--inject`, node/faults.py) or from the test's signals sent through each process's handle;
 readiness and progress are read from the coordinator's status, never waited for by sleeping. The
 assertions read typed state: exit codes, the coordinator's status and manifests, the nodes'
 `--report` JSON; log text only where a fact has no typed form, each such place says why.
@@ -439,7 +439,7 @@ def _poison_sim(*, poisoned: bool, clip: bool, num_rounds: int = 5, num_peers: i
     is (PeerTraining), the last one through the node's poison wrapper."""
     import torch
 
-    from node.testing.faults import FaultInjector
+    from node.faults import FaultInjector
     from node.training.data import evaluate, load_corpus
     from node.training.params import param_digest
     from node.training.peer import PeerTraining

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.netlab_topology import LAB_PREFIX, lab_available, lab_namespaces
+from tools.netlab.topology import LAB_PREFIX, lab_available, lab_namespaces
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -50,7 +50,7 @@ def _left_behind(prefix: str) -> list[str]:
 
 def test_three_peers_two_rounds_on_shaped_links(tmp_path):
     links_before = _root_links()
-    done = subprocess.run([sys.executable, "-m", "deploy.netlab", *LAB_ARGS, "--json", "--workdir", str(tmp_path),
+    done = subprocess.run([sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--json", "--workdir", str(tmp_path),
                            "--timeout", "150"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
@@ -101,7 +101,7 @@ def test_three_peers_two_rounds_on_shaped_links(tmp_path):
 
 def test_ctrl_c_tears_everything_down(tmp_path):
     links_before = _root_links()
-    lab = subprocess.Popen([sys.executable, "-m", "deploy.netlab", *LAB_ARGS, "--workdir", str(tmp_path)],
+    lab = subprocess.Popen([sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--workdir", str(tmp_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
     try:
         lines = []

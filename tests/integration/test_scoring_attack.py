@@ -1,6 +1,6 @@
 """Contribution scoring against a sign-flipping member, with real processes on 127.0.0.1 (coordinator,
 four nodes, their p2pd daemons, SQLite), port 0, tiny preset: node 3 runs `--inject
-poison@factor=1,mode=sign-flip` (node/testing/faults.py) in every round, a well-formed signed packet
+poison@factor=1,mode=sign-flip` (node/faults.py) in every round, a well-formed signed packet
 of its update turned around, at an honest norm, which median-norm clipping lets through.
 
 Every node scores the round's updates on a batch of its own data and sends the scores with its

@@ -22,8 +22,8 @@ from node.config import NodeConfig
 from node.round.catchup import IDLE_MAX_S, catch_up
 from node.round.prefetch import Decoded
 from node.round.session import Session
-from node.testing.faults import FaultInjector
-from node.testing.memory_exchange import MemorySwarm
+from node.faults import FaultInjector
+from tests.doubles.memory_exchange import MemorySwarm
 from node.training.data import load_corpus
 from node.training.params import flat_named_params, param_digest
 from node.training.peer import PeerTraining

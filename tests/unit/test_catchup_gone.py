@@ -14,7 +14,7 @@ import pytest
 from node.round.catchup import packets_gone, replay
 from node.round.prefetch import Decoded
 from node.round.steps import CatchUpNeeded
-from node.testing.memory_exchange import MemorySwarm
+from tests.doubles.memory_exchange import MemorySwarm
 from protocol.http import ManifestEntry, RoundView
 
 pytestmark = pytest.mark.timeout(30)

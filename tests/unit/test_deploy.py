@@ -165,15 +165,15 @@ def test_readme_commands_parse_with_the_real_cli():
 
 
 def test_network_lab_commands_in_the_docs_parse():
-    """Every `python -m deploy.netlab ...` line in README.md and deploy/netlab.md parses with the lab's parser."""
-    from deploy.netlab import build_parser
+    """Every `python -m tools.netlab ...` line in README.md and tools/netlab/README.md parses with the lab's parser."""
+    from tools.netlab.lab import build_parser
 
     found = 0
-    for doc in ("README.md", "deploy/netlab.md"):
+    for doc in ("README.md", "tools/netlab/README.md"):
         text = (REPO / doc).read_text().replace("\\\n", " ")
         for line in text.splitlines():
             command = line.split(" #")[0].strip()
-            marker = "-m deploy.netlab "
+            marker = "-m tools.netlab "
             if marker in command and command.lstrip("`").startswith(("sudo ", ".venv/", "python")):
                 build_parser().parse_args(shlex.split(command.split(marker, 1)[1]))
                 found += 1

@@ -1,4 +1,4 @@
-"""The fault injector (node/testing/faults.py): spec parsing, each hook's effect, and that an unarmed
+"""The fault injector (node/faults.py): spec parsing, each hook's effect, and that an unarmed
 injector changes nothing; the `--inject` flag and NodeConfig field; refusals reported to the
 coordinator reaching its status (and their bounds); the liar's made-up reports."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from node.round.coordinator_client import wire_tree
-from node.testing.faults import Fault, FaultInjector, FaultSpecError, Phase, made_up_tree, parse_fault
+from node.faults import Fault, FaultInjector, FaultSpecError, Phase, made_up_tree, parse_fault
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
 from node.training.params import flat_named_params, param_digest, param_tree
@@ -251,7 +251,7 @@ def test_slow_upload_delays_every_served_stream():
 def test_crash_kills_the_process_with_sigkill_at_its_round_and_phase():
     script = (
         "import asyncio\n"
-        "from node.testing.faults import FaultInjector, Phase\n"
+        "from node.faults import FaultInjector, Phase\n"
         "faults = FaultInjector.parse(['crash@round=2,phase=training'])\n"
         "asyncio.run(faults.at_phase(Phase.TRAINING, 1))\n"
         "asyncio.run(faults.at_phase(Phase.TRANSFER, 2))\n"

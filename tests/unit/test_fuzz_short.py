@@ -1,10 +1,10 @@
-"""A short run of the packet-decoder fuzzer (protocol/fuzz.py): mutated real packets, every one
+"""A short run of the packet-decoder fuzzer (tools/fuzz.py): mutated real packets, every one
 refused with a ProtocolError or accepted well-formed, none slow. The 100 000-input run is
-`python -m protocol.fuzz --count 100000`."""
+`python -m tools.fuzz --count 100000`."""
 
 import pytest
 
-from protocol.fuzz import fuzz
+from tools.fuzz import fuzz
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +29,7 @@ def test_zstd_frame_claiming_a_huge_content_size_is_refused_not_allocated():
     import msgpack
 
     from protocol.errors import MalformedPacket
-    from protocol.fuzz import KEY, ROUND, RUN_ID, SPECS, make_bases, member_key
+    from tools.fuzz import KEY, ROUND, RUN_ID, SPECS, make_bases, member_key
     from protocol.packet import MAGIC, PREFIX, WIRE_VERSION, decode_packet, read_header
 
     base = make_bases(0)[0]

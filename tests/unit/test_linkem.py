@@ -1,4 +1,4 @@
-"""The userspace link emulator's arithmetic (deploy/linkem.py) without devices: when a packet
+"""The userspace link emulator's arithmetic (tools/netlab/linkem.py) without devices: when a packet
 leaves its sender's uplink, how long it travels, when the receiver's downlink delivers it, what is
 dropped, and how offloaded segments are counted. tests/integration/test_netlab.py runs it for real."""
 
@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from deploy.linkem import ETHERNET_OVERHEAD, QUEUE_LIMIT_S, VNET_HDR, LinkEmulator
+from tools.netlab.linkem import ETHERNET_OVERHEAD, QUEUE_LIMIT_S, VNET_HDR, LinkEmulator
 
 HOSTS = [("ns-a", "10.9.0.1"), ("ns-b", "10.9.0.2"), ("ns-c", "10.9.0.3")]
 

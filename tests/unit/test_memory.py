@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from node.training.memory_bench import PRESETS, measured_state, meta_state, report
+from tools.bench.memory import PRESETS, measured_state, meta_state, report
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer, state_device_for
 from node.training.params import flat_named_params, param_digest
@@ -32,7 +32,7 @@ def test_accounting_equals_a_real_cpu_state():
 
 def test_packet_layout_constants_are_counted_as_built():
     from kernels.chunking import packet_layout
-    from node.training.memory_bench import packet_layout_bytes
+    from tools.bench.memory import packet_layout_bytes
     from protocol.packet import ModelSpec
 
     params = flat_named_params(build_model("tiny", seed=0))

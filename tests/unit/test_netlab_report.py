@@ -1,8 +1,8 @@
-"""deploy/netlab_report.py on hand-made node reports: the ratios, the idle time, digest agreement."""
+"""tools/netlab/report.py on hand-made node reports: the ratios, the idle time, digest agreement."""
 
 import pytest
 
-from deploy.netlab_report import format_table, summarize
+from tools.netlab.report import format_table, summarize
 
 
 def _round(k, *, compute, transfer, packet_bytes, digest="d", wait=0.5):

@@ -12,9 +12,9 @@ from kernels.sparse import median_clip_scales, scatter_mean
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
 from node.training.params import flat_named_params, param_digest
-from node.cli.sim import write_summary
-from node.cli.sim_plot import plot_summary
-from node.round.sim import SimConfig, simulate
+from tools.sim.cli import write_summary
+from tools.sim.plot import plot_summary
+from tools.sim.engine import SimConfig, simulate
 from protocol.packet import decode_packet
 from protocol.signing import PeerKey
 

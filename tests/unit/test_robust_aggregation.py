@@ -15,7 +15,7 @@ import torch
 from kernels.chunking import chunk_layout
 from kernels.quantize import QuantTable
 from kernels.sparse import SparseTensor, median_clip_scales, scatter_mean
-from node.testing.faults import OVERFLOW_TABLE, FaultInjector, parse_fault
+from node.faults import OVERFLOW_TABLE, FaultInjector, parse_fault
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
 from node.training.params import flat_named_params, param_digest
@@ -272,7 +272,7 @@ SIM = dict(algos=("sparseloco",), preset="tiny", num_peers=4, inner_steps=4, num
 
 
 def _sim(poison: str | None = None, aggregation: str = "median_clip") -> dict:
-    from node.round.sim import SimConfig, simulate
+    from tools.sim.engine import SimConfig, simulate
 
     return simulate(SimConfig(poison=poison, aggregation=aggregation, **SIM), show_progress=False)[
         "strategies"]["sparseloco"]

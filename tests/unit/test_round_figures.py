@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from node.testing.faults import FaultInjector, Phase
+from node.faults import FaultInjector, Phase
 from protocol.model_sizes import PRESET_SIZES, dense_bytes
 from tests.fixtures.coordinator import SignedPeer, create_run, error_of
 from tests.unit.test_round_loop import in_swarm, run_all

@@ -16,8 +16,8 @@ import pytest
 from node.config import NodeConfig
 from node.round.coordinator_client import CoordinatorClient
 from node.round.loop import Node
-from node.testing.faults import FaultInjector
-from node.testing.memory_exchange import MemorySwarm
+from node.faults import FaultInjector
+from tests.doubles.memory_exchange import MemorySwarm
 from protocol.http import RoundView, RunStatus, peer_id_from_public_key
 from protocol.signing import PeerKey
 

@@ -1,4 +1,4 @@
-"""Contribution scoring in the simulator (node/round/sim.py), at the config of
+"""Contribution scoring in the simulator (tools/sim/engine.py), at the config of
 test_robust_aggregation.py (tiny, 4 peers, 4 rounds of H = 4): a sign-flipping peer is judged
 hurting by every other peer in rounds 0 and 1 and left out from round 2 on, which takes back part of
 the loss it costs with clipping alone; in a clean run nobody is excluded and scoring changes nothing
@@ -18,7 +18,7 @@ CONFIG = SIM | {"scoring": True}
 
 
 def _sim(poison: str | None = None, scoring: bool = True) -> dict:
-    from node.round.sim import SimConfig, simulate
+    from tools.sim.engine import SimConfig, simulate
 
     return simulate(SimConfig(**(CONFIG | {"poison": poison, "scoring": scoring})), show_progress=False)[
         "strategies"]["sparseloco"]

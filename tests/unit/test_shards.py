@@ -180,7 +180,7 @@ def test_run_config_lines_are_toml(prepared):
 
 
 def test_sim_trains_on_prepared_shards(prepared, single_thread):
-    from node.round.sim import SimConfig, simulate
+    from tools.sim.engine import SimConfig, simulate
 
     cfg = SimConfig(algos=("sparseloco",), preset="tiny", num_peers=2, inner_steps=2, num_rounds=1, batch_size=2,
                     seq_len=32, eval_batches=1, data=prepared.out_dir, threads=1)

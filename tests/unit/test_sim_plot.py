@@ -1,5 +1,5 @@
 """`locoswarm sim --plot` and `--from-out`: the figure of validation loss against rounds and against
-bytes sent per peer (node/cli/sim_plot.py), drawn from a real tiny simulation.
+bytes sent per peer (tools/sim/plot.py), drawn from a real tiny simulation.
 
 The PNG is checked as pixels: its size from the header, something drawn in each panel, and every
 strategy's line colour in both panels; the title, which the plotting function returns, holds the
@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from locoswarm.cli import main as locoswarm
-from node.cli import sim as sim_cli
-from node.cli import sim_plot
+from tools.sim import cli as sim_cli
+from tools.sim import plot as sim_plot
 from tests.fixtures.coordinator import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The inner-loop throughput bench (node/training/throughput_bench.py) on the `tiny` preset on CPU:
+"""The inner-loop throughput bench (tools/bench/throughput.py) on the `tiny` preset on CPU:
 the smoke test of what deploy/gpu_check.sh runs on the 1b preset on a CUDA card."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from node.training.throughput_bench import main, peak_tflops_for
+from tools.bench.throughput import main, peak_tflops_for
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]

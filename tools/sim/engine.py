@@ -1,7 +1,7 @@
 """The multi-peer simulator: R peers in one process, through the real codec and packet bytes.
 
     locoswarm sim --algos sparseloco,diloco,ddp [--json] [--peers 4 --inner-steps 15 --rounds 20]
-    (the command line is node/cli/sim.py)
+    (the command line is tools/sim/cli.py)
 
 Each strategy trains R identical models (same seed) on R disjoint shards of the corpus:
 
@@ -12,7 +12,7 @@ Each strategy trains R identical models (same seed) on R disjoint shards of the 
 - ddp: the dense baseline, gradients averaged over the R peers at every inner step (one model,
   since all replicas are identical by construction).
 
-A fault spec (`poison`, node/testing/faults.py's grammar, e.g. "poison@factor=1000,mode=sign-flip")
+A fault spec (`poison`, node/faults.py's grammar, e.g. "poison@factor=1000,mode=sign-flip")
 arms the last peer, as `--inject` arms a node: its packets are then refused or clipped like any
 other; only its packets may be refused.
 
@@ -22,8 +22,8 @@ verdicts and standings follow protocol/scoring.py, as the coordinator's do: a pe
 round r has its packets left out from round r+1 on (the coordinator refuses its submissions). The
 result lists the exclusions (`excluded`: peer -> first round left out) and the final standings.
 
-`simulate` returns the summary; `locoswarm sim` (node/cli/sim.py) writes it to --out with its
-figure (node/cli/sim_plot.py) and prints a table, or one JSON object with --json.
+`simulate` returns the summary; `locoswarm sim` (tools/sim/cli.py) writes it to --out with its
+figure (tools/sim/plot.py) and prints a table, or one JSON object with --json.
 
 Bytes sent per peer per round: the packet for sparseloco; the fp32 delta for diloco; for ddp,
 what a ring all-reduce of fp32 gradients sends per peer over H steps, 2 (R-1)/R * 4 * numel * H.
@@ -133,7 +133,7 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     import torch
 
     from node.round.overlap import Pipeline
-    from node.testing.faults import FaultInjector
+    from node.faults import FaultInjector
     from node.training.build import model_config
     from node.training.model import build_model
     from node.training.params import flat_named_params, param_digest
@@ -298,7 +298,7 @@ def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
 
 def simulate(cfg: SimConfig, show_progress: bool = True) -> dict:
     """Every strategy of `cfg` on the same model and data; the summary (`locoswarm sim` writes it
-    and draws its figure: node/cli/sim.py, node/cli/sim_plot.py)."""
+    and draws its figure: tools/sim/cli.py, tools/sim/plot.py)."""
     import torch
     from tqdm import tqdm
 

@@ -4,7 +4,7 @@
 
 Each peer is its own process (multiprocessing spawn) with its own p2pd and DHTNode on 127.0.0.1,
 bootstrapped from peer 0. Each makes one real packet: a LLaMA-shaped model of about 50M parameters
-(protocol.bench.llama_shapes), Gaussian pseudo-gradients, error feedback and top_k 64, encoded and
+(tools.bench.codec.llama_shapes), Gaussian pseudo-gradients, error feedback and top_k 64, encoded and
 signed by protocol.packet (about 0.85 MB); `--packet-bytes` replaces it with random bytes of that
 size. Per round every peer publishes, then fetches the other peers' packets by digest (the
 manifest), as the node's round loop does.
@@ -47,7 +47,7 @@ def make_packet(index: int, packet_bytes: int | None) -> bytes:
         return random.Random(SEED * 1000 + index).randbytes(packet_bytes)
     import torch
 
-    from protocol.bench import BETA, OUTER_LR, llama_shapes
+    from tools.bench.codec import BETA, OUTER_LR, llama_shapes
     from kernels.sparse import error_feedback_step
     from protocol.packet import ModelSpec, encode_packet
     from protocol.signing import PeerKey

@@ -13,7 +13,7 @@ Two ways to build the links (`shaper`):
   the host's, so nothing appears in the root namespace and the hosts' addresses (10.213.X.0/24)
   exist only in the lab. Rate: tbf on the host's eth0 (its upload) and on the bridge-side veth
   (its download). Delay and loss: netem as the root of the host's eth0 with the tbf under it.
-- "userspace": each host's eth0 is a TUN device and deploy/linkem.py, a child process of the
+- "userspace": each host's eth0 is a TUN device and tools/netlab/linkem.py, a child process of the
   lab, carries the packets between them with the rate, delay and loss applied (for kernels
   without netem). No bridge namespace.
 
@@ -184,7 +184,7 @@ class Topology:
             has_netem, reason = netem_available() if self.delay_requested else (True, "")
             self.shaper = "tc" if has_netem else "userspace"
             if not has_netem:
-                self.delay_reason = f"{reason}; the userspace link emulator (deploy/linkem.py) applies them"
+                self.delay_reason = f"{reason}; the userspace link emulator (tools/netlab/linkem.py) applies them"
         if self.shaper == "userspace":
             self._up_userspace()
         else:
@@ -196,7 +196,7 @@ class Topology:
             _run(["ip", "-n", host.namespace, "tuntap", "add", "mode", "tun", "name", "eth0", "vnet_hdr"])
             _run(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
             _run(["ip", "-n", host.namespace, "link", "set", "eth0", "up"])
-        args = [sys.executable, "-m", "deploy.linkem",
+        args = [sys.executable, "-m", "tools.netlab.linkem",
                 *(f"--host={h.namespace}={h.ip}={rate:g}" for h, rate in zip(self.hosts, self.rates_mbps)),
                 f"--delay-ms={self.link.delay_ms}",
                 f"--loss-pct={self.link.loss_pct}"]
@@ -318,7 +318,7 @@ class Topology:
     def probe_alltoall(self, hosts: list[int], num_bytes: int, timeout_s: float = 120.0) -> dict:
         """Plain TCP among `hosts`, all at once: each sends `num_bytes` to every other; the seconds
         until each host had all its bytes (the same exchange as a round's packets, no protocol)."""
-        helper = [sys.executable, "-m", "deploy.netlab_helpers", "alltoall"]
+        helper = [sys.executable, "-m", "tools.netlab.helpers", "alltoall"]
         start_at = time.time() + 3.0  # every helper started and listening by then
         port = str(_alltoall_port())
         children = []
@@ -346,7 +346,7 @@ class Topology:
         shaped = [r for r in (self.rates_mbps[sender], self.rates_mbps[receiver]) if r]
         rate_mbps = min(shaped) if shaped else 0.0  # the path's bottleneck
         num_bytes = max(1 << 18, int(rate_mbps * 1e6 / 8 * PROBE_SECONDS)) if rate_mbps else 8 << 20
-        helper = [sys.executable, "-m", "deploy.netlab_helpers"]
+        helper = [sys.executable, "-m", "tools.netlab.helpers"]
         sink = subprocess.Popen([*self.exec_args(receiver), *helper, "sink", self.hosts[receiver].ip],
                                 stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
         try:

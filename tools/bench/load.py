@@ -1,6 +1,6 @@
 """Coordinator load benchmark: N signed peers heartbeating against a real coordinator process.
 
-    python -m coordinator.bench_load --peers 500 [--duration-s 30] [--json]
+    python -m tools.bench.load --peers 500 [--duration-s 30] [--json]
     locoswarm bench load --peers 500 ...
 
 It starts ``coordinator serve`` (uvicorn on 127.0.0.1 port 0, a temporary SQLite file) in a

@@ -1,7 +1,7 @@
 """A userspace link emulator for the network lab: per-host rate, one-way delay and loss, on TUN devices.
 
-    python -m deploy.linkem --host NS=IP --host NS=IP ... --rate-mbps 100 --delay-ms 20 [--loss-pct 0.5]
-    python -m deploy.linkem --host NS=IP=RATE ...   # a host's own rate in Mbps (0: unshaped)
+    python -m tools.netlab.linkem --host NS=IP --host NS=IP ... --rate-mbps 100 --delay-ms 20 [--loss-pct 0.5]
+    python -m tools.netlab.linkem --host NS=IP=RATE ...   # a host's own rate in Mbps (0: unshaped)
 
 For kernels without netem (sch_netem), which cannot add delay or loss with `tc`. Each lab host gets
 a TUN device `eth0` in its namespace instead of a veth on a bridge; this process holds all of them
@@ -213,7 +213,7 @@ class LinkEmulator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.linkem", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.netlab.linkem", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", action="append", required=True, metavar="NAMESPACE=IP[=MBPS]",
                         help="a lab host: its namespace (holding TUN device eth0), IPv4 address, and its own "
                              "link rate if it differs from --rate-mbps")

@@ -1,6 +1,6 @@
 """Inner-loop throughput: tokens per second and model FLOPs utilization of a preset on one device.
 
-    python -m node.training.throughput_bench [--preset 1b] [--device cuda] [--steps 5]
+    python -m tools.bench.throughput [--preset 1b] [--device cuda] [--steps 5]
         [--warmup-steps 2] [--batch-size 8] [--seq-len 2048] [--micro-batch-size 0]
         [--no-activation-checkpointing] [--compile] [--peak-tflops T] [--out FILE]
 

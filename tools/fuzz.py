@@ -1,6 +1,6 @@
 """A fuzz run of the packet decoder: mutated real packets, each decoded under a time bound.
 
-    python -m protocol.fuzz --count 100000 --seconds 600 [--seed 0] [--per-input-s 2]
+    python -m tools.fuzz --count 100000 --seconds 600 [--seed 0] [--per-input-s 2]
 
 Base packets are real: signed SparseLoCo packets encoded from random pseudo-gradients for a few
 model specs of awkward shapes (1-element, odd, non-divisible tensors; top_k 64 and 128; codes
@@ -267,7 +267,7 @@ def fuzz(count: int, seconds: float, seed: int = 0, per_input_s: float = 2.0, ve
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m protocol.fuzz", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=100_000, help="mutated packets to decode")
     parser.add_argument("--seconds", type=float, default=600.0, help="stop early after this long")

@@ -1,11 +1,11 @@
-"""`locoswarm sim`: the multi-peer simulator's command line (the simulator is node/round/sim.py).
+"""`locoswarm sim`: the multi-peer simulator's command line (the simulator is tools/sim/engine.py).
 
     locoswarm sim --algos sparseloco,diloco,ddp [--json] [--peers 4 --inner-steps 15 --rounds 20]
     locoswarm sim --data DIR        # shards from `locoswarm data prepare`: the model takes their vocabulary
     locoswarm sim --plot sim.png    # the figure there instead of OUT/val_loss.png
     locoswarm sim --from-out runs/sim [--plot sim.png]   # a saved run: its table and figure, no simulation
 
-A run writes OUT/summary.json and the figure (node/cli/sim_plot.py: validation loss against rounds
+A run writes OUT/summary.json and the figure (tools/sim/plot.py: validation loss against rounds
 and against bytes sent per peer), to --plot or else OUT/val_loss.png. matplotlib is optional: without
 it a run still writes its summary and says how to install it, while an explicit --plot is refused
 before anything is simulated.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from node.cli import sim_plot
-from node.round import sim as simulator
-from node.round.sim import ALGOS, SimConfig, simulate
+from tools.sim import plot as sim_plot
+from tools.sim import engine as simulator
+from tools.sim.engine import ALGOS, SimConfig, simulate
 from protocol.config_file import describe_validation_error
 
 
@@ -203,7 +203,7 @@ def _print_results(summary: dict, as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m node.cli.sim", description=simulator.__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.sim.cli", description=simulator.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))

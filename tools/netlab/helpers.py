@@ -1,10 +1,10 @@
 """Small stdlib-only programs the network lab runs inside its namespaces (`ip netns exec NS ...`).
 
-    python -m deploy.netlab_helpers http METHOD URL [--token-env VAR]   body on stdin (JSON or empty)
-    python -m deploy.netlab_helpers sink HOST                           prints "port P", then the result
-    python -m deploy.netlab_helpers source HOST PORT NUM_BYTES
-    python -m deploy.netlab_helpers rtt HOST                            prints {"rtt_ms": median of 5}
-    python -m deploy.netlab_helpers alltoall OWN_IP PORT BYTES START_AT PEER_IP...
+    python -m tools.netlab.helpers http METHOD URL [--token-env VAR]   body on stdin (JSON or empty)
+    python -m tools.netlab.helpers sink HOST                           prints "port P", then the result
+    python -m tools.netlab.helpers source HOST PORT NUM_BYTES
+    python -m tools.netlab.helpers rtt HOST                            prints {"rtt_ms": median of 5}
+    python -m tools.netlab.helpers alltoall OWN_IP PORT BYTES START_AT PEER_IP...
 
 The lab's own process stays in the root namespace, where the lab's addresses do not exist, so
 every request to the coordinator and every throughput probe runs as one of these short-lived

@@ -8,11 +8,11 @@
     locoswarm bench memory [--json] [--preset 1b] [--device cuda] [--placement host] [--measure]
 
 Each prints its figures beside a baseline measured in the same run: the codec against the plain
-path (torch.topk + int64 indices + uint8 codes; protocol/bench.py), the exchange against one
-unloaded libp2p stream (node/exchange/bench.py), the parameter digest against one SHA-256 over the
-same tensors (node/training/digest_bench.py), a streamed snapshot against the whole-bytes path of
-the first build (node/exchange/snapshot_bench.py), a coordinator under N heartbeating peers against
-the same requests one at a time (coordinator/bench_load.py). The arguments go to the benchmark's own parser
+path (torch.topk + int64 indices + uint8 codes; tools/bench/codec.py), the exchange against one
+unloaded libp2p stream (tools/bench/exchange.py), the parameter digest against one SHA-256 over the
+same tensors (tools/bench/digest.py), a streamed snapshot against the whole-bytes path of
+the first build (tools/bench/snapshot.py), a coordinator under N heartbeating peers against
+the same requests one at a time (tools/bench/load.py). The arguments go to the benchmark's own parser
 (`locoswarm bench codec --help` lists them), which is imported only when it runs: the codec
 benchmark imports torch.
 """
@@ -22,12 +22,12 @@ from __future__ import annotations
 import importlib
 
 BENCHMARKS = {  # name: (module, help)
-    "codec": ("protocol.bench", "packet size and encode/decode speed against the plain path"),
-    "exchange": ("node.exchange.bench", "N node processes swap packets over the real DHT and libp2p streams"),
-    "digest": ("node.training.digest_bench", "the hash-tree parameter digest against one SHA-256, GB/s"),
-    "snapshot": ("node.exchange.snapshot_bench", "host memory to serve and load a parameter snapshot, streamed vs whole"),
-    "load": ("coordinator.bench_load", "N signed peers heartbeating a real coordinator: latency vs one at a time"),
-    "memory": ("node.training.memory_bench", "device and host bytes per parameter by category, against the first build"),
+    "codec": ("tools.bench.codec", "packet size and encode/decode speed against the plain path"),
+    "exchange": ("tools.bench.exchange", "N node processes swap packets over the real DHT and libp2p streams"),
+    "digest": ("tools.bench.digest", "the hash-tree parameter digest against one SHA-256, GB/s"),
+    "snapshot": ("tools.bench.snapshot", "host memory to serve and load a parameter snapshot, streamed vs whole"),
+    "load": ("tools.bench.load", "N signed peers heartbeating a real coordinator: latency vs one at a time"),
+    "memory": ("tools.bench.memory", "device and host bytes per parameter by category, against the first build"),
 }
 
 

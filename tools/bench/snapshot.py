@@ -68,7 +68,7 @@ async def measure(way: str, preset: str, with_state: bool) -> dict:
     import torch
 
     from node.exchange.p2p import ExchangeConfig, P2PExchange
-    from node.training.digest_bench import preset_tensors
+    from tools.bench.digest import preset_tensors
     from node.training.params import param_digest
     from node.training.snapshot import Snapshot, SnapshotSink
 
@@ -117,7 +117,7 @@ async def measure(way: str, preset: str, with_state: bool) -> dict:
 
 def run_way(way: str, preset: str, with_state: bool) -> dict:
     """One way in a fresh interpreter: its heap starts clean."""
-    command = [sys.executable, "-m", "node.exchange.snapshot_bench", "--way", way, "--preset", preset]
+    command = [sys.executable, "-m", "tools.bench.snapshot", "--way", way, "--preset", preset]
     if with_state:
         command.append("--state")
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout

@@ -1,8 +1,8 @@
 """Network lab: a swarm on shaped links, N hosts as Linux network namespaces on one machine.
 
-    sudo .venv/bin/python -m deploy.netlab --peers 8 --rate-mbps 100 --delay-ms 20 --rounds 3 [--json] [--overlap]
-    sudo .venv/bin/python -m deploy.netlab --peers 8 --rate-mbps 10,100,100,100   # each node's link, in turn
-    sudo .venv/bin/python -m deploy.netlab --cleanup-stale     # labs left by a process killed with SIGKILL
+    sudo .venv/bin/python -m tools.netlab --peers 8 --rate-mbps 100 --delay-ms 20 --rounds 3 [--json] [--overlap]
+    sudo .venv/bin/python -m tools.netlab --peers 8 --rate-mbps 10,100,100,100   # each node's link, in turn
+    sudo .venv/bin/python -m tools.netlab --cleanup-stale     # labs left by a process killed with SIGKILL
 
 Builds hosts h0..hN (namespaces `lsnl-<pid>-h0` ...) joined by veth pairs to a bridge that lives in
 its own namespace (`lsnl-<pid>-br`), so nothing is added to the root namespace and every address
@@ -14,11 +14,11 @@ hosts measures the shaped rate before the run.
 
 The coordinator runs in h0, one node in each of h1..hN (`--host-maddrs /ip4/<ip>/tcp/0`); requests
 from this process to the coordinator go through a short-lived helper in h0
-(deploy/netlab_helpers.py). After R rounds the nodes' --report files give the per-round table of
-deploy/netlab_report.py. Everything the lab made, it removes, in a `finally` that also runs on
+(tools/netlab/helpers.py). After R rounds the nodes' --report files give the per-round table of
+tools/netlab/report.py. Everything the lab made, it removes, in a `finally` that also runs on
 Ctrl+C, SIGTERM and SIGHUP: its processes by their handles (then any process still inside its
 namespaces: descendants such as p2pd daemons), then its namespaces, which takes their veths and
-the bridge with them. See deploy/netlab.md.
+the bridge with them. See tools/netlab/README.md.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-from deploy.netlab_report import format_table, summarize
-from deploy.netlab_topology import (REPO_ROOT, SHAPERS, LabError, LinkSpec, Topology, cleanup_stale,
+from tools.netlab.report import format_table, summarize
+from tools.netlab.topology import (REPO_ROOT, SHAPERS, LabError, LinkSpec, Topology, cleanup_stale,
                                     lab_available, read_line)
 from node.cli.demo import progress_line
 from node.cli.processes import stop_processes
@@ -90,7 +90,7 @@ class LabSwarm:
 
     def http(self, method: str, path: str, body: dict | None = None, timeout_s: float = 45.0) -> dict:
         """One request to the coordinator, made from inside h0; returns the parsed JSON body."""
-        args = [*self.topology.exec_args(0), sys.executable, "-m", "deploy.netlab_helpers", "http", method,
+        args = [*self.topology.exec_args(0), sys.executable, "-m", "tools.netlab.helpers", "http", method,
                 f"{self.url}{path}", "--token-env", "LOCOSWARM_ADMIN_TOKEN"]
         result = subprocess.run(args, input=json.dumps(body).encode() if body is not None else b"",
                                 capture_output=True, timeout=timeout_s, env=self._env(), cwd=REPO_ROOT)
@@ -183,7 +183,7 @@ class LabSwarm:
         """Nodes still running well after the run's last round closed: record them and stop them.
 
         A node that is still fetching the last round's packets when every holder has left cannot
-        finish it (see deploy/netlab.md); it writes its report on SIGINT with the rounds it did.
+        finish it (see tools/netlab/README.md); it writes its report on SIGINT with the rounds it did.
         """
         running = [(host, node) for host, node in enumerate(self.nodes, start=1) if node.poll() is None]
         for host, _ in running:
@@ -307,14 +307,14 @@ def run_lab(args: argparse.Namespace, say) -> dict:
 
 SHAPING = {
     "tc": "tbf on each host's egress and on the bridge-side veth (the host's ingress), netem for delay and loss",
-    "userspace": "deploy/linkem.py on TUN devices: a FIFO at the rate on each host's uplink and downlink, "
+    "userspace": "tools/netlab/linkem.py on TUN devices: a FIFO at the rate on each host's uplink and downlink, "
                  "the one-way delay between them",
     "auto": "not built",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m deploy.netlab", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.netlab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=4, help="nodes, one per host h1..hN (h0 runs the coordinator)")
     parser.add_argument("--rate-mbps", type=_rates, default=[100.0], metavar="R[,R...]",
                         help="each host's link, both directions (0: unshaped); a list gives the nodes' hosts "
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per host link")
     parser.add_argument("--loss-pct", type=float, default=0.0, help="packet loss per host link, percent")
     parser.add_argument("--shaper", choices=SHAPERS, default="auto",
-                        help="tc (tbf, netem), userspace (deploy/linkem.py), or auto: tc unless delay or loss "
+                        help="tc (tbf, netem), userspace (tools/netlab/linkem.py), or auto: tc unless delay or loss "
                              "is asked for and the kernel has no netem")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--preset", default="tiny", help="model preset (tiny, mini, small, ...)")

@@ -9,7 +9,7 @@ peer has sent so far, on a log axis (the strategies differ by orders of magnitud
 starts at the first evaluation after round 0. One line per strategy, in a fixed colour per
 strategy in both panels. The title holds the run's settings.
 
-Where the points come from (a `summary.json`, node/round/sim.py): each strategy's `curve` holds
+Where the points come from (a `summary.json`, tools/sim/engine.py): each strategy's `curve` holds
 (tokens seen by the swarm, validation loss) pairs, and every round adds R * H * B * T tokens
 (ddp's evaluations fall on the same round boundaries), so a point's round is its tokens over that.
 Bytes sent by round r are r times the run's mean per round (`bytes_sent_per_peer_per_round`): exact
@@ -101,7 +101,7 @@ def check_matplotlib() -> None:
 
 
 def plot_summary(summary: Mapping, path: Path) -> str:
-    """Draw `summary` (what node.round.sim.simulate returns, or a saved summary.json) into `path`
+    """Draw `summary` (what tools.sim.engine.simulate returns, or a saved summary.json) into `path`
     (.png, .svg or .pdf; its directory is made); returns the figure's title."""
     if path.suffix.lower() not in FIGURE_SUFFIXES:
         raise PlotError(f"{path}: the figure is written as {', '.join(FIGURE_SUFFIXES)}; give a path ending in one")

@@ -1,0 +1,1 @@
+"""The network lab: a swarm in network namespaces on shaped links (`python -m tools.netlab`)."""

@@ -1,0 +1,1 @@
+"""The in-process simulator (`locoswarm sim`): many peers, one process, the node's own outer step."""
