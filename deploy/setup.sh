@@ -2,7 +2,8 @@
 # Installs locoswarm into ./.venv: torch first (from TORCH_SPEC, so a GPU volunteer can pick a
 # CUDA build), then the project itself. With --test, also the test extras and, where this is a
 # Debian machine run as root, the system packages the integration tests use (PostgreSQL,
-# Chromium); tests that need them skip with a reason where they are missing.
+# Chromium, nftables for the network lab's NAT); tests that need them skip with a reason where
+# they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,7 @@ if [[ $WITH_TESTS == 1 ]]; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         missing=()
         command -v chromium >/dev/null || missing+=(chromium)
+        command -v nft >/dev/null || missing+=(nftables)
         ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
         if (( ${#missing[@]} )); then
             echo "setup: installing ${missing[*]} for the integration tests" >&2

@@ -4,6 +4,7 @@
     python -m tools.netlab.helpers sink HOST                           prints "port P", then the result
     python -m tools.netlab.helpers source HOST PORT NUM_BYTES
     python -m tools.netlab.helpers rtt HOST                            prints {"rtt_ms": median of 5}
+    python -m tools.netlab.helpers connect HOST PORT TIMEOUT_S         prints {"result": "connected", ...}
     python -m tools.netlab.helpers alltoall OWN_IP PORT BYTES START_AT PEER_IP...
 
 The lab's own process stays in the root namespace, where the lab's addresses do not exist, so
@@ -13,17 +14,20 @@ tens of milliseconds, so polling the coordinator this way costs little.
 
 `http` prints one JSON object {"status": int, "body": <parsed JSON or text>} and exits 0 whatever
 the HTTP status (non-zero only when no answer came). `sink` accepts one connection, reads to EOF
-and prints {"bytes": n, "seconds": s} timed from the first byte to EOF, so connection set-up and
-the sender's start-up do not count. `rtt` times TCP connection attempts to a port nobody listens on
-(the refusal comes back after one round trip). `alltoall` is one host's part of a plain-TCP
-exchange among all hosts: it listens on OWN_IP:PORT, waits until the unix time START_AT, sends
-BYTES to each PEER_IP on a fresh connection (all at once) and prints {"seconds": s} from START_AT
-to the last byte received from every peer: the transfer a round's packets would take with no
-protocol at all.
+and prints {"bytes": n, "seconds": s, "peer": the connection's source address}, timed from the
+first byte to EOF, so connection set-up and the sender's start-up do not count. `rtt` times TCP
+connection attempts to a port nobody listens on (the refusal comes back after one round trip).
+`connect` makes one TCP connection attempt and says how it ended: connected, refused, timeout (no
+answer within TIMEOUT_S), unreachable (no route, or an ICMP error) or `error: <errno name>`.
+`alltoall` is one host's part of a plain-TCP exchange among all hosts: it listens on OWN_IP:PORT,
+waits until the unix time START_AT, sends BYTES to each PEER_IP on a fresh connection (all at once)
+and prints {"seconds": s} from START_AT to the last byte received from every peer: the transfer a
+round's packets would take with no protocol at all.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -61,7 +65,7 @@ def http(method: str, url: str, token_env: str | None) -> int:
 def sink(host: str) -> int:
     with socket.create_server((host, 0)) as server:
         print(f"port {server.getsockname()[1]}", flush=True)
-        connection, _ = server.accept()
+        connection, (peer, _) = server.accept()
         with connection:
             total = len(first := connection.recv(RECV_BYTES))
             start = time.perf_counter()
@@ -69,7 +73,23 @@ def sink(host: str) -> int:
                 total += len(chunk)
             elapsed_s = time.perf_counter() - start
     # The first recv's bytes arrived before the clock started: count only what came after it.
-    print(json.dumps({"bytes": total - len(first), "seconds": elapsed_s}), flush=True)
+    print(json.dumps({"bytes": total - len(first), "seconds": elapsed_s, "peer": peer}), flush=True)
+    return 0
+
+
+def connect(host: str, port: int, timeout_s: float) -> int:
+    start = time.perf_counter()
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        result = "connected"
+    except ConnectionRefusedError:
+        result = "refused"
+    except TimeoutError:
+        result = "timeout"
+    except OSError as e:
+        unreachable = {errno.ENETUNREACH, errno.EHOSTUNREACH}
+        result = "unreachable" if e.errno in unreachable else f"error: {errno.errorcode.get(e.errno, e.errno)}"
+    print(json.dumps({"result": result, "seconds": time.perf_counter() - start}), flush=True)
     return 0
 
 
@@ -162,6 +182,8 @@ def main(argv: list[str]) -> int:
         return alltoall(argv[1], int(argv[2]), int(argv[3]), float(argv[4]), argv[5:])
     if len(argv) == 2 and argv[0] == "rtt":
         return rtt(argv[1])
+    if len(argv) == 4 and argv[0] == "connect":
+        return connect(argv[1], int(argv[2]), float(argv[3]))
     if len(argv) == 4 and argv[0] == "source":
         return source(argv[1], int(argv[2]), int(argv[3]))
     print(__doc__, file=sys.stderr)

@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python -m tools.netlab --peers 8 --rate-mbps 100 --delay-ms 20 --rounds 3 [--json] [--overlap]
     sudo .venv/bin/python -m tools.netlab --peers 8 --rate-mbps 10,100,100,100   # each node's link, in turn
+    sudo .venv/bin/python -m tools.netlab --peers 8 --nat 3 [--relay-host]   # h6..h8 behind NAT routers
     sudo .venv/bin/python -m tools.netlab --cleanup-stale     # labs left by a process killed with SIGKILL
 
 Builds hosts h0..hN (namespaces `lsnl-<pid>-h0` ...) joined by veth pairs to a bridge that lives in
@@ -12,13 +13,19 @@ loss use netem on the host's egress where the kernel has it (one-way delay d per
 between two hosts takes 2d), and the output says plainly when it does not. A TCP probe between two
 hosts measures the shaped rate before the run.
 
+With `--nat K` the last K node hosts each sit behind a NAT router namespace of their own
+(tools/netlab/nat.py): they dial out, nobody dials them, as checked before the run, and their nodes
+start with `--client-mode`, as the README tells a volunteer nobody can dial. `--relay-host` adds a
+public host with nothing in it, reserved for a relay.
+
 The coordinator runs in h0, one node in each of h1..hN (`--host-maddrs /ip4/<ip>/tcp/0`); requests
 from this process to the coordinator go through a short-lived helper in h0
 (tools/netlab/helpers.py). After R rounds the nodes' --report files give the per-round table of
-tools/netlab/report.py. Everything the lab made, it removes, in a `finally` that also runs on
-Ctrl+C, SIGTERM and SIGHUP: its processes by their handles (then any process still inside its
-namespaces: descendants such as p2pd daemons), then its namespaces, which takes their veths and
-the bridge with them. See tools/netlab/README.md.
+tools/netlab/report.py, and the coordinator's closed rounds say whose packets their final
+manifests held. Everything the lab made, it removes, in a `finally` that also runs on Ctrl+C,
+SIGTERM and SIGHUP: its processes by their handles (then any process still inside its namespaces:
+descendants such as p2pd daemons), then its namespaces, which takes their veths, the bridge and the
+routers' nftables rules with them. See tools/netlab/README.md.
 """
 
 from __future__ import annotations
@@ -34,11 +41,14 @@ import threading
 import time
 from pathlib import Path
 
-from tools.netlab.report import format_table, summarize
+from tools.netlab.nat import firewall_available, nat_hosts
+from tools.netlab.report import format_peers, format_table, peer_rows, summarize
 from tools.netlab.topology import (REPO_ROOT, SHAPERS, LabError, LinkSpec, Topology, cleanup_stale,
                                     lab_available, read_line)
 from node.cli.demo import progress_line
 from node.cli.processes import stop_processes
+from protocol.http import peer_id_from_public_key
+from protocol.signing import PeerKey
 
 
 class LabSwarm:
@@ -47,17 +57,19 @@ class LabSwarm:
     def __init__(self, topology: Topology, workdir: Path, *, rounds: int, preset: str, inner_steps: int,
                  top_k: int, batch_size: int, seq_len: int, overlap: bool, say,
                  linger_s: float = 30.0, compute_floor_s: float = 0.0, tree_fanout: int = 2,
-                 state_uplinks: bool = True):
+                 state_uplinks: bool = True, nat_client_mode: bool = True):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
         self.preset, self.inner_steps, self.top_k = preset, inner_steps, top_k
         self.batch_size, self.seq_len, self.tree_fanout = batch_size, seq_len, tree_fanout
         self.overlap = overlap
         self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
         self.state_uplinks = state_uplinks  # each node states its host's link rate at join (--uplink-mbps)
+        self.nat_client_mode = nat_client_mode  # nodes behind NAT join with --client-mode (the README's advice)
         self.num_peers = len(topology.hosts) - 1
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
+        self.peer_ids: dict[int, str] = {}  # host -> its node's peer id (from the key the lab made for it)
         self.url = self.run_id = ""
         self.linger_s = linger_s  # how long nodes may run on after the last round closed
         self.stragglers: list[dict] = []
@@ -119,9 +131,13 @@ class LabSwarm:
     def start_node(self, host: int) -> None:
         ip, rate = self.topology.hosts[host].ip, self.topology.rates_mbps[host]
         uplink = ["--uplink-mbps", f"{rate:g}"] if self.state_uplinks and rate > 0 else []
+        behind_nat = ["--client-mode"] if host in self.topology.nat and self.nat_client_mode else []
+        # The lab makes the key, so that it knows the node's peer id even if the node never reports.
+        key_path = self.workdir / f"node{host}.key"
+        self.peer_ids[host] = peer_id_from_public_key(PeerKey.load_or_create(key_path).public_bytes)
         self.nodes.append(self._spawn(host, [
             "locoswarm", "node", "join", "--coordinator", self.url, "--run", self.run_id, "--device", "cpu",
-            "--key", str(self.workdir / f"node{host}.key"), "--host-maddrs", f"/ip4/{ip}/tcp/0",
+            "--key", str(key_path), "--host-maddrs", f"/ip4/{ip}/tcp/0", *behind_nat,
             "--threads", "1", "--no-progress", "--report", str(self.report_path(host)), *uplink,
             *(["--inject", f"slow-compute@min_s={self.compute_floor_s}"] if self.compute_floor_s > 0 else [])],
             f"node{host}.log"))
@@ -131,6 +147,11 @@ class LabSwarm:
 
     def status(self) -> dict:
         return self.http("GET", f"/v1/runs/{self.run_id}/status")
+
+    def closed_rounds(self, status: dict) -> dict[int, dict]:
+        """The coordinator's view of each closed round in `status` (its final manifest, what was dropped)."""
+        return {h["round"]: self.http("GET", f"/v1/runs/{self.run_id}/rounds/{h['round']}")
+                for h in status.get("history", [])}
 
     def _check_nodes(self) -> None:
         stopped = {s["host"] for s in self.stragglers}
@@ -198,6 +219,21 @@ class LabSwarm:
         stop_processes([*self.nodes, *([self.coordinator] if self.coordinator else [])], grace_s)
 
 
+def _check_nat(topology: Topology, say) -> list[dict]:
+    """Probe every NAT'd host from a public one; a NAT that lets a connection in, or none out, stops the lab."""
+    prober = next((i for i in range(1, len(topology.hosts)) if i not in topology.nat), 0)
+    probes = []
+    for host in sorted(topology.nat):
+        probe = topology.probe_nat(host, prober)
+        say(f"NAT check h{host}: from h{prober} to {probe['public_ip']} {probe['inbound_to_public_ip']}, to "
+            f"{probe['private_ip']} {probe['inbound_to_private_ip']}; out to h{prober} {probe['outbound']}, "
+            f"seen from {probe['outbound_seen_from']}")
+        if not (probe["inbound_blocked"] and probe["outbound_masqueraded"]):
+            raise LabError(f"the NAT in front of h{host} does not behave as one: {probe}")
+        probes.append(probe)
+    return probes
+
+
 def overlap_support() -> tuple[bool, str | None]:
     from protocol.run_config import OuterSection
 
@@ -237,13 +273,15 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         say(overlap_reason)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-netlab-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    topology = Topology(args.peers + 1, link, shaper=args.shaper, sysctls=args.sysctl, rates_mbps=rates)
+    behind_nat = nat_hosts(args.peers, args.nat)
+    topology = Topology(args.peers + 1, link, shaper=args.shaper, sysctls=args.sysctl, rates_mbps=rates,
+                        nat_hosts=behind_nat, relay=args.relay_host)
     rate_text = _rates_text(args.rate_mbps)
     swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
                      top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
                      overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger,
                      compute_floor_s=args.compute_floor, tree_fanout=args.tree_fanout,
-                     state_uplinks=args.state_uplinks)
+                     state_uplinks=args.state_uplinks, nat_client_mode=args.nat_client_mode)
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
     teardown_errors: list[str] = []
@@ -254,16 +292,32 @@ def run_lab(args: argparse.Namespace, say) -> dict:
             f"({SHAPING[topology.shaper]})")
         if topology.delay_requested and not topology.delay_applied:
             say(f"NOTE: --delay-ms {link.delay_ms:g} / --loss-pct {link.loss_pct:g} NOT applied. {topology.delay_reason}")
-        link_check = topology.probe_rate(sender=1, receiver=2 if args.peers >= 2 else 0)
-        say(f"link check h1 -> h2: {link_check['mbps']:.1f} Mbps (path {link_check['rate_mbps']:g} Mbps), "
+        if behind_nat:
+            say(f"behind NAT: {', '.join(f'h{i}' for i in behind_nat)}, each behind its own router "
+                f"({topology.prefix}nat<i>); their nodes join "
+                + ("with --client-mode" if args.nat_client_mode else "with the defaults (--no-nat-client-mode)"))
+        if topology.relay is not None:
+            say(f"relay host reserved: {topology.relay.namespace} {topology.relay.ip} (nothing runs there yet)")
+        # The probe's receiver has to be dialable: h2, else the first public node host, else h0.
+        receiver = next((i for i in range(2, args.peers + 1) if i not in topology.nat), 0)
+        link_check = topology.probe_rate(sender=1, receiver=receiver)
+        say(f"link check h1 -> h{receiver}: {link_check['mbps']:.1f} Mbps (path {link_check['rate_mbps']:g} Mbps), "
             f"round trip {link_check['rtt_ms']:.1f} ms measured")
+        link_check |= {"sender": "h1", "receiver": f"h{receiver}"}
+        if behind_nat:
+            link_check["nat"] = _check_nat(topology, say)
         bytes_before = topology.interface_bytes()
         reports, status = swarm.run(args.timeout)
         bytes_after = topology.interface_bytes()
         result |= summarize(reports, status.get("history", []), rate_mbps=rates[1:])
+        result["per_peer"] = peer_rows([swarm.peer_ids.get(i) for i in range(1, args.peers + 1)],
+                                       [i in topology.nat for i in range(1, args.peers + 1)],
+                                       swarm.closed_rounds(status), reports, status.get("peers", []))
         node_rx = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(bytes_after[1:], bytes_before[1:])]
         result["summary"]["interface_rx_bytes_per_peer_round"] = sum(node_rx) / len(node_rx) / args.rounds
-        if args.peers >= 2 and result["summary"]["packet_bytes"]:
+        if behind_nat:
+            result["tcp_alltoall_skipped"] = "plain TCP cannot dial a host behind NAT"
+        elif args.peers >= 2 and result["summary"]["packet_bytes"]:
             # The baseline, measured in the same lab: the round's bytes over plain TCP, all at once.
             baseline = topology.probe_alltoall(list(range(1, args.peers + 1)), int(result["summary"]["packet_bytes"]))
             ideal_s = result["summary"]["ideal_transfer_s"]
@@ -295,6 +349,10 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         "compute_floor_s": args.compute_floor, "sysctls": args.sysctl, "state_uplinks": args.state_uplinks,
         "tree_fanout": args.tree_fanout,
         "namespace_prefix": topology.prefix, "subnet": f"{topology.subnet}.0/24",
+        "nat": {"hosts": [f"h{i}" for i in behind_nat], "client_mode": args.nat_client_mode and bool(behind_nat),
+                "routers": {f"h{i}": {"namespace": r.namespace, "public_ip": r.uplink_ip, "private_ip": r.host_lan_ip}
+                            for i, r in topology.nat.items()}},
+        "relay_host": {"namespace": topology.relay.namespace, "ip": topology.relay.ip} if topology.relay else None,
         "link": {"rate_mbps": args.rate_mbps[0] if len(args.rate_mbps) == 1 else args.rate_mbps,
                  "host_rates_mbps": rates, "delay_ms": link.delay_ms, "loss_pct": link.loss_pct,
                  "delay_applied": topology.delay_applied, "delay_reason": topology.delay_reason,
@@ -343,6 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--state-uplinks", action=argparse.BooleanOptionalAction, default=True,
                         help="each node states its link's rate at join (node option uplink_mbps), so that the "
                              "packet trees put slower uplinks at the leaves (default on)")
+    parser.add_argument("--nat", type=int, default=0, metavar="K",
+                        help="put the last K node hosts (h(N-K+1)..hN) each behind a NAT router of its own: they "
+                             "dial out, nobody dials them (needs nft)")
+    parser.add_argument("--nat-client-mode", action=argparse.BooleanOptionalAction, default=True,
+                        help="nodes behind NAT join with --client-mode, the README's advice for a volunteer nobody "
+                             "can dial (default on); off: with the defaults")
+    parser.add_argument("--relay-host", action="store_true",
+                        help="add one more public host, <prefix>relay, reserved for a relay (nothing runs there yet)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole swarm run")
     parser.add_argument("--linger", type=float, default=30.0,
                         help="seconds nodes may run on after the last round closed before the lab stops them")
@@ -362,7 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers < 1 or args.rounds < 1:
         print("error: --peers and --rounds must be at least 1", file=sys.stderr)
         return 2
+    if not 0 <= args.nat <= args.peers:
+        print(f"error: --nat takes 0 to --peers ({args.peers}) hosts", file=sys.stderr)
+        return 2
     ok, reason = lab_available()
+    if ok and args.nat:
+        ok, reason = firewall_available()
     if not ok:
         print(f"error: {reason}", file=sys.stderr)
         return 2
@@ -388,20 +459,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print()
         print(format_table(result))
+        print()
+        print(format_peers(result["per_peer"]))
         link = result["link"]
         delay = (f"{link['delay_ms']:g} ms one-way, {link['loss_pct']:g} % loss" if link["delay_applied"]
                  else "no delay or loss" if not (link["delay_ms"] or link["loss_pct"])
                  else f"delay/loss NOT applied ({link['delay_reason']})")
         if counters := link.get("emulator_counters"):
             carried = sum(c["packets"] for c in counters.values())
-            up, down, lost = (sum(c[k] for c in counters.values())
-                              for k in ("dropped_uplink", "dropped_downlink", "dropped_loss"))
+            up, down, lost, outside = (sum(c[k] for c in counters.values()) for k in
+                                       ("dropped_uplink", "dropped_downlink", "dropped_loss", "dropped_unroutable"))
             print(f"link emulator: {carried:,} packets carried; dropped by full queues: {up:,} on uplinks, "
-                  f"{down:,} on downlinks; {lost:,} lost")
+                  f"{down:,} on downlinks; {lost:,} lost; {outside:,} unroutable (IPv6, addresses outside the lab)")
         if baseline := result.get("tcp_alltoall"):
             ratio = f" ({baseline['over_ideal']:.1f}x ideal)" if baseline["over_ideal"] else ""
             print(f"baseline: the same bytes over plain TCP, every host to every other at once: "
                   f"{baseline['mean_s']:.2f} s{ratio}")
+        if skipped := result.get("tcp_alltoall_skipped"):
+            print(f"baseline: skipped ({skipped})")
         for straggler in result["stragglers"]:
             print(f"INCOMPLETE: {straggler['host']} {straggler['reason']}")
         for group in result["summary"].get("by_rate", []):
@@ -412,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
               f"round trip {result['link_check']['rtt_ms']:.1f} ms), "
               f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}"
               + (f"; compute at least {args.compute_floor:g} s a round (emulated)" if args.compute_floor else "")
+              + (f"; behind NAT: {', '.join(result['nat']['hosts'])}"
+                 + (" (--client-mode)" if result["nat"]["client_mode"] else " (node defaults)")
+                 if result["nat"]["hosts"] else "")
               + f"; logs in {result['workdir']}")
     return 0 if result["completed"] and result["summary"]["digests_agree_every_round"] else 1
 

@@ -2,15 +2,17 @@
 
     python -m tools.netlab.linkem --host NS=IP --host NS=IP ... --rate-mbps 100 --delay-ms 20 [--loss-pct 0.5]
     python -m tools.netlab.linkem --host NS=IP=RATE ...   # a host's own rate in Mbps (0: unshaped)
+    python -m tools.netlab.linkem ... --route 192.168.3.0/24=IP   # that subnet is behind host IP (a router)
 
 For kernels without netem (sch_netem), which cannot add delay or loss with `tc`. Each lab host gets
 a TUN device `eth0` in its namespace instead of a veth on a bridge; this process holds all of them
 and is the network between them: a packet that host A sends to host B is read from A's device,
 queued on A's uplink (rate), carried for the one-way delay, queued on B's downlink (rate), and
-written to B's device. Both queues are FIFO servers at the link rate with a tail-drop limit of
-QUEUE_LIMIT_S of queueing (tbf's `latency`), so a link behaves as a tbf-shaped one with a
-propagation delay behind it: a round trip between two hosts takes 2 x delay plus the
-serialization times, as with netem on each host's egress.
+written to B's device. A packet for an address no host has goes to the host whose `--route` covers
+it (a NAT router, tools/netlab/nat.py), else it is dropped as unroutable. Both queues are FIFO
+servers at the link rate with a tail-drop limit of QUEUE_LIMIT_S of queueing (tbf's `latency`), so
+a link behaves as a tbf-shaped one with a propagation delay behind it: a round trip between two
+hosts takes 2 x delay plus the serialization times, as with netem on each host's egress.
 
 Cost: TCP's segmentation offload is switched on for the devices (IFF_VNET_HDR, TUNSETOFFLOAD),
 so the kernel hands over segments of up to 64 kB with a virtio-net header, and they are passed on
@@ -29,6 +31,7 @@ import argparse
 import ctypes
 import fcntl
 import heapq
+import ipaddress
 import json
 import os
 import random
@@ -75,11 +78,14 @@ class HostLink:
 
 class LinkEmulator:
     def __init__(self, hosts: list[tuple[str, str, float]], *, delay_ms: float, loss_pct: float,
-                 seed: int | None = None):
-        """`hosts`: (namespace, IPv4 address, link rate in Mbps, 0 for unshaped) for each host."""
-        self.hosts = [HostLink(ns, bytes(int(x) for x in ip.split(".")), 8 / (rate * 1e6) if rate > 0 else 0.0)
+                 seed: int | None = None, routes: list[tuple[str, str]] = ()):
+        """`hosts`: (namespace, IPv4 address, link rate in Mbps, 0 for unshaped) for each host;
+        `routes`: (subnet "A.B.C.D/N", address of the host it lies behind)."""
+        self.hosts = [HostLink(ns, ipaddress.IPv4Address(ip).packed, 8 / (rate * 1e6) if rate > 0 else 0.0)
                       for ns, ip, rate in hosts]
         self.by_ip = {h.ip: i for i, h in enumerate(self.hosts)}
+        self.routes = [(ipaddress.IPv4Network(subnet), self.by_ip[ipaddress.IPv4Address(via).packed])
+                       for subnet, via in routes]
         self.delay_s = delay_ms / 1000
         self.loss = loss_pct / 100
         self.offload = self.loss == 0
@@ -135,7 +141,7 @@ class LinkEmulator:
         if len(packet) < ip_header + 20 or packet[ip_header] >> 4 != 4:
             src.counters.dropped_unroutable += 1  # IPv6 and anything else: the lab is IPv4 only
             return
-        dest = self.by_ip.get(packet[ip_header + 16:ip_header + 20])
+        dest = self.destination(packet[ip_header + 16:ip_header + 20])
         if dest is None or dest == source:
             src.counters.dropped_unroutable += 1
             return
@@ -149,6 +155,15 @@ class LinkEmulator:
             return
         src.uplink_free_at = start + size * src.seconds_per_byte
         self._push(src.uplink_free_at + self.delay_s, 0, dest, size, packet)
+
+    def destination(self, address: bytes) -> int | None:
+        """The host a packet to `address` (4 bytes) is carried to: the host with that address, or the
+        one a route puts it behind; None: unroutable."""
+        dest = self.by_ip.get(address)
+        if dest is None and self.routes:
+            ip = ipaddress.IPv4Address(address)
+            dest = next((host for subnet, host in self.routes if ip in subnet), None)
+        return dest
 
     def arrived(self, dest: int, size: int, packet: bytes, now: float) -> None:
         """The packet (`size` wire bytes) reached the far end of the path: queue it on the
@@ -221,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="each host's link, both directions, unless its --host gives one (0: unshaped)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay between a host and the network")
     parser.add_argument("--loss-pct", type=float, default=0.0, help="loss on each host's uplink, percent")
+    parser.add_argument("--route", action="append", default=[], metavar="SUBNET=IP",
+                        help="packets to SUBNET (A.B.C.D/N) go to the host with address IP (repeatable)")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
     hosts = []
@@ -229,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(rate) > 1:
             parser.error(f"--host {spec!r} is not NAMESPACE=IP[=MBPS]")
         hosts.append((namespace, ip, float(rate[0]) if rate else args.rate_mbps))
-    emulator = LinkEmulator(hosts, delay_ms=args.delay_ms, loss_pct=args.loss_pct, seed=args.seed)
+    routes = [tuple(spec.split("=")) for spec in args.route]
+    if any(len(route) != 2 for route in routes):
+        parser.error(f"--route takes SUBNET=IP, not {args.route}")
+    emulator = LinkEmulator(hosts, delay_ms=args.delay_ms, loss_pct=args.loss_pct, seed=args.seed, routes=routes)
     signal.signal(signal.SIGTERM, emulator.stop)
     signal.signal(signal.SIGINT, emulator.stop)
     # The lab owns this process: if the lab dies (SIGKILL), so does the emulator.

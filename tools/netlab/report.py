@@ -32,6 +32,10 @@ Per round, averaged over the peers that report it (every peer times its own roun
 The summary averages rounds 1.. (round 0 carries start-up: first-step allocation, DHT warm-up)
 when there is more than one round. With links of several rates, `summary["by_rate"]` gives the
 same steady-state means for the peers of each rate.
+
+Per peer (`peer_rows`, from the coordinator's closed rounds): whether its host was behind NAT, in
+how many of the run's closed rounds' final manifests (after any amendment) its packet was, in how
+many an amendment dropped it, and how many rounds its node reports having applied.
 """
 
 from __future__ import annotations
@@ -153,6 +157,41 @@ def _round_row(k: int, per_peer: list[dict], closed_at: dict[int, float], only=N
 def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None
+
+
+def peer_rows(peer_ids: list[str | None], behind_nat: list[bool], rounds: dict[int, dict],
+              reports: list[dict], peers: list[dict] = ()) -> list[dict]:
+    """One row per node host h1..hN (in order): `peer_ids` its node's peer id (None: unknown),
+    `rounds` the coordinator's view of each closed round (RoundView: its final `manifest` and the
+    entries `dropped` from it), `reports` the nodes' --report objects, `peers` the run status's
+    peer list (for each peer's standing)."""
+    if not len(peer_ids) == len(behind_nat) == len(reports):
+        raise ValueError(f"{len(peer_ids)} peer ids, {len(behind_nat)} NAT flags, {len(reports)} reports")
+    closed = [view for _, view in sorted(rounds.items()) if view["state"] == "closed"]
+    standing = {p["peer_id"]: p.get("standing") for p in peers}
+    rows = []
+    for i, (peer_id, nat, report) in enumerate(zip(peer_ids, behind_nat, reports), start=1):
+        rows.append({
+            "host": f"h{i}", "peer_id": peer_id, "behind_nat": nat,
+            "rounds_in_manifest": sum(any(e["peer_id"] == peer_id for e in view["manifest"]) for view in closed),
+            "rounds": len(closed),
+            "rounds_dropped": sum(peer_id in view.get("dropped", {}) for view in closed),
+            "rounds_applied": len(report.get("rounds", [])),
+            "standing": standing.get(peer_id),
+        })
+    return rows
+
+
+def format_peers(rows: list[dict]) -> str:
+    """The per-peer rows as a plain-text table."""
+    headings = ("host", "peer", "NAT", "in manifest", "dropped", "applied", "standing")
+    cells = [[row["host"], row["peer_id"] or "-", "yes" if row["behind_nat"] else "no",
+              f"{row['rounds_in_manifest']}/{row['rounds']}", str(row["rounds_dropped"]), str(row["rounds_applied"]),
+              row["standing"] or "-"] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headings)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headings, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
 
 
 # -- the table ------------------------------------------------------------------------------------

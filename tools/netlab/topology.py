@@ -6,6 +6,7 @@
     subprocess.run([*topology.exec_args(1), "python", ...])   # a program on host h1
     topology.probe_rate(sender=1, receiver=2)                 # measured TCP rate, Mbps
     topology.down()                     # removes exactly what up() made
+    topology = Topology(num_hosts=4, link=..., nat_hosts=[3], relay=True)  # h3 behind a NAT router; a spare host
 
 Two ways to build the links (`shaper`):
 
@@ -18,6 +19,14 @@ Two ways to build the links (`shaper`):
   without netem). No bridge namespace.
 
 "auto" (the default) takes tc, unless delay or loss is asked for and the kernel has no netem.
+
+The hosts in `nat_hosts` sit behind a router namespace each (tools/netlab/nat.py): the router's
+uplink is the member of the shared segment, with the host's address and rate, and the host is on a
+private LAN behind it. `relay=True` adds one more public member, `<prefix>relay`, with nothing
+running in it: reserved for a relay service. Every member's default route leads into the segment,
+where a packet for an address outside the lab is dropped without an answer (by the emulator, or by
+a blackhole route in the bridge's namespace, the gateway `.254`), as the internet drops one for a
+private address: a dial to a NAT'd host's private address times out.
 """
 
 from __future__ import annotations
@@ -34,11 +43,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.netlab.nat import plan_nat
+
 LAB_PREFIX = "lsnl-"
 STALE_NAME = re.compile(rf"^{LAB_PREFIX}(\d+)[.-]")
 TBF_LATENCY_MS = 100  # queue depth of the shaper, in time at the link rate
 TBF_MIN_BURST_BYTES = 15_000  # about ten MTU-sized packets
 PROBE_SECONDS = 0.5  # the link probe sends this long's worth of bytes at the nominal rate
+# The segment's default gateway (tc): a packet for an address outside the lab goes there and is
+# dropped without an answer, as the internet drops one for a private address.
+OUTSIDE_GATEWAY = 254
+CONNECT_TIMEOUT_S = 1.5  # the NAT probe's connection attempts: no answer by then is a timeout (round trips < 0.5 s)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _lab_counter = 0
 
@@ -59,11 +74,21 @@ class LinkSpec:
 @dataclass(frozen=True, slots=True)
 class Host:
     namespace: str
+    ip: str  # the address its programs bind to (behind a NAT: its private one)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPort:
+    """A member of the lab's shared segment: a public host, a NAT router, or the relay host."""
+
+    name: str  # its link's name on the bridge (tc) and in the JSON: h0, nat3, relay
+    namespace: str
     ip: str
+    rate_mbps: float
 
 
-def _run(args: list[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess:
-    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s)
+def _run(args: list[str], timeout_s: float = 30.0, stdin: str | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout_s, input=stdin, cwd=REPO_ROOT)
     if result.returncode != 0:
         raise LabError(f"`{' '.join(args)}` failed: {(result.stderr or result.stdout).strip()}")
     return result
@@ -146,7 +171,7 @@ class Topology:
     """The lab's namespaces and links; `up()` builds, `down()` removes."""
 
     def __init__(self, num_hosts: int, link: LinkSpec, shaper: str = "auto", sysctls: list[str] = (),
-                 rates_mbps: list[float] | None = None):
+                 rates_mbps: list[float] | None = None, nat_hosts: list[int] = (), relay: bool = False):
         if shaper not in SHAPERS:
             raise ValueError(f"shaper must be one of {SHAPERS}, not {shaper!r}")
         if rates_mbps is not None and (len(rates_mbps) != num_hosts or any(r < 0 for r in rates_mbps)):
@@ -163,7 +188,15 @@ class Topology:
         self.link = link
         self.subnet = f"10.213.{os.getpid() % 250 + 1}"
         self.bridge_ns = f"{self.prefix}br"
-        self.hosts = [Host(f"{self.prefix}h{i}", f"{self.subnet}.{i + 1}") for i in range(num_hosts)]
+        if num_hosts + relay > OUTSIDE_GATEWAY - 1:
+            raise ValueError(f"a lab holds at most {OUTSIDE_GATEWAY - 1} hosts on its segment, not {num_hosts + relay}")
+        if any(not 1 <= i < num_hosts for i in nat_hosts):
+            raise ValueError(f"nat_hosts are among h1..h{num_hosts - 1} (h0 stays public), not {list(nat_hosts)}")
+        self.nat = plan_nat(self.prefix, self.subnet, sorted(set(nat_hosts)))  # host -> the router in front of it
+        self.hosts = [Host(f"{self.prefix}h{i}", self.nat[i].host_lan_ip if i in self.nat else f"{self.subnet}.{i + 1}")
+                      for i in range(num_hosts)]
+        # A spare public host for a relay service: on the segment at the first free address, nothing runs there.
+        self.relay = Host(f"{self.prefix}relay", f"{self.subnet}.{num_hosts + 1}") if relay else None
         self.created: list[str] = []  # namespaces this object made, in order
         self.delay_requested = link.delay_ms > 0 or link.loss_pct > 0
         self.delay_applied = False  # set by up() once netem or the emulator is in place
@@ -175,6 +208,16 @@ class Topology:
 
     def exec_args(self, host: int) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[host].namespace]
+
+    def segment(self) -> list[SegmentPort]:
+        """The shared segment's members, h0 first: the public hosts, the NAT routers in their
+        hosts' places (with their rates), then the relay host (with h0's rate)."""
+        ports = [SegmentPort(f"nat{i}", self.nat[i].namespace, self.nat[i].uplink_ip, rate) if i in self.nat
+                 else SegmentPort(f"h{i}", host.namespace, host.ip, rate)
+                 for i, (host, rate) in enumerate(zip(self.hosts, self.rates_mbps))]
+        if self.relay is not None:
+            ports.append(SegmentPort("relay", self.relay.namespace, self.relay.ip, self.rates_mbps[0]))
+        return ports
 
     def up(self) -> None:
         taken = set(lab_namespaces(self.prefix))
@@ -191,13 +234,20 @@ class Topology:
             self._up_tc()
 
     def _up_userspace(self) -> None:
-        for host in self.hosts:
-            self._add_namespace(host.namespace)
-            _run(["ip", "-n", host.namespace, "tuntap", "add", "mode", "tun", "name", "eth0", "vnet_hdr"])
-            _run(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
-            _run(["ip", "-n", host.namespace, "link", "set", "eth0", "up"])
+        segment = self.segment()
+        for port in segment:
+            self._add_namespace(port.namespace)
+            _run(["ip", "-n", port.namespace, "tuntap", "add", "mode", "tun", "name", "eth0", "vnet_hdr"])
+            _run(["ip", "-n", port.namespace, "addr", "add", f"{port.ip}/24", "dev", "eth0"])
+            _run(["ip", "-n", port.namespace, "link", "set", "eth0", "up"])
+            # What is for no host of the lab goes to the emulator, which drops it as unroutable.
+            _run(["ip", "-n", port.namespace, "route", "add", "default", "dev", "eth0"])
+        self._up_nat()
         args = [sys.executable, "-m", "tools.netlab.linkem",
-                *(f"--host={h.namespace}={h.ip}={rate:g}" for h, rate in zip(self.hosts, self.rates_mbps)),
+                *(f"--host={port.namespace}={port.ip}={port.rate_mbps:g}" for port in segment),
+                # A packet for a router's LAN is carried to the router, whose filter drops it unless
+                # it answers a connection the LAN opened.
+                *(f"--route={r.lan_subnet}={r.uplink_ip}" for r in self.nat.values()),
                 f"--delay-ms={self.link.delay_ms}",
                 f"--loss-pct={self.link.loss_pct}"]
         self.emulator = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
@@ -214,37 +264,51 @@ class Topology:
         self._add_namespace(self.bridge_ns)
         _run(["ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge"])
         _run(["ip", "-n", self.bridge_ns, "link", "set", "br0", "up"])
-        for i, host in enumerate(self.hosts):
-            self._add_namespace(host.namespace)
+        # The members' default gateway: the bridge's namespace, which discards all it is sent.
+        _run(["ip", "-n", self.bridge_ns, "addr", "add", f"{self.subnet}.{OUTSIDE_GATEWAY}/24", "dev", "br0"])
+        _run(["ip", "-n", self.bridge_ns, "route", "add", "blackhole", "default"])
+        for port in self.segment():
+            self._add_namespace(port.namespace)
             # The pair is made inside the bridge namespace with its far end placed straight into the
-            # host's, so neither end ever appears in the root namespace.
-            _run(["ip", "-n", self.bridge_ns, "link", "add", f"h{i}", "type", "veth",
-                  "peer", "name", "eth0", "netns", host.namespace])
-            _run(["ip", "-n", self.bridge_ns, "link", "set", f"h{i}", "master", "br0"])
-            _run(["ip", "-n", self.bridge_ns, "link", "set", f"h{i}", "up"])
-            _run(["ip", "-n", host.namespace, "addr", "add", f"{host.ip}/24", "dev", "eth0"])
-            _run(["ip", "-n", host.namespace, "link", "set", "eth0", "up"])
+            # member's, so neither end ever appears in the root namespace.
+            _run(["ip", "-n", self.bridge_ns, "link", "add", port.name, "type", "veth",
+                  "peer", "name", "eth0", "netns", port.namespace])
+            _run(["ip", "-n", self.bridge_ns, "link", "set", port.name, "master", "br0"])
+            _run(["ip", "-n", self.bridge_ns, "link", "set", port.name, "up"])
+            _run(["ip", "-n", port.namespace, "addr", "add", f"{port.ip}/24", "dev", "eth0"])
+            _run(["ip", "-n", port.namespace, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", port.namespace, "route", "add", "default", "via", f"{self.subnet}.{OUTSIDE_GATEWAY}"])
+        self._up_nat()
         if any(self.rates_mbps) or self.delay_requested:
             self._shape_all()
+
+    def _up_nat(self) -> None:
+        """The NAT'd hosts behind their routers, once the routers' uplinks are up."""
+        for i, router in self.nat.items():
+            self._add_namespace(self.hosts[i].namespace)
+            for command, stdin in router.setup_commands(self.hosts[i].namespace):
+                _run(command, stdin=stdin)
 
     def _add_namespace(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
         self.created.append(name)
         _run(["ip", "-n", name, "link", "set", "lo", "up"])
-        for setting in self.sysctls if name != self.bridge_ns else ():
+        routers = {r.namespace for r in self.nat.values()}
+        for setting in self.sysctls if name != self.bridge_ns and name not in routers else ():
             _run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", setting])
 
     def _shape_all(self) -> None:
+        segment = self.segment()
         use_netem = False
         if self.delay_requested:
-            use_netem = self._try_netem(self.hosts[0].namespace)
-        for i, host in enumerate(self.hosts):
+            use_netem = self._try_netem(segment[0].namespace)
+        for i, port in enumerate(segment):
             if use_netem and i > 0:
-                self._netem(host.namespace)
-            if rate := self.rates_mbps[i]:
+                self._netem(port.namespace)
+            if rate := port.rate_mbps:
                 parent = ["parent", "1:1", "handle", "10:"] if use_netem else ["root", "handle", "1:"]
-                _run(["tc", "-n", host.namespace, "qdisc", "add", "dev", "eth0", *parent, *self._tbf(rate)])
-                _run(["tc", "-n", self.bridge_ns, "qdisc", "add", "dev", f"h{i}", "root", "handle", "1:",
+                _run(["tc", "-n", port.namespace, "qdisc", "add", "dev", "eth0", *parent, *self._tbf(rate)])
+                _run(["tc", "-n", self.bridge_ns, "qdisc", "add", "dev", port.name, "root", "handle", "1:",
                       *self._tbf(rate)])
 
     @staticmethod
@@ -363,6 +427,59 @@ class Topology:
         result["rtt_ms"] = json.loads(rtt.stdout.strip().splitlines()[-1])["rtt_ms"]
         return {"bytes": result["bytes"], "seconds": result["seconds"], "mbps": mbps, "rtt_ms": result["rtt_ms"],
                 "rate_mbps": rate_mbps, "ratio_to_rate": mbps / rate_mbps if mbps and rate_mbps else None}
+
+    def probe_nat(self, host: int, prober: int) -> dict:
+        """Check from public host `prober` that nobody can dial NAT'd host `host`, and that it can dial out.
+
+        With a listener on every address of the NAT'd host, a connection from the prober to the
+        router's address at the listener's port (where the NAT'd host's own connections come from),
+        and one to the host's private address with the prober routing its LAN via the router for the
+        attempt (the most a host on the segment can do), must both fail; a connection from the NAT'd
+        host to a listener on the prober must succeed and arrive from the router's address.
+        """
+        router, prober_ns, prober_ip = self.nat[host], self.hosts[prober].namespace, self.hosts[prober].ip
+        listener = self._helper(host, "sink", "0.0.0.0")
+        try:
+            port = int(read_line(listener.stdout, 30.0, "port ").split()[1])
+            to_public_ip = self._connect(prober, router.uplink_ip, port)
+            route = ["ip", "-n", prober_ns, "route"]
+            _run([*route, "add", router.lan_subnet, "via", router.uplink_ip])
+            try:
+                to_private_ip = self._connect(prober, router.host_lan_ip, port)
+            finally:
+                _run([*route, "del", router.lan_subnet, "via", router.uplink_ip])
+        finally:
+            _end(listener)
+        sink = self._helper(prober, "sink", prober_ip)
+        try:
+            outbound = self._connect(host, prober_ip, int(read_line(sink.stdout, 30.0, "port ").split()[1]))
+            seen = {}
+            if outbound == "connected":
+                seen = json.loads(sink.communicate(timeout=10)[0].strip().splitlines()[-1])
+        finally:
+            _end(sink)
+        return {"host": f"h{host}", "router": router.namespace, "prober": f"h{prober}",
+                "public_ip": router.uplink_ip, "private_ip": router.host_lan_ip,
+                "inbound_to_public_ip": to_public_ip, "inbound_to_private_ip": to_private_ip,
+                "outbound": outbound, "outbound_seen_from": seen.get("peer"),
+                "inbound_blocked": "connected" not in (to_public_ip, to_private_ip),
+                "outbound_masqueraded": outbound == "connected" and seen.get("peer") == router.uplink_ip}
+
+    def _helper(self, host: int, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([*self.exec_args(host), sys.executable, "-m", "tools.netlab.helpers", *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+
+    def _connect(self, host: int, ip: str, port: int) -> str:
+        """One TCP connection attempt from `host`: connected, refused, timeout, unreachable or error: ..."""
+        out = _run([*self.exec_args(host), sys.executable, "-m", "tools.netlab.helpers", "connect", ip, str(port),
+                    str(CONNECT_TIMEOUT_S)]).stdout
+        return json.loads(out.strip().splitlines()[-1])["result"]
+
+
+def _end(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
 
 
 def _alltoall_port() -> int:
