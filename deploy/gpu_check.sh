@@ -60,8 +60,8 @@ fi
 # The Triton scatter-mean (opt-in, LOCOSWARM_TRITON=1) must sum bit for bit as the torch path does.
 step triton 40 "$PYTHON" - <<'PY'
 import json, os, torch
-from kernels.chunking import chunk_layout
-from kernels.sparse import compress, scatter_mean
+from locoswarm_kernels.chunking import chunk_layout
+from locoswarm_kernels.sparse import compress, scatter_mean
 layout = chunk_layout((4096, 4096), top_k=64)
 gen = torch.Generator().manual_seed(0)
 selections = [compress(torch.randn(4096, 4096, generator=gen), layout) for _ in range(16)]
@@ -74,7 +74,7 @@ PY
 # A CUDA node decodes and aggregates its round's packets on the GPU: every node must get the same bits.
 step packets 30 "$PYTHON" - <<'PY'
 import json, torch
-from kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
+from locoswarm_kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
 from tools.bench.codec import llama_shapes
 from protocol.packet import ModelSpec, decode_packet, encode_packet
 from protocol.signing import PeerKey

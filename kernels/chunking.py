@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import torch
 
-from kernels.quantize import NUM_BINS
+from locoswarm_kernels.quantize import NUM_BINS
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -194,7 +194,7 @@ class PacketLayout:
         # NUM_BINS * tensor of each symbol: where its code's entries start in a (tensors * NUM_BINS) table.
         self.code_offsets = torch.repeat_interleave(
             torch.arange(0, NUM_BINS * len(layouts), NUM_BINS, dtype=torch.int32, device=device), symbols_per_tensor)
-        # For kernels.sparse.code_counts, which counts codes by byte of the packed codes (four a byte):
+        # For locoswarm_kernels.sparse.code_counts, which counts codes by byte of the packed codes (four a byte):
         # 256 * the tensor of each byte whose four codes are all one tensor's, 256 * len(layouts) (a
         # row of counts thrown away) for the others; and the codes of those others, counted one by
         # one: their symbols and NUM_BINS * their tensors.

@@ -1,6 +1,6 @@
 """The packet's entropy coder as whole-tensor torch ops, on whatever device the tensors live on.
 
-Same streams, bit for bit, as the numpy reference in `kernels.entropy` (its docstring has the
+Same streams, bit for bit, as the numpy reference in `locoswarm_kernels.entropy` (its docstring has the
 format): Rice-coded index gaps split into a unary stream (q zero bits then a one, MSB-first) and a
 remainder stream (b bits per gap, MSB-first), and 2-bit codes four to a byte. Nothing here loops
 over elements or chunks in Python, and nothing goes through numpy, so a node encodes on its
@@ -36,8 +36,8 @@ from functools import lru_cache
 
 import torch
 
-from kernels.chunking import scratch
-from kernels.entropy import MAX_RICE_PARAM
+from locoswarm_kernels.chunking import scratch
+from locoswarm_kernels.entropy import MAX_RICE_PARAM
 
 _BYTE_SHIFTS = (24, 16, 8, 0)
 
@@ -66,7 +66,7 @@ def gaps_to_positions(gaps: torch.Tensor, num_chunks: int, k: int) -> torch.Tens
 
 
 def best_rice_param(gaps: torch.Tensor) -> int:
-    """The reference's choice (`kernels.entropy.best_rice_param`), from two host syncs.
+    """The reference's choice (`locoswarm_kernels.entropy.best_rice_param`), from two host syncs.
 
     The reference searches b in [centre - 2, centre + 2] around centre = int(log2(mean + 1)); the
     centre is computed here in exact integer arithmetic, floor(log2((total + n) / n)), which is the
@@ -380,7 +380,7 @@ def rice_decode_positions(streams: torch.Tensor, sections: list[tuple[int, int, 
     running sum of remainder + 1 over the group, with every shift by a scalar. Eight
     symbols take exactly b remainder bytes, so the eight remainders are read with eight scalar
     shifts, no gather (`_remainders`). Other sections (short ones, in practice) go through
-    `rice_decode_rows`. Temporaries come from reused buffers (kernels.chunking.scratch). (Decoding
+    `rice_decode_rows`. Temporaries come from reused buffers (locoswarm_kernels.chunking.scratch). (Decoding
     halves of a group on two worker threads was slower, 8 ms against 6 ms a packet on two cores:
     each half pays the per-op overhead, and the ops are short.)"""
     device = streams.device

@@ -10,7 +10,7 @@ in its bin (0 for an empty bin), plus shift. The table and shift travel with the
 
 The arithmetic runs in the values' dtype where the authors' code does (mean, centring, sigma) and in
 float32 where theirs does (division by the scale, the table). The order of the sums differs:
-`kernels.sparse.select_topk` sorts the selected positions ascending inside each chunk (the
+`locoswarm_kernels.sparse.select_topk` sorts the selected positions ascending inside each chunk (the
 wire's delta coding needs that order) and hands the values over in that order, while the
 authors sum in torch.topk's unsorted order. Float32 addition is not associative, so the results
 are not bit for bit theirs: side by side on the same tensors (fp32, 4 peers, 5 rounds) the

@@ -2,7 +2,7 @@
 
 Written for reading, not speed: Python loops over tiles and chunks, an explicit stable sort for
 Top-k, bins looked up one value at a time, Rice codes as bit strings. The fast path in
-`kernels.sparse` / `kernels.entropy` must agree with it exactly (values in selection order:
+`locoswarm_kernels.sparse` / `locoswarm_kernels.entropy` must agree with it exactly (values in selection order:
 chunk by chunk, ascending position inside a chunk).
 """
 
@@ -13,11 +13,11 @@ import math
 import numpy as np
 import torch
 
-from kernels.chunking import ChunkLayout
+from locoswarm_kernels.chunking import ChunkLayout
 
 
 def reference_chunks(x: torch.Tensor, layout: ChunkLayout) -> list[list[tuple[int, float]]]:
-    """Each chunk as a list of (flat index into x, value), chunk numbering as in kernels.chunking."""
+    """Each chunk as a list of (flat index into x, value), chunk numbering as in locoswarm_kernels.chunking."""
     flat = x.reshape(-1).tolist()
     chunks = []
     for tile_row in range(layout.rows // layout.tile_rows):

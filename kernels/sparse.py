@@ -4,13 +4,13 @@ and the scatter-mean aggregation of many peers' selections.
 One peer, one round (arXiv 2508.15706; README.md, "The algorithm"):
 
     e  = beta * e + outer_lr * delta          # error feedback, never sent
-    S  = top-k of |e| inside every chunk      # kernels.chunking
-    c  = quantize(e[S])                        # kernels.quantize, per tensor
+    S  = top-k of |e| inside every chunk      # locoswarm_kernels.chunking
+    c  = quantize(e[S])                        # locoswarm_kernels.quantize, per tensor
     e[S] -= decode(c)                          # what was sent leaves the buffer
     e[S] += decode(c)                          # restore_sent: only if the swarm did not apply it
 
 Everything here is whole-tensor torch, device-agnostic, with no Python loop over chunks or
-elements; `kernels.reference` is the slow, obvious version the tests compare against. Selected
+elements; `locoswarm_kernels.reference` is the slow, obvious version the tests compare against. Selected
 positions are sorted ascending inside each chunk, which the wire's delta coding relies on.
 
 Many peers, one round: each peer's tensor may first be scaled down to the round's median norm of
@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels.chunking import (
+from locoswarm_kernels.chunking import (
     BLOCK_ELEMENTS,
     ChunkLayout,
     PacketLayout,
@@ -46,8 +46,8 @@ from kernels.chunking import (
     tile_view,
     to_chunks,
 )
-from kernels.entropy_torch import code_quads
-from kernels.quantize import NUM_BINS, QuantTable, quantize
+from locoswarm_kernels.entropy_torch import code_quads
+from locoswarm_kernels.quantize import NUM_BINS, QuantTable, quantize
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +173,7 @@ def scatter_mean(
     `QuantTable.decode` and the scale would compute it element by element), and the counts from one
     integer `index_add_` (integer sums do not depend on order). The float32 sums keep peer order:
     one `index_add_` per peer (its indices are distinct), or, asked for, one Triton launch that walks
-    the peers in order inside each chunk (kernels.triton_aggregate; `_use_triton`).
+    the peers in order inside each chunk (locoswarm_kernels.triton_aggregate; `_use_triton`).
     """
     if peer_scales is not None and not all(0.0 <= s <= 1.0 for s in peer_scales):
         raise ValueError("peer scales must lie in [0, 1]")
@@ -186,7 +186,7 @@ def scatter_mean(
     positions = torch.stack([s.positions.to(device) for s in selections])  # (P, C, k)
     codes = torch.stack([s.codes.to(device) for s in selections])  # (P, C, k) uint8
     if _use_triton(device, dtype):
-        from kernels.triton_aggregate import ordered_scatter_add
+        from locoswarm_kernels.triton_aggregate import ordered_scatter_add
 
         total = torch.zeros(numel, dtype=dtype, device=device)
         count = torch.zeros(numel, dtype=torch.int32, device=device)
@@ -228,7 +228,7 @@ def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
     path (one index_add_ per peer, distinct indices) is deterministic on any device."""
     if dtype != torch.float32 or os.environ.get("LOCOSWARM_TRITON") != "1":
         return False
-    from kernels.triton_aggregate import available
+    from locoswarm_kernels.triton_aggregate import available
 
     return available(device)
 
@@ -251,7 +251,7 @@ class PacketSelections(dict):
     `aggregate_packets` reads whole: `positions` (n,) each selected value's place in its chunk,
     int16 where every chunk is at most 2^15 long; `codes` (n,) uint8; `code_values` (tensors,
     NUM_BINS) float32 (`code_values`); and `index` (n,) int32 (int64 for a block of 2^31 elements or
-    more), each selected value's place in its block's chunk space (kernels.chunking.PacketLayout),
+    more), each selected value's place in its block's chunk space (locoswarm_kernels.chunking.PacketLayout),
     made from the positions when first read unless given (the CPU aggregation never reads it). A
     node holds every packet of a round decoded at once: 3 bytes a selected value, 7 once `index`
     has been read."""
@@ -330,7 +330,7 @@ def code_counts(packed: torch.Tensor, codes: torch.Tensor, layout: PacketLayout)
 @lru_cache(maxsize=8)
 def _codes_per_byte(device: torch.device) -> torch.Tensor:
     """(256, NUM_BINS) int64: how many of each code a packed byte holds (its four codes: the
-    unpacking table of kernels.entropy_torch)."""
+    unpacking table of locoswarm_kernels.entropy_torch)."""
     codes = code_quads(device).view(torch.uint8).view(256, 4).long()
     return torch.nn.functional.one_hot(codes, NUM_BINS).sum(1)
 
@@ -356,9 +356,9 @@ def aggregate_packets(
     (the same float32 product as `scatter_mean`'s); each element's sum runs in packet order, and its
     count is exact, so the bits are the same on any device and any thread count. On the CPU, chunk
     by chunk (`_aggregate_rows`), with `num_threads` workers taking whole tensors (by default
-    torch's thread count; kernels.chunking.num_workers); elsewhere, block by block
+    torch's thread count; locoswarm_kernels.chunking.num_workers); elsewhere, block by block
     (`_aggregate_blocks`). Each division writes its tensor straight into its own shape (no
-    separate `from_chunks` copy). Work buffers are reused (kernels.chunking.scratch)."""
+    separate `from_chunks` copy). Work buffers are reused (locoswarm_kernels.chunking.scratch)."""
     layout = packets[0].layout
     if any(p.layout.layouts != layout.layouts for p in packets):
         raise ValueError("packets have different layouts")
@@ -381,7 +381,7 @@ def aggregate_packets(
 
 def _aggregate_blocks(packets: Sequence[PacketSelections], tables: list[torch.Tensor], dtype: torch.dtype,
                       device: torch.device, divide_by_peers: bool, count_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`aggregate_packets` block by block (kernels.chunking.PacketLayout): one buffer in a block's
+    """`aggregate_packets` block by block (locoswarm_kernels.chunking.PacketLayout): one buffer in a block's
     chunk space takes one `scatter_add_` of each packet's values there, in packet order, and the
     counts one of ones. Indices are distinct inside a packet, so each element is added to once a
     call: in packet order on any device, atomics or not. A value's place in chunk space is made

@@ -1,5 +1,5 @@
 """A Triton kernel for the round's scatter-mean: dequantize and add every peer's values in one launch,
-in peer order, bit-identical to `kernels.reference.reference_scatter_mean`.
+in peer order, bit-identical to `locoswarm_kernels.reference.reference_scatter_mean`.
 
 Why Triton: torch can add all peers' values in one `index_add_`, but the order in which duplicates
 are summed is then up to the backend (atomics on CUDA), and float32 addition is not associative;
@@ -26,7 +26,7 @@ import os
 
 import torch
 
-try:  # Triton is optional: the torch path in kernels.sparse is the default everywhere.
+try:  # Triton is optional: the torch path in locoswarm_kernels.sparse is the default everywhere.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the environment

@@ -26,7 +26,7 @@ Schema, for run id RUN and round R (an int written in decimal):
 
 Values are msgpack maps of a few hundred bytes (hivemind's DHT serializes them with msgpack), with
 exactly these four keys; they expire a few rounds after publication (see `ExchangeConfig` in
-node/exchange/p2p.py). Readers treat records as hostile: `parse_record` checks types, lengths and
+node/exchange/config.py). Readers treat records as hostile: `parse_record` checks types, lengths and
 counts and raises `protocol.errors.MalformedPacket` (or `OversizedPacket`) on anything else.
 """
 

@@ -22,10 +22,10 @@ Header map (short keys; every field required, no others allowed):
     "tensors" list of [name, shape, dtype, rice_b, table, unary_len, remainder_len] where
               table = 20 bytes: float32 shift then the 4 float32 bin means
 
-Per tensor, chunking and k follow from its shape, top_k and chunk (kernels.chunking), so a
+Per tensor, chunking and k follow from its shape, top_k and chunk (locoswarm_kernels.chunking), so a
 receiver checks them against its own model instead of trusting counts from the wire. Indices are
-Rice-coded gaps between ascending positions inside each chunk (kernels.entropy has the format and
-the numpy reference; kernels.entropy_torch the whole-tensor torch coder this module uses, on the
+Rice-coded gaps between ascending positions inside each chunk (locoswarm_kernels.entropy has the format and
+the numpy reference; locoswarm_kernels.entropy_torch the whole-tensor torch coder this module uses, on the
 tensors' device), which cannot express a duplicate or an unsorted index; only the chunk bound is
 checked, and a unary stream longer than any in-range selection needs is refused unread.
 
@@ -55,9 +55,9 @@ import msgpack
 import torch
 import zstandard
 
-from kernels.chunking import ChunkLayout, chunk_layout, packet_layout, scratch
-from kernels.entropy import MAX_RICE_PARAM
-from kernels.entropy_torch import (
+from locoswarm_kernels.chunking import ChunkLayout, chunk_layout, packet_layout, scratch
+from locoswarm_kernels.entropy import MAX_RICE_PARAM
+from locoswarm_kernels.entropy_torch import (
     StreamError,
     best_rice_param,
     max_unary_bytes,
@@ -67,8 +67,8 @@ from kernels.entropy_torch import (
     rice_encode,
     unpack_2bit,
 )
-from kernels.quantize import QuantTable
-from kernels.sparse import PacketSelections, SparseTensor, code_counts
+from locoswarm_kernels.quantize import QuantTable
+from locoswarm_kernels.sparse import PacketSelections, SparseTensor, code_counts
 from protocol.errors import (
     BadMagic,
     BadSignature,
@@ -307,8 +307,8 @@ def decode_packet(
     codes = unpack_2bit(packed, num_codes)
     counts = code_counts(packed, codes, plan)  # for the norms: cheaper on the packed bytes
 
-    # Every tensor's positions inside its chunks in one batch (kernels.entropy_torch), a row being a
-    # chunk (kernels.chunking.PacketLayout has the per-row constants).
+    # Every tensor's positions inside its chunks in one batch (locoswarm_kernels.entropy_torch), a row being a
+    # chunk (locoswarm_kernels.chunking.PacketLayout has the per-row constants).
     streams = _to_device(data[offset:cursor], device)
     try:
         positions = rice_decode_positions(streams, parsed, [layout.k for layout in expected.layouts],
@@ -336,7 +336,7 @@ def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dt
     first tensor that fails otherwise. The four decodable values are computed as
     `QuantTable.decode` computes them (the float32 entry plus the shift in the tensor's dtype, then
     the cast to that dtype), for all tensors of one dtype in one op, and returned beside the tables
-    in float32 (exact), (tensors, NUM_BINS): kernels.sparse.code_values of the tables."""
+    in float32 (exact), (tensors, NUM_BINS): locoswarm_kernels.sparse.code_values of the tables."""
     # Every table's five float32 fields at once, in float64 (exact), checked as one.
     fields = torch.tensor(struct.unpack(f"<{TABLE.size // 4 * len(tables)}f", b"".join(tables)),
                           dtype=torch.float64).view(len(tables), 5)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from kernels.sparse import error_feedback_step
+from locoswarm_kernels.sparse import error_feedback_step
 from protocol.errors import ProtocolError
 from protocol.packet import MAGIC, PREFIX, WIRE_VERSION, ModelSpec, decode_packet, encode_packet, read_header
 from protocol.run_config import DEFAULT_MAX_ABS_VALUE

@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kernels.sparse import decompress, error_feedback_step
+    from locoswarm_kernels.sparse import decompress, error_feedback_step
     from node.training.model import llama_tensor_shapes, num_parameters
     from protocol.packet import ModelSpec, decode_packet, encode_packet, packet_digest
     from protocol.signing import PeerKey

@@ -247,13 +247,17 @@ def _final_val_loss(path: Path, preset: str, corpus) -> float:
 def _sample(path: Path, preset: str) -> str | None:
     """A short sample from the final model (`path`, as for the validation loss), or None after one
     line on stderr: the sample is a look at the model, and no reason for the demo to fail."""
-    from node.training.sampling import SampleConfig, generate_text, run_tokenizer
+    from safetensors import SafetensorError
+
+    from node.training.sampling import GenerateError, SampleConfig, generate_text, run_tokenizer
 
     try:
         model = _final_model(path, preset).eval()
         sample = SampleConfig(max_new_tokens=SAMPLE_TOKENS, temperature=SAMPLE_TEMPERATURE, seed=0)
         return generate_text(model, run_tokenizer(model.config, None), SAMPLE_PROMPT, sample)
-    except Exception as error:  # whatever went wrong, the demo's verdict stands without the sample
+    # A missing or unreadable file, weights of another shape, a model that cannot generate: the
+    # demo's verdict stands without the sample.
+    except (OSError, SafetensorError, RuntimeError, ValueError, KeyError, GenerateError) as error:
         print(f"no sample from the final model: {type(error).__name__}: {error}".splitlines()[0], file=sys.stderr)
         return None
 

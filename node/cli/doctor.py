@@ -15,7 +15,7 @@ One line per check, `OK`, `WARN` or `FAIL`, what was found, and for anything not
                   its HTTP Date header): hivemind's DHT nodes refuse each other when their clocks
                   are more than 3 s apart, so a node beyond CLOCK_REFUSE_S is refused at join
     reachability  whether the addresses the node would announce can be dialled from other
-                  networks (node.exchange.p2p.assess_reachability); a fixed listen port is free
+                  networks (node.exchange.reachability.assess_reachability); a fixed listen port is free
     disk          free space where the key, the data cache and checkpoints are written
     key           the key directory is writable; an existing key file loads (its peer id shown)
 
@@ -50,6 +50,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from node.cli.config_flags import add_config_flags, config_overrides
+from node.config import NetworkSection, NodeConfig
+
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 MIN_PYTHON = (3, 10)
 FAIL_BELOW_BYTES = 1 << 30  # under 1 GiB free a checkpoint or the token cache may not fit
@@ -80,16 +83,12 @@ class Check:
 
 
 def register(subparsers) -> None:
-    doctor = subparsers.add_parser("doctor", help="check this machine's set-up and say what to fix")
-    doctor.add_argument("--coordinator", default=None, help="also check this coordinator, http://host:port")
+    doctor = subparsers.add_parser(
+        "doctor", help="check this machine's set-up and say what to fix",
+        description="Check this machine's set-up for `node join`, with the same flags and --config; "
+                    "--coordinator (optional here) also checks that coordinator and the clock against it.")
     doctor.add_argument("--config", default=None, help="node config file (as for `node join --config`)")
-    doctor.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: as `node join`)")
-    doctor.add_argument("--key", dest="key_path", default=None, help="identity file (default ~/.locoswarm/peer.key)")
-    doctor.add_argument("--host-maddrs", nargs="+", default=None, help="listen addresses, as for `node join`")
-    doctor.add_argument("--announce-maddrs", nargs="*", default=None, help="advertised addresses")
-    doctor.add_argument("--client-mode", action=argparse.BooleanOptionalAction, default=None)
-    doctor.add_argument("--auto-relay", dest="use_auto_relay", action=argparse.BooleanOptionalAction, default=None)
-    doctor.add_argument("--checkpoint-dir", default=None, help="where checkpoints would be written")
+    add_config_flags(doctor, NodeConfig)
     doctor.set_defaults(func=_doctor)
 
 
@@ -102,9 +101,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from protocol.config_file import ConfigError, read_config_file
 
     path = Path(args.config) if args.config else None
-    overrides = {name: getattr(args, name) for name in (
-        "coordinator", "device", "key_path", "host_maddrs", "announce_maddrs", "client_mode", "use_auto_relay",
-        "checkpoint_dir")}
+    overrides = config_overrides(args, NodeConfig)
     try:
         # A coordinator is required to join, not to be checked: a placeholder stands in for a missing one.
         if overrides["coordinator"] is None and "coordinator" not in (read_config_file(path) if path else {}):
@@ -113,11 +110,12 @@ def _doctor(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(Check("config", FAIL, str(e), "fix the key named above").line())
         return 1
-    checks = [("torch", check_torch), ("device", lambda: check_device(config.device)), ("libp2p", check_libp2p)]
+    checks = [("torch", check_torch), ("device", lambda: check_device(config.training.device)),
+              ("libp2p", check_libp2p)]
     if config.coordinator != NO_COORDINATOR:
         checks.append(("coordinator", lambda: check_coordinator(config.coordinator)))
         checks.append(("clock", lambda: check_clock(config.coordinator)))
-    checks += [("reachability", lambda: check_reachability(config)),
+    checks += [("reachability", lambda: check_reachability(config.network)),
                ("disk", lambda: check_disk(_disk_dirs(config))), ("key", lambda: check_key(config.key_path))]
     failed = False
     for name, run_check in checks:
@@ -180,7 +178,10 @@ def check_device(device: str) -> Check:
 def check_libp2p() -> Check:
     import asyncio
 
-    from node.exchange.p2p import ExchangeConfig, P2PExchange
+    from hivemind.p2p import P2PDaemonError
+
+    from node.exchange.config import ExchangeConfig
+    from node.exchange.p2p import P2PExchange
 
     async def start_and_stop() -> tuple[float, float, int]:
         start = time.perf_counter()
@@ -196,7 +197,7 @@ def check_libp2p() -> Check:
 
     try:
         up_s, down_s, num_maddrs = asyncio.run(asyncio.wait_for(start_and_stop(), LIBP2P_TIMEOUT_S))
-    except Exception as e:
+    except (P2PDaemonError, OSError, RuntimeError) as e:  # OSError: a time-out too
         return Check("libp2p", FAIL, f"the libp2p daemon did not start: {type(e).__name__}: {e}",
                      "reinstall hivemind==1.1.12 (its wheel ships the p2pd binary); check that 127.0.0.1 is usable")
     return Check("libp2p", OK, f"p2pd + DHT node started in {up_s:.2f} s, stopped in {down_s:.2f} s "
@@ -303,18 +304,19 @@ def clock_refusal(url: str, clock: Callable[[], float] = time.time, timeout_s: f
             f"{HIVEMIND_CLOCK_TOLERANCE_S:g} s: {CLOCK_FIX}, then join again")
 
 
-def check_reachability(config) -> Check:
-    from node.exchange.p2p import assess_reachability
+def check_reachability(network: NetworkSection) -> Check:
+    """Whether others could dial the addresses a node with these network settings would announce."""
+    from node.exchange.reachability import assess_reachability
 
-    if config.client_mode:
+    if network.client_mode:
         return Check("reachability", OK, "client mode: this node fetches but serves neither DHT nor packets")
-    busy = [m for m in config.host_maddrs if not _port_free(m)]
+    busy = [m for m in network.host_maddrs if not _port_free(m)]
     if busy:
         return Check("reachability", FAIL, f"listen address in use: {', '.join(busy)}",
                      "stop whatever holds the port (another node?) or pick another in --host-maddrs")
-    maddrs = list(config.announce_maddrs) or [_with_outbound_ip(m) for m in config.host_maddrs]
+    maddrs = list(network.announce_maddrs) or [_with_outbound_ip(m) for m in network.host_maddrs]
     reach = assess_reachability(maddrs)
-    if config.use_auto_relay and not reach.reachable:
+    if network.use_auto_relay and not reach.reachable:
         return Check("reachability", OK, f"{', '.join(maddrs)} private; auto-relay will make this node reachable")
     return Check("reachability", OK if reach.reachable else WARN, f"would announce {', '.join(maddrs)}", reach.advice)
 
@@ -359,12 +361,12 @@ def check_key(key_path: Path) -> Check:
 # -- helpers -----------------------------------------------------------------------------------
 
 
-def _disk_dirs(config) -> dict[str, Path]:
+def _disk_dirs(config: NodeConfig) -> dict[str, Path]:
     from node.training.data import default_cache_dir
 
     dirs = {"key": config.key_path.parent, "data cache": default_cache_dir()}
-    if config.checkpoint_dir is not None:
-        dirs["checkpoints"] = config.checkpoint_dir
+    if config.checkpoints.checkpoint_dir is not None:
+        dirs["checkpoints"] = config.checkpoints.checkpoint_dir
     return dirs
 
 

@@ -3,11 +3,14 @@
     locoswarm node join --coordinator URL [--run ID] [--token T] [--device cpu|cuda] [--data PATH]
     locoswarm node join --config node.toml [--device cuda:1 ...]   (flags override the file)
 
-What a volunteer can get wrong is refused before anything starts, in one line on stderr with
-what to do, exit code 2 (a traceback only with `-v`): a bad config (protocol/config_file.py), a
-device torch cannot use (the doctor's check, node/cli/doctor.py), a clock too far from the
-coordinator's for hivemind's DHT (the doctor's measurement: `clock_refusal`), a coordinator that
-never answers, a run that does not exist, is closed, or wants a join token.
+The flags are NodeConfig's fields (node/config.py), made by node/cli/config_flags.py, as the
+doctor's are. What a volunteer can get wrong is refused before anything starts, in one line on
+stderr with what to do, exit code 2 (a traceback only with `-v`): a bad config
+(protocol/config_file.py), a device torch cannot use (the doctor's check, node/cli/doctor.py), a
+clock too far from the coordinator's for hivemind's DHT (the doctor's measurement:
+`clock_refusal`), a coordinator that never answers, a run that does not exist, is closed, or wants
+a join token. Each is a `CannotStart` (node/errors.py) by the time it reaches `_join_checked`,
+which prints it; `refusal_line` words the coordinator's (its refusals: node/round/refusals.py).
 
 Stopping: the first Ctrl+C (or SIGTERM) says so at once and lets the node finish its step, tell
 the coordinator it leaves and shut its exchange down; a second one quits now (the exchange is
@@ -27,6 +30,10 @@ import time
 import traceback
 from pathlib import Path
 
+from node.cli.config_flags import add_config_flags, config_overrides
+from node.config import NodeConfig
+from node.errors import CannotStart
+
 EXIT_REFUSED = 2  # the volunteer's set-up or command line: fix it and start again
 EXIT_INTERRUPTED = 130  # the second Ctrl+C: 128 + SIGINT, as a shell reports it
 CLOCK_CHECK_TIMEOUT_S = 3.0  # per request; a coordinator that does not answer is the node's to report
@@ -43,59 +50,14 @@ def register(subparsers) -> None:
                     "Check this machine first with `locoswarm doctor --coordinator URL` (it takes the same "
                     "flags and says what to fix).",
         epilog="Ctrl+C once: finish the current step, leave the run and print a summary; twice: quit now.")
-    # Defaults are None ("not given") so that a flag overrides the file only when it is passed;
-    # node/config.py applies the real defaults and checks every value.
-    join.add_argument("--config", default=None, help="node config file, TOML (keys: NodeConfig's fields)")
-    join.add_argument("--coordinator", default=None, help="coordinator URL, http://host:port (required here or in --config)")
-    join.add_argument("--run", dest="run_id", default=None, help="run id (default: the coordinator's only open run)")
-    join.add_argument("--token", dest="join_token", default=None, help="join token, for runs that need one")
-    join.add_argument("--device", default=None, help="auto (default: cuda if torch sees a GPU), cpu, cuda or cuda:N")
-    join.add_argument("--data", default=None, help="text file, directory or .bin shards (default: the run's)")
-    join.add_argument("--key", dest="key_path", default=None,
-                      help="Ed25519 identity file, created if absent (default: ~/.locoswarm/peer.key)")
-    join.add_argument("--host-maddrs", nargs="+", default=None,
-                      help="libp2p listen addresses (default /ip4/127.0.0.1/tcp/0; a public node: /ip4/0.0.0.0/tcp/PORT)")
-    join.add_argument("--announce-maddrs", nargs="*", default=None, help="addresses to advertise instead")
-    join.add_argument("--initial-peers", nargs="*", default=None, help="DHT bootstrap multiaddrs")
-    join.add_argument("--client-mode", action=argparse.BooleanOptionalAction, default=None,
-                      help="behind NAT: do not serve the DHT")
-    join.add_argument("--auto-relay", dest="use_auto_relay", action=argparse.BooleanOptionalAction, default=None,
-                      help="behind NAT: be reachable through a relay")
-    join.add_argument("--threads", type=int, default=None, help="torch CPU threads (0, the default: torch's choice)")
-    join.add_argument("--ranks", type=int, default=None,
-                      help="run this node as N torch.distributed ranks, FSDP2 inside (one GPU each, or gloo on the "
-                           "CPU): still one peer and one packet (default 1; under torchrun: its WORLD_SIZE)")
-    join.add_argument("--uplink-mbps", type=float, default=None,
-                      help="this link's upload rate in Mbps (a speed test's figure): the swarm has faster "
-                           "uplinks forward more of each packet's copies; unset: counted as fast")
-    join.add_argument("--max-rounds", type=int, default=None, help="leave after this many rounds")
-    join.add_argument("--fetch-timeout", dest="fetch_timeout_s", type=float, default=None,
-                      help="seconds to fetch a round's packets (default 60)")
-    join.add_argument("--checkpoint-dir", default=None,
-                      help="save the parameters and this node's state here, and resume from them on restart")
-    join.add_argument("--checkpoint-every", dest="checkpoint_every_rounds", type=int, default=None,
-                      help="rounds between checkpoints (default 1)")
-    join.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                      help="a progress bar for the inner steps (default on; --no-progress: logs only)")
-    join.add_argument("--eval-every", dest="eval_every_rounds", type=int, default=None,
-                      help="rounds between evaluations of the model on a fixed held-out batch, whose loss goes to "
-                           "the coordinator (default 5; 0: never)")
-    join.add_argument("--inject", action="append", default=None, metavar="FAULT",
-                      help="inject a fault, for tests and demos (repeatable): crash@round=3,phase=training, "
-                           "slow-upload@delay_s=5, corrupt-packet@round=1, poison@factor=1000, stale-submit@round=2, "
-                           "lie@from_round=3 (node/faults.py)")
+    join.add_argument("--config", default=None,
+                      help="node config file, TOML (deploy/node.toml: NodeConfig's sections); these flags override it")
+    add_config_flags(join, NodeConfig)  # one per NodeConfig field: None ("not given") unless passed
     join.add_argument("--report", default=None, help="write the per-round reports as JSON here on exit")
     join.add_argument("-v", "--verbose", action="store_true",
                       help="also the libraries' log lines (every HTTP request, hivemind), and a traceback with "
                            "each refusal")
     join.set_defaults(func=_join)
-
-
-# Flags of `node join` that set NodeConfig fields (argparse dest == field name).
-JOIN_CONFIG_FLAGS = ("coordinator", "run_id", "join_token", "device", "data", "key_path", "host_maddrs",
-                     "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay", "threads", "ranks",
-                     "uplink_mbps", "max_rounds", "fetch_timeout_s", "checkpoint_dir", "checkpoint_every_rounds", "progress",
-                     "eval_every_rounds", "inject")
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -112,26 +74,34 @@ def _join(args: argparse.Namespace) -> int:
 def _join_checked(args: argparse.Namespace, clock=time.time) -> int:
     """`_join` once logging is set up; `clock` (unix seconds) is what is compared with the
     coordinator's clock before joining (tests hand it a skewed one)."""
+    try:
+        return _start(args, clock)
+    except CannotStart as e:
+        return _refuse(str(e))
+
+
+def _start(args: argparse.Namespace, clock) -> int:
+    """Check the set-up, then run the node; what stops it before it trains is a `CannotStart`."""
     from node.cli.doctor import FAIL, check_device, clock_refusal
     from node.config import format_node_config, load_node_config
     from protocol.config_file import ConfigError
 
     try:
-        config = load_node_config(Path(args.config) if args.config else None,
-                                  {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})
+        config = load_node_config(Path(args.config) if args.config else None, config_overrides(args, NodeConfig))
     except ConfigError as e:
-        return _refuse(str(e))
-    device = check_device(config.device)  # the doctor's check, before the node joins anything
+        raise CannotStart(str(e)) from e
+    training = config.training
+    device = check_device(training.device)  # the doctor's check, before the node joins anything
     if device.status == FAIL:
-        return _refuse(f"{device.detail} -> {device.fix}")
+        raise CannotStart(f"{device.detail} -> {device.fix}")
     # Before the DHT starts: hivemind's bootstrap would crash on a bad clock (node/cli/doctor.py).
     if line := clock_refusal(config.coordinator, clock, timeout_s=CLOCK_CHECK_TIMEOUT_S):
-        return _refuse(line)
+        raise CannotStart(line)
     print(format_node_config(config), file=sys.stderr, flush=True)
 
     from node.training.distributed import Leader, start_ranks
 
-    group = start_ranks(config.ranks, config.device, config.threads)  # None: a 1-rank node
+    group = start_ranks(training.ranks, training.device, training.threads)  # None: a 1-rank node
     if group is not None and group.rank != 0:  # a torchrun rank: rank 0 does the networking
         return group.follow()
     leader = Leader(group) if group is not None else None
@@ -143,7 +113,7 @@ def _join_checked(args: argparse.Namespace, clock=time.time) -> int:
 
 
 def _run_node(args: argparse.Namespace, config, leader) -> int:
-    from node.round.coordinator_client import CoordinatorError
+    from node.round.coordinator_client import CoordinatorCallFailed
     from node.round.loop import Node
     from node.training.data import DataError
     from node.training.hf import WeightsError
@@ -152,15 +122,12 @@ def _run_node(args: argparse.Namespace, config, leader) -> int:
     started = time.monotonic()
     try:
         reports, quit_now = run_until_stopped(node)
-    except (CoordinatorError, SystemExit, DataError, WeightsError) as e:
-        line = refusal_line(e, config.coordinator, config.run_id)
-        if line is None:
-            raise
+    except (CannotStart, CoordinatorCallFailed, DataError, WeightsError) as e:
         if args.verbose:
             traceback.print_exception(e)
         if node.session is not None:  # it had joined: say what it did before it stopped
             print(summary_line(node, time.monotonic() - started), flush=True)
-        return _refuse(line)
+        raise CannotStart(refusal_line(e, config.coordinator, config.run_id)) from e
     print(summary_line(node, time.monotonic() - started), flush=True)
     if quit_now:
         _hard_exit()
@@ -174,36 +141,23 @@ def _refuse(line: str) -> int:
     return EXIT_REFUSED
 
 
-def refusal_line(error: BaseException, coordinator: str, run_id: str | None) -> str | None:
-    """What the volunteer reads when the coordinator cannot be used, in one line; None for an
-    error that is no refusal (a bug: its traceback is shown)."""
+def refusal_line(error: Exception, coordinator: str, run_id: str | None) -> str:
+    """What the volunteer reads when the node stops on `error` (a `CannotStart`, a coordinator
+    that cannot be used, data or weights that are not the run's), in one line."""
     from node.round.coordinator_client import CoordinatorUnavailable, CoordinatorUnreachable, Refused
+    from node.round.refusals import STOP_LINES
 
     coordinator = coordinator.rstrip("/")
-    runs_hint = f"list the runs with `locoswarm run list --coordinator {coordinator}`"
-    run = f"run {run_id}" if run_id else "the run"
-    if isinstance(error, SystemExit):  # the round loop's own one-line stops (no open run, the ddp baseline)
-        return error.code if isinstance(error.code, str) else None
-    from node.training.data import DataError
-    from node.training.hf import WeightsError
-
-    if isinstance(error, (DataError, WeightsError)):  # shards or init weights that are not the run's: says the fix
-        return str(error)
     if isinstance(error, CoordinatorUnreachable):  # it names the address and `locoswarm doctor`
         return str(error)
     if isinstance(error, CoordinatorUnavailable):
         return f"the coordinator at {coordinator} stopped answering: {error}"
     if isinstance(error, Refused):
-        if error.code == "run_not_found":
-            return f"{run} does not exist on {coordinator}: {runs_hint}"
-        if error.code == "run_closed":
-            return f"{error.detail}: nothing to join; {runs_hint}"
-        if error.code == "join_refused":
-            return f"{run} refused this node: {error.detail}; pass the join token from the run's operator with --token T"
-        if error.code == "stale_nonce":
-            return f"the coordinator refused this node's clock: {error.detail}"
-        return f"the coordinator at {coordinator} refused: {error}"
-    return None
+        line = STOP_LINES.get(error.code, "the coordinator at {coordinator} refused: {error}")
+        return line.format(run=f"run {run_id}" if run_id else "the run", coordinator=coordinator, error=error,
+                           detail=error.detail, runs_hint=f"list the runs with `locoswarm run list --coordinator "
+                                                          f"{coordinator}`")
+    return str(error)  # CannotStart, and shards or init weights that are not the run's: each says the fix
 
 
 # -- running and stopping ---------------------------------------------------------------------

@@ -20,16 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
+from node.exchange.config import ExchangeConfig
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, make_record, packets_key, parse_record
 from protocol.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from node.exchange.p2p import ExchangeConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ verified copies, or will in a moment), so a packet spreads as a tree, each copy 
 instead of every peer pulling it through the publisher's uplink at 1/(N-1) of its rate. When
 every holder asked is busy, the fetcher asks one of them again with "wait" and waits in that
 holder's queue for its next free slot; only a queue that times out sends it into a short pause
-(`busy_pause_s`, doubling): busy answers followed by pauses had left the download link idle
+(`busy_pause_s`, doubling): a pause after every busy answer would leave the download link idle
 between transfers. A parent that fails sends the fetch on to this search. With every known
 holder failed, it re-reads the DHT for new ones every `holder_refresh_s`, until one serves or the
 caller's time-out.
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 from hivemind.p2p import PeerID
 
 from node.exchange.announce import Announcer
+from node.exchange.config import ExchangeConfig
 from node.exchange.host import Host, dial_addresses
 from node.exchange.reachability import addresses_by_holder
 from node.exchange.store import Held, PacketStore, Partial
@@ -62,7 +63,6 @@ from protocol.stream import (
 )
 
 if TYPE_CHECKING:
-    from node.exchange.p2p import ExchangeConfig
     from node.training.snapshot import SnapshotSink
 
 log = logging.getLogger(__name__)

@@ -52,18 +52,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from node.exchange.config import ExchangeConfig
 from node.exchange.reachability import is_loopback
 from protocol.stream import PROTOCOL_NAME
-
-if TYPE_CHECKING:
-    from node.exchange.p2p import ExchangeConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@
 `P2PExchange` implements `node.exchange.base.Exchange` by composing one part per concept, all in
 the caller's asyncio loop:
 
+    config.py        ExchangeConfig: the settings every part reads (imports none of them)
     host.py          the p2pd daemon and DHTNode, and the workarounds for hivemind's private API
     store.py         the copies held (whole, or still arriving and forwarded as they arrive), traffic
     announce.py      DHT records: announcing copies (batched) and looking holders up
@@ -19,6 +20,10 @@ The packet stream's wire format is protocol/stream.py, the DHT records' protocol
 A publisher serves its packet at once and announces it in the background; a fetcher that verified
 a copy serves and announces it too, so a packet spreads as a tree of copies (serve.py, fetch.py).
 
+hivemind's DHT and p2pd's control socket raise no typed errors (their own private classes,
+assertions, msgpack's, EOF on a dead socket): each call into them is caught whole where a decision
+is made (log and read again next pass, skip that holder, announce later), and nowhere else.
+
 Fault-injection tests subclass `P2PExchange` and override `_serve` (the stream handler p2pd
 calls) or `_payload_for` (the bytes served for a held packet, or for each unit of a snapshot).
 """
@@ -28,12 +33,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.exchange.announce import Announcer
 from node.exchange.base import Traffic
+from node.exchange.config import ExchangeConfig
 from node.exchange.fetch import PacketFetcher
 from node.exchange.host import Host
 from node.exchange.reachability import Reachability, assess_reachability
@@ -41,7 +46,7 @@ from node.exchange.serve import PacketServer
 from node.exchange.spool import Spool
 from node.exchange.store import Held, HeldSnapshot, PacketStore
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
-from protocol.packet import DEFAULT_MAX_PACKET_BYTES, packet_digest
+from protocol.packet import packet_digest
 
 if TYPE_CHECKING:
     from node.training.snapshot import Snapshot, SnapshotSink
@@ -49,62 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REANNOUNCE_FRACTION = 0.5  # a held snapshot's record is stored again after this share of its lifetime
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ExchangeConfig:
-    """How a node joins the swarm and moves packets."""
-
-    run_id: str  # DHT keys are scoped by run
-    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where p2pd listens; a public node: /ip4/0.0.0.0/tcp/PORT
-    announce_maddrs: tuple[str, ...] = ()  # addresses to advertise instead (explicit ports), e.g. behind port forwarding
-    initial_peers: tuple[str, ...] = ()  # bootstrap multiaddrs with /p2p/<id>; empty starts a new swarm
-    use_relay: bool = True  # may reach peers through libp2p circuit relays
-    use_auto_relay: bool = False  # behind NAT: find a relay and become reachable through it
-    client_mode: bool = False  # join the DHT without serving DHT requests
-    nat_port_map: bool | None = None  # UPnP/NAT-PMP; None = on unless every host address is loopback
-    announce_ttl_s: float = 600.0  # DHT records expire this long after publication (a few rounds)
-    max_parallel_fetches: int = 3  # packets transferred at once, over all fetch() calls
-    max_uploads: int = 2  # packet streams served at once; further requests are answered busy, or queue
-    # snapshot streams served at once, on slots of their own: a snapshot (the model's size) never
-    # holds an upload slot that the round's packets wait for
-    max_snapshot_uploads: int = 1
-    busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.4 s)
-    chunk_bytes: int = 512 << 10  # stream write size
-    # refuse larger packets before buffering them (a snapshot's size is its model's: protocol/snapshot.py)
-    max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES
-    connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
-    stall_timeout_s: float = 10.0  # a holder silent this long mid-transfer is dropped
-    # ...and one that sends less than this on average for stall_timeout_s while its stream is the
-    # only download in progress here (a trickle that never falls silent would otherwise hold the
-    # fetch until the round's time-out; with other downloads beside it, a slow stream may just be
-    # sharing the link)
-    min_rate_bytes_per_s: float = 16 << 10
-    request_timeout_s: float = 5.0  # a server waits this long for a request
-    holder_refresh_s: float = 1.0  # with every holder failed, re-read the DHT for new holders this often
-    holder_batch_s: float = 0.05  # verified copies are announced together after this pause
-    startup_timeout_s: float = 30.0  # p2pd start-up
-    # each initial peer must answer a dial within this, all tried at once; those that do not are
-    # skipped, and with none answering the node starts a DHT of its own (node/exchange/host.py)
-    bootstrap_timeout_s: float = 5.0
-    dht_wait_timeout_s: float = 3.0  # one DHT RPC
-    # keep held packets in unnamed files here, mapped, instead of in the heap (node/exchange/spool.py);
-    # None: in the heap
-    spool_dir: str | None = None
-
-    def __post_init__(self):
-        packets_key(self.run_id, 0)  # raises ValueError for a run id that cannot be part of a key
-        if not self.host_maddrs:
-            raise ValueError("host_maddrs must name at least one address to listen on")
-        if min(self.max_parallel_fetches, self.max_uploads, self.max_snapshot_uploads, self.chunk_bytes,
-               self.max_packet_bytes) < 1:
-            raise ValueError("max_parallel_fetches, max_uploads, max_snapshot_uploads, chunk_bytes and "
-                             "max_packet_bytes must be positive")
-        if min(self.announce_ttl_s, self.connect_timeout_s, self.stall_timeout_s, self.request_timeout_s,
-               self.bootstrap_timeout_s) <= 0:
-            raise ValueError("time-outs and the announcement lifetime must be positive")
-        if self.min_rate_bytes_per_s < 0:
-            raise ValueError("min_rate_bytes_per_s must be >= 0 (0: no floor)")
 
 
 class P2PExchange:

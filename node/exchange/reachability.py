@@ -3,7 +3,7 @@
     report = assess_reachability(exchange.visible_maddrs)   # what P2PExchange.reachability_check returns
     log.info("reachability: %s", report.advice)
 
-NAT options live in `ExchangeConfig` (node/exchange/p2p.py): `use_relay` (on by default, as in
+NAT options live in `ExchangeConfig` (node/exchange/config.py): `use_relay` (on by default, as in
 hivemind) lets this node reach peers through libp2p relays; `use_auto_relay` makes a node behind
 NAT reachable through one; `client_mode` joins the DHT without serving DHT requests (for nodes
 nobody can dial). The node's doctor (node/cli/doctor.py) runs the same check before joining.
@@ -17,6 +17,7 @@ import ipaddress
 import logging
 
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
 from node.exchange.base import Reachability
 
@@ -57,7 +58,7 @@ def ip_of(maddr: Multiaddr) -> ipaddress.IPv4Address | ipaddress.IPv6Address | N
     for proto in ("ip4", "ip6"):
         try:
             return ipaddress.ip_address(maddr.value_for_protocol(proto))
-        except Exception:  # multiaddr raises ProtocolLookupError or similar when absent
+        except (MultiaddrError, ValueError):  # no such part (ProtocolLookupError), or not an IP
             continue
     return None
 
@@ -73,7 +74,7 @@ def addresses_by_holder(maddrs: list[str]) -> dict[str, list[str]]:
     for text in maddrs:
         try:
             holder = Multiaddr(text).value_for_protocol("p2p")
-        except Exception:
+        except MultiaddrError:  # does not parse (a ValueError too), or has no /p2p/ part
             log.warning("ignoring hinted holder %r: not a multiaddr with /p2p/<id>", text)
             continue
         by_holder.setdefault(holder, []).append(text)

@@ -42,9 +42,9 @@ import logging
 import random
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from node.exchange.base import Traffic
+from node.exchange.config import ExchangeConfig
 from node.exchange.store import Held, HeldSnapshot, PacketStore, Partial
 from protocol.dht_records import PARAMS_ID
 from protocol.errors import MalformedPacket, ProtocolError, WrongRound
@@ -52,9 +52,6 @@ from protocol.stream import (
     MAX_BUSY_NAMES, RECEIPT, REQUEST_PREFIX, STATUS_OK, HolderRefused, PacketRequest, decode_request, encode_busy,
     encode_error, encode_response_header, request_body_length,
 )
-
-if TYPE_CHECKING:
-    from node.exchange.p2p import ExchangeConfig
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +190,7 @@ class PacketServer:
             try:
                 writer.write(encode_error(str(e)))
                 await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
-            except Exception:
+            except OSError:  # ConnectionError, or the drain timed out (asyncio.TimeoutError is an OSError)
                 pass  # the caller is gone; nothing to tell
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             log.debug("packet stream dropped: %r", e)

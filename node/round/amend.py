@@ -190,10 +190,11 @@ async def await_amendment(s: Session, round: int, view: RoundView, missing: list
     except Refused as e:
         log.warning("round %d: the report of missing packets was refused (%s: %s)", round, e.code, e.detail)
         return None
+    fetch_timeout_s = s.config.network.fetch_timeout_s
     log.warning("round %d: reported the packets of %s missing (manifest version %d); waiting up to %.0f s for "
-                "an amended manifest", round, ", ".join(missing), answer.manifest_version, s.config.fetch_timeout_s)
+                "an amended manifest", round, ", ".join(missing), answer.manifest_version, fetch_timeout_s)
     version, lacking = view.manifest_version, set(missing)
-    give_up_at = time.monotonic() + s.config.fetch_timeout_s
+    give_up_at = time.monotonic() + fetch_timeout_s
     while (remaining_s := give_up_at - time.monotonic()) > 0 and not s.stopping.is_set():
         latest = await s.client.round(round, wait_s=min(remaining_s, MAX_LONG_POLL_S), version_gt=version)
         if latest.manifest_version <= version:

@@ -144,7 +144,7 @@ async def packets_gone(s: Session, round: int, view: RoundView) -> list[str]:
         return [e.peer_id for e, found in zip(unsure, holders) if not any(h.digest == e.packet_digest for h in found)]
 
     try:
-        return await asyncio.wait_for(lookup(), timeout=min(HOLDERS_LOOKUP_S, s.config.fetch_timeout_s))
+        return await asyncio.wait_for(lookup(), timeout=min(HOLDERS_LOOKUP_S, s.config.network.fetch_timeout_s))
     except Exception as e:  # looking up holders only saves time; fetching decides
         log.debug("round %d: looking up the packets' holders failed: %r", round, e)
         return []
@@ -168,7 +168,7 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
     for digest, _ in Counter(h.digest for h in holders).most_common():
         while True:
             before = sink.offset if sink.digest == digest else 0
-            done = await s.exchange.fetch_params(round, digest, sink, timeout_s=s.config.fetch_timeout_s)
+            done = await s.exchange.fetch_params(round, digest, sink, timeout_s=s.config.network.fetch_timeout_s)
             if done or sink.offset <= before:
                 break
         if sink.written_bytes:
@@ -204,7 +204,7 @@ class GoneWaits:
     @property
     def missing_after_s(self) -> float:
         """How long a live author gets to serve its packet again (it may be restarting too)."""
-        return min(self.s.config.fetch_timeout_s, self.s.run.membership.heartbeat_timeout_s)
+        return min(self.s.config.network.fetch_timeout_s, self.s.run.membership.heartbeat_timeout_s)
 
     async def settle(self, gone: PacketsGone, status: RunStatus) -> bool:
         """Report what is due for `gone`'s round and say what the node waits for; True when the

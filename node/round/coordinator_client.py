@@ -12,9 +12,10 @@ node's report would otherwise arrive up to RETRY_DELAY_MAX_S late, and miss the 
 coordinator has answered this client even once, a wrong address is the likelier cause than an
 outage: those calls give up after FIRST_CONTACT_S with `CoordinatorUnreachable`, whose message
 says to check the address. A 429 (over a rate, e.g. too many new keys joining from one address) is
-retried no sooner than its ``Retry-After`` says. A 4xx refusal is
-final and raised as `Refused` with the coordinator's error code (`late`, `stale_round`, ...),
-which the round loop decides on.
+retried no sooner than its ``Retry-After`` says. A 4xx refusal is final and raised as `Refused`,
+with the coordinator's error code as a `Code` and what the node does about it, the `Action` of
+node/round/refusals.py's table, on which the round loop decides. Every failed call raises a
+`CoordinatorCallFailed`.
 
 Joining a run that asks new keys for proof of work (``membership.join_pow_bits``): `join` fetches
 the run's challenge, solves it in a worker thread (protocol/join_pow.py) and joins with the proof;
@@ -36,6 +37,7 @@ import time
 
 import httpx
 
+from node.round.refusals import Action, Code, action_of, code_of
 from protocol.digest import Tree
 from protocol.http import (API_PREFIX, MAX_TREE_HEADER_BYTES, MAX_TREE_LEAVES, AppliedRequest, AppliedResponse,
                            HeartbeatRequest, HeartbeatResponse, JoinChallenge, JoinRequest, JoinResponse, LeaveRequest,
@@ -62,11 +64,11 @@ def format_duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-class CoordinatorError(Exception):
-    """The coordinator could not be used."""
+class CoordinatorCallFailed(Exception):
+    """A call to the coordinator failed: no answer (`CoordinatorUnavailable`) or a refusal (`Refused`)."""
 
 
-class CoordinatorUnavailable(CoordinatorError):
+class CoordinatorUnavailable(CoordinatorCallFailed):
     """No answer (or only 5xx/429) for longer than the retry budget."""
 
 
@@ -74,13 +76,15 @@ class CoordinatorUnreachable(CoordinatorUnavailable):
     """The coordinator never answered this client: most likely a wrong address."""
 
 
-class Refused(CoordinatorError):
-    """A final 4xx answer; `code` is the coordinator's error code (protocol.http.ErrorCode; a plain
-    string here, since a newer coordinator may send a code this node does not know)."""
+class Refused(CoordinatorCallFailed):
+    """A final 4xx answer: `code`, the coordinator's error code (a `Code`; the plain string of a code
+    a newer coordinator sends and this node does not know), and `action`, what the node does."""
 
     def __init__(self, status: int, code: str, detail: str):
         super().__init__(f"{status} {code}: {detail}")
-        self.status, self.code, self.detail = status, code, detail
+        self.status, self.detail = status, detail
+        self.code: Code | str = code_of(code)
+        self.action: Action = action_of(self.code)
 
 
 class CoordinatorClient:
@@ -216,7 +220,7 @@ class CoordinatorClient:
                 break
             except Refused as e:
                 # A challenge that expired while it was solved, or a membership the coordinator forgot.
-                if e.code != "join_proof_required" or attempt == 2:
+                if e.code is not Code.JOIN_PROOF_REQUIRED or attempt == 2:
                     raise
                 proof_needed = True
                 log.info("joining %s: %s; solving a fresh challenge", run_id, e.detail)
@@ -232,7 +236,7 @@ class CoordinatorClient:
         try:
             challenge = await self.join_challenge(run_id)
         except Refused as e:
-            if e.code == "not_found":  # a coordinator older than proofs of work asks for none
+            if e.code is Code.NOT_FOUND:  # a coordinator older than proofs of work asks for none
                 return request
             raise
         if challenge.bits == 0:

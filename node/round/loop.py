@@ -26,19 +26,21 @@ import time
 from collections.abc import Awaitable
 
 from node.config import NodeConfig
+from node.errors import CannotStart
 from node.exchange.base import Exchange
 from node.round import resume
 from node.round.catchup import catch_up
-from node.round.coordinator_client import CoordinatorClient, CoordinatorError, Refused
+from node.round.coordinator_client import CoordinatorCallFailed, CoordinatorClient, Refused
 from node.round.overlap import Pipeline
 from node.round.own_packets import KEPT_ROUNDS, HeldPacket, OwnPackets
 from node.round.prefetch import Decoded, Prefetch
+from node.round.refusals import Action
 from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
 from node.round.session import Clock, Session
 from node.round.steps import CatchUpNeeded, apply_and_report, apply_manifest, collect, send, train, wait_open
 from node.faults import FaultInjector
-from protocol.http import ErrorCode, JoinResponse, peer_id_from_public_key
+from protocol.http import JoinResponse, peer_id_from_public_key
 from protocol.signing import PeerKey
 
 log = logging.getLogger("locoswarm.node")
@@ -46,7 +48,6 @@ log = logging.getLogger("locoswarm.node")
 # The exchange's part of a round's work in flight: its task (view, payloads, prepared) and times.
 InFlight = tuple[asyncio.Task, RoundTimes]
 MAX_BOOTSTRAP = 16  # DHT bootstrap addresses tried at start (node/exchange/host.py skips dead ones)
-RUN_OVER_CODES: tuple[ErrorCode, ...] = ("round_not_found", "run_closed")  # refusals that end the loop
 
 
 def _device_name(device: str) -> str:
@@ -70,7 +71,7 @@ class Node:
                  faults: FaultInjector | None = None, ranks=None):
         self.config = config
         self.ranks = ranks  # node.training.distributed.Leader of a multi-rank node (rank 0); None: 1 rank
-        self.faults = faults if faults is not None else FaultInjector.parse(config.inject)
+        self.faults = faults if faults is not None else FaultInjector.parse(config.debug.inject)
         self.reports: list[RoundReport] = []
         self.catch_ups: list[CatchUpReport] = []
         self.resumed_from: int | None = None  # the round whose start this node's checkpoint held
@@ -97,8 +98,8 @@ class Node:
         import torch
 
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        if cfg.training.threads:
+            torch.set_num_threads(cfg.training.threads)
         key = PeerKey.load_or_create(cfg.key_path)
         client = self._client or CoordinatorClient(cfg.coordinator, key)
         client = self.faults.wrap_client(client)
@@ -114,15 +115,15 @@ class Node:
             log.info("reachability: %s", reach.advice)
 
             def rejoin() -> Awaitable[JoinResponse]:  # also for a node the coordinator dropped (paused, partitioned)
-                return client.join(run_id, join_token=cfg.join_token, device=_device_name(cfg.device),
-                                   multiaddrs=exchange.visible_maddrs, uplink_mbps=cfg.uplink_mbps,
+                return client.join(run_id, join_token=cfg.join_token, device=_device_name(cfg.training.device),
+                                   multiaddrs=exchange.visible_maddrs, uplink_mbps=cfg.network.uplink_mbps,
                                    state=self._held_state(run_id))
 
             joined = await rejoin()
             log.info("joined run %s as %s (index %d, shard %d/%d) at round %d", run_id, joined.peer_id,
                      joined.peer_index, joined.data_shard, joined.num_shards, joined.current_round)
             # Before the model is built: peers replaying a round may be waiting for these packets now.
-            own_packets = OwnPackets.beside(cfg.checkpoint_dir)
+            own_packets = OwnPackets.beside(cfg.checkpoints.checkpoint_dir)
             await serve_kept_packets(exchange, own_packets, joined)
             s = self.session = await self._start_session_beating(client, exchange, key, joined, rejoin)
             s.own_packets = own_packets
@@ -161,32 +162,22 @@ class Node:
     async def _open_exchange(self, client: CoordinatorClient, run_id: str) -> Exchange:
         """The production exchange: hivemind's DHT and libp2p streams, entering the swarm through
         the run's DHT bootstrap addresses, or else its live members."""
-        from node.exchange.p2p import ExchangeConfig, P2PExchange
+        from node.exchange.config import ExchangeConfig
+        from node.exchange.p2p import P2PExchange
+        from node.training.data import default_cache_dir
 
-        cfg = self.config
+        network = self.config.network
         run_info = await client.run_info(run_id)
-        bootstrap = cfg.initial_peers
+        bootstrap = network.initial_peers
         if not bootstrap:  # the run's fixed bootstrap peers and its live members: any that answers will do
             status = await client.status(run_id, history=0)
             members = live_member_addresses(  # not this node's own entry, from before a restart
                 status, exclude_peer=peer_id_from_public_key(client.key.public_bytes),
                 fresh_s=run_info.config.membership.heartbeat_timeout_s / 2)
             bootstrap = tuple(dict.fromkeys([*run_info.config.exchange.dht_bootstrap, *members]))[:MAX_BOOTSTRAP]
-        return await self.faults.exchange_class(P2PExchange).create(ExchangeConfig(
-            run_id=run_id, host_maddrs=cfg.host_maddrs, announce_maddrs=cfg.announce_maddrs,
-            initial_peers=bootstrap, client_mode=cfg.client_mode, use_auto_relay=cfg.use_auto_relay,
-            max_packet_bytes=run_info.config.exchange.max_packet_bytes, spool_dir=self._spool_dir(),
-        ))
-
-    def _spool_dir(self) -> str | None:
-        """Where the exchange keeps held packets (node/exchange/spool.py); None: in the heap."""
-        if self.config.packets_in_memory:
-            return None
-        if self.config.packet_spool_dir is not None:
-            return str(self.config.packet_spool_dir)
-        from node.training.data import default_cache_dir
-
-        return str(default_cache_dir() / "spool")
+        return await self.faults.exchange_class(P2PExchange).create(ExchangeConfig.from_network(
+            network, run_id=run_id, initial_peers=bootstrap,
+            max_packet_bytes=run_info.config.exchange.max_packet_bytes, cache_dir=default_cache_dir()))
 
     async def _start_session_beating(self, client, exchange, key, joined: JoinResponse, rejoin) -> Session:
         """`_start_session` in a worker thread, heartbeating meanwhile: building the model and
@@ -198,7 +189,7 @@ class Node:
                 await asyncio.sleep(max(0.5, joined.heartbeat_interval_s))
                 try:
                     await client.heartbeat(joined.current_round, "joining")
-                except CoordinatorError as e:
+                except CoordinatorCallFailed as e:
                     log.debug("heartbeat while starting failed: %s", e)
 
         if self.ranks is not None:  # the ranks build together, collectives included: keep it on this thread
@@ -215,19 +206,20 @@ class Node:
 
         run = joined.config
         if run.outer.strategy == "ddp":
-            raise SystemExit("the ddp baseline syncs every step and runs in the simulator only")
+            raise CannotStart("the ddp baseline syncs every step and runs in the simulator only")
         if self.ranks is not None:  # N ranks, FSDP2 inside (node/training/ranked.py)
             from node.training.ranked import RankedTraining
 
-            training = RankedTraining.build(self.ranks, run, device=self.config.device,
-                                            data=self.config.data or run.model.data,
+            training = RankedTraining.build(self.ranks, run, device=self.config.training.device,
+                                            data=self.config.training.data or run.model.data,
                                             shard_index=joined.data_shard % joined.num_shards,
-                                            num_shards=joined.num_shards, evaluate=bool(self.config.eval_every_rounds))
+                                            num_shards=joined.num_shards,
+                                            evaluate=bool(self.config.training.eval_every_rounds))
         else:
-            corpus = load_corpus(self.config.data or run.model.data)
+            corpus = load_corpus(self.config.training.data or run.model.data)
             shard = corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
-            training = PeerTraining.build(run, self.config.device, shard,
-                                          val=corpus.val if self.config.eval_every_rounds else None,
+            training = PeerTraining.build(run, self.config.training.device, shard,
+                                          val=corpus.val if self.config.training.eval_every_rounds else None,
                                           node=self.config)
         self._pipeline = Pipeline(overlap=run.outer.overlap)
         return Session(config=self.config, client=client, exchange=exchange, key=key, faults=self.faults,
@@ -239,10 +231,10 @@ class Node:
         runs = [r for r in (await client.runs()).runs if r.state in ("waiting", "running")]
         listing = f"list the runs with `locoswarm run list --coordinator {client.base_url}`"
         if not runs:
-            raise SystemExit(f"no open run on {client.base_url}: ask the operator to create one, or {listing}")
+            raise CannotStart(f"no open run on {client.base_url}: ask the operator to create one, or {listing}")
         if len(runs) > 1:
             names = ", ".join(f"{r.run_id} ({r.name})" for r in runs)
-            raise SystemExit(f"{len(runs)} open runs ({names}): pass --run ID; {listing}")
+            raise CannotStart(f"{len(runs)} open runs ({names}): pass --run ID; {listing}")
         return runs[0].run_id
 
     async def _heartbeats(self, s: Session, interval_s: float) -> None:
@@ -252,7 +244,7 @@ class Node:
             try:
                 await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss,
                                bandwidth_mbps=a.bandwidth_mbps, inner_step=a.inner_step, detail=a.detail)
-            except CoordinatorError as e:  # an outage is logged once a minute by the client
+            except CoordinatorCallFailed as e:  # an outage is logged once a minute by the client
                 log.log(logging.DEBUG if s.client.unreachable_for_s is not None else logging.WARNING,
                         "heartbeat failed: %s", e)
 
@@ -261,7 +253,7 @@ class Node:
         if await resume.restore(s):  # this node's own state, where the swarm agrees with it
             self.resumed_from = s.params_round
         while not self._stopping.is_set():
-            if self.config.max_rounds is not None and rounds_done >= self.config.max_rounds:
+            if self.config.training.max_rounds is not None and rounds_done >= self.config.training.max_rounds:
                 break
             if s.run.max_rounds is not None and round >= s.run.max_rounds:
                 log.info("the run is complete after %d rounds", s.run.max_rounds)
@@ -273,7 +265,7 @@ class Node:
             try:
                 view = await (s.client.round(round) if early else wait_open(s, round))
             except Refused as e:
-                if e.code in RUN_OVER_CODES:
+                if e.action is Action.RUN_OVER:
                     log.info("the run is over (%s)", e.detail)
                     break
                 raise
@@ -395,11 +387,11 @@ class Node:
         when it is the only holder, nobody could apply the round.
         """
         s.activity.state = "serving"
-        deadline = time.monotonic() + self.config.fetch_timeout_s
+        deadline = time.monotonic() + self.config.network.fetch_timeout_s
         while time.monotonic() < deadline:
             try:
                 status = await s.client.status(retry_for_s=5.0)
-            except CoordinatorError:
+            except CoordinatorCallFailed:
                 return
             # Peers on probation are not waited for: a key that joined and only heartbeats must not
             # hold every node here for the whole time-out (coordinator/service.py, "Standing").

@@ -14,7 +14,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
-from kernels.chunking import worker_pool
+from locoswarm_kernels.chunking import worker_pool
 from node.exchange.topology import tree_parent
 from node.round.session import Session
 from node.training.outer import decode_or_refusal
@@ -100,7 +100,7 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
 async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents, decoded: Decoded) -> dict[str, bytes]:
     """One submitted packet, fetched; its decoding starts at once."""
     got = await s.exchange.fetch(round, {entry.peer_id: entry.packet_digest}, {entry.peer_id: entry.multiaddrs},
-                                 timeout_s=s.config.fetch_timeout_s, parents=parents)
+                                 timeout_s=s.config.network.fetch_timeout_s, parents=parents)
     if (payload := got.get(entry.peer_id)) is not None:
         decoded.start(s, round, entry, payload)
     return got

@@ -26,7 +26,7 @@ import logging
 import random
 from typing import TYPE_CHECKING
 
-from node.round.coordinator_client import CoordinatorError
+from node.round.coordinator_client import CoordinatorCallFailed
 
 if TYPE_CHECKING:
     from node.round.session import Session
@@ -61,7 +61,7 @@ async def keep_in_swarm(s: Session, heartbeat_timeout_s: float) -> None:
         await asyncio.sleep(REJOIN_ALONE_S if not exchange.dht_peers else REJOIN_EVERY_S)
         try:
             status = await s.client.status(history=0)
-        except CoordinatorError as e:  # an outage is logged by the client; the next pass asks again
+        except CoordinatorCallFailed as e:  # an outage is logged by the client; the next pass asks again
             log.debug("DHT rejoin: no member list: %s", e)
             continue
         by_peer: dict[str, list[str]] = {}

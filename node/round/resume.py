@@ -35,7 +35,7 @@ def save(s: Session, applied_round: int, midway=None) -> None:
     from node.training.checkpoint import CheckpointError, save_checkpoint
 
     try:
-        save_checkpoint(s.config.checkpoint_dir, applied_round + 1, s.training.model, s.training.optimizer,
+        save_checkpoint(s.config.checkpoints.checkpoint_dir, applied_round + 1, s.training.model, s.training.optimizer,
                         getattr(s.outer, "error_buffers", None),
                         {"run_id": s.run_id, "applied_round": applied_round, "peer_id": s.peer_id},
                         outer_momentum=getattr(s.outer, "momentum", None), params=s.outer.start, midway=midway)
@@ -44,15 +44,15 @@ def save(s: Session, applied_round: int, midway=None) -> None:
 
 
 def held_state(config, run_id: str) -> tuple[int, str] | None:
-    """(round, digest) of this run's checkpoint in `config.checkpoint_dir`, read from its meta only;
+    """(round, digest) of this run's checkpoint in `config.checkpoints.checkpoint_dir`, read from its meta only;
     the node tells the coordinator at join, which then expects it in the open round at once when
     that is the agreed state."""
     from node.training.checkpoint import CheckpointError, checkpoint_meta
 
-    if config.checkpoint_dir is None:
+    if config.checkpoints.checkpoint_dir is None:
         return None
     try:
-        meta = checkpoint_meta(config.checkpoint_dir)
+        meta = checkpoint_meta(config.checkpoints.checkpoint_dir)
     except CheckpointError:
         return None
     if meta.get("extra", {}).get("run_id") != run_id or not isinstance(meta.get("round"), int) or meta["round"] < 1:
@@ -61,14 +61,15 @@ def held_state(config, run_id: str) -> tuple[int, str] | None:
 
 
 def due(s: Session, applied_round: int) -> bool:
-    return s.config.checkpoint_dir is not None and (applied_round + 1) % s.config.checkpoint_every_rounds == 0
+    checkpoints = s.config.checkpoints
+    return checkpoints.checkpoint_dir is not None and (applied_round + 1) % checkpoints.checkpoint_every_rounds == 0
 
 
 async def restore(s: Session) -> bool:
     """Load this run's checkpoint when the coordinator agrees with its digest; True if loaded."""
     from node.training.checkpoint import CheckpointError, checkpoint_meta
 
-    directory = s.config.checkpoint_dir
+    directory = s.config.checkpoints.checkpoint_dir
     if directory is None:
         return False
     try:

@@ -18,10 +18,11 @@ from node.exchange.base import Exchange
 from node.round.amend import Amendments
 from node.round.coordinator_client import CoordinatorClient, Refused
 from node.round.own_packets import OwnPackets
+from node.round.refusals import Action
 from node.faults import FaultInjector
 from node.training.peer import PeerTraining
 from protocol.digest import Tree
-from protocol.http import ErrorCode, JoinResponse
+from protocol.http import JoinResponse
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
 
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("locoswarm.node")
 
 Clock = Callable[[], float]  # unix seconds
-PEER_GONE: ErrorCode = "peer_gone"  # the coordinator dropped this node: rejoin with the same key
 
 
 @dataclass(slots=True)
@@ -88,7 +88,7 @@ class Session:
         try:
             return await call(*args, **kwargs)
         except Refused as e:
-            if e.code != PEER_GONE:
+            if e.action is not Action.REJOIN:  # peer_gone: rejoin with the same key
                 raise
             log.warning("the coordinator dropped this node (%s); rejoining", e.detail)
             await self.rejoin()

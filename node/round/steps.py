@@ -36,6 +36,7 @@ from node.round import amend, resume
 from node.round.coordinator_client import Refused
 from node.round.own_packets import HeldPacket
 from node.round.prefetch import Decoded, Prefetch
+from node.round.refusals import Action, Code
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
 from node.faults import Phase
@@ -43,19 +44,19 @@ from node.training.params import param_tree
 from node.training.scoring import PeerScore
 from protocol.digest import Tree
 from protocol.errors import ProtocolError
-from protocol.http import MAX_REFUSED, MAX_SAMPLE_CHARS, MAX_SCORES, AppliedResponse, ErrorCode, PeerScoreReport, RoundView
+from protocol.http import MAX_REFUSED, MAX_SAMPLE_CHARS, MAX_SCORES, AppliedResponse, PeerScoreReport, RoundView
 
 log = logging.getLogger("locoswarm.node")
 
 MAX_REASON_CHARS = 256
 SAMPLE_PROMPT, SAMPLE_TOKENS = "def ", 48  # the text sample sent with a validation loss (greedy)
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # what protocol.http.SampleText refuses
-# Refusals of a submission after which the round goes on without this node's packet ("run_closed":
-# the run's last round closed first; its manifest is still applied, then the loop ends;
-# "conflicting_submission": a node that caught up within a round it had already submitted to trained
-# it again; the round keeps the first packet, served while this node still holds it, else amended out).
-REFUSED_SUBMISSION_CODES: tuple[ErrorCode, ...] = ("late", "stale_round", "round_not_open", "run_closed", "excluded",
-                                                   "conflicting_submission")
+# Refusals of a submission after which the round goes on without this node's packet: those whose
+# action (node/round/refusals.py) drops the packet, and the run's end ("run_closed": its last round
+# closed first; its manifest is still applied, then the loop ends). "conflicting_submission": a node
+# that caught up within a round it had already submitted to trained it again; the round keeps the
+# first packet, served while this node still holds it, else amended out.
+SUBMISSION_GOES_ON: frozenset[Action] = frozenset({Action.DROP_PACKET, Action.RUN_OVER})
 
 
 class CatchUpNeeded(Exception):
@@ -116,13 +117,13 @@ async def beat_now(s: Session) -> None:
     its applied report, else the state of its last heartbeat. Without this beat a peer that
     applied round r and went on training r + 1 read "applied", with no inner step, for up to a
     heartbeat interval. A failed beat changes nothing: the next periodic one says the same."""
-    from node.round.coordinator_client import CoordinatorError
+    from node.round.coordinator_client import CoordinatorCallFailed
 
     a = s.activity
     try:
         await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss, bandwidth_mbps=a.bandwidth_mbps,
                        inner_step=a.inner_step, detail=a.detail)
-    except CoordinatorError as e:
+    except CoordinatorCallFailed as e:
         log.debug("heartbeat at the start of training failed: %s", e)
 
 
@@ -168,11 +169,11 @@ async def send(s: Session, round: int, base_digest: str, report: RoundReport, op
                        packet_size_bytes=announcement.size_bytes, train_loss=report.train_loss,
                        compute_s=report.times.compute_s, encode_s=encode_s, multiaddrs=announcement.multiaddrs)
     except Refused as e:
-        if e.code not in REFUSED_SUBMISSION_CODES:
+        if e.action not in SUBMISSION_GOES_ON:
             raise
         report.submitted = False
         log.warning("round %d: submission refused (%s%s); applying the round without this packet", round, e.code,
-                    f": {e.detail}" if e.code == "excluded" else "")
+                    f": {e.detail}" if e.code is Code.EXCLUDED else "")
     await s.faults.at_phase(Phase.SUBMITTED, round)
 
 
@@ -246,7 +247,7 @@ async def fetch_manifest(s: Session, round: int, view: RoundView, times: RoundTi
     if rest:
         payloads |= await s.exchange.fetch(round, {e.peer_id: e.packet_digest for e in rest},
                                            {e.peer_id: e.multiaddrs for e in rest},
-                                           timeout_s=s.config.fetch_timeout_s)
+                                           timeout_s=s.config.network.fetch_timeout_s)
     times.transfer_s = time.perf_counter() - start
     return payloads
 
@@ -328,7 +329,7 @@ async def _report(s: Session, round: int, applied, manifest_version: int,
                                   manifest_version=manifest_version, val_loss=val_loss, scores=reports,
                                   sample=sample, tree=s.tree)
     except Refused as e:
-        if e.code != "conflicting_report":
+        if e.action is not Action.CATCH_UP:
             raise
         # This node reported another digest for this round before (reports are immutable): one of
         # the two states is not what the manifest gives, so take the swarm's agreed state instead.
@@ -372,7 +373,7 @@ async def _validation_loss(s: Session, round: int) -> float | None:
     """The global model's loss on the held-out batches after `round`, in rounds 0, N, 2N... for
     N = eval_every_rounds (every peer evaluates the same rounds, so the page's series has no holes
     between them); None in other rounds, or when it is not finite (a diverged model)."""
-    every = s.config.eval_every_rounds
+    every = s.config.training.eval_every_rounds
     if not every or round % every:
         return None
     val_loss = await asyncio.to_thread(s.training.evaluate_global)
@@ -398,7 +399,7 @@ def text_sample(s: Session, round: int) -> str | None:
     model = s.training.model
     try:
         # A byte-level model needs no tokenizer file; a tokenizer run's data directory holds its own.
-        source = (s.config.data or s.run.model.data) if model.config.tokenizer_id else None
+        source = (s.config.training.data or s.run.model.data) if model.config.tokenizer_id else None
         tokenizer = run_tokenizer(model.config, source)
         was_training = model.training
         model.eval()
@@ -481,7 +482,7 @@ def _snapshot_of(s: Session, round: int, params_tree: Tree | None, state_tree: T
     from node.training.params import flat_named_params
     from node.training.snapshot import Snapshot
 
-    directory = s.config.checkpoint_dir
+    directory = s.config.checkpoints.checkpoint_dir
     if directory is not None:
         try:
             meta = checkpoint_meta(directory)
@@ -496,7 +497,7 @@ def _snapshot_of(s: Session, round: int, params_tree: Tree | None, state_tree: T
 
 
 def _progress_bar(s: Session, round: int):
-    if not s.config.progress:
+    if not s.config.debug.progress:
         return None
     from tqdm import tqdm
 

@@ -7,7 +7,7 @@ every peer in the manifest, applies the same aggregate to the same start. Every 
 holds bit-identical parameters after every round; `param_digest` checks it.
 
 - `sparseloco` (arXiv 2508.15706): error feedback `e = beta e + outer_lr delta`, per-chunk Top-k
-  and 2-bit codes (kernels.sparse), a signed packet (protocol.packet), scatter-mean over the
+  and 2-bit codes (locoswarm_kernels.sparse), a signed packet (protocol.packet), scatter-mean over the
   peers that sent each coordinate, plain SGD `theta = theta_start - outer_lr * aggregate`.
   By default (`aggregation = "median_clip"`, as production SparseLoCo) each peer's tensor is first
   scaled down to the round's median norm of that tensor, so one peer's update weighs at most as
@@ -33,7 +33,7 @@ waits for its copies before it returns, so host readers (digest, checkpoint, sna
 On the CPU both placements are the same memory and the same code path.
 
 Determinism: payloads are aggregated in peer-id order, each peer's values added once per element
-in float32, median-clip norms are float64 sums in a fixed order (kernels.sparse.SparseTensor.squared_norm),
+in float32, median-clip norms are float64 sums in a fixed order (locoswarm_kernels.sparse.SparseTensor.squared_norm),
 and the outer step is computed as separate IEEE operations, so the result does not depend on arrival
 order, device or thread count. A payload that fails to decode is left out with its reason;
 since decoding is deterministic, every honest peer leaves out the same payloads.
@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from kernels.chunking import num_workers, pool_map
-from kernels.sparse import PacketSelections, aggregate_packets, error_feedback_step, packet_clip_scales, restore_sent
+from locoswarm_kernels.chunking import num_workers, pool_map
+from locoswarm_kernels.sparse import PacketSelections, aggregate_packets, error_feedback_step, packet_clip_scales, restore_sent
 from protocol.errors import MalformedPacket, NonFiniteValue, ProtocolError, ShapeMismatch, ValueOutOfRange
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
 from protocol.run_config import DEFAULT_MAX_ABS_VALUE, MAX_ABS_VALUE_LIMIT

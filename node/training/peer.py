@@ -49,9 +49,10 @@ class PeerTraining:
     @staticmethod
     def execution_of(node: "NodeConfig") -> ExecutionConfig:
         """The inner-step execution choices of a node config (node/config.py)."""
-        return ExecutionConfig(micro_batch_size=node.micro_batch_size, compile=node.compile_model,
-                               activation_checkpointing=node.activation_checkpointing,
-                               loss_chunk_tokens=node.loss_chunk_tokens)
+        memory = node.memory
+        return ExecutionConfig(micro_batch_size=memory.micro_batch_size, compile=node.training.compile_model,
+                               activation_checkpointing=memory.activation_checkpointing,
+                               loss_chunk_tokens=memory.loss_chunk_tokens)
 
     @classmethod
     def build(cls, run: RunConfig, device: torch.device | str, shard: TokenDataset,
@@ -62,7 +63,7 @@ class PeerTraining:
         learning rates); `val` is the held-out split `evaluate_global` reads. A shard the run's
         model cannot train on is refused before anything is built (node.training.data.DataMismatch),
         and so is an init_from that is not the run's (node.training.hf.InitMismatch): each says what
-        to do. `node` brings this node's choices: where the outer state lives (outer_state_device)
+        to do. `node` brings this node's choices: where the outer state lives (memory.state_placement)
         and how the inner steps run (`execution_of`); unset: the defaults."""
         device = torch.device(device)
         cfg = model_config(run)
@@ -80,7 +81,7 @@ class PeerTraining:
         execution = cls.execution_of(node) if node is not None else ExecutionConfig()
         prepare_model(model, execution)
         outer = make_outer(flat_named_params(model), outer_config(run),
-                           node.outer_state_device if node is not None else "host")
+                           node.memory.state_placement if node is not None else "host")
         return cls(model=model, optimizer=make_inner_optimizer(model, inner), inner=inner, outer=outer, shard=shard,
                    device=device, seed=run.model.seed, inner_steps=run.inner.steps, val=val, execution=execution)
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from kernels.sparse import SparseTensor
+from locoswarm_kernels.sparse import SparseTensor
+from node.errors import CannotStart
 from node.training.distributed import KEPT_PREPARED, Leader
 from node.training.inner import InnerConfig, InnerResult
 from node.training.outer import ApplyResult, OuterConfig, Prepared, decode_sparse
@@ -127,9 +128,9 @@ class RankedTraining:
         from node.training.model import build_model
 
         if run.outer.strategy != "sparseloco" or run.outer.overlap:
-            raise SystemExit("a multi-rank node (--ranks) runs the sparseloco strategy without overlap")
+            raise CannotStart("a multi-rank node (--ranks) runs the sparseloco strategy without overlap")
         if run.inner.batch_size % leader.group.world_size:
-            raise SystemExit(f"the run's batch of {run.inner.batch_size} sequences does not split over "
+            raise CannotStart(f"the run's batch of {run.inner.batch_size} sequences does not split over "
                              f"{leader.group.world_size} ranks: pick a --ranks that divides it")
         leader.start({"run": run.model_dump_json(), "data": data, "shard_index": shard_index,
                       "num_shards": num_shards, "evaluate": evaluate, "device": device})

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from kernels.sparse import SparseTensor, decompress
+from locoswarm_kernels.sparse import SparseTensor, decompress
 from node.training.data import TokenDataset
 from node.training.model import Transformer, lm_loss
 from protocol.http import MAX_ABS_LOSS_DELTA  # reported loss deltas are clamped to it

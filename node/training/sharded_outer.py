@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.chunking import ChunkLayout, flat_indices, to_chunks
-from kernels.quantize import QuantTable, quantize
-from kernels.sparse import (
+from locoswarm_kernels.chunking import ChunkLayout, flat_indices, to_chunks
+from locoswarm_kernels.quantize import QuantTable, quantize
+from locoswarm_kernels.sparse import (
     SparseTensor,
     error_feedback_step,
     median_clip_scales,

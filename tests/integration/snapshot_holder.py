@@ -18,7 +18,8 @@ import time
 import torch
 from torch import nn
 
-from node.exchange.p2p import ExchangeConfig, P2PExchange
+from node.exchange.config import ExchangeConfig
+from node.exchange.p2p import P2PExchange
 from node.training.snapshot import Snapshot
 from protocol.dht_records import PARAMS_ID
 

@@ -22,7 +22,8 @@ import time
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from node.exchange.p2p import ExchangeConfig, P2PExchange
+from node.exchange.config import ExchangeConfig
+from node.exchange.p2p import P2PExchange
 from tests.integration.test_p2p_exchange import RUN_ID, p2pd_children, packet, pid_alive, sha
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]

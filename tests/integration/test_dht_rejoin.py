@@ -17,7 +17,8 @@ import os
 
 import pytest
 
-from node.exchange.p2p import ExchangeConfig, P2PExchange
+from node.exchange.config import ExchangeConfig
+from node.exchange.p2p import P2PExchange
 from node.training.params import param_digest
 from tests.integration.snapshot_holder import momentum_of, toy_snapshot
 from tests.integration.test_p2p_exchange import RUN_ID, p2pd_children, pid_alive, poll

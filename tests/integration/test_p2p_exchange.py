@@ -23,7 +23,8 @@ from protocol.dht_records import packets_key
 import msgpack
 from hivemind.p2p import PeerID
 
-from node.exchange.p2p import ExchangeConfig, P2PExchange
+from node.exchange.config import ExchangeConfig
+from node.exchange.p2p import P2PExchange
 from protocol.stream import (PROTOCOL_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
                              decode_request, request_body_length)
 

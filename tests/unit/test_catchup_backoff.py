@@ -94,7 +94,8 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
         key_path = tmp_path / "node.key"
         key = PeerKey.load_or_create(key_path)
         s = Session(config=NodeConfig(coordinator="http://coordinator.test", run_id=RUN_ID, key_path=key_path,
-                                      device="cpu", progress=False, fetch_timeout_s=3.0, threads=1),
+                                      training={"device": "cpu", "threads": 1}, debug={"progress": False},
+                                      network={"fetch_timeout_s": 3.0}),
                     client=coordinator, exchange=exchange, key=key, faults=FaultInjector(), clock=time.time,
                     run_id=RUN_ID, peer_id="p" + "a" * 16, run=run, training=_training(run),
                     rejoin=None, stopping=asyncio.Event(), params_round=None)

@@ -39,7 +39,7 @@ def test_replay_loads_a_snapshot_at_once_when_no_peer_holds_a_packet():
                          num_submitted=2, majority_digest=None,
                          manifest=[ManifestEntry(peer_id=x.peer_id, packet_digest=x.digest, packet_size_bytes=x.size_bytes,
                                                  multiaddrs=x.multiaddrs) for x in announced])
-        s = SimpleNamespace(exchange=a, config=SimpleNamespace(fetch_timeout_s=30.0), client=OneRoundClient(view))
+        s = SimpleNamespace(exchange=a, config=SimpleNamespace(network=SimpleNamespace(fetch_timeout_s=30.0)), client=OneRoundClient(view))
         assert await packets_gone(s, 1, view) == []
         swarm.withhold(1, PEER_B)
         assert await packets_gone(s, 1, view) == [], "announced and not served: not known gone"

@@ -117,7 +117,7 @@ def test_misspelt_keys_get_the_closest_known_one(tmp_path, capsys):
     node_toml = tmp_path / "node.toml"
     node_toml.write_text('coordinator = "http://127.0.0.1:9"\nthreds = 2\n')
     assert refused(capsys, ["node", "join", "--config", str(node_toml)]) == (
-        2, f"error: {node_toml}: threds: unknown key (did you mean threads?)")
+        2, f"error: {node_toml}: threds: unknown key (did you mean training.threads?)")
     run_toml = tmp_path / "run.toml"
     for text, message in [
         ("inner_step = 15\n", "inner_step: unknown key (did you mean inner.steps?)"),
@@ -137,9 +137,9 @@ def test_misspelt_keys_get_the_closest_known_one(tmp_path, capsys):
 
 def test_bounds_are_plain_numbers(tmp_path, capsys):
     assert refused(capsys, join_argv(tmp_path, "--coordinator", "http://127.0.0.1:9", "--uplink-mbps", "1e9")) == (
-        2, "error: command line: uplink_mbps: Input should be less than or equal to 10000000")
+        2, "error: command line: network.uplink_mbps: Input should be less than or equal to 10000000")
     assert refused(capsys, join_argv(tmp_path, "--coordinator", "http://127.0.0.1:9", "--max-rounds", "200000000")) \
-        == (2, "error: command line: max_rounds: Input should be less than or equal to 100000000")
+        == (2, "error: command line: training.max_rounds: Input should be less than or equal to 100000000")
     run_toml = tmp_path / "run.toml"
     run_toml.write_text('name = "a"\n[model]\npreset = "tiny"\n[inner]\ngrad_clip = 1e9\nlr = 1e-9\n')
     from protocol.config_file import plain_number

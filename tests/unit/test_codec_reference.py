@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.chunking import chunk_layout, from_chunks, largest_divisor_at_most, to_chunks
-from kernels.entropy import (best_rice_param, gaps_to_positions, pack_2bit, positions_to_gaps, rice_decode,
+from locoswarm_kernels.chunking import chunk_layout, from_chunks, largest_divisor_at_most, to_chunks
+from locoswarm_kernels.entropy import (best_rice_param, gaps_to_positions, pack_2bit, positions_to_gaps, rice_decode,
                              rice_encode, unpack_2bit)
-from kernels.reference import (reference_chunks, reference_compress, reference_decode_values,
+from locoswarm_kernels.reference import (reference_chunks, reference_compress, reference_decode_values,
                                reference_rice_bits, reference_scatter_mean)
-from kernels.sparse import compress, decompress, error_feedback_step, scatter_mean
+from locoswarm_kernels.sparse import compress, decompress, error_feedback_step, scatter_mean
 
 SHAPES = [(1,), (7,), (64,), (65,), (127,), (4096,), (1, 1), (3, 5), (67, 130), (128, 192), (13, 64),
           (256, 33), (4, 6, 10), ()]

@@ -5,6 +5,7 @@ objects' configs."""
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from node.config import NodeConfig, format_node_config, load_node_config
+from node.config import FLAT_KEYS as FLAT_NODE_KEYS
+from node.config import SECTIONS, NodeConfig, format_node_config, load_node_config
 from protocol.config_file import ConfigError, load_config, with_overrides
 from protocol.run_config import FLAT_KEYS, AdaptiveDeadline, RunConfig, load_run_config, nest_flat
 from tests.fixtures.coordinator import ADMIN_HEADERS, ADMIN_TOKEN, SignedPeer, create_run
@@ -155,22 +157,26 @@ def test_a_database_written_before_the_sections_still_serves_its_run(tmp_path, f
 
 
 def test_node_config_defaults_bounds_and_descriptions():
-    config = load_node_config(None, {"coordinator": "http://c:1", "device": "cpu"})
-    assert config.key_path == Path.home() / ".locoswarm" / "peer.key" and config.host_maddrs == ("/ip4/127.0.0.1/tcp/0",)
-    assert all(field.description for field in NodeConfig.model_fields.values())
+    config = load_node_config(None, {"coordinator": "http://c:1", "training.device": "cpu"})
+    assert config.key_path == Path.home() / ".locoswarm" / "peer.key"
+    assert config.network.host_maddrs == ("/ip4/127.0.0.1/tcp/0",)
+    for model in (NodeConfig, *(NodeConfig.model_fields[name].annotation for name in SECTIONS)):
+        assert all(field.description for field in model.model_fields.values()), model
     with pytest.raises(ValidationError):  # frozen
-        config.threads = 2
+        config.training.threads = 2
     auto = load_node_config(None, {"coordinator": "http://c:1"})
-    assert auto.device in ("cpu", "cuda")
+    assert auto.training.device in ("cpu", "cuda")
     for key, value, message in [
-        ("threads", 1025, "threads: Input should be less than or equal to 1024"),
-        ("uplink_mbps", 0.0, "uplink_mbps: Input should be greater than 0"),
-        ("fetch_timeout_s", 86_401.0, "fetch_timeout_s: Input should be less than or equal to 86400"),
-        ("device", "cuda:x", "device: must be auto, cpu, mps, cuda or cuda:N, got 'cuda:x'"),
+        ("training.threads", 1025, "training.threads: Input should be less than or equal to 1024"),
+        ("network.uplink_mbps", 0.0, "network.uplink_mbps: Input should be greater than 0"),
+        ("network.fetch_timeout_s", 86_401.0,
+         "network.fetch_timeout_s: Input should be less than or equal to 86400"),
+        ("training.device", "cuda:x", "training.device: must be auto, cpu, mps, cuda or cuda:N, got 'cuda:x'"),
         ("run_id", "a/b", "run_id: String should match pattern"),
         ("key_path", "", "key_path: must be a path"),
-        ("announce_maddrs", ["ip4/1.2.3.4"], "announce_maddrs: not multiaddrs"),
-        ("inject", "crash@round=1", "inject: Input should be a valid tuple"),
+        ("network.announce_maddrs", ["ip4/1.2.3.4"], "network.announce_maddrs: not multiaddrs"),
+        ("debug.inject", "crash@round=1", "debug.inject: Input should be a valid tuple"),
+        ("memory.state_placement", "disk", "memory.state_placement: Input should be 'host' or 'device'"),
     ]:
         with pytest.raises(ConfigError) as refused:
             load_node_config(None, {"coordinator": "http://c:1", key: value})
@@ -178,14 +184,44 @@ def test_node_config_defaults_bounds_and_descriptions():
 
 
 def test_node_config_file_then_flags(tmp_path):
-    path = write(tmp_path, "node.toml", 'coordinator = "http://c:8000"\ncheckpoint_dir = "~/ckpt"\n'
-                                        'host_maddrs = ["/ip4/0.0.0.0/tcp/31337"]\ndevice = "cpu"\n')
-    config = load_node_config(path, {"host_maddrs": None, "inject": ["crash@round=1"], "uplink_mbps": 50.0})
-    assert config.checkpoint_dir == Path.home() / "ckpt" and config.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)
-    assert config.inject == ("crash@round=1",) and config.uplink_mbps == 50.0
+    path = write(tmp_path, "node.toml", 'coordinator = "http://c:8000"\n[checkpoints]\ncheckpoint_dir = "~/ckpt"\n'
+                                        '[network]\nhost_maddrs = ["/ip4/0.0.0.0/tcp/31337"]\n'
+                                        '[training]\ndevice = "cpu"\n')
+    config = load_node_config(path, {"network.host_maddrs": None, "debug.inject": ["crash@round=1"],
+                                     "network.uplink_mbps": 50.0})
+    assert config.checkpoints.checkpoint_dir == Path.home() / "ckpt"
+    assert config.network.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)
+    assert config.debug.inject == ("crash@round=1",) and config.network.uplink_mbps == 50.0
     printed = json.loads(format_node_config(config).removeprefix("node config: "))
-    assert printed["checkpoint_dir"] == str(Path.home() / "ckpt") and printed["join_token"] is None
+    assert printed["checkpoints"]["checkpoint_dir"] == str(Path.home() / "ckpt") and printed["join_token"] is None
     assert load_config(NodeConfig, path) == load_node_config(path), "the same loader as the run config's"
+
+
+def test_a_flat_node_config_loads_with_a_warning_per_moved_key(tmp_path, caplog):
+    """A node.toml written before the sections: every key at the top level, outer_state_device
+    under its old name. It loads as the sectioned file does, saying where each key went."""
+    flat = write(tmp_path, "flat.toml", 'coordinator = "http://c:8000"\nthreads = 3\nfetch_timeout_s = 5.0\n'
+                                        'outer_state_device = "device"\nprogress = false\ndevice = "cpu"\n')
+    sectioned = write(tmp_path, "sectioned.toml",
+                      'coordinator = "http://c:8000"\n[training]\nthreads = 3\ndevice = "cpu"\n'
+                      '[network]\nfetch_timeout_s = 5.0\n[memory]\nstate_placement = "device"\n'
+                      '[debug]\nprogress = false\n')
+    with caplog.at_level(logging.WARNING, logger="node.config"):
+        config = load_node_config(flat, {"training.threads": None})
+    assert config == load_node_config(sectioned)
+    lines = [record.getMessage() for record in caplog.records]
+    assert f"{flat}: outer_state_device is now memory.state_placement (read as that; move it into [memory])" in lines
+    assert f"{flat}: threads is now training.threads (read as that; move it into [training])" in lines
+    assert len(lines) == 5, lines
+    assert set(FLAT_NODE_KEYS.values()) <= {f"{s}.{n}" for s in SECTIONS
+                                           for n in NodeConfig.model_fields[s].annotation.model_fields}
+    assert load_node_config(flat, {"training.threads": 1}).training.threads == 1, "flags override a flat key"
+    both = write(tmp_path, "both.toml", 'coordinator = "http://c:8000"\nthreads = 3\n[training]\nthreads = 4\n')
+    with pytest.raises(ConfigError, match="threads and training.threads both given: keep training.threads"):
+        load_node_config(both)
+    misspelt = write(tmp_path, "misspelt.toml", 'coordinator = "http://c:8000"\nthreds = 3\n')
+    with pytest.raises(ConfigError, match=r"threds: unknown key \(did you mean training.threads\?\)"):
+        load_node_config(misspelt)
 
 
 # -- the builder ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import uvicorn
 import node.round.coordinator_client as client_module
 from node.round.coordinator_client import (CoordinatorClient, CoordinatorUnavailable, CoordinatorUnreachable,
                                           Refused, format_duration)
+from node.round.refusals import Action, Code
 from protocol.signing import PeerKey
 
 
@@ -129,7 +130,8 @@ def test_a_call_with_its_own_budget_gives_up_and_a_refusal_is_final(tmp_path, fa
         try:
             with pytest.raises(Refused) as refused:  # an answer, final: no retry
                 await client.leave()
-            assert refused.value.code == "unknown_peer" and client.unreachable_for_s is None
+            assert refused.value.code is Code.UNKNOWN_PEER and refused.value.action is Action.STOP
+            assert client.unreachable_for_s is None
             await coordinator.stop()
             with pytest.raises(CoordinatorUnavailable, match="gave up after 3 s"):
                 await client.leave()  # leaving waits 3 s at most

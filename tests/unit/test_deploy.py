@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel
 
 from locoswarm.cli import main, parse_args
-from node.config import NodeConfig, format_node_config, load_node_config
+from node.config import SECTIONS, NodeConfig, format_node_config, load_node_config
 from protocol.config_file import ConfigError
 from protocol.run_config import FixedDeadline, RunConfig, load_run_config
 from tests.fixtures.coordinator import json_server
@@ -220,13 +220,20 @@ def test_run_config_names_a_bad_key(tmp_path):
 # -- node.toml and node/config.py -------------------------------------------------------------
 
 
-def test_sample_node_config_loads_and_names_every_field():
+def test_sample_node_config_loads_and_names_every_field(caplog):
     config = load_node_config(DEPLOY / "node.toml")
-    assert config.coordinator == "http://127.0.0.1:8000" and config.device in ("cpu", "cuda")
+    assert not caplog.records, "the sample uses the sections: no key is read from an old place"
+    assert config.coordinator == "http://127.0.0.1:8000" and config.training.device in ("cpu", "cuda")
     assert config.key_path == Path.home() / ".locoswarm" / "peer.key"
     text = (DEPLOY / "node.toml").read_text()
-    for name in NodeConfig.model_fields:
-        assert re.search(rf"^(# )?{name} =", text, re.M), f"node.toml does not mention {name}"
+    tables = re.split(r"^\[(\w+)\]$", text, flags=re.M)  # top level, then name, body, name, body...
+    bodies = {None: tables[0], **dict(zip(tables[1::2], tables[2::2]))}
+    assert list(bodies)[1:] == list(SECTIONS), "the tables, in the model's order"
+    for section, body in bodies.items():
+        model = NodeConfig if section is None else NodeConfig.model_fields[section].annotation
+        for name in model.model_fields:
+            if name not in SECTIONS:
+                assert re.search(rf"^(# )?{name} =", body, re.M), f"node.toml's [{section}] does not mention {name}"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -236,16 +243,20 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 @pytest.mark.parametrize("line, key", [
-    ("fetch_timeout = 3.0", "fetch_timeout"),                  # unknown key (the field is fetch_timeout_s)
-    ("threads = -1", "threads"),                               # out of range
-    ("fetch_timeout_s = 0.0", "fetch_timeout_s"),
-    ("max_rounds = 0", "max_rounds"),
-    ("device = \"gpu\"", "device"),
-    ("client_mode = \"yes\"", "client_mode"),                  # wrong type
-    ("threads = 2.5", "threads"),
-    ("host_maddrs = []", "host_maddrs"),
-    ("initial_peers = \"/ip4/1.2.3.4/tcp/1\"", "initial_peers"),
+    ("[network]\nfetch_timeout = 3.0", "network.fetch_timeout"),  # unknown key (the field is fetch_timeout_s)
+    ("fetch_timeout = 3.0", "fetch_timeout"),
+    ("[training]\nthreads = -1", "training.threads"),            # out of range
+    ("threads = -1", "training.threads"),                        # a key from before the sections, in its new place
+    ("[network]\nfetch_timeout_s = 0.0", "network.fetch_timeout_s"),
+    ("[training]\nmax_rounds = 0", "training.max_rounds"),
+    ("[training]\ndevice = \"gpu\"", "training.device"),
+    ("[network]\nclient_mode = \"yes\"", "network.client_mode"),  # wrong type
+    ("[training]\nthreads = 2.5", "training.threads"),
+    ("[network]\nhost_maddrs = []", "network.host_maddrs"),
+    ("[network]\ninitial_peers = \"/ip4/1.2.3.4/tcp/1\"", "network.initial_peers"),
     ("join_token = \"short\"", "join_token"),
+    ("[memory]\nstate_placement = \"disk\"", "memory.state_placement"),
+    ("training = 3", "training"),
 ])
 def test_bad_node_config_is_refused_naming_the_key(tmp_path, line, key):
     path = write(tmp_path, f'coordinator = "http://c:8000"\n{line}\n')
@@ -263,27 +274,27 @@ def test_node_config_needs_a_coordinator_and_a_url(tmp_path):
 
 
 def test_flags_override_the_file_and_are_checked_too(tmp_path):
-    path = write(tmp_path, 'coordinator = "http://c:8000"\nthreads = 4\nclient_mode = true\n'
-                           'key_path = "~/k.key"\ndevice = "cpu"\n')
-    config = load_node_config(path, {"threads": 1, "client_mode": False, "max_rounds": None})
-    assert (config.threads, config.client_mode, config.max_rounds) == (1, False, None)
+    path = write(tmp_path, 'coordinator = "http://c:8000"\nkey_path = "~/k.key"\n[training]\nthreads = 4\n'
+                           'device = "cpu"\n[network]\nclient_mode = true\n')
+    config = load_node_config(path, {"training.threads": 1, "network.client_mode": False, "training.max_rounds": None})
+    assert (config.training.threads, config.network.client_mode, config.training.max_rounds) == (1, False, None)
     assert config.key_path == Path.home() / "k.key" and config.coordinator == "http://c:8000"
-    with pytest.raises(ConfigError, match="fetch_timeout_s"):
-        load_node_config(path, {"fetch_timeout_s": -1.0})
+    with pytest.raises(ConfigError, match="network.fetch_timeout_s"):
+        load_node_config(path, {"network.fetch_timeout_s": -1.0})
     printed = json.loads(format_node_config(
         load_node_config(path, {"join_token": "secret-token"})).removeprefix("node config: "))
-    assert printed["join_token"] == "<hidden>" and printed["threads"] == 4
+    assert printed["join_token"] == "<hidden>" and printed["training"]["threads"] == 4
 
 
 def test_node_join_flags_reach_the_config(tmp_path):
-    path = write(tmp_path, 'coordinator = "http://c:8000"\nprogress = true\n')
-    args = parses(["node", "join", "--config", str(path), "--no-progress", "--fetch-timeout", "5",
-                   "--auto-relay", "--run", "r1", "--key", str(tmp_path / "k")])
-    from node.cli.join import JOIN_CONFIG_FLAGS
+    from node.cli.config_flags import config_overrides
 
-    assert set(JOIN_CONFIG_FLAGS) <= set(NodeConfig.model_fields)
-    config = load_node_config(path, {name: getattr(args, name) for name in JOIN_CONFIG_FLAGS})
-    assert (config.progress, config.fetch_timeout_s, config.use_auto_relay, config.run_id) == (False, 5.0, True, "r1")
+    path = write(tmp_path, 'coordinator = "http://c:8000"\n[debug]\nprogress = true\n')
+    args = parses(["node", "join", "--config", str(path), "--no-progress", "--fetch-timeout", "5",
+                   "--auto-relay", "--run", "r1", "--key", str(tmp_path / "k"), "--state-placement", "device"])
+    config = load_node_config(path, config_overrides(args, NodeConfig))
+    assert (config.debug.progress, config.network.fetch_timeout_s, config.network.use_auto_relay, config.run_id,
+            config.memory.state_placement) == (False, 5.0, True, "r1", "device")
 
 
 def test_node_join_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
@@ -327,13 +338,14 @@ def test_doctor_coordinator_check_reads_healthz_and_runs():
 def test_doctor_reachability():
     from node.cli.doctor import OK, WARN, check_reachability
 
-    loopback = load_node_config(None, {"coordinator": "http://c:1", "device": "cpu"})
-    assert check_reachability(loopback).status == WARN
-    public = load_node_config(None, {"coordinator": "http://c:1", "device": "cpu",
-                                     "announce_maddrs": ("/ip4/8.8.8.8/tcp/31337",)})
-    assert check_reachability(public).status == OK
-    client = load_node_config(None, {"coordinator": "http://c:1", "device": "cpu", "client_mode": True})
-    assert check_reachability(client).status == OK
+    loopback = load_node_config(None, {"coordinator": "http://c:1", "training.device": "cpu"})
+    assert check_reachability(loopback.network).status == WARN
+    public = load_node_config(None, {"coordinator": "http://c:1", "training.device": "cpu",
+                                     "network.announce_maddrs": ("/ip4/8.8.8.8/tcp/31337",)})
+    assert check_reachability(public.network).status == OK
+    client = load_node_config(None, {"coordinator": "http://c:1", "training.device": "cpu",
+                                     "network.client_mode": True})
+    assert check_reachability(client.network).status == OK
 
 
 def _free_port() -> int:

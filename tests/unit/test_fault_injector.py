@@ -269,15 +269,16 @@ def test_inject_flag_and_node_config_field():
     import argparse
 
     from node.cli import join as node_cli
-    from node.config import load_node_config
+    from node.cli.config_flags import config_overrides
+    from node.config import NodeConfig, load_node_config
 
     parser = argparse.ArgumentParser()
     node_cli.register(parser.add_subparsers())
     args = parser.parse_args(["node", "join", "--coordinator", "http://127.0.0.1:1", "--inject", "crash@round=1",
                               "--inject", "slow-upload@delay_s=1"])
-    config = load_node_config(None, {name: getattr(args, name) for name in node_cli.JOIN_CONFIG_FLAGS})
-    assert config.inject == ("crash@round=1", "slow-upload@delay_s=1")
-    assert load_node_config(None, {"coordinator": "http://x:1"}).inject == ()
+    config = load_node_config(None, config_overrides(args, NodeConfig))
+    assert config.debug.inject == ("crash@round=1", "slow-upload@delay_s=1")
+    assert load_node_config(None, {"coordinator": "http://x:1"}).debug.inject == ()
 
 
 def test_refused_packets_reach_the_status_and_are_bounded(coordinator_client, fake_clock):

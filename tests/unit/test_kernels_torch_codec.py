@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import entropy as ref
-from kernels import entropy_torch as fast
-from kernels.chunking import chunk_layout
-from kernels.quantize import QuantTable
-from kernels.reference import reference_scatter_mean
-from kernels.sparse import SparseTensor, compress, scatter_mean
+from locoswarm_kernels import entropy as ref
+from locoswarm_kernels import entropy_torch as fast
+from locoswarm_kernels.chunking import chunk_layout
+from locoswarm_kernels.quantize import QuantTable
+from locoswarm_kernels.reference import reference_scatter_mean
+from locoswarm_kernels.sparse import SparseTensor, compress, scatter_mean
 from protocol.packet import (
     DTYPE_NAMES,
     MAGIC,
@@ -151,7 +151,7 @@ def order_sensitive_selections(num_peers: int, shape=(67, 130), top_k=2048, dtyp
 
 
 def reference_of(selections, layout, peer_scales=None) -> torch.Tensor:
-    """kernels.reference's element-by-element, peer-order scatter-mean of `selections`."""
+    """locoswarm_kernels.reference's element-by-element, peer-order scatter-mean of `selections`."""
     contributions = []
     for i, s in enumerate(selections):
         values = s.values().reshape(-1).float()

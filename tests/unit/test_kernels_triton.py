@@ -1,5 +1,5 @@
 """The Triton scatter-mean kernel (kernels/triton_aggregate.py) under Triton's interpreter on CPU:
-the same float32 bits as the peer-order reference and as the torch path, through kernels.sparse's
+the same float32 bits as the peer-order reference and as the torch path, through locoswarm_kernels.sparse's
 own dispatch. Skips when triton is not installed."""
 
 import importlib
@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (it is in the test extras on Linux x86_64)")
 
-from kernels.reference import reference_scatter_mean
-from kernels.sparse import scatter_mean
+from locoswarm_kernels.reference import reference_scatter_mean
+from locoswarm_kernels.sparse import scatter_mean
 from tests.unit.test_kernels_torch_codec import order_sensitive_selections, reference_of
 
 pytestmark = pytest.mark.timeout(240)
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    """kernels.triton_aggregate re-imported with TRITON_INTERPRET=1 (triton.jit reads it when a
-    kernel is defined), and kernels.sparse told to use it on CPU; re-imported plainly afterwards."""
-    import kernels.triton_aggregate as module
+    """locoswarm_kernels.triton_aggregate re-imported with TRITON_INTERPRET=1 (triton.jit reads it when a
+    kernel is defined), and locoswarm_kernels.sparse told to use it on CPU; re-imported plainly afterwards."""
+    import locoswarm_kernels.triton_aggregate as module
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("LOCOSWARM_TRITON", "1")
@@ -55,7 +55,7 @@ def test_triton_kernel_counts_and_tiles(interpreted):
         expected_count = torch.zeros(layout.numel, dtype=torch.int32)
         for s in selections:
             expected_count[s.flat_indices()] += 1
-        from kernels.chunking import from_chunks
+        from locoswarm_kernels.chunking import from_chunks
 
         assert torch.equal(from_chunks(count.view(layout.num_chunks, -1), layout).reshape(-1), expected_count)
         contributions = [(s.flat_indices().tolist(), s.values().reshape(-1).float()) for s in selections]

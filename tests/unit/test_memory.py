@@ -31,7 +31,7 @@ def test_accounting_equals_a_real_cpu_state():
 
 
 def test_packet_layout_constants_are_counted_as_built():
-    from kernels.chunking import packet_layout
+    from locoswarm_kernels.chunking import packet_layout
     from tools.bench.memory import packet_layout_bytes
     from protocol.packet import ModelSpec
 

@@ -24,7 +24,7 @@ def test_a_node_samples_its_global_model_greedily():
                                     "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2,
                                               "total_steps": 100}})
     training = PeerTraining.build(run, "cpu", load_corpus(None).train)
-    s = SimpleNamespace(run=run, training=training, config=SimpleNamespace(data=None))
+    s = SimpleNamespace(run=run, training=training, config=SimpleNamespace(training=SimpleNamespace(data=None)))
     first, again = text_sample(s, 0), text_sample(s, 0)
     assert first is not None and first.startswith(SAMPLE_PROMPT) and len(first) > len(SAMPLE_PROMPT)
     assert first == again, "greedy: the same model writes the same text"

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels.sparse import median_clip_scales, scatter_mean
+from locoswarm_kernels.sparse import median_clip_scales, scatter_mean
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
 from node.training.params import flat_named_params, param_digest

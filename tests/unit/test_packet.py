@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.sparse import error_feedback_step
+from locoswarm_kernels.sparse import error_feedback_step
 from protocol import errors
 from protocol.packet import (MAGIC, PREFIX, WIRE_VERSION, ModelSpec, decode_packet, encode_packet, packet_digest,
                              read_header)

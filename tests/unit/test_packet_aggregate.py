@@ -1,4 +1,4 @@
-"""The whole-packet aggregation (kernels.sparse.aggregate_packets) against the per-tensor
+"""The whole-packet aggregation (locoswarm_kernels.sparse.aggregate_packets) against the per-tensor
 scatter_mean it replaces on the node: the same bits, tensor by tensor."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from kernels.chunking import packet_layout
-from kernels.quantize import QuantTable
-from kernels.sparse import (PacketSelections, aggregate_packets, code_values, error_feedback_step, median_clip_scales,
+from locoswarm_kernels.chunking import packet_layout
+from locoswarm_kernels.quantize import QuantTable
+from locoswarm_kernels.sparse import (PacketSelections, aggregate_packets, code_values, error_feedback_step, median_clip_scales,
                             packet_clip_scales, scatter_mean)
 from protocol.packet import ModelSpec, decode_packet, encode_packet
 from protocol.signing import PeerKey
@@ -84,9 +84,9 @@ def test_code_counts_from_packed_bytes_are_the_counts_of_the_codes(top_k):
 
 
 def test_code_counts_ignore_the_padding_bits():
-    from kernels.chunking import packet_layout
-    from kernels.entropy_torch import pack_2bit, unpack_2bit
-    from kernels.sparse import code_counts
+    from locoswarm_kernels.chunking import packet_layout
+    from locoswarm_kernels.entropy_torch import pack_2bit, unpack_2bit
+    from locoswarm_kernels.sparse import code_counts
 
     spec = ModelSpec({"a": (3,), "b": (5,)}, top_k=4096)  # 8 values: 3 of a's, 5 of b's, no padding
     layout = packet_layout(tuple(spec.layouts().values()))
@@ -128,7 +128,7 @@ def test_one_peer_half_precision_tables_and_coordinates_nobody_sent():
 
 
 def test_counts_past_255_peers_and_blocks_shared_by_tensors(monkeypatch):
-    import kernels.chunking as chunking
+    import locoswarm_kernels.chunking as chunking
 
     monkeypatch.setattr(chunking, "BLOCK_ELEMENTS", 3000)  # several tensors a block, and tensors alone
     chunking.packet_layout.cache_clear()

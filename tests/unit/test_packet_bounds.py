@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.sparse import error_feedback_step
+from locoswarm_kernels.sparse import error_feedback_step
 from protocol import errors
 from protocol.packet import MAGIC, PREFIX, TABLE, WIRE_VERSION, ModelSpec, decode_packet, encode_packet, read_header
 from protocol.run_config import DEFAULT_MAX_ABS_VALUE, MAX_ABS_VALUE_LIMIT, OuterSection

@@ -1,5 +1,5 @@
 """The fast CPU paths of the packet kernels against the plain ones they stand for: the grouped Rice
-decoder (kernels.entropy_torch.rice_decode_positions) against `rice_decode_rows`, refusals
+decoder (locoswarm_kernels.entropy_torch.rice_decode_positions) against `rice_decode_rows`, refusals
 included, and the chunk-by-chunk aggregation against the block-by-block one and `scatter_mean`,
 for any number of workers."""
 
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import entropy as ref
-from kernels import entropy_torch as fast
-from kernels import sparse
-from kernels.chunking import scratch
-from kernels.sparse import aggregate_packets, packet_clip_scales
+from locoswarm_kernels import entropy as ref
+from locoswarm_kernels import entropy_torch as fast
+from locoswarm_kernels import sparse
+from locoswarm_kernels.chunking import scratch
+from locoswarm_kernels.sparse import aggregate_packets, packet_clip_scales
 from tests.unit.test_packet_aggregate import (
     assert_same_bits,
     decoded_packets,

@@ -12,9 +12,9 @@ import struct
 import pytest
 import torch
 
-from kernels.chunking import chunk_layout
-from kernels.quantize import QuantTable
-from kernels.sparse import SparseTensor, median_clip_scales, scatter_mean
+from locoswarm_kernels.chunking import chunk_layout
+from locoswarm_kernels.quantize import QuantTable
+from locoswarm_kernels.sparse import SparseTensor, median_clip_scales, scatter_mean
 from node.faults import OVERFLOW_TABLE, FaultInjector, parse_fault
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer

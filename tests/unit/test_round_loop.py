@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from node.config import NodeConfig
+from node.config import FLAT_KEYS, load_node_config
 from node.round.coordinator_client import CoordinatorClient
 from node.round.loop import Node
 from node.faults import FaultInjector
@@ -57,8 +57,10 @@ class Swarm:
     def node(self, name: str, faults: FaultInjector | None = None, **settings) -> tuple[Node, str]:
         key_path = self.tmp_path / f"{name}.key"
         key = PeerKey.load_or_create(key_path)
-        config = NodeConfig(coordinator=BASE_URL, run_id=self.run_id, key_path=key_path, device="cpu",
-                            progress=False, fetch_timeout_s=3.0, threads=1, **settings)
+        settings = {"training.device": "cpu", "debug.progress": False, "network.fetch_timeout_s": 3.0,
+                    "training.threads": 1, **{FLAT_KEYS[name]: value for name, value in settings.items()}}
+        config = load_node_config(None, {"coordinator": BASE_URL, "run_id": self.run_id, "key_path": key_path,
+                                         **settings})
         client = CoordinatorClient(BASE_URL, key, transport=self.transport, retry_for_s=5.0)
         node = Node(config, client=client, exchange=self.network.exchange(name),
                     faults=faults)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.chunking import chunk_layout
-from kernels.sparse import compress
+from locoswarm_kernels.chunking import chunk_layout
+from locoswarm_kernels.sparse import compress
 from node.training.model import build_model, lm_loss
 from node.training.scoring import score_updates
 
@@ -67,7 +67,7 @@ def test_honest_updates_score_better_than_flipped_and_random_ones():
 
 def test_dense_updates_score_as_their_sparse_form_does():
     """DiLoCo's dense deltas go through the same scoring as decoded sparse updates."""
-    from kernels.sparse import decompress
+    from locoswarm_kernels.sparse import decompress
 
     torch.manual_seed(1)
     model = build_model("tiny", seed=0)

@@ -16,8 +16,8 @@ import pytest
 from tests.fixtures.ranks import spawn_ranks
 import torch
 
-from kernels.chunking import chunk_layout
-from kernels.sparse import decompress, error_feedback_step, restore_sent
+from locoswarm_kernels.chunking import chunk_layout
+from locoswarm_kernels.sparse import decompress, error_feedback_step, restore_sent
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
 from node.training.params import flat_named_params, param_digest
@@ -67,7 +67,7 @@ def train(model, outer, round: int) -> None:
 
 def fold(outer) -> dict[str, torch.Tensor]:
     """The error buffers with this round's delta folded in, replayed by hand beside the outer step.
-    The same two in-place ops as kernels.sparse.error_feedback_step: add_ with alpha may fuse the
+    The same two in-place ops as locoswarm_kernels.sparse.error_feedback_step: add_ with alpha may fuse the
     multiply-add (one rounding), so `beta * e + lr * delta` written out can differ in the last bit."""
     cfg = outer.cfg
     return {name: outer.error_buffers[name].clone().mul_(cfg.error_decay).add_(delta.float(), alpha=cfg.outer_lr)

@@ -39,9 +39,9 @@ import time
 import numpy as np
 import torch
 
-from kernels.chunking import ChunkLayout, from_chunks, num_workers, pool_map, to_chunks
-from kernels.quantize import quantize
-from kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
+from locoswarm_kernels.chunking import ChunkLayout, from_chunks, num_workers, pool_map, to_chunks
+from locoswarm_kernels.quantize import quantize
+from locoswarm_kernels.sparse import aggregate_packets, error_feedback_step, packet_clip_scales
 
 BETA, OUTER_LR = 0.95, 1.0
 
@@ -150,7 +150,7 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
         # median_clip, the node's default aggregation
         aggregate_packets(decoded, device=device, peer_scales=packet_clip_scales(decoded), num_threads=num_threads)
 
-    # Ours with the aggregation's default workers (kernels.chunking.num_workers) and with one, for the record.
+    # Ours with the aggregation's default workers (locoswarm_kernels.chunking.num_workers) and with one, for the record.
     decode_s, decode_single_s, baseline_decode_s = _interleaved_medians(
         [decode_aggregate, lambda: decode_aggregate(num_threads=1),
          lambda: baseline_decode_aggregate(base_packets, layouts, device)], repeats, device)

@@ -48,7 +48,7 @@ def make_packet(index: int, packet_bytes: int | None) -> bytes:
     import torch
 
     from tools.bench.codec import BETA, OUTER_LR, llama_shapes
-    from kernels.sparse import error_feedback_step
+    from locoswarm_kernels.sparse import error_feedback_step
     from protocol.packet import ModelSpec, encode_packet
     from protocol.signing import PeerKey
 
