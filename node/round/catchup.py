@@ -42,7 +42,8 @@ from node.round.prefetch import Decoded
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
 from node.round.coordinator_client import Refused
-from node.round.steps import CatchUpNeeded, PacketsGone, apply_manifest, serve_snapshot
+from node.round.snapshots import serve_snapshot
+from node.round.steps import CatchUpNeeded, PacketsGone, apply_manifest
 from protocol.http import MAX_DETAIL_CHARS, MAX_REFUSED, RoundView, RunStatus
 from protocol.snapshot import PARAMS_SECTION
 

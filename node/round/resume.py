@@ -24,6 +24,7 @@ import asyncio
 import logging
 
 from node.round.session import Session
+from node.round.snapshots import serve_snapshot
 
 log = logging.getLogger("locoswarm.node")
 
@@ -94,7 +95,6 @@ async def restore(s: Session) -> bool:
         return False
     s.params_round, s.digest, s.tree = round, digest, None
     log.info("resumed from the checkpoint of round %d (digest %s)", round, digest[:12])
-    from node.round.steps import serve_snapshot
 
     await serve_snapshot(s, round)  # streamed from the checkpoint's files to peers catching up
     return True

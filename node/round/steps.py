@@ -39,10 +39,10 @@ from node.round.prefetch import Decoded, Prefetch
 from node.round.refusals import Action, Code
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
+from node.round.snapshots import serve_snapshot
 from node.faults import Phase
 from node.training.params import param_tree
 from node.training.scoring import PeerScore
-from protocol.digest import Tree
 from protocol.errors import ProtocolError
 from protocol.http import MAX_REFUSED, MAX_SAMPLE_CHARS, MAX_SCORES, AppliedResponse, PeerScoreReport, RoundView
 
@@ -452,48 +452,6 @@ async def apply_and_report(s: Session, report: RoundReport, applied_round: int, 
     report.manifest_version = s.amendments.applied_versions.get(applied_round, view.manifest_version)
     report.scores = {peer: {"loss_delta": sc.loss_delta, "cosine": sc.cosine} for peer, sc in scores.items()}
     return report
-
-
-async def serve_snapshot(s: Session, round: int, params_tree: Tree | None = None,
-                          state_tree: Tree | None = None) -> None:
-    """Serve the global model that starts `round` (and the outer state), published off the
-    critical path: from this node's checkpoint when it holds that round, else from the round-start
-    tensors themselves, read as they are served (no copy: served until the next outer step moves
-    them, then the fetchers resume at another holder). `params_tree`: their hash tree, if known."""
-    if params_tree is not None and params_tree.hex != s.digest:
-        params_tree = state_tree = None  # the start moved since (a recompute): hash it as it is now
-    try:
-        snapshot = await asyncio.to_thread(_snapshot_of, s, round, params_tree, state_tree)
-    except Exception as e:  # serving snapshots helps others; failing to must not stop this node
-        log.warning("round %d: no parameter snapshot to serve: %s", round, e)
-        return
-    s.spawn(_publish_snapshot(s, round, snapshot))
-
-
-async def _publish_snapshot(s: Session, round: int, snapshot) -> None:
-    try:
-        await s.exchange.publish_params(round, snapshot)
-    except Exception as e:  # serving snapshots helps others; failing to must not stop this node
-        log.warning("round %d: could not publish a parameter snapshot: %s", round, e)
-
-
-def _snapshot_of(s: Session, round: int, params_tree: Tree | None, state_tree: Tree | None):
-    from node.training.checkpoint import CheckpointError, checkpoint_meta
-    from node.training.params import flat_named_params
-    from node.training.snapshot import Snapshot
-
-    directory = s.config.checkpoints.checkpoint_dir
-    if directory is not None:
-        try:
-            meta = checkpoint_meta(directory)
-            if meta.get("round") == round and meta.get("extra", {}).get("run_id") == s.run_id and (
-                    params_tree is None or meta.get("digest") == params_tree.hex):
-                return Snapshot.from_checkpoint(directory, params_tree)
-        except CheckpointError as e:
-            log.info("round %d: serving the snapshot from memory, not the checkpoint: %s", round, e)
-    # The global model (equal to the parameters, except with overlap, where they run ahead).
-    params = {n: s.outer.start[n] for n in flat_named_params(s.training.model)}
-    return Snapshot.from_tensors(params, s.outer.snapshot_state(), params_tree, state_tree)
 
 
 def _progress_bar(s: Session, round: int):

@@ -14,7 +14,7 @@ Sources (`load_corpus(source)`, the CLI's `--data PATH`):
   (node/training/shards.py) also say what their ids mean, in slots llm.c leaves zero (so llm.c
   readers still read them): `[3]` the tag 0x6F636F6C ("loco"), `[4]` its version 1, `[5]` the
   tokenizer's vocabulary size, `[6:14]` the tokenizer id (32 bytes: sha256 of the canonical
-  tokenizer.json, `node.training.shards.tokenizer_id`). A directory of such shards holds that
+  tokenizer.json, `node.training.data.tokenizer_id`). A directory of such shards holds that
   tokenizer.json beside them, and it must have the shards' id. Headerless files are raw tokens
   whose width comes from the name: `*.u32.bin` / `*.uint32.bin` are uint32, anything else
   uint16 (nanoGPT's `train.bin`). Files with `val` in their name are the validation split.
@@ -42,6 +42,7 @@ one max over the dataset's arrays), each with a one-line message that says what 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sysconfig
@@ -93,6 +94,20 @@ class DataMismatch(DataError):
 
 class TokenizerMismatch(DataMismatch):
     """The shards were made with another tokenizer than the run's (or with none)."""
+
+
+class BadInput(DataError):
+    """An input file cannot be read as what its suffix says (bad JSON, no text column...)."""
+
+
+def tokenizer_id(path: str | os.PathLike) -> str:
+    """sha256 hex of a tokenizer.json's canonical JSON (sorted keys, no spaces): its identity."""
+    try:
+        document = json.loads(Path(path).read_text("utf-8"))
+    except (OSError, ValueError) as error:
+        raise BadInput(f"cannot read the tokenizer {path}: {error}") from error
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 class VocabularyMismatch(DataMismatch):
@@ -499,13 +514,11 @@ def bin_corpus(
                                      for f, h in headers.items()))
         raise TokenizerMismatch(f"{path}: shards made with different tokenizers ({described}); "
                                 "keep one `locoswarm data prepare` output per directory")
-    declared_vocab, tokenizer_id = tags.pop()
-    if tokenizer_id is not None and path.is_dir() and (path / TOKENIZER_FILE).is_file():
-        from node.training.shards import tokenizer_id as tokenizer_id_of
-
-        beside = tokenizer_id_of(path / TOKENIZER_FILE)
-        if beside != tokenizer_id:
-            raise TokenizerMismatch(f"{path}: {TOKENIZER_FILE} has id {beside[:12]}, the shards {tokenizer_id[:12]}; "
+    declared_vocab, shards_tokenizer = tags.pop()
+    if shards_tokenizer is not None and path.is_dir() and (path / TOKENIZER_FILE).is_file():
+        beside = tokenizer_id(path / TOKENIZER_FILE)
+        if beside != shards_tokenizer:
+            raise TokenizerMismatch(f"{path}: {TOKENIZER_FILE} has id {beside[:12]}, the shards {shards_tokenizer[:12]}; "
                                     "prepare the shards again (`locoswarm data prepare`) or restore its tokenizer.json")
     val_files = [f for f in files if "val" in f.name]
     train_files = [f for f in files if "val" not in f.name]
@@ -520,10 +533,10 @@ def bin_corpus(
     vocab_size = declared_vocab or vocab_size
     if vocab_size is None:
         vocab_size = 1 + max(int(s.max()) for s in train + val if len(s))
-    tag = f", {_describe_tag(declared_vocab, tokenizer_id)}" if declared_vocab else ""
+    tag = f", {_describe_tag(declared_vocab, shards_tokenizer)}" if declared_vocab else ""
     return Corpus(
-        train=TokenDataset(train, vocab_size=vocab_size, name=f"bin-{path.name}/train", tokenizer_id=tokenizer_id),
-        val=TokenDataset(val, vocab_size=vocab_size, name=f"bin-{path.name}/val", tokenizer_id=tokenizer_id),
+        train=TokenDataset(train, vocab_size=vocab_size, name=f"bin-{path.name}/train", tokenizer_id=shards_tokenizer),
+        val=TokenDataset(val, vocab_size=vocab_size, name=f"bin-{path.name}/val", tokenizer_id=shards_tokenizer),
         description=f"{len(files)} .bin shards at {path}{tag}",
     )
 

@@ -43,7 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from node.training.data import TOKENIZER_FILE, DataError, DataNotFound, EmptyData, shard_dtype, write_bin_shard
+from node.training.data import (TOKENIZER_FILE, BadInput, DataError, DataNotFound, EmptyData, shard_dtype, tokenizer_id,
+                                write_bin_shard)
 
 DATA_FILE = "data.json"  # what `prepare` made: tokenizer, vocabulary, shards, token counts
 BPE_PREFIX = "bpe:"
@@ -63,10 +64,6 @@ class MissingPackage(DataError):
     """A package that preparing data needs (tokenizers, pyarrow) is not installed."""
 
 
-class BadInput(DataError):
-    """An input file cannot be read as what its suffix says (bad JSON, no text column...)."""
-
-
 def _import(module: str, extra: str = "data"):
     try:
         return __import__(module, fromlist=["_"])
@@ -76,16 +73,6 @@ def _import(module: str, extra: str = "data"):
 
 
 # -- the tokenizer's id and special tokens -----------------------------------------------------
-
-
-def tokenizer_id(path: str | os.PathLike) -> str:
-    """sha256 hex of a tokenizer.json's canonical JSON (sorted keys, no spaces): its identity."""
-    try:
-        document = json.loads(Path(path).read_text("utf-8"))
-    except (OSError, ValueError) as error:
-        raise BadInput(f"cannot read the tokenizer {path}: {error}") from error
-    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def special_tokens(path: str | os.PathLike) -> dict[str, tuple[int, str] | None]:
