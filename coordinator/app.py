@@ -157,10 +157,14 @@ def _body_limits(app: FastAPI, paths: _Paths, max_body_bytes: int, auth: Authent
             body = operation.get("requestBody", {}).get("content", {}).get("application/json")
             definitions = app.openapi().get("components", {}).get("schemas", {})
             worst_bytes = max_json_bytes(body["schema"], definitions) if body else 0
-            admin = any(p.get("in") == "header" and p.get("name", "").lower() == "authorization"
-                        for p in operation.get("parameters", []))
-            limits[id(operation)] = (math.ceil(worst_bytes) if max_body_bytes < worst_bytes < math.inf
-                                     else max_body_bytes, admin)
+            admin = any(
+                p.get("in") == "header" and p.get("name", "").lower() == "authorization"
+                for p in operation.get("parameters", [])
+            )
+            limits[id(operation)] = (
+                math.ceil(worst_bytes) if max_body_bytes < worst_bytes < math.inf else max_body_bytes,
+                admin,
+            )
         return limits[id(operation)]
 
     def limit_for(scope: dict) -> int:
@@ -246,7 +250,9 @@ def create_app(
     app.openapi = lambda: _openapi_with_error_bodies(app)  # type: ignore[method-assign]
     app.state.paths = _Paths(app)
     app.add_middleware(
-        BodyLimitMiddleware, max_body_bytes=max_body_bytes, response_counts=response_counts,
+        BodyLimitMiddleware,
+        max_body_bytes=max_body_bytes,
+        response_counts=response_counts,
         limit_for=_body_limits(app, app.state.paths, max_body_bytes, auth),
     )
     _install_error_handlers(app)
@@ -264,8 +270,9 @@ async def _tick_forever(worker: DatabaseWorker, service: CoordinatorService, tic
         try:
             await worker.run(service.tick)
             if failing_since is not None:
-                log.warning("database usable again after %.0f s; deadlines and timeouts apply",
-                            time.monotonic() - failing_since)
+                log.warning(
+                    "database usable again after %.0f s; deadlines and timeouts apply", time.monotonic() - failing_since
+                )
                 failing_since = None
         except errors.StorageUnavailable as e:
             # Logged once per outage, not five times a second; /readyz says 503 meanwhile.

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 
 from coordinator import errors
 from coordinator.service import CoordinatorService
-from protocol.http import NONCE_HEADER, PEER_HEADER, SIGNATURE_HEADER, peer_id_from_public_key, verify_request
 from protocol.errors import BadSignature
+from protocol.http import NONCE_HEADER, PEER_HEADER, SIGNATURE_HEADER, peer_id_from_public_key, verify_request
 
 _PEER_ID = re.compile(r"^p[0-9a-f]{16}$")
 _NONCE = re.compile(r"^[0-9]{1,19}$")
@@ -96,9 +96,7 @@ class Authenticator:
         nonce_text = headers.get(NONCE_HEADER)
         signature_hex = headers.get(SIGNATURE_HEADER)
         if peer_id is None or nonce_text is None or signature_hex is None:
-            raise errors.Unsigned(
-                f"peer calls need {PEER_HEADER}, {NONCE_HEADER} and {SIGNATURE_HEADER} headers"
-            )
+            raise errors.Unsigned(f"peer calls need {PEER_HEADER}, {NONCE_HEADER} and {SIGNATURE_HEADER} headers")
         if not _PEER_ID.match(peer_id):
             raise errors.Unsigned(f"{PEER_HEADER} is not a peer id")
         if not _NONCE.match(nonce_text) or int(nonce_text) > MAX_NONCE:

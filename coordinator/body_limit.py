@@ -77,8 +77,10 @@ def max_json_bytes(schema: dict, definitions: dict, depth: int = 0) -> float:
         return 2 + MAX_BYTES_PER_CHAR * _max_chars(schema)
     if kind == "integer":
         bounds = [schema.get(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")]
-        if schema.get("minimum", schema.get("exclusiveMinimum")) is None or \
-                schema.get("maximum", schema.get("exclusiveMaximum")) is None:
+        if (
+            schema.get("minimum", schema.get("exclusiveMinimum")) is None
+            or schema.get("maximum", schema.get("exclusiveMaximum")) is None
+        ):
             return math.inf
         return max(len(str(int(b))) for b in bounds if b is not None) + 1
     if kind == "number":

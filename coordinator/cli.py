@@ -56,7 +56,7 @@ def _admin_token_for_server(args: argparse.Namespace) -> str:
         try:
             return Path(args.admin_token_file).read_text().strip()
         except OSError as e:
-            raise CliError(f"cannot read admin token file {args.admin_token_file}: {e.strerror}")
+            raise CliError(f"cannot read admin token file {args.admin_token_file}: {e.strerror}") from e
     # Generated once and kept next to the database, so a restart keeps the same token.
     if args.db.startswith(("postgresql://", "postgres://")):
         token_path = Path("locoswarm-coordinator.admin-token")
@@ -91,8 +91,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _configure_logging(verbose: bool) -> None:
     """The coordinator's own loggers at INFO on stderr; the HTTP libraries' at WARNING unless `verbose`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for name in ("httpx", "httpcore", "asyncio"):
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
 
@@ -155,14 +154,15 @@ def _admin_token_for_client(args: argparse.Namespace) -> str:
         try:
             return Path(args.admin_token_file).read_text().strip()
         except OSError as e:
-            raise CliError(f"cannot read admin token file {args.admin_token_file}: {e.strerror}")
+            raise CliError(f"cannot read admin token file {args.admin_token_file}: {e.strerror}") from e
     if os.environ.get(ADMIN_TOKEN_ENV):
         return os.environ[ADMIN_TOKEN_ENV].strip()
     found = _admin_token_files(Path.cwd())
     here = f"; in this directory: {', '.join(map(str, found))}" if found else ""
     raise CliError(
         f"no admin token: pass --admin-token-file PATH, the file `coordinator serve` printed as `admin token in "
-        f"PATH` (beside a SQLite database DB: DB.admin-token), or --admin-token T, or set {ADMIN_TOKEN_ENV}{here}")
+        f"PATH` (beside a SQLite database DB: DB.admin-token), or --admin-token T, or set {ADMIN_TOKEN_ENV}{here}"
+    )
 
 
 def _admin_token_files(directory: Path) -> list[Path]:
@@ -192,8 +192,9 @@ def _request(method: str, url: str, **kwargs: object) -> dict:
 def _no_such_run(error: CliError, base: str, run_id: str) -> CliError:
     """A run_not_found refusal, said as what to do about it; any other error unchanged."""
     if isinstance(error, RefusedByCoordinator) and error.code == "run_not_found":
-        return CliError(f"run {run_id} does not exist on {base}: list the runs with "
-                        f"`locoswarm run list --coordinator {base}`")
+        return CliError(
+            f"run {run_id} does not exist on {base}: list the runs with `locoswarm run list --coordinator {base}`"
+        )
     return error
 
 
@@ -252,8 +253,10 @@ def _status(args: argparse.Namespace) -> int:
             if run_id is None:
                 runs = _request("GET", f"{base}/v1/runs")["runs"]
                 if not runs:
-                    raise CliError(f"no runs on {base}: create one with `locoswarm run create --coordinator "
-                                   f"{base} --config run.toml`")
+                    raise CliError(
+                        f"no runs on {base}: create one with `locoswarm run create --coordinator "
+                        f"{base} --config run.toml`"
+                    )
                 run_id = pick_run(runs)
             try:
                 text = render_status(_request("GET", f"{base}/v1/runs/{run_id}/status"))
@@ -275,27 +278,36 @@ def _status(args: argparse.Namespace) -> int:
 
 def _add_admin_token_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-token", help=f"admin token (default: ${ADMIN_TOKEN_ENV})")
-    parser.add_argument("--admin-token-file",
-                        help="file holding the admin token (`coordinator serve` without a token writes one "
-                             "beside its SQLite database, DB.admin-token, and prints its path)")
+    parser.add_argument(
+        "--admin-token-file",
+        help="file holding the admin token (`coordinator serve` without a token writes one "
+        "beside its SQLite database, DB.admin-token, and prints its path)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     coordinator = subparsers.add_parser("coordinator", help="run the coordinator service")
     coordinator_sub = coordinator.add_subparsers(dest="coordinator_command", metavar="COMMAND")
     serve = coordinator_sub.add_parser("serve", help="serve the coordinator HTTP API and page")
-    serve.add_argument("--db", default="sqlite:///locoswarm-coordinator.db",
-                       help="sqlite:///path.db (default) or postgresql://user@host/dbname")
+    serve.add_argument(
+        "--db",
+        default="sqlite:///locoswarm-coordinator.db",
+        help="sqlite:///path.db (default) or postgresql://user@host/dbname",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--admin-token-file",
-                       help=f"file holding the admin token (else ${ADMIN_TOKEN_ENV}, else one is"
-                       " generated next to the database)")
-    serve.add_argument("--log-level", default="warning",
-                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument(
+        "--admin-token-file",
+        help=f"file holding the admin token (else ${ADMIN_TOKEN_ENV}, else one is generated next to the database)",
+    )
+    serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--access-log", action="store_true", help="log every request")
-    serve.add_argument("-v", "--verbose", action="store_true",
-                       help="uvicorn's INFO lines and the access log (default: the coordinator's own lines only)")
+    serve.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="uvicorn's INFO lines and the access log (default: the coordinator's own lines only)",
+    )
     serve.set_defaults(func=_serve)
     coordinator.set_defaults(func=lambda args: coordinator.print_help() or EXIT_USAGE)
 
@@ -320,8 +332,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status.add_argument("--coordinator", required=True, help="http://host:port")
     status.add_argument("--run", help="run id (default: the newest run still waiting or running, else the newest)")
     status.add_argument("--watch", action="store_true", help="refresh until interrupted (Ctrl+C)")
-    status.add_argument("--interval-s", type=float, default=2.0,
-                        help="with --watch: seconds between refreshes (default 2)")
+    status.add_argument(
+        "--interval-s", type=float, default=2.0, help="with --watch: seconds between refreshes (default 2)"
+    )
     status.set_defaults(func=_status)
 
 

@@ -40,8 +40,14 @@ def sides(reports: Iterable[AppliedRow], credit: Mapping[str, int], reference: s
             chunks = None
         else:
             chunks = _differing(ref_leaves, leaves)
-        out.append({"digest": digest, "peers": sorted(r.peer_id for r in rows),
-                    "credit": sum(credit.get(r.peer_id, 0) for r in rows), "chunks": chunks})
+        out.append(
+            {
+                "digest": digest,
+                "peers": sorted(r.peer_id for r in rows),
+                "credit": sum(credit.get(r.peer_id, 0) for r in rows),
+                "chunks": chunks,
+            }
+        )
     out.sort(key=lambda side: (side["digest"] != reference, -side["credit"], side["digest"]))
     return out
 
@@ -56,19 +62,23 @@ def decide(reports: list[AppliedRow], agreed: str, credit: Mapping[str, int], pr
     winner, losers = all_sides[0], all_sides[1:]
     excluded = sorted(p for side in losers for p in side["peers"])
     chunks = sorted({c for side in losers for c in side["chunks"] or ()})
-    where = (f"chunk(s) {_list(chunks)}" if chunks else "its chunks")
-    verdict = (f"{where} recompute to the agreed leaves by {len(winner['peers'])} peer(s) of credit"
-               f" {winner['credit']} ({_list(winner['peers'])}); {len(excluded)} peer(s) of credit"
-               f" {sum(side['credit'] for side in losers)} reported another digest: excluded")
+    where = f"chunk(s) {_list(chunks)}" if chunks else "its chunks"
+    verdict = (
+        f"{where} recompute to the agreed leaves by {len(winner['peers'])} peer(s) of credit"
+        f" {winner['credit']} ({_list(winner['peers'])}); {len(excluded)} peer(s) of credit"
+        f" {sum(side['credit'] for side in losers)} reported another digest: excluded"
+    )
     return {"agreed": agreed, "sides": all_sides, "excluded": excluded, "verdict": verdict, "credits": credit}
 
 
 def reason(record: Mapping, peer_id: str, round_index: int) -> str:
     """Why `peer_id` was excluded, for its standing."""
     side = next(s for s in record["sides"] if peer_id in s["peers"])
-    where = (f" (chunk(s) {_list(side['chunks'])} differ)" if side["chunks"] else "")
-    return (f"round {round_index}: it reported digest {side['digest'][:16]}{where}; the peers of credit computed"
-            f" {record['agreed'][:16]}")
+    where = f" (chunk(s) {_list(side['chunks'])} differ)" if side["chunks"] else ""
+    return (
+        f"round {round_index}: it reported digest {side['digest'][:16]}{where}; the peers of credit computed"
+        f" {record['agreed'][:16]}"
+    )
 
 
 def voters(record: Mapping) -> set[str]:
@@ -86,7 +96,7 @@ def _leaves(rows: Iterable[AppliedRow]) -> str | None:
 def _differing(a: str, b: str) -> list[int]:
     """Indices of the 32-byte leaves (64 hex characters) that differ; a longer tree's extra ones too."""
     n = max(len(a), len(b)) // 64
-    out = [i for i in range(n) if a[64 * i:64 * i + 64] != b[64 * i:64 * i + 64]]
+    out = [i for i in range(n) if a[64 * i : 64 * i + 64] != b[64 * i : 64 * i + 64]]
     return out[:MAX_CHUNKS_SHOWN]
 
 

@@ -60,13 +60,21 @@ class JoinGuard:
         `RateLimited` (nothing taken) and the seconds until both have one."""
         limits = [(("run", run_id), membership.join_rate_per_min / 60.0, membership.join_burst, "the run")]
         if source is not None:
-            limits.append((("address", run_id, source), membership.join_rate_per_address_per_min / 60.0,
-                           membership.join_burst_per_address, f"address {source}"))
+            limits.append(
+                (
+                    ("address", run_id, source),
+                    membership.join_rate_per_address_per_min / 60.0,
+                    membership.join_burst_per_address,
+                    f"address {source}",
+                )
+            )
         waits = [(self.buckets.wait_s(key, rate, burst, now), what) for key, rate, burst, what in limits]
         wait_s, what = max(waits)
         if wait_s > 0:
-            raise errors.RateLimited(f"too many new keys joining from {what}; retry in {wait_s:.1f} s",
-                                     retry_after_s=max(1, math.ceil(wait_s)))
+            raise errors.RateLimited(
+                f"too many new keys joining from {what}; retry in {wait_s:.1f} s",
+                retry_after_s=max(1, math.ceil(wait_s)),
+            )
         for key, rate, burst, _ in limits:
             self.buckets.take(key, rate, burst, now)
 
@@ -80,15 +88,17 @@ def salt_of(secret: str, run_id: str, period: int) -> str:
     return hmac.new(bytes.fromhex(secret), f"{run_id}\n{period}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def check_proof(secret: str, run_id: str, public_key_hex: str, bits: int, salt: str | None, nonce: int | None,
-                now: float) -> None:
+def check_proof(
+    secret: str, run_id: str, public_key_hex: str, bits: int, salt: str | None, nonce: int | None, now: float
+) -> None:
     """Refuse a join without a valid proof: `JoinProofRequired` when none came or its salt is not
     the current or the previous period's; `BadJoinProof` when it does not solve the challenge."""
     if bits == 0:
         return
     if salt is None or nonce is None:
         raise errors.JoinProofRequired(
-            f"this run asks new keys for a proof of work of {bits} bits: GET join-challenge, solve it, join again")
+            f"this run asks new keys for a proof of work of {bits} bits: GET join-challenge, solve it, join again"
+        )
     period = period_of(now)
     if not any(hmac.compare_digest(salt, salt_of(secret, run_id, p)) for p in (period, period - 1)):
         raise errors.JoinProofRequired("the join challenge's salt expired or was not issued here: fetch a fresh one")

@@ -37,7 +37,9 @@ _HELP = {
     "locoswarm_last_round_tokens": ("gauge", "Tokens trained into the last round (contributors x H x batch)."),
     "locoswarm_last_round_packet_bytes": ("gauge", "Bytes of the packets submitted to the last round."),
     "locoswarm_last_round_compression_ratio": (
-        "gauge", "Dense fp32 size of the last round's updates over its packet bytes."),
+        "gauge",
+        "Dense fp32 size of the last round's updates over its packet bytes.",
+    ),
     "locoswarm_val_loss": ("gauge", "Validation loss of the model after the latest round peers evaluated."),
     "locoswarm_val_loss_round": ("gauge", "The round locoswarm_val_loss is of."),
 }
@@ -84,9 +86,7 @@ def render(storage: Storage, views: Views, now: float, response_counts: Counter[
         out.add("locoswarm_run_current_round", run.current_round, **labels)
         for peer_status, count in sorted(Counter(p.status for p in status.peers).items()):
             out.add("locoswarm_run_peers", count, status=peer_status, **labels)
-        out.add(
-            "locoswarm_run_peers_flagged", sum(bool(p.flags) for p in status.peers), **labels
-        )
+        out.add("locoswarm_run_peers_flagged", sum(bool(p.flags) for p in status.peers), **labels)
         current = status.current_round
         if current is not None:
             out.add("locoswarm_round_submitted", current.num_submitted, **labels)

@@ -41,8 +41,19 @@ class CoordinatorProcess:
 def serve_command(db_url: str, port: int = 0) -> list[str]:
     # The standalone entry shares `register` with `locoswarm`; test_coordinator_cli checks that
     # `locoswarm` itself wires these commands in.
-    return [sys.executable, "-m", "coordinator.cli", "coordinator", "serve", "--db", db_url,
-            "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "coordinator.cli",
+        "coordinator",
+        "serve",
+        "--db",
+        db_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
 def launch_coordinator(db_url: str, log_path: Path, admin_token: str, timeout_s: float = 30.0) -> CoordinatorProcess:
@@ -50,8 +61,9 @@ def launch_coordinator(db_url: str, log_path: Path, admin_token: str, timeout_s:
     listening line; if it exits or stays silent for `timeout_s`, kill it and raise with its log."""
     env = {**os.environ, "LOCOSWARM_ADMIN_TOKEN": admin_token, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(serve_command(db_url), cwd=REPO_ROOT, env=env,
-                                   stdout=subprocess.PIPE, stderr=log, text=True)
+        process = subprocess.Popen(
+            serve_command(db_url), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True
+        )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:

@@ -65,8 +65,14 @@ def holds(storage: Storage, run_id: str, peer: PeerRow) -> bool:
     return agreed_start(storage, run_id, peer.state_round) == peer.state_digest
 
 
-def hold(storage: Storage, run: RunRow, config: RunConfig, now: float,
-         round_timeout_s: Callable[[int], float], settle: Callable[[int], None]) -> bool:
+def hold(
+    storage: Storage,
+    run: RunRow,
+    config: RunConfig,
+    now: float,
+    round_timeout_s: Callable[[int], float],
+    settle: Callable[[int], None],
+) -> bool:
     """Pause, keep waiting, resume or rewind a running run (see the module docstring); True while
     it stays paused. `round_timeout_s(r)` is the deadline policy's timeout for round r;
     `settle(r)` counts closed round r's votes as final (the service's vote count)."""
@@ -79,8 +85,11 @@ def hold(storage: Storage, run: RunRow, config: RunConfig, now: float,
             # round closes. So a lone contributor's digest is agreed and its checkpoint can restart the run.
             settle(run.current_round - 1)
         storage.update_run(run.run_id, paused_since=now, state_wait_since=None)
-        log.warning("run %s paused at round %d: no live peer (it waits for its state to come back)",
-                    run.run_id, run.current_round)
+        log.warning(
+            "run %s paused at round %d: no live peer (it waits for its state to come back)",
+            run.run_id,
+            run.current_round,
+        )
         return True
     if not live:
         if run.state_wait_since is not None:  # whoever returned left again: wait afresh
@@ -92,8 +101,9 @@ def hold(storage: Storage, run: RunRow, config: RunConfig, now: float,
         # A heartbeat time-out more than a round's: the peer that resumed the run has only joined, and
         # still loads its checkpoint (10 s for tiny on 2 busy cores, where the round's 12 s ran out
         # and it closed empty). Every waited-for peer in, the round closes as early as ever.
-        _reopen(storage, run, config, now, plan, live,
-                round_timeout_s(plan.round) + config.membership.heartbeat_timeout_s)
+        _reopen(
+            storage, run, config, now, plan, live, round_timeout_s(plan.round) + config.membership.heartbeat_timeout_s
+        )
         return False
     if run.state_wait_since is None:
         storage.update_run(run.run_id, state_wait_since=now)
@@ -116,23 +126,34 @@ def _plan(storage: Storage, run: RunRow, live: list[PeerRow]) -> _Plan | None:
     return None
 
 
-def _reopen(storage: Storage, run: RunRow, config: RunConfig, now: float, plan: _Plan, live: list[PeerRow],
-            timeout_s: float) -> None:
+def _reopen(
+    storage: Storage, run: RunRow, config: RunConfig, now: float, plan: _Plan, live: list[PeerRow], timeout_s: float
+) -> None:
     """Open round `plan.round` afresh: the open round itself (whatever was submitted to it came from
     peers that are gone, their packets with them), or an older one, the rounds since removed."""
     storage.delete_rounds_from(run.run_id, plan.round)
     storage.insert_round(RoundRow(run.run_id, plan.round, now, now + timeout_s, None, None))
     fields: dict = {"current_round": plan.round, "paused_since": None, "state_wait_since": None}
     if plan.round < run.current_round:
-        reason = (f"no live peer held the start of round {run.current_round} after waiting "
-                  f"{config.membership.state_wait_s:g} s; {', '.join(plan.holders)} held round {plan.round}'s")
-        fields["rewinds"] = json.dumps(json.loads(run.rewinds or "[]") + [
-            {"at": now, "from_round": run.current_round, "to_round": plan.round, "reason": reason}])
-        log.warning("run %s rewound from round %d to %d: rounds %d-%d are lost (%s)", run.run_id,
-                    run.current_round, plan.round, plan.round, run.current_round - 1, reason)
+        reason = (
+            f"no live peer held the start of round {run.current_round} after waiting "
+            f"{config.membership.state_wait_s:g} s; {', '.join(plan.holders)} held round {plan.round}'s"
+        )
+        fields["rewinds"] = json.dumps(
+            json.loads(run.rewinds or "[]")
+            + [{"at": now, "from_round": run.current_round, "to_round": plan.round, "reason": reason}]
+        )
+        log.warning(
+            "run %s rewound from round %d to %d: rounds %d-%d are lost (%s)",
+            run.run_id,
+            run.current_round,
+            plan.round,
+            plan.round,
+            run.current_round - 1,
+            reason,
+        )
     else:
-        log.warning("run %s resumed at round %d: %s hold(s) its start", run.run_id, plan.round,
-                    ", ".join(plan.holders))
+        log.warning("run %s resumed at round %d: %s hold(s) its start", run.run_id, plan.round, ", ".join(plan.holders))
     storage.update_run(run.run_id, **fields)
     # The holders train the round at once, so it waits for them, and so for the peers that hold an
     # agreed state at most MISSING_REPORT_ROUNDS older: they replay up to it from the packets their
@@ -145,8 +166,9 @@ def _reopen(storage: Storage, run: RunRow, config: RunConfig, now: float, plan: 
         storage.update_peer(run.run_id, peer.peer_id, member_since_round=plan.round + (0 if expected else 1))
 
 
-def view(storage: Storage, run: RunRow, config: RunConfig, now: float,
-         peers: list[PeerRow] | None = None) -> Recovery | None:
+def view(
+    storage: Storage, run: RunRow, config: RunConfig, now: float, peers: list[PeerRow] | None = None
+) -> Recovery | None:
     """What a paused run waits for, for the status JSON (None while it is not paused); `peers`: the
     run's peers where the caller has read them already."""
     if run.paused_since is None or run.state != "running":
@@ -154,23 +176,30 @@ def view(storage: Storage, run: RunRow, config: RunConfig, now: float,
     peers = storage.list_peers(run.run_id) if peers is None else peers
     live = [p for p in peers if p.status == "live"]
     needed = agreed_start(storage, run.run_id, run.current_round)
-    held = [HeldState(peer_id=p.peer_id, state_round=p.state_round, agreed=holds(storage, run.run_id, p))
-            for p in live]
+    held = [HeldState(peer_id=p.peer_id, state_round=p.state_round, agreed=holds(storage, run.run_id, p)) for p in live]
     plan = _plan(storage, run, live) if live else None
     last_holders = _last_holders(storage, run.run_id, run.current_round, needed) if needed is not None else []
-    rewind_at = (run.state_wait_since + config.membership.state_wait_s
-                 if run.state_wait_since is not None and plan is not None else None)
+    rewind_at = (
+        run.state_wait_since + config.membership.state_wait_s
+        if run.state_wait_since is not None and plan is not None
+        else None
+    )
     if not live:
-        message = (f"every peer has stopped; the run is paused at round {run.current_round} and goes on when a peer "
-                   f"holding its start returns" + (f" (last applied by {', '.join(last_holders[:4])})"
-                                                    if last_holders else ""))
+        message = (
+            f"every peer has stopped; the run is paused at round {run.current_round} and goes on when a peer "
+            f"holding its start returns" + (f" (last applied by {', '.join(last_holders[:4])})" if last_holders else "")
+        )
     elif plan is None:
-        message = (f"waiting for state: no live peer holds an agreed round start; round {run.current_round}'s "
-                   f"start was last applied by {', '.join(last_holders[:4]) or 'nobody reported'}")
+        message = (
+            f"waiting for state: no live peer holds an agreed round start; round {run.current_round}'s "
+            f"start was last applied by {', '.join(last_holders[:4]) or 'nobody reported'}"
+        )
     else:
-        message = (f"waiting for state: the newest held is round {plan.round}'s start "
-                   f"({', '.join(plan.holders[:4])}); the run goes back to it unless a peer holding round "
-                   f"{run.current_round}'s start returns")
+        message = (
+            f"waiting for state: the newest held is round {plan.round}'s start "
+            f"({', '.join(plan.holders[:4])}); the run goes back to it unless a peer holding round "
+            f"{run.current_round}'s start returns"
+        )
     return Recovery(
         paused_since=run.paused_since,
         waiting_since=run.state_wait_since,

@@ -42,7 +42,30 @@ from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
 from coordinator.views import HISTORY_LIMIT, Views
 from protocol.fields import ResponseModel
-from protocol.http import API_PREFIX, MAX_LONG_POLL_S, AppliedRequest, AppliedResponse, ErrorBody, Health, HeartbeatRequest, HeartbeatResponse, JoinChallenge, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, RoundView, RunCreated, RunInfo, RunList, RunStatus, SubmitRequest, SubmitResponse
+from protocol.http import (
+    API_PREFIX,
+    MAX_LONG_POLL_S,
+    AppliedRequest,
+    AppliedResponse,
+    ErrorBody,
+    Health,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JoinChallenge,
+    JoinRequest,
+    JoinResponse,
+    LeaveRequest,
+    LeaveResponse,
+    MissingRequest,
+    MissingResponse,
+    RoundView,
+    RunCreated,
+    RunInfo,
+    RunList,
+    RunStatus,
+    SubmitRequest,
+    SubmitResponse,
+)
 from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
@@ -192,7 +215,10 @@ async def _signer(auth: Authenticator, request: Request, public_key: bytes | Non
 
 
 def ops_router(
-    storage: Storage, service: CoordinatorService, worker: DatabaseWorker, read: ReadSide,
+    storage: Storage,
+    service: CoordinatorService,
+    worker: DatabaseWorker,
+    read: ReadSide,
     response_counts: Counter[int],
 ) -> APIRouter:
     router = APIRouter(tags=["ops"], route_class=JsonSchemaRoute)
@@ -231,15 +257,14 @@ def ops_router(
     return router
 
 
-def runs_router(service: CoordinatorService, auth: Authenticator, worker: DatabaseWorker,
-                reads: SharedReads, read: ReadSide) -> APIRouter:
+def runs_router(
+    service: CoordinatorService, auth: Authenticator, worker: DatabaseWorker, reads: SharedReads, read: ReadSide
+) -> APIRouter:
     router = APIRouter(prefix=API_PREFIX, tags=["runs"], route_class=JsonSchemaRoute)
     views = service.views
 
     @router.post("/runs", response_model=RunCreated, responses=ERROR_RESPONSES)
-    async def create_run(
-        config: RunConfig, authorization: Annotated[str | None, Header()] = None
-    ) -> RunCreated:
+    async def create_run(config: RunConfig, authorization: Annotated[str | None, Header()] = None) -> RunCreated:
         auth.require_admin(authorization)
         return RunCreated(run_id=await worker.run(service.create_run, config))
 
@@ -256,9 +281,7 @@ def runs_router(service: CoordinatorService, auth: Authenticator, worker: Databa
         return _json(await reads.run(("run", run_id), answer))
 
     @router.post("/runs/{run_id}/close", response_model=RunInfo, responses=ERROR_RESPONSES)
-    async def close_run(
-        run_id: RunIdPath, authorization: Annotated[str | None, Header()] = None
-    ) -> Response:
+    async def close_run(run_id: RunIdPath, authorization: Annotated[str | None, Header()] = None) -> Response:
         auth.require_admin(authorization)
 
         def answer() -> Response:
@@ -269,13 +292,16 @@ def runs_router(service: CoordinatorService, auth: Authenticator, worker: Databa
 
     @router.get("/runs/{run_id}/status", response_model=RunStatus, responses=ERROR_RESPONSES)
     async def run_status(
-        run_id: RunIdPath, history: Annotated[int, Query(ge=0, le=HISTORY_LIMIT), Digits] = HISTORY_LIMIT,
+        run_id: RunIdPath,
+        history: Annotated[int, Query(ge=0, le=HISTORY_LIMIT), Digits] = HISTORY_LIMIT,
     ) -> Response:
         """`history`: how many of the latest closed rounds to summarize (0: none, for a peer that
         needs only the members)."""
         await reads.run(("advance", run_id), lambda: service.advance(run_id))
-        status = await read.reads.run(("status", run_id, history), lambda: _encoded(read.views.status(
-            run_id, now=service.clock(), history_limit=history)))
+        status = await read.reads.run(
+            ("status", run_id, history),
+            lambda: _encoded(read.views.status(run_id, now=service.clock(), history_limit=history)),
+        )
         return _json(status)
 
     return router
@@ -310,16 +336,18 @@ def peers_router(service: CoordinatorService, auth: Authenticator, worker: Datab
 
 
 def rounds_router(
-    service: CoordinatorService, auth: Authenticator, events: RunEvents, worker: DatabaseWorker,
-    reads: SharedReads, read: ReadSide,
+    service: CoordinatorService,
+    auth: Authenticator,
+    events: RunEvents,
+    worker: DatabaseWorker,
+    reads: SharedReads,
+    read: ReadSide,
 ) -> APIRouter:
     router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}/rounds", tags=["rounds"], route_class=JsonSchemaRoute)
     views = service.views
 
     @router.post("/{round_index}/submit", response_model=SubmitResponse, responses=ERROR_RESPONSES)
-    async def submit(
-        run_id: RunIdPath, round_index: RoundPath, body: SubmitRequest, request: Request
-    ) -> Response:
+    async def submit(run_id: RunIdPath, round_index: RoundPath, body: SubmitRequest, request: Request) -> Response:
         signer = await _signer(auth, request)
         return await worker.run(lambda: _json(service.submit(run_id, round_index, signer(), body)))
 
@@ -334,6 +362,7 @@ def rounds_router(
         """Long-poll: answers once round `round_index` is closed, or (with `submitted_gt`) once more
         than that many packets were submitted to it, or (with `version_gt`, for a closed round)
         once its manifest version exceeds that, or after `wait_s` seconds."""
+
         def answered() -> bool:
             service.advance(run_id)
             settled = views.round_is_settled(run_id, round_index)
@@ -355,21 +384,18 @@ def rounds_router(
             if remaining_s <= 0:
                 break
             await events.wait(event, remaining_s)
-        view = await read.reads.run(("round", run_id, round_index),
-                                    lambda: _encoded(read.views.round_view(run_id, round_index)))
+        view = await read.reads.run(
+            ("round", run_id, round_index), lambda: _encoded(read.views.round_view(run_id, round_index))
+        )
         return _json(view)
 
     @router.post("/{round_index}/applied", response_model=AppliedResponse, responses=ERROR_RESPONSES)
-    async def applied(
-        run_id: RunIdPath, round_index: RoundPath, body: AppliedRequest, request: Request
-    ) -> Response:
+    async def applied(run_id: RunIdPath, round_index: RoundPath, body: AppliedRequest, request: Request) -> Response:
         signer = await _signer(auth, request)
         return await worker.run(lambda: _json(service.applied(run_id, round_index, signer(), body)))
 
     @router.post("/{round_index}/missing", response_model=MissingResponse, responses=ERROR_RESPONSES)
-    async def missing(
-        run_id: RunIdPath, round_index: RoundPath, body: MissingRequest, request: Request
-    ) -> Response:
+    async def missing(run_id: RunIdPath, round_index: RoundPath, body: MissingRequest, request: Request) -> Response:
         """Report manifest entries of a closed round whose packets could not be fetched; the
         coordinator amends the manifest when they are due (protocol.http, "Amended manifests")."""
         signer = await _signer(auth, request)

@@ -37,7 +37,9 @@ def scores_json(request: AppliedRequest) -> str | None:
     """The scores of an applied report as stored: {peer id: [loss_delta, cosine, overlap, overlap_with]}, or None."""
     if not request.scores:
         return None
-    return json.dumps({p: [s.loss_delta, s.cosine, s.overlap, s.overlap_with] for p, s in sorted(request.scores.items())})
+    return json.dumps(
+        {p: [s.loss_delta, s.cosine, s.overlap, s.overlap_with] for p, s in sorted(request.scores.items())}
+    )
 
 
 def due(storage: Storage, round_row: RoundRow, settled: bool) -> bool:
@@ -46,8 +48,11 @@ def due(storage: Storage, round_row: RoundRow, settled: bool) -> bool:
         return False
     if settled:
         return True
-    voters = {a.peer_id for a in storage.list_applied(round_row.run_id, round_row.round)
-              if a.vote and a.manifest_version == round_row.manifest_version}
+    voters = {
+        a.peer_id
+        for a in storage.list_applied(round_row.run_id, round_row.round)
+        if a.vote and a.manifest_version == round_row.manifest_version
+    }
     return bool(voters) and voters >= _contributors(storage, round_row)
 
 
@@ -59,9 +64,11 @@ def judge_round(storage: Storage, round_row: RoundRow, config: RunConfig) -> dic
     if not config.scoring.enabled:
         return {}
     rule = ScoringRule.from_section(config.scoring)
-    reports = {a.peer_id: {p: Score(float(v[0]), float(v[1]), *_overlap(v)) for p, v in json.loads(a.scores).items()}
-               for a in storage.list_applied(run_id, round_index)
-               if a.vote and a.manifest_version == round_row.manifest_version and a.scores}
+    reports = {
+        a.peer_id: {p: Score(float(v[0]), float(v[1]), *_overlap(v)) for p, v in json.loads(a.scores).items()}
+        for a in storage.list_applied(run_id, round_index)
+        if a.vote and a.manifest_version == round_row.manifest_version and a.scores
+    }
     excluded = {}
     contributors = _contributors(storage, round_row)
     credit = {p: c for p, c in storage.credits(run_id).items() if p in contributors}
@@ -83,8 +90,9 @@ def judge_round(storage: Storage, round_row: RoundRow, config: RunConfig) -> dic
     return excluded
 
 
-def exclude_for_wrong_digest(storage: Storage, run_id: str, peer_id: str, round_index: int, reason: str,
-                             config: RunConfig) -> None:
+def exclude_for_wrong_digest(
+    storage: Storage, run_id: str, peer_id: str, round_index: int, reason: str, config: RunConfig
+) -> None:
     """A contributor reported a digest of round r that the peers of credit did not compute: it loses its
     credit (so its votes weigh nothing, in round r and every round still undecided) and is excluded."""
     peer = storage.get_peer(run_id, peer_id)

@@ -165,9 +165,35 @@ from typing import Callable, Iterator, Sequence
 
 from coordinator import disputes, errors, recovery, scoring
 from coordinator.join_guard import JoinGuard, check_proof, period_of, salt_of
-from coordinator.storage import AppliedRow, DroppedRow, MissingReportRow, PeerRow, RoundRow, RunRow, Storage, SubmissionRow
+from coordinator.storage import (
+    AppliedRow,
+    DroppedRow,
+    MissingReportRow,
+    PeerRow,
+    RoundRow,
+    RunRow,
+    Storage,
+    SubmissionRow,
+)
 from coordinator.views import Views
-from protocol.http import MISSING_REPORT_ROUNDS, NONCE_WINDOW_S, AppliedRequest, AppliedResponse, HeartbeatRequest, HeartbeatResponse, JoinChallenge, JoinRequest, JoinResponse, LeaveRequest, LeaveResponse, MissingRequest, MissingResponse, SubmitRequest, SubmitResponse, peer_id_from_public_key
+from protocol.http import (
+    MISSING_REPORT_ROUNDS,
+    NONCE_WINDOW_S,
+    AppliedRequest,
+    AppliedResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JoinChallenge,
+    JoinRequest,
+    JoinResponse,
+    LeaveRequest,
+    LeaveResponse,
+    MissingRequest,
+    MissingResponse,
+    SubmitRequest,
+    SubmitResponse,
+    peer_id_from_public_key,
+)
 from protocol.join_pow import JOIN_POW_PERIOD_S
 from protocol.run_config import RunConfig
 
@@ -338,8 +364,13 @@ class CoordinatorService:
                 self.storage.update_run(run.run_id, state="running", current_round=0)
             return
         if recovery.hold(
-                self.storage, run, config, now, lambda r: self._round_timeout_s(run.run_id, r, config),
-                lambda r: self._count_votes(run.run_id, r, settled=True)):
+            self.storage,
+            run,
+            config,
+            now,
+            lambda r: self._round_timeout_s(run.run_id, r, config),
+            lambda r: self._count_votes(run.run_id, r, settled=True),
+        ):
             return  # paused: every peer stopped (coordinator/recovery.py)
         run = self.views.require_run(run.run_id)  # a resume or rewind reopened a round
         open_round = self.storage.get_round(run.run_id, run.current_round)
@@ -349,8 +380,10 @@ class CoordinatorService:
         if open_round.opened_at < self.resumed_at and open_round.deadline < grace_deadline:
             self.storage.update_round(run.run_id, open_round.round, deadline=grace_deadline)
             open_round = dataclasses.replace(open_round, deadline=grace_deadline)
-        if now >= open_round.deadline or (self._all_waited_submitted(run.run_id, open_round.round, config)
-                                          and not self._newcomers_in_step(run.run_id, open_round, config, now)):
+        if now >= open_round.deadline or (
+            self._all_waited_submitted(run.run_id, open_round.round, config)
+            and not self._newcomers_in_step(run.run_id, open_round, config, now)
+        ):
             self._close_round(run, open_round, now, config)
 
     def _all_waited_submitted(self, run_id: str, round_index: int, config: RunConfig) -> bool:
@@ -369,11 +402,17 @@ class CoordinatorService:
         r, window = open_round.round, config.membership.max_missed_rounds
         submissions = self.storage.list_submissions(run_id, r)
         submitted = {s.peer_id for s in submissions}
-        in_step = [p for p in self.storage.list_peers(run_id)
-                   if p.status == "live" and p.peer_id not in submitted and p.withheld_round is None
-                   and p.member_since_round <= r < p.member_since_round + window
-                   and p.progress_round == r and p.activity in NEWCOMER_STEP_STATES
-                   and (p.last_contributed_round is None or p.last_contributed_round < r - window)]
+        in_step = [
+            p
+            for p in self.storage.list_peers(run_id)
+            if p.status == "live"
+            and p.peer_id not in submitted
+            and p.withheld_round is None
+            and p.member_since_round <= r < p.member_since_round + window
+            and p.progress_round == r
+            and p.activity in NEWCOMER_STEP_STATES
+            and (p.last_contributed_round is None or p.last_contributed_round < r - window)
+        ]
         if not in_step:
             return False
         last_s = max(s.submitted_at for s in submissions)
@@ -402,9 +441,7 @@ class CoordinatorService:
         at_quantile = took_s[min(len(took_s) - 1, int(policy.quantile * len(took_s)))]
         return min(policy.max_s, max(policy.min_s, at_quantile * policy.margin))
 
-    def _close_round(
-        self, run: RunRow, open_round: RoundRow, now: float, config: RunConfig
-    ) -> None:
+    def _close_round(self, run: RunRow, open_round: RoundRow, now: float, config: RunConfig) -> None:
         self.storage.update_round(run.run_id, open_round.round, closed_at=now)
         self.storage.mark_contributors(run.run_id, open_round.round)
         self._agree_empty_from(run.run_id, open_round.round)
@@ -413,9 +450,7 @@ class CoordinatorService:
             self._count_votes(run.run_id, settled, settled=True)
         next_round = open_round.round + 1
         if config.max_rounds is not None and next_round >= config.max_rounds:
-            self.storage.update_run(
-                run.run_id, state="finished", closed_at=now, current_round=next_round
-            )
+            self.storage.update_run(run.run_id, state="finished", closed_at=now, current_round=next_round)
         else:
             self._open_round(run.run_id, next_round, now, config)
             self.storage.update_run(run.run_id, current_round=next_round)
@@ -456,8 +491,15 @@ class CoordinatorService:
                 self.join_guard.admit(run_id, membership, source, now)
             self._check_join_token(run, request.join_token)
             if existing is None and membership.join_pow_bits:
-                check_proof(self._join_secret(run), run_id, request.public_key, membership.join_pow_bits,
-                            request.pow_salt, request.pow_nonce, now)
+                check_proof(
+                    self._join_secret(run),
+                    run_id,
+                    request.public_key,
+                    membership.join_pow_bits,
+                    request.pow_salt,
+                    request.pow_nonce,
+                    now,
+                )
             # A member from the round after the open one: it cannot have theta_r in time, unless it
             # says it holds exactly the agreed start of the open round (its own checkpoint).
             first_round = run.current_round + (1 if run.state == "running" else 0)
@@ -523,8 +565,12 @@ class CoordinatorService:
             bits = self.views.config_of(run).membership.join_pow_bits
             secret = self._join_secret(run) if bits else ""
         period = period_of(now)
-        return JoinChallenge(run_id=run_id, bits=bits, salt=salt_of(secret, run_id, period) if bits else "",
-                             expires_at=(period + 2) * JOIN_POW_PERIOD_S)
+        return JoinChallenge(
+            run_id=run_id,
+            bits=bits,
+            salt=salt_of(secret, run_id, period) if bits else "",
+            expires_at=(period + 2) * JOIN_POW_PERIOD_S,
+        )
 
     def _join_secret(self, run: RunRow) -> str:
         """The run's secret for proof-of-work salts, made on first need (runs stored before it have none)."""
@@ -549,8 +595,12 @@ class CoordinatorService:
             self._advance(run, self.clock())
             self._require_live_member(run_id, peer_id)
             # inner_step always: a step count left from an older round would read as progress in this one.
-            fields: dict = {"activity": request.state, "progress_round": request.round,
-                            "inner_step": request.inner_step, "detail": request.detail}
+            fields: dict = {
+                "activity": request.state,
+                "progress_round": request.round,
+                "inner_step": request.inner_step,
+                "detail": request.detail,
+            }
             if request.bandwidth_mbps is not None:
                 fields["bandwidth_mbps"] = request.bandwidth_mbps
             if request.train_loss is not None:
@@ -560,9 +610,7 @@ class CoordinatorService:
             self.storage.update_peer(run_id, peer_id, **fields)
             run = self.views.require_run(run_id)
             round_row = self.storage.get_round(run_id, run.current_round)
-            round_state = "pending" if round_row is None else (
-                "closed" if round_row.closed_at is not None else "open"
-            )
+            round_state = "pending" if round_row is None else ("closed" if round_row.closed_at is not None else "open")
             return HeartbeatResponse(
                 run_state=run.state,
                 current_round=run.current_round,
@@ -574,9 +622,7 @@ class CoordinatorService:
         with self._tx():
             run = self.views.require_run(run_id)
             self._require_live_member(run_id, peer_id)
-            self.storage.update_peer(
-                run_id, peer_id, status="left", reason=f"left: {request.reason}", activity="left"
-            )
+            self.storage.update_peer(run_id, peer_id, status="left", reason=f"left: {request.reason}", activity="left")
             # Its departure may leave everyone else expected in the round already submitted.
             self._advance(run, self.clock())
         return LeaveResponse(peer_id=peer_id, status="left")
@@ -593,9 +639,7 @@ class CoordinatorService:
 
     # -- rounds -------------------------------------------------------------------------------
 
-    def submit(
-        self, run_id: str, round_index: int, peer_id: str, request: SubmitRequest
-    ) -> SubmitResponse:
+    def submit(self, run_id: str, round_index: int, peer_id: str, request: SubmitRequest) -> SubmitResponse:
         if request.peer_id is not None and request.peer_id != peer_id:
             raise errors.PeerMismatch(f"peer {peer_id} cannot submit for {request.peer_id}")
         now = self.clock()
@@ -608,8 +652,7 @@ class CoordinatorService:
             if existing is not None:
                 if existing.packet_digest != request.packet_digest:
                     raise errors.ConflictingSubmission(
-                        f"round {round_index} already has digest {existing.packet_digest}"
-                        " from this peer"
+                        f"round {round_index} already has digest {existing.packet_digest} from this peer"
                     )
                 # A retried submission that already counts: answer as the first time.
                 return self._submit_response(run_id, round_index, peer_id)
@@ -621,11 +664,7 @@ class CoordinatorService:
                     f"packet of {request.packet_size_bytes} bytes exceeds exchange.max_packet_bytes"
                     f" {config.exchange.max_packet_bytes}"
                 )
-            multiaddrs = (
-                json.dumps(request.multiaddrs)
-                if request.multiaddrs is not None
-                else peer.listen_multiaddrs
-            )
+            multiaddrs = json.dumps(request.multiaddrs) if request.multiaddrs is not None else peer.listen_multiaddrs
             self.storage.insert_submission(
                 SubmissionRow(
                     run_id=run_id,
@@ -646,7 +685,8 @@ class CoordinatorService:
                 run_id,
                 peer_id,
                 last_loss=request.train_loss,
-                progress_round=max(round_index, peer.progress_round or 0), detail=None,
+                progress_round=max(round_index, peer.progress_round or 0),
+                detail=None,
                 **({"activity": "submitted"} if (peer.progress_round or 0) <= round_index else {}),
             )
             self._changed.add(run_id)
@@ -668,12 +708,9 @@ class CoordinatorService:
             if round_row.closed_at is not None and round_row.closed_at >= round_row.deadline:
                 if round_index == run.current_round - 1:
                     raise errors.Late(
-                        f"round {round_index} closed at its deadline {now - round_row.deadline:.1f}"
-                        " s ago"
+                        f"round {round_index} closed at its deadline {now - round_row.deadline:.1f} s ago"
                     )
-            raise errors.StaleRoundRefused(
-                f"round {round_index} is closed; open: {run.current_round}"
-            )
+            raise errors.StaleRoundRefused(f"round {round_index} is closed; open: {run.current_round}")
         if now >= round_row.deadline:
             raise errors.Late(f"round {round_index}'s deadline passed")
 
@@ -688,9 +725,7 @@ class CoordinatorService:
             deadline=round_row.deadline,
         )
 
-    def applied(
-        self, run_id: str, round_index: int, peer_id: str, request: AppliedRequest
-    ) -> AppliedResponse:
+    def applied(self, run_id: str, round_index: int, peer_id: str, request: AppliedRequest) -> AppliedResponse:
         """Record a peer's parameter digest after applying a version of round r's manifest (once
         per version: a report is immutable) and count it if it is a vote (see "Agreed digests")."""
         now = self.clock()
@@ -706,14 +741,18 @@ class CoordinatorService:
                 )
             # Having applied round r the peer holds round r+1's start (coordinator/recovery.py: a paused
             # run whose returning peers replay the last closed round resumes once one holds its start).
-            holds_next = ({"state_round": round_index + 1, "state_digest": request.params_digest}
-                          if (peer.state_round or 0) <= round_index + 1 else {})
+            holds_next = (
+                {"state_round": round_index + 1, "state_digest": request.params_digest}
+                if (peer.state_round or 0) <= round_index + 1
+                else {}
+            )
             report = self.storage.get_applied(run_id, round_index, peer_id, request.manifest_version)
             if report is not None:
                 if report.params_digest != request.params_digest:
                     raise errors.ConflictingReport(
                         f"round {round_index} version {request.manifest_version}: this peer already reported"
-                        f" digest {report.params_digest[:16]}; a report cannot be changed")
+                        f" digest {report.params_digest[:16]}; a report cannot be changed"
+                    )
                 # A retry, or a node that replays after a restart what it reported before: answered as
                 # the first, and it holds round r+1's start again.
                 if holds_next:
@@ -721,9 +760,19 @@ class CoordinatorService:
                 return self._applied_response(run_id, round_row, report)
             vote = self._is_vote(run_id, round_index, peer_id, request.manifest_version, self.views.config_of(run))
             refused = json.dumps(request.refused, sort_keys=True) if request.refused else None
-            report = AppliedRow(run_id, round_index, peer_id, request.params_digest, now, refused,
-                                request.manifest_version, vote=int(vote), scores=scoring.scores_json(request),
-                                sample=request.sample, leaves=request.tree.leaves if request.tree else None)
+            report = AppliedRow(
+                run_id,
+                round_index,
+                peer_id,
+                request.params_digest,
+                now,
+                refused,
+                request.manifest_version,
+                vote=int(vote),
+                scores=scoring.scores_json(request),
+                sample=request.sample,
+                leaves=request.tree.leaves if request.tree else None,
+            )
             self.storage.add_applied(report)
             if request.manifest_version == latest and vote:
                 round_row = self._count_votes(run_id, round_index)
@@ -751,7 +800,8 @@ class CoordinatorService:
             num_reports=sum(a.manifest_version == latest for a in self.storage.list_applied(run_id, round_row.round)),
             manifest_version=latest,
             amended=self.storage.amended_rounds(
-                run_id, self.views.require_run(run_id).current_round - MISSING_REPORT_ROUNDS - 1),
+                run_id, self.views.require_run(run_id).current_round - MISSING_REPORT_ROUNDS - 1
+            ),
             agreed_digest=round_row.agreed_digest,
             provisional=majority is not None and round_row.agreed_digest is None,
             num_votes=round_row.num_votes,
@@ -798,8 +848,11 @@ class CoordinatorService:
         run = self.views.require_run(run_id)
         config = self.views.config_of(run)
         forked = self._forked(run_id, round_index)
-        reports = [a for a in self.storage.list_applied(run_id, round_index)
-                   if a.manifest_version == version and a.vote and a.peer_id not in forked]
+        reports = [
+            a
+            for a in self.storage.list_applied(run_id, round_index)
+            if a.manifest_version == version and a.vote and a.peer_id not in forked
+        ]
         fields: dict = {"num_votes": len(reports)}
         excluded_any = False
         contributors = self.storage.manifest_peers(run_id, round_index, version) - forked
@@ -807,15 +860,28 @@ class CoordinatorService:
         weighed = config.scoring.enabled
         if round_row.agreed_digest is None and reports:
             settled = settled or self._settled(run_id, round_index)
-            leader, agreed = tally([(a.params_digest, credit.get(a.peer_id, 0)) for a in reports], len(contributors),
-                                   settled, round_row.majority_digest, sum(credit.values()) if weighed else None)
+            leader, agreed = tally(
+                [(a.params_digest, credit.get(a.peer_id, 0)) for a in reports],
+                len(contributors),
+                settled,
+                round_row.majority_digest,
+                sum(credit.values()) if weighed else None,
+            )
             fields |= {"majority_digest": leader, "agreed_digest": agreed}
             if agreed is not None:
                 backers = [a.peer_id for a in reports if a.params_digest == agreed]
-                log.info("run %s round %d: digest %s agreed by %d of %d vote(s) (credit %d of %d), %d contributor(s)%s",
-                         run_id, round_index, agreed[:16], len(backers), len(reports),
-                         sum(credit.get(p, 0) for p in backers), sum(credit.values()), len(contributors),
-                         " (settled)" if settled else "")
+                log.info(
+                    "run %s round %d: digest %s agreed by %d of %d vote(s) (credit %d of %d), %d contributor(s)%s",
+                    run_id,
+                    round_index,
+                    agreed[:16],
+                    len(backers),
+                    len(reports),
+                    sum(credit.get(p, 0) for p in backers),
+                    sum(credit.values()),
+                    len(contributors),
+                    " (settled)" if settled else "",
+                )
         agreed = fields.get("agreed_digest", round_row.agreed_digest)
         if agreed is not None and weighed and any(a.params_digest != agreed for a in reports):
             old = disputes.load(round_row.dispute)
@@ -823,8 +889,14 @@ class CoordinatorService:
                 record = disputes.decide(reports, agreed, credit, old)
                 fields["dispute"] = json.dumps(record, sort_keys=True)
                 for peer_id in record["excluded"]:
-                    scoring.exclude_for_wrong_digest(self.storage, run_id, peer_id, round_index,
-                                                     disputes.reason(record, peer_id, round_index), config)
+                    scoring.exclude_for_wrong_digest(
+                        self.storage,
+                        run_id,
+                        peer_id,
+                        round_index,
+                        disputes.reason(record, peer_id, round_index),
+                        config,
+                    )
                 self._changed.add(run_id)
                 excluded_any = bool(record["excluded"])
         self.storage.update_round(run_id, round_index, **fields)
@@ -858,8 +930,9 @@ class CoordinatorService:
             if start is None:
                 return
             self.storage.update_round(run_id, r, majority_digest=start, agreed_digest=start)
-            log.info("run %s round %d: no packet in its manifest; its start's digest %s is agreed", run_id, r,
-                     start[:16])
+            log.info(
+                "run %s round %d: no packet in its manifest; its start's digest %s is agreed", run_id, r, start[:16]
+            )
             r += 1
 
     def _settled(self, run_id: str, round_index: int) -> bool:
@@ -902,18 +975,14 @@ class CoordinatorService:
                 raise errors.InvalidRequest("a peer cannot report its own packet missing (lost_own says it lost it)")
             strangers = [p for p in wanted if p not in entries]
             if strangers:
-                raise errors.NotInManifest(
-                    f"round {round_index}'s manifest has no entry of {', '.join(strangers[:4])}"
-                )
+                raise errors.NotInManifest(f"round {round_index}'s manifest has no entry of {', '.join(strangers[:4])}")
             if request.lost_own and reporter_id not in entries:
                 raise errors.NotInManifest(f"round {round_index}'s manifest has no entry of {reporter_id}")
             dropped = {d.peer_id for d in self.storage.list_dropped(run_id, round_index)}
             # A lost packet is reported by its own author: the row whose reporter is the entry itself.
             for entry in wanted + ([reporter_id] if request.lost_own else []):
                 if entry not in dropped:
-                    self.storage.add_missing_report(
-                        MissingReportRow(run_id, round_index, entry, reporter_id, now)
-                    )
+                    self.storage.add_missing_report(MissingReportRow(run_id, round_index, entry, reporter_id, now))
             self._amend(run_id, round_index, now)
             round_row = self._closed_round(run_id, round_index)
             dropped_rows = self.storage.list_dropped(run_id, round_index)
@@ -953,16 +1022,22 @@ class CoordinatorService:
             # Rule 1: nobody can serve it. A live applier that did not report it holds a copy.
             copies = (appliers & live) - reporters - {entry}
             if entry in reporters and not copies:  # the author's own report: lost_own
-                due[entry] = ("its author said it lost the packet (restarted without it) and no live peer that "
-                              "applied the round serves a copy")
+                due[entry] = (
+                    "its author said it lost the packet (restarted without it) and no live peer that "
+                    "applied the round serves a copy"
+                )
             elif entry not in live and not copies:
-                due[entry] = (f"reported missing; its author is not live ({self._status_of(run_id, entry)}) and no "
-                              "live peer that applied the round serves a copy")
+                due[entry] = (
+                    f"reported missing; its author is not live ({self._status_of(run_id, entry)}) and no "
+                    "live peer that applied the round serves a copy"
+                )
             elif others and others <= reporters:
                 due[entry] = f"reported missing by all {len(others)} other live contributors"
             elif waited_s >= grace_s and not appliers - reporters - {entry}:
-                due[entry] = (f"reported missing by {len(reporters)} peer(s) and not served for"
-                              f" {waited_s:.0f} s (missing_grace_s {grace_s:g} s)")
+                due[entry] = (
+                    f"reported missing by {len(reporters)} peer(s) and not served for"
+                    f" {waited_s:.0f} s (missing_grace_s {grace_s:g} s)"
+                )
         if not due:
             return
         version = round_row.manifest_version + 1
@@ -973,11 +1048,17 @@ class CoordinatorService:
                 self.storage.update_peer(run_id, entry, withheld_round=round_index)
             self.storage.refresh_last_contributed(run_id, entry)
         # A new version is a new vote: no report can name it yet.
-        self.storage.update_round(run_id, round_index, manifest_version=version, majority_digest=None,
-                                  agreed_digest=None, num_votes=0)
+        self.storage.update_round(
+            run_id, round_index, manifest_version=version, majority_digest=None, agreed_digest=None, num_votes=0
+        )
         self._agree_empty_from(run_id, round_index)
-        log.warning("run %s round %d: manifest version %d drops %s", run_id, round_index, version,
-                    "; ".join(f"{entry}: {reason}" for entry, reason in sorted(due.items())))
+        log.warning(
+            "run %s round %d: manifest version %d drops %s",
+            run_id,
+            round_index,
+            version,
+            "; ".join(f"{entry}: {reason}" for entry, reason in sorted(due.items())),
+        )
         self._changed.add(run_id)
 
     def _settled_past(self, run_id: str, round_index: int) -> bool:
@@ -995,14 +1076,22 @@ class CoordinatorService:
     def _clear_withheld(self, run_id: str, round_index: int, reporter_id: str) -> None:
         """A peer applied round r's latest manifest: the publishers in it that were flagged for an
         earlier round got a packet through, and are waited for again."""
-        flagged = {p.peer_id: p for p in self.storage.list_peers(run_id)
-                   if p.withheld_round is not None and p.withheld_round < round_index and p.peer_id != reporter_id}
+        flagged = {
+            p.peer_id: p
+            for p in self.storage.list_peers(run_id)
+            if p.withheld_round is not None and p.withheld_round < round_index and p.peer_id != reporter_id
+        }
         if not flagged:
             return
         for peer_id in sorted(self.storage.manifest_peers(run_id, round_index) & set(flagged)):
             self.storage.update_peer(run_id, peer_id, withheld_round=None)
-            log.info("run %s: %s's packet of round %d was applied by %s; it is waited for again",
-                     run_id, peer_id, round_index, reporter_id)
+            log.info(
+                "run %s: %s's packet of round %d was applied by %s; it is waited for again",
+                run_id,
+                peer_id,
+                round_index,
+                reporter_id,
+            )
 
 
 def settle_lag(config: RunConfig) -> int:
@@ -1014,8 +1103,13 @@ def settle_lag(config: RunConfig) -> int:
     return 2 if config.outer.overlap else 1
 
 
-def tally(votes: Sequence[tuple[str, int]], num_contributors: int, settled: bool, previous: str | None,
-          total_credit: int | None = None) -> tuple[str, str | None]:
+def tally(
+    votes: Sequence[tuple[str, int]],
+    num_contributors: int,
+    settled: bool,
+    previous: str | None,
+    total_credit: int | None = None,
+) -> tuple[str, str | None]:
     """(majority, agreed or None) of a round's votes, (digest, its voter's credit) each (see "Agreed
     digests"). On a tie the previous majority stays (so it does not flip back and forth as equal
     counts arrive), else the smallest digest (deterministic).

@@ -42,20 +42,22 @@ log = logging.getLogger("locoswarm.coordinator")
 
 # SQLite result codes (the low byte of an extended code) that mean the database cannot be used
 # right now, as opposed to a bug in a statement (SQLITE_ERROR, SQLITE_CONSTRAINT, ...).
-SQLITE_UNAVAILABLE_CODES = frozenset({
-    3,  # SQLITE_PERM
-    5,  # SQLITE_BUSY: locked by another process past the busy timeout
-    6,  # SQLITE_LOCKED
-    7,  # SQLITE_NOMEM
-    8,  # SQLITE_READONLY
-    10,  # SQLITE_IOERR
-    11,  # SQLITE_CORRUPT
-    13,  # SQLITE_FULL: "database or disk is full" (the disk, or PRAGMA max_page_count)
-    14,  # SQLITE_CANTOPEN
-    15,  # SQLITE_PROTOCOL
-    22,  # SQLITE_NOLFS
-    26,  # SQLITE_NOTADB
-})
+SQLITE_UNAVAILABLE_CODES = frozenset(
+    {
+        3,  # SQLITE_PERM
+        5,  # SQLITE_BUSY: locked by another process past the busy timeout
+        6,  # SQLITE_LOCKED
+        7,  # SQLITE_NOMEM
+        8,  # SQLITE_READONLY
+        10,  # SQLITE_IOERR
+        11,  # SQLITE_CORRUPT
+        13,  # SQLITE_FULL: "database or disk is full" (the disk, or PRAGMA max_page_count)
+        14,  # SQLITE_CANTOPEN
+        15,  # SQLITE_PROTOCOL
+        22,  # SQLITE_NOLFS
+        26,  # SQLITE_NOTADB
+    }
+)
 # Characters the readiness probe writes and rolls back: a few pages, so it needs room to grow.
 PROBE_PADDING_CHARS = 8192
 
@@ -380,9 +382,7 @@ class Storage:
         self._insert("peers", row)
 
     def get_peer(self, run_id: str, peer_id: str) -> PeerRow | None:
-        return self._one(
-            PeerRow, "SELECT * FROM peers WHERE run_id = ? AND peer_id = ?", (run_id, peer_id)
-        )
+        return self._one(PeerRow, "SELECT * FROM peers WHERE run_id = ? AND peer_id = ?", (run_id, peer_id))
 
     def find_public_key(self, peer_id: str) -> str | None:
         """The key of a peer id in any run (ids derive from keys, so all runs agree)."""
@@ -390,24 +390,19 @@ class Storage:
         return rows[0]["public_key"] if rows else None
 
     def list_peers(self, run_id: str) -> list[PeerRow]:
-        return self._many(
-            PeerRow, "SELECT * FROM peers WHERE run_id = ? ORDER BY peer_index", (run_id,)
-        )
+        return self._many(PeerRow, "SELECT * FROM peers WHERE run_id = ? ORDER BY peer_index", (run_id,))
 
     def silent_live_peers(self, run_id: str, seen_before: float) -> list[PeerRow]:
         """Live peers last seen before `seen_before`: the heartbeat timeout's candidates, found by
         the database rather than by reading every peer on every request."""
         return self._many(
             PeerRow,
-            "SELECT * FROM peers WHERE run_id = ? AND status = 'live' AND last_seen_at < ?"
-            " ORDER BY peer_index",
+            "SELECT * FROM peers WHERE run_id = ? AND status = 'live' AND last_seen_at < ? ORDER BY peer_index",
             (run_id, seen_before),
         )
 
     def count_live_peers(self, run_id: str) -> int:
-        rows = self._rows(
-            "SELECT COUNT(*) AS n FROM peers WHERE run_id = ? AND status = 'live'", (run_id,)
-        )
+        rows = self._rows("SELECT COUNT(*) AS n FROM peers WHERE run_id = ? AND status = 'live'", (run_id,))
         return int(rows[0]["n"])
 
     def next_peer_index(self, run_id: str) -> int:
@@ -424,16 +419,13 @@ class Storage:
         self._insert("rounds", row)
 
     def get_round(self, run_id: str, round_index: int) -> RoundRow | None:
-        return self._one(
-            RoundRow, "SELECT * FROM rounds WHERE run_id = ? AND round = ?", (run_id, round_index)
-        )
+        return self._one(RoundRow, "SELECT * FROM rounds WHERE run_id = ? AND round = ?", (run_id, round_index))
 
     def closed_rounds(self, run_id: str, limit: int) -> list[RoundRow]:
         """The latest `limit` closed rounds, oldest first."""
         rows = self._many(
             RoundRow,
-            "SELECT * FROM rounds WHERE run_id = ? AND closed_at IS NOT NULL"
-            " ORDER BY round DESC LIMIT ?",
+            "SELECT * FROM rounds WHERE run_id = ? AND closed_at IS NOT NULL ORDER BY round DESC LIMIT ?",
             (run_id, limit),
         )
         return rows[::-1]
@@ -442,8 +434,7 @@ class Storage:
         """The latest round with an agreed parameter digest."""
         return self._one(
             RoundRow,
-            "SELECT * FROM rounds WHERE run_id = ? AND agreed_digest IS NOT NULL"
-            " ORDER BY round DESC LIMIT 1",
+            "SELECT * FROM rounds WHERE run_id = ? AND agreed_digest IS NOT NULL ORDER BY round DESC LIMIT 1",
             (run_id,),
         )
 
@@ -455,8 +446,9 @@ class Storage:
     def update_round(self, run_id: str, round_index: int, **fields: Any) -> None:
         self._update("rounds", RoundRow, {"run_id": run_id, "round": round_index}, fields)
 
-    def waited_for(self, run_id: str, round_index: int, window_rounds: int,
-                   min_contributors: int = 1) -> dict[str, bool]:
+    def waited_for(
+        self, run_id: str, round_index: int, window_rounds: int, min_contributors: int = 1
+    ) -> dict[str, bool]:
         """The live peers round r waits for, each with whether it submitted to r. Of the live members
         since r opened that are neither flagged for a withheld packet nor excluded by scoring: those with a packet in the
         manifest of one of the `window_rounds` rounds before r (contributors); when there are fewer
@@ -480,16 +472,19 @@ class Storage:
         waited = (credited or contributors) if contributors and len(contributors) >= min_contributors else rows
         return {row["peer_id"]: row["submitted"] is not None for row in waited}
 
-    def expected_and_missing(self, run_id: str, round_index: int, window_rounds: int = 1,
-                             min_contributors: int = 1) -> tuple[int, int]:
+    def expected_and_missing(
+        self, run_id: str, round_index: int, window_rounds: int = 1, min_contributors: int = 1
+    ) -> tuple[int, int]:
         """How many live peers round r waits for (`waited_for`), and how many of them have not submitted."""
         waited = self.waited_for(run_id, round_index, window_rounds, min_contributors)
         return len(waited), sum(not submitted for submitted in waited.values())
 
     def credits(self, run_id: str) -> dict[str, int]:
         """The peers of the run that have credit (protocol/scoring.py, rule 5), with it; the others have none."""
-        return {row["peer_id"]: int(row["credit"]) for row in self._rows(
-            "SELECT peer_id, credit FROM peers WHERE run_id = ? AND credit > 0", (run_id,))}
+        return {
+            row["peer_id"]: int(row["credit"])
+            for row in self._rows("SELECT peer_id, credit FROM peers WHERE run_id = ? AND credit > 0", (run_id,))
+        }
 
     def mark_contributors(self, run_id: str, round_index: int) -> None:
         """Round r closed: its manifest's peers contributed to it last."""
@@ -572,13 +567,27 @@ class Storage:
     def add_applied(self, row: AppliedRow) -> bool:
         """Record a report; False (nothing written) when the peer already reported that round and
         manifest version: reports are immutable (the service compares the two)."""
-        return self._exec(
-            "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
-            " manifest_version, vote, scores, sample, leaves) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (run_id, round, peer_id, manifest_version) DO NOTHING",
-            (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
-             row.manifest_version, row.vote, row.scores, row.sample, row.leaves),
-        ) == 1
+        return (
+            self._exec(
+                "INSERT INTO applied (run_id, round, peer_id, params_digest, reported_at, refused,"
+                " manifest_version, vote, scores, sample, leaves) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (run_id, round, peer_id, manifest_version) DO NOTHING",
+                (
+                    row.run_id,
+                    row.round,
+                    row.peer_id,
+                    row.params_digest,
+                    row.reported_at,
+                    row.refused,
+                    row.manifest_version,
+                    row.vote,
+                    row.scores,
+                    row.sample,
+                    row.leaves,
+                ),
+            )
+            == 1
+        )
 
     def upsert_applied(self, row: AppliedRow) -> None:
         """Record or replace a report (storage tests and tools; the service never replaces one)."""
@@ -589,8 +598,17 @@ class Storage:
             " DO UPDATE SET params_digest = excluded.params_digest,"
             " reported_at = excluded.reported_at, refused = excluded.refused, vote = excluded.vote,"
             " scores = excluded.scores",
-            (row.run_id, row.round, row.peer_id, row.params_digest, row.reported_at, row.refused,
-             row.manifest_version, row.vote, row.scores),
+            (
+                row.run_id,
+                row.round,
+                row.peer_id,
+                row.params_digest,
+                row.reported_at,
+                row.refused,
+                row.manifest_version,
+                row.vote,
+                row.scores,
+            ),
         )
 
     def get_applied(self, run_id: str, round_index: int, peer_id: str, manifest_version: int) -> AppliedRow | None:
@@ -633,8 +651,9 @@ class Storage:
         )
         return {row.peer_id: row for row in rows}
 
-    def record_val_loss(self, run_id: str, round_index: int, peer_id: str, manifest_version: int,
-                        val_loss: float) -> None:
+    def record_val_loss(
+        self, run_id: str, round_index: int, peer_id: str, manifest_version: int, val_loss: float
+    ) -> None:
         """The validation loss a peer reported with its applied report of that manifest version."""
         self._exec(
             "UPDATE applied SET val_loss = ? WHERE run_id = ? AND round = ? AND peer_id = ? AND manifest_version = ?",
@@ -645,8 +664,12 @@ class Storage:
         """The applied report with the newest text sample: of the newest round, the last reported (on
         a tie, the lowest peer id). The primary key's round order serves the sort (SQLite: 0.4 ms with a
         million reports, 5,000 rounds x 200 peers)."""
-        rows = self._many(AppliedRow, "SELECT * FROM applied WHERE run_id = ? AND sample IS NOT NULL"
-                          " ORDER BY round DESC, reported_at DESC, peer_id LIMIT 1", (run_id,))
+        rows = self._many(
+            AppliedRow,
+            "SELECT * FROM applied WHERE run_id = ? AND sample IS NOT NULL"
+            " ORDER BY round DESC, reported_at DESC, peer_id LIMIT 1",
+            (run_id,),
+        )
         return rows[0] if rows else None
 
     def val_losses(self, run_id: str, first_round: int, last_round: int) -> dict[int, float]:
@@ -686,8 +709,7 @@ class Storage:
     def list_missing_reports(self, run_id: str, round_index: int) -> list[MissingReportRow]:
         return self._many(
             MissingReportRow,
-            "SELECT * FROM missing_reports WHERE run_id = ? AND round = ?"
-            " ORDER BY peer_id, reported_at, reporter_id",
+            "SELECT * FROM missing_reports WHERE run_id = ? AND round = ? ORDER BY peer_id, reported_at, reporter_id",
             (run_id, round_index),
         )
 
@@ -730,8 +752,7 @@ class Storage:
     def add_nonce(self, peer_id: str, nonce: int, seen_at: float) -> bool:
         """Record a used nonce; False when this peer already used it (a replay)."""
         changed = self._exec(
-            "INSERT INTO nonces (peer_id, nonce, seen_at) VALUES (?, ?, ?)"
-            " ON CONFLICT (peer_id, nonce) DO NOTHING",
+            "INSERT INTO nonces (peer_id, nonce, seen_at) VALUES (?, ?, ?) ON CONFLICT (peer_id, nonce) DO NOTHING",
             (peer_id, nonce, seen_at),
         )
         return changed == 1
@@ -755,9 +776,7 @@ class SqliteStorage(Storage):
     def _connect(self) -> sqlite3.Connection:
         try:
             # isolation_level=None: transactions are exactly the explicit BEGIN/COMMIT above.
-            conn = sqlite3.connect(
-                str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0
-            )
+            conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0)
             conn.row_factory = sqlite3.Row
             conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL: a commit is in the WAL (OS page cache) before COMMIT returns, which is what
@@ -824,9 +843,7 @@ class PostgresStorage(Storage):
         except ImportError as e:
             raise StorageError("PostgreSQL needs psycopg: pip install 'psycopg[binary]'") from e
         try:
-            conn = psycopg.connect(
-                self.url, autocommit=True, row_factory=dict_row, connect_timeout=10
-            )
+            conn = psycopg.connect(self.url, autocommit=True, row_factory=dict_row, connect_timeout=10)
             if self.read_only:
                 conn.execute("SET default_transaction_read_only = on")
             return conn

@@ -73,8 +73,10 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         since_s = now - (recovery["waiting_since"] or recovery["paused_since"])
         out.append(f"PAUSED at round {recovery['round']} for {since_s:.0f} s: {recovery['message']}")
         if recovery["rewind_at"] is not None:
-            out.append(f"  goes back to round {recovery['newest_held_round']}'s start in "
-                       f"{max(0.0, recovery['rewind_at'] - now):.0f} s")
+            out.append(
+                f"  goes back to round {recovery['newest_held_round']}'s start in "
+                f"{max(0.0, recovery['rewind_at'] - now):.0f} s"
+            )
     if status.get("stuck"):  # live peers waiting on packets nobody serves (node/round/catchup.py)
         out.append(status["stuck"])
     for rewind in status.get("rewinds", [])[-3:]:
@@ -83,8 +85,10 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
         out.append("no open round")
     elif current["deadline"] is None:
         live = current["num_expected"]
-        out.append(f"round {current['round']} pending: {live} peer{'' if live == 1 else 's'} live, "
-                   f"waiting for {config['membership']['min_peers']}")
+        out.append(
+            f"round {current['round']} pending: {live} peer{'' if live == 1 else 's'} live, "
+            f"waiting for {config['membership']['min_peers']}"
+        )
     else:
         left_s = current["deadline"] - now
         out.append(
@@ -101,41 +105,51 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
             notes.append(f"excluded: {peer['excluded_reason']}")
         if peer.get("reason"):
             notes.append(peer["reason"])
-        peer_rows.append([
-            peer["peer_id"],
-            str(peer["peer_index"]),
-            peer["status"],
-            peer["activity"] + (f" {peer['inner_step']}/{config['inner']['steps']}"
-                                if peer["activity"] == "training" and peer.get("inner_step") is not None else ""),
-            _fmt(peer["last_loss"], 4),
-            bandwidth(peer["bandwidth_mbps"], peer.get("uplink_mbps")),
-            _fmt(peer["lag_rounds"]),
-            score_text(peer.get("score")),
-            str(peer.get("credit", 0)),
-            "; ".join(notes),
-        ])
-    out.append(table(
-        ["peer", "#", "state", "activity", "last loss", "bandwidth", "lag", "score", "credit", "flags / reason"],
-        peer_rows,
-    ))
+        peer_rows.append(
+            [
+                peer["peer_id"],
+                str(peer["peer_index"]),
+                peer["status"],
+                peer["activity"]
+                + (
+                    f" {peer['inner_step']}/{config['inner']['steps']}"
+                    if peer["activity"] == "training" and peer.get("inner_step") is not None
+                    else ""
+                ),
+                _fmt(peer["last_loss"], 4),
+                bandwidth(peer["bandwidth_mbps"], peer.get("uplink_mbps")),
+                _fmt(peer["lag_rounds"]),
+                score_text(peer.get("score")),
+                str(peer.get("credit", 0)),
+                "; ".join(notes),
+            ]
+        )
+    out.append(
+        table(
+            ["peer", "#", "state", "activity", "last loss", "bandwidth", "lag", "score", "credit", "flags / reason"],
+            peer_rows,
+        )
+    )
     history = status["history"][-RECENT_ROUNDS:]
     if history:
         out.append("")
-        out.append(table(
-            ["round", "contributors", "mean loss", "round time", "applied", "digest"],
-            [
+        out.append(
+            table(
+                ["round", "contributors", "mean loss", "round time", "applied", "digest"],
                 [
-                    str(h["round"]),
-                    str(h["num_contributors"]),
-                    _fmt(h["mean_loss"], 4),
-                    f"{h['round_time_s']:.1f} s",
-                    str(h["num_applied"]),
-                    (h.get("agreed_digest") or h["majority_digest"] or "-")[:16]
-                    + ("" if h.get("agreed_digest") or not h["majority_digest"] else " (provisional)"),
-                ]
-                for h in reversed(history)
-            ],
-        ))
+                    [
+                        str(h["round"]),
+                        str(h["num_contributors"]),
+                        _fmt(h["mean_loss"], 4),
+                        f"{h['round_time_s']:.1f} s",
+                        str(h["num_applied"]),
+                        (h.get("agreed_digest") or h["majority_digest"] or "-")[:16]
+                        + ("" if h.get("agreed_digest") or not h["majority_digest"] else " (provisional)"),
+                    ]
+                    for h in reversed(history)
+                ],
+            )
+        )
         for h in history:
             if h.get("dispute"):
                 out.append(f"round {h['round']} dispute: {h['dispute']['verdict']}")

@@ -12,10 +12,26 @@ import json
 
 from coordinator import disputes, errors, recovery
 from coordinator.storage import PeerRow, RoundRow, RoundStats, RunRow, Storage
-from protocol.http import CurrentRound, Dispute, DisputeSide, JoinResponse, ManifestEntry, ParamsSource, PeerAddress, PeerScoreView, PeerView, RoundSummary, RoundView, RunInfo, RunList, RunStatus, Sample
+from protocol.http import (
+    CurrentRound,
+    Dispute,
+    DisputeSide,
+    JoinResponse,
+    ManifestEntry,
+    ParamsSource,
+    PeerAddress,
+    PeerScoreView,
+    PeerView,
+    RoundSummary,
+    RoundView,
+    RunInfo,
+    RunList,
+    RunStatus,
+    Sample,
+)
 from protocol.model_sizes import dense_bytes
-from protocol.scoring import Standing
 from protocol.run_config import RunConfig
+from protocol.scoring import Standing
 
 HISTORY_LIMIT = 1000
 
@@ -91,9 +107,7 @@ class Views:
                     manifest=[],
                     majority_digest=None,
                 )
-            raise errors.RoundNotFound(
-                f"run {run_id} is {run.state}; round {round_index} never ran"
-            )
+            raise errors.RoundNotFound(f"run {run_id} is {run.state}; round {round_index} never ran")
         closed = round_row.closed_at is not None
         submissions = self.storage.list_submissions(run_id, round_index)
         dropped = {d.peer_id: d.reason for d in self.storage.list_dropped(run_id, round_index)}
@@ -153,7 +167,8 @@ class Views:
         holders = [  # anyone who reported the agreed digest of the latest version holds those parameters
             PeerAddress(peer_id=a.peer_id, multiaddrs=json.loads(live[a.peer_id].listen_multiaddrs))
             for a in self.storage.list_applied(run_id, agreed.round)
-            if a.params_digest == agreed.agreed_digest and a.manifest_version == agreed.manifest_version
+            if a.params_digest == agreed.agreed_digest
+            and a.manifest_version == agreed.manifest_version
             and a.peer_id in live
         ]
         return ParamsSource(round=agreed.round + 1, digest=agreed.agreed_digest, holders=holders)
@@ -214,7 +229,8 @@ class Views:
         assert round_row is not None  # a running run always has its open round
         membership = self.config_of(run).membership
         num_expected, _ = self.storage.expected_and_missing(
-            run.run_id, run.current_round, membership.max_missed_rounds, membership.min_peers)
+            run.run_id, run.current_round, membership.max_missed_rounds, membership.min_peers
+        )
         return CurrentRound(
             round=round_row.round,
             state="open",
@@ -232,8 +248,9 @@ class Views:
                 round_row = self.storage.get_round(run.run_id, report.round)
                 agreed[report.round] = (round_row.agreed_digest, round_row.manifest_version) if round_row else (None, 0)
         window, forming = self.config_of(run).membership.max_missed_rounds, self.config_of(run).membership.min_peers
-        waited = (self.storage.waited_for(run.run_id, run.current_round, window, forming)
-                  if run.state == "running" else {})
+        waited = (
+            self.storage.waited_for(run.run_id, run.current_round, window, forming) if run.state == "running" else {}
+        )
         # Stragglers: live peers the last closed round waited for, that it closed without.
         last_closed = run.current_round - 1
         waited_last = self.storage.waited_for(run.run_id, last_closed, window, forming) if last_closed >= 0 else {}
@@ -241,9 +258,12 @@ class Views:
         for peer in peers:
             report = latest_applied.get(peer.peer_id)
             # Only a report of the round's latest version can differ from its agreed digest.
-            mismatch = (report is not None and agreed[report.round][0] is not None
-                        and report.manifest_version == agreed[report.round][1]
-                        and report.params_digest != agreed[report.round][0])
+            mismatch = (
+                report is not None
+                and agreed[report.round][0] is not None
+                and report.manifest_version == agreed[report.round][1]
+                and report.params_digest != agreed[report.round][0]
+            )
             straggler = waited_last.get(peer.peer_id) is False
             standing, standing_reason = _standing(peer, run.current_round, window, peer.peer_id in waited)
             views.append(
@@ -260,12 +280,11 @@ class Views:
                     last_loss=peer.last_loss,
                     last_seen_at=peer.last_seen_at,
                     lag_rounds=(
-                        None
-                        if peer.progress_round is None
-                        else max(0, run.current_round - peer.progress_round)
+                        None if peer.progress_round is None else max(0, run.current_round - peer.progress_round)
                     ),
                     inner_step=peer.inner_step,
-                    flags=(["params_mismatch"] if mismatch else []) + (["straggler"] if straggler else [])
+                    flags=(["params_mismatch"] if mismatch else [])
+                    + (["straggler"] if straggler else [])
                     + (["withheld_packet"] if peer.withheld_round is not None else []),
                     mismatch_round=report.round if mismatch and report else None,
                     listen_multiaddrs=json.loads(peer.listen_multiaddrs),
@@ -322,27 +341,44 @@ class Views:
         """The round's dispute: as decided (stored), or while undecided, its sides as the votes stand."""
         record = disputes.load(round_row.dispute)
         if record is not None:
-            return Dispute(sides=[DisputeSide(**side) for side in record["sides"]], decided=True,
-                           excluded=record["excluded"], verdict=record["verdict"])
+            return Dispute(
+                sides=[DisputeSide(**side) for side in record["sides"]],
+                decided=True,
+                excluded=record["excluded"],
+                verdict=record["verdict"],
+            )
         if round_row.agreed_digest is not None or round_row.num_votes < 2:
             return None
-        reports = [a for a in self.storage.list_applied(run_id, round_row.round)
-                   if a.vote and a.manifest_version == round_row.manifest_version]
+        reports = [
+            a
+            for a in self.storage.list_applied(run_id, round_row.round)
+            if a.vote and a.manifest_version == round_row.manifest_version
+        ]
         if len({a.params_digest for a in reports}) < 2:
             return None
         credit = self.storage.credits(run_id)
         sides = disputes.sides(reports, credit, round_row.majority_digest)
-        return Dispute(sides=[DisputeSide(**side) for side in sides], decided=False, verdict=(
-            "undecided: " + (f"the votes of credit lead with {sides[0]['digest'][:16]}" if sides[0]["credit"]
-                             else "no vote of credit yet; a majority of keys without credit decides nothing")))
+        return Dispute(
+            sides=[DisputeSide(**side) for side in sides],
+            decided=False,
+            verdict=(
+                "undecided: "
+                + (
+                    f"the votes of credit lead with {sides[0]['digest'][:16]}"
+                    if sides[0]["credit"]
+                    else "no vote of credit yet; a majority of keys without credit decides nothing"
+                )
+            ),
+        )
 
 
 def _stuck(peers: list[PeerRow]) -> str | None:
     """The run's "stuck: ..." line: what the first live peer (by id) that says it is stuck waits for,
     and how many say so when several do. A submission or an applied report clears a peer's line
     (it got on), so a peer whose activity still reads "stuck" without one is not counted."""
-    stuck = sorted((p for p in peers if p.status == "live" and p.activity == "stuck" and p.detail),
-                   key=lambda p: p.peer_id)
+    stuck = sorted(
+        (p for p in peers if p.status == "live" and p.activity == "stuck" and p.detail), key=lambda p: p.peer_id
+    )
     if not stuck:
         return None
     more = f" ({len(stuck)} peers)" if len(stuck) > 1 else ""
@@ -354,21 +390,29 @@ def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tupl
     waits for it."""
     last = peer.last_contributed_round
     if last is None:
-        return "probation", ("no packet in a manifest yet; waited for while the swarm forms (fewer live"
-                             " contributors than membership.min_peers)"
-                             if waited else "no packet in a manifest yet: no round waits for it")
+        return "probation", (
+            "no packet in a manifest yet; waited for while the swarm forms (fewer live"
+            " contributors than membership.min_peers)"
+            if waited
+            else "no packet in a manifest yet: no round waits for it"
+        )
     if peer.excluded_round is not None:
         return "not_waited", f"excluded by contribution scoring after round {peer.excluded_round} (excluded_reason)"
     if peer.withheld_round is not None:
-        return "not_waited", (f"its packet of round {peer.withheld_round} was dropped as unfetchable: not waited"
-                              " for until a later packet of its is applied")
+        return "not_waited", (
+            f"its packet of round {peer.withheld_round} was dropped as unfetchable: not waited"
+            " for until a later packet of its is applied"
+        )
     missed = open_round - 1 - last
     if missed >= window:
-        return "not_waited", (f"no packet in the last {missed} rounds (membership.max_missed_rounds {window});"
-                              f" its last in round {last}")
+        return "not_waited", (
+            f"no packet in the last {missed} rounds (membership.max_missed_rounds {window}); its last in round {last}"
+        )
     if not waited and peer.standing is not None and peer.credit == 0:
-        return "not_waited", (f"its packet is in round {last}'s manifest, but its updates earned no credit (empty,"
-                              " noise, copies or harm): no round waits for it while others have some")
+        return "not_waited", (
+            f"its packet is in round {last}'s manifest, but its updates earned no credit (empty,"
+            " noise, copies or harm): no round waits for it while others have some"
+        )
     return "contributor", f"its packet is in round {last}'s manifest"
 
 
@@ -378,24 +422,39 @@ def _score_fields(peer: PeerRow, open_round: int) -> dict:
         return {"credit_reason": "none: not judged yet (a new key starts with none)"}
     standing = Standing.from_json(peer.standing)
     why = standing.exclusion(open_round) if peer.excluded_round is not None else None
-    score = PeerScoreView(num_rounds=standing.num_rounds, num_hurt=standing.num_hurt,
-                          recent_hurt=list(standing.recent_hurt), loss_delta=standing.loss_delta,
-                          cosine=standing.cosine, num_useful=standing.num_useful, last_verdict=standing.last_verdict)
-    return {"score": score, "excluded": why is not None, "excluded_reason": why,
-            "excluded_until_round": standing.excluded_until if why is not None else None,
-            "credit": peer.credit, "credit_reason": _credit_reason(standing, peer.credit)}
+    score = PeerScoreView(
+        num_rounds=standing.num_rounds,
+        num_hurt=standing.num_hurt,
+        recent_hurt=list(standing.recent_hurt),
+        loss_delta=standing.loss_delta,
+        cosine=standing.cosine,
+        num_useful=standing.num_useful,
+        last_verdict=standing.last_verdict,
+    )
+    return {
+        "score": score,
+        "excluded": why is not None,
+        "excluded_reason": why,
+        "excluded_until_round": standing.excluded_until if why is not None else None,
+        "credit": peer.credit,
+        "credit_reason": _credit_reason(standing, peer.credit),
+    }
 
 
 def _credit_reason(standing: Standing, credit: int) -> str:
     """Why a judged peer's credit (protocol/scoring.py, rule 5) is what it is."""
     if standing.code == "wrong_digest":
         return "none: it reported a digest the peers of credit did not compute"
-    judged = (f"useful in {standing.num_useful} of {standing.num_rounds} judged round(s)"
-              f"{', hurting in ' + str(standing.num_hurt) if standing.num_hurt else ''}")
-    last = {"useful": "its last update was useful (+1)",
-            "not_useful": "its last update was neither useful nor hurting: empty, noise or unrelated (halved)",
-            "copy": "its last packet was a copy of a packet submitted before it (halved)",
-            "hurt": "its last update hurt (all lost)"}.get(standing.last_verdict or "", "")
+    judged = (
+        f"useful in {standing.num_useful} of {standing.num_rounds} judged round(s)"
+        f"{', hurting in ' + str(standing.num_hurt) if standing.num_hurt else ''}"
+    )
+    last = {
+        "useful": "its last update was useful (+1)",
+        "not_useful": "its last update was neither useful nor hurting: empty, noise or unrelated (halved)",
+        "copy": "its last packet was a copy of a packet submitted before it (halved)",
+        "hurt": "its last update hurt (all lost)",
+    }.get(standing.last_verdict or "", "")
     return f"{'none' if credit == 0 else credit}: {judged}" + (f"; {last}" if last else "")
 
 

@@ -172,8 +172,9 @@ class PacketLayout:
             self.blocks[-1] = (self.blocks[-1][0], t + 1)
             self.block_offsets.append(size)
             size += numel
-        self.block_sizes = [sum(layouts[t].num_chunks * layouts[t].chunk_len for t in range(a, b))
-                            for a, b in self.blocks]
+        self.block_sizes = [
+            sum(layouts[t].num_chunks * layouts[t].chunk_len for t in range(a, b)) for a, b in self.blocks
+        ]
 
         long = dict(dtype=torch.int64, device=device)
         num_chunks = torch.tensor([layout.num_chunks for layout in layouts], **long)
@@ -193,7 +194,8 @@ class PacketLayout:
         symbols_per_tensor = torch.tensor(counts, **long)
         # NUM_BINS * tensor of each symbol: where its code's entries start in a (tensors * NUM_BINS) table.
         self.code_offsets = torch.repeat_interleave(
-            torch.arange(0, NUM_BINS * len(layouts), NUM_BINS, dtype=torch.int32, device=device), symbols_per_tensor)
+            torch.arange(0, NUM_BINS * len(layouts), NUM_BINS, dtype=torch.int32, device=device), symbols_per_tensor
+        )
         # For locoswarm_kernels.sparse.code_counts, which counts codes by byte of the packed codes (four a byte):
         # 256 * the tensor of each byte whose four codes are all one tensor's, 256 * len(layouts) (a
         # row of counts thrown away) for the others; and the codes of those others, counted one by

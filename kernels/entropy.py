@@ -90,7 +90,7 @@ def rice_decode(unary: bytes, remainders: bytes, count: int, b: int) -> np.ndarr
     if b == 0:
         return quotients
     remainder_bits = np.unpackbits(np.frombuffer(remainders, dtype=np.uint8))[: count * b]
-    weights = (1 << np.arange(b - 1, -1, -1, dtype=np.int64))
+    weights = 1 << np.arange(b - 1, -1, -1, dtype=np.int64)
     low = remainder_bits.reshape(count, b).astype(np.int64) @ weights
     return (quotients << b) | low
 

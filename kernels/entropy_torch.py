@@ -130,8 +130,9 @@ def rice_decode(unary: torch.Tensor, remainders: torch.Tensor, count: int, b: in
         raise ValueError(f"unary stream holds {found} symbols, expected {count}")
     if count and int(raw[-1]) == 0:
         raise ValueError("unary stream has trailing bytes")
-    byte_of_one = torch.repeat_interleave(torch.arange(raw.numel(), device=device, dtype=index_dtype),
-                                          ones_per_byte, output_size=count)
+    byte_of_one = torch.repeat_interleave(
+        torch.arange(raw.numel(), device=device, dtype=index_dtype), ones_per_byte, output_size=count
+    )
     first_one = torch.cumsum(ones_per_byte, dim=0, dtype=index_dtype) - ones_per_byte  # each byte's first one
     rank = torch.arange(count, device=device, dtype=index_dtype) - first_one.index_select(0, byte_of_one)
     bit = bit_order.index_select(0, raw.index_select(0, byte_of_one) * 8 + rank)
@@ -182,8 +183,9 @@ def _spread(starts: torch.Tensor, values: torch.Tensor, count: int) -> torch.Ten
     return torch.cumsum(out[:count], dim=0)
 
 
-def _spread_pair(starts: torch.Tensor, low: torch.Tensor, high: torch.Tensor, count: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _spread_pair(
+    starts: torch.Tensor, low: torch.Tensor, high: torch.Tensor, count: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`_spread` of two arrays. In int32 (every value in [-2^31, 2^31)) both ride one int64 spread,
     high * 2^32 + (low + 2^31) (the offset keeps the low word from borrowing), read back as the two
     int32 halves of each int64 (little-endian: low first); in int64, two spreads."""
@@ -195,8 +197,9 @@ def _spread_pair(starts: torch.Tensor, low: torch.Tensor, high: torch.Tensor, co
 
 
 @lru_cache(maxsize=8)
-def _symbol_params(counts_and_b: tuple[tuple[int, int], ...], device: torch.device,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _symbol_params(
+    counts_and_b: tuple[tuple[int, int], ...], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per symbol, its section's b and c = 8 * (the section's remainder start) - (its first symbol) * b,
     so that symbol i's remainder starts at bit i * b + c. Cached: packets of one model mostly share
     their Rice parameters (they follow from the density), so this is the same from packet to packet."""
@@ -215,9 +218,13 @@ def _check_sections(sections: list[tuple[int, int, int, int, int, int]]) -> None
             raise StreamError(i, f"remainder stream has {rem_len} bytes, expected {(count * b + 7) // 8}")
 
 
-def rice_decode_rows(streams: torch.Tensor, sections: list[tuple[int, int, int, int, int, int]],
-                     row_lengths: torch.Tensor, rows_per_section: list[int],
-                     row_offsets: torch.Tensor | None = None) -> torch.Tensor:
+def rice_decode_rows(
+    streams: torch.Tensor,
+    sections: list[tuple[int, int, int, int, int, int]],
+    row_lengths: torch.Tensor,
+    rows_per_section: list[int],
+    row_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Positions, not gaps: each row's running sum of gap + 1, minus 1, plus its `row_offsets` entry
     (0 if None), for all sections' symbols in order (int64).
 
@@ -245,8 +252,8 @@ def rice_decode_rows(streams: torch.Tensor, sections: list[tuple[int, int, int, 
     long = dict(dtype=torch.int64, device=device)
     unary_len, counts, rice_b = (torch.tensor([s[c] for s in sections], **long) for c in (1, 4, 5))
     symbol_start = _segment_starts(counts)
-    unary = torch.cat([streams[s[0]:s[0] + s[1]] for s in sections])
-    remainders = torch.cat([streams[s[2]:s[2] + s[3]] for s in sections] + [streams.new_zeros(4)])
+    unary = torch.cat([streams[s[0] : s[0] + s[1]] for s in sections])
+    remainders = torch.cat([streams[s[2] : s[2] + s[3]] for s in sections] + [streams.new_zeros(4)])
 
     # Unary: ones per byte, each section's count and last byte (the one host sync).
     popcount, zeros_before_rank = _unary_tables(device, index_dtype)
@@ -254,12 +261,18 @@ def rice_decode_rows(streams: torch.Tensor, sections: list[tuple[int, int, int, 
     ones = popcount.index_select(0, raw)
     ones_through = torch.cumsum(ones, dim=0)  # int64
     unary_end = torch.cumsum(unary_len, dim=0)
-    through_end = torch.where(unary_len > 0, ones_through[(unary_end - 1).clamp_min(0)], 0) if unary.numel() else unary_len
-    through_start = torch.where(unary_end - unary_len > 0, ones_through[(unary_end - unary_len - 1).clamp_min(0)], 0) \
-        if unary.numel() else unary_len
+    through_end = (
+        torch.where(unary_len > 0, ones_through[(unary_end - 1).clamp_min(0)], 0) if unary.numel() else unary_len
+    )
+    through_start = (
+        torch.where(unary_end - unary_len > 0, ones_through[(unary_end - unary_len - 1).clamp_min(0)], 0)
+        if unary.numel()
+        else unary_len
+    )
     last_is_zero = (unary_len > 0) & (raw[(unary_end - 1).clamp_min(0)] == 0) if unary.numel() else unary_len < 0
-    for i, (got, zero_tail, section) in enumerate(zip((through_end - through_start).tolist(), last_is_zero.tolist(),
-                                                      sections)):
+    for i, (got, zero_tail, section) in enumerate(
+        zip((through_end - through_start).tolist(), last_is_zero.tolist(), sections)
+    ):
         if got != section[4]:
             raise StreamError(i, f"unary stream holds {got} symbols, expected {section[4]}")
         if section[4] and zero_tail:
@@ -292,8 +305,9 @@ def rice_decode_rows(streams: torch.Tensor, sections: list[tuple[int, int, int, 
     # Per row: Z before its first symbol (its section's zeros before it, for a section's first row)
     # and D before it, folded with the offset into one constant.
     row_start = _segment_starts(row_lengths)
-    row_section = torch.repeat_interleave(torch.arange(len(sections), device=device),
-                                          torch.tensor(rows_per_section, **long))
+    row_section = torch.repeat_interleave(
+        torch.arange(len(sections), device=device), torch.tensor(rows_per_section, **long)
+    )
     first_row = row_start == symbol_start.index_select(0, row_section)
     before = (row_start - 1).clamp_min(0)
     section_zeros = 8 * (unary_end - unary_len) - symbol_start
@@ -365,8 +379,12 @@ def max_unary_bytes(num_chunks: int, k: int, chunk_len: int, b: int) -> int:
     return (num_chunks * (k + ((chunk_len - k) >> b)) + 7) // 8
 
 
-def rice_decode_positions(streams: torch.Tensor, sections: list[tuple[int, int, int, int, int, int]],
-                          row_lengths: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+def rice_decode_positions(
+    streams: torch.Tensor,
+    sections: list[tuple[int, int, int, int, int, int]],
+    row_lengths: list[int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Positions inside rows (int32), for all sections' symbols in order: what `rice_decode_rows`
     gives without offsets, section s cut into rows of `row_lengths[s]` symbols (which divides its
     count). Values that would reach 2^31 - 1 saturate there (a caller bounding positions by a chunk
@@ -411,8 +429,10 @@ def rice_decode_positions(streams: torch.Tensor, sections: list[tuple[int, int, 
     # Unary: ones per byte and each section's count and last byte (the one host sync), in `order`.
     unary_len = torch.tensor([sections[i][1] for i in order], dtype=torch.int64)
     total_bytes = int(unary_len.sum())
-    unary = torch.cat([streams[sections[i][0]:sections[i][0] + sections[i][1]] for i in order],
-                      out=scratch("rice.unary", total_bytes, torch.uint8, device))
+    unary = torch.cat(
+        [streams[sections[i][0] : sections[i][0] + sections[i][1]] for i in order],
+        out=scratch("rice.unary", total_bytes, torch.uint8, device),
+    )
     popcount, zeros_before_rank = _unary_tables(device, torch.int32)
     raw = scratch("rice.raw", total_bytes, torch.int32, device).copy_(unary)
     ones = torch.index_select(popcount, 0, raw, out=scratch("rice.ones", total_bytes, torch.int32, device))
@@ -421,8 +441,9 @@ def rice_decode_positions(streams: torch.Tensor, sections: list[tuple[int, int, 
     if total_bytes:
         last = (unary_end - 1).clamp_min(0).to(device)
         before = (unary_end - unary_len - 1).clamp_min(0).to(device)
-        got = torch.where(unary_len.to(device) > 0, ones_through.index_select(0, last), 0) \
-            - torch.where((unary_end - unary_len).to(device) > 0, ones_through.index_select(0, before), 0)
+        got = torch.where(unary_len.to(device) > 0, ones_through.index_select(0, last), 0) - torch.where(
+            (unary_end - unary_len).to(device) > 0, ones_through.index_select(0, before), 0
+        )
         zero_tail = (unary_len.to(device) > 0) & (raw.index_select(0, last) == 0)
         checks = torch.stack([got, zero_tail.to(torch.int32)]).tolist()
     else:
@@ -442,7 +463,7 @@ def rice_decode_positions(streams: torch.Tensor, sections: list[tuple[int, int, 
     def place(members: list[int], decoded: torch.Tensor) -> None:
         at = 0
         for i in members:
-            out[symbol_starts[i]:symbol_starts[i + 1]].copy_(decoded[at:at + sections[i][4]])
+            out[symbol_starts[i] : symbol_starts[i + 1]].copy_(decoded[at : at + sections[i][4]])
             at += sections[i][4]
 
     first_one = ones_through.sub_(ones)  # symbols before each byte, counted over `order`
@@ -450,8 +471,18 @@ def rice_decode_positions(streams: torch.Tensor, sections: list[tuple[int, int, 
     for b, row_len, members in groups_in_order:
         group_bytes = sum(sections[i][1] for i in members)
         span = slice(byte_at, byte_at + group_bytes)
-        place(members, _decode_group(streams, [sections[i] for i in members], b, row_len, raw[span],
-                                     first_one[span].sub_(symbol_at), zeros_before_rank))
+        place(
+            members,
+            _decode_group(
+                streams,
+                [sections[i] for i in members],
+                b,
+                row_len,
+                raw[span],
+                first_one[span].sub_(symbol_at),
+                zeros_before_rank,
+            ),
+        )
         byte_at, symbol_at = byte_at + group_bytes, symbol_at + sum(sections[i][4] for i in members)
     if general:
         lengths = torch.tensor([row_lengths[i] for i in general], dtype=torch.int64)
@@ -462,8 +493,15 @@ def rice_decode_positions(streams: torch.Tensor, sections: list[tuple[int, int, 
     return out
 
 
-def _decode_group(streams: torch.Tensor, members: list[tuple[int, int, int, int, int, int]], b: int, row_len: int,
-                  raw: torch.Tensor, first_one: torch.Tensor, zeros_before_rank: torch.Tensor) -> torch.Tensor:
+def _decode_group(
+    streams: torch.Tensor,
+    members: list[tuple[int, int, int, int, int, int]],
+    b: int,
+    row_len: int,
+    raw: torch.Tensor,
+    first_one: torch.Tensor,
+    zeros_before_rank: torch.Tensor,
+) -> torch.Tensor:
     """One group of `rice_decode_positions`: (symbols,) int32 positions inside rows, in a work buffer.
     `raw` holds the group's unary bytes (int32) and `first_one` the group's symbols before each."""
     device = streams.device
@@ -487,14 +525,16 @@ def _decode_group(streams: torch.Tensor, members: list[tuple[int, int, int, int,
     packed = scratch("rice.packed", count + 1, torch.int64, device).fill_(1).index_add_(0, first_one, steps)[:count]
     halves = packed.cumsum_(0).view(torch.int32).view(count, 2)
     table = scratch("rice.table", count + 1 + zeros_before_rank.numel(), torch.int32, device)
-    table[count + 1:] = zeros_before_rank
+    table[count + 1 :] = zeros_before_rank
     key = scratch("rice.key", count, torch.int32, device).copy_(halves[:, 0])
     z = torch.index_select(table, 0, key, out=scratch("rice.z", count, torch.int32, device))
     # The high words copied out first: adding them strided took longer than the copy and a contiguous add.
     z = z.add_(key.copy_(halves[:, 1])).view(rows, row_len)
     # Remainder + 1 per symbol, and D, their running sum over the group.
-    remainders = torch.cat([streams[s[2]:s[2] + s[3]] for s in members],
-                           out=scratch("rice.remainders", count * b // 8, torch.uint8, device))
+    remainders = torch.cat(
+        [streams[s[2] : s[2] + s[3]] for s in members],
+        out=scratch("rice.remainders", count * b // 8, torch.uint8, device),
+    )
     d = _remainders(remainders, count, b).add_(1).view(-1).cumsum_(0).view(rows, row_len)
     # Per row, (Z << b) + D before its first symbol, + 1: Z and D of the previous row's last symbol,
     # except that a section's first row takes the zeros before the section's bytes (its first symbol
@@ -538,8 +578,11 @@ def _remainders(remainders: torch.Tensor, count: int, b: int) -> torch.Tensor:
         # All eight shifts in one broadcast op into int64, then one narrowing copy: shifting into
         # int32 columns took 1.8x as long (a mixed-dtype, strided output per shift). The int64 work
         # buffer is `_decode_group`'s per-symbol words, spent by the time remainders are read.
-        shifted = torch.bitwise_right_shift(words.view(torch.int64), _remainder_shifts(b, device),
-                                            out=scratch("rice.packed", count, torch.int64, device).view(count // 8, 8))
+        shifted = torch.bitwise_right_shift(
+            words.view(torch.int64),
+            _remainder_shifts(b, device),
+            out=scratch("rice.packed", count, torch.int64, device).view(count // 8, 8),
+        )
         return out.copy_(shifted).bitwise_and_((1 << b) - 1)
     padded = torch.cat([remainders, remainders.new_zeros(3)]).to(torch.int32)
     window = (padded[:-3] << 23) | (padded[1:-2] << 15) | (padded[2:-1] << 7) | (padded[3:] >> 1)

@@ -157,8 +157,11 @@ def median_clip_scales(norms: list[float]) -> list[float]:
 
 
 def scatter_mean(
-    selections: list[SparseTensor], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-    divide_by_peers: bool = False, peer_scales: list[float] | None = None,
+    selections: list[SparseTensor],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    divide_by_peers: bool = False,
+    peer_scales: list[float] | None = None,
 ) -> torch.Tensor:
     """Per coordinate, the mean over the peers that sent it (or over all peers if asked).
 
@@ -201,8 +204,13 @@ def scatter_mean(
         total = torch.zeros(numel, dtype=dtype, device=device)
         for peer in range(num_peers):  # peer order; distinct indices inside a peer
             total.index_add_(0, index[peer], values[peer])
-        count = None if divide_by_peers else torch.zeros(numel, dtype=torch.int32, device=device).index_add_(
-            0, index.reshape(-1), torch.ones(1, dtype=torch.int32, device=device).expand(index.numel()))
+        count = (
+            None
+            if divide_by_peers
+            else torch.zeros(numel, dtype=torch.int32, device=device).index_add_(
+                0, index.reshape(-1), torch.ones(1, dtype=torch.int32, device=device).expand(index.numel())
+            )
+        )
     if divide_by_peers:
         mean = total.div_(max(1, len(selections)))
     else:  # counts are integers (exact on any device); where nobody sent a coordinate, 0 / 1 = 0
@@ -210,8 +218,9 @@ def scatter_mean(
     return from_chunks(mean.view(layout.num_chunks, layout.chunk_len), layout)
 
 
-def _values_by_code(selections: list[SparseTensor], dtype: torch.dtype,
-                    peer_scales: list[float] | None) -> torch.Tensor:
+def _values_by_code(
+    selections: list[SparseTensor], dtype: torch.dtype, peer_scales: list[float] | None
+) -> torch.Tensor:
     """(P, NUM_BINS): what each code of each peer adds to the sum, by the same IEEE operations the
     element-wise path performs (decode in the table's dtype, cast to `dtype`, times the scale; the
     float32 step of `code_values` between them is exact)."""
@@ -256,9 +265,17 @@ class PacketSelections(dict):
     node holds every packet of a round decoded at once: 3 bytes a selected value, 7 once `index`
     has been read."""
 
-    def __init__(self, names: Sequence[str], layout: PacketLayout, index: torch.Tensor | None, positions: torch.Tensor,
-                 codes: torch.Tensor, tables: Sequence[QuantTable], values: torch.Tensor | None = None,
-                 counts: torch.Tensor | None = None):
+    def __init__(
+        self,
+        names: Sequence[str],
+        layout: PacketLayout,
+        index: torch.Tensor | None,
+        positions: torch.Tensor,
+        codes: torch.Tensor,
+        tables: Sequence[QuantTable],
+        values: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+    ):
         """`values`: `code_values(tables)` when the caller has it already (protocol.packet checks them);
         `counts`: `code_counts`, when the caller has them (else counted when needed)."""
         super().__init__()
@@ -272,8 +289,12 @@ class PacketSelections(dict):
         starts = layout.symbol_starts
         for t, (name, chunks, table) in enumerate(zip(names, layout.layouts, tables)):
             shape = (chunks.num_chunks, chunks.k)
-            self[name] = SparseTensor(chunks, positions[starts[t]:starts[t + 1]].view(shape),
-                                      codes[starts[t]:starts[t + 1]].view(shape), table)
+            self[name] = SparseTensor(
+                chunks,
+                positions[starts[t] : starts[t + 1]].view(shape),
+                codes[starts[t] : starts[t + 1]].view(shape),
+                table,
+            )
         self._norms: list[float] | None = None
 
     @property
@@ -318,7 +339,7 @@ def code_counts(packed: torch.Tensor, codes: torch.Tensor, layout: PacketLayout)
     num_tensors = len(layout.layouts)
     index = scratch("counts.byte_index", packed.numel(), torch.int32, packed.device)
     index.copy_(packed).add_(layout.byte_code_offsets.to(packed.device))
-    per_byte = torch.bincount(index, minlength=256 * (num_tensors + 1))[:256 * num_tensors].view(-1, 256, 1)
+    per_byte = torch.bincount(index, minlength=256 * (num_tensors + 1))[: 256 * num_tensors].view(-1, 256, 1)
     counts = (per_byte * _codes_per_byte(packed.device)).sum(1)
     if layout.loose_symbols.numel():
         loose = codes.index_select(0, layout.loose_symbols.to(codes.device)).to(torch.int32)
@@ -339,14 +360,19 @@ def packet_clip_scales(packets: Sequence[PacketSelections]) -> list[list[float]]
     """scales[p][t], as `aggregate_packets` takes them: tensor t's `median_clip_scales` over the
     packets' norms of it (the square roots of `PacketSelections.squared_norms`)."""
     norms = [packet.squared_norms() for packet in packets]
-    per_tensor = [median_clip_scales([math.sqrt(peer_norms[t]) for peer_norms in norms])
-                  for t in range(len(packets[0].layout.layouts))]
+    per_tensor = [
+        median_clip_scales([math.sqrt(peer_norms[t]) for peer_norms in norms])
+        for t in range(len(packets[0].layout.layouts))
+    ]
     return [list(row) for row in zip(*per_tensor)]
 
 
 def aggregate_packets(
-    packets: Sequence[PacketSelections], dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-    divide_by_peers: bool = False, peer_scales: Sequence[Sequence[float]] | None = None,
+    packets: Sequence[PacketSelections],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    divide_by_peers: bool = False,
+    peer_scales: Sequence[Sequence[float]] | None = None,
     num_threads: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor's `scatter_mean` over the packets (sorted by peer id), the same bits, all at once:
@@ -379,8 +405,14 @@ def aggregate_packets(
     return _aggregate_blocks(packets, tables, dtype, device, divide_by_peers, count_dtype)
 
 
-def _aggregate_blocks(packets: Sequence[PacketSelections], tables: list[torch.Tensor], dtype: torch.dtype,
-                      device: torch.device, divide_by_peers: bool, count_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _aggregate_blocks(
+    packets: Sequence[PacketSelections],
+    tables: list[torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    divide_by_peers: bool,
+    count_dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
     """`aggregate_packets` block by block (locoswarm_kernels.chunking.PacketLayout): one buffer in a block's
     chunk space takes one `scatter_add_` of each packet's values there, in packet order, and the
     counts one of ones. Indices are distinct inside a packet, so each element is added to once a
@@ -417,14 +449,20 @@ def _aggregate_blocks(packets: Sequence[PacketSelections], tables: list[torch.Te
             chunks, offset = layout.layouts[t], layout.block_offsets[t]
             numel = chunks.num_chunks * chunks.chunk_len
             dense = torch.empty(chunks.shape, dtype=dtype, device=device)
-            part = lambda x: tile_view(x[offset:offset + numel], chunks, chunk_space=True)
+            part = lambda x: tile_view(x[offset : offset + numel], chunks, chunk_space=True)  # noqa: B023 (this iteration's)
             torch.div(part(total), divisor if count is None else part(divisor), out=tile_view(dense, chunks))
             out[names[t]] = dense
     return out
 
 
-def _aggregate_rows(packets: Sequence[PacketSelections], tables: list[torch.Tensor], dtype: torch.dtype,
-                    divide_by_peers: bool, count_dtype: torch.dtype, workers: int) -> dict[str, torch.Tensor]:
+def _aggregate_rows(
+    packets: Sequence[PacketSelections],
+    tables: list[torch.Tensor],
+    dtype: torch.dtype,
+    divide_by_peers: bool,
+    count_dtype: torch.dtype,
+    workers: int,
+) -> dict[str, torch.Tensor]:
     """`aggregate_packets` on the CPU, chunk by chunk: a run of one tensor's chunks at a time (whole
     tile rows, at most about BLOCK_ELEMENTS elements), every packet's values of a chunk side by side
     in packet order, (chunks, packets * k), and one `scatter_add_` along the chunks, which on the CPU
@@ -445,13 +483,19 @@ def _aggregate_rows(packets: Sequence[PacketSelections], tables: list[torch.Tens
         rows, k, chunk_len = end - first, chunks.k, chunks.chunk_len
         at = slice(layout.symbol_starts[t] + first * k, layout.symbol_starts[t] + end * k)
         stacked = lambda name, dtype, parts: torch.stack(  # (chunks, packets, k)
-            [part[at].view(rows, k) for part in parts], dim=1,
-            out=scratch(name, rows * num_peers * k, dtype, "cpu").view(rows, num_peers, k))
+            [part[at].view(rows, k) for part in parts],
+            dim=1,
+            out=scratch(name, rows * num_peers * k, dtype, "cpu").view(rows, num_peers, k),
+        )
         code_index = scratch("rows.code_index", rows * num_peers * k, torch.int32, "cpu").view(rows, num_peers, k)
-        torch.add(stacked("rows.codes", torch.uint8, [p.codes.cpu() for p in packets]), peer_base + NUM_BINS * t,
-                  out=code_index)
-        values = torch.index_select(table, 0, code_index.view(-1),
-                                    out=scratch("rows.values", code_index.numel(), dtype, "cpu")).view(rows, -1)
+        torch.add(
+            stacked("rows.codes", torch.uint8, [p.codes.cpu() for p in packets]),
+            peer_base + NUM_BINS * t,
+            out=code_index,
+        )
+        values = torch.index_select(
+            table, 0, code_index.view(-1), out=scratch("rows.values", code_index.numel(), dtype, "cpu")
+        ).view(rows, -1)
         index = stacked("rows.index", torch.int64, [p.positions.cpu() for p in packets]).view(rows, -1)
         total = scratch("rows.total", rows * chunk_len, dtype, "cpu").view(rows, chunk_len).zero_()
         total.scatter_add_(1, index, values)
@@ -462,14 +506,17 @@ def _aggregate_rows(packets: Sequence[PacketSelections], tables: list[torch.Tens
             divisor = count.scatter_add_(1, index, torch.ones(1, dtype=count_dtype).expand_as(index)).clamp_min_(1)
             if count_dtype != dtype:
                 divisor = scratch("rows.divisor", divisor.numel(), dtype, "cpu").view_as(divisor).copy_(divisor)
-        dense = out[names[t]].view(-1)[first * chunk_len:end * chunk_len]
+        dense = out[names[t]].view(-1)[first * chunk_len : end * chunk_len]
         if chunks.is_view:  # chunk space is the tensor's own layout
             torch.div(total, divisor, out=dense.view(rows, chunk_len))
         else:  # whole tile rows: (tile rows, tiles, rows in tile, columns in tile) both ways
             grid_cols = chunks.cols // chunks.tile_cols
             tiles = lambda x: x.view(rows // grid_cols, grid_cols, chunks.tile_rows, chunks.tile_cols)
-            torch.div(tiles(total), divisor if divide_by_peers else tiles(divisor),
-                      out=dense.view(rows // grid_cols, chunks.tile_rows, grid_cols, chunks.tile_cols).permute(0, 2, 1, 3))
+            torch.div(
+                tiles(total),
+                divisor if divide_by_peers else tiles(divisor),
+                out=dense.view(rows // grid_cols, chunks.tile_rows, grid_cols, chunks.tile_cols).permute(0, 2, 1, 3),
+            )
 
     jobs = []
     for t, chunks in enumerate(layout.layouts):

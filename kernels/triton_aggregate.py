@@ -46,8 +46,18 @@ def available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _ordered_scatter_add_kernel(positions_ptr, codes_ptr, values_ptr, total_ptr, count_ptr,
-                                    num_peers, num_chunks, k, chunk_len, BLOCK_K: tl.constexpr):
+    def _ordered_scatter_add_kernel(
+        positions_ptr,
+        codes_ptr,
+        values_ptr,
+        total_ptr,
+        count_ptr,
+        num_peers,
+        num_chunks,
+        k,
+        chunk_len,
+        BLOCK_K: tl.constexpr,
+    ):
         chunk = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK_K)
         mask = lanes < k
@@ -62,8 +72,9 @@ if triton is not None:
             tl.debug_barrier()  # this peer's stores are seen by the next peer's loads
 
 
-def ordered_scatter_add(positions: torch.Tensor, codes: torch.Tensor, values_by_code: torch.Tensor,
-                        total: torch.Tensor, count: torch.Tensor) -> None:
+def ordered_scatter_add(
+    positions: torch.Tensor, codes: torch.Tensor, values_by_code: torch.Tensor, total: torch.Tensor, count: torch.Tensor
+) -> None:
     """Add every peer's decoded values into `total` (float32) and 1 into `count` (int32), in peer order."""
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -76,6 +87,14 @@ def ordered_scatter_add(positions: torch.Tensor, codes: torch.Tensor, values_by_
     if num_peers == 0 or num_chunks == 0:
         return
     _ordered_scatter_add_kernel[(num_chunks,)](
-        positions.contiguous(), codes.contiguous(), values_by_code.contiguous(), total, count,
-        num_peers, num_chunks, k, chunk_len, BLOCK_K=triton.next_power_of_2(k),
+        positions.contiguous(),
+        codes.contiguous(),
+        values_by_code.contiguous(),
+        total,
+        count,
+        num_peers,
+        num_chunks,
+        k,
+        chunk_len,
+        BLOCK_K=triton.next_power_of_2(k),
     )

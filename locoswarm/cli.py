@@ -67,8 +67,11 @@ class SuggestingParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):
-        pairs = (_flag_suggestions(_unknown_flags(getattr(self, "_arg_strings", []), self), [self])
-                 if message.startswith("the following arguments are required") else [])
+        pairs = (
+            _flag_suggestions(_unknown_flags(getattr(self, "_arg_strings", []), self), [self])
+            if message.startswith("the following arguments are required")
+            else []
+        )
         if pairs:
             message += f" (unrecognized: {', '.join(flag for flag, _ in pairs)}; {_did_you_mean(pairs)})"
         super().error(message)
@@ -101,8 +104,12 @@ def _closest(word, known: Iterable | None) -> str | None:
 def _flag_suggestions(unknown: list[str], parsers: list[argparse.ArgumentParser]) -> list[tuple[str, str]]:
     """(unknown flag, closest flag of `parsers`) for each flag among `unknown` that is close to one."""
     options = [option for parser in parsers for option in parser._option_string_actions]
-    return [(flag, suggestion) for flag in unknown if flag.startswith("-")
-            if (suggestion := _closest_flag(flag, options)) is not None]
+    return [
+        (flag, suggestion)
+        for flag in unknown
+        if flag.startswith("-")
+        if (suggestion := _closest_flag(flag, options)) is not None
+    ]
 
 
 def _did_you_mean(pairs: list[tuple[str, str]]) -> str:
@@ -126,8 +133,13 @@ def _unknown_flags(arg_strings: list[str], parser: argparse.ArgumentParser) -> l
     """The long flags among `arg_strings` that `parser` has no option for, nor one they abbreviate
     (argparse takes `--coord` for `--coordinator`). Short ones are left out: `-x3` may be a value."""
     known = parser._option_string_actions
-    return [arg for arg in arg_strings if arg.startswith("--") and len(arg) > 2
-            and not any(option.startswith(arg.split("=", 1)[0]) for option in known)]
+    return [
+        arg
+        for arg in arg_strings
+        if arg.startswith("--")
+        and len(arg) > 2
+        and not any(option.startswith(arg.split("=", 1)[0]) for option in known)
+    ]
 
 
 def _chosen_parsers(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> list[argparse.ArgumentParser]:

@@ -70,21 +70,32 @@ class TrainingSection(Section):
     """What this node trains with: the device, its threads and ranks, the data, for how long."""
 
     device: str = Field(
-        AUTO_DEVICE, validate_default=True,
-        description="auto (cuda when torch sees a GPU, else cpu), cpu, mps, cuda or cuda:N.")
+        AUTO_DEVICE,
+        validate_default=True,
+        description="auto (cuda when torch sees a GPU, else cpu), cpu, mps, cuda or cuda:N.",
+    )
     data: str | None = Field(
-        None, description="Text file, directory or .bin token shards; unset: the run's, else the stdlib sources.")
+        None, description="Text file, directory or .bin token shards; unset: the run's, else the stdlib sources."
+    )
     threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch's default.")
     ranks: int = Field(
-        1, ge=1, le=64,
+        1,
+        ge=1,
+        le=64,
         description="torch.distributed ranks this node runs as (FSDP2 inside, one GPU each, or gloo on the CPU): "
-        "one peer, one packet (node/training/distributed.py); under torchrun its WORLD_SIZE instead.")
+        "one peer, one packet (node/training/distributed.py); under torchrun its WORLD_SIZE instead.",
+    )
     max_rounds: int | None = Field(
-        None, ge=1, le=100_000_000, description="Leave after this many rounds (demos, tests).")
+        None, ge=1, le=100_000_000, description="Leave after this many rounds (demos, tests)."
+    )
     eval_every_rounds: int = Field(
-        5, ge=0, le=1_000_000, json_schema_extra={"flag": "--eval-every"},
+        5,
+        ge=0,
+        le=1_000_000,
+        json_schema_extra={"flag": "--eval-every"},
         description="Evaluate the model after every this many applied rounds (rounds 0, N, 2N...) on a fixed "
-        "held-out batch and report the validation loss to the coordinator; 0: never.")
+        "held-out batch and report the validation loss to the coordinator; 0: never.",
+    )
     compile_model: bool = Field(False, description="torch.compile each transformer block (first step slower).")
 
     @field_validator("device")
@@ -99,17 +110,28 @@ class MemorySection(Section):
     """Speed traded for memory: where the outer state lives, micro-batches, recomputation."""
 
     state_placement: Literal["host", "device"] = Field(
-        "host", description="Where the round start, error buffer and aggregate live when training on CUDA: pinned "
-        "host memory (host; the GPU keeps what the inner steps need) or the GPU (device). Same memory on a CPU.")
+        "host",
+        description="Where the round start, error buffer and aggregate live when training on CUDA: pinned "
+        "host memory (host; the GPU keeps what the inner steps need) or the GPU (device). Same memory on a CPU.",
+    )
     micro_batch_size: int = Field(
-        0, ge=0, le=1_000_000, description="Sequences per forward/backward pass; their gradients accumulate into "
-        "the run's per-step batch (same maths, less activation memory); 0: the whole batch at once.")
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Sequences per forward/backward pass; their gradients accumulate into "
+        "the run's per-step batch (same maths, less activation memory); 0: the whole batch at once.",
+    )
     activation_checkpointing: bool = Field(
-        False, description="Recompute each transformer block in the backward pass instead of keeping its "
-        "activations (about a third more compute; a 1B model on a 24 GB GPU needs it).")
+        False,
+        description="Recompute each transformer block in the backward pass instead of keeping its "
+        "activations (about a third more compute; a 1B model on a 24 GB GPU needs it).",
+    )
     loss_chunk_tokens: int = Field(
-        2048, ge=1, le=1 << 24, description="Tokens per piece of the cross-entropy: fp32 logits for at most this "
-        "many tokens exist at once.")
+        2048,
+        ge=1,
+        le=1 << 24,
+        description="Tokens per piece of the cross-entropy: fp32 logits for at most this many tokens exist at once.",
+    )
 
 
 class NetworkSection(Section):
@@ -119,24 +141,36 @@ class NetworkSection(Section):
     # ExchangeConfig.from_network (node/exchange/config.py) takes every field whose name it shares.
 
     host_maddrs: Multiaddrs = Field(
-        ("/ip4/127.0.0.1/tcp/0",), min_length=1,
-        description="Where the libp2p daemon listens; a node others should reach: /ip4/0.0.0.0/tcp/PORT.")
+        ("/ip4/127.0.0.1/tcp/0",),
+        min_length=1,
+        description="Where the libp2p daemon listens; a node others should reach: /ip4/0.0.0.0/tcp/PORT.",
+    )
     announce_maddrs: Multiaddrs = Field((), description="Addresses to advertise instead (port forwarding).")
     initial_peers: Multiaddrs = Field((), description="DHT bootstrap; unset: the run's exchange.dht_bootstrap.")
     client_mode: bool = Field(False, description="Join the DHT without serving it (behind NAT).")
     use_auto_relay: bool = Field(
-        False, json_schema_extra={"flag": "--auto-relay"}, description="Behind NAT: be reachable through a relay.")
+        False, json_schema_extra={"flag": "--auto-relay"}, description="Behind NAT: be reachable through a relay."
+    )
     uplink_mbps: float | None = Field(
-        None, gt=0.0, le=1e7,
+        None,
+        gt=0.0,
+        le=1e7,
         description="This link's upload rate in Mbps (a speed test's figure), stated at join: faster uplinks "
-        "forward more of each packet's copies; unset: counted as fast.")
+        "forward more of each packet's copies; unset: counted as fast.",
+    )
     fetch_timeout_s: float = Field(
-        60.0, gt=0.0, le=86_400.0, json_schema_extra={"flag": "--fetch-timeout"},
-        description="Seconds, per round, to fetch the manifest's packets.")
+        60.0,
+        gt=0.0,
+        le=86_400.0,
+        json_schema_extra={"flag": "--fetch-timeout"},
+        description="Seconds, per round, to fetch the manifest's packets.",
+    )
     packet_spool_dir: ExpandedPath | None = Field(
-        None, description="A directory on disk where the packets this node holds and serves are kept, in unnamed "
+        None,
+        description="A directory on disk where the packets this node holds and serves are kept, in unnamed "
         "files mapped into memory, instead of in the heap (node/exchange/spool.py); unset: the cache directory's "
-        "spool/ (LOCOSWARM_CACHE, else ~/.cache/locoswarm). Not a tmpfs: its pages are memory.")
+        "spool/ (LOCOSWARM_CACHE, else ~/.cache/locoswarm). Not a tmpfs: its pages are memory.",
+    )
     packets_in_memory: bool = Field(False, description="Keep held packets in the heap instead (no spool).")
 
     @field_validator("host_maddrs", "announce_maddrs", "initial_peers")
@@ -152,11 +186,17 @@ class CheckpointsSection(Section):
     """Where and how often this node saves its state, to resume from after a restart."""
 
     checkpoint_dir: ExpandedPath | None = Field(
-        None, description="Save the round-start parameters and this node's state here, and resume from them "
-        "on start when the swarm agrees; unset: none.")
+        None,
+        description="Save the round-start parameters and this node's state here, and resume from them "
+        "on start when the swarm agrees; unset: none.",
+    )
     checkpoint_every_rounds: int = Field(
-        1, ge=1, le=1_000_000, json_schema_extra={"flag": "--checkpoint-every"},
-        description="Write a checkpoint after every this many applied rounds.")
+        1,
+        ge=1,
+        le=1_000_000,
+        json_schema_extra={"flag": "--checkpoint-every"},
+        description="Write a checkpoint after every this many applied rounds.",
+    )
 
 
 class DebugSection(Section):
@@ -164,10 +204,13 @@ class DebugSection(Section):
 
     progress: bool = Field(True, description="A progress bar for the inner steps on stderr (off: log lines only).")
     inject: tuple[str, ...] = Field(
-        (), strict=False, json_schema_extra={"flag_repeats": True, "metavar": "FAULT"},
+        (),
+        strict=False,
+        json_schema_extra={"flag_repeats": True, "metavar": "FAULT"},
         description="A fault to inject, for tests and demos (node/faults.py; repeatable): crash@round=3,"
         "phase=training, slow-upload@delay_s=5, corrupt-packet@round=1, poison@factor=1000, stale-submit@round=2, "
-        "lie@from_round=3.")
+        "lie@from_round=3.",
+    )
 
 
 class NodeConfig(Section):
@@ -176,14 +219,24 @@ class NodeConfig(Section):
 
     coordinator: str = Field(description="Base URL of the coordinator, http://host:port.")
     run_id: str | None = Field(
-        None, pattern=r"^[^/\x00-\x1f\x7f]{1,256}$", json_schema_extra={"flag": "--run"},
-        description="Run to join; unset: the coordinator's only running (or waiting) run.")
+        None,
+        pattern=r"^[^/\x00-\x1f\x7f]{1,256}$",
+        json_schema_extra={"flag": "--run"},
+        description="Run to join; unset: the coordinator's only running (or waiting) run.",
+    )
     join_token: str | None = Field(
-        None, min_length=8, max_length=256, json_schema_extra={"flag": "--token"},
-        description="Join token, for runs with membership.join_policy 'token'.")
+        None,
+        min_length=8,
+        max_length=256,
+        json_schema_extra={"flag": "--token"},
+        description="Join token, for runs with membership.join_policy 'token'.",
+    )
     key_path: ExpandedPath = Field(
-        Path("~/.locoswarm/peer.key"), validate_default=True, json_schema_extra={"flag": "--key"},
-        description="Ed25519 identity file, created if absent.")
+        Path("~/.locoswarm/peer.key"),
+        validate_default=True,
+        json_schema_extra={"flag": "--key"},
+        description="Ed25519 identity file, created if absent.",
+    )
     training: TrainingSection = Field(default_factory=TrainingSection, description=TrainingSection.__doc__)
     memory: MemorySection = Field(default_factory=MemorySection, description=MemorySection.__doc__)
     network: NetworkSection = Field(default_factory=NetworkSection, description=NetworkSection.__doc__)
@@ -198,13 +251,19 @@ class NodeConfig(Section):
         return value
 
 
-SECTIONS: tuple[str, ...] = tuple(name for name, field in NodeConfig.model_fields.items()
-                                  if isinstance(field.annotation, type) and issubclass(field.annotation, Section))
+SECTIONS: tuple[str, ...] = tuple(
+    name
+    for name, field in NodeConfig.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, Section)
+)
 # Where each key of a file written before the sections went: the fields kept their names in their
 # section, but for one renamed on the way.
 FLAT_KEYS: dict[str, str] = {
-    **{name: f"{section}.{name}"
-       for section in SECTIONS for name in NodeConfig.model_fields[section].annotation.model_fields},
+    **{
+        name: f"{section}.{name}"
+        for section in SECTIONS
+        for name in NodeConfig.model_fields[section].annotation.model_fields
+    },
     "outer_state_device": "memory.state_placement",
 }
 
@@ -225,8 +284,9 @@ def load_node_config(path: Path | None = None, overrides: Mapping[str, Any] | No
     values = with_overrides(_nest_flat(read_config_file(path), where) if path is not None else {}, overrides)
     for name, field in NodeConfig.model_fields.items():
         if field.is_required() and name not in values:
-            raise ConfigError(f"{where}: {name}: required (set it in the config file or pass "
-                              f"--{name.replace('_', '-')})")
+            raise ConfigError(
+                f"{where}: {name}: required (set it in the config file or pass --{name.replace('_', '-')})"
+            )
     return validate_config(NodeConfig, values, where=where, renamed=FLAT_KEYS)
 
 

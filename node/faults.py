@@ -142,10 +142,17 @@ class FaultSpec:
         return self.round is None or self.round == round
 
     def __str__(self) -> str:
-        keys = {Fault.CRASH: ("round", "phase", "wait_s"), Fault.SLOW_UPLOAD: ("delay_s",),
-                Fault.CORRUPT_PACKET: ("round",), Fault.POISON: ("round", "factor", "mode"),
-                Fault.STALE_SUBMIT: ("round",), Fault.SLOW_COMPUTE: ("round", "min_s"),
-                Fault.WITHHOLD: ("round",), Fault.LIE: ("from_round",), Fault.COPY: ("round", "wait_s")}[self.fault]
+        keys = {
+            Fault.CRASH: ("round", "phase", "wait_s"),
+            Fault.SLOW_UPLOAD: ("delay_s",),
+            Fault.CORRUPT_PACKET: ("round",),
+            Fault.POISON: ("round", "factor", "mode"),
+            Fault.STALE_SUBMIT: ("round",),
+            Fault.SLOW_COMPUTE: ("round", "min_s"),
+            Fault.WITHHOLD: ("round",),
+            Fault.LIE: ("from_round",),
+            Fault.COPY: ("round", "wait_s"),
+        }[self.fault]
         values = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         args = ",".join(f"{k}={v.value if isinstance(v, Phase) else v}" for k, v in values.items())
         return self.fault.value + (f"@{args}" if args else "")
@@ -170,8 +177,9 @@ def parse_fault(text: str) -> FaultSpec:
     try:
         fault = Fault(name)
     except ValueError:
-        raise FaultSpecError(f"unknown fault {name!r} in {text!r} (known: "
-                             f"{', '.join(f.value for f in Fault)})") from None
+        raise FaultSpecError(
+            f"unknown fault {name!r} in {text!r} (known: {', '.join(f.value for f in Fault)})"
+        ) from None
     values: dict = {}
     for part in filter(None, args.split(",")):
         key, eq, raw = part.partition("=")
@@ -361,9 +369,14 @@ class FaultInjector:
                     log.warning("fault injection: withholding the packet of round %d (submitted, never served)", round)
                     digest = hashlib.sha256(data).hexdigest()
                     self._withheld[round, peer_id] = (digest, data)
-                    return Announcement(peer_id=peer_id, round=round, digest=digest,
-                                        size_bytes=len(data), multiaddrs=list(self._inner.visible_maddrs),
-                                        holder=getattr(self._inner, "holder_id", ""))
+                    return Announcement(
+                        peer_id=peer_id,
+                        round=round,
+                        digest=digest,
+                        size_bytes=len(data),
+                        multiaddrs=list(self._inner.visible_maddrs),
+                        holder=getattr(self._inner, "holder_id", ""),
+                    )
                 return await self._inner.publish(round, peer_id, data)
 
         return FaultyExchange(exchange)
@@ -381,8 +394,9 @@ class FaultInjector:
         while asyncio.get_running_loop().time() < deadline:
             others = {p: a for p, a in (await exchange.announcements(round)).items() if p != peer_id}
             for other, announcement in sorted(others.items()):
-                fetched = await exchange.fetch(round, {other: announcement.digest},
-                                               {other: list(announcement.multiaddrs)}, timeout_s=10)
+                fetched = await exchange.fetch(
+                    round, {other: announcement.digest}, {other: list(announcement.multiaddrs)}, timeout_s=10
+                )
                 if other in fetched:
                     header, offset = read_header(fetched[other])
                     header["peer"] = peer_id
@@ -410,17 +424,33 @@ class FaultInjector:
                         pass
                 return await self._inner.submit(round, **fields)
 
-            async def applied(self, round: int, params_digest: str, refused=None, manifest_version: int = 1, *,
-                              tree: Tree | None = None, **fields):
+            async def applied(
+                self,
+                round: int,
+                params_digest: str,
+                refused=None,
+                manifest_version: int = 1,
+                *,
+                tree: Tree | None = None,
+                **fields,
+            ):
                 if not injector._firing(Fault.LIE, round):
-                    return await self._inner.applied(round, params_digest, refused=refused,
-                                                     manifest_version=manifest_version, tree=tree, **fields)
-                lie, lie_tree = made_up_report(round, manifest_version, tree if tree is not None and
-                                               tree.hex == params_digest else None)
-                log.warning("fault injection: reporting the made-up digest %s for round %d version %d (mine: %s)",
-                            lie[:12], round, manifest_version, params_digest[:12])
-                response = await self._inner.applied(round, lie, refused=refused, manifest_version=manifest_version,
-                                                     tree=lie_tree, **fields)
+                    return await self._inner.applied(
+                        round, params_digest, refused=refused, manifest_version=manifest_version, tree=tree, **fields
+                    )
+                lie, lie_tree = made_up_report(
+                    round, manifest_version, tree if tree is not None and tree.hex == params_digest else None
+                )
+                log.warning(
+                    "fault injection: reporting the made-up digest %s for round %d version %d (mine: %s)",
+                    lie[:12],
+                    round,
+                    manifest_version,
+                    params_digest[:12],
+                )
+                response = await self._inner.applied(
+                    round, lie, refused=refused, manifest_version=manifest_version, tree=lie_tree, **fields
+                )
                 return _real_answer(response, params_digest, manifest_version)
 
         return FaultyClient(client)
@@ -448,8 +478,9 @@ def made_up_tree(real: Tree, round: int, manifest_version: int) -> Tree:
     """A tree with `real`'s header and body length whose leaves depend on nothing but the round, the
     manifest version and the chunk index: every liar holding the same model layout makes the same
     one, and a liar that restarts makes it again."""
-    leaves = tuple(blake3(LIE_TAG + _LIE_LEAF.pack(round, manifest_version, i)).digest()
-                   for i in range(len(real.leaves)))
+    leaves = tuple(
+        blake3(LIE_TAG + _LIE_LEAF.pack(round, manifest_version, i)).digest() for i in range(len(real.leaves))
+    )
     return Tree(real.header, real.body_bytes, leaves)
 
 

@@ -76,14 +76,19 @@ def with_overrides(values: Mapping[str, Any], overrides: Mapping[str, Any] | Non
         for depth, section in enumerate(sections):
             table = table.setdefault(section, {})
             if not isinstance(table, dict):
-                raise ConfigError(f"{key}: {'.'.join(sections[:depth + 1])} is not a table")
+                raise ConfigError(f"{key}: {'.'.join(sections[: depth + 1])} is not a table")
         table[leaf] = value
     return merged
 
 
-def validate_config(model: type[M], values: Mapping[str, Any], *, where: str,
-                    renamed: Mapping[str, str] | None = None,
-                    unions: Mapping[str, Collection[str]] | None = None) -> M:
+def validate_config(
+    model: type[M],
+    values: Mapping[str, Any],
+    *,
+    where: str,
+    renamed: Mapping[str, str] | None = None,
+    unions: Mapping[str, Collection[str]] | None = None,
+) -> M:
     """`model` built from `values`; a ValidationError becomes a ConfigError prefixed with `where`."""
     try:
         return model.model_validate(values)
@@ -91,18 +96,27 @@ def validate_config(model: type[M], values: Mapping[str, Any], *, where: str,
         raise ConfigError(f"{where}: {describe_validation_error(e, model, renamed=renamed, unions=unions)}") from None
 
 
-def load_config(model: type[M], path: Path | None = None, overrides: Mapping[str, Any] | None = None, *,
-                renamed: Mapping[str, str] | None = None,
-                unions: Mapping[str, Collection[str]] | None = None) -> M:
+def load_config(
+    model: type[M],
+    path: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    renamed: Mapping[str, str] | None = None,
+    unions: Mapping[str, Collection[str]] | None = None,
+) -> M:
     """The model's defaults, then the file at `path` (if any), then `overrides` (None: not given)."""
     values = read_config_file(path) if path is not None else {}
     where = str(path) if path is not None else "command line"
     return validate_config(model, with_overrides(values, overrides), where=where, renamed=renamed, unions=unions)
 
 
-def describe_validation_error(error: ValidationError, model: type[BaseModel] | None = None, *,
-                              renamed: Mapping[str, str] | None = None,
-                              unions: Mapping[str, Collection[str]] | None = None) -> str:
+def describe_validation_error(
+    error: ValidationError,
+    model: type[BaseModel] | None = None,
+    *,
+    renamed: Mapping[str, str] | None = None,
+    unions: Mapping[str, Collection[str]] | None = None,
+) -> str:
     """One line naming each bad key by its dotted path: 'inner.lr: Input should be greater than 0'.
 
     `unions` maps the dotted key of a tagged union to its tags, which pydantic puts in the path
@@ -121,12 +135,17 @@ def describe_validation_error(error: ValidationError, model: type[BaseModel] | N
 
 # pydantic's bound errors, re-worded so the bound is a plain number (pydantic's own text may
 # print a float bound in exponent form).
-_BOUNDS = {"greater_than": ("gt", "greater than"), "greater_than_equal": ("ge", "greater than or equal to"),
-           "less_than": ("lt", "less than"), "less_than_equal": ("le", "less than or equal to")}
+_BOUNDS = {
+    "greater_than": ("gt", "greater than"),
+    "greater_than_equal": ("ge", "greater than or equal to"),
+    "less_than": ("lt", "less than"),
+    "less_than_equal": ("le", "less than or equal to"),
+}
 
 
-def _message(item: Mapping[str, Any], path: list[str], model: type[BaseModel] | None,
-             renamed: Mapping[str, str]) -> str:
+def _message(
+    item: Mapping[str, Any], path: list[str], model: type[BaseModel] | None, renamed: Mapping[str, str]
+) -> str:
     kind = item["type"]
     if kind == "missing":
         return "required"
@@ -173,7 +192,7 @@ def _dotted_keys(model: type[BaseModel] | None, prefix: str = "") -> list[str]:
     """Every key of `model` and of its sections, dotted ("inner", "inner.steps", ...); a section
     that is a union of models (the deadline policies) gets the keys of each."""
     keys: list[str] = []
-    for name, field in (model.model_fields.items() if model is not None else ()):
+    for name, field in model.model_fields.items() if model is not None else ():
         keys.append(prefix + name)
         for section in _models_in(field.annotation):
             keys += [k for k in _dotted_keys(section, f"{prefix}{name}.") if k not in keys]

@@ -91,14 +91,18 @@ def make_record(digest: str, size_bytes: int, maddrs: list[str], holder: str) ->
 
 
 def parse_record(
-    publisher_peer_id: str, round: int, value: Any, max_size_bytes: int | None = None,
+    publisher_peer_id: str,
+    round: int,
+    value: Any,
+    max_size_bytes: int | None = None,
 ) -> Announcement:
     """An `Announcement` from a DHT value of either key; raises MalformedPacket or OversizedPacket."""
     if not isinstance(publisher_peer_id, str) or not 0 < len(publisher_peer_id) <= MAX_ID_CHARS:
         raise MalformedPacket("subkey is not a peer id string")
     _check_record(value, max_size_bytes)
-    return Announcement(publisher_peer_id, round, value["digest"], value["size"], list(value["maddrs"]),
-                        value["holder"])
+    return Announcement(
+        publisher_peer_id, round, value["digest"], value["size"], list(value["maddrs"]), value["holder"]
+    )
 
 
 def _check_record(value: Any, max_size_bytes: int | None) -> None:
@@ -120,5 +124,9 @@ def _check_record(value: Any, max_size_bytes: int | None) -> None:
 
 
 __all__ = [
-    "Announcement", "packets_key", "holders_key", "make_record", "parse_record",
+    "Announcement",
+    "packets_key",
+    "holders_key",
+    "make_record",
+    "parse_record",
 ]

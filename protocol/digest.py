@@ -76,8 +76,11 @@ def encode_header(entries: Iterable[tuple[str, str, Sequence[int]]]) -> bytes:
     entries = sorted(entries, key=lambda e: e[0])
     parts = [HEADER_MAGIC, _U32.pack(len(entries))]
     for name, dtype, shape in entries:
-        parts += [_field(name.encode("utf-8")), _field(dtype.encode("ascii")),
-                  _field(struct.pack(f"<{len(shape)}Q", *shape))]
+        parts += [
+            _field(name.encode("utf-8")),
+            _field(dtype.encode("ascii")),
+            _field(struct.pack(f"<{len(shape)}Q", *shape)),
+        ]
     return b"".join(parts)
 
 

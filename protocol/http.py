@@ -160,8 +160,19 @@ from typing import Annotated, Literal
 from pydantic import Field, StringConstraints, model_validator
 
 from protocol.errors import BadSignature
-from protocol.fields import (MAX_ADDRS, MAX_REFUSED, HexKey, Multiaddr, ParamsDigest, PeerId, RequestModel,
-                             ResponseModel, Seconds, Sha256Hex, ShortText)
+from protocol.fields import (
+    MAX_ADDRS,
+    MAX_REFUSED,
+    HexKey,
+    Multiaddr,
+    ParamsDigest,
+    PeerId,
+    RequestModel,
+    ResponseModel,
+    Seconds,
+    Sha256Hex,
+    ShortText,
+)
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey, verify
 
@@ -224,16 +235,26 @@ class JoinRequest(RequestModel):
     listen_multiaddrs: list[Multiaddr] = Field(default_factory=list, max_length=MAX_ADDRS)
     bandwidth_mbps: float | None = Field(None, ge=0.0, le=1e7)
     uplink_mbps: float | None = Field(
-        None, gt=0.0, le=1e7, description="The upload rate the peer's operator states for its link; peers "
-        "lay out each packet's distribution tree with faster uplinks forwarding (node.exchange.topology.tree_parent).")
+        None,
+        gt=0.0,
+        le=1e7,
+        description="The upload rate the peer's operator states for its link; peers "
+        "lay out each packet's distribution tree with faster uplinks forwarding (node.exchange.topology.tree_parent).",
+    )
     state_round: int | None = Field(
-        None, ge=1, le=2**31, description="A returning peer's own state (its checkpoint): the round whose start "
+        None,
+        ge=1,
+        le=2**31,
+        description="A returning peer's own state (its checkpoint): the round whose start "
         "it holds. If that is the open round and `state_digest` is the agreed digest for its start, the peer is "
-        "expected in the open round at once (not from the next one, as a newcomer is).")
+        "expected in the open round at once (not from the next one, as a newcomer is).",
+    )
     state_digest: ParamsDigest | None = Field(None, description="The parameter digest of that state.")
     pow_salt: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")] | None = Field(
-        None, description="With `pow_nonce`: the salt of a join challenge (GET join-challenge) when the run asks "
-        "new keys for proof of work (membership.join_pow_bits; protocol/join_pow.py).")
+        None,
+        description="With `pow_nonce`: the salt of a join challenge (GET join-challenge) when the run asks "
+        "new keys for proof of work (membership.join_pow_bits; protocol/join_pow.py).",
+    )
     # 2**53: the largest integer every JSON reader holds exactly (a JavaScript number, a float).
     pow_nonce: int | None = Field(None, ge=0, le=2**53, description="The nonce that solves that challenge.")
 
@@ -281,10 +302,13 @@ class HeartbeatRequest(RequestModel):
     train_loss: float | None = Field(None, allow_inf_nan=False, ge=-1e9, le=1e9)
     listen_multiaddrs: list[Multiaddr] | None = Field(None, max_length=MAX_ADDRS)
     inner_step: int | None = Field(
-        None, ge=0, le=MAX_INNER_STEPS, description="Inner steps done in `round` so far (null: not training).")
+        None, ge=0, le=MAX_INNER_STEPS, description="Inner steps done in `round` so far (null: not training)."
+    )
     detail: Annotated[str, StringConstraints(pattern=r"^[\x20-\x7e]{1,%d}$" % MAX_DETAIL_CHARS)] | None = Field(
-        None, description="With state 'stuck': one line saying what the peer waits for and from whom (printable "
-        "ASCII); shown as the run's `stuck`. Null clears it.")
+        None,
+        description="With state 'stuck': one line saying what the peer waits for and from whom (printable "
+        "ASCII); shown as the run's `stuck`. Null clears it.",
+    )
 
 
 class HeartbeatResponse(ResponseModel):
@@ -351,16 +375,20 @@ class RoundView(ResponseModel):
     )
     majority_digest: str | None = Field(
         description="The digest most votes name (votes: applied reports of the latest manifest version by the"
-        " peers in it; see agreed_digest), agreed or provisional; null: no vote yet.")
+        " peers in it; see agreed_digest), agreed or provisional; null: no vote yet."
+    )
     manifest_version: int = Field(
-        1, description="1 when the round closes; one more at each amendment (entries dropped).")
+        1, description="1 when the round closes; one more at each amendment (entries dropped)."
+    )
     dropped: dict[str, str] = Field(
-        default_factory=dict, description="Entries amended out of the manifest, peer id -> why.")
+        default_factory=dict, description="Entries amended out of the manifest, peer id -> why."
+    )
     agreed_digest: str | None = Field(
-        None, description="The round's agreed parameter digest: fixed once agreed (only a new manifest version"
-        " starts a new vote); null while none is. The only digest a snapshot, a checkpoint or a flag trusts.")
-    provisional: bool = Field(
-        False, description="A digest leads the votes (majority_digest) but is not agreed yet.")
+        None,
+        description="The round's agreed parameter digest: fixed once agreed (only a new manifest version"
+        " starts a new vote); null while none is. The only digest a snapshot, a checkpoint or a flag trusts.",
+    )
+    provisional: bool = Field(False, description="A digest leads the votes (majority_digest) but is not agreed yet.")
     num_votes: int = Field(0, description="Votes cast on the latest manifest version.")
 
 
@@ -368,26 +396,48 @@ class PeerScoreReport(RequestModel):
     """One peer's update of the round, as the reporter scored it (node/training/scoring.py)."""
 
     loss_delta: float = Field(
-        allow_inf_nan=False, ge=-MAX_ABS_LOSS_DELTA, le=MAX_ABS_LOSS_DELTA,
-        description="Held-out loss (the reporter's data) after the update alone minus before; < 0 helps.")
-    cosine: float = Field(allow_inf_nan=False, ge=-1.0, le=1.0, description="Cosine with the reporter's own"
-                          " update of the round, on the coordinates this update holds.")
-    overlap: float = Field(0.0, allow_inf_nan=False, ge=0.0, le=1.0, description="The largest share of this"
-                           " update's entries (position and 2-bit code) that another packet of the round also holds (a copy: 1).")
+        allow_inf_nan=False,
+        ge=-MAX_ABS_LOSS_DELTA,
+        le=MAX_ABS_LOSS_DELTA,
+        description="Held-out loss (the reporter's data) after the update alone minus before; < 0 helps.",
+    )
+    cosine: float = Field(
+        allow_inf_nan=False,
+        ge=-1.0,
+        le=1.0,
+        description="Cosine with the reporter's own update of the round, on the coordinates this update holds.",
+    )
+    overlap: float = Field(
+        0.0,
+        allow_inf_nan=False,
+        ge=0.0,
+        le=1.0,
+        description="The largest share of this"
+        " update's entries (position and 2-bit code) that another packet of the round also holds (a copy: 1).",
+    )
     overlap_with: list[PeerId] = Field(
-        default_factory=list, max_length=8, description="The peers whose packets share scoring.copy_overlap of"
-        " this update's entries (a copy of a copy shares all with both), else the one that shares the most.")
+        default_factory=list,
+        max_length=8,
+        description="The peers whose packets share scoring.copy_overlap of"
+        " this update's entries (a copy of a copy shares all with both), else the one that shares the most.",
+    )
 
 
 class ParamsTree(RequestModel):
     """A parameter digest's hash tree (protocol/digest.py): the coordinator checks that it hashes to the
     reported digest, and compares the leaves of reports that differ to name the chunks they differ in."""
 
-    header: str = Field(max_length=4 * MAX_TREE_HEADER_BYTES // 3 + 4, pattern=r"^[A-Za-z0-9+/]*={0,2}$",
-                        description="The canonical layout's header, base64.")
+    header: str = Field(
+        max_length=4 * MAX_TREE_HEADER_BYTES // 3 + 4,
+        pattern=r"^[A-Za-z0-9+/]*={0,2}$",
+        description="The canonical layout's header, base64.",
+    )
     body_bytes: int = Field(ge=0, le=MAX_TREE_LEAVES * (4 << 20), description="The body's length in bytes.")
-    leaves: str = Field(max_length=64 * MAX_TREE_LEAVES, pattern=r"^(?:[0-9a-f]{64})*$",
-                        description="The chunks' leaf hashes in order, each 64 lowercase hex characters.")
+    leaves: str = Field(
+        max_length=64 * MAX_TREE_LEAVES,
+        pattern=r"^(?:[0-9a-f]{64})*$",
+        description="The chunks' leaf hashes in order, each 64 lowercase hex characters.",
+    )
 
     def tree(self):
         """The `protocol.digest.Tree`; ValueError when the fields do not make one."""
@@ -396,11 +446,14 @@ class ParamsTree(RequestModel):
         from protocol.digest import Tree
 
         leaves = bytes.fromhex(self.leaves)
-        return Tree(base64.b64decode(self.header, validate=True), self.body_bytes,
-                    tuple(leaves[i:i + 32] for i in range(0, len(leaves), 32)))
+        return Tree(
+            base64.b64decode(self.header, validate=True),
+            self.body_bytes,
+            tuple(leaves[i : i + 32] for i in range(0, len(leaves), 32)),
+        )
 
     def leaf_hex(self) -> list[str]:
-        return [self.leaves[i:i + 64] for i in range(0, len(self.leaves), 64)]
+        return [self.leaves[i : i + 64] for i in range(0, len(self.leaves), 64)]
 
 
 class AppliedRequest(RequestModel):
@@ -414,21 +467,30 @@ class AppliedRequest(RequestModel):
     )
     manifest_version: int = Field(1, ge=1, le=2**31, description="The manifest version this peer applied.")
     val_loss: float | None = Field(
-        None, allow_inf_nan=False, ge=0.0, le=1e9,
+        None,
+        allow_inf_nan=False,
+        ge=0.0,
+        le=1e9,
         description="Loss of the model after the round on fixed held-out batches, when this peer evaluated it "
-        "(every eval_every_rounds rounds, node/config.py); null: not evaluated this round.")
+        "(every eval_every_rounds rounds, node/config.py); null: not evaluated this round.",
+    )
     scores: dict[PeerId, PeerScoreReport] = Field(
-        default_factory=dict, max_length=MAX_SCORES,
+        default_factory=dict,
+        max_length=MAX_SCORES,
         description="Contribution scores of the manifest's updates (protocol/scoring.py), peer id -> score; counted"
         " only from a report that is a vote, never for the reporter itself. Empty: not scored.",
         json_schema_extra={"additionalProperties": False},  # as `refused`: peer ids are the only keys
     )
     sample: SampleText | None = Field(
-        None, description="A short text the model wrote after the round, sent with `val_loss` (at most "
-        "MAX_SAMPLE_CHARS characters, no control characters but newline and tab); shown on the status page.")
+        None,
+        description="A short text the model wrote after the round, sent with `val_loss` (at most "
+        "MAX_SAMPLE_CHARS characters, no control characters but newline and tab); shown on the status page.",
+    )
     tree: ParamsTree | None = Field(
-        None, description="The hash tree of `params_digest` (it must hash to it): when reports differ, the "
-        "coordinator names the chunks they differ in. Null for a model over MAX_TREE_LEAVES chunks.")
+        None,
+        description="The hash tree of `params_digest` (it must hash to it): when reports differ, the "
+        "coordinator names the chunks they differ in. Null for a model over MAX_TREE_LEAVES chunks.",
+    )
 
     @model_validator(mode="after")
     def _tree_hashes_to_digest(self) -> "AppliedRequest":
@@ -446,30 +508,38 @@ class AppliedResponse(ResponseModel):
     round: int
     majority_digest: str | None = Field(
         description="The digest most votes on the latest manifest version name (agreed or provisional); null"
-        " while none came since an amendment.")
+        " while none came since an amendment."
+    )
     agrees: bool = Field(
-        description="This report is of the latest version and its digest is the majority (agreed or provisional).")
+        description="This report is of the latest version and its digest is the majority (agreed or provisional)."
+    )
     num_reports: int = Field(description="Reports of the latest manifest version (votes or not).")
     agreed_digest: str | None = Field(None, description="The round's agreed digest; null while none is (RoundView).")
     provisional: bool = Field(False, description="The majority digest is not agreed yet.")
     num_votes: int = Field(0, description="Votes on the latest version: reports of the peers in its manifest.")
     vote: bool = Field(False, description="Whether this report is a vote (its peer has a packet in that manifest).")
     manifest_version: int = Field(
-        1, description="The round's latest manifest version: above the one reported, recompute from the start.")
+        1, description="The round's latest manifest version: above the one reported, recompute from the start."
+    )
     amended: dict[int, int] = Field(
         default_factory=dict,
         description="Rounds up to MISSING_REPORT_ROUNDS + 1 back from the open one whose manifest was amended,"
-        " round -> latest version: a node that applied an older version of one of them recomputes or catches up.")
+        " round -> latest version: a node that applied an older version of one of them recomputes or catches up.",
+    )
 
 
 class MissingRequest(RequestModel):
     peer_ids: list[PeerId] = Field(
-        default_factory=list, max_length=MAX_REFUSED,
-        description="Entries of the round's manifest whose packets this peer could not fetch in time.")
+        default_factory=list,
+        max_length=MAX_REFUSED,
+        description="Entries of the round's manifest whose packets this peer could not fetch in time.",
+    )
     lost_own: bool = Field(
-        False, description="This peer no longer holds its own packet of the round (it restarted without it): "
+        False,
+        description="This peer no longer holds its own packet of the round (it restarted without it): "
         "its entry is dropped at once, unless a live contributor that applied the round (and reported nothing "
-        "missing of it) serves a copy. `peer_ids` may then be empty.")
+        "missing of it) serves a copy. `peer_ids` may then be empty.",
+    )
 
     @model_validator(mode="after")
     def _reports_something(self) -> "MissingRequest":
@@ -495,7 +565,9 @@ class CurrentRound(ResponseModel):
     opened_at: float | None
     deadline: float | None
     num_submitted: int
-    num_expected: int = Field(description="Live peers the round waits for before it closes early (PeerView.waited_for).")
+    num_expected: int = Field(
+        description="Live peers the round waits for before it closes early (PeerView.waited_for)."
+    )
 
 
 class PeerScoreView(ResponseModel):
@@ -507,7 +579,9 @@ class PeerScoreView(ResponseModel):
     loss_delta: float | None = Field(description="Running median held-out loss delta (nats; < 0 helps).")
     cosine: float | None = Field(description="Running median cosine with the rounds' aggregates.")
     num_useful: int = Field(0, description="Rounds in which more than half of its judges' weight found it useful.")
-    last_verdict: Literal["useful", "not_useful", "copy", "hurt"] | None = Field(None, description="Its latest verdict.")
+    last_verdict: Literal["useful", "not_useful", "copy", "hurt"] | None = Field(
+        None, description="Its latest verdict."
+    )
 
 
 class PeerView(ResponseModel):
@@ -524,7 +598,8 @@ class PeerView(ResponseModel):
     last_seen_at: float
     lag_rounds: int | None = Field(description="Current round minus the peer's latest round.")
     inner_step: int | None = Field(
-        None, description="Inner steps done in the round it last reported working on (null: not reported).")
+        None, description="Inner steps done in the round it last reported working on (null: not reported)."
+    )
     flags: list[str] = Field(
         description="'params_mismatch' when its digest differs from the round's agreed one; 'straggler' when the last "
         "closed round was cut off at its deadline without this live peer's packet; 'withheld_packet' when "
@@ -534,24 +609,31 @@ class PeerView(ResponseModel):
     mismatch_round: int | None
     listen_multiaddrs: list[str]
     standing: Literal["probation", "contributor", "not_waited"] = Field(
-        "probation", description="'probation': none of its packets is in a manifest yet; 'contributor': it is;"
-        " 'not_waited': it contributed once, but its recent rounds do not count (see standing_reason).")
+        "probation",
+        description="'probation': none of its packets is in a manifest yet; 'contributor': it is;"
+        " 'not_waited': it contributed once, but its recent rounds do not count (see standing_reason).",
+    )
     standing_reason: str | None = Field(None, description="Why its standing is what it is, for a person.")
-    waited_for: bool = Field(
-        False, description="Whether the open round waits for its packet before closing early.")
+    waited_for: bool = Field(False, description="Whether the open round waits for its packet before closing early.")
     last_contributed_round: int | None = Field(
-        None, description="The latest round whose manifest holds a packet of its (null: none).")
+        None, description="The latest round whose manifest holds a packet of its (null: none)."
+    )
     excluded: bool = Field(
-        False, description="Its submissions are refused ('excluded'): its updates kept hurting, or it reported a"
-        " digest the peers of credit did not compute (protocol/scoring.py).")
+        False,
+        description="Its submissions are refused ('excluded'): its updates kept hurting, or it reported a"
+        " digest the peers of credit did not compute (protocol/scoring.py).",
+    )
     excluded_reason: str | None = Field(None, description="Why, with the verdicts that decided it; null: not excluded.")
     excluded_until_round: int | None = Field(
-        None, description="The first round it may submit to again; null while excluded: for the rest of the run.")
+        None, description="The first round it may submit to again; null while excluded: for the rest of the run."
+    )
     score: PeerScoreView | None = Field(None, description="Its running contribution score; null: never judged.")
     detail: str | None = Field(None, description="Its last heartbeat's `detail` (what it is stuck on); null: none.")
     credit: int = Field(
-        0, description="Standing earned by useful work (protocol/scoring.py, rule 5): its weight as a judge of"
-        " updates and as a voter on digests; new keys have none.")
+        0,
+        description="Standing earned by useful work (protocol/scoring.py, rule 5): its weight as a judge of"
+        " updates and as a voter on digests; new keys have none.",
+    )
     credit_reason: str = Field("", description="Why its credit is what it is, for a person.")
 
 
@@ -561,7 +643,8 @@ class DisputeSide(ResponseModel):
     credit: int = Field(description="Their credit, summed (as at the decision, for a decided dispute).")
     chunks: list[int] | None = Field(
         description="Chunks of the hash tree whose leaves differ from the agreed (or leading) digest's, at most 16;"
-        " null when a side sent no tree.")
+        " null when a side sent no tree."
+    )
 
 
 class Dispute(ResponseModel):
@@ -591,14 +674,19 @@ class RoundSummary(ResponseModel):
         description="Manifest packets that peers left out, peer id -> reason (first report).",
     )
     tokens: int = Field(
-        0, description="Tokens trained into the round: contributors x H x batch_size x seq_len of the run config.")
+        0, description="Tokens trained into the round: contributors x H x batch_size x seq_len of the run config."
+    )
     packet_bytes: int = Field(0, description="Sizes of the packets submitted to the round, summed.")
     val_loss: float | None = Field(
-        None, description="Validation loss of the model after the round: the mean of the peers' reports whose "
-        "digest is the agreed one, else the majority's (peers evaluate every few rounds); null: none this round.")
+        None,
+        description="Validation loss of the model after the round: the mean of the peers' reports whose "
+        "digest is the agreed one, else the majority's (peers evaluate every few rounds); null: none this round.",
+    )
     compression_ratio: float | None = Field(
-        None, description="How many times smaller the round's packets were than its updates sent dense: "
-        "4 bytes x the model's parameters (protocol/model_sizes.py) x packets, over packet_bytes; null: no packet.")
+        None,
+        description="How many times smaller the round's packets were than its updates sent dense: "
+        "4 bytes x the model's parameters (protocol/model_sizes.py) x packets, over packet_bytes; null: no packet.",
+    )
 
 
 class HeldState(ResponseModel):
@@ -617,7 +705,8 @@ class Recovery(ResponseModel):
     newest_held_round: int | None = Field(description="The newest agreed round start a live peer holds.")
     rewind_at: float | None = Field(
         description="When the run goes back to `newest_held_round` unless a peer holding round `round`'s start "
-        "returns first; null when no live peer holds an agreed state.")
+        "returns first; null when no live peer holds an agreed state."
+    )
     held: list[HeldState] = Field(description="What each live peer holds.")
     last_holders: list[str] = Field(description="Peers that reported applying the needed state.")
     message: str = Field(description="The same, in one sentence.")
@@ -644,20 +733,26 @@ class RunStatus(ResponseModel):
     history: list[RoundSummary] = Field(description="Closed rounds, oldest first.")
     recovery: Recovery | None = Field(None, description="Set while the run is paused for want of live peers.")
     rewinds: list[Rewind] = Field(
-        default_factory=list, description="Times the run went back to an older agreed state nobody newer held.")
+        default_factory=list, description="Times the run went back to an older agreed state nobody newer held."
+    )
     sample: Sample | None = Field(
-        None, description="The newest text sample a peer sent with its validation loss; null: none yet.")
+        None, description="The newest text sample a peer sent with its validation loss; null: none yet."
+    )
     stuck: str | None = Field(
-        None, description="'stuck: <peer id>: <its detail>' for the first live peer (by id) whose last heartbeat "
+        None,
+        description="'stuck: <peer id>: <its detail>' for the first live peer (by id) whose last heartbeat "
         "said 'stuck' with a detail (catching up on a round whose packets nobody serves, say), ' (N peers)' after "
-        "it when several did; null otherwise.")
+        "it when several did; null otherwise.",
+    )
 
 
 class Health(ResponseModel):
     status: Literal["ok"]
     server_time: float | None = Field(
-        None, description="The coordinator's clock, unix seconds: nodes measure their clock's offset against it "
-        "(the round trip's midpoint; node/cli/doctor.py). Null from coordinators older than the field.")
+        None,
+        description="The coordinator's clock, unix seconds: nodes measure their clock's offset against it "
+        "(the round trip's midpoint; node/cli/doctor.py). Null from coordinators older than the field.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -750,9 +845,7 @@ def canonical_request_bytes(method: str, path: str, nonce: int, body: bytes) -> 
     return SIGNING_DOMAIN + f"{method.upper()}\n{path}\n{nonce}\n{body_hash}".encode()
 
 
-def sign_request(
-    key: PeerKey, method: str, path: str, body: bytes, nonce: int | None = None
-) -> dict[str, str]:
+def sign_request(key: PeerKey, method: str, path: str, body: bytes, nonce: int | None = None) -> dict[str, str]:
     """Headers that authenticate one request; a fresh nanosecond-clock nonce unless given."""
     if nonce is None:
         nonce = time.time_ns()
@@ -764,9 +857,7 @@ def sign_request(
     }
 
 
-def verify_request(
-    public_key: bytes, method: str, path: str, body: bytes, nonce: int, signature_hex: str
-) -> None:
+def verify_request(public_key: bytes, method: str, path: str, body: bytes, nonce: int, signature_hex: str) -> None:
     """Raise `BadSignature` unless the signature covers this exact request."""
     try:
         signature = bytes.fromhex(signature_hex)

@@ -129,15 +129,23 @@ class _SectionPlan:
 @lru_cache(maxsize=64)
 def _section_plan(shapes: tuple[tuple[str, tuple[int, ...]], ...], top_k: int, chunk_size: int) -> _SectionPlan:
     layouts = tuple(layout for _, layout in _layouts(shapes, top_k, chunk_size))
-    caps = tuple(tuple(max_unary_bytes(c.num_chunks, c.k, c.chunk_len, b) for b in range(MAX_RICE_PARAM + 1))
-                 for c in layouts)
-    return _SectionPlan(tuple(name for name, _ in shapes), tuple(list(shape) for _, shape in shapes), layouts, caps,
-                        sum(layout.num_selected for layout in layouts), all(c.chunk_len <= 2**15 for c in layouts))
+    caps = tuple(
+        tuple(max_unary_bytes(c.num_chunks, c.k, c.chunk_len, b) for b in range(MAX_RICE_PARAM + 1)) for c in layouts
+    )
+    return _SectionPlan(
+        tuple(name for name, _ in shapes),
+        tuple(list(shape) for _, shape in shapes),
+        layouts,
+        caps,
+        sum(layout.num_selected for layout in layouts),
+        all(c.chunk_len <= 2**15 for c in layouts),
+    )
 
 
 @lru_cache(maxsize=64)
-def _layouts(shapes: tuple[tuple[str, tuple[int, ...]], ...], top_k: int,
-             chunk_size: int) -> tuple[tuple[str, ChunkLayout], ...]:
+def _layouts(
+    shapes: tuple[tuple[str, tuple[int, ...]], ...], top_k: int, chunk_size: int
+) -> tuple[tuple[str, ChunkLayout], ...]:
     """`ModelSpec.layouts`, made once per model and density (every packet decode asks for them)."""
     return tuple((name, chunk_layout(shape, top_k, chunk_size)) for name, shape in shapes)
 
@@ -161,8 +169,14 @@ def packet_digest(data: bytes) -> str:
 
 
 def encode_packet(
-    run_id: str, round: int, peer_id: str, base_digest: bytes, spec: ModelSpec,
-    tensors: Mapping[str, SparseTensor], key: PeerKey, zstd_level: int = 3,
+    run_id: str,
+    round: int,
+    peer_id: str,
+    base_digest: bytes,
+    spec: ModelSpec,
+    tensors: Mapping[str, SparseTensor],
+    key: PeerKey,
+    zstd_level: int = 3,
 ) -> bytes:
     """Serialize and sign one peer's selections (one SparseTensor per name in `spec`).
 
@@ -176,8 +190,17 @@ def encode_packet(
         rice_b = best_rice_param(gaps)
         unary, remainders = rice_encode(gaps, rice_b)
         table = TABLE.pack(sparse.table.shift, *sparse.table.lookup.tolist())
-        sections.append([name, list(sparse.layout.shape), DTYPE_NAMES[sparse.table.dtype], rice_b, table,
-                         unary.numel(), remainders.numel()])
+        sections.append(
+            [
+                name,
+                list(sparse.layout.shape),
+                DTYPE_NAMES[sparse.table.dtype],
+                rice_b,
+                table,
+                unary.numel(),
+                remainders.numel(),
+            ]
+        )
         streams += [unary, remainders.to(unary.device)]
         all_codes.append(sparse.codes.reshape(-1).to(unary.device))
     if streams:
@@ -191,10 +214,18 @@ def encode_packet(
     compressed = zstandard.ZstdCompressor(level=zstd_level).compress(codes)
     if len(compressed) < len(codes):
         codes, coder = compressed, CODER_ZSTD
-    header = msgpack.packb({
-        "run": run_id, "round": round, "peer": peer_id, "base": bytes(base_digest), "top_k": spec.top_k,
-        "chunk": spec.chunk_size, "codes": [coder, len(codes)], "tensors": sections,
-    })
+    header = msgpack.packb(
+        {
+            "run": run_id,
+            "round": round,
+            "peer": peer_id,
+            "base": bytes(base_digest),
+            "top_k": spec.top_k,
+            "chunk": spec.chunk_size,
+            "codes": [coder, len(codes)],
+            "tensors": sections,
+        }
+    )
     body = b"".join([PREFIX.pack(MAGIC, WIRE_VERSION, len(header)), header, stream_bytes, codes])
     return body + key.sign(body)
 
@@ -221,10 +252,17 @@ def read_header(data: bytes, max_bytes: int = DEFAULT_MAX_PACKET_BYTES) -> tuple
         raise OversizedPacket(f"header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
     if PREFIX.size + header_len + SIGNATURE_BYTES > len(data):
         raise TruncatedPacket("packet ends inside its header")
-    raw = data[PREFIX.size: PREFIX.size + header_len]
+    raw = data[PREFIX.size : PREFIX.size + header_len]
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True,
-                                 max_str_len=4096, max_bin_len=4096, max_array_len=1 << 16, max_map_len=64)
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=4096,
+            max_bin_len=4096,
+            max_array_len=1 << 16,
+            max_map_len=64,
+        )
     except Exception as e:  # msgpack raises a zoo of types on bad input
         raise MalformedPacket(f"header does not parse: {type(e).__name__}") from None
     if not isinstance(header, dict) or set(header) != HEADER_KEYS:
@@ -233,9 +271,15 @@ def read_header(data: bytes, max_bytes: int = DEFAULT_MAX_PACKET_BYTES) -> tuple
 
 
 def decode_packet(
-    data: bytes, spec: ModelSpec, public_key: bytes | Callable[[str], bytes], *,
-    run_id: str | None = None, round: int | None = None, max_bytes: int = DEFAULT_MAX_PACKET_BYTES,
-    max_abs_value: float = DEFAULT_MAX_ABS_VALUE, device: torch.device | str = "cpu",
+    data: bytes,
+    spec: ModelSpec,
+    public_key: bytes | Callable[[str], bytes],
+    *,
+    run_id: str | None = None,
+    round: int | None = None,
+    max_bytes: int = DEFAULT_MAX_PACKET_BYTES,
+    max_abs_value: float = DEFAULT_MAX_ABS_VALUE,
+    device: torch.device | str = "cpu",
 ) -> Packet:
     """Verify and decode hostile `data` against the model `spec`; raise a ProtocolError subclass.
 
@@ -273,8 +317,9 @@ def decode_packet(
 
     expected = _section_plan(tuple(spec.shapes.items()), spec.top_k, spec.chunk_size)
     parsed, cursor = [], offset
-    for section, name, shape, layout, unary_caps in zip(sections, expected.names, expected.shapes, expected.layouts,
-                                                        expected.unary_caps):
+    for section, name, shape, layout, unary_caps in zip(
+        sections, expected.names, expected.shapes, expected.layouts, expected.unary_caps
+    ):
         if type(section) is not list or len(section) != 7:
             raise MalformedPacket(f"tensor section for {name!r} is not a 7-field list")
         s_name, s_shape, s_dtype, rice_b, table, unary_len, rem_len = section
@@ -295,8 +340,9 @@ def decode_packet(
         streams_at = cursor - offset
         parsed.append((streams_at, unary_len, streams_at + unary_len, rem_len, layout.num_selected, rice_b))
         cursor += unary_len + rem_len
-    quant_tables, values = _bounded_tables(expected.names, [s[4] for s in sections],
-                                           [DTYPES[s[2]] for s in sections], max_abs_value)
+    quant_tables, values = _bounded_tables(
+        expected.names, [s[4] for s in sections], [DTYPES[s[2]] for s in sections], max_abs_value
+    )
     if codes_len < 0 or cursor + codes_len < signed_len:
         raise MalformedPacket("payload holds bytes the header does not account for")
     if cursor + codes_len > signed_len:
@@ -311,8 +357,12 @@ def decode_packet(
     # chunk (locoswarm_kernels.chunking.PacketLayout has the per-row constants).
     streams = _to_device(data[offset:cursor], device)
     try:
-        positions = rice_decode_positions(streams, parsed, [layout.k for layout in expected.layouts],
-                                          out=scratch("packet.positions", num_codes, torch.int32, device))
+        positions = rice_decode_positions(
+            streams,
+            parsed,
+            [layout.k for layout in expected.layouts],
+            out=scratch("packet.positions", num_codes, torch.int32, device),
+        )
     except StreamError as e:
         raise MalformedPacket(f"tensor {expected.names[e.index]!r}: {e}") from None
     # Positions rise inside a row, so each row's last one bounds all of its positions (and gaps).
@@ -329,8 +379,9 @@ def decode_packet(
     return Packet(packet_run, packet_round, peer_id, base, tensors, len(data))
 
 
-def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dtype],
-                    max_abs_value: float) -> tuple[list[QuantTable], torch.Tensor]:
+def _bounded_tables(
+    names: list[str], tables: list[bytes], dtypes: list[torch.dtype], max_abs_value: float
+) -> tuple[list[QuantTable], torch.Tensor]:
     """Each tensor's quantization table, once its fields and every value a code can decode to are
     finite and within `max_abs_value`, in float32 and in its dtype; a ProtocolError naming the
     first tensor that fails otherwise. The four decodable values are computed as
@@ -338,8 +389,9 @@ def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dt
     the cast to that dtype), for all tensors of one dtype in one op, and returned beside the tables
     in float32 (exact), (tensors, NUM_BINS): locoswarm_kernels.sparse.code_values of the tables."""
     # Every table's five float32 fields at once, in float64 (exact), checked as one.
-    fields = torch.tensor(struct.unpack(f"<{TABLE.size // 4 * len(tables)}f", b"".join(tables)),
-                          dtype=torch.float64).view(len(tables), 5)
+    fields = torch.tensor(
+        struct.unpack(f"<{TABLE.size // 4 * len(tables)}f", b"".join(tables)), dtype=torch.float64
+    ).view(len(tables), 5)
     finite = torch.isfinite(fields).all(1)
     within = fields.abs().amax(1) <= max_abs_value
     if not bool((finite & within).all()):
@@ -347,7 +399,9 @@ def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dt
             if not is_finite:
                 raise NonFiniteValue(f"tensor {name!r}: quantization table holds NaN or Inf")
             if not is_within:
-                raise ValueOutOfRange(f"tensor {name!r}: a shift or table entry exceeds max_abs_value {max_abs_value:g}")
+                raise ValueOutOfRange(
+                    f"tensor {name!r}: a shift or table entry exceeds max_abs_value {max_abs_value:g}"
+                )
     shifts, lookups = fields[:, 0].tolist(), fields[:, 1:].float()
     verdicts: list[str | None] = [None] * len(tables)
     values = torch.empty(len(tables), 4, dtype=torch.float32)
@@ -357,20 +411,33 @@ def _bounded_tables(names: list[str], tables: list[bytes], dtypes: list[torch.dt
         wide = lookups[rows] + narrow_shift  # float32, as the 0-dim shift in QuantTable.decode
         narrow = wide.to(dtype)
         values[rows] = narrow.float()
-        checks = torch.stack([~torch.isfinite(narrow_shift[:, 0]), ~torch.isfinite(wide).all(1),
-                              wide.abs().amax(1) > max_abs_value, ~torch.isfinite(narrow).all(1),
-                              narrow.float().abs().amax(1) > max_abs_value], dim=1).tolist()
+        checks = torch.stack(
+            [
+                ~torch.isfinite(narrow_shift[:, 0]),
+                ~torch.isfinite(wide).all(1),
+                wide.abs().amax(1) > max_abs_value,
+                ~torch.isfinite(narrow).all(1),
+                narrow.float().abs().amax(1) > max_abs_value,
+            ],
+            dim=1,
+        ).tolist()
         for i, failed in zip(rows, checks):
             if any(failed):
-                verdicts[i] = ("shift overflows {d}", "a decoded value overflows float32",
-                               "a decoded value exceeds max_abs_value {m:g} in float32", "a decoded value overflows {d}",
-                               "a decoded value exceeds max_abs_value {m:g} in {d}")[failed.index(True)]
+                verdicts[i] = (
+                    "shift overflows {d}",
+                    "a decoded value overflows float32",
+                    "a decoded value exceeds max_abs_value {m:g} in float32",
+                    "a decoded value overflows {d}",
+                    "a decoded value exceeds max_abs_value {m:g} in {d}",
+                )[failed.index(True)]
     for name, verdict, dtype in zip(names, verdicts, dtypes):
         if verdict is not None:
             kind = ValueOutOfRange if "exceeds" in verdict else NonFiniteValue
             raise kind(f"tensor {name!r}: " + verdict.format(d=DTYPE_NAMES[dtype], m=max_abs_value))
-    return [QuantTable(shift=shift, lookup=lookup, dtype=dtype)
-            for shift, lookup, dtype in zip(shifts, lookups.unbind(0), dtypes)], values
+    return [
+        QuantTable(shift=shift, lookup=lookup, dtype=dtype)
+        for shift, lookup, dtype in zip(shifts, lookups.unbind(0), dtypes)
+    ], values
 
 
 def _to_device(data: bytes, device: torch.device | str) -> torch.Tensor:
@@ -401,6 +468,14 @@ def _code_bytes(coder: int, stream: bytes, num_codes: int, device: torch.device 
 
 
 __all__ = [
-    "MAGIC", "WIRE_VERSION", "ModelSpec", "Packet", "ProtocolError", "BadSignature",
-    "encode_packet", "decode_packet", "read_header", "packet_digest",
+    "MAGIC",
+    "WIRE_VERSION",
+    "ModelSpec",
+    "Packet",
+    "ProtocolError",
+    "BadSignature",
+    "encode_packet",
+    "decode_packet",
+    "read_header",
+    "packet_digest",
 ]

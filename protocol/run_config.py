@@ -30,10 +30,24 @@ from pydantic import Discriminator, Field, StringConstraints, Tag, model_validat
 from protocol.config_file import ConfigError, load_config
 from protocol.fields import Beta, Multiaddr, RequestModel, Sha256Hex
 
-__all__ = ["AdaptiveDeadline", "ConfigError", "DEFAULT_MAX_ABS_VALUE", "DeadlinePolicy", "ExchangeSection",
-           "FixedDeadline", "MAX_ABS_VALUE_LIMIT",
-           "FLAT_KEYS", "InnerSection", "MembershipSection", "ModelSection", "OuterSection", "RunConfig",
-           "ScoringSection", "load_run_config", "nest_flat"]
+__all__ = [
+    "AdaptiveDeadline",
+    "ConfigError",
+    "DEFAULT_MAX_ABS_VALUE",
+    "DeadlinePolicy",
+    "ExchangeSection",
+    "FixedDeadline",
+    "MAX_ABS_VALUE_LIMIT",
+    "FLAT_KEYS",
+    "InnerSection",
+    "MembershipSection",
+    "ModelSection",
+    "OuterSection",
+    "RunConfig",
+    "ScoringSection",
+    "load_run_config",
+    "nest_flat",
+]
 
 
 class ModelSection(RequestModel):
@@ -46,7 +60,9 @@ class ModelSection(RequestModel):
         1024, ge=1, le=1_000_000, description="Dataset shards; a peer reads peer_index % this."
     )
     vocab_size: int | None = Field(
-        None, ge=2, le=2**24,
+        None,
+        ge=2,
+        le=2**24,
         description="Token ids the model embeds, replacing the preset's (256 or 32000): the tokenizer's"
         " vocabulary, as `locoswarm data prepare` prints it. Required with tokenizer_id.",
     )
@@ -57,7 +73,9 @@ class ModelSection(RequestModel):
         " shards whose ids fit the vocabulary.",
     )
     init_from: str | None = Field(
-        None, min_length=1, max_length=1024,
+        None,
+        min_length=1,
+        max_length=1024,
         description="Start from these weights instead of the seeded initialisation: a safetensors file in"
         " the Hugging Face Llama layout, or a directory holding model.safetensors (and config.json). Every"
         " peer needs the same file at this path.",
@@ -88,9 +106,7 @@ class InnerSection(RequestModel):
     weight_decay: float = Field(0.1, ge=0.0, le=10.0, description="Inner AdamW decay.")
     grad_clip: float = Field(1.0, ge=0.0, le=1e6, description="Grad-norm clip; 0 disables.")
     warmup_steps: int = Field(100, ge=0, le=10_000_000, description="Linear warm-up steps.")
-    total_steps: int = Field(
-        10_000, ge=1, le=100_000_000, description="Inner steps of the cosine schedule."
-    )
+    total_steps: int = Field(10_000, ge=1, le=100_000_000, description="Inner steps of the cosine schedule.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of peak.")
     batch_size: int = Field(8, ge=1, le=65_536, description="Sequences per inner step per peer.")
     seq_len: int = Field(1024, ge=8, le=131_072, description="Tokens per sequence.")
@@ -119,12 +135,14 @@ class OuterSection(RequestModel):
     error_decay: float = Field(0.95, ge=0.0, le=1.0, description="Error-feedback decay beta.")
     aggregation: Literal["median_clip", "mean"] = Field(
         "median_clip",
-        description="How a round's decoded packets combine (SparseLoCo): \"median_clip\" scales each"
+        description='How a round\'s decoded packets combine (SparseLoCo): "median_clip" scales each'
         " peer's tensor down to the round's median norm of that tensor, then takes the scatter-mean"
-        " (bounds a poisoning peer); \"mean\" is the paper's plain scatter-mean.",
+        ' (bounds a poisoning peer); "mean" is the paper\'s plain scatter-mean.',
     )
     max_abs_value: float = Field(
-        DEFAULT_MAX_ABS_VALUE, gt=0.0, le=MAX_ABS_VALUE_LIMIT,
+        DEFAULT_MAX_ABS_VALUE,
+        gt=0.0,
+        le=MAX_ABS_VALUE_LIMIT,
         description="Largest magnitude a packet may carry: its shifts, table entries and decoded values"
         " (DiLoCo: every dense element). A packet over it is refused. Honest values are parameter"
         " deltas over H steps, about H * inner lr * outer lr / (1 - error_decay) at most (0.3 at the"
@@ -148,19 +166,21 @@ class OuterSection(RequestModel):
             raise ValueError("clip_to_median_norm (now aggregation) must be true or false")
         implied = "median_clip" if flag else "mean"
         if data.setdefault("aggregation", implied) != implied:
-            raise ValueError(f"clip_to_median_norm = {str(flag).lower()} contradicts aggregation ="
-                             f" {data['aggregation']!r}; give aggregation only")
+            raise ValueError(
+                f"clip_to_median_norm = {str(flag).lower()} contradicts aggregation ="
+                f" {data['aggregation']!r}; give aggregation only"
+            )
         return data
 
 
 class ExchangeSection(RequestModel):
     """How packets move between peers."""
 
-    max_packet_bytes: int = Field(
-        64 * 2**20, ge=1024, le=2**34, description="Largest packet a peer may announce."
-    )
+    max_packet_bytes: int = Field(64 * 2**20, ge=1024, le=2**34, description="Largest packet a peer may announce.")
     tree_fanout: int = Field(
-        2, ge=1, le=64,
+        2,
+        ge=1,
+        le=64,
         description="Copies each peer forwards of a packet in its distribution tree: 1 is a chain (the"
         " fastest on even links; a slow peer slows every peer after it), 2 a binary tree.",
     )
@@ -168,7 +188,9 @@ class ExchangeSection(RequestModel):
         default_factory=list, max_length=64, description="Multiaddrs of DHT bootstrap peers."
     )
     missing_grace_s: float = Field(
-        30.0, ge=0.5, le=3600.0,
+        30.0,
+        ge=0.5,
+        le=3600.0,
         description="Seconds after a closed round's manifest entry is first reported unfetchable until the"
         " coordinator drops it (a new manifest version); sooner once every other contributor reported it."
         " Keep it below the nodes' fetch_timeout_s (default 60), which is how long they wait for the amendment.",
@@ -183,26 +205,30 @@ class MembershipSection(RequestModel):
         60.0, ge=1.0, le=86400.0, description="Silence after which a peer is marked gone."
     )
     state_wait_s: float = Field(
-        300.0, ge=0.0, le=30 * 86400.0,
+        300.0,
+        ge=0.0,
+        le=30 * 86400.0,
         description="After every peer stopped: how long, from the first return, the run waits for a peer holding "
         "the open round's start before going back to the newest agreed state a returning peer holds.",
     )
-    join_policy: Literal["open", "token"] = Field(
-        "open", description="Whether joining needs one of `join_tokens`."
-    )
+    join_policy: Literal["open", "token"] = Field("open", description="Whether joining needs one of `join_tokens`.")
     join_tokens: list[Annotated[str, StringConstraints(min_length=8, max_length=256)]] = Field(
         default_factory=list,
         max_length=10_000,
         description="Join tokens (or 'sha256:<hex>' of one); stored hashed, never returned.",
     )
     join_pow_bits: int = Field(
-        0, ge=0, le=32,
+        0,
+        ge=0,
+        le=32,
         description="Proof of work a new key shows to join (protocol/join_pow.py): leading zero bits of a hash"
         " bound to the run, the key and a salt the coordinator changes every 10 minutes; 0: none. About a"
         " second of one core at 20; each bit more doubles it. Members rejoin without one.",
     )
     join_rate_per_address_per_min: float = Field(
-        6.0, gt=0.0, le=1e6,
+        6.0,
+        gt=0.0,
+        le=1e6,
         description="New keys one source address may join per minute, sustained (beyond the burst);"
         " over it the join is answered 429 rate_limited with Retry-After.",
     )
@@ -214,13 +240,17 @@ class MembershipSection(RequestModel):
     )
     join_burst: int = Field(200, ge=1, le=1_000_000, description="New keys the whole run takes at once.")
     max_missed_rounds: int = Field(
-        3, ge=1, le=100_000,
+        3,
+        ge=1,
+        le=100_000,
         description="A contributor with no packet in this many consecutive closed rounds is no longer waited"
         " for by the early close (it stays a member; its next packet in a manifest makes it waited for again)."
         " 1: only the previous round's contributors are waited for.",
     )
     vote_after_rounds: int = Field(
-        0, ge=0, le=100_000,
+        0,
+        ge=0,
+        le=100_000,
         description="Earlier rounds whose manifests must hold a peer's packet before its applied reports vote"
         " on a round's agreed digest; 0: its packet in that round's manifest suffices.",
     )
@@ -233,17 +263,24 @@ class ScoringSection(RequestModel):
 
     enabled: bool = Field(True, description="Nodes score updates and the coordinator excludes harmful peers.")
     batch_sequences: int = Field(
-        4, ge=1, le=1024,
+        4,
+        ge=1,
+        le=1024,
         description="Sequences (of inner.seq_len tokens) in the batch a node scores updates on: one forward pass"
         " for the round's start and one per scored peer.",
     )
     max_peers_per_round: int = Field(
-        16, ge=1, le=64,
+        16,
+        ge=1,
+        le=64,
         description="Peers of a manifest one node scores per round (a pick that rotates with the round and the"
         " node): with R contributors each peer is judged by about this many others, at any R.",
     )
     max_loss_delta: float = Field(
-        0.0, ge=-1e3, le=1e3, allow_inf_nan=False,
+        0.0,
+        ge=-1e3,
+        le=1e3,
+        allow_inf_nan=False,
         description="A node judges an update hurting when the held-out loss after it alone, applied to the round's"
         " start, rose by more than 20 times (this, in nats, plus loss_tolerance times the gain of the typical update"
         " it scored, minus their median loss delta), or when the update's cosine with the node's own update is"
@@ -251,50 +288,73 @@ class ScoringSection(RequestModel):
         " (protocol/scoring.py).",
     )
     loss_tolerance: float = Field(
-        0.5, ge=0.0, le=100.0, allow_inf_nan=False,
+        0.5,
+        ge=0.0,
+        le=100.0,
+        allow_inf_nan=False,
         description="See max_loss_delta: a sign-flipped update raises the loss by about the typical gain (1.0);"
         " honest ones lower it, or raise it by a small part of it at worst.",
     )
     min_cosine: float = Field(
-        -0.4, ge=-1.0, le=1.0, allow_inf_nan=False,
+        -0.4,
+        ge=-1.0,
+        le=1.0,
+        allow_inf_nan=False,
         description="See max_loss_delta: the cosine of an update with the judging node's own update of the round,"
         " on the coordinates the update holds. Honest ones stay above it (measured down to -0.25 late in a"
         " run), sign-flipped ones far below (-0.64..-0.95); -1 turns this test off.",
     )
     min_reporters: int = Field(
-        2, ge=1, le=64,
+        2,
+        ge=1,
+        le=64,
         description="Contributors (other than the peer) whose scores a round's verdict on a peer needs; with fewer"
         " the round gives none. A verdict is hurting when more than half of them judge it so.",
     )
     window_rounds: int = Field(4, ge=1, le=1000, description="Latest rounds with a verdict that the standing counts.")
     exclude_after_rounds: int = Field(
-        2, ge=1, le=1000,
+        2,
+        ge=1,
+        le=1000,
         description="Hurting verdicts within window_rounds that exclude a peer (one bad round never does at 2).",
     )
     exclusion_rounds: int = Field(
-        0, ge=0, le=100_000_000,
+        0,
+        ge=0,
+        le=100_000_000,
         description="Rounds an excluded peer's submissions are refused ('excluded'); 0: for the rest of the run.",
     )
     useful_cosine: float = Field(
-        0.1, ge=-1.0, le=1.0, allow_inf_nan=False,
+        0.1,
+        ge=-1.0,
+        le=1.0,
+        allow_inf_nan=False,
         description="A judge finds an update useful when its cosine with the judge's own update is at least this"
         " and it does not hurt. Useful verdicts earn credit, the weight of a peer's judgements and digest votes"
         " (protocol/scoring.py, rule 5): an empty update scores 0, noise about 0, honest updates +0.3..+0.9.",
     )
     useful_gain: float = Field(
-        0.25, ge=0.0, le=1.0, allow_inf_nan=False,
+        0.25,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
         description="A judge also finds an update useful (when it does not hurt) when it lowered the judge's"
         " held-out loss by at least this fraction of the most any update it scored lowered it: a judge whose own"
         " update is empty has no cosine to go by.",
     )
     copy_overlap: float = Field(
-        0.8, ge=0.0, le=1.0, allow_inf_nan=False,
+        0.8,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
         description="An update that shares this share of its entries (position and 2-bit code) with a packet"
         " submitted before it in the round is a copy of that packet: never useful (a re-signed copy shares all of"
         " them; honest updates early in a run share up to about half their positions, fewer entries).",
     )
     max_credit: int = Field(
-        8, ge=1, le=1_000_000,
+        8,
+        ge=1,
+        le=1_000_000,
         description="Credit a peer can earn at most (one per useful round; halved by a round neither useful nor"
         " hurting, lost by a hurting one or a wrong digest).",
     )
@@ -349,22 +409,14 @@ _UNIONS = {"deadline": ("fixed", "adaptive")}
 class RunConfig(RequestModel):
     """Everything that defines a training run. Loaded from TOML (`load_run_config`) or JSON."""
 
-    name: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Human-readable run name."
-    )
-    max_rounds: int | None = Field(
-        None, ge=1, le=100_000_000, description="The run finishes after this many rounds."
-    )
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Human-readable run name.")
+    max_rounds: int | None = Field(None, ge=1, le=100_000_000, description="The run finishes after this many rounds.")
     model: ModelSection = Field(description="What is trained: preset, seed, data.")
     inner: InnerSection = Field(default_factory=InnerSection, description="Inner AdamW steps.")
     outer: OuterSection = Field(default_factory=OuterSection, description="Outer step and compression.")
     exchange: ExchangeSection = Field(default_factory=ExchangeSection, description="Packet exchange.")
-    membership: MembershipSection = Field(
-        default_factory=MembershipSection, description="Joining and liveness."
-    )
-    deadline: DeadlinePolicy = Field(
-        default_factory=FixedDeadline, description="When a round's deadline falls."
-    )
+    membership: MembershipSection = Field(default_factory=MembershipSection, description="Joining and liveness.")
+    deadline: DeadlinePolicy = Field(default_factory=FixedDeadline, description="When a round's deadline falls.")
     scoring: ScoringSection = Field(
         default_factory=ScoringSection, description="Contribution scores and the exclusion of harmful peers."
     )
@@ -436,4 +488,3 @@ def load_run_config(path: Path, overrides: dict[str, Any] | None = None) -> RunC
     """Read and validate a TOML (or JSON, by suffix) run config file; `overrides` by dotted key
     ("inner.lr") replace the file's values."""
     return load_config(RunConfig, Path(path), overrides, renamed=FLAT_KEYS, unions=_UNIONS)
-

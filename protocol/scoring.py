@@ -136,9 +136,13 @@ def judge(scores: Mapping[str, Score], rule: ScoringRule) -> dict[str, bool]:
     return {peer: s.cosine < rule.min_cosine or s.loss_delta > SEVERE_FACTOR * bound for peer, s in scores.items()}
 
 
-def round_verdicts(reports: Mapping[str, Mapping[str, Score]], contributors: Collection[str],
-                   rule: ScoringRule, credit: Mapping[str, int] | None = None,
-                   submitted: Mapping[str, float] | None = None) -> dict[str, Verdict]:
+def round_verdicts(
+    reports: Mapping[str, Mapping[str, Score]],
+    contributors: Collection[str],
+    rule: ScoringRule,
+    credit: Mapping[str, int] | None = None,
+    submitted: Mapping[str, float] | None = None,
+) -> dict[str, Verdict]:
     """Each contributor's verdict for a round from `reports` (judge -> peer -> score): only
     contributors judge, only contributors are judged, nobody judges itself. `credit`: each judge's
     (absent: none); once a judge of the round has some, judges weigh their credit, else one each.
@@ -163,9 +167,14 @@ def round_verdicts(reports: Mapping[str, Mapping[str, Score]], contributors: Col
         best = max((-s.loss_delta for s in scores.values() if math.isfinite(s.loss_delta)), default=0.0)
         for peer, hurting in judge(scores, rule).items():
             copy = copied(peer, scores[peer])
-            useful = not hurting and copy is None and (
-                scores[peer].cosine >= rule.useful_cosine
-                or (best > 0 and scores[peer].loss_delta <= -rule.useful_gain * best))
+            useful = (
+                not hurting
+                and copy is None
+                and (
+                    scores[peer].cosine >= rule.useful_cosine
+                    or (best > 0 and scores[peer].loss_delta <= -rule.useful_gain * best)
+                )
+            )
             judged[peer].append((scores[peer], hurting, useful, copy, weight))
     verdicts = {}
     for peer, findings in sorted(judged.items()):
@@ -179,9 +188,13 @@ def round_verdicts(reports: Mapping[str, Mapping[str, Score]], contributors: Col
         verdicts[peer] = Verdict(
             hurt=2 * sum(f[4] for f in findings if f[1]) > total if decided else None,
             useful=2 * sum(f[4] for f in findings if f[2]) > total if decided else None,
-            num_judges=len(findings), num_hurt=sum(f[1] for f in findings), num_useful=sum(f[2] for f in findings),
+            num_judges=len(findings),
+            num_hurt=sum(f[1] for f in findings),
+            num_useful=sum(f[2] for f in findings),
             copy_of=original if decided and 2 * copy_weight > total else None,
-            loss_delta=_median([s.loss_delta for s, *_ in findings]), cosine=_median([s.cosine for s, *_ in findings]))
+            loss_delta=_median([s.loss_delta for s, *_ in findings]),
+            cosine=_median([s.cosine for s, *_ in findings]),
+        )
     return verdicts
 
 
@@ -225,7 +238,7 @@ def update_standing(standing: Standing, round: int, verdict: Verdict | None, rul
     that is in force is not renewed; one that lapsed may be decided again."""
     if verdict is None or verdict.hurt is None or round in standing.recent:
         return standing
-    recent = (*standing.recent, round)[-rule.window_rounds:]
+    recent = (*standing.recent, round)[-rule.window_rounds :]
     recent_hurt = tuple(r for r in (*standing.recent_hurt, *([round] if verdict.hurt else [])) if r in recent)
     if verdict.hurt:
         credit, last = 0, "hurt"
@@ -235,19 +248,35 @@ def update_standing(standing: Standing, round: int, verdict: Verdict | None, rul
         credit, last = min(rule.max_credit, standing.credit + 1), "useful"
     else:
         credit, last = standing.credit // 2, "copy" if verdict.copy_of else "not_useful"
-    new = replace(standing, num_rounds=standing.num_rounds + 1, num_hurt=standing.num_hurt + verdict.hurt,
-                  recent=recent, recent_hurt=recent_hurt, credit=credit, last_verdict=last,
-                  num_useful=standing.num_useful + bool(verdict.useful),
-                  loss_delta=_ema(standing.loss_delta, verdict.loss_delta), cosine=_ema(standing.cosine, verdict.cosine))
+    new = replace(
+        standing,
+        num_rounds=standing.num_rounds + 1,
+        num_hurt=standing.num_hurt + verdict.hurt,
+        recent=recent,
+        recent_hurt=recent_hurt,
+        credit=credit,
+        last_verdict=last,
+        num_useful=standing.num_useful + bool(verdict.useful),
+        loss_delta=_ema(standing.loss_delta, verdict.loss_delta),
+        cosine=_ema(standing.cosine, verdict.cosine),
+    )
     if len(recent_hurt) >= rule.exclude_after_rounds and new.exclusion(round + 1) is None:
         until = round + 1 + rule.exclusion_rounds if rule.exclusion_rounds else None
         # The window starts afresh: a peer back from an exclusion is judged on its new rounds.
-        new = replace(new, recent=(), recent_hurt=(), excluded_at=round, excluded_until=until, code="hurting_updates",
-                      reason=(
-            f"its updates hurt in {len(recent_hurt)} of its last {len(recent)} scored rounds"
-            f" ({', '.join(map(str, recent_hurt))}; round {round}: {verdict.num_hurt} of {verdict.num_judges} judges,"
-            f" median loss delta {verdict.loss_delta:+.4g}, cosine {verdict.cosine:+.3f})"
-            + (f"; refused until round {until}" if until is not None else "; refused for the rest of the run")))
+        new = replace(
+            new,
+            recent=(),
+            recent_hurt=(),
+            excluded_at=round,
+            excluded_until=until,
+            code="hurting_updates",
+            reason=(
+                f"its updates hurt in {len(recent_hurt)} of its last {len(recent)} scored rounds"
+                f" ({', '.join(map(str, recent_hurt))}; round {round}: {verdict.num_hurt} of {verdict.num_judges} judges,"
+                f" median loss delta {verdict.loss_delta:+.4g}, cosine {verdict.cosine:+.3f})"
+                + (f"; refused until round {until}" if until is not None else "; refused for the rest of the run")
+            ),
+        )
     return new
 
 
@@ -256,9 +285,17 @@ def wrong_digest(standing: Standing, round: int, reason: str, rule: ScoringRule)
     no credit, and excluded from round r+1 on for `exclusion_rounds` (0: for good), as a harmful
     peer is."""
     until = round + 1 + rule.exclusion_rounds if rule.exclusion_rounds else None
-    return replace(standing, credit=0, recent=(), recent_hurt=(), excluded_at=round, excluded_until=until,
-                   code="wrong_digest", reason=reason + (f"; refused until round {until}" if until is not None
-                                                         else "; refused for the rest of the run"))
+    return replace(
+        standing,
+        credit=0,
+        recent=(),
+        recent_hurt=(),
+        excluded_at=round,
+        excluded_until=until,
+        code="wrong_digest",
+        reason=reason
+        + (f"; refused until round {until}" if until is not None else "; refused for the rest of the run"),
+    )
 
 
 def _median(values: list[float]) -> float | None:

@@ -70,7 +70,8 @@ class SnapshotLayout:
             raise ValueError(f"a snapshot has {NUM_SECTIONS} sections, not {len(sections)}")
         self.sections = tuple(sections)
         self.prologue_bytes = _START.size + sum(
-            3 * _U64.size + len(s.header) + LEAF_BYTES * num_chunks(s.body_bytes) for s in self.sections)
+            3 * _U64.size + len(s.header) + LEAF_BYTES * num_chunks(s.body_bytes) for s in self.sections
+        )
         self.body_starts: list[int] = []  # stream offset of each section's body
         offset = self.prologue_bytes
         for section in self.sections:
@@ -99,8 +100,13 @@ def encode_prologue(layout: SnapshotLayout, trees: Sequence[Tree]) -> bytes:
     for section, tree in zip(layout.sections, trees, strict=True):
         if (tree.header, tree.body_bytes) != (section.header, section.body_bytes):
             raise ValueError("a tree does not describe its section of the layout")
-        parts += [_U64.pack(len(tree.header)), tree.header, _U64.pack(tree.body_bytes),
-                  _U64.pack(len(tree.leaves)), *tree.leaves]
+        parts += [
+            _U64.pack(len(tree.header)),
+            tree.header,
+            _U64.pack(tree.body_bytes),
+            _U64.pack(len(tree.leaves)),
+            *tree.leaves,
+        ]
     prologue = b"".join(parts)
     assert len(prologue) == layout.prologue_bytes
     return prologue
@@ -118,15 +124,17 @@ def decode_prologue(layout: SnapshotLayout, raw: bytes) -> list[Tree]:
     for index, section in enumerate(layout.sections):
         (header_len,) = _U64.unpack_from(raw, offset)
         offset += _U64.size
-        if header_len != len(section.header) or raw[offset: offset + header_len] != section.header:
+        if header_len != len(section.header) or raw[offset : offset + header_len] != section.header:
             raise ShapeMismatch(f"snapshot section {index}: its tensors' names, dtypes or shapes are not the model's")
         offset += header_len
         body_bytes, count = _U64.unpack_from(raw, offset)[0], _U64.unpack_from(raw, offset + _U64.size)[0]
         offset += 2 * _U64.size
         if body_bytes != section.body_bytes or count != num_chunks(body_bytes):
-            raise MalformedPacket(f"snapshot section {index}: {body_bytes} bytes in {count} chunks, expected "
-                                  f"{section.body_bytes} in {num_chunks(section.body_bytes)}")
-        leaves = tuple(raw[offset + i * LEAF_BYTES: offset + (i + 1) * LEAF_BYTES] for i in range(count))
+            raise MalformedPacket(
+                f"snapshot section {index}: {body_bytes} bytes in {count} chunks, expected "
+                f"{section.body_bytes} in {num_chunks(section.body_bytes)}"
+            )
+        leaves = tuple(raw[offset + i * LEAF_BYTES : offset + (i + 1) * LEAF_BYTES] for i in range(count))
         offset += count * LEAF_BYTES
         trees.append(Tree(section.header, body_bytes, leaves))
     return trees
@@ -143,7 +151,9 @@ def check_roots(trees: Sequence[Tree], params_digest: str, digest: str) -> None:
     """Refuse trees whose parameter root is not the agreed digest or whose snapshot digest is not
     the one asked for."""
     if trees[PARAMS_SECTION].hex != params_digest:
-        raise DigestMismatch(f"snapshot parameters hash to {trees[PARAMS_SECTION].hex[:16]}..., "
-                             f"the agreed digest is {params_digest[:16]}...")
+        raise DigestMismatch(
+            f"snapshot parameters hash to {trees[PARAMS_SECTION].hex[:16]}..., "
+            f"the agreed digest is {params_digest[:16]}..."
+        )
     if (got := snapshot_digest(trees)) != digest:
         raise DigestMismatch(f"snapshot hashes to {got[:16]}..., asked for {digest[:16]}...")

@@ -102,8 +102,14 @@ class PacketRequest:
 def encode_request(request: PacketRequest) -> bytes:
     """The request frame: length prefix, then the msgpack map (wait and child always written,
     offset only when not 0)."""
-    fields = {"run": request.run, "round": request.round, "peer": request.publisher, "digest": request.digest,
-              "wait": request.wait, "child": request.child}
+    fields = {
+        "run": request.run,
+        "round": request.round,
+        "peer": request.publisher,
+        "digest": request.digest,
+        "wait": request.wait,
+        "child": request.child,
+    }
     if request.offset:
         fields["offset"] = request.offset
     body = msgpack.packb(fields)
@@ -125,23 +131,38 @@ def decode_request(body: bytes) -> PacketRequest:
     if len(body) > MAX_REQUEST_BYTES:
         raise OversizedPacket(f"request of {len(body)} bytes")
     try:
-        request = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=MAX_REQUEST_BYTES,
-                                  max_bin_len=0, max_array_len=0, max_map_len=8)
+        request = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=MAX_REQUEST_BYTES,
+            max_bin_len=0,
+            max_array_len=0,
+            max_map_len=8,
+        )
     except Exception as e:  # msgpack raises a zoo of types on bad input
         raise MalformedPacket(f"request does not parse: {type(e).__name__}") from None
     if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | OPTIONAL_REQUEST_KEYS:
-        raise MalformedPacket("request is not a map with run, round, peer, digest (and optionally wait, child, "
-                              "offset)")
+        raise MalformedPacket("request is not a map with run, round, peer, digest (and optionally wait, child, offset)")
     run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
     wait, child, offset = request.get("wait", False), request.get("child", False), request.get("offset", 0)
-    if not (isinstance(run, str) and isinstance(publisher, str) and isinstance(digest, str)
-            and isinstance(round, int) and not isinstance(round, bool) and isinstance(wait, bool)
-            and isinstance(child, bool) and isinstance(offset, int) and not isinstance(offset, bool)):
+    if not (
+        isinstance(run, str)
+        and isinstance(publisher, str)
+        and isinstance(digest, str)
+        and isinstance(round, int)
+        and not isinstance(round, bool)
+        and isinstance(wait, bool)
+        and isinstance(child, bool)
+        and isinstance(offset, int)
+        and not isinstance(offset, bool)
+    ):
         raise MalformedPacket("request fields have the wrong types")
     if offset < 0:
         raise MalformedPacket(f"request offset {offset} is negative")
-    return PacketRequest(run=run, round=round, publisher=publisher, digest=digest, wait=wait, child=child,
-                         offset=offset)
+    return PacketRequest(
+        run=run, round=round, publisher=publisher, digest=digest, wait=wait, child=child, offset=offset
+    )
 
 
 def encode_response_header(status: int, length: int) -> bytes:
@@ -191,8 +212,9 @@ def decode_busy(body: bytes) -> list[str]:
     if len(body) > MAX_BUSY_BYTES:
         raise OversizedPacket(f"busy answer of {len(body)} bytes")
     try:
-        names = msgpack.unpackb(body, raw=False, max_str_len=MAX_PEER_ID_CHARS, max_bin_len=0,
-                                max_array_len=MAX_BUSY_NAMES, max_map_len=0)
+        names = msgpack.unpackb(
+            body, raw=False, max_str_len=MAX_PEER_ID_CHARS, max_bin_len=0, max_array_len=MAX_BUSY_NAMES, max_map_len=0
+        )
     except Exception as e:  # msgpack raises a zoo of types on bad input
         raise MalformedPacket(f"busy answer does not parse: {type(e).__name__}") from None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):

@@ -74,14 +74,18 @@ def make_bases(seed: int) -> list[Base]:
     for spec in SPECS:
         layouts = spec.layouts()
         for scale in (1.0, 1e-6, 1e2):  # 1e2: large, within the default bound (1e4) at 4 sigma
-            tensors = {name: error_feedback_step(torch.zeros(shape), torch.randn(shape, generator=generator) * scale,
-                                                 layouts[name], 0.95, 1.0)
-                       for name, shape in spec.shapes.items()}
+            tensors = {
+                name: error_feedback_step(
+                    torch.zeros(shape), torch.randn(shape, generator=generator) * scale, layouts[name], 0.95, 1.0
+                )
+                for name, shape in spec.shapes.items()
+            }
             bases.append(Base(spec, encode_packet(RUN_ID, ROUND, PEER_ID, bytes(range(32)), spec, tensors, KEY)))
     return bases
 
 
 # -- mutations --------------------------------------------------------------------------------
+
 
 def _header_edit(rng: random.Random, data: bytes) -> bytes:
     try:
@@ -112,8 +116,7 @@ def _header_edit(rng: random.Random, data: bytes) -> bytes:
         section = sections[i]
         j = rng.randrange(8)
         if j == 7:
-            rng.choice([sections.pop, lambda _: sections.append(list(section)),
-                        lambda _: sections.reverse()])(i)
+            rng.choice([sections.pop, lambda _: sections.append(list(section)), lambda _: sections.reverse()])(i)
         elif j == 0:
             section[0] = rng.choice(["", "a.weight", section[0] + "x"])
         elif j == 1:
@@ -125,7 +128,7 @@ def _header_edit(rng: random.Random, data: bytes) -> bytes:
             big = struct.pack("<f", 3e38)
             pos = 4 * rng.randrange(5)
             table = bytearray(section[4])
-            table[pos: pos + 4] = rng.choice([nan, inf, big, b"\xff\xff\xff\xff"])
+            table[pos : pos + 4] = rng.choice([nan, inf, big, b"\xff\xff\xff\xff"])
             section[4] = rng.choice([bytes(table), bytes(table[:19]), bytes(table) + b"\0", None])
         else:
             section[j] = rng.choice(evil_ints + [None, 1.0])
@@ -150,8 +153,11 @@ def mutate(rng: random.Random, bases: list[Base], base: Base) -> tuple[bytes, st
     body = base.data[:-SIGNATURE_BYTES]
     names = []
     for _ in range(rng.randint(1, 4)):
-        op = rng.choice(["flip", "set", "truncate", "insert", "delete", "duplicate", "splice", "framing",
-                         "header", "header"] if body else ["insert", "splice"])
+        op = rng.choice(
+            ["flip", "set", "truncate", "insert", "delete", "duplicate", "splice", "framing", "header", "header"]
+            if body
+            else ["insert", "splice"]
+        )
         names.append(op)
         b = bytearray(body)
         pos = rng.randrange(max(1, len(b)))
@@ -159,23 +165,24 @@ def mutate(rng: random.Random, bases: list[Base], base: Base) -> tuple[bytes, st
             for _ in range(rng.randint(1, 8)):
                 b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
         elif op == "set":
-            b[pos: pos + 1] = bytes([rng.choice([0, 0xFF, 0x7F, 0x80, rng.randrange(256)])])
+            b[pos : pos + 1] = bytes([rng.choice([0, 0xFF, 0x7F, 0x80, rng.randrange(256)])])
         elif op == "truncate":
             del b[pos:]
         elif op == "insert":
             b[pos:pos] = rng.randbytes(rng.choice([1, 2, 7, 64, 1000]))
         elif op == "delete":
-            del b[pos: pos + rng.randint(1, 64)]
+            del b[pos : pos + rng.randint(1, 64)]
         elif op == "duplicate":
-            b[pos:pos] = b[pos: pos + rng.randint(1, 256)]
+            b[pos:pos] = b[pos : pos + rng.randint(1, 256)]
         elif op == "splice":
             other = rng.choice(bases).data[:-SIGNATURE_BYTES]
-            b = b[:pos] + bytearray(other[rng.randrange(len(other)):])
+            b = b[:pos] + bytearray(other[rng.randrange(len(other)) :])
         elif op == "framing":
             b = bytearray(_framing_edit(rng, bytes(b)))
         else:
-            b = bytearray(_header_edit(rng, bytes(b) + b"\0" * SIGNATURE_BYTES)[:-SIGNATURE_BYTES]
-                          if len(b) >= PREFIX.size else b)
+            b = bytearray(
+                _header_edit(rng, bytes(b) + b"\0" * SIGNATURE_BYTES)[:-SIGNATURE_BYTES] if len(b) >= PREFIX.size else b
+            )
         body = bytes(b)
     resigned = rng.random() < 0.5
     signer = STRANGER if rng.random() < 0.05 else KEY
@@ -202,6 +209,7 @@ def _well_formed(packet) -> bool:
 
 
 # -- the run ----------------------------------------------------------------------------------
+
 
 def _on_alarm(signum, frame):
     raise DecodeTimeout()
@@ -235,8 +243,14 @@ def fuzz(count: int, seconds: float, seed: int = 0, per_input_s: float = 2.0, ve
                 crashes.append({"input": inputs, "mutation": how, "error": f"decode ran past {per_input_s} s"})
                 continue
             except Exception as e:  # the finding this tool exists for
-                crashes.append({"input": inputs, "mutation": how, "error": f"{type(e).__name__}: {e}",
-                                "traceback": traceback.format_exc(limit=4) if verbose else None})
+                crashes.append(
+                    {
+                        "input": inputs,
+                        "mutation": how,
+                        "error": f"{type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc(limit=4) if verbose else None,
+                    }
+                )
                 continue
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -267,8 +281,9 @@ def fuzz(count: int, seconds: float, seed: int = 0, per_input_s: float = 2.0, ve
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--count", type=int, default=100_000, help="mutated packets to decode")
     parser.add_argument("--seconds", type=float, default=600.0, help="stop early after this long")
     parser.add_argument("--seed", type=int, default=0)

@@ -42,8 +42,12 @@ def run(args: argparse.Namespace) -> int:
     residual = sum(float(buffers[n].square().sum()) for n in spec.shapes) ** 0.5
     total = sum(float(deltas[n].square().sum()) for n in spec.shapes) ** 0.5
     print(f"preset {args.preset}: {num_parameters(args.preset):,} parameters in {len(shapes)} tensors")
-    print(f"sent {sent:,} values ({sent / numel:.3%}) in {len(data):,} bytes: {len(data) * 8 / sent:.2f} bits/value "
-          f"(dense fp32 would be {numel * 4:,} bytes, {numel * 4 / len(data):.0f}x more)")
-    print(f"decoded packet equals the encoded selection: {exact}; signature verified; digest {packet_digest(data)[:16]}")
+    print(
+        f"sent {sent:,} values ({sent / numel:.3%}) in {len(data):,} bytes: {len(data) * 8 / sent:.2f} bits/value "
+        f"(dense fp32 would be {numel * 4:,} bytes, {numel * 4 / len(data):.0f}x more)"
+    )
+    print(
+        f"decoded packet equals the encoded selection: {exact}; signature verified; digest {packet_digest(data)[:16]}"
+    )
     print(f"error feedback keeps {residual / total:.1%} of the update's norm for later rounds")
     return 0 if exact else 1

@@ -46,8 +46,11 @@ def add_config_flags(parser: argparse.ArgumentParser, model: Model) -> None:
 def config_overrides(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     """The dotted keys of `model` ("network.uplink_mbps") with the value each flag was given
     (None: not given), for `load_node_config`'s overrides."""
-    return {(name if section is None else f"{section}.{name}"): getattr(args, name)
-            for section, fields in _sections(model) for name in fields}
+    return {
+        (name if section is None else f"{section}.{name}"): getattr(args, name)
+        for section, fields in _sections(model)
+        for name in fields
+    }
 
 
 def flag_of(name: str, field) -> str:
@@ -59,8 +62,11 @@ def _sections(model: Model) -> list[tuple[str | None, dict]]:
     """(None, the top-level fields), then (section name, its fields) per section; every field name
     once (they become argparse dests)."""
     top = {name: field for name, field in model.model_fields.items() if not _is_model(field.annotation)}
-    sections = [(name, field.annotation.model_fields) for name, field in model.model_fields.items()
-                if _is_model(field.annotation)]
+    sections = [
+        (name, field.annotation.model_fields)
+        for name, field in model.model_fields.items()
+        if _is_model(field.annotation)
+    ]
     names = [*top, *(name for _, fields in sections for name in fields)]
     if len(names) != len(set(names)):
         raise TypeError(f"{model.__name__}: a field name is used in two sections; flags need unique names")

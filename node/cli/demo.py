@@ -38,22 +38,38 @@ def register(subparsers) -> None:
     demo.add_argument("--inner-steps", type=int, default=15)
     demo.add_argument("--top-k", type=int, default=64)
     demo.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
-    demo.add_argument("--ranks", type=int, default=1,
-                      help="node 0 runs as this many torch.distributed ranks (FSDP2, gloo), beside 1-rank nodes")
+    demo.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="node 0 runs as this many torch.distributed ranks (FSDP2, gloo), beside 1-rank nodes",
+    )
     demo.add_argument("--workdir", default=None, help="keep the database and logs here (default: a temp dir)")
     demo.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    demo.add_argument("-v", "--verbose", action="store_true",
-                      help="the nodes and the coordinator also log the libraries' lines (in their log files)")
+    demo.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="the nodes and the coordinator also log the libraries' lines (in their log files)",
+    )
     demo.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    with LocalSwarm(workdir, num_peers=args.peers, preset=args.preset, rounds=args.rounds,
-                    inner_steps=args.inner_steps, top_k=args.top_k, quiet=args.json, verbose=args.verbose,
-                    run_overrides={"outer.overlap": args.overlap},
-                    extra_node_args={0: ("--ranks", str(args.ranks))} if args.ranks > 1 else None) as swarm:
+    with LocalSwarm(
+        workdir,
+        num_peers=args.peers,
+        preset=args.preset,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        top_k=args.top_k,
+        quiet=args.json,
+        verbose=args.verbose,
+        run_overrides={"outer.overlap": args.overlap},
+        extra_node_args={0: ("--ranks", str(args.ranks))} if args.ranks > 1 else None,
+    ) as swarm:
         summary = swarm.run()
     summary["sample"] = _sample(workdir / "node0.report.safetensors", args.preset)
     if args.json:
@@ -61,12 +77,16 @@ def _demo(args: argparse.Namespace) -> int:
     else:
         ok = "yes" if summary["digests_identical"] else "NO"
         print(f"\nall {args.peers} peers hold the same parameter digest after every round: {ok}")
-        print(f"validation loss: {summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} "
-              f"({'fell' if summary['loss_fell'] else 'did NOT fall'})")
+        print(
+            f"validation loss: {summary['val_loss_start']:.4f} -> {summary['val_loss_end']:.4f} "
+            f"({'fell' if summary['loss_fell'] else 'did NOT fall'})"
+        )
         print(f"packet size: {summary['mean_packet_bytes']:,.0f} bytes per peer per round; logs in {workdir}")
         if summary["sample"] is not None:
-            print(f"sample from the final model ({SAMPLE_TOKENS} tokens, temperature {SAMPLE_TEMPERATURE:g}, seed 0): "
-                  f"{summary['sample']!r}")
+            print(
+                f"sample from the final model ({SAMPLE_TOKENS} tokens, temperature {SAMPLE_TEMPERATURE:g}, seed 0): "
+                f"{summary['sample']!r}"
+            )
     return 0 if summary["digests_identical"] and summary["loss_fell"] else 1
 
 
@@ -81,9 +101,20 @@ class LocalSwarm:
     `verbose` passes `-v` to every process: their log files then hold the libraries' lines too.
     """
 
-    def __init__(self, workdir: Path, *, num_peers: int, preset: str, rounds: int, inner_steps: int, top_k: int,
-                 quiet: bool = False, extra_node_args: dict[int, tuple[str, ...]] | None = None,
-                 run_overrides: dict | None = None, verbose: bool = False):
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        num_peers: int,
+        preset: str,
+        rounds: int,
+        inner_steps: int,
+        top_k: int,
+        quiet: bool = False,
+        extra_node_args: dict[int, tuple[str, ...]] | None = None,
+        run_overrides: dict | None = None,
+        verbose: bool = False,
+    ):
         self.workdir, self.num_peers, self.preset, self.rounds = workdir, num_peers, preset, rounds
         self.inner_steps, self.top_k, self.quiet = inner_steps, top_k, quiet
         self.verbose_args = ("-v",) if verbose else ()
@@ -101,17 +132,36 @@ class LocalSwarm:
         self.stop()
 
     def _env(self) -> dict[str, str]:
-        return {**os.environ, "LOCOSWARM_ADMIN_TOKEN": self.admin_token, "OMP_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1"}
+        return {
+            **os.environ,
+            "LOCOSWARM_ADMIN_TOKEN": self.admin_token,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
 
     def start_coordinator(self, timeout_s: float = 60.0, port: int = 0) -> str:
         """Start the coordinator (port 0: a free one; a restart passes the old port) on the swarm's database."""
         log = open(self.workdir / "coordinator.log", "ab")
         self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "locoswarm", "coordinator", "serve", "--db",
-             f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", "127.0.0.1", "--port", str(port),
-             *self.verbose_args],
-            stdout=subprocess.PIPE, stderr=log, env=self._env(), cwd=_repo_root())
+            [
+                sys.executable,
+                "-m",
+                "locoswarm",
+                "coordinator",
+                "serve",
+                "--db",
+                f"sqlite:///{self.workdir / 'coordinator.db'}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *self.verbose_args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=self._env(),
+            cwd=_repo_root(),
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             line = self.coordinator.stdout.readline().decode()
@@ -129,17 +179,31 @@ class LocalSwarm:
         from protocol.config_file import with_overrides
 
         H = self.inner_steps
-        config = with_overrides({
-            "name": "demo", "max_rounds": self.rounds,
-            "model": {"preset": self.preset, "num_data_shards": max(1, self.num_peers)},
-            "inner": {"steps": H, "batch_size": 8, "seq_len": 64, "warmup_steps": max(1, H),
-                      "total_steps": H * self.rounds},
-            "outer": {"strategy": "sparseloco", "top_k": self.top_k},
-            "membership": {"min_peers": self.num_peers, "heartbeat_timeout_s": 60.0},
-            "deadline": {"kind": "fixed", "round_timeout_s": 300.0},
-        }, overrides)
-        response = httpx.post(f"{self.url}/v1/runs", json=config, trust_env=False,
-                              headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=30)
+        config = with_overrides(
+            {
+                "name": "demo",
+                "max_rounds": self.rounds,
+                "model": {"preset": self.preset, "num_data_shards": max(1, self.num_peers)},
+                "inner": {
+                    "steps": H,
+                    "batch_size": 8,
+                    "seq_len": 64,
+                    "warmup_steps": max(1, H),
+                    "total_steps": H * self.rounds,
+                },
+                "outer": {"strategy": "sparseloco", "top_k": self.top_k},
+                "membership": {"min_peers": self.num_peers, "heartbeat_timeout_s": 60.0},
+                "deadline": {"kind": "fixed", "round_timeout_s": 300.0},
+            },
+            overrides,
+        )
+        response = httpx.post(
+            f"{self.url}/v1/runs",
+            json=config,
+            trust_env=False,
+            headers={"Authorization": f"Bearer {self.admin_token}"},
+            timeout=30,
+        )
         response.raise_for_status()
         self.run_id = response.json()["run_id"]
         return self.run_id
@@ -147,11 +211,34 @@ class LocalSwarm:
     def start_node(self, index: int) -> subprocess.Popen:
         log = open(self.workdir / f"node{index}.log", "ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", "locoswarm", "node", "join", "--coordinator", self.url, "--run", self.run_id,
-             "--device", "cpu", "--key", str(self.workdir / f"node{index}.key"), "--threads", "1",
-             "--no-progress", "--report", str(self.workdir / f"node{index}.report.json"), *self.verbose_args,
-             *self.extra_node_args.get(index, ())],
-            stdout=log, stderr=log, env=self._env(), cwd=_repo_root(), start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "locoswarm",
+                "node",
+                "join",
+                "--coordinator",
+                self.url,
+                "--run",
+                self.run_id,
+                "--device",
+                "cpu",
+                "--key",
+                str(self.workdir / f"node{index}.key"),
+                "--threads",
+                "1",
+                "--no-progress",
+                "--report",
+                str(self.workdir / f"node{index}.report.json"),
+                *self.verbose_args,
+                *self.extra_node_args.get(index, ()),
+            ],
+            stdout=log,
+            stderr=log,
+            env=self._env(),
+            cwd=_repo_root(),
+            start_new_session=True,
+        )
         self.nodes.append(process)
         return process
 
@@ -198,9 +285,12 @@ class LocalSwarm:
                 last_line = line
             time.sleep(0.5)
         self._check_nodes()
-        reports = [json.loads((self.workdir / f"node{i}.report.json").read_text())["rounds"]
-                   for i in range(self.num_peers)]
-        digests_per_round = [{r["digest"] for rep in reports for r in rep if r["round"] == k} for k in range(self.rounds)]
+        reports = [
+            json.loads((self.workdir / f"node{i}.report.json").read_text())["rounds"] for i in range(self.num_peers)
+        ]
+        digests_per_round = [
+            {r["digest"] for rep in reports for r in rep if r["round"] == k} for k in range(self.rounds)
+        ]
         final_digest = next(iter(digests_per_round[-1])) if digests_per_round and digests_per_round[-1] else None
 
         # Validation loss at the start (the seeded model) and at the end (rebuilt from the last round's
@@ -210,9 +300,14 @@ class LocalSwarm:
         val_start = evaluate(model, corpus.val, 8, batch_size=8, seq_len=64)
         val_end = _final_val_loss(self.workdir / "node0.report.safetensors", self.preset, corpus)
         return {
-            "coordinator": self.url, "run_id": self.run_id, "peers": self.num_peers, "rounds": self.rounds,
+            "coordinator": self.url,
+            "run_id": self.run_id,
+            "peers": self.num_peers,
+            "rounds": self.rounds,
             "digests_identical": all(len(d) == 1 for d in digests_per_round) and len(digests_per_round) == self.rounds,
-            "final_digest": final_digest, "val_loss_start": val_start, "val_loss_end": val_end,
+            "final_digest": final_digest,
+            "val_loss_start": val_start,
+            "val_loss_end": val_end,
             "loss_fell": val_end < val_start,
             "mean_packet_bytes": sum(r["packet_bytes"] for r in reports[0]) / max(1, len(reports[0])),
             "round_times_s": [r["times"] for r in reports[0]],
@@ -292,16 +387,20 @@ def _run_progress(status: dict, rounds: int) -> str:
         live = sum(p["status"] == "live" for p in status.get("peers", []))
         needed = run["config"]["membership"]["min_peers"]
         return f"waiting for peers: {live} live of the {needed} the run needs to start"
-    return (f"round {current['round']} of 0-{rounds - 1} open: "
-            f"{current['num_submitted']}/{current['num_expected']} submitted{last}")
+    return (
+        f"round {current['round']} of 0-{rounds - 1} open: "
+        f"{current['num_submitted']}/{current['num_expected']} submitted{last}"
+    )
 
 
 def _round_figures(summary: dict) -> str:
     """A closed round's figures from the status history (protocol/http.py RoundSummary)."""
     loss = f", mean loss {summary['mean_loss']:.3f}" if summary.get("mean_loss") is not None else ""
     contributors = summary["num_contributors"]
-    return (f"round {summary['round']}: {contributors} contributor{'' if contributors == 1 else 's'}, "
-            f"{summary['num_applied']} applied{loss}")
+    return (
+        f"round {summary['round']}: {contributors} contributor{'' if contributors == 1 else 's'}, "
+        f"{summary['num_applied']} applied{loss}"
+    )
 
 
 def _peer_activities(status: dict) -> str:

@@ -65,8 +65,10 @@ HIVEMIND_CLOCK_TOLERANCE_S = 3.0
 CLOCK_REFUSE_S = HIVEMIND_CLOCK_TOLERANCE_S - 1.0  # certainly off by more: FAIL, and `node join` refuses
 CLOCK_WARN_S = 1.0  # possibly off by more: WARN (two such clocks on opposite sides use 2 s of the 3)
 CLOCK_SAMPLES = 3  # round trips; the shortest bounds the estimate best
-CLOCK_FIX = ("turn on NTP: `sudo timedatectl set-ntp true` (systemd-timesyncd), or install chrony "
-             "(`sudo apt install chrony`); `timedatectl` shows 'System clock synchronized: yes' once it is")
+CLOCK_FIX = (
+    "turn on NTP: `sudo timedatectl set-ntp true` (systemd-timesyncd), or install chrony "
+    "(`sudo apt install chrony`); `timedatectl` shows 'System clock synchronized: yes' once it is"
+)
 NO_COORDINATOR = "http://coordinator.not.given"
 
 
@@ -84,9 +86,11 @@ class Check:
 
 def register(subparsers) -> None:
     doctor = subparsers.add_parser(
-        "doctor", help="check this machine's set-up and say what to fix",
+        "doctor",
+        help="check this machine's set-up and say what to fix",
         description="Check this machine's set-up for `node join`, with the same flags and --config; "
-                    "--coordinator (optional here) also checks that coordinator and the clock against it.")
+        "--coordinator (optional here) also checks that coordinator and the clock against it.",
+    )
     doctor.add_argument("--config", default=None, help="node config file (as for `node join --config`)")
     add_config_flags(doctor, NodeConfig)
     doctor.set_defaults(func=_doctor)
@@ -110,13 +114,19 @@ def _doctor(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(Check("config", FAIL, str(e), "fix the key named above").line())
         return 1
-    checks = [("torch", check_torch), ("device", lambda: check_device(config.training.device)),
-              ("libp2p", check_libp2p)]
+    checks = [
+        ("torch", check_torch),
+        ("device", lambda: check_device(config.training.device)),
+        ("libp2p", check_libp2p),
+    ]
     if config.coordinator != NO_COORDINATOR:
         checks.append(("coordinator", lambda: check_coordinator(config.coordinator)))
         checks.append(("clock", lambda: check_clock(config.coordinator)))
-    checks += [("reachability", lambda: check_reachability(config.network)),
-               ("disk", lambda: check_disk(_disk_dirs(config))), ("key", lambda: check_key(config.key_path))]
+    checks += [
+        ("reachability", lambda: check_reachability(config.network)),
+        ("disk", lambda: check_disk(_disk_dirs(config))),
+        ("key", lambda: check_key(config.key_path)),
+    ]
     failed = False
     for name, run_check in checks:
         try:
@@ -135,8 +145,12 @@ def _doctor(args: argparse.Namespace) -> int:
 def check_python() -> Check:
     version = ".".join(map(str, sys.version_info[:3]))
     if sys.version_info[:2] < MIN_PYTHON:
-        return Check("python", FAIL, f"Python {version} at {sys.executable}",
-                     "install Python >= 3.11 and rerun deploy/setup.sh with PYTHON=python3.11")
+        return Check(
+            "python",
+            FAIL,
+            f"Python {version} at {sys.executable}",
+            "install Python >= 3.11 and rerun deploy/setup.sh with PYTHON=python3.11",
+        )
     return Check("python", OK, f"Python {version} at {sys.executable}")
 
 
@@ -155,24 +169,39 @@ def check_device(device: str) -> Check:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             why = "this torch is a CPU-only build" if not torch.version.cuda else "no GPU visible to torch"
-            return Check("device", FAIL, f"{device} requested but {why}",
-                         'reinstall with TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" '
-                         "bash deploy/setup.sh (check nvidia-smi), or use --device cpu")
+            return Check(
+                "device",
+                FAIL,
+                f"{device} requested but {why}",
+                'reinstall with TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" '
+                "bash deploy/setup.sh (check nvidia-smi), or use --device cpu",
+            )
         index = torch.device(device).index or 0
         if index >= torch.cuda.device_count():
-            return Check("device", FAIL, f"{device}: only {torch.cuda.device_count()} GPU(s) visible",
-                         "pick an index below that count, or check CUDA_VISIBLE_DEVICES")
+            return Check(
+                "device",
+                FAIL,
+                f"{device}: only {torch.cuda.device_count()} GPU(s) visible",
+                "pick an index below that count, or check CUDA_VISIBLE_DEVICES",
+            )
         props = torch.cuda.get_device_properties(index)
         return Check("device", OK, f"{device}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
     if device == "mps":
         ok = torch.backends.mps.is_available()
-        return Check("device", OK if ok else FAIL, f"mps {'available' if ok else 'not available'}",
-                     "use --device cpu")
+        return Check("device", OK if ok else FAIL, f"mps {'available' if ok else 'not available'}", "use --device cpu")
     if torch.cuda.is_available():
-        return Check("device", WARN, f"{device}, although torch sees {torch.cuda.device_count()} GPU(s)",
-                     "pass --device cuda to train on the GPU")
-    return Check("device", WARN, f"{device}: {os.cpu_count()} cores, no CUDA GPU",
-                 "fine for the tiny/mini presets; for real runs install a CUDA build of torch (TORCH_SPEC, see README)")
+        return Check(
+            "device",
+            WARN,
+            f"{device}, although torch sees {torch.cuda.device_count()} GPU(s)",
+            "pass --device cuda to train on the GPU",
+        )
+    return Check(
+        "device",
+        WARN,
+        f"{device}: {os.cpu_count()} cores, no CUDA GPU",
+        "fine for the tiny/mini presets; for real runs install a CUDA build of torch (TORCH_SPEC, see README)",
+    )
 
 
 def check_libp2p() -> Check:
@@ -185,8 +214,9 @@ def check_libp2p() -> Check:
 
     async def start_and_stop() -> tuple[float, float, int]:
         start = time.perf_counter()
-        exchange = await P2PExchange.create(ExchangeConfig(run_id="doctor", host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-                                                           use_relay=False))
+        exchange = await P2PExchange.create(
+            ExchangeConfig(run_id="doctor", host_maddrs=("/ip4/127.0.0.1/tcp/0",), use_relay=False)
+        )
         up_s = time.perf_counter() - start
         try:
             num_maddrs = len(exchange.visible_maddrs)
@@ -198,10 +228,18 @@ def check_libp2p() -> Check:
     try:
         up_s, down_s, num_maddrs = asyncio.run(asyncio.wait_for(start_and_stop(), LIBP2P_TIMEOUT_S))
     except (P2PDaemonError, OSError, RuntimeError) as e:  # OSError: a time-out too
-        return Check("libp2p", FAIL, f"the libp2p daemon did not start: {type(e).__name__}: {e}",
-                     "reinstall hivemind==1.1.12 (its wheel ships the p2pd binary); check that 127.0.0.1 is usable")
-    return Check("libp2p", OK, f"p2pd + DHT node started in {up_s:.2f} s, stopped in {down_s:.2f} s "
-                               f"({num_maddrs} address{'es' if num_maddrs != 1 else ''})")
+        return Check(
+            "libp2p",
+            FAIL,
+            f"the libp2p daemon did not start: {type(e).__name__}: {e}",
+            "reinstall hivemind==1.1.12 (its wheel ships the p2pd binary); check that 127.0.0.1 is usable",
+        )
+    return Check(
+        "libp2p",
+        OK,
+        f"p2pd + DHT node started in {up_s:.2f} s, stopped in {down_s:.2f} s "
+        f"({num_maddrs} address{'es' if num_maddrs != 1 else ''})",
+    )
 
 
 def check_coordinator(url: str) -> Check:
@@ -215,14 +253,22 @@ def check_coordinator(url: str) -> Check:
         health.raise_for_status()
         runs = httpx.get(f"{base}/v1/runs", timeout=HTTP_TIMEOUT_S, trust_env=False).json()["runs"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        return Check("coordinator", FAIL, f"{base} does not answer: {type(e).__name__}: {e}",
-                     "check the URL and port, that the coordinator runs (`coordinator serve --host 0.0.0.0`) "
-                     "and that no firewall blocks it")
+        return Check(
+            "coordinator",
+            FAIL,
+            f"{base} does not answer: {type(e).__name__}: {e}",
+            "check the URL and port, that the coordinator runs (`coordinator serve --host 0.0.0.0`) "
+            "and that no firewall blocks it",
+        )
     open_runs = [r for r in runs if r.get("state") in ("waiting", "running")]
     names = ", ".join(f"{r['run_id']} ({r['name']})" for r in open_runs[:5])
     if not open_runs:
-        return Check("coordinator", WARN, f"{base} healthy ({rtt_ms:.0f} ms) but has no open run",
-                     "ask the operator to create one (`locoswarm run create`)")
+        return Check(
+            "coordinator",
+            WARN,
+            f"{base} healthy ({rtt_ms:.0f} ms) but has no open run",
+            "ask the operator to create one (`locoswarm run create`)",
+        )
     return Check("coordinator", OK, f"{base} healthy ({rtt_ms:.0f} ms); open runs: {names}")
 
 
@@ -244,8 +290,9 @@ class ClockOffset:
         return f"{abs(self.offset_s):.2f} s {side} the coordinator's (+-{self.error_s:.2f} s, from its {self.source})"
 
 
-def measure_clock_offset(url: str, clock: Callable[[], float] = time.time, samples: int = CLOCK_SAMPLES,
-                         timeout_s: float = HTTP_TIMEOUT_S) -> ClockOffset:
+def measure_clock_offset(
+    url: str, clock: Callable[[], float] = time.time, samples: int = CLOCK_SAMPLES, timeout_s: float = HTTP_TIMEOUT_S
+) -> ClockOffset:
     """The offset of `clock` from the coordinator's, as NTP estimates it: the server's time is
     taken to fall at the midpoint of the request's round trip, so the error is at most half the
     round trip; of `samples` requests, the one with the shortest round trip counts. Raises
@@ -279,8 +326,12 @@ def check_clock(url: str, clock: Callable[[], float] = time.time) -> Check:
     try:
         offset = measure_clock_offset(url, clock)
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        return Check("clock", WARN, f"could not compare with the coordinator's: {type(e).__name__}: {e}",
-                     "fix the coordinator check first")
+        return Check(
+            "clock",
+            WARN,
+            f"could not compare with the coordinator's: {type(e).__name__}: {e}",
+            "fix the coordinator check first",
+        )
     detail = f"{offset.describe()}; hivemind's DHT refuses peers over {HIVEMIND_CLOCK_TOLERANCE_S:g} s apart"
     if offset.beyond_refusal:
         return Check("clock", FAIL, detail + "; `node join` refuses to start", CLOCK_FIX)
@@ -300,8 +351,10 @@ def clock_refusal(url: str, clock: Callable[[], float] = time.time, timeout_s: f
         return None
     if not offset.beyond_refusal:
         return None
-    return (f"this machine's clock is {offset.describe()}; peers' DHT nodes refuse each other beyond "
-            f"{HIVEMIND_CLOCK_TOLERANCE_S:g} s: {CLOCK_FIX}, then join again")
+    return (
+        f"this machine's clock is {offset.describe()}; peers' DHT nodes refuse each other beyond "
+        f"{HIVEMIND_CLOCK_TOLERANCE_S:g} s: {CLOCK_FIX}, then join again"
+    )
 
 
 def check_reachability(network: NetworkSection) -> Check:
@@ -312,8 +365,12 @@ def check_reachability(network: NetworkSection) -> Check:
         return Check("reachability", OK, "client mode: this node fetches but serves neither DHT nor packets")
     busy = [m for m in network.host_maddrs if not _port_free(m)]
     if busy:
-        return Check("reachability", FAIL, f"listen address in use: {', '.join(busy)}",
-                     "stop whatever holds the port (another node?) or pick another in --host-maddrs")
+        return Check(
+            "reachability",
+            FAIL,
+            f"listen address in use: {', '.join(busy)}",
+            "stop whatever holds the port (another node?) or pick another in --host-maddrs",
+        )
     maddrs = list(network.announce_maddrs) or [_with_outbound_ip(m) for m in network.host_maddrs]
     reach = assess_reachability(maddrs)
     if network.use_auto_relay and not reach.reachable:
@@ -344,17 +401,25 @@ def check_key(key_path: Path) -> Check:
         try:
             key = PeerKey.load_or_create(key_path)
         except (OSError, ValueError) as e:
-            return Check("key", FAIL, f"{key_path} does not load: {e}",
-                         "restore the file from a backup, or move it away to start as a new peer")
+            return Check(
+                "key",
+                FAIL,
+                f"{key_path} does not load: {e}",
+                "restore the file from a backup, or move it away to start as a new peer",
+            )
         where = key_path.parent
         writable = os.access(where, os.W_OK)
-        return Check("key", OK if writable else WARN,
-                     f"{key_path}: peer id {peer_id_from_public_key(key.public_bytes)} (rejoins as this peer)",
-                     f"{where} is not writable (fine while the key exists)")
+        return Check(
+            "key",
+            OK if writable else WARN,
+            f"{key_path}: peer id {peer_id_from_public_key(key.public_bytes)} (rejoins as this peer)",
+            f"{where} is not writable (fine while the key exists)",
+        )
     parent = _existing_ancestor(key_path.parent)
     if not os.access(parent, os.W_OK):
-        return Check("key", FAIL, f"cannot create {key_path}: {parent} is not writable",
-                     "pass --key with a writable path")
+        return Check(
+            "key", FAIL, f"cannot create {key_path}: {parent} is not writable", "pass --key with a writable path"
+        )
     return Check("key", OK, f"{key_path} will be created on first join (keep it to rejoin as the same peer)")
 
 

@@ -30,8 +30,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from node.training.sampling import (MAX_NEW_TOKENS, MAX_TEMPERATURE, GenerateError, SampleConfig, generate_text,
-                                    load_checkpoint_model, load_exported_model, run_tokenizer)
+from node.training.sampling import (
+    MAX_NEW_TOKENS,
+    MAX_TEMPERATURE,
+    GenerateError,
+    SampleConfig,
+    generate_text,
+    load_checkpoint_model,
+    load_exported_model,
+    run_tokenizer,
+)
 
 EXIT_REFUSED = 2
 
@@ -41,29 +49,51 @@ EXIT_REFUSED = 2
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "generate", help="print a sample of text from a checkpoint or an exported model",
+        "generate",
+        help="print a sample of text from a checkpoint or an exported model",
         description="Sample text from a trained model with the run's tokenizer: the prompt, then the "
-                    "continuation, on stdout. Temperature 0 is greedy; the same --seed gives the same text.")
+        "continuation, on stdout. Temperature 0 is greedy; the same --seed gives the same text.",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="a node's checkpoint directory (--checkpoint-dir)")
     source.add_argument("--model", metavar="DIR", help="a Hugging Face Llama directory `locoswarm export` wrote")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text the sample continues")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="the run's tokenizer.json, or the `locoswarm data prepare` directory holding it "
-                             "(needed when the run trained on a tokenizer; byte-level models need none)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="the run's tokenizer.json, or the `locoswarm data prepare` directory holding it "
+        "(needed when the run trained on a tokenizer; byte-level models need none)",
+    )
     d = SampleConfig()
-    parser.add_argument("--tokens", type=_bounded(int, 1, MAX_NEW_TOKENS), default=d.max_new_tokens, metavar="N",
-                        help=f"new tokens at most, 1..{MAX_NEW_TOKENS} (default {d.max_new_tokens})")
-    parser.add_argument("--temperature", type=_bounded(float, 0.0, MAX_TEMPERATURE), default=d.temperature, metavar="T",
-                        help=f"0 is greedy; higher is more varied (default {d.temperature})")
-    parser.add_argument("--seed", type=_bounded(int, 0, 2**63 - 1), default=d.seed, metavar="S",
-                        help=f"the sampling seed (default {d.seed})")
+    parser.add_argument(
+        "--tokens",
+        type=_bounded(int, 1, MAX_NEW_TOKENS),
+        default=d.max_new_tokens,
+        metavar="N",
+        help=f"new tokens at most, 1..{MAX_NEW_TOKENS} (default {d.max_new_tokens})",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=_bounded(float, 0.0, MAX_TEMPERATURE),
+        default=d.temperature,
+        metavar="T",
+        help=f"0 is greedy; higher is more varied (default {d.temperature})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=_bounded(int, 0, 2**63 - 1),
+        default=d.seed,
+        metavar="S",
+        help=f"the sampling seed (default {d.seed})",
+    )
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="torch device (default cpu)")
     parser.set_defaults(func=_generate)
 
 
 def _bounded(kind: type, low: float, high: float):
     """An argparse type: `kind` within [low, high], refused by argparse with the range otherwise."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -96,8 +126,11 @@ def _generate(args: argparse.Namespace) -> int:
             model.to(torch.device(args.device))
         except (RuntimeError, AssertionError) as error:  # torch's words for a device it has not got
             raise GenerateError(f"device {args.device}: {error}") from None
-        print(f"{described}; tokenizer {tokenizer.name}; {args.tokens} tokens at most, temperature "
-              f"{args.temperature:g}, seed {args.seed}", file=sys.stderr)
+        print(
+            f"{described}; tokenizer {tokenizer.name}; {args.tokens} tokens at most, temperature "
+            f"{args.temperature:g}, seed {args.seed}",
+            file=sys.stderr,
+        )
         text = generate_text(model, tokenizer, args.prompt, sample)
     except (GenerateError, CheckpointError, WeightsError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -44,19 +44,27 @@ def register(subparsers) -> None:
     node = subparsers.add_parser("node", help="run a volunteer node")
     node_sub = node.add_subparsers(dest="node_command", metavar="COMMAND", required=True)
     join = node_sub.add_parser(
-        "join", help="join a run and train until it ends or Ctrl+C",
+        "join",
+        help="join a run and train until it ends or Ctrl+C",
         description="Join a run. Settings come from --config (a TOML file, see deploy/node.toml), then from "
-                    "these flags, which override the file; defaults are NodeConfig's (node/config.py). "
-                    "Check this machine first with `locoswarm doctor --coordinator URL` (it takes the same "
-                    "flags and says what to fix).",
-        epilog="Ctrl+C once: finish the current step, leave the run and print a summary; twice: quit now.")
-    join.add_argument("--config", default=None,
-                      help="node config file, TOML (deploy/node.toml: NodeConfig's sections); these flags override it")
+        "these flags, which override the file; defaults are NodeConfig's (node/config.py). "
+        "Check this machine first with `locoswarm doctor --coordinator URL` (it takes the same "
+        "flags and says what to fix).",
+        epilog="Ctrl+C once: finish the current step, leave the run and print a summary; twice: quit now.",
+    )
+    join.add_argument(
+        "--config",
+        default=None,
+        help="node config file, TOML (deploy/node.toml: NodeConfig's sections); these flags override it",
+    )
     add_config_flags(join, NodeConfig)  # one per NodeConfig field: None ("not given") unless passed
     join.add_argument("--report", default=None, help="write the per-round reports as JSON here on exit")
-    join.add_argument("-v", "--verbose", action="store_true",
-                      help="also the libraries' log lines (every HTTP request, hivemind), and a traceback with "
-                           "each refusal")
+    join.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also the libraries' log lines (every HTTP request, hivemind), and a traceback with each refusal",
+    )
     join.set_defaults(func=_join)
 
 
@@ -154,9 +162,13 @@ def refusal_line(error: Exception, coordinator: str, run_id: str | None) -> str:
         return f"the coordinator at {coordinator} stopped answering: {error}"
     if isinstance(error, Refused):
         line = STOP_LINES.get(error.code, "the coordinator at {coordinator} refused: {error}")
-        return line.format(run=f"run {run_id}" if run_id else "the run", coordinator=coordinator, error=error,
-                           detail=error.detail, runs_hint=f"list the runs with `locoswarm run list --coordinator "
-                                                          f"{coordinator}`")
+        return line.format(
+            run=f"run {run_id}" if run_id else "the run",
+            coordinator=coordinator,
+            error=error,
+            detail=error.detail,
+            runs_hint=f"list the runs with `locoswarm run list --coordinator {coordinator}`",
+        )
     return str(error)  # CannotStart, and shards or init weights that are not the run's: each says the fix
 
 
@@ -250,9 +262,12 @@ def summary_line(node, elapsed_s: float) -> str:
     span_s = last.ended_at - first.started_at if first.started_at and last.ended_at else elapsed_s
     rounds = f"{first.round}" if len(reports) == 1 else f"{first.round}-{last.round}"
     loss = f"loss {first.train_loss:.4f}" + (f" -> {last.train_loss:.4f}" if len(reports) > 1 else "")
-    parts = [f"{plural(len(reports), 'round')} ({rounds}) in {format_duration(span_s)}", loss,
-             f"sent {format_bytes(sum(r.uploaded_bytes for r in reports))}",
-             f"received {format_bytes(sum(r.downloaded_bytes for r in reports))}"]
+    parts = [
+        f"{plural(len(reports), 'round')} ({rounds}) in {format_duration(span_s)}",
+        loss,
+        f"sent {format_bytes(sum(r.uploaded_bytes for r in reports))}",
+        f"received {format_bytes(sum(r.downloaded_bytes for r in reports))}",
+    ]
     if node.resumed_from is not None:
         parts.append(f"resumed from its checkpoint at round {node.resumed_from}")
     caught_up = sum(c.method != "none" for c in node.catch_ups)
@@ -272,6 +287,7 @@ def format_bytes(num_bytes: int) -> str:
             return f"{num_bytes / size:.1f} {unit}"
     return f"{num_bytes} B"
 
+
 def _write_report(path: Path, node, reports) -> None:
     """Per-round reports as JSON, and the final parameters beside them (PATH.safetensors)."""
     from safetensors.torch import save_file
@@ -279,17 +295,23 @@ def _write_report(path: Path, node, reports) -> None:
     from node.training.params import flat_named_params
 
     session = node.session  # None when the node never joined
-    path.write_text(json.dumps({
-        "peer_id": node.peer_id,
-        "preset": session.run.model.preset if session else None,
-        "rounds": [vars_of(r) | {"times": vars_of(r.times)} for r in reports],
-        "resumed_from": node.resumed_from,  # the round its own checkpoint started, if it resumed
-        "catch_ups": [vars_of(c) for c in node.catch_ups],
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "peer_id": node.peer_id,
+                "preset": session.run.model.preset if session else None,
+                "rounds": [vars_of(r) | {"times": vars_of(r.times)} for r in reports],
+                "resumed_from": node.resumed_from,  # the round its own checkpoint started, if it resumed
+                "catch_ups": [vars_of(c) for c in node.catch_ups],
+            }
+        )
+    )
     if session:
         model = session.training.model
-        save_file({n: p.detach().cpu().contiguous() for n, p in flat_named_params(model).items()},
-                  str(path.with_suffix(".safetensors")))
+        save_file(
+            {n: p.detach().cpu().contiguous() for n, p in flat_named_params(model).items()},
+            str(path.with_suffix(".safetensors")),
+        )
 
 
 def vars_of(obj) -> dict:

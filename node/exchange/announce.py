@@ -67,8 +67,12 @@ class Announcer:
             stored = False
             log.debug("announcing %s's packet failed: %r", peer_id, e)
         if not stored:
-            log.warning("round %d: no DHT node stored the announcement of %s's packet; peers reach it through "
-                        "the coordinator's manifest", round, peer_id)
+            log.warning(
+                "round %d: no DHT node stored the announcement of %s's packet; peers reach it through "
+                "the coordinator's manifest",
+                round,
+                peer_id,
+            )
 
     async def announce_params(self, round: int, record: dict) -> None:
         """Store this node's parameter-snapshot record; raises AnnounceFailed if no node took it."""
@@ -90,8 +94,9 @@ class Announcer:
             batch, self._pending_holders = self._pending_holders, []
             keys, records = [k for k, _ in batch], [r for _, r in batch]
             try:
-                await self._dht.store_many(keys, records, get_dht_time() + self.config.announce_ttl_s,
-                                           subkeys=[self.holder_id] * len(batch))
+                await self._dht.store_many(
+                    keys, records, get_dht_time() + self.config.announce_ttl_s, subkeys=[self.holder_id] * len(batch)
+                )
             except Exception as e:  # swarming is an optimisation: a failed announcement costs only load spread
                 log.info("announcing %d held packets failed: %r", len(batch), e)
 
@@ -112,7 +117,8 @@ class Announcer:
         try:
             found = await asyncio.wait_for(
                 self._dht.get_many(list(keys.values()), sufficient_expiration_time=float("inf")),
-                timeout=max(0.0, deadline - loop.time()))
+                timeout=max(0.0, deadline - loop.time()),
+            )
         except Exception as e:  # a failed lookup leaves the hinted holders, not an error
             log.warning("round %d: reading the DHT failed (%r); trying hinted holders only", round, e)
             found = {}

@@ -98,8 +98,12 @@ class Exchange(Protocol):
         ...
 
     async def fetch(
-        self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
-        timeout_s: float = 60, parents: dict[str, list[str]] | None = None,
+        self,
+        round: int,
+        wanted: dict[str, str],
+        holders_hint: dict[str, list[str]] | None = None,
+        timeout_s: float = 60,
+        parents: dict[str, list[str]] | None = None,
     ) -> dict[str, bytes]:
         """Bytes for each `wanted` peer id whose sha256 equals the wanted digest; missing ones are left out.
 

@@ -70,24 +70,56 @@ class ExchangeConfig:
         packets_key(self.run_id, 0)  # raises ValueError for a run id that cannot be part of a key
         if not self.host_maddrs:
             raise ValueError("host_maddrs must name at least one address to listen on")
-        if min(self.max_parallel_fetches, self.max_uploads, self.max_snapshot_uploads, self.chunk_bytes,
-               self.max_packet_bytes) < 1:
-            raise ValueError("max_parallel_fetches, max_uploads, max_snapshot_uploads, chunk_bytes and "
-                             "max_packet_bytes must be positive")
-        if min(self.announce_ttl_s, self.connect_timeout_s, self.stall_timeout_s, self.request_timeout_s,
-               self.bootstrap_timeout_s) <= 0:
+        if (
+            min(
+                self.max_parallel_fetches,
+                self.max_uploads,
+                self.max_snapshot_uploads,
+                self.chunk_bytes,
+                self.max_packet_bytes,
+            )
+            < 1
+        ):
+            raise ValueError(
+                "max_parallel_fetches, max_uploads, max_snapshot_uploads, chunk_bytes and "
+                "max_packet_bytes must be positive"
+            )
+        if (
+            min(
+                self.announce_ttl_s,
+                self.connect_timeout_s,
+                self.stall_timeout_s,
+                self.request_timeout_s,
+                self.bootstrap_timeout_s,
+            )
+            <= 0
+        ):
             raise ValueError("time-outs and the announcement lifetime must be positive")
         if self.min_rate_bytes_per_s < 0:
             raise ValueError("min_rate_bytes_per_s must be >= 0 (0: no floor)")
 
     @classmethod
-    def from_network(cls, network: NetworkSection, *, run_id: str, initial_peers: tuple[str, ...],
-                     max_packet_bytes: int, cache_dir: Path) -> ExchangeConfig:
+    def from_network(
+        cls,
+        network: NetworkSection,
+        *,
+        run_id: str,
+        initial_peers: tuple[str, ...],
+        max_packet_bytes: int,
+        cache_dir: Path,
+    ) -> ExchangeConfig:
         """A node's exchange: every field of its network section that is also a field here, then
         the run's values. `initial_peers` replaces the section's (the node resolved them: its own,
         else the run's bootstrap and live members); the held packets are spooled in the section's
         `packet_spool_dir`, else `cache_dir`/spool, or kept in the heap with `packets_in_memory`."""
         chosen = {f.name: getattr(network, f.name) for f in fields(cls) if f.name in type(network).model_fields}
         spool_dir = None if network.packets_in_memory else str(network.packet_spool_dir or Path(cache_dir) / "spool")
-        return cls(**chosen | {"run_id": run_id, "initial_peers": tuple(initial_peers),
-                               "max_packet_bytes": max_packet_bytes, "spool_dir": spool_dir})
+        return cls(
+            **chosen
+            | {
+                "run_id": run_id,
+                "initial_peers": tuple(initial_peers),
+                "max_packet_bytes": max_packet_bytes,
+                "spool_dir": spool_dir,
+            }
+        )

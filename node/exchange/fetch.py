@@ -58,8 +58,19 @@ from node.exchange.store import Held, PacketStore, Partial
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
 from protocol.errors import MalformedPacket, OversizedPacket, ShapeMismatch, TruncatedPacket
 from protocol.stream import (
-    MAX_ERROR_BYTES, RECEIPT, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, DigestMismatch, HolderBusy,
-    HolderRefused, PacketRequest, decode_busy, decode_error, decode_response_header, encode_request,
+    MAX_ERROR_BYTES,
+    RECEIPT,
+    RESPONSE_HEADER,
+    STATUS_BUSY,
+    STATUS_ERROR,
+    DigestMismatch,
+    HolderBusy,
+    HolderRefused,
+    PacketRequest,
+    decode_busy,
+    decode_error,
+    decode_response_header,
+    encode_request,
 )
 
 if TYPE_CHECKING:
@@ -86,8 +97,9 @@ class SnapshotGone(Exception):
 class PacketFetcher:
     """Finds holders of wanted packets and downloads verified copies into the store."""
 
-    def __init__(self, config: ExchangeConfig, host: Host, store: PacketStore, announcer: Announcer,
-                 rng: random.Random):
+    def __init__(
+        self, config: ExchangeConfig, host: Host, store: PacketStore, announcer: Announcer, rng: random.Random
+    ):
         self.config = config
         self._host, self._store, self._announcer = host, store, announcer
         self.holder_id = host.holder_id
@@ -98,15 +110,18 @@ class PacketFetcher:
         self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
 
     async def fetch(
-        self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
-        timeout_s: float = 60, parents: dict[str, list[str]] | None = None,
+        self,
+        round: int,
+        wanted: dict[str, str],
+        holders_hint: dict[str, list[str]] | None = None,
+        timeout_s: float = 60,
+        parents: dict[str, list[str]] | None = None,
     ) -> dict[str, bytes]:
         """The wanted packets ({publisher: digest}) that some holder served and that verified."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         held = self._store.held
-        result = {p: h.data for p, d in wanted.items()
-                  if isinstance(h := held.get((round, p)), Held) and h.digest == d}
+        result = {p: h.data for p, d in wanted.items() if isinstance(h := held.get((round, p)), Held) and h.digest == d}
         todo = {p: d for p, d in wanted.items() if p not in result}
         if not todo:
             return result
@@ -137,11 +152,13 @@ class PacketFetcher:
             hints = hinted_holders((holders_hint or {}).get(publisher, []), state)
             parent = next(iter(hinted_holders((parents or {}).get(publisher, []), state)), None)
             started = loop.time()
-            log.debug("round %d: fetching %s's packet, parent %s", round, publisher,
-                      parent.holder[-8:] if parent else None)
+            log.debug(
+                "round %d: fetching %s's packet, parent %s", round, publisher, parent.holder[-8:] if parent else None
+            )
             try:
-                data = await asyncio.wait_for(self._fetch_one(state, hints, lookup, deadline, parent),
-                                              timeout=max(0.0, deadline - loop.time()))
+                data = await asyncio.wait_for(
+                    self._fetch_one(state, hints, lookup, deadline, parent), timeout=max(0.0, deadline - loop.time())
+                )
             except asyncio.TimeoutError:
                 log.warning("round %d: no holder served %s's packet within %.1f s", round, publisher, timeout_s)
                 return None
@@ -182,12 +199,19 @@ class PacketFetcher:
         try:
             await asyncio.wait_for(self._fetch_one(state, [], lookup, deadline), max(0.0, deadline - loop.time()))
         except SnapshotGone:
-            log.info("round %d: snapshot %s: no holder still has it (%d refused)", round, digest[:12],
-                     len(state.refused))
+            log.info(
+                "round %d: snapshot %s: no holder still has it (%d refused)", round, digest[:12], len(state.refused)
+            )
             return False
         except asyncio.TimeoutError:
-            log.warning("round %d: snapshot %s: %d of %d bytes verified within %.1f s", round, digest[:12],
-                        sink.offset, sink.total_bytes, timeout_s)
+            log.warning(
+                "round %d: snapshot %s: %d of %d bytes verified within %.1f s",
+                round,
+                digest[:12],
+                sink.offset,
+                sink.total_bytes,
+                timeout_s,
+            )
             return False
         finally:
             if lookup_task is not None:
@@ -195,8 +219,14 @@ class PacketFetcher:
         self._store.traffic(round).fetch_spans.append((started, loop.time()))
         return sink.done
 
-    async def _fetch_one(self, state: FetchState, hints: list[Announcement], lookup: Callable[[], asyncio.Future],
-                         deadline: float, parent: Announcement | None = None) -> bytes:
+    async def _fetch_one(
+        self,
+        state: FetchState,
+        hints: list[Announcement],
+        lookup: Callable[[], asyncio.Future],
+        deadline: float,
+        parent: Announcement | None = None,
+    ) -> bytes:
         """Try the parent, the hinted holders, then those the DHT knows and those busy holders name,
         re-reading the DHT for new ones, until one serves or the caller times out."""
         known = {h.holder: h for h in hints}
@@ -219,8 +249,9 @@ class PacketFetcher:
             self._announcer.announce_holder(state.round, state.publisher, state.digest, len(data))
         return data
 
-    async def _search(self, state: FetchState, known: dict[str, Announcement], lookup: Callable[[], asyncio.Future],
-                      deadline: float) -> bytes:
+    async def _search(
+        self, state: FetchState, known: dict[str, Announcement], lookup: Callable[[], asyncio.Future], deadline: float
+    ) -> bytes:
         loop = asyncio.get_running_loop()
         hints = list(known.values())
         ann, looked_up, passes, busy_pause_s = None, False, 0, self.config.busy_pause_s
@@ -241,8 +272,9 @@ class PacketFetcher:
                 for h in extra.get(state.publisher, []):
                     known.setdefault(h.holder, h)
             candidates = [h for h in known.values() if h.digest == state.digest]
-            queue = order_holders(candidates, state.banned, self.holder_id,
-                                  ann.holder if ann is not None else None, self.rng)
+            queue = order_holders(
+                candidates, state.banned, self.holder_id, ann.holder if ann is not None else None, self.rng
+            )
             tried, busy_at, queued = set(), [], False
             while True:
                 if queue:
@@ -260,8 +292,13 @@ class PacketFetcher:
                 if outcome is not None and not isinstance(outcome, HolderBusy):
                     return self._fetched(state, outcome)
                 if isinstance(outcome, HolderBusy):  # try the peers it named first: they have copies
-                    log.debug("round %d: %s's packet: holder %s busy, names %d", state.round, state.publisher,
-                              holder.holder[-8:], len(outcome.holders))
+                    log.debug(
+                        "round %d: %s's packet: holder %s busy, names %d",
+                        state.round,
+                        state.publisher,
+                        holder.holder[-8:],
+                        len(outcome.holders),
+                    )
                     busy_at.append(holder)
                     named = [self._holder_named(h, state) for h in outcome.holders]
                     for h in named:
@@ -289,11 +326,13 @@ class PacketFetcher:
 
     def _holder_named(self, holder: str, state: FetchState) -> Announcement:
         """A holder a busy peer named, reachable at the addresses we know for it (or p2pd's)."""
-        return Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0,
-                            self._addresses.get(holder, []), holder)
+        return Announcement(
+            state.publisher, state.round, state.digest, state.size_bytes or 0, self._addresses.get(holder, []), holder
+        )
 
-    async def _try_holder(self, holder: Announcement, state: FetchState, deadline: float,
-                          wait: bool = False, child: bool = False) -> bytes | SnapshotSink | HolderBusy | None:
+    async def _try_holder(
+        self, holder: Announcement, state: FetchState, deadline: float, wait: bool = False, child: bool = False
+    ) -> bytes | SnapshotSink | HolderBusy | None:
         """The verified packet; HolderBusy when the holder has no free upload slot (with `wait`: none
         freed within its queue time); None on failure."""
         try:
@@ -302,8 +341,7 @@ class PacketFetcher:
             return busy
         except (DigestMismatch, MalformedPacket, OversizedPacket, ShapeMismatch, TruncatedPacket) as e:
             state.banned.add(holder.holder)
-            log.warning("round %d: holder %s of %s's packet banned: %s", state.round, holder.holder,
-                        state.publisher, e)
+            log.warning("round %d: holder %s of %s's packet banned: %s", state.round, holder.holder, state.publisher, e)
         except HolderRefused as e:
             state.refused.add(holder.holder)
             log.info("round %d: holder %s refused %s's packet: %s", state.round, holder.holder, state.publisher, e)
@@ -312,12 +350,14 @@ class PacketFetcher:
             log.info("round %d: holder %s of %s's packet failed: %r", state.round, holder.holder, state.publisher, e)
         except Exception as e:  # p2pd control errors (dial failures) come as several private types
             self._dialed.discard(holder.holder)
-            log.info("round %d: holder %s of %s's packet unreachable: %r", state.round, holder.holder,
-                     state.publisher, e)
+            log.info(
+                "round %d: holder %s of %s's packet unreachable: %r", state.round, holder.holder, state.publisher, e
+            )
         return None
 
-    async def _download(self, holder: Announcement, state: FetchState, deadline: float, wait: bool = False,
-                        child: bool = False) -> bytes | SnapshotSink:
+    async def _download(
+        self, holder: Announcement, state: FetchState, deadline: float, wait: bool = False, child: bool = False
+    ) -> bytes | SnapshotSink:
         loop = asyncio.get_running_loop()
         cfg = self.config
 
@@ -335,13 +375,25 @@ class PacketFetcher:
         reader, writer = await asyncio.wait_for(self._host.open_stream(peer), budget(cfg.connect_timeout_s))
         try:
             offset = state.sink.offset if state.sink is not None else 0
-            writer.write(encode_request(PacketRequest(run=cfg.run_id, round=state.round, publisher=state.publisher,
-                                                      digest=state.digest, wait=wait, child=child, offset=offset)))
+            writer.write(
+                encode_request(
+                    PacketRequest(
+                        run=cfg.run_id,
+                        round=state.round,
+                        publisher=state.publisher,
+                        digest=state.digest,
+                        wait=wait,
+                        child=child,
+                        offset=offset,
+                    )
+                )
+            )
             await asyncio.wait_for(writer.drain(), budget(cfg.connect_timeout_s))
             expected = state.size_bytes - offset if state.sink is not None else state.size_bytes
             status, length = decode_response_header(
                 await asyncio.wait_for(reader.readexactly(RESPONSE_HEADER.size), budget(cfg.connect_timeout_s)),
-                expected if state.sink is not None else cfg.max_packet_bytes)
+                expected if state.sink is not None else cfg.max_packet_bytes,
+            )
             if status == STATUS_ERROR:
                 message = await asyncio.wait_for(reader.read(min(length, MAX_ERROR_BYTES)), budget(cfg.stall_timeout_s))
                 raise HolderRefused(decode_error(message))
@@ -357,15 +409,28 @@ class PacketFetcher:
                 data = await self._receive(reader, holder, state, length, budget)
             writer.write(RECEIPT)  # frees the holder's upload slot; a lost receipt only delays that
             done = loop.time()
-            log.debug("round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps)",
-                      state.round, state.publisher, holder.holder[-8:], length, answered - started, done - answered,
-                      length * 8 / max(done - answered, 1e-6) / 1e6)
+            log.debug(
+                "round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps)",
+                state.round,
+                state.publisher,
+                holder.holder[-8:],
+                length,
+                answered - started,
+                done - answered,
+                length * 8 / max(done - answered, 1e-6) / 1e6,
+            )
             return data
         finally:
             writer.close()
 
-    async def _receive(self, reader: asyncio.StreamReader, holder: Announcement, state: FetchState, length: int,
-                       budget: Callable[[float], float]) -> bytes:
+    async def _receive(
+        self,
+        reader: asyncio.StreamReader,
+        holder: Announcement,
+        state: FetchState,
+        length: int,
+        budget: Callable[[float], float],
+    ) -> bytes:
         """The `length` bytes of a packet body, verified against its digest and held from then on;
         `budget(limit_s)` caps each read's time-out by what is left of the fetch.
 
@@ -387,8 +452,8 @@ class PacketFetcher:
         try:
             while len(partial.buffer) < length:
                 piece = await asyncio.wait_for(
-                    reader.read(min(cfg.chunk_bytes << 1, length - len(partial.buffer))),
-                    budget(cfg.stall_timeout_s))
+                    reader.read(min(cfg.chunk_bytes << 1, length - len(partial.buffer))), budget(cfg.stall_timeout_s)
+                )
                 if not piece:
                     raise asyncio.IncompleteReadError(b"", length)
                 partial.buffer += piece
@@ -397,8 +462,9 @@ class PacketFetcher:
                 partial.notify()
                 alone = self._rate_floor(alone, loop.time(), len(partial.buffer), length)
             if hasher.hexdigest() != state.digest:
-                raise DigestMismatch(f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., "
-                                     f"wanted {state.digest[:16]}...")
+                raise DigestMismatch(
+                    f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., wanted {state.digest[:16]}..."
+                )
             data = await asyncio.to_thread(self._store.spool.keep, partial.buffer)
             if (held := self._store.held.get(key)) is None or held.digest != state.digest:
                 self._store.held[key] = Held(state.digest, data, partial.sent_to, partial.receiving)
@@ -413,9 +479,9 @@ class PacketFetcher:
                 del self._store.partial[key]
         return data
 
-
-    def _rate_floor(self, alone: tuple[float, int] | None, now: float, got: int,
-                    length: int) -> tuple[float, int] | None:
+    def _rate_floor(
+        self, alone: tuple[float, int] | None, now: float, got: int, length: int
+    ) -> tuple[float, int] | None:
         """Since when (and from how many bytes) this download ran alone; raises TimeoutError for a
         holder that sent under `min_rate_bytes_per_s` for `stall_timeout_s` meanwhile."""
         cfg = self.config
@@ -423,14 +489,20 @@ class PacketFetcher:
             return None
         if alone is None:
             return now, got
-        if (elapsed := now - alone[0]) > cfg.stall_timeout_s and got < length \
-                and got - alone[1] < cfg.min_rate_bytes_per_s * elapsed:
-            raise asyncio.TimeoutError(f"{got - alone[1]} bytes in {elapsed:.1f} s alone: under the floor of "
-                                       f"{cfg.min_rate_bytes_per_s:.0f} B/s")
+        if (
+            (elapsed := now - alone[0]) > cfg.stall_timeout_s
+            and got < length
+            and got - alone[1] < cfg.min_rate_bytes_per_s * elapsed
+        ):
+            raise asyncio.TimeoutError(
+                f"{got - alone[1]} bytes in {elapsed:.1f} s alone: under the floor of "
+                f"{cfg.min_rate_bytes_per_s:.0f} B/s"
+            )
         return alone
 
-    async def _receive_snapshot(self, reader: asyncio.StreamReader, state: FetchState, length: int,
-                                budget: Callable[[float], float]) -> SnapshotSink:
+    async def _receive_snapshot(
+        self, reader: asyncio.StreamReader, state: FetchState, length: int, budget: Callable[[float], float]
+    ) -> SnapshotSink:
         """The rest of a snapshot (`length` bytes from the sink's offset), a unit at a time: read into
         a buffer the sink's layout sizes (never the holder's claim), then checked and written into
         the model in a worker thread. What verified stays verified if the stream breaks."""
@@ -446,11 +518,12 @@ class PacketFetcher:
                 buffer = bytearray(unit.end - unit.start)
                 view, filled = memoryview(buffer), 0
                 while filled < len(buffer):
-                    piece = await asyncio.wait_for(reader.read(min(cfg.chunk_bytes << 1, len(buffer) - filled)),
-                                                   budget(cfg.stall_timeout_s))
+                    piece = await asyncio.wait_for(
+                        reader.read(min(cfg.chunk_bytes << 1, len(buffer) - filled)), budget(cfg.stall_timeout_s)
+                    )
                     if not piece:
                         raise asyncio.IncompleteReadError(b"", length)
-                    view[filled: filled + len(piece)] = piece
+                    view[filled : filled + len(piece)] = piece
                     filled += len(piece)
                     received += len(piece)
                     traffic.downloaded_bytes += len(piece)
@@ -463,12 +536,17 @@ class PacketFetcher:
 
 def hinted_holders(maddrs: list[str], state: FetchState) -> list[Announcement]:
     """Holders named by the caller, as multiaddrs ending in /p2p/<libp2p id>."""
-    return [Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0, addrs, holder)
-            for holder, addrs in addresses_by_holder(maddrs).items()]
+    return [
+        Announcement(state.publisher, state.round, state.digest, state.size_bytes or 0, addrs, holder)
+        for holder, addrs in addresses_by_holder(maddrs).items()
+    ]
 
 
 def order_holders(
-    candidates: list[Announcement], banned: set[str], self_id: str, publisher_holder: str | None,
+    candidates: list[Announcement],
+    banned: set[str],
+    self_id: str,
+    publisher_holder: str | None,
     rng: random.Random,
 ) -> list[Announcement]:
     """Distinct usable holders: others' verified copies in random order first, the publisher last.
@@ -481,8 +559,14 @@ def order_holders(
         if c.holder and c.holder != self_id and c.holder not in banned:
             if c.holder in merged:  # the same holder named twice (hint and DHT): union its addresses
                 prior = merged[c.holder]
-                c = Announcement(c.peer_id, c.round, c.digest, c.size_bytes,
-                                 list(dict.fromkeys(prior.multiaddrs + c.multiaddrs)), c.holder)
+                c = Announcement(
+                    c.peer_id,
+                    c.round,
+                    c.digest,
+                    c.size_bytes,
+                    list(dict.fromkeys(prior.multiaddrs + c.multiaddrs)),
+                    c.holder,
+                )
             merged[c.holder] = c
     others = [c for h, c in merged.items() if h != publisher_holder]
     rng.shuffle(others)

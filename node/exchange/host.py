@@ -95,11 +95,18 @@ class Host:
         except BaseException:
             await p2p.shutdown()
             raise
-        why = ("reached, but no DHT node answered there" if answered
-               else f"none answered within {config.bootstrap_timeout_s:g} s")
-        log.warning("bootstrap: initial peers %s: %s; started a DHT of its own, which others join through "
-                    "the addresses this node gives the coordinator: %s",
-                    ", ".join(config.initial_peers), why, ", ".join(maddrs))
+        why = (
+            "reached, but no DHT node answered there"
+            if answered
+            else f"none answered within {config.bootstrap_timeout_s:g} s"
+        )
+        log.warning(
+            "bootstrap: initial peers %s: %s; started a DHT of its own, which others join through "
+            "the addresses this node gives the coordinator: %s",
+            ", ".join(config.initial_peers),
+            why,
+            ", ".join(maddrs),
+        )
         return cls(p2p, dht)
 
     @property
@@ -147,8 +154,9 @@ class Host:
             return []
         answered = await _dial_initial_peers(self.p2p, fresh, timeout_s, what="DHT rejoin")
         peers = list(dict.fromkeys(PeerID.from_base58(m.rpartition("/p2p/")[2]) for m in answered))
-        pings = await asyncio.gather(*(asyncio.wait_for(self.dht.protocol.call_ping(peer), timeout_s)
-                                       for peer in peers), return_exceptions=True)
+        pings = await asyncio.gather(
+            *(asyncio.wait_for(self.dht.protocol.call_ping(peer), timeout_s) for peer in peers), return_exceptions=True
+        )
         joined = [peer for peer, node_id in zip(peers, pings) if isinstance(node_id, DHTID)]
         if joined:
             with contextlib.suppress(Exception):  # the pings already joined; this only widens the table
@@ -163,8 +171,9 @@ class Host:
             # A daemon that exits meanwhile (killed under us) ends the wait: its handlers went with it.
             stopping = asyncio.ensure_future(self.dht.shutdown())
             exited = asyncio.ensure_future(child.wait()) if child is not None else None
-            done, pending = await asyncio.wait([f for f in (stopping, exited) if f is not None], timeout=timeout_s,
-                                               return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(
+                [f for f in (stopping, exited) if f is not None], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
             for future in pending:
                 future.cancel()
             if stopping in done:
@@ -212,7 +221,9 @@ async def _start_dht(p2p: P2P, config: ExchangeConfig, initial_peers: list[str])
     none of them answered its ping."""
     try:
         return await DHTNode.create(
-            p2p=p2p, initial_peers=initial_peers or None, client_mode=config.client_mode,
+            p2p=p2p,
+            initial_peers=initial_peers or None,
+            client_mode=config.client_mode,
             wait_timeout=config.dht_wait_timeout_s,
         )
     except RuntimeError as e:  # hivemind says "none answered" with a bare RuntimeError only
@@ -221,8 +232,9 @@ async def _start_dht(p2p: P2P, config: ExchangeConfig, initial_peers: list[str])
         raise
 
 
-async def _dial_initial_peers(p2p: P2P, initial_peers: tuple[str, ...], timeout_s: float,
-                              what: str = "bootstrap") -> list[str]:
+async def _dial_initial_peers(
+    p2p: P2P, initial_peers: tuple[str, ...], timeout_s: float, what: str = "bootstrap"
+) -> list[str]:
     """The initial peers (multiaddrs ending in /p2p/<id>) p2pd connected to, each given `timeout_s`,
     all at once; addresses of one peer are dialled together. Those that did not answer are logged."""
     by_peer: dict[str, list[str]] = {}

@@ -111,7 +111,9 @@ class P2PExchange:
         digest = packet_digest(data)
         key = packets_key(self.config.run_id, round)
         holders_key(self.config.run_id, round, peer_id)  # fetchers must be able to announce copies under it
-        self._store.held[(round, peer_id)] = Held(digest, await asyncio.to_thread(self._store.spool.keep, data), own=True)
+        self._store.held[(round, peer_id)] = Held(
+            digest, await asyncio.to_thread(self._store.spool.keep, data), own=True
+        )
         self._store.notify_copy()
         record = self._announcer.record(digest, len(data))
         # Announced beside the round, not before it: fetchers start from the addresses in the
@@ -129,8 +131,12 @@ class P2PExchange:
     # -- fetching -----------------------------------------------------------------------------
 
     async def fetch(
-        self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
-        timeout_s: float = 60, parents: dict[str, list[str]] | None = None,
+        self,
+        round: int,
+        wanted: dict[str, str],
+        holders_hint: dict[str, list[str]] | None = None,
+        timeout_s: float = 60,
+        parents: dict[str, list[str]] | None = None,
     ) -> dict[str, bytes]:
         """The wanted packets ({publisher: digest}) that some holder served and that verified.
 

@@ -44,13 +44,17 @@ def assess_reachability(maddrs: list[str]) -> Reachability:
     elif relayed:
         advice = "This node is reachable through a libp2p relay; transfers to it go through the relay."
     elif loopback:
-        advice = ("This node listens on loopback only: only processes on this machine can reach it. To join peers "
-                  "elsewhere, pass --host-maddrs /ip4/0.0.0.0/tcp/PORT and --announce-maddrs "
-                  "/ip4/<public IP>/tcp/PORT, or enable --auto-relay / client mode.")
+        advice = (
+            "This node listens on loopback only: only processes on this machine can reach it. To join peers "
+            "elsewhere, pass --host-maddrs /ip4/0.0.0.0/tcp/PORT and --announce-maddrs "
+            "/ip4/<public IP>/tcp/PORT, or enable --auto-relay / client mode."
+        )
     else:
-        advice = ("This node announces private addresses only: peers outside this network cannot dial it. Forward "
-                  "a port and pass --announce-maddrs /ip4/<public IP>/tcp/PORT, or enable --auto-relay "
-                  "(reachable through a relay) or client mode (fetches only, serves nobody).")
+        advice = (
+            "This node announces private addresses only: peers outside this network cannot dial it. Forward "
+            "a port and pass --announce-maddrs /ip4/<public IP>/tcp/PORT, or enable --auto-relay "
+            "(reachable through a relay) or client mode (fetches only, serves nobody)."
+        )
     return Reachability(list(maddrs), public, relayed, loopback and bool(maddrs), reachable, advice)
 
 

@@ -49,8 +49,17 @@ from node.exchange.store import Held, HeldSnapshot, PacketStore, Partial
 from protocol.dht_records import PARAMS_ID
 from protocol.errors import MalformedPacket, ProtocolError, WrongRound
 from protocol.stream import (
-    MAX_BUSY_NAMES, RECEIPT, REQUEST_PREFIX, STATUS_OK, HolderRefused, PacketRequest, decode_request, encode_busy,
-    encode_error, encode_response_header, request_body_length,
+    MAX_BUSY_NAMES,
+    RECEIPT,
+    REQUEST_PREFIX,
+    STATUS_OK,
+    HolderRefused,
+    PacketRequest,
+    decode_request,
+    encode_busy,
+    encode_error,
+    encode_response_header,
+    request_body_length,
 )
 
 log = logging.getLogger(__name__)
@@ -138,7 +147,8 @@ class PacketServer:
         child = False  # served as a tree child, beside the slots
         try:
             length = request_body_length(
-                await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s))
+                await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s)
+            )
             request = self.parse_request(await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s))
             round, publisher = request.round, request.publisher
             # A snapshot is never on its way here: only a packet's copy is worth waiting for.
@@ -176,7 +186,7 @@ class PacketServer:
                     if request.offset > len(payload):
                         raise MalformedPacket(f"offset {request.offset} past the packet's {len(payload)} bytes")
                     writer.write(encode_response_header(STATUS_OK, len(payload) - request.offset))
-                    await self._write(payload[request.offset:], writer, traffic)
+                    await self._write(payload[request.offset :], writer, traffic)
                 else:
                     await self._forward(copy, writer, traffic)
                 traffic.num_served += 1
@@ -211,13 +221,14 @@ class PacketServer:
 
     async def _write(self, payload: memoryview, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
         for offset in range(0, len(payload), self.config.chunk_bytes):
-            piece = payload[offset: offset + self.config.chunk_bytes]
+            piece = payload[offset : offset + self.config.chunk_bytes]
             writer.write(piece)
             await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
             traffic.uploaded_bytes += len(piece)
 
-    async def _send_snapshot(self, round: int, copy: HeldSnapshot, offset: int, writer: asyncio.StreamWriter,
-                             traffic: Traffic) -> None:
+    async def _send_snapshot(
+        self, round: int, copy: HeldSnapshot, offset: int, writer: asyncio.StreamWriter, traffic: Traffic
+    ) -> None:
         """The snapshot's bytes from `offset` on, a verified unit at a time (one unit in memory)."""
         from node.training.snapshot import StaleSnapshot
 
@@ -237,7 +248,7 @@ class PacketServer:
             end = start + len(unit)
             payload = memoryview(self._payload_for(round, PARAMS_ID, unit))
             del unit
-            await self._write(payload[offset - start:], writer, traffic)
+            await self._write(payload[offset - start :], writer, traffic)
             del payload  # one unit in memory per stream: gone before the next is read
             offset = end
 

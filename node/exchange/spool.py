@@ -65,8 +65,12 @@ class Spool:
                 self.directory = None
             else:
                 if (kind := file_system_type(directory)) in MEMORY_FILE_SYSTEMS:
-                    log.warning("the packet spool %s is on a %s, whose files are memory: set network.packet_spool_dir "
-                                "(--packet-spool-dir) to a directory on a disk", directory, kind)
+                    log.warning(
+                        "the packet spool %s is on a %s, whose files are memory: set network.packet_spool_dir "
+                        "(--packet-spool-dir) to a directory on a disk",
+                        directory,
+                        kind,
+                    )
 
     def keep(self, data: bytes | bytearray | memoryview) -> bytes | memoryview:
         """`data` as it will be held: a read-only view of a mapped file holding a copy of it, or

@@ -26,7 +26,6 @@ import contextlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from node.exchange.base import Traffic
@@ -116,8 +115,9 @@ class PacketStore:
             if not self._wanted[key]:
                 del self._wanted[key]
 
-    async def copy_for(self, round: int, publisher: str, digest: str,
-                       wait_s: float) -> Held | HeldSnapshot | Partial | None:
+    async def copy_for(
+        self, round: int, publisher: str, digest: str, wait_s: float
+    ) -> Held | HeldSnapshot | Partial | None:
         """This node's copy of the packet, whole or arriving. If none yet, a tree child may have
         asked before our own copy started: waits up to `wait_s` for one while this node fetches
         the packet, and up to WANT_GRACE_S for it to start fetching (it learns of packets from
@@ -144,8 +144,7 @@ class PacketStore:
         replaced = self.held.get(key)
         self.held[key] = snapshot
         if snapshot.source.durable:
-            durable = [k for k, c in self.held.items()
-                       if k != key and isinstance(c, HeldSnapshot) and c.source.durable]
+            durable = [k for k, c in self.held.items() if k != key and isinstance(c, HeldSnapshot) and c.source.durable]
             for k in durable:
                 self.drop(k)
         if isinstance(replaced, HeldSnapshot) and replaced.source is not snapshot.source:

@@ -17,8 +17,14 @@ def uplink_class(uplink_mbps: float | None) -> float:
     return math.inf if not uplink_mbps or uplink_mbps <= 0 else math.floor(math.log2(uplink_mbps))
 
 
-def tree_parent(round: int, publisher: str, peer: str, members: Iterable[str], fanout: int = 2,
-                uplinks: Mapping[str, float | None] | None = None) -> str | None:
+def tree_parent(
+    round: int,
+    publisher: str,
+    peer: str,
+    members: Iterable[str],
+    fanout: int = 2,
+    uplinks: Mapping[str, float | None] | None = None,
+) -> str | None:
     """Whom `peer` should fetch `publisher`'s round-`round` packet from: its parent in a tree of
     the round's members rooted at the publisher (None: `peer` is the publisher or not a member).
 

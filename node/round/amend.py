@@ -104,8 +104,12 @@ class StartPatch:
     dense: dict[str, torch.Tensor]
 
     @classmethod
-    def before(cls, start: dict[str, torch.Tensor], aggregates: dict[str, torch.Tensor] | None,
-               device: torch.device | str | None = None) -> StartPatch:
+    def before(
+        cls,
+        start: dict[str, torch.Tensor],
+        aggregates: dict[str, torch.Tensor] | None,
+        device: torch.device | str | None = None,
+    ) -> StartPatch:
         """What `start` holds where `aggregates` is non-zero (nothing moves where it is zero: x - 0 == x)."""
         coordinates, dense = {}, {}
         for name, value in start.items():
@@ -137,8 +141,9 @@ class StartPatch:
 
     @property
     def num_bytes(self) -> int:
-        return (sum(b.nbytes + v.nbytes for b, v in self.coordinates.values())
-                + sum(t.nbytes for t in self.dense.values()))
+        return sum(b.nbytes + v.nbytes for b, v in self.coordinates.values()) + sum(
+            t.nbytes for t in self.dense.values()
+        )
 
 
 @dataclass(slots=True)
@@ -177,8 +182,11 @@ class Amendments:
     def outdated(self, amended: dict[int, int]) -> dict[int, tuple[int, int]]:
         """Rounds the parameters follow at an older manifest version than the latest (from the
         coordinator's recent `amended` rounds): round -> (version applied, latest version)."""
-        return {r: (self.applied_versions[r], v) for r, v in sorted(amended.items())
-                if r in self.applied_versions and self.applied_versions[r] < v}
+        return {
+            r: (self.applied_versions[r], v)
+            for r, v in sorted(amended.items())
+            if r in self.applied_versions and self.applied_versions[r] < v
+        }
 
 
 async def await_amendment(s: Session, round: int, view: RoundView, missing: list[str]) -> RoundView | None:
@@ -191,8 +199,14 @@ async def await_amendment(s: Session, round: int, view: RoundView, missing: list
         log.warning("round %d: the report of missing packets was refused (%s: %s)", round, e.code, e.detail)
         return None
     fetch_timeout_s = s.config.network.fetch_timeout_s
-    log.warning("round %d: reported the packets of %s missing (manifest version %d); waiting up to %.0f s for "
-                "an amended manifest", round, ", ".join(missing), answer.manifest_version, fetch_timeout_s)
+    log.warning(
+        "round %d: reported the packets of %s missing (manifest version %d); waiting up to %.0f s for "
+        "an amended manifest",
+        round,
+        ", ".join(missing),
+        answer.manifest_version,
+        fetch_timeout_s,
+    )
     version, lacking = view.manifest_version, set(missing)
     give_up_at = time.monotonic() + fetch_timeout_s
     while (remaining_s := give_up_at - time.monotonic()) > 0 and not s.stopping.is_set():
@@ -206,8 +220,9 @@ async def await_amendment(s: Session, round: int, view: RoundView, missing: list
     return None
 
 
-def keep(s: Session, round: int, view: RoundView, payloads: dict[str, bytes],
-         aggregates: dict[str, torch.Tensor] | None) -> None:
+def keep(
+    s: Session, round: int, view: RoundView, payloads: dict[str, bytes], aggregates: dict[str, torch.Tensor] | None
+) -> None:
     """Keep what recomputing `round` needs; called just before its outer step commits the
     `aggregates` (node/training/outer.py `Prepared.aggregates`)."""
     s.amendments.forget()
@@ -222,8 +237,11 @@ def keep(s: Session, round: int, view: RoundView, payloads: dict[str, bytes],
     s.amendments.kept = KeptRound(
         round=round,
         manifest_version=view.manifest_version,
-        start=({name: t.clone() for name, t in s.outer.start.items()} if momentum
-               else StartPatch.before(s.outer.start, aggregates, device=getattr(s.outer, "param_device", None))),
+        start=(
+            {name: t.clone() for name, t in s.outer.start.items()}
+            if momentum
+            else StartPatch.before(s.outer.start, aggregates, device=getattr(s.outer, "param_device", None))
+        ),
         outer_state={name: m.clone() for name, m in momentum.items()},
         payloads={e.peer_id: payloads[e.peer_id] for e in view.manifest},
         public_keys={e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest},
@@ -253,12 +271,16 @@ async def recompute(s: Session, view: RoundView) -> ApplyResult | None:
     if s.run.outer.overlap or not {e.peer_id for e in view.manifest} <= set(kept.payloads):
         return None  # an amendment only removes entries, so only overlap gets here
     payloads = {e.peer_id: kept.payloads[e.peer_id] for e in view.manifest}
-    prepared = await asyncio.to_thread(s.outer.prepare, payloads, kept.public_keys.__getitem__,
-                                       run_id=s.run_id, round=kept.round)
+    prepared = await asyncio.to_thread(
+        s.outer.prepare, payloads, kept.public_keys.__getitem__, run_id=s.run_id, round=kept.round
+    )
     with torch.no_grad():
         for name, p in s.outer.params.items():  # one tensor at a time: no second copy of the model
-            p.copy_(kept.start.restored(name, s.outer.start[name]) if isinstance(kept.start, StartPatch)
-                    else kept.start[name])
+            p.copy_(
+                kept.start.restored(name, s.outer.start[name])
+                if isinstance(kept.start, StartPatch)
+                else kept.start[name]
+            )
         for name, m in (getattr(s.outer, "momentum", None) or {}).items():
             m.copy_(kept.outer_state[name])
     s.outer.reset_to_params()  # the kept start is the global model again
@@ -271,7 +293,13 @@ async def recompute(s: Session, view: RoundView) -> ApplyResult | None:
     s.tree = await asyncio.to_thread(param_tree, s.outer.start)
     s.digest = s.tree.hex
     s.amendments.recomputed.append(Recomputed(kept.round, from_version, view.manifest_version, s.digest))
-    log.warning("round %d: manifest amended from version %d to %d (dropped %s); recomputed from the kept "
-                "round start: digest %s", kept.round, from_version, view.manifest_version,
-                ", ".join(sorted(view.dropped)), s.digest[:12])
+    log.warning(
+        "round %d: manifest amended from version %d to %d (dropped %s); recomputed from the kept "
+        "round start: digest %s",
+        kept.round,
+        from_version,
+        view.manifest_version,
+        ", ".join(sorted(view.dropped)),
+        s.digest[:12],
+    )
     return applied

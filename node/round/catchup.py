@@ -38,10 +38,10 @@ import logging
 import time
 from collections import Counter
 
+from node.round.coordinator_client import Refused
 from node.round.prefetch import Decoded
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
-from node.round.coordinator_client import Refused
 from node.round.snapshots import serve_snapshot
 from node.round.steps import CatchUpNeeded, PacketsGone, apply_manifest
 from protocol.http import MAX_DETAIL_CHARS, MAX_REFUSED, RoundView, RunStatus
@@ -106,8 +106,12 @@ async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, st
                 continue  # and the empty rounds since replay from it
             # Snapshots not announced or not agreed yet (peers are applying, voting), or none newer
             # than the parameters held while the next round cannot be replayed: wait, not spin.
-            log.debug("catch-up: nothing to replay or load at round %s (open round %d); polling again in %.1f s",
-                      s.params_round, current, idle_s)
+            log.debug(
+                "catch-up: nothing to replay or load at round %s (open round %d); polling again in %.1f s",
+                s.params_round,
+                current,
+                idle_s,
+            )
             await _pause(s, idle_s)
             idle_s = min(2 * idle_s, IDLE_MAX_S)
     return s.params_round or 0, "none"
@@ -175,8 +179,13 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
         if sink.written_bytes:
             s.params_round = None  # part of the model may now be this snapshot's
         if not done:
-            log.warning("round %d: snapshot %s not loaded (%d of %d bytes verified)", round, digest[:12],
-                        sink.offset, sink.total_bytes)
+            log.warning(
+                "round %d: snapshot %s not loaded (%d of %d bytes verified)",
+                round,
+                digest[:12],
+                sink.offset,
+                sink.total_bytes,
+            )
             continue
         await asyncio.to_thread(_load_outer_state, s, state)
         s.amendments.reset()  # these parameters follow none of the rounds applied here
@@ -216,21 +225,33 @@ class GoneWaits:
         others = [p for p in gone.peer_ids if p != s.peer_id]
         for author in others:
             self.first_seen.setdefault((round, author), now)
-        due = [p for p in others if (round, p) not in self.reported
-               and (p not in live or now - self.first_seen[round, p] >= self.missing_after_s)]
+        due = [
+            p
+            for p in others
+            if (round, p) not in self.reported
+            and (p not in live or now - self.first_seen[round, p] >= self.missing_after_s)
+        ]
         version = gone.view.manifest_version
         if due or (lost_own and (round, s.peer_id) not in self.reported):
             self.reported.update((round, p) for p in [*due, *([s.peer_id] if lost_own else [])])
             try:
                 answer = await s.signed(s.client.missing, round, due[:MAX_REFUSED], lost_own=lost_own)
             except Refused as e:  # too old, say: the snapshot route is the way
-                log.warning("round %d: reporting %s missing was refused (%s: %s)", round,
-                            ", ".join([*due, *(["this node's own packet"] if lost_own else [])]), e.code, e.detail)
+                log.warning(
+                    "round %d: reporting %s missing was refused (%s: %s)",
+                    round,
+                    ", ".join([*due, *(["this node's own packet"] if lost_own else [])]),
+                    e.code,
+                    e.detail,
+                )
             else:
-                log.warning("round %d: reported %s missing; manifest version %d (dropped so far: %s)", round,
-                            ", ".join([*due, *(["this node's own packet (lost in a restart)"] if lost_own else [])]),
-                            answer.manifest_version, ", ".join(f"{p}: {why}" for p, why in answer.dropped.items())
-                            or "none")
+                log.warning(
+                    "round %d: reported %s missing; manifest version %d (dropped so far: %s)",
+                    round,
+                    ", ".join([*due, *(["this node's own packet (lost in a restart)"] if lost_own else [])]),
+                    answer.manifest_version,
+                    ", ".join(f"{p}: {why}" for p, why in answer.dropped.items()) or "none",
+                )
                 version = answer.manifest_version
         self._say(round, others, live, lost_own)
         return version > gone.view.manifest_version
@@ -251,11 +272,12 @@ class GoneWaits:
         parts = []
         for author in others:
             if (round, author) in self.reported:
-                parts.append(f"{author} ({'gone' if author not in live else 'live'}; reported missing, "
-                             "waiting for the amended manifest)")
+                parts.append(
+                    f"{author} ({'gone' if author not in live else 'live'}; reported missing, "
+                    "waiting for the amended manifest)"
+                )
             else:
-                parts.append(f"{author} (live; not served yet, reported missing after "
-                             f"{self.missing_after_s:.0f} s)")
+                parts.append(f"{author} (live; not served yet, reported missing after {self.missing_after_s:.0f} s)")
         if lost_own:
             parts.append("this node's own (lost in a restart; reported)")
         line = f"round {round}: waiting for the packets of {', '.join(parts)}"

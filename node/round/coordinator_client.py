@@ -39,10 +39,30 @@ import httpx
 
 from node.round.refusals import Action, Code, action_of, code_of
 from protocol.digest import Tree
-from protocol.http import (API_PREFIX, MAX_TREE_HEADER_BYTES, MAX_TREE_LEAVES, AppliedRequest, AppliedResponse,
-                           HeartbeatRequest, HeartbeatResponse, JoinChallenge, JoinRequest, JoinResponse, LeaveRequest,
-                           MissingRequest, MissingResponse, ParamsTree, PeerScoreReport, RoundView, RunInfo, RunList,
-                           RunStatus, SubmitRequest, SubmitResponse, sign_request)
+from protocol.http import (
+    API_PREFIX,
+    MAX_TREE_HEADER_BYTES,
+    MAX_TREE_LEAVES,
+    AppliedRequest,
+    AppliedResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    JoinChallenge,
+    JoinRequest,
+    JoinResponse,
+    LeaveRequest,
+    MissingRequest,
+    MissingResponse,
+    ParamsTree,
+    PeerScoreReport,
+    RoundView,
+    RunInfo,
+    RunList,
+    RunStatus,
+    SubmitRequest,
+    SubmitResponse,
+    sign_request,
+)
 from protocol.join_pow import solve
 from protocol.signing import PeerKey
 
@@ -94,8 +114,15 @@ class CoordinatorClient:
     in-process coordinator app); by default it is httpx's own.
     """
 
-    def __init__(self, base_url: str, key: PeerKey, *, retry_for_s: float | None = None, timeout_s: float = 90.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        key: PeerKey,
+        *,
+        retry_for_s: float | None = None,
+        timeout_s: float = 90.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.key = key
         self.retry_for_s = retry_for_s  # None: retry until the coordinator answers
@@ -105,8 +132,7 @@ class CoordinatorClient:
         self._outage_logged_at = 0.0
         self._back = asyncio.Event()  # set when the coordinator answers after an outage (a fresh one per outage)
         self._member_of: set[str] = set()  # runs this key joined: a rejoin needs no proof of work
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False,
-                                       transport=transport)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False, transport=transport)
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -124,19 +150,28 @@ class CoordinatorClient:
             log.warning("coordinator %s unreachable (%s); retrying", self.base_url, error)
         elif now - self._outage_logged_at >= OUTAGE_LOG_EVERY_S:
             self._outage_logged_at = now
-            log.warning("coordinator unreachable for %s (%s); retrying",
-                        format_duration(now - self._unreachable_since), error)
+            log.warning(
+                "coordinator unreachable for %s (%s); retrying", format_duration(now - self._unreachable_since), error
+            )
 
     def _note_answer(self) -> None:
         self._answered = True
         if self._unreachable_since is not None:
-            log.warning("coordinator reachable again after %s",
-                        format_duration(time.monotonic() - self._unreachable_since))
+            log.warning(
+                "coordinator reachable again after %s", format_duration(time.monotonic() - self._unreachable_since)
+            )
             self._unreachable_since = None
             self._back.set()  # wakes the calls waiting out the outage
 
-    async def _call(self, method: str, path: str, body=None, params: dict | None = None, signed: bool = True,
-                    retry_for_s: float | None = None) -> dict:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body=None,
+        params: dict | None = None,
+        signed: bool = True,
+        retry_for_s: float | None = None,
+    ) -> dict:
         path = API_PREFIX + path
         content = body.model_dump_json().encode() if body is not None else b""
         budget = self.retry_for_s if retry_for_s is None else retry_for_s
@@ -151,8 +186,9 @@ class CoordinatorClient:
             if signed:
                 headers |= sign_request(self.key, method, path, content)
             try:
-                response = await self._http.request(method, path, content=content or None, params=params,
-                                                    headers=headers)
+                response = await self._http.request(
+                    method, path, content=content or None, params=params, headers=headers
+                )
             except httpx.TransportError as e:
                 last_error, unreached = f"{type(e).__name__}: {e}", True
             else:
@@ -173,14 +209,21 @@ class CoordinatorClient:
                 if first_contact and not self._answered:
                     raise CoordinatorUnreachable(
                         f"no answer from the coordinator at {self.base_url} in {budget:.0f} s ({last_error}): check "
-                        f"the address, or run `locoswarm doctor --coordinator {self.base_url}`")
+                        f"the address, or run `locoswarm doctor --coordinator {self.base_url}`"
+                    )
                 raise CoordinatorUnavailable(f"{method} {path}: {last_error} (gave up after {budget:.0f} s)")
             if last_error != "HTTP 429":
                 self._note_failure(last_error)
             # Jitter spreads the retries of many clients; a Retry-After is a floor, never shortened.
             wait_s = max(delay_s * (0.5 + random.random()), retry_after_s * (1.0 + 0.2 * random.random()))
-            log.log(logging.INFO if retry_after_s else logging.DEBUG, "coordinator %s %s: %s; retrying in %.1f s",
-                    method, path, last_error, wait_s)
+            log.log(
+                logging.INFO if retry_after_s else logging.DEBUG,
+                "coordinator %s %s: %s; retrying in %.1f s",
+                method,
+                path,
+                last_error,
+                wait_s,
+            )
             if unreached:  # ...or as soon as another call gets an answer (not after a 5xx or a 429)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._back.wait(), wait_s)
@@ -194,23 +237,44 @@ class CoordinatorClient:
     async def run_info(self, run_id: str) -> RunInfo:
         return RunInfo.model_validate(await self._call("GET", f"/runs/{run_id}", signed=False))
 
-    async def status(self, run_id: str | None = None, retry_for_s: float | None = None,
-                     history: int | None = None) -> RunStatus:
+    async def status(
+        self, run_id: str | None = None, retry_for_s: float | None = None, history: int | None = None
+    ) -> RunStatus:
         """The run's status; `history`: how many closed rounds it summarizes (default: the
         coordinator's limit, 1000)."""
-        return RunStatus.model_validate(await self._call(
-            "GET", f"/runs/{run_id or self.run_id}/status", signed=False,
-            params={"history": history} if history is not None else None, retry_for_s=retry_for_s))
+        return RunStatus.model_validate(
+            await self._call(
+                "GET",
+                f"/runs/{run_id or self.run_id}/status",
+                signed=False,
+                params={"history": history} if history is not None else None,
+                retry_for_s=retry_for_s,
+            )
+        )
 
-    async def join(self, run_id: str, *, join_token: str | None, device: str, multiaddrs: list[str],
-                   bandwidth_mbps: float | None = None, uplink_mbps: float | None = None,
-                   state: tuple[int, str] | None = None) -> JoinResponse:
+    async def join(
+        self,
+        run_id: str,
+        *,
+        join_token: str | None,
+        device: str,
+        multiaddrs: list[str],
+        bandwidth_mbps: float | None = None,
+        uplink_mbps: float | None = None,
+        state: tuple[int, str] | None = None,
+    ) -> JoinResponse:
         """Join (or rejoin) the run; `state`: (round, digest) of the round start this node holds.
         A new key solves the run's proof of work first when it asks for one."""
-        request = JoinRequest(public_key=self.key.public_hex, join_token=join_token, device=device[:256],
-                              listen_multiaddrs=multiaddrs[:16], bandwidth_mbps=bandwidth_mbps,
-                              uplink_mbps=uplink_mbps, state_round=state[0] if state else None,
-                              state_digest=state[1] if state else None)
+        request = JoinRequest(
+            public_key=self.key.public_hex,
+            join_token=join_token,
+            device=device[:256],
+            listen_multiaddrs=multiaddrs[:16],
+            bandwidth_mbps=bandwidth_mbps,
+            uplink_mbps=uplink_mbps,
+            state_round=state[0] if state else None,
+            state_digest=state[1] if state else None,
+        )
         proof_needed = run_id not in self._member_of
         for attempt in range(3):
             if proof_needed:
@@ -243,22 +307,26 @@ class CoordinatorClient:
             return request
         started = time.monotonic()
         nonce = await asyncio.to_thread(solve, run_id, self.key.public_hex, challenge.salt, challenge.bits)
-        log.info("joining %s: solved its %d-bit proof of work in %.1f s", run_id, challenge.bits,
-                 time.monotonic() - started)
+        log.info(
+            "joining %s: solved its %d-bit proof of work in %.1f s", run_id, challenge.bits, time.monotonic() - started
+        )
         return request.model_copy(update={"pow_salt": challenge.salt, "pow_nonce": nonce})
 
     async def heartbeat(self, round: int, state: str, **fields) -> HeartbeatResponse:
         request = HeartbeatRequest(round=round, state=state, **fields)
-        return HeartbeatResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/heartbeat", request,
-                                                                 retry_for_s=5.0))
+        return HeartbeatResponse.model_validate(
+            await self._call("POST", f"/runs/{self.run_id}/heartbeat", request, retry_for_s=5.0)
+        )
 
     async def submit(self, round: int, **fields) -> SubmitResponse:
         request = SubmitRequest(**fields)
-        return SubmitResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/submit",
-                                                              request))
+        return SubmitResponse.model_validate(
+            await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/submit", request)
+        )
 
-    async def round(self, round: int, wait_s: float = 0.0, submitted_gt: int | None = None,
-                    version_gt: int | None = None) -> RoundView:
+    async def round(
+        self, round: int, wait_s: float = 0.0, submitted_gt: int | None = None, version_gt: int | None = None
+    ) -> RoundView:
         """The round's view; with `wait_s`, once it closed (or more than `submitted_gt` packets came,
         or with `version_gt`, once its manifest version is above that)."""
         params = {"wait_s": wait_s} | ({"submitted_gt": submitted_gt} if submitted_gt is not None else {})
@@ -266,25 +334,41 @@ class CoordinatorClient:
         data = await self._call("GET", f"/runs/{self.run_id}/rounds/{round}", params=params, signed=False)
         return RoundView.model_validate(data)
 
-    async def applied(self, round: int, params_digest: str, refused: dict[str, str] | None = None,
-                      manifest_version: int = 1, val_loss: float | None = None,
-                      scores: dict[str, PeerScoreReport] | None = None, sample: str | None = None,
-                      tree: Tree | None = None) -> AppliedResponse:
+    async def applied(
+        self,
+        round: int,
+        params_digest: str,
+        refused: dict[str, str] | None = None,
+        manifest_version: int = 1,
+        val_loss: float | None = None,
+        scores: dict[str, PeerScoreReport] | None = None,
+        sample: str | None = None,
+        tree: Tree | None = None,
+    ) -> AppliedResponse:
         """Report the digest after applying `manifest_version` of round `round`'s manifest. `tree`: the
         hash tree this node holds; it goes with the report when it hashes to `params_digest` and fits
         the protocol's bounds (`wire_tree`), else the report carries none."""
         wire = wire_tree(tree) if tree is not None and tree.hex == params_digest else None
-        request = AppliedRequest(params_digest=params_digest, refused=refused or {}, manifest_version=manifest_version,
-                                 val_loss=val_loss, scores=scores or {}, sample=sample, tree=wire)
-        return AppliedResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied",
-                                                               request))
+        request = AppliedRequest(
+            params_digest=params_digest,
+            refused=refused or {},
+            manifest_version=manifest_version,
+            val_loss=val_loss,
+            scores=scores or {},
+            sample=sample,
+            tree=wire,
+        )
+        return AppliedResponse.model_validate(
+            await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied", request)
+        )
 
     async def missing(self, round: int, peer_ids: list[str], lost_own: bool = False) -> MissingResponse:
         """Report manifest entries of closed round `round` whose packets could not be fetched, and
         with `lost_own` that this node no longer holds its own packet of that round."""
         request = MissingRequest(peer_ids=peer_ids, lost_own=lost_own)
-        return MissingResponse.model_validate(await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/missing",
-                                                               request))
+        return MissingResponse.model_validate(
+            await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/missing", request)
+        )
 
     async def leave(self, reason: str = "left") -> None:
         await self._call("POST", f"/runs/{self.run_id}/leave", LeaveRequest(reason=reason), retry_for_s=3.0)
@@ -295,8 +379,11 @@ def wire_tree(tree: Tree) -> ParamsTree | None:
     than MAX_TREE_LEAVES leaves or a header over MAX_TREE_HEADER_BYTES (such a node sends no tree)."""
     if len(tree.leaves) > MAX_TREE_LEAVES or len(tree.header) > MAX_TREE_HEADER_BYTES:
         return None
-    return ParamsTree(header=base64.b64encode(tree.header).decode("ascii"), body_bytes=tree.body_bytes,
-                      leaves=b"".join(tree.leaves).hex())
+    return ParamsTree(
+        header=base64.b64encode(tree.header).decode("ascii"),
+        body_bytes=tree.body_bytes,
+        leaves=b"".join(tree.leaves).hex(),
+    )
 
 
 def _retry_after_s(value: str | None) -> float:

@@ -28,6 +28,7 @@ from collections.abc import Awaitable
 from node.config import NodeConfig
 from node.errors import CannotStart
 from node.exchange.base import Exchange
+from node.faults import FaultInjector
 from node.round import resume
 from node.round.catchup import catch_up
 from node.round.coordinator_client import CoordinatorCallFailed, CoordinatorClient, Refused
@@ -39,7 +40,6 @@ from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
 from node.round.session import Clock, Session
 from node.round.steps import CatchUpNeeded, apply_and_report, apply_manifest, collect, send, train, wait_open
-from node.faults import FaultInjector
 from protocol.http import JoinResponse, peer_id_from_public_key
 from protocol.signing import PeerKey
 
@@ -66,9 +66,16 @@ class Node:
     from the run's DHT bootstrap or its live members). `clock`: unix seconds, for reports.
     """
 
-    def __init__(self, config: NodeConfig, *, client: CoordinatorClient | None = None,
-                 exchange: Exchange | None = None, clock: Clock = time.time,
-                 faults: FaultInjector | None = None, ranks=None):
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        client: CoordinatorClient | None = None,
+        exchange: Exchange | None = None,
+        clock: Clock = time.time,
+        faults: FaultInjector | None = None,
+        ranks=None,
+    ):
         self.config = config
         self.ranks = ranks  # node.training.distributed.Leader of a multi-rank node (rank 0); None: 1 rank
         self.faults = faults if faults is not None else FaultInjector.parse(config.debug.inject)
@@ -115,13 +122,25 @@ class Node:
             log.info("reachability: %s", reach.advice)
 
             def rejoin() -> Awaitable[JoinResponse]:  # also for a node the coordinator dropped (paused, partitioned)
-                return client.join(run_id, join_token=cfg.join_token, device=_device_name(cfg.training.device),
-                                   multiaddrs=exchange.visible_maddrs, uplink_mbps=cfg.network.uplink_mbps,
-                                   state=self._held_state(run_id))
+                return client.join(
+                    run_id,
+                    join_token=cfg.join_token,
+                    device=_device_name(cfg.training.device),
+                    multiaddrs=exchange.visible_maddrs,
+                    uplink_mbps=cfg.network.uplink_mbps,
+                    state=self._held_state(run_id),
+                )
 
             joined = await rejoin()
-            log.info("joined run %s as %s (index %d, shard %d/%d) at round %d", run_id, joined.peer_id,
-                     joined.peer_index, joined.data_shard, joined.num_shards, joined.current_round)
+            log.info(
+                "joined run %s as %s (index %d, shard %d/%d) at round %d",
+                run_id,
+                joined.peer_id,
+                joined.peer_index,
+                joined.data_shard,
+                joined.num_shards,
+                joined.current_round,
+            )
             # Before the model is built: peers replaying a round may be waiting for these packets now.
             own_packets = OwnPackets.beside(cfg.checkpoints.checkpoint_dir)
             await serve_kept_packets(exchange, own_packets, joined)
@@ -172,18 +191,27 @@ class Node:
         if not bootstrap:  # the run's fixed bootstrap peers and its live members: any that answers will do
             status = await client.status(run_id, history=0)
             members = live_member_addresses(  # not this node's own entry, from before a restart
-                status, exclude_peer=peer_id_from_public_key(client.key.public_bytes),
-                fresh_s=run_info.config.membership.heartbeat_timeout_s / 2)
+                status,
+                exclude_peer=peer_id_from_public_key(client.key.public_bytes),
+                fresh_s=run_info.config.membership.heartbeat_timeout_s / 2,
+            )
             bootstrap = tuple(dict.fromkeys([*run_info.config.exchange.dht_bootstrap, *members]))[:MAX_BOOTSTRAP]
-        return await self.faults.exchange_class(P2PExchange).create(ExchangeConfig.from_network(
-            network, run_id=run_id, initial_peers=bootstrap,
-            max_packet_bytes=run_info.config.exchange.max_packet_bytes, cache_dir=default_cache_dir()))
+        return await self.faults.exchange_class(P2PExchange).create(
+            ExchangeConfig.from_network(
+                network,
+                run_id=run_id,
+                initial_peers=bootstrap,
+                max_packet_bytes=run_info.config.exchange.max_packet_bytes,
+                cache_dir=default_cache_dir(),
+            )
+        )
 
     async def _start_session_beating(self, client, exchange, key, joined: JoinResponse, rejoin) -> Session:
         """`_start_session` in a worker thread, heartbeating meanwhile: building the model and
         loading the data take seconds (many on a busy host, with several nodes starting at once),
         and a node silent past the heartbeat timeout would be marked gone right after joining (a
         whole swarm restarting would pause its run again)."""
+
         async def beat() -> None:
             while True:
                 await asyncio.sleep(max(0.5, joined.heartbeat_interval_s))
@@ -210,22 +238,41 @@ class Node:
         if self.ranks is not None:  # N ranks, FSDP2 inside (node/training/ranked.py)
             from node.training.ranked import RankedTraining
 
-            training = RankedTraining.build(self.ranks, run, device=self.config.training.device,
-                                            data=self.config.training.data or run.model.data,
-                                            shard_index=joined.data_shard % joined.num_shards,
-                                            num_shards=joined.num_shards,
-                                            evaluate=bool(self.config.training.eval_every_rounds))
+            training = RankedTraining.build(
+                self.ranks,
+                run,
+                device=self.config.training.device,
+                data=self.config.training.data or run.model.data,
+                shard_index=joined.data_shard % joined.num_shards,
+                num_shards=joined.num_shards,
+                evaluate=bool(self.config.training.eval_every_rounds),
+            )
         else:
             corpus = load_corpus(self.config.training.data or run.model.data)
             shard = corpus.train.shard(joined.data_shard % joined.num_shards, joined.num_shards)
-            training = PeerTraining.build(run, self.config.training.device, shard,
-                                          val=corpus.val if self.config.training.eval_every_rounds else None,
-                                          node=self.config)
+            training = PeerTraining.build(
+                run,
+                self.config.training.device,
+                shard,
+                val=corpus.val if self.config.training.eval_every_rounds else None,
+                node=self.config,
+            )
         self._pipeline = Pipeline(overlap=run.outer.overlap)
-        return Session(config=self.config, client=client, exchange=exchange, key=key, faults=self.faults,
-                       clock=self._clock, run_id=joined.run_id, peer_id=joined.peer_id, run=run,
-                       training=self.faults.wrap_training(training), rejoin=rejoin, stopping=self._stopping,
-                       params_round=0 if joined.params.digest is None else None)
+        return Session(
+            config=self.config,
+            client=client,
+            exchange=exchange,
+            key=key,
+            faults=self.faults,
+            clock=self._clock,
+            run_id=joined.run_id,
+            peer_id=joined.peer_id,
+            run=run,
+            training=self.faults.wrap_training(training),
+            rejoin=rejoin,
+            stopping=self._stopping,
+            params_round=0 if joined.params.digest is None else None,
+        )
 
     async def _pick_run(self, client: CoordinatorClient) -> str:
         runs = [r for r in (await client.runs()).runs if r.state in ("waiting", "running")]
@@ -242,11 +289,21 @@ class Node:
             await asyncio.sleep(max(0.5, interval_s))
             a = s.activity
             try:
-                await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss,
-                               bandwidth_mbps=a.bandwidth_mbps, inner_step=a.inner_step, detail=a.detail)
+                await s.signed(
+                    s.client.heartbeat,
+                    a.round,
+                    a.state,
+                    train_loss=a.last_loss,
+                    bandwidth_mbps=a.bandwidth_mbps,
+                    inner_step=a.inner_step,
+                    detail=a.detail,
+                )
             except CoordinatorCallFailed as e:  # an outage is logged once a minute by the client
-                log.log(logging.DEBUG if s.client.unreachable_for_s is not None else logging.WARNING,
-                        "heartbeat failed: %s", e)
+                log.log(
+                    logging.DEBUG if s.client.unreachable_for_s is not None else logging.WARNING,
+                    "heartbeat failed: %s",
+                    e,
+                )
 
     async def _rounds(self, s: Session, joined: JoinResponse) -> None:
         round, rounds_done = joined.current_round, 0
@@ -287,11 +344,21 @@ class Node:
             self.reports.append(report)
             self._note_recomputed(s)
             t = report.times
-            log.info("round %d: loss %.4f, %d packet%s%s, digest %s | compute %.2fs encode %.2fs wait %.2fs "
-                     "transfer %.2fs aggregate %.2fs", round, report.train_loss, report.num_packets,
-                     "" if report.num_packets == 1 else "s",
-                     f" ({len(report.refused)} refused)" if report.refused else "", report.digest[:12],
-                     t.compute_s, t.encode_s, t.wait_s, t.transfer_s, t.aggregate_s)
+            log.info(
+                "round %d: loss %.4f, %d packet%s%s, digest %s | compute %.2fs encode %.2fs wait %.2fs "
+                "transfer %.2fs aggregate %.2fs",
+                round,
+                report.train_loss,
+                report.num_packets,
+                "" if report.num_packets == 1 else "s",
+                f" ({len(report.refused)} refused)" if report.refused else "",
+                report.digest[:12],
+                t.compute_s,
+                t.encode_s,
+                t.wait_s,
+                t.transfer_s,
+                t.aggregate_s,
+            )
             await s.exchange.forget_before(round - 2)
             await forget_final(s, round)
             round += 1
@@ -301,7 +368,7 @@ class Node:
         """Rounds applied again at an amended manifest version since the last call: their reports
         take the new digest. A recompute concerns a recent round, so reports are searched newest
         first, and each recompute once (a long run's lists are long)."""
-        for recomputed in s.amendments.recomputed[self._recomputes_noted:]:
+        for recomputed in s.amendments.recomputed[self._recomputes_noted :]:
             report = next((r for r in reversed(self.reports) if r.applied_round == recomputed.round), None)
             if report is not None:
                 report.digest, report.manifest_version = recomputed.digest, recomputed.to_version
@@ -333,8 +400,11 @@ class Node:
         # With overlap, the update is taken now, before round r-1's aggregate lands on the parameters.
         deltas = {name: delta.float().clone() for name, delta in s.outer.deltas()} if overlap else None
         times = RoundTimes() if overlap else report.times
-        exchange = asyncio.create_task(self._send_and_collect(s, round, base_digest, report, opened, deltas,
-                                                              times, prefetch, foreground=not overlap, held=held))
+        exchange = asyncio.create_task(
+            self._send_and_collect(
+                s, round, base_digest, report, opened, deltas, times, prefetch, foreground=not overlap, held=held
+            )
+        )
         landed = self._pipeline.land(round, (exchange, times))
         if landed is None:  # overlap's first round: nothing lands yet
             s.params_round = round + 1
@@ -349,9 +419,19 @@ class Node:
         s.params_round = round + 1  # with overlap: the start of round r+1, with round r still to land on it
         return report
 
-    async def _send_and_collect(self, s: Session, round: int, base_digest: str, report: RoundReport, opened: bool,
-                                deltas: dict | None, times: RoundTimes, prefetch: Prefetch, foreground: bool,
-                                held: HeldPacket | None = None):
+    async def _send_and_collect(
+        self,
+        s: Session,
+        round: int,
+        base_digest: str,
+        report: RoundReport,
+        opened: bool,
+        deltas: dict | None,
+        times: RoundTimes,
+        prefetch: Prefetch,
+        foreground: bool,
+        held: HeldPacket | None = None,
+    ):
         """Everything of round r after its training: in the foreground, or with overlap beside
         round r+1's training."""
         try:
@@ -413,8 +493,12 @@ async def serve_kept_packets(exchange: Exchange, own_packets: OwnPackets | None,
     for packet in served:
         await exchange.publish(packet.round, joined.peer_id, packet.payload)
     if served:
-        log.info("serving this node's packet%s of round%s %s again, kept on disk", "" if len(served) == 1 else "s",
-                 "" if len(served) == 1 else "s", ", ".join(str(p.round) for p in served))
+        log.info(
+            "serving this node's packet%s of round%s %s again, kept on disk",
+            "" if len(served) == 1 else "s",
+            "" if len(served) == 1 else "s",
+            ", ".join(str(p.round) for p in served),
+        )
 
 
 def held_packet(s: Session, round: int, base_digest: str) -> HeldPacket | None:

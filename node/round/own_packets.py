@@ -74,15 +74,32 @@ class OwnPackets:
         stem = self.directory / f"round-{round:06d}"
         return stem.with_suffix(".pkt"), stem.with_suffix(".json")
 
-    def keep(self, round: int, payload: bytes, *, run_id: str, peer_id: str, base_digest: str,
-             train_loss: float, compute_s: float) -> str:
+    def keep(
+        self,
+        round: int,
+        payload: bytes,
+        *,
+        run_id: str,
+        peer_id: str,
+        base_digest: str,
+        train_loss: float,
+        compute_s: float,
+    ) -> str:
         """Write the packet of `round` durably (bytes, then meta, each fsynced and renamed into place);
         returns its digest. Raises OSError when the disk refuses (the caller decides)."""
         digest = hashlib.sha256(payload).hexdigest()
         data_path, meta_path = self._paths(round)
         self.directory.mkdir(parents=True, exist_ok=True)
-        meta = {"round": round, "digest": digest, "run_id": run_id, "peer_id": peer_id, "base_digest": base_digest,
-                "train_loss": train_loss, "compute_s": compute_s, "size_bytes": len(payload)}
+        meta = {
+            "round": round,
+            "digest": digest,
+            "run_id": run_id,
+            "peer_id": peer_id,
+            "base_digest": base_digest,
+            "train_loss": train_loss,
+            "compute_s": compute_s,
+            "size_bytes": len(payload),
+        }
         replace_synced(data_path, payload)
         replace_synced(meta_path, json.dumps(meta, sort_keys=True).encode())
         fsync_dir(self.directory)
@@ -101,10 +118,16 @@ class OwnPackets:
             log.warning("round %d: the packet kept in %s is damaged; not served", round, self.directory)
             return None
         try:
-            return HeldPacket(round=round, payload=payload, digest=digest, run_id=str(meta["run_id"]),
-                              peer_id=str(meta["peer_id"]), base_digest=str(meta["base_digest"]),
-                              train_loss=float(meta["train_loss"]),
-                              compute_s=float(meta["compute_s"]))
+            return HeldPacket(
+                round=round,
+                payload=payload,
+                digest=digest,
+                run_id=str(meta["run_id"]),
+                peer_id=str(meta["peer_id"]),
+                base_digest=str(meta["base_digest"]),
+                train_loss=float(meta["train_loss"]),
+                compute_s=float(meta["compute_s"]),
+            )
         except (KeyError, TypeError, ValueError):
             return None
 

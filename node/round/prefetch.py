@@ -34,7 +34,8 @@ class Decoded:
 
     def start(self, s: Session, round: int, entry: ManifestEntry, payload: bytes) -> None:
         self.tasks.setdefault(round, {})[entry.peer_id, entry.packet_digest] = asyncio.create_task(
-            self._decode(s, payload, entry.peer_id, bytes.fromhex(entry.public_key), round))
+            self._decode(s, payload, entry.peer_id, bytes.fromhex(entry.public_key), round)
+        )
 
     async def _decode(self, s: Session, payload: bytes, peer_id: str, public_key: bytes, round: int):
         """What outer.decode makes of one payload, or the refusal it raised (for outer.prepare)."""
@@ -44,10 +45,12 @@ class Decoded:
         if self.slots is None:
             self.slots = asyncio.Semaphore(workers)
         async with self.slots:
-            decode = functools.partial(decode_or_refusal, s.outer, payload, public_key, peer_id=peer_id,
-                                       run_id=s.run_id, round=round)
-            return await asyncio.get_running_loop().run_in_executor(worker_pool(workers) if workers > 1 else None,
-                                                                    decode)
+            decode = functools.partial(
+                decode_or_refusal, s.outer, payload, public_key, peer_id=peer_id, run_id=s.run_id, round=round
+            )
+            return await asyncio.get_running_loop().run_in_executor(
+                worker_pool(workers) if workers > 1 else None, decode
+            )
 
     async def take(self, view: RoundView) -> dict:
         """The round's manifest packets decoded so far (publisher -> decoded or refusal); rounds
@@ -55,8 +58,11 @@ class Decoded:
         decoding = self.tasks.pop(view.round, {})
         for r in [r for r in self.tasks if r < view.round]:
             del self.tasks[r]
-        return {e.peer_id: await task for e in view.manifest
-                if (task := decoding.get((e.peer_id, e.packet_digest))) is not None}
+        return {
+            e.peer_id: await task
+            for e in view.manifest
+            if (task := decoding.get((e.peer_id, e.packet_digest))) is not None
+        }
 
 
 @dataclass(slots=True)
@@ -77,8 +83,9 @@ class Prefetch:
             fetch.cancel()
 
 
-async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyncio.Task],
-                             decoded: Decoded) -> RoundView:
+async def _watch_submissions(
+    s: Session, round: int, early: dict[PacketKey, asyncio.Task], decoded: Decoded
+) -> RoundView:
     """Fetch each of the round's packets as soon as it is submitted, into `early`, until the
     round closes; returns the closed round's view."""
     members, uplinks = await live_members(s)
@@ -90,8 +97,9 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
             if e.peer_id != s.peer_id and (e.peer_id, e.packet_digest) not in early:
                 parent = tree_parent(round, e.peer_id, s.peer_id, members, s.run.exchange.tree_fanout, uplinks)
                 parent_maddrs = e.multiaddrs if parent == e.peer_id else members.get(parent, [])
-                early[e.peer_id, e.packet_digest] = asyncio.create_task(_fetch_early(
-                    s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None, decoded))
+                early[e.peer_id, e.packet_digest] = asyncio.create_task(
+                    _fetch_early(s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None, decoded)
+                )
         if view.state == "closed":
             return view
         view = await s.client.round(round, wait_s=30, submitted_gt=view.num_submitted)
@@ -99,8 +107,13 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
 
 async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents, decoded: Decoded) -> dict[str, bytes]:
     """One submitted packet, fetched; its decoding starts at once."""
-    got = await s.exchange.fetch(round, {entry.peer_id: entry.packet_digest}, {entry.peer_id: entry.multiaddrs},
-                                 timeout_s=s.config.network.fetch_timeout_s, parents=parents)
+    got = await s.exchange.fetch(
+        round,
+        {entry.peer_id: entry.packet_digest},
+        {entry.peer_id: entry.multiaddrs},
+        timeout_s=s.config.network.fetch_timeout_s,
+        parents=parents,
+    )
     if (payload := got.get(entry.peer_id)) is not None:
         decoded.start(s, round, entry, payload)
     return got

@@ -42,9 +42,12 @@ MAX_REJOIN_PEERS = 16  # members dialled in one pass (random ones when more are 
 def live_member_addresses(status: RunStatus, *, exclude_peer: str | None, fresh_s: float) -> list[str]:
     """The multiaddrs of the run's live members other than `exclude_peer` that the coordinator heard
     from within `fresh_s` of its `now` (the others may be dead peers kept live by a restart grace)."""
-    return [m for p in status.peers
-            if p.status == "live" and p.peer_id != exclude_peer and status.now - p.last_seen_at <= fresh_s
-            for m in p.listen_multiaddrs]
+    return [
+        m
+        for p in status.peers
+        if p.status == "live" and p.peer_id != exclude_peer and status.now - p.last_seen_at <= fresh_s
+        for m in p.listen_multiaddrs
+    ]
 
 
 def start_mending(s: Session, heartbeat_timeout_s: float) -> asyncio.Task | None:
@@ -77,6 +80,11 @@ async def keep_in_swarm(s: Session, heartbeat_timeout_s: float) -> None:
             log.warning("DHT rejoin failed: %r", e)
             continue
         if joined:
-            log.info("DHT: %d live member%s entered this node's routing table (it knew %d of %d): %s",
-                     len(joined), "" if len(joined) == 1 else "s", len(by_peer) - len(missing), len(by_peer),
-                     ", ".join(joined))
+            log.info(
+                "DHT: %d live member%s entered this node's routing table (it knew %d of %d): %s",
+                len(joined),
+                "" if len(joined) == 1 else "s",
+                len(by_peer) - len(missing),
+                len(by_peer),
+                ", ".join(joined),
+            )

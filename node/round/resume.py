@@ -36,10 +36,17 @@ def save(s: Session, applied_round: int, midway=None) -> None:
     from node.training.checkpoint import CheckpointError, save_checkpoint
 
     try:
-        save_checkpoint(s.config.checkpoints.checkpoint_dir, applied_round + 1, s.training.model, s.training.optimizer,
-                        getattr(s.outer, "error_buffers", None),
-                        {"run_id": s.run_id, "applied_round": applied_round, "peer_id": s.peer_id},
-                        outer_momentum=getattr(s.outer, "momentum", None), params=s.outer.start, midway=midway)
+        save_checkpoint(
+            s.config.checkpoints.checkpoint_dir,
+            applied_round + 1,
+            s.training.model,
+            s.training.optimizer,
+            getattr(s.outer, "error_buffers", None),
+            {"run_id": s.run_id, "applied_round": applied_round, "peer_id": s.peer_id},
+            outer_momentum=getattr(s.outer, "momentum", None),
+            params=s.outer.start,
+            midway=midway,
+        )
     except CheckpointError as e:  # disk full, unwritable
         log.error("round %d: checkpoint not saved, training goes on: %s", applied_round, e)
 
@@ -85,8 +92,12 @@ async def restore(s: Session) -> bool:
     status = await s.client.status()
     agreed = {h.round + 1: h.agreed_digest for h in status.history if h.agreed_digest}
     if agreed.get(round) != digest:
-        log.warning("the checkpoint of round %s (digest %s) is not the swarm's agreed state (%s): catching up "
-                    "instead", round, str(digest)[:12], (agreed.get(round) or "none")[:12])
+        log.warning(
+            "the checkpoint of round %s (digest %s) is not the swarm's agreed state (%s): catching up instead",
+            round,
+            str(digest)[:12],
+            (agreed.get(round) or "none")[:12],
+        )
         return False
     try:
         await asyncio.to_thread(_load, s, directory)

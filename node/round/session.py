@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from node.exchange.base import Exchange
+from node.faults import FaultInjector
 from node.round.amend import Amendments
 from node.round.coordinator_client import CoordinatorClient, Refused
 from node.round.own_packets import OwnPackets
 from node.round.refusals import Action
-from node.faults import FaultInjector
 from node.training.peer import PeerTraining
 from protocol.digest import Tree
 from protocol.http import JoinResponse

@@ -14,8 +14,9 @@ from protocol.digest import Tree
 log = logging.getLogger("locoswarm.node")
 
 
-async def serve_snapshot(s: Session, round: int, params_tree: Tree | None = None,
-                          state_tree: Tree | None = None) -> None:
+async def serve_snapshot(
+    s: Session, round: int, params_tree: Tree | None = None, state_tree: Tree | None = None
+) -> None:
     """Serve the global model that starts `round` (and the outer state), published off the
     critical path: from this node's checkpoint when it holds that round, else from the round-start
     tensors themselves, read as they are served (no copy: served until the next outer step moves
@@ -46,8 +47,11 @@ def _snapshot_of(s: Session, round: int, params_tree: Tree | None, state_tree: T
     if directory is not None:
         try:
             meta = checkpoint_meta(directory)
-            if meta.get("round") == round and meta.get("extra", {}).get("run_id") == s.run_id and (
-                    params_tree is None or meta.get("digest") == params_tree.hex):
+            if (
+                meta.get("round") == round
+                and meta.get("extra", {}).get("run_id") == s.run_id
+                and (params_tree is None or meta.get("digest") == params_tree.hex)
+            ):
                 return Snapshot.from_checkpoint(directory, params_tree)
         except CheckpointError as e:
             log.info("round %d: serving the snapshot from memory, not the checkpoint: %s", round, e)

@@ -32,6 +32,7 @@ import math
 import re
 import time
 
+from node.faults import Phase
 from node.round import amend, resume
 from node.round.coordinator_client import Refused
 from node.round.own_packets import HeldPacket
@@ -40,7 +41,6 @@ from node.round.refusals import Action, Code
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
 from node.round.snapshots import serve_snapshot
-from node.faults import Phase
 from node.training.params import param_tree
 from node.training.scoring import PeerScore
 from protocol.errors import ProtocolError
@@ -121,14 +121,29 @@ async def beat_now(s: Session) -> None:
 
     a = s.activity
     try:
-        await s.signed(s.client.heartbeat, a.round, a.state, train_loss=a.last_loss, bandwidth_mbps=a.bandwidth_mbps,
-                       inner_step=a.inner_step, detail=a.detail)
+        await s.signed(
+            s.client.heartbeat,
+            a.round,
+            a.state,
+            train_loss=a.last_loss,
+            bandwidth_mbps=a.bandwidth_mbps,
+            inner_step=a.inner_step,
+            detail=a.detail,
+        )
     except CoordinatorCallFailed as e:
         log.debug("heartbeat at the start of training failed: %s", e)
 
 
-async def send(s: Session, round: int, base_digest: str, report: RoundReport, opened: bool,
-               deltas: dict | None = None, foreground: bool = True, held: HeldPacket | None = None) -> None:
+async def send(
+    s: Session,
+    round: int,
+    base_digest: str,
+    report: RoundReport,
+    opened: bool,
+    deltas: dict | None = None,
+    foreground: bool = True,
+    held: HeldPacket | None = None,
+) -> None:
     """Encode the round's update (the given deltas, or the parameters' since the round began),
     keep the packet on disk (with a checkpoint directory), publish it and submit it. `held`: the
     packet this node kept for the round before a restart, sent as it is instead (nothing is
@@ -140,8 +155,9 @@ async def send(s: Session, round: int, base_digest: str, report: RoundReport, op
 
     def encode() -> bytes:
         with s.buffers_lock:  # a catch-up resetting the buffers waits for a running encode
-            return s.outer.make_payload(run_id=s.run_id, round=round, peer_id=s.peer_id,
-                                        base_digest=base_digest, key=s.key, deltas=deltas)
+            return s.outer.make_payload(
+                run_id=s.run_id, round=round, peer_id=s.peer_id, base_digest=base_digest, key=s.key, deltas=deltas
+            )
 
     if held is None:
         async with s.encode_lock:  # error feedback folds rounds in order
@@ -165,15 +181,26 @@ async def send(s: Session, round: int, base_digest: str, report: RoundReport, op
     from node.round.coordinator_client import Refused
 
     try:
-        await s.signed(s.client.submit, round, packet_digest=announcement.digest,
-                       packet_size_bytes=announcement.size_bytes, train_loss=report.train_loss,
-                       compute_s=report.times.compute_s, encode_s=encode_s, multiaddrs=announcement.multiaddrs)
+        await s.signed(
+            s.client.submit,
+            round,
+            packet_digest=announcement.digest,
+            packet_size_bytes=announcement.size_bytes,
+            train_loss=report.train_loss,
+            compute_s=report.times.compute_s,
+            encode_s=encode_s,
+            multiaddrs=announcement.multiaddrs,
+        )
     except Refused as e:
         if e.action not in SUBMISSION_GOES_ON:
             raise
         report.submitted = False
-        log.warning("round %d: submission refused (%s%s); applying the round without this packet", round, e.code,
-                    f": {e.detail}" if e.code is Code.EXCLUDED else "")
+        log.warning(
+            "round %d: submission refused (%s%s); applying the round without this packet",
+            round,
+            e.code,
+            f": {e.detail}" if e.code is Code.EXCLUDED else "",
+        )
     await s.faults.at_phase(Phase.SUBMITTED, round)
 
 
@@ -183,12 +210,22 @@ async def keep_own(s: Session, round: int, payload: bytes, base_digest: str, rep
     if s.own_packets is None:
         return
     try:
-        await asyncio.to_thread(s.own_packets.keep, round, payload, run_id=s.run_id, peer_id=s.peer_id,
-                                base_digest=base_digest, train_loss=report.train_loss,
-                                compute_s=report.times.compute_s)
+        await asyncio.to_thread(
+            s.own_packets.keep,
+            round,
+            payload,
+            run_id=s.run_id,
+            peer_id=s.peer_id,
+            base_digest=base_digest,
+            train_loss=report.train_loss,
+            compute_s=report.times.compute_s,
+        )
     except OSError as e:
-        log.error("round %d: the packet could not be kept on disk (%s); a restart before the round is final "
-                  "loses it", round, e)
+        log.error(
+            "round %d: the packet could not be kept on disk (%s); a restart before the round is final loses it",
+            round,
+            e,
+        )
 
 
 def return_if_unsent(s: Session, round: int, view: RoundView) -> None:
@@ -205,12 +242,16 @@ def return_if_unsent(s: Session, round: int, view: RoundView) -> None:
     except ProtocolError as e:  # its own packet, made here: a bug, but it costs one round's values, not the run
         log.error("round %d: this node's unapplied packet could not be put back: %s", round, e)
         return
-    log.info("round %d: this node's packet is not in manifest version %d; its values are back in the error "
-             "buffer", round, view.manifest_version)
+    log.info(
+        "round %d: this node's packet is not in manifest version %d; its values are back in the error buffer",
+        round,
+        view.manifest_version,
+    )
 
 
-async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch, decoded: Decoded,
-                  foreground: bool = True):
+async def collect(
+    s: Session, round: int, times: RoundTimes, prefetch: Prefetch, decoded: Decoded, foreground: bool = True
+):
     """Wait for the round's manifest (the prefetch fetching packets as they come), fetch whatever
     it lists that is not in hand yet, and, when every packet is in hand, verify, decode and
     aggregate them (no parameter changes). Returns (view, payloads, prepared or None)."""
@@ -234,8 +275,9 @@ async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch,
     return view, payloads, prepared
 
 
-async def fetch_manifest(s: Session, round: int, view: RoundView, times: RoundTimes,
-                         early: dict | None = None, foreground: bool = True) -> dict[str, bytes]:
+async def fetch_manifest(
+    s: Session, round: int, view: RoundView, times: RoundTimes, early: dict | None = None, foreground: bool = True
+) -> dict[str, bytes]:
     if foreground:
         s.activity.state = "transferring"
     start = time.perf_counter()
@@ -245,9 +287,12 @@ async def fetch_manifest(s: Session, round: int, view: RoundView, times: RoundTi
             payloads |= await task
     rest = [e for e in view.manifest if e.peer_id not in payloads]
     if rest:
-        payloads |= await s.exchange.fetch(round, {e.peer_id: e.packet_digest for e in rest},
-                                           {e.peer_id: e.multiaddrs for e in rest},
-                                           timeout_s=s.config.network.fetch_timeout_s)
+        payloads |= await s.exchange.fetch(
+            round,
+            {e.peer_id: e.packet_digest for e in rest},
+            {e.peer_id: e.multiaddrs for e in rest},
+            timeout_s=s.config.network.fetch_timeout_s,
+        )
     times.transfer_s = time.perf_counter() - start
     return payloads
 
@@ -257,13 +302,22 @@ async def prepare(s: Session, view: RoundView, payloads: dict[str, bytes], decod
     Packets decoded as they arrived are not decoded again."""
     public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
     early = await decoded.take(view)
-    return await asyncio.to_thread(s.outer.prepare, payloads, public_keys.__getitem__, run_id=s.run_id,
-                                   round=view.round, decoded=early)
+    return await asyncio.to_thread(
+        s.outer.prepare, payloads, public_keys.__getitem__, run_id=s.run_id, round=view.round, decoded=early
+    )
 
 
-async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTimes, decoded: Decoded,
-                         payloads: dict[str, bytes] | None = None, prepared=None, report_missing: bool = True,
-                         scores_out: dict[str, PeerScore] | None = None):
+async def apply_manifest(
+    s: Session,
+    round: int,
+    view: RoundView,
+    times: RoundTimes,
+    decoded: Decoded,
+    payloads: dict[str, bytes] | None = None,
+    prepared=None,
+    report_missing: bool = True,
+    scores_out: dict[str, PeerScore] | None = None,
+):
     """Take the round's outer step (fetching and aggregating its manifest unless given); report
     the digest of the global model; serve a snapshot of it. Packets that cannot be fetched are
     reported missing and the round applied as amended without them (`report_missing`; a replay
@@ -305,29 +359,43 @@ async def apply_manifest(s: Session, round: int, view: RoundView, times: RoundTi
         applied = await _recompute_if_amended(s, await s.client.round(round)) or applied
     if outdated := s.amendments.outdated(response.amended):
         s.amendments.reset()
-        raise CatchUpNeeded("amended after this node applied them: " + ", ".join(
-            f"round {r} (version {old} -> {new})" for r, (old, new) in outdated.items()))
+        raise CatchUpNeeded(
+            "amended after this node applied them: "
+            + ", ".join(f"round {r} (version {old} -> {new})" for r, (old, new) in outdated.items())
+        )
     if resume.due(s, round):
         await asyncio.to_thread(resume.save, s, round, s.faults.checkpoint_hook(round))
     await serve_snapshot(s, round + 1, tree)
     return applied
 
 
-async def _report(s: Session, round: int, applied, manifest_version: int,
-                  scores: dict[str, PeerScore] | None = None) -> AppliedResponse:
+async def _report(
+    s: Session, round: int, applied, manifest_version: int, scores: dict[str, PeerScore] | None = None
+) -> AppliedResponse:
     """Tell the coordinator the digest after `round` (as of `manifest_version`); what this node
     left out, and why, goes on its status page; so does the validation loss, in rounds it is due,
     and the contribution scores."""
     refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
     val_loss = await _validation_loss(s, round)
     sample = await asyncio.to_thread(text_sample, s, round) if val_loss is not None else None
-    reports = {peer: PeerScoreReport(loss_delta=sc.loss_delta, cosine=sc.cosine, overlap=sc.overlap,
-                                     overlap_with=list(sc.overlap_with))
-               for peer, sc in sorted((scores or {}).items())[:MAX_SCORES]}
+    reports = {
+        peer: PeerScoreReport(
+            loss_delta=sc.loss_delta, cosine=sc.cosine, overlap=sc.overlap, overlap_with=list(sc.overlap_with)
+        )
+        for peer, sc in sorted((scores or {}).items())[:MAX_SCORES]
+    }
     try:
-        response = await s.signed(s.client.applied, round, s.digest, refused=refused,
-                                  manifest_version=manifest_version, val_loss=val_loss, scores=reports,
-                                  sample=sample, tree=s.tree)
+        response = await s.signed(
+            s.client.applied,
+            round,
+            s.digest,
+            refused=refused,
+            manifest_version=manifest_version,
+            val_loss=val_loss,
+            scores=reports,
+            sample=sample,
+            tree=s.tree,
+        )
     except Refused as e:
         if e.action is not Action.CATCH_UP:
             raise
@@ -335,11 +403,16 @@ async def _report(s: Session, round: int, applied, manifest_version: int,
         # the two states is not what the manifest gives, so take the swarm's agreed state instead.
         raise CatchUpNeeded(f"round {round}: {e.detail}") from e
     if response.manifest_version == manifest_version and response.agreed_digest not in (None, s.digest):
-        log.error("round %d: my digest %s differs from the agreed %s", round, s.digest[:12],
-                  response.agreed_digest[:12])
+        log.error(
+            "round %d: my digest %s differs from the agreed %s", round, s.digest[:12], response.agreed_digest[:12]
+        )
     elif not response.agrees and response.manifest_version == manifest_version:
-        log.warning("round %d: my digest %s differs from the provisional majority %s", round, s.digest[:12],
-                    (response.majority_digest or "(none)")[:12])
+        log.warning(
+            "round %d: my digest %s differs from the provisional majority %s",
+            round,
+            s.digest[:12],
+            (response.majority_digest or "(none)")[:12],
+        )
     return response
 
 
@@ -359,13 +432,19 @@ async def score(s: Session, round: int, prepared) -> dict[str, PeerScore]:
 
     start = time.perf_counter()
     try:
-        scores = await asyncio.to_thread(score_round, s.training, s.outer.start, prepared, s.peer_id, round,
-                                         section, s.run.outer.lr)
+        scores = await asyncio.to_thread(
+            score_round, s.training, s.outer.start, prepared, s.peer_id, round, section, s.run.outer.lr
+        )
     except Exception as e:  # scores are advice to the coordinator: a round never fails for them
         log.warning("round %d: no contribution scores: %s: %s", round, type(e).__name__, e)
         return {}
-    log.info("round %d: scored %d update(s) in %.2f s: %s", round, len(scores), time.perf_counter() - start,
-             ", ".join(f"{p[:8]} {sc.loss_delta:+.4f}/{sc.cosine:+.2f}/{sc.overlap:.2f}" for p, sc in scores.items()))
+    log.info(
+        "round %d: scored %d update(s) in %.2f s: %s",
+        round,
+        len(scores),
+        time.perf_counter() - start,
+        ", ".join(f"{p[:8]} {sc.loss_delta:+.4f}/{sc.cosine:+.2f}/{sc.overlap:.2f}" for p, sc in scores.items()),
+    )
     return scores
 
 
@@ -404,8 +483,9 @@ def text_sample(s: Session, round: int) -> str | None:
         was_training = model.training
         model.eval()
         try:
-            text = generate_text(model, tokenizer, SAMPLE_PROMPT, SampleConfig(max_new_tokens=SAMPLE_TOKENS,
-                                                                               temperature=0.0))
+            text = generate_text(
+                model, tokenizer, SAMPLE_PROMPT, SampleConfig(max_new_tokens=SAMPLE_TOKENS, temperature=0.0)
+            )
         finally:
             model.train(was_training)
     except (GenerateError, DataError, OSError, ValueError) as e:  # a look at the model: never fails a round
@@ -429,15 +509,18 @@ async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
         await asyncio.to_thread(return_if_unsent, s, kept.round, latest)
     if applied is None:
         s.amendments.forget()
-        raise CatchUpNeeded(f"round {kept.round}: its manifest was amended to version {latest.manifest_version} "
-                            f"after this node applied version {kept.manifest_version} (with overlap)")
+        raise CatchUpNeeded(
+            f"round {kept.round}: its manifest was amended to version {latest.manifest_version} "
+            f"after this node applied version {kept.manifest_version} (with overlap)"
+        )
     await _report(s, kept.round, applied, latest.manifest_version)
     await serve_snapshot(s, kept.round + 1)
     return applied
 
 
-async def apply_and_report(s: Session, report: RoundReport, applied_round: int, view: RoundView, payloads,
-                           prepared, decoded: Decoded) -> RoundReport:
+async def apply_and_report(
+    s: Session, report: RoundReport, applied_round: int, view: RoundView, payloads, prepared, decoded: Decoded
+) -> RoundReport:
     """Apply `applied_round` (the report's round, or with overlap the one before) and fill the report."""
     scores: dict[str, PeerScore] = {}
     applied = await apply_manifest(s, applied_round, view, report.times, decoded, payloads, prepared, scores_out=scores)

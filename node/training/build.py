@@ -23,16 +23,25 @@ def model_config(run: RunConfig) -> ModelConfig:
     """The model of `run` ([model]): its preset, with the run's vocabulary and tokenizer when it
     names them (a run on tokenized shards embeds its tokenizer's ids, not the preset's 256 bytes)."""
     preset = resolve_config(run.model.preset)
-    return dataclasses.replace(preset, vocab_size=run.model.vocab_size or preset.vocab_size,
-                               tokenizer_id=run.model.tokenizer_id)
+    return dataclasses.replace(
+        preset, vocab_size=run.model.vocab_size or preset.vocab_size, tokenizer_id=run.model.tokenizer_id
+    )
 
 
 def inner_config(run: RunConfig) -> InnerConfig:
     """The inner AdamW steps of `run` ([inner]); the rest of InnerConfig keeps its defaults."""
     inner = run.inner
-    return InnerConfig(lr=inner.lr, betas=tuple(inner.betas), weight_decay=inner.weight_decay,
-                       grad_clip=inner.grad_clip, warmup_steps=inner.warmup_steps, total_steps=inner.total_steps,
-                       min_lr_ratio=inner.min_lr_ratio, batch_size=inner.batch_size, seq_len=inner.seq_len)
+    return InnerConfig(
+        lr=inner.lr,
+        betas=tuple(inner.betas),
+        weight_decay=inner.weight_decay,
+        grad_clip=inner.grad_clip,
+        warmup_steps=inner.warmup_steps,
+        total_steps=inner.total_steps,
+        min_lr_ratio=inner.min_lr_ratio,
+        batch_size=inner.batch_size,
+        seq_len=inner.seq_len,
+    )
 
 
 def outer_config(run: RunConfig) -> OuterConfig:
@@ -43,8 +52,16 @@ def outer_config(run: RunConfig) -> OuterConfig:
     outer = run.outer
     if outer.strategy == "ddp":
         raise ValueError("the ddp baseline has no outer step: it syncs every inner step, in the simulator only")
-    return OuterConfig(strategy=outer.strategy, outer_lr=outer.lr, outer_momentum=outer.momentum,
-                       nesterov=outer.nesterov, top_k=outer.top_k, chunk_size=outer.chunk_size,
-                       error_decay=outer.error_decay, aggregation=outer.aggregation,
-                       max_abs_value=outer.max_abs_value, overlap=outer.overlap,
-                       max_packet_bytes=run.exchange.max_packet_bytes)
+    return OuterConfig(
+        strategy=outer.strategy,
+        outer_lr=outer.lr,
+        outer_momentum=outer.momentum,
+        nesterov=outer.nesterov,
+        top_k=outer.top_k,
+        chunk_size=outer.chunk_size,
+        error_decay=outer.error_decay,
+        aggregation=outer.aggregation,
+        max_abs_value=outer.max_abs_value,
+        overlap=outer.overlap,
+        max_packet_bytes=run.exchange.max_packet_bytes,
+    )

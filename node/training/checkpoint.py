@@ -203,9 +203,18 @@ def tensor_extents(file) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
     return extents
 
 
-_SAFETENSORS_DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16",
-                       "BF16": "torch.bfloat16", "I64": "torch.int64", "I32": "torch.int32", "I16": "torch.int16",
-                       "I8": "torch.int8", "U8": "torch.uint8", "BOOL": "torch.bool"}
+_SAFETENSORS_DTYPES = {
+    "F64": "torch.float64",
+    "F32": "torch.float32",
+    "F16": "torch.float16",
+    "BF16": "torch.bfloat16",
+    "I64": "torch.int64",
+    "I32": "torch.int32",
+    "I16": "torch.int16",
+    "I8": "torch.int8",
+    "U8": "torch.uint8",
+    "BOOL": "torch.bool",
+}
 
 
 def load_checkpoint(
@@ -254,7 +263,7 @@ def load_checkpoint(
         _restore_optimizer(optimizer, model, meta["optimizer_groups"], state, directory)
 
     def section(prefix: str) -> dict[str, torch.Tensor]:
-        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
     return Checkpoint(
         round=meta["round"],
@@ -279,7 +288,7 @@ def _restore_optimizer(
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in state.items():
         if key.startswith(_OPTIMIZER):
-            name, _, state_key = key[len(_OPTIMIZER):].rpartition(".")
+            name, _, state_key = key[len(_OPTIMIZER) :].rpartition(".")
             if name not in index:
                 raise CheckpointError(f"{directory}: optimizer state for unknown parameter {name}")
             per_param.setdefault(index[name], {})[state_key] = value

@@ -328,9 +328,7 @@ def _text_files(root: Path) -> list[Path]:
     return sorted(files)
 
 
-def _files_corpus(
-    root: Path, files: list[Path], name: str, cache_dir: Path | None, val_fraction: float
-) -> Corpus:
+def _files_corpus(root: Path, files: list[Path], name: str, cache_dir: Path | None, val_fraction: float) -> Corpus:
     """Byte tokens of `files` split by file, through the .npy cache."""
     if not files:
         raise DataNotFound(f"{name}: no text files under {root}")
@@ -428,19 +426,22 @@ def write_bin_shard(
     tokens = np.asarray(tokens)
     limit = np.iinfo(dtype).max if vocab_size is None else min(np.iinfo(dtype).max, vocab_size - 1)
     if tokens.size and (tokens.min() < 0 or tokens.max() > limit):
-        raise ValueError(f"token ids outside the vocabulary of {vocab_size}" if limit == (vocab_size or 0) - 1
-                         else f"token ids do not fit in {dtype}")
+        raise ValueError(
+            f"token ids outside the vocabulary of {vocab_size}"
+            if limit == (vocab_size or 0) - 1
+            else f"token ids do not fit in {dtype}"
+        )
     if tokenizer_id is not None and vocab_size is None:
         raise ValueError("a shard's tokenizer id comes with its vocabulary size")
     header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
     header[:3] = (BIN_MAGIC, version, tokens.size)
     if vocab_size is not None:
-        header[_TAG_SLOT:_VOCAB_SLOT + 1] = (SHARD_TAG, SHARD_TAG_VERSION, vocab_size)
+        header[_TAG_SLOT : _VOCAB_SLOT + 1] = (SHARD_TAG, SHARD_TAG_VERSION, vocab_size)
         if tokenizer_id is not None:
             id_bytes = bytes.fromhex(tokenizer_id)
             if len(id_bytes) != _TOKENIZER_ID_BYTES:
                 raise ValueError(f"a tokenizer id is {_TOKENIZER_ID_BYTES} bytes, got {len(id_bytes)}")
-            header[_TOKENIZER_SLOT:_TOKENIZER_SLOT + _TOKENIZER_ID_BYTES // 4] = np.frombuffer(id_bytes, "<i4")
+            header[_TOKENIZER_SLOT : _TOKENIZER_SLOT + _TOKENIZER_ID_BYTES // 4] = np.frombuffer(id_bytes, "<i4")
     with open(path, "wb") as f:
         f.write(header.tobytes())
         f.write(tokens.astype(dtype).tobytes())
@@ -473,10 +474,11 @@ def read_bin_header(path: str | os.PathLike) -> ShardHeader:
             vocab_size = tokenizer_id = None
             if header[_TAG_SLOT] == SHARD_TAG:
                 if header[_TAG_SLOT + 1] != SHARD_TAG_VERSION or header[_VOCAB_SLOT] < 1:
-                    raise MalformedShard(f"{path}: unknown tag version {header[_TAG_SLOT + 1]} "
-                                         f"or vocabulary size {header[_VOCAB_SLOT]}")
+                    raise MalformedShard(
+                        f"{path}: unknown tag version {header[_TAG_SLOT + 1]} or vocabulary size {header[_VOCAB_SLOT]}"
+                    )
                 vocab_size = int(header[_VOCAB_SLOT])
-                id_bytes = header[_TOKENIZER_SLOT:_TOKENIZER_SLOT + _TOKENIZER_ID_BYTES // 4].tobytes()
+                id_bytes = header[_TOKENIZER_SLOT : _TOKENIZER_SLOT + _TOKENIZER_ID_BYTES // 4].tobytes()
                 tokenizer_id = id_bytes.hex() if any(id_bytes) else None
             return ShardHeader(dtype, int(header[2]), BIN_HEADER_BYTES, vocab_size, tokenizer_id)
     wide = path.name.endswith((".u32.bin", ".uint32.bin"))
@@ -510,16 +512,21 @@ def bin_corpus(
     headers = {f: read_bin_header(f) for f in files}
     tags = {(h.vocab_size, h.tokenizer_id) for h in headers.values()}
     if len(tags) > 1:
-        described = ", ".join(sorted(f"{f.name}: {_describe_tag(h.vocab_size, h.tokenizer_id)}"
-                                     for f, h in headers.items()))
-        raise TokenizerMismatch(f"{path}: shards made with different tokenizers ({described}); "
-                                "keep one `locoswarm data prepare` output per directory")
+        described = ", ".join(
+            sorted(f"{f.name}: {_describe_tag(h.vocab_size, h.tokenizer_id)}" for f, h in headers.items())
+        )
+        raise TokenizerMismatch(
+            f"{path}: shards made with different tokenizers ({described}); "
+            "keep one `locoswarm data prepare` output per directory"
+        )
     declared_vocab, shards_tokenizer = tags.pop()
     if shards_tokenizer is not None and path.is_dir() and (path / TOKENIZER_FILE).is_file():
         beside = tokenizer_id(path / TOKENIZER_FILE)
         if beside != shards_tokenizer:
-            raise TokenizerMismatch(f"{path}: {TOKENIZER_FILE} has id {beside[:12]}, the shards {shards_tokenizer[:12]}; "
-                                    "prepare the shards again (`locoswarm data prepare`) or restore its tokenizer.json")
+            raise TokenizerMismatch(
+                f"{path}: {TOKENIZER_FILE} has id {beside[:12]}, the shards {shards_tokenizer[:12]}; "
+                "prepare the shards again (`locoswarm data prepare`) or restore its tokenizer.json"
+            )
     val_files = [f for f in files if "val" in f.name]
     train_files = [f for f in files if "val" not in f.name]
     if not train_files:
@@ -557,23 +564,29 @@ def check_vocabulary(dataset: TokenDataset, vocab_size: int, tokenizer_id: str |
     name = dataset.name
     prepare = "`locoswarm data prepare --tokenizer TOKENIZER.json --input ... --out DIR`"
     if tokenizer_id is not None and dataset.tokenizer_id != tokenizer_id:
-        held = (f"tokenizer {dataset.tokenizer_id[:12]}" if dataset.tokenizer_id
-                else "no tokenizer (byte text or untagged shards)")
+        held = (
+            f"tokenizer {dataset.tokenizer_id[:12]}"
+            if dataset.tokenizer_id
+            else "no tokenizer (byte text or untagged shards)"
+        )
         raise TokenizerMismatch(
             f"{name} was made with {held}, the run trains on tokenizer {tokenizer_id[:12]}: prepare the data with "
-            f"the run's tokenizer.json ({prepare}) and pass --data DIR, or use the run's own shards")
+            f"the run's tokenizer.json ({prepare}) and pass --data DIR, or use the run's own shards"
+        )
     if dataset.tokenizer_id is not None and dataset.vocab_size > vocab_size:
         raise VocabularyMismatch(
             f"{name}: its tokenizer has {dataset.vocab_size} tokens, the model embeds {vocab_size}: set "
-            f"model.vocab_size = {dataset.vocab_size} and model.tokenizer_id = \"{dataset.tokenizer_id}\" in the "
-            "run config (as `locoswarm data prepare` printed)")
+            f'model.vocab_size = {dataset.vocab_size} and model.tokenizer_id = "{dataset.tokenizer_id}" in the '
+            "run config (as `locoswarm data prepare` printed)"
+        )
     wide = [s for s in dataset.segments if np.iinfo(s.dtype).max >= vocab_size]
     top = max((int(s.max()) for s in wide), default=-1)
     if top >= vocab_size:
         raise VocabularyMismatch(
             f"{name}: token id {top} is outside the model's vocabulary of {vocab_size}: the data was tokenized "
             f"for a larger one; prepare it with {prepare} and set model.vocab_size and model.tokenizer_id to what "
-            "it prints (or give the model that vocabulary: model.vocab_size, `locoswarm sim --vocab-size`)")
+            "it prints (or give the model that vocabulary: model.vocab_size, `locoswarm sim --vocab-size`)"
+        )
 
 
 def load_corpus(

@@ -73,11 +73,21 @@ class RankGroup:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(num_ranks),
-               "LOCOSWARM_PARENT_PID": str(os.getpid()), "LOCOSWARM_THREADS": str(threads),
-               "LOCOSWARM_DEVICE": device}
-        followers = [subprocess.Popen([sys.executable, "-m", "node.training.distributed"],
-                                      env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(1, num_ranks)]
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(num_ranks),
+            "LOCOSWARM_PARENT_PID": str(os.getpid()),
+            "LOCOSWARM_THREADS": str(threads),
+            "LOCOSWARM_DEVICE": device,
+        }
+        followers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "node.training.distributed"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            )
+            for r in range(1, num_ranks)
+        ]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         log.info("ranks 1..%d started as processes %s", num_ranks - 1, " ".join(str(f.pid) for f in followers))
         group = cls(0, num_ranks, followers)
@@ -125,8 +135,13 @@ def start_ranks(num_ranks: int, device: str, threads: int = 0) -> RankGroup | No
 
 def _init_process_group(rank: int, world_size: int, device: str) -> None:
     backend = "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,
-                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+    )
 
 
 def broadcast_message(message: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -135,8 +150,9 @@ def broadcast_message(message: Mapping[str, Any] | None) -> dict[str, Any]:
     data = msgpack.packb(message, use_bin_type=True) if rank == 0 else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
     dist.broadcast(size, 0)
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else \
-        torch.empty(int(size), dtype=torch.uint8)
+    buffer = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+    )
     dist.broadcast(buffer, 0)
     return msgpack.unpackb(buffer.numpy().tobytes(), raw=False)
 
@@ -202,23 +218,47 @@ class RankState:
         with torch.no_grad():
             local = {name: p.to_local() for name, p in params.items()}
         outer = ShardedSparseLoCo(local, {name: tuple(p.shape) for name, p in params.items()}, outer_config(run))
-        return cls(model=model, optimizer=make_inner_optimizer(model, inner), outer=outer, shard=shard, val=val,
-                   inner=inner, device=device, seed=run.model.seed, inner_steps=run.inner.steps, rank=rank,
-                   world_size=world_size)
+        return cls(
+            model=model,
+            optimizer=make_inner_optimizer(model, inner),
+            outer=outer,
+            shard=shard,
+            val=val,
+            inner=inner,
+            device=device,
+            seed=run.model.seed,
+            inner_steps=run.inner.steps,
+            rank=rank,
+            world_size=world_size,
+        )
 
     def train_round(self, round: int, on_step=None, on_step_queued=None) -> InnerResult:
         """Round `round`'s H steps on this rank's slice of every batch of the node's."""
         per_rank = self.inner.batch_size // self.world_size
         rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         start_step = round * self.inner_steps
-        batches = ((x[rows], y[rows]) for x, y in self.shard.batches(
-            self.inner.batch_size, self.inner.seq_len, self.seed, "cpu", start_step=start_step))
-        result = run_inner_steps(self.model, self.optimizer, batches, start_step, self.inner_steps, self.inner,
-                                 self.device, on_step, on_step_queued)
+        batches = (
+            (x[rows], y[rows])
+            for x, y in self.shard.batches(
+                self.inner.batch_size, self.inner.seq_len, self.seed, "cpu", start_step=start_step
+            )
+        )
+        result = run_inner_steps(
+            self.model,
+            self.optimizer,
+            batches,
+            start_step,
+            self.inner_steps,
+            self.inner,
+            self.device,
+            on_step,
+            on_step_queued,
+        )
         totals = torch.tensor([result.mean_loss, result.num_tokens], dtype=torch.float64)
         dist.all_reduce(totals)  # the node's mean loss and tokens, over its ranks
-        return InnerResult(mean_loss=float(totals[0]) / self.world_size, num_tokens=int(totals[1]),
-                           compute_s=result.compute_s)
+        return InnerResult(
+            mean_loss=float(totals[0]) / self.world_size, num_tokens=int(totals[1]), compute_s=result.compute_s
+        )
 
     def evaluate(self, num_batches: int) -> float | None:
         from node.training.data import EmptyData, evaluate
@@ -232,16 +272,30 @@ class RankState:
             self.val = None
             return None
         try:
-            return evaluate(self.model, self.val, num_batches, batch_size=self.inner.batch_size,
-                            seq_len=self.inner.seq_len, device=self.device)
+            return evaluate(
+                self.model,
+                self.val,
+                num_batches,
+                batch_size=self.inner.batch_size,
+                seq_len=self.inner.seq_len,
+                device=self.device,
+            )
         finally:
             # FSDP2 keeps the root's parameters gathered after a forward without backward, and would
             # train on those copies after the outer step wrote the shards: drop them now.
             self.model.reshard()
 
 
-def execute(state: RankState, op: str, args: Mapping[str, Any], *, key=None,
-            mirror: Mapping[str, torch.Tensor] | None = None, on_step=None, on_step_queued=None) -> Any:
+def execute(
+    state: RankState,
+    op: str,
+    args: Mapping[str, Any],
+    *,
+    key=None,
+    mirror: Mapping[str, torch.Tensor] | None = None,
+    on_step=None,
+    on_step_queued=None,
+) -> Any:
     """One command, the same collective code on every rank; rank 0 passes its key and its host copy
     of the global model (`mirror`), and gets the results."""
     outer = state.outer
@@ -250,8 +304,13 @@ def execute(state: RankState, op: str, args: Mapping[str, Any], *, key=None,
     if op == "begin":
         return outer.begin_round()
     if op == "encode":
-        return outer.make_payload(run_id=args["run_id"], round=args["round"], peer_id=args["peer_id"],
-                                  base_digest=args["base_digest"], key=key)
+        return outer.make_payload(
+            run_id=args["run_id"],
+            round=args["round"],
+            peer_id=args["peer_id"],
+            base_digest=args["base_digest"],
+            key=key,
+        )
     if op == "prepare":
         prepared = outer.prepare(args["payloads"], args["public_keys"], run_id=args["run_id"], round=args["round"])
         state.prepared[args["token"]] = prepared
@@ -272,8 +331,9 @@ def execute(state: RankState, op: str, args: Mapping[str, Any], *, key=None,
             outer.load(name, mirror[name].detach() if mirror is not None else None)
         return None
     if op == "return_unsent":  # every rank puts its rows of an unapplied packet back (no collective)
-        return outer.return_unsent(args["payload"], args["public_key"], peer_id=args["peer_id"],
-                                   run_id=args["run_id"], round=args["round"])
+        return outer.return_unsent(
+            args["payload"], args["public_key"], peer_id=args["peer_id"], run_id=args["run_id"], round=args["round"]
+        )
     if op == "zero_errors":
         return outer.zero_error_buffers()
     if op == "evaluate":
@@ -361,4 +421,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

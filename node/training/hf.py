@@ -65,8 +65,11 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
 }
-_TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "lm_head.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 _FROM_HF_LAYER = {hf: ours for ours, hf in _LAYER_NAMES.items()}
 _FROM_HF_TOP = {hf: ours for ours, hf in _TOP_NAMES.items()}
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -101,8 +104,9 @@ def our_name(name: str) -> str:
     raise KeyError(f"no parameter of the model is called {name!r} in the Hugging Face layout")
 
 
-def to_hf_state(params: Mapping[str, torch.Tensor], cfg: ModelConfig,
-                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def to_hf_state(
+    params: Mapping[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Our named parameters (a tied model's lm_head absent or shared) in the HF layout, as
     contiguous CPU tensors of `dtype`; a tied model's file has no lm_head, as HF saves one."""
     state = {}
@@ -113,8 +117,9 @@ def to_hf_state(params: Mapping[str, torch.Tensor], cfg: ModelConfig,
     return state
 
 
-def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, source: str = "the file") \
-        -> dict[str, torch.Tensor]:
+def from_hf_state(
+    hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, source: str = "the file"
+) -> dict[str, torch.Tensor]:
     """HF Llama tensors as our named fp32 parameters for `cfg` (a tied model's lm_head left out),
     every name and shape checked: WeightsError (InitMismatch for a shape) names what differs."""
     expected = llama_tensor_shapes(cfg)
@@ -132,30 +137,38 @@ def from_hf_state(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig, source
     if cfg.tie_embeddings:
         head = ours.pop("lm_head.weight", None)
         if head is not None and "embed.weight" in ours and not torch.equal(head, ours["embed.weight"]):
-            raise InitMismatch(f"{source}: lm_head differs from embed_tokens, but the model ties them: "
-                               "use a preset with untied embeddings (512m, 1b)")
+            raise InitMismatch(
+                f"{source}: lm_head differs from embed_tokens, but the model ties them: "
+                "use a preset with untied embeddings (512m, 1b)"
+            )
     elif "lm_head.weight" not in ours and "embed.weight" in ours:
         ours["lm_head.weight"] = ours["embed.weight"]  # a tied file into an untied model: both start equal
     missing = sorted(expected.keys() - ours.keys())
     if missing:
-        raise WeightsError(f"{source}: missing {[hf_name(n) for n in missing][:8]}"
-                           f"{' and more' if len(missing) > 8 else ''}")
+        raise WeightsError(
+            f"{source}: missing {[hf_name(n) for n in missing][:8]}{' and more' if len(missing) > 8 else ''}"
+        )
     for name, shape in expected.items():
         if tuple(ours[name].shape) != shape:
             hint = ""
             if name in ("embed.weight", "lm_head.weight") and ours[name].shape[1:] == shape[1:]:
-                hint = (f": its vocabulary is {ours[name].shape[0]}; set model.vocab_size = {ours[name].shape[0]}"
-                        " (and model.tokenizer_id to its tokenizer.json's)")
-            raise InitMismatch(f"{source}: {hf_name(name)} has shape {tuple(ours[name].shape)}, the run's model "
-                               f"{shape}{hint or ': choose the preset of the same size'}")
+                hint = (
+                    f": its vocabulary is {ours[name].shape[0]}; set model.vocab_size = {ours[name].shape[0]}"
+                    " (and model.tokenizer_id to its tokenizer.json's)"
+                )
+            raise InitMismatch(
+                f"{source}: {hf_name(name)} has shape {tuple(ours[name].shape)}, the run's model "
+                f"{shape}{hint or ': choose the preset of the same size'}"
+            )
     return {name: ours[name].to(torch.float32).clone() for name in expected}
 
 
 # -- config.json --------------------------------------------------------------------------------
 
 
-def hf_config(cfg: ModelConfig, *, dtype: str = "float32", bos_token_id: int | None = None,
-              eos_token_id: int | None = None) -> dict:
+def hf_config(
+    cfg: ModelConfig, *, dtype: str = "float32", bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> dict:
     """config.json for LlamaForCausalLM with `cfg`'s shapes (rotary base under both the key
     transformers 4 reads and the one 5 reads)."""
     return {
@@ -209,8 +222,7 @@ def config_differences(hf: Mapping, cfg: ModelConfig) -> list[str]:
         pairs["head_dim"] = (hf["head_dim"], cfg.head_dim)
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
         pairs["rope_type"] = (rope.get("rope_type", rope.get("type")), "default")
-    return [f"{key}: file {got}, model {want}" for key, (got, want) in pairs.items()
-            if got is not None and got != want]
+    return [f"{key}: file {got}, model {want}" for key, (got, want) in pairs.items() if got is not None and got != want]
 
 
 # -- export ------------------------------------------------------------------------------------
@@ -223,8 +235,14 @@ class Exported:
     num_parameters: int
 
 
-def export_model(params: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: str | os.PathLike, *,
-                 tokenizer: str | os.PathLike | None = None, dtype: str = "float32") -> Exported:
+def export_model(
+    params: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    dtype: str = "float32",
+) -> Exported:
     """Write `params` (our names) as a Hugging Face Llama directory: config.json,
     model.safetensors, and the tokenizer when given (a tokenizer.json or a prepared data
     directory holding one; it must be `cfg.tokenizer_id` when that is set)."""
@@ -240,31 +258,45 @@ def export_model(params: Mapping[str, torch.Tensor], cfg: ModelConfig, out_dir: 
         source = tokenizer_file(tokenizer)
         identity = tokenizer_id(source)
         if cfg.tokenizer_id is not None and identity != cfg.tokenizer_id:
-            raise InitMismatch(f"{source} is tokenizer {identity[:12]}, the model was trained on "
-                               f"{cfg.tokenizer_id[:12]}: pass the tokenizer.json of the run's data")
+            raise InitMismatch(
+                f"{source} is tokenizer {identity[:12]}, the model was trained on "
+                f"{cfg.tokenizer_id[:12]}: pass the tokenizer.json of the run's data"
+            )
         special = special_tokens(source)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     state = to_hf_state(params, cfg, _DTYPES[dtype])
     save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = hf_config(cfg, dtype=dtype, bos_token_id=special["bos"] and special["bos"][0],
-                       eos_token_id=special["eos"] and special["eos"][0])
+    config = hf_config(
+        cfg,
+        dtype=dtype,
+        bos_token_id=special["bos"] and special["bos"][0],
+        eos_token_id=special["eos"] and special["eos"][0],
+    )
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     files = [CONFIG_FILE, WEIGHTS_FILE]
     if source is not None:
         if source.resolve() != (out / TOKENIZER_FILE).resolve():
             shutil.copyfile(source, out / TOKENIZER_FILE)
-        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
-                            "clean_up_tokenization_spaces": False}
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False,
+        }
         tokenizer_config |= {f"{role}_token": token[1] for role, token in special.items() if token}
         (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer_config, indent=2) + "\n")
         files += [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
     return Exported(out, files, sum(t.numel() for t in state.values()))
 
 
-def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                      tokenizer: str | os.PathLike | None = None, dtype: str = "float32",
-                      require_tokenizer: bool = True) -> Exported:
+def export_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    dtype: str = "float32",
+    require_tokenizer: bool = True,
+) -> Exported:
     """A node's checkpoint (node/training/checkpoint.py: its parameters, digest-checked, and the
     model config in its meta.json) as a Hugging Face Llama directory (`export_model`). A model
     trained on a tokenizer needs it (`tokenizer`), unless `require_tokenizer` is False."""
@@ -276,8 +308,10 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in checkpoint.model_config.items() if k in known})
     if cfg.tokenizer_id is not None and tokenizer is None and require_tokenizer:
-        raise WeightsError(f"the run trained on tokenizer {cfg.tokenizer_id[:12]}: pass --tokenizer with its"
-                           " tokenizer.json (or the prepared data directory), or --no-tokenizer for weights only")
+        raise WeightsError(
+            f"the run trained on tokenizer {cfg.tokenizer_id[:12]}: pass --tokenizer with its"
+            " tokenizer.json (or the prepared data directory), or --no-tokenizer for weights only"
+        )
     return export_model(checkpoint.params, cfg, out_dir, tokenizer=tokenizer, dtype=dtype)
 
 
@@ -297,12 +331,15 @@ def init_weights_file(init_from: str | os.PathLike) -> Path:
     path = Path(init_from).expanduser()
     if path.is_dir():
         if not (path / WEIGHTS_FILE).is_file() and any(path.glob("*.safetensors.index.json")):
-            raise WeightsError(f"{path} holds sharded weights: merge them into one {WEIGHTS_FILE} "
-                               "(e.g. save_pretrained(..., max_shard_size='100GB'))")
+            raise WeightsError(
+                f"{path} holds sharded weights: merge them into one {WEIGHTS_FILE} "
+                "(e.g. save_pretrained(..., max_shard_size='100GB'))"
+            )
         path = path / WEIGHTS_FILE
     if not path.is_file():
-        raise InitMismatch(f"the run starts from {init_from}, which this machine does not have: copy the "
-                           "operator's file there")
+        raise InitMismatch(
+            f"the run starts from {init_from}, which this machine does not have: copy the operator's file there"
+        )
     return path
 
 
@@ -316,8 +353,10 @@ def read_init_weights(init_from: str | os.PathLike, sha256: str, cfg: ModelConfi
     path = init_weights_file(init_from)
     digest = file_sha256(path)
     if digest != sha256:
-        raise InitMismatch(f"{path} has sha256 {digest[:16]}..., the run's init_sha256 is {sha256[:16]}...: "
-                           "this is another file; copy the operator's")
+        raise InitMismatch(
+            f"{path} has sha256 {digest[:16]}..., the run's init_sha256 is {sha256[:16]}...: "
+            "this is another file; copy the operator's"
+        )
     directory = path.parent
     if (directory / CONFIG_FILE).is_file():
         try:
@@ -326,13 +365,17 @@ def read_init_weights(init_from: str | os.PathLike, sha256: str, cfg: ModelConfi
             raise WeightsError(f"cannot read {directory / CONFIG_FILE}: {error}") from error
         differences = config_differences(hf, cfg)
         if differences:
-            raise InitMismatch(f"{directory / CONFIG_FILE} describes another model than the run's "
-                               f"({'; '.join(differences)}): choose the matching preset and model.vocab_size")
+            raise InitMismatch(
+                f"{directory / CONFIG_FILE} describes another model than the run's "
+                f"({'; '.join(differences)}): choose the matching preset and model.vocab_size"
+            )
     if cfg.tokenizer_id is not None and (directory / TOKENIZER_FILE).is_file():
         beside = tokenizer_id(directory / TOKENIZER_FILE)
         if beside != cfg.tokenizer_id:
-            raise InitMismatch(f"{directory / TOKENIZER_FILE} is tokenizer {beside[:12]}, the run's data "
-                               f"{cfg.tokenizer_id[:12]}: prepare the data with this tokenizer.json")
+            raise InitMismatch(
+                f"{directory / TOKENIZER_FILE} is tokenizer {beside[:12]}, the run's data "
+                f"{cfg.tokenizer_id[:12]}: prepare the data with this tokenizer.json"
+            )
     try:
         hf_state = load_file(str(path))
     except (OSError, SafetensorError) as error:

@@ -129,13 +129,15 @@ def prepare_model(model: nn.Module, execution: ExecutionConfig) -> nn.Module:
             for layer in model.layers:
                 layer.compile()
     elif execution.activation_checkpointing or execution.compile:
-        raise ValueError(f"activation checkpointing and compile need node.training.model.Transformer, "
-                         f"not {type(model).__name__}")
+        raise ValueError(
+            f"activation checkpointing and compile need node.training.model.Transformer, not {type(model).__name__}"
+        )
     return model
 
 
-def accumulate_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-                         execution: ExecutionConfig) -> torch.Tensor:
+def accumulate_gradients(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, execution: ExecutionConfig
+) -> torch.Tensor:
     """Forward and backward over one step's (B, T) batch in micro-batches, adding into `.grad`.
 
     Each micro-batch's mean loss is weighted by its share of the B sequences, so the gradients
@@ -146,8 +148,8 @@ def accumulate_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dev
     micro = execution.micro_batch_size or batch
     loss_sum = torch.zeros((), device=device)
     for start in range(0, batch, micro):  # B / micro iterations, each a whole forward/backward
-        x_micro = x[start:start + micro].to(device, non_blocking=True)  # (b, T)
-        y_micro = y[start:start + micro].to(device, non_blocking=True)  # (b, T)
+        x_micro = x[start : start + micro].to(device, non_blocking=True)  # (b, T)
+        y_micro = y[start : start + micro].to(device, non_blocking=True)  # (b, T)
         with autocast_for(device):
             loss = lm_loss(model, x_micro, y_micro, execution.loss_chunk_tokens)
         if x_micro.shape[0] != batch:

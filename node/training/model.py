@@ -74,44 +74,84 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # ~0.84M parameters: unit tests and quick smoke runs.
     "tiny": ModelConfig(
-        vocab_size=256, hidden=128, num_layers=4, num_heads=4, num_kv_heads=4,
-        intermediate=352, max_seq_len=256,
+        vocab_size=256,
+        hidden=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate=352,
+        max_seq_len=256,
     ),
     # ~4.9M parameters: the simulator's default, so that 3 strategies x 4 peers x 300 inner
     # steps fit in 10 minutes on 2 CPU cores.
     "mini": ModelConfig(
-        vocab_size=256, hidden=256, num_layers=6, num_heads=4, num_kv_heads=4,
-        intermediate=704, max_seq_len=256,
+        vocab_size=256,
+        hidden=256,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate=704,
+        max_seq_len=256,
     ),
     # ~10.7M parameters: CPU benchmarks and longer simulator runs.
     "small": ModelConfig(
-        vocab_size=256, hidden=384, num_layers=6, num_heads=6, num_kv_heads=6,
-        intermediate=1024, max_seq_len=256,
+        vocab_size=256,
+        hidden=384,
+        num_layers=6,
+        num_heads=6,
+        num_kv_heads=6,
+        intermediate=1024,
+        max_seq_len=256,
     ),
     # The paper's 512M LLaMA: ~512.4M parameters with a LLaMA-2 sized vocabulary (32000) and
     # untied embeddings (the count the paper's name refers to).
     "512m": ModelConfig(
-        vocab_size=32000, hidden=1536, num_layers=12, num_heads=12, num_kv_heads=12,
-        intermediate=5440, max_seq_len=2048, tie_embeddings=False,
+        vocab_size=32000,
+        hidden=1536,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        intermediate=5440,
+        max_seq_len=2048,
+        tie_embeddings=False,
     ),
     # ~1.1B parameters for GPU volunteers: the TinyLlama-1.1B shape (hidden 2048, 22 layers,
     # 32 query heads sharing 4 key/value heads, SwiGLU 5632, vocab 32000, untied).
     "1b": ModelConfig(
-        vocab_size=32000, hidden=2048, num_layers=22, num_heads=32, num_kv_heads=4,
-        intermediate=5632, max_seq_len=2048, tie_embeddings=False,
+        vocab_size=32000,
+        hidden=2048,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        intermediate=5632,
+        max_seq_len=2048,
+        tie_embeddings=False,
     ),
     # ~3.2B: the LLaMA-3.2-3B shape (hidden 3072, 28 layers, 24 query heads over 8 key/value heads,
     # SwiGLU 8192, the LLaMA-3 vocabulary of 128256, tied embeddings; rope base 500000, without
     # LLaMA-3.2's long-context rope scaling).
     "3b": ModelConfig(
-        vocab_size=128256, hidden=3072, num_layers=28, num_heads=24, num_kv_heads=8,
-        intermediate=8192, max_seq_len=8192, rope_theta=500000.0,
+        vocab_size=128256,
+        hidden=3072,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        intermediate=8192,
+        max_seq_len=8192,
+        rope_theta=500000.0,
     ),
     # ~8.0B: the LLaMA-3-8B shape (hidden 4096, 32 layers, 32 query heads over 8 key/value heads,
     # SwiGLU 14336, vocab 128256, untied; rope base 500000). An 8-GPU peer shards it (FSDP2).
     "8b": ModelConfig(
-        vocab_size=128256, hidden=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-        intermediate=14336, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False,
+        vocab_size=128256,
+        hidden=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=False,
     ),
 }
 
@@ -258,8 +298,7 @@ def _chunk_loss_sum(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Ten
     return F.cross_entropy(lm_head(hidden).float(), targets, reduction="sum")
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-            chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
     """Mean next-token cross-entropy of `model` on inputs x and targets y, both (B, T) int64.
 
     Cross-entropy runs in fp32 (the log-softmax over a large vocabulary is not safe in bf16). With
@@ -277,8 +316,9 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     for start in range(0, targets.numel(), chunk_tokens):  # a few pieces, each one whole-tensor op
         piece = slice(start, start + chunk_tokens)
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss_sum, model.lm_head, hidden[piece], targets[piece],
-                                       use_reentrant=False)
+            total = total + checkpoint(
+                _chunk_loss_sum, model.lm_head, hidden[piece], targets[piece], use_reentrant=False
+            )
         else:
             total = total + _chunk_loss_sum(model.lm_head, hidden[piece], targets[piece])
     return total / targets.numel()

@@ -49,7 +49,13 @@ from typing import Any
 import torch
 
 from locoswarm_kernels.chunking import num_workers, pool_map
-from locoswarm_kernels.sparse import PacketSelections, aggregate_packets, error_feedback_step, packet_clip_scales, restore_sent
+from locoswarm_kernels.sparse import (
+    PacketSelections,
+    aggregate_packets,
+    error_feedback_step,
+    packet_clip_scales,
+    restore_sent,
+)
 from protocol.errors import MalformedPacket, NonFiniteValue, ProtocolError, ShapeMismatch, ValueOutOfRange
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
 from protocol.run_config import DEFAULT_MAX_ABS_VALUE, MAX_ABS_VALUE_LIMIT
@@ -141,8 +147,7 @@ class OuterStep:
         self.aggregate_device = self.state_device if cfg.overlap else self.param_device
         self.start = {name: self._state_copy(p) for name, p in self.params.items()}
         # Without overlap the local round start is always the global one: one buffer serves both.
-        self.local_start = ({name: self._state_copy(p) for name, p in self.params.items()} if cfg.overlap
-                            else self.start)
+        self.local_start = {name: self._state_copy(p) for name, p in self.params.items()} if cfg.overlap else self.start
         self._copies_done()
 
     def _state_copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -165,8 +170,9 @@ class OuterStep:
     # The payload errors `decode` raises for a hostile or broken payload (it is refused, not fatal).
     refusable: tuple[type[Exception], ...] = (ProtocolError,)
 
-    def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
-               round: int) -> Mapping[str, Any]:
+    def decode(
+        self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str, round: int
+    ) -> Mapping[str, Any]:
         """Verify and decode one peer's payload into what `prepare` aggregates; raises one of
         `refusable`. Pure: may run in a worker thread as each packet arrives."""
         raise NotImplementedError
@@ -179,24 +185,35 @@ class OuterStep:
         elsewhere one."""
         return num_workers(None, self.aggregate_device)
 
-    def decode_many(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
-                    round: int) -> dict[str, Mapping[str, Any] | Exception]:
+    def decode_many(
+        self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str, round: int
+    ) -> dict[str, Mapping[str, Any] | Exception]:
         """`decode_or_refusal` of every payload, `decode_workers` at a time."""
         peers = sorted(payloads)
         one = lambda peer: decode_or_refusal(self, payloads[peer], public_key, peer_id=peer, run_id=run_id, round=round)
         workers = min(self.decode_workers, len(peers))
         return dict(zip(peers, pool_map(one, peers, workers)))
 
-    def _decode_all(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], run_id: str,
-                    round: int, decoded: Mapping[str, Any] | None) -> tuple[dict[str, Mapping[str, Any]], ApplyResult]:
+    def _decode_all(
+        self,
+        payloads: Mapping[str, bytes],
+        public_key: Callable[[str], bytes],
+        run_id: str,
+        round: int,
+        decoded: Mapping[str, Any] | None,
+    ) -> tuple[dict[str, Mapping[str, Any]], ApplyResult]:
         """Every payload decoded (taken from `decoded` where a payload was decoded on arrival: its
         tensors, or the exception its decoding raised; the others `decode_many`), in peer-id order;
         refusals recorded."""
         out: dict[str, Mapping[str, Any]] = {}
         result = ApplyResult(accepted=[])
         decoded = dict(decoded or {})
-        decoded |= self.decode_many({peer: data for peer, data in payloads.items() if decoded.get(peer) is None},
-                                    public_key, run_id=run_id, round=round)
+        decoded |= self.decode_many(
+            {peer: data for peer, data in payloads.items() if decoded.get(peer) is None},
+            public_key,
+            run_id=run_id,
+            round=round,
+        )
         for peer_id in sorted(payloads):
             try:
                 if isinstance(decoded[peer_id], BaseException):
@@ -228,8 +245,14 @@ class OuterStep:
             p.data.copy_(self.start[name], non_blocking=True)
         self._copies_done()
 
-    def apply(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes] | None = None, *,
-              run_id: str = "", round: int = 0) -> ApplyResult:
+    def apply(
+        self,
+        payloads: Mapping[str, bytes],
+        public_key: Callable[[str], bytes] | None = None,
+        *,
+        run_id: str = "",
+        round: int = 0,
+    ) -> ApplyResult:
         """Verify, aggregate and take the outer step (`prepare` then `commit`)."""
         return self.commit(self.prepare(payloads, public_key, run_id=run_id, round=round))
 
@@ -288,8 +311,9 @@ class OuterStep:
         self.start[name].copy_(new)  # also `local_start` without overlap
 
 
-def decode_or_refusal(outer, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
-                      round: int) -> Mapping[str, Any] | Exception:
+def decode_or_refusal(
+    outer, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str, round: int
+) -> Mapping[str, Any] | Exception:
     """`outer.decode` (any outer step, a multi-rank node's too), or the refusal it raised (one of
     `outer.refusable`), returned."""
     try:
@@ -298,11 +322,28 @@ def decode_or_refusal(outer, payload: bytes, public_key: Callable[[str], bytes],
         return e
 
 
-def decode_sparse(payload: bytes, spec: ModelSpec, cfg: OuterConfig, public_key: Callable[[str], bytes], *,
-                  peer_id: str, run_id: str, round: int, device: torch.device | str = "cpu") -> PacketSelections:
+def decode_sparse(
+    payload: bytes,
+    spec: ModelSpec,
+    cfg: OuterConfig,
+    public_key: Callable[[str], bytes],
+    *,
+    peer_id: str,
+    run_id: str,
+    round: int,
+    device: torch.device | str = "cpu",
+) -> PacketSelections:
     """A SparseLoCo packet verified, bounded and decoded on `device`; refused when it names another peer."""
-    packet = decode_packet(payload, spec, public_key, run_id=run_id, round=round,
-                           max_bytes=cfg.max_packet_bytes, max_abs_value=cfg.max_abs_value, device=device)
+    packet = decode_packet(
+        payload,
+        spec,
+        public_key,
+        run_id=run_id,
+        round=round,
+        max_bytes=cfg.max_packet_bytes,
+        max_abs_value=cfg.max_abs_value,
+        device=device,
+    )
     if packet.peer_id != peer_id:
         raise ProtocolError(f"packet names peer {packet.peer_id!r}")
     if cfg.aggregation == "median_clip":  # its norms now, on the decoding worker (kept for the aggregation)
@@ -323,17 +364,26 @@ class SparseLoCoOuter(OuterStep):
             buffer.zero_()
         super().load_snapshot_state(tensors)
 
-    def make_payload(self, *, run_id: str, round: int, peer_id: str, base_digest: str, key: PeerKey,
-                     deltas: Mapping[str, torch.Tensor] | None = None) -> bytes:
+    def make_payload(
+        self,
+        *,
+        run_id: str,
+        round: int,
+        peer_id: str,
+        base_digest: str,
+        key: PeerKey,
+        deltas: Mapping[str, torch.Tensor] | None = None,
+    ) -> bytes:
         """Fold this round's delta (given, or the parameters' since the round began) into the error
         buffers and encode what leaves them."""
         sparse = {}
-        for name, delta in (deltas.items() if deltas is not None else self.deltas()):
+        for name, delta in deltas.items() if deltas is not None else self.deltas():
             # Top-k runs on the training device: the buffer is staged there a tensor at a time.
             buffer = self.error_buffers[name]
             staged = self._to_params(buffer)
-            sparse[name] = error_feedback_step(staged, self._to_params(delta.float()), self.layouts[name],
-                                               self.cfg.error_decay, self.cfg.outer_lr)
+            sparse[name] = error_feedback_step(
+                staged, self._to_params(delta.float()), self.layouts[name], self.cfg.error_decay, self.cfg.outer_lr
+            )
             if staged is not buffer:
                 buffer.copy_(staged, non_blocking=True)
         self._copies_done()
@@ -344,21 +394,45 @@ class SparseLoCoOuter(OuterStep):
         each buffer then holds its folded value before compression, to one float32 rounding."""
         # Decoded where the buffers live: with host placement this takes no memory on the training
         # device, whose gradients may be in use when the manifest comes; no transfer of the packet either.
-        packet = decode_sparse(payload, self.spec, self.cfg, lambda _: public_key, peer_id=peer_id, run_id=run_id,
-                               round=round, device=self.state_device)
+        packet = decode_sparse(
+            payload,
+            self.spec,
+            self.cfg,
+            lambda _: public_key,
+            peer_id=peer_id,
+            run_id=run_id,
+            round=round,
+            device=self.state_device,
+        )
         # Only the selected elements change, one tensor at a time: no dense copy of the model is made.
         for name, sparse in packet.items():
             restore_sent(self.error_buffers[name], sparse)
 
-    def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
-               round: int) -> PacketSelections:
+    def decode(
+        self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str, round: int
+    ) -> PacketSelections:
         # Decoded where the aggregate is made: on CUDA without overlap that is the training device, whose
         # gradients are free by then, so the round's decoded packets take no host memory.
-        return decode_sparse(payload, self.spec, self.cfg, public_key, peer_id=peer_id, run_id=run_id, round=round,
-                             device=self.aggregate_device)
+        return decode_sparse(
+            payload,
+            self.spec,
+            self.cfg,
+            public_key,
+            peer_id=peer_id,
+            run_id=run_id,
+            round=round,
+            device=self.aggregate_device,
+        )
 
-    def prepare(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
-                round: int, decoded: Mapping[str, Any] | None = None) -> Prepared:
+    def prepare(
+        self,
+        payloads: Mapping[str, bytes],
+        public_key: Callable[[str], bytes],
+        *,
+        run_id: str,
+        round: int,
+        decoded: Mapping[str, Any] | None = None,
+    ) -> Prepared:
         """Verify, decode and aggregate the round's packets; touches no parameter (runs beside training).
         `decoded` holds what `decode` already made of some payloads (or raised for them)."""
         decoded, result = self._decode_all(payloads, public_key, run_id, round, decoded)
@@ -372,8 +446,9 @@ class SparseLoCoOuter(OuterStep):
                 for name, scale in zip(self.spec.shapes, scales):
                     if scale < 1.0:
                         result.scales.setdefault(peer, {})[name] = scale
-        means = aggregate_packets(packets, device=self.aggregate_device, divide_by_peers=self.cfg.divide_by_peers,
-                                  peer_scales=peer_scales)
+        means = aggregate_packets(
+            packets, device=self.aggregate_device, divide_by_peers=self.cfg.divide_by_peers, peer_scales=peer_scales
+        )
         aggregates = {}
         for name in self.params:
             aggregate = means[name]
@@ -442,8 +517,16 @@ class DiLoCoOuter(OuterStep):
                 raise ValueOutOfRange(f"tensor {name!r}: a value exceeds max_abs_value {self.cfg.max_abs_value:g}")
         return tensors
 
-    def prepare(self, payloads: Mapping[str, bytes], public_key=None, *, run_id: str = "", round: int = 0,
-                decoded: Mapping[str, Any] | None = None, **_) -> Prepared:
+    def prepare(
+        self,
+        payloads: Mapping[str, bytes],
+        public_key=None,
+        *,
+        run_id: str = "",
+        round: int = 0,
+        decoded: Mapping[str, Any] | None = None,
+        **_,
+    ) -> Prepared:
         """Check the dense deltas and average them (peer-id order); touches no parameter."""
         deltas, result = self._decode_all(payloads, public_key, run_id, round, decoded)
         if not deltas:
@@ -472,7 +555,8 @@ class DiLoCoOuter(OuterStep):
         return prepared.result
 
 
-def make_outer(params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig,
-               state_placement: str = "host") -> SparseLoCoOuter | DiLoCoOuter:
+def make_outer(
+    params: Mapping[str, torch.nn.Parameter], cfg: OuterConfig, state_placement: str = "host"
+) -> SparseLoCoOuter | DiLoCoOuter:
     """The outer step of `cfg.strategy`; `state_placement` ("host", "device"): see the module docstring."""
     return {"sparseloco": SparseLoCoOuter, "diloco": DiLoCoOuter}[cfg.strategy](params, cfg, state_placement)

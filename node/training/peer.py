@@ -20,8 +20,14 @@ import torch
 
 from node.training.build import inner_config, model_config, outer_config
 from node.training.data import EmptyData, TokenDataset, check_vocabulary, evaluate
-from node.training.inner import (ExecutionConfig, InnerConfig, InnerResult, make_inner_optimizer, prepare_model,
-                                  run_inner_steps)
+from node.training.inner import (
+    ExecutionConfig,
+    InnerConfig,
+    InnerResult,
+    make_inner_optimizer,
+    prepare_model,
+    run_inner_steps,
+)
 from node.training.model import build_model
 from node.training.outer import DiLoCoOuter, SparseLoCoOuter, make_outer
 from node.training.params import flat_named_params
@@ -50,14 +56,23 @@ class PeerTraining:
     def execution_of(node: "NodeConfig") -> ExecutionConfig:
         """The inner-step execution choices of a node config (node/config.py)."""
         memory = node.memory
-        return ExecutionConfig(micro_batch_size=memory.micro_batch_size, compile=node.training.compile_model,
-                               activation_checkpointing=memory.activation_checkpointing,
-                               loss_chunk_tokens=memory.loss_chunk_tokens)
+        return ExecutionConfig(
+            micro_batch_size=memory.micro_batch_size,
+            compile=node.training.compile_model,
+            activation_checkpointing=memory.activation_checkpointing,
+            loss_chunk_tokens=memory.loss_chunk_tokens,
+        )
 
     @classmethod
-    def build(cls, run: RunConfig, device: torch.device | str, shard: TokenDataset,
-              inner: InnerConfig | None = None, val: TokenDataset | None = None,
-              node: "NodeConfig | None" = None) -> "PeerTraining":
+    def build(
+        cls,
+        run: RunConfig,
+        device: torch.device | str,
+        shard: TokenDataset,
+        inner: InnerConfig | None = None,
+        val: TokenDataset | None = None,
+        node: "NodeConfig | None" = None,
+    ) -> "PeerTraining":
         """The peer's state at the run's start (seeded initialisation or the run's init_from, zero
         error feedback); `inner` replaces the run's inner config (the simulator's per-strategy
         learning rates); `val` is the held-out split `evaluate_global` reads. A shard the run's
@@ -80,10 +95,21 @@ class PeerTraining:
         inner = inner or inner_config(run)
         execution = cls.execution_of(node) if node is not None else ExecutionConfig()
         prepare_model(model, execution)
-        outer = make_outer(flat_named_params(model), outer_config(run),
-                           node.memory.state_placement if node is not None else "host")
-        return cls(model=model, optimizer=make_inner_optimizer(model, inner), inner=inner, outer=outer, shard=shard,
-                   device=device, seed=run.model.seed, inner_steps=run.inner.steps, val=val, execution=execution)
+        outer = make_outer(
+            flat_named_params(model), outer_config(run), node.memory.state_placement if node is not None else "host"
+        )
+        return cls(
+            model=model,
+            optimizer=make_inner_optimizer(model, inner),
+            inner=inner,
+            outer=outer,
+            shard=shard,
+            device=device,
+            seed=run.model.seed,
+            inner_steps=run.inner.steps,
+            val=val,
+            execution=execution,
+        )
 
     def evaluate_global(self, num_batches: int = 1) -> float | None:
         """Mean loss of the global model (`outer.start`, the same on every peer) on the first
@@ -106,19 +132,40 @@ class PeerTraining:
                 if local is not None:
                     for name, p in params.items():
                         p.copy_(self.outer.start[name])
-            return evaluate(self.model, self.val, num_batches, batch_size=self.inner.batch_size,
-                            seq_len=self.inner.seq_len, device=self.device)
+            return evaluate(
+                self.model,
+                self.val,
+                num_batches,
+                batch_size=self.inner.batch_size,
+                seq_len=self.inner.seq_len,
+                device=self.device,
+            )
         finally:
             if local is not None:
                 with torch.no_grad():
                     for name, p in params.items():
                         p.copy_(local[name])
 
-    def train_round(self, round: int, on_step: Callable[[int, float, float], None] | None = None,
-                    on_step_queued: Callable[[int], None] | None = None) -> InnerResult:
+    def train_round(
+        self,
+        round: int,
+        on_step: Callable[[int, float, float], None] | None = None,
+        on_step_queued: Callable[[int], None] | None = None,
+    ) -> InnerResult:
         """Round `round`'s H inner steps: global steps round*H ..., on the batches of those steps."""
         start_step = round * self.inner_steps
-        batches = self.shard.batches(self.inner.batch_size, self.inner.seq_len, self.seed, self.device,
-                                     start_step=start_step)
-        return run_inner_steps(self.model, self.optimizer, batches, start_step, self.inner_steps, self.inner,
-                               self.device, on_step, on_step_queued, self.execution)
+        batches = self.shard.batches(
+            self.inner.batch_size, self.inner.seq_len, self.seed, self.device, start_step=start_step
+        )
+        return run_inner_steps(
+            self.model,
+            self.optimizer,
+            batches,
+            start_step,
+            self.inner_steps,
+            self.inner,
+            self.device,
+            on_step,
+            on_step_queued,
+            self.execution,
+        )

@@ -50,32 +50,63 @@ class RankedOuter:
     def begin_round(self) -> None:
         self.leader("begin")
 
-    def make_payload(self, *, run_id: str, round: int, peer_id: str, base_digest: str, key: PeerKey,
-                     deltas: Mapping[str, torch.Tensor] | None = None) -> bytes:
+    def make_payload(
+        self,
+        *,
+        run_id: str,
+        round: int,
+        peer_id: str,
+        base_digest: str,
+        key: PeerKey,
+        deltas: Mapping[str, torch.Tensor] | None = None,
+    ) -> bytes:
         if deltas is not None:
             raise ValueError("a multi-rank node encodes its ranks' own deltas (no overlap)")
-        return self.leader("encode", {"run_id": run_id, "round": round, "peer_id": peer_id,
-                                      "base_digest": base_digest}, key=key)
+        return self.leader(
+            "encode", {"run_id": run_id, "round": round, "peer_id": peer_id, "base_digest": base_digest}, key=key
+        )
 
     def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
         """Every rank puts its rows of this node's unapplied packet back into its error buffer
         (ShardedSparseLoCo.return_unsent; node/training/outer.py states the contract)."""
-        self.leader("return_unsent", {"payload": bytes(payload), "public_key": bytes(public_key), "peer_id": peer_id,
-                                      "run_id": run_id, "round": round})
+        self.leader(
+            "return_unsent",
+            {
+                "payload": bytes(payload),
+                "public_key": bytes(public_key),
+                "peer_id": peer_id,
+                "run_id": run_id,
+                "round": round,
+            },
+        )
 
-    def decode(self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str,
-               round: int) -> dict[str, SparseTensor]:
+    def decode(
+        self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str, round: int
+    ) -> dict[str, SparseTensor]:
         """Verify and decode on rank 0 alone (as packets arrive; each rank decodes again to apply)."""
         return decode_sparse(payload, self.spec, self.cfg, public_key, peer_id=peer_id, run_id=run_id, round=round)
 
-    def prepare(self, payloads: Mapping[str, bytes], public_key: Callable[[str], bytes], *, run_id: str,
-                round: int, decoded: Mapping[str, Any] | None = None) -> Prepared:
+    def prepare(
+        self,
+        payloads: Mapping[str, bytes],
+        public_key: Callable[[str], bytes],
+        *,
+        run_id: str,
+        round: int,
+        decoded: Mapping[str, Any] | None = None,
+    ) -> Prepared:
         """Every rank verifies and decodes the payloads and aggregates its rows; kept until `commit`."""
         token, self._next_token = self._next_token, self._next_token + 1
-        prepared = self.leader("prepare", {
-            "payloads": {peer: bytes(data) for peer, data in payloads.items()},
-            "public_keys": {peer: bytes(public_key(peer)) for peer in payloads},
-            "run_id": run_id, "round": round, "token": token})
+        prepared = self.leader(
+            "prepare",
+            {
+                "payloads": {peer: bytes(data) for peer, data in payloads.items()},
+                "public_keys": {peer: bytes(public_key(peer)) for peer in payloads},
+                "run_id": run_id,
+                "round": round,
+                "token": token,
+            },
+        )
         self._pending[token] = prepared
         for old in sorted(self._pending)[:-KEPT_PREPARED]:
             del self._pending[old]
@@ -121,8 +152,17 @@ class RankedTraining:
     leader: Leader
 
     @classmethod
-    def build(cls, leader: Leader, run: RunConfig, *, device: str, data: str | None, shard_index: int,
-              num_shards: int, evaluate: bool) -> RankedTraining:
+    def build(
+        cls,
+        leader: Leader,
+        run: RunConfig,
+        *,
+        device: str,
+        data: str | None,
+        shard_index: int,
+        num_shards: int,
+        evaluate: bool,
+    ) -> RankedTraining:
         """Build every rank's state (the node's data shard split by batch rows) and rank 0's copy."""
         from node.training.build import inner_config, model_config, outer_config
         from node.training.model import build_model
@@ -130,19 +170,40 @@ class RankedTraining:
         if run.outer.strategy != "sparseloco" or run.outer.overlap:
             raise CannotStart("a multi-rank node (--ranks) runs the sparseloco strategy without overlap")
         if run.inner.batch_size % leader.group.world_size:
-            raise CannotStart(f"the run's batch of {run.inner.batch_size} sequences does not split over "
-                             f"{leader.group.world_size} ranks: pick a --ranks that divides it")
-        leader.start({"run": run.model_dump_json(), "data": data, "shard_index": shard_index,
-                      "num_shards": num_shards, "evaluate": evaluate, "device": device})
+            raise CannotStart(
+                f"the run's batch of {run.inner.batch_size} sequences does not split over "
+                f"{leader.group.world_size} ranks: pick a --ranks that divides it"
+            )
+        leader.start(
+            {
+                "run": run.model_dump_json(),
+                "data": data,
+                "shard_index": shard_index,
+                "num_shards": num_shards,
+                "evaluate": evaluate,
+                "device": device,
+            }
+        )
         model = build_model(model_config(run), run.model.seed)  # overwritten from the ranks just below
         global_model = flat_named_params(model)
         leader("gather", mirror=global_model)
-        return cls(model=model, optimizer=None, inner=inner_config(run),
-                   outer=RankedOuter(leader, global_model, outer_config(run)), device=torch.device("cpu"),
-                   seed=run.model.seed, inner_steps=run.inner.steps, leader=leader)
+        return cls(
+            model=model,
+            optimizer=None,
+            inner=inner_config(run),
+            outer=RankedOuter(leader, global_model, outer_config(run)),
+            device=torch.device("cpu"),
+            seed=run.model.seed,
+            inner_steps=run.inner.steps,
+            leader=leader,
+        )
 
-    def train_round(self, round: int, on_step: Callable[[int, float, float], None] | None = None,
-                    on_step_queued: Callable[[int], None] | None = None) -> InnerResult:
+    def train_round(
+        self,
+        round: int,
+        on_step: Callable[[int, float, float], None] | None = None,
+        on_step_queued: Callable[[int], None] | None = None,
+    ) -> InnerResult:
         return self.leader("train", {"round": round}, on_step=on_step, on_step_queued=on_step_queued)
 
     def evaluate_global(self, num_batches: int = 1) -> float | None:

@@ -76,8 +76,9 @@ class JsonTokenizer:
         try:
             import tokenizers
         except ImportError:
-            raise GenerateError("reading a tokenizer.json needs the tokenizers package: "
-                                "pip install 'locoswarm[data]'") from None
+            raise GenerateError(
+                "reading a tokenizer.json needs the tokenizers package: pip install 'locoswarm[data]'"
+            ) from None
         try:
             self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot load
@@ -105,11 +106,15 @@ def run_tokenizer(cfg: ModelConfig, tokenizer: str | None, beside: Path | None =
         if cfg.tokenizer_id is None and cfg.vocab_size == BYTE_VOCAB_SIZE:
             return ByteTokenizer()
         named = f"tokenizer {cfg.tokenizer_id[:12]}" if cfg.tokenizer_id else "a tokenizer it does not name"
-        raise GenerateError(f"the model was trained on {named} ({cfg.vocab_size} token ids): pass --tokenizer with "
-                            "the run's tokenizer.json or the `locoswarm data prepare` directory holding it")
+        raise GenerateError(
+            f"the model was trained on {named} ({cfg.vocab_size} token ids): pass --tokenizer with "
+            "the run's tokenizer.json or the `locoswarm data prepare` directory holding it"
+        )
     if cfg.tokenizer_id is not None and (identity := tokenizer_id(path)) != cfg.tokenizer_id:
-        raise GenerateError(f"{path} is tokenizer {identity[:12]}, the model was trained on {cfg.tokenizer_id[:12]}: "
-                            "pass the tokenizer.json of the run's data")
+        raise GenerateError(
+            f"{path} is tokenizer {identity[:12]}, the model was trained on {cfg.tokenizer_id[:12]}: "
+            "pass the tokenizer.json of the run's data"
+        )
     return JsonTokenizer(path)
 
 
@@ -144,8 +149,7 @@ def load_checkpoint_model(directory: str | Path) -> tuple[Transformer, str]:
         raise GenerateError(f"{directory}: the checkpoint does not record its model config")
     model = _built(_model_config(meta["model_config"], f"{directory}/meta.json"))
     checkpoint = load_checkpoint(directory, model)
-    return model, (f"checkpoint {directory}, round {checkpoint.round}, "
-                   f"{num_parameters(model) / 1e6:.2f}M parameters")
+    return model, (f"checkpoint {directory}, round {checkpoint.round}, {num_parameters(model) / 1e6:.2f}M parameters")
 
 
 def load_exported_model(directory: str | Path) -> tuple[Transformer, str]:
@@ -167,8 +171,9 @@ def load_exported_model(directory: str | Path) -> tuple[Transformer, str]:
         raise GenerateError(f"cannot read {directory / CONFIG_FILE}: {error}") from None
     cfg = _model_config(_fields_of_hf_config(hf, str(directory / CONFIG_FILE)), str(directory / CONFIG_FILE))
     if differences := config_differences(hf, cfg):
-        raise GenerateError(f"{directory / CONFIG_FILE} describes a model this project does not compute: "
-                            f"{'; '.join(differences)}")
+        raise GenerateError(
+            f"{directory / CONFIG_FILE} describes a model this project does not compute: {'; '.join(differences)}"
+        )
     try:
         state = load_file(str(directory / WEIGHTS_FILE))
     except (OSError, SafetensorError) as error:
@@ -187,11 +192,18 @@ def _fields_of_hf_config(hf: dict, source: str) -> dict:
     theta = hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
     try:
         heads = hf["num_attention_heads"]
-        return {"vocab_size": hf["vocab_size"], "hidden": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
-                "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads") or heads,
-                "intermediate": hf["intermediate_size"], "max_seq_len": hf["max_position_embeddings"],
-                "rope_theta": float(theta or 10000.0), "norm_eps": hf.get("rms_norm_eps", 1e-6),
-                "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+        return {
+            "vocab_size": hf["vocab_size"],
+            "hidden": hf["hidden_size"],
+            "num_layers": hf["num_hidden_layers"],
+            "num_heads": heads,
+            "num_kv_heads": hf.get("num_key_value_heads") or heads,
+            "intermediate": hf["intermediate_size"],
+            "max_seq_len": hf["max_position_embeddings"],
+            "rope_theta": float(theta or 10000.0),
+            "norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        }
     except KeyError as error:
         raise GenerateError(f"{source} has no {error.args[0]}: not a Llama config") from None
 
@@ -199,8 +211,9 @@ def _fields_of_hf_config(hf: dict, source: str) -> dict:
 # -- sampling ------------------------------------------------------------------------------------
 
 
-def generate_ids(model: Transformer, prompt_ids: Sequence[int], sample: SampleConfig,
-                 stop_id: int | None = None) -> list[int]:
+def generate_ids(
+    model: Transformer, prompt_ids: Sequence[int], sample: SampleConfig, stop_id: int | None = None
+) -> list[int]:
     """The new token ids after `prompt_ids` (at most sample.max_new_tokens; `stop_id` ends them
     and is not returned). See the module docstring for greedy, seeded sampling and the context."""
     import torch
@@ -209,8 +222,10 @@ def generate_ids(model: Transformer, prompt_ids: Sequence[int], sample: SampleCo
         raise GenerateError("the prompt encodes to no tokens: give some text")
     vocab_size, context_len = model.config.vocab_size, model.config.max_seq_len
     if max(prompt_ids) >= vocab_size:
-        raise GenerateError(f"the prompt has token id {max(prompt_ids)}, the model embeds {vocab_size}: "
-                            "this tokenizer is not the model's")
+        raise GenerateError(
+            f"the prompt has token id {max(prompt_ids)}, the model embeds {vocab_size}: "
+            "this tokenizer is not the model's"
+        )
     device = next(model.parameters()).device
     generator = torch.Generator(device="cpu").manual_seed(sample.seed)
     ids, new = list(prompt_ids), []
@@ -238,5 +253,5 @@ def generate_text(model: Transformer, tokenizer: TextTokenizer, prompt: str, sam
     # Decoded together with the prompt, so that a token which completes the prompt's last word or
     # character reads as it would in the text; the prompt's own decoding is then cut off.
     head, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + new_ids)
-    continuation = whole[len(head):] if whole.startswith(head) else tokenizer.decode(new_ids)
+    continuation = whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new_ids)
     return prompt + continuation

@@ -103,8 +103,9 @@ def score_updates(
         norm = math.sqrt(squares) * math.sqrt(reference_squares)
         cosine = dot / norm if norm > 0 else 0.0
         finite = math.isfinite(loss_peer) and math.isfinite(loss_start)
-        scores[peer_id] = PeerScore(loss_delta=loss_peer - loss_start if finite else math.inf,
-                                    cosine=max(-1.0, min(1.0, cosine)))
+        scores[peer_id] = PeerScore(
+            loss_delta=loss_peer - loss_start if finite else math.inf, cosine=max(-1.0, min(1.0, cosine))
+        )
     return scores
 
 
@@ -122,23 +123,29 @@ class _LossOf(nn.Module):
         return lm_loss(self.model, x, y)
 
 
-def score_round(training, start: Mapping[str, torch.Tensor], prepared, scorer_id: str, round: int, section,
-                outer_lr: float) -> dict[str, PeerScore]:
+def score_round(
+    training, start: Mapping[str, torch.Tensor], prepared, scorer_id: str, round: int, section, outer_lr: float
+) -> dict[str, PeerScore]:
     """`scorer_id`'s reportable scores of round r's accepted updates (`prepared`, node/training/outer.py,
     before its outer step), on its own scoring batch; `training` is its PeerTraining, `section` the
     run's [scoring]. The node (node/round/steps.py) and the simulator (tools/sim/engine.py) both call it."""
     picked = pick_peers(prepared.result.accepted, scorer_id, round, section.max_peers_per_round)
     if not picked:
         return {}
-    batch = scoring_batch(training.shard, round, section.batch_sequences, training.inner.seq_len, training.seed,
-                          training.device)
+    batch = scoring_batch(
+        training.shard, round, section.batch_sequences, training.inner.seq_len, training.seed, training.device
+    )
     scores = score_updates(training.model, start, {p: prepared.updates[p] for p in picked}, batch, outer_lr)
     overlaps = index_overlaps(prepared.updates, picked, round, section.copy_overlap)
     return reportable({p: replace(sc, overlap=overlaps[p][0], overlap_with=overlaps[p][1]) for p, sc in scores.items()})
 
 
-def index_overlaps(updates: Mapping[str, Mapping[str, SparseTensor | torch.Tensor]], picked: Collection[str],
-                   round: int, copy_overlap: float = 1.0) -> dict[str, tuple[float, tuple[str, ...]]]:
+def index_overlaps(
+    updates: Mapping[str, Mapping[str, SparseTensor | torch.Tensor]],
+    picked: Collection[str],
+    round: int,
+    copy_overlap: float = 1.0,
+) -> dict[str, tuple[float, tuple[str, ...]]]:
     """For each picked peer, the largest share of its update's entries (a position and its 2-bit code)
     that another update of the round (any in `updates`, this node's own included) also holds, and
     whose: every peer whose update shares at least `copy_overlap` (a copy of a copy shares all with
@@ -179,8 +186,9 @@ def index_overlaps(updates: Mapping[str, Mapping[str, SparseTensor | torch.Tenso
     return out
 
 
-def scoring_batch(shard: TokenDataset, round: int, num_sequences: int, seq_len: int, seed: int,
-                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def scoring_batch(
+    shard: TokenDataset, round: int, num_sequences: int, seq_len: int, seed: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Round r's scoring batch from this node's shard: (B, T) inputs and targets."""
     return shard.batch(round, num_sequences, seq_len, (seed + SCORING_SEED) % 2**63, device)
 
@@ -201,6 +209,10 @@ def reportable(scores: Mapping[str, PeerScore]) -> dict[str, PeerScore]:
     for peer_id, score in scores.items():
         delta = score.loss_delta if not math.isnan(score.loss_delta) else math.inf
         cosine = score.cosine if math.isfinite(score.cosine) else 0.0
-        out[peer_id] = PeerScore(loss_delta=max(-MAX_ABS_LOSS_DELTA, min(MAX_ABS_LOSS_DELTA, delta)), cosine=cosine,
-                                 overlap=min(1.0, max(0.0, score.overlap)), overlap_with=score.overlap_with)
+        out[peer_id] = PeerScore(
+            loss_delta=max(-MAX_ABS_LOSS_DELTA, min(MAX_ABS_LOSS_DELTA, delta)),
+            cosine=cosine,
+            overlap=min(1.0, max(0.0, score.overlap)),
+            overlap_with=score.overlap_with,
+        )
     return out

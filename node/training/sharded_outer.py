@@ -101,8 +101,9 @@ def is_aligned(layout: ChunkLayout, world_size: int) -> bool:
 def local_layout(layout: ChunkLayout, num_rows: int) -> ChunkLayout:
     """The layout of `num_rows` rows of an aligned tensor: same tiles and k, fewer tile rows."""
     if len(layout.shape) >= 2:
-        return ChunkLayout((num_rows, *layout.shape[1:]), num_rows, layout.cols, layout.tile_rows,
-                           layout.tile_cols, layout.k)
+        return ChunkLayout(
+            (num_rows, *layout.shape[1:]), num_rows, layout.cols, layout.tile_rows, layout.tile_cols, layout.k
+        )
     return ChunkLayout((num_rows,), 1, num_rows, 1, layout.tile_cols, layout.k)
 
 
@@ -124,8 +125,14 @@ class ShardedSparseLoCo:
     FSDP2, `DTensor.to_local()`), `shapes`: name -> the whole tensor's shape.
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]],
-                 cfg: OuterConfig, *, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        shapes: Mapping[str, tuple[int, ...]],
+        cfg: OuterConfig,
+        *,
+        group: dist.ProcessGroup | None = None,
+    ):
         if cfg.strategy != "sparseloco" or cfg.overlap:
             raise ValueError("a multi-rank node runs the sparseloco strategy without overlap")
         self.cfg, self.group = cfg, group
@@ -139,17 +146,23 @@ class ShardedSparseLoCo:
             rows = row_ranges(_rows_of(layout.shape), self.world_size)
             start, end = rows[self.rank]
             if layout.shape and tuple(self.params[name].shape) != (end - start, *layout.shape[1:]):
-                raise ValueError(f"{name}: rank {self.rank} holds {tuple(self.params[name].shape)}, "
-                                 f"expected rows {start}:{end} of {layout.shape}")
+                raise ValueError(
+                    f"{name}: rank {self.rank} holds {tuple(self.params[name].shape)}, "
+                    f"expected rows {start}:{end} of {layout.shape}"
+                )
             aligned = is_aligned(layout, self.world_size)
-            self.shards[name] = TensorShard(name, layout, rows, aligned,
-                                            local_layout(layout, end - start) if aligned else None)
+            self.shards[name] = TensorShard(
+                name, layout, rows, aligned, local_layout(layout, end - start) if aligned else None
+            )
         self.start = {name: p.detach().clone() for name, p in self.params.items()}
         # Aligned tensors: this rank's rows; the rest: the whole buffer on rank 0, nothing elsewhere.
         self.error_buffers = {
-            name: torch.zeros_like(self.params[name], dtype=torch.float32) if shard.aligned
+            name: torch.zeros_like(self.params[name], dtype=torch.float32)
+            if shard.aligned
             else torch.zeros(shard.layout.shape, dtype=torch.float32, device=self.params[name].device)
-            for name, shard in self.shards.items() if shard.aligned or self.rank == 0}
+            for name, shard in self.shards.items()
+            if shard.aligned or self.rank == 0
+        }
 
     # --- the round ---------------------------------------------------------------------------
 
@@ -163,8 +176,9 @@ class ShardedSparseLoCo:
         for buffer in self.error_buffers.values():
             buffer.zero_()
 
-    def make_payload(self, *, run_id: str, round: int, peer_id: str, base_digest: str,
-                     key: PeerKey | None) -> bytes | None:
+    def make_payload(
+        self, *, run_id: str, round: int, peer_id: str, base_digest: str, key: PeerKey | None
+    ) -> bytes | None:
         """Fold this round's delta into the error buffers, encode; the packet on rank 0, None elsewhere."""
         sparse: dict[str, SparseTensor | None] = {}
         for name, shard in self.shards.items():
@@ -189,8 +203,14 @@ class ShardedSparseLoCo:
             finite = bool(torch.isfinite(all_selected).all())
             if finite:
                 codes, table = quantize(all_selected)
-            flags = torch.tensor([float(finite), table.shift if finite else 0.0,
-                                  *(table.lookup.double().tolist() if finite else [0.0] * 4)], dtype=torch.float64)
+            flags = torch.tensor(
+                [
+                    float(finite),
+                    table.shift if finite else 0.0,
+                    *(table.lookup.double().tolist() if finite else [0.0] * 4),
+                ],
+                dtype=torch.float64,
+            )
         else:
             flags = torch.zeros(6, dtype=torch.float64)
         dist.broadcast(flags, 0, group=self.group)
@@ -213,8 +233,13 @@ class ShardedSparseLoCo:
         sparse, ok = None, torch.ones(1, dtype=torch.float64)
         if self.rank == 0:
             try:
-                sparse = error_feedback_step(self.error_buffers[shard.name], full.reshape(shard.layout.shape),
-                                             shard.layout, self.cfg.error_decay, self.cfg.outer_lr)
+                sparse = error_feedback_step(
+                    self.error_buffers[shard.name],
+                    full.reshape(shard.layout.shape),
+                    shard.layout,
+                    self.cfg.error_decay,
+                    self.cfg.outer_lr,
+                )
             except ValueError:
                 ok.zero_()
         dist.broadcast(ok, 0, group=self.group)
@@ -229,16 +254,30 @@ class ShardedSparseLoCo:
         tensors) or, on rank 0, of the whole tensor (the rest): each rank's rows end as a 1-rank
         node's buffer would. No collective runs: a packet that does not decode raises the same
         `ProtocolError` on every rank, before any buffer changes."""
-        packet = decode_packet(payload, self.spec, public_key, run_id=run_id, round=round,
-                               max_bytes=self.cfg.max_packet_bytes, max_abs_value=self.cfg.max_abs_value)
+        packet = decode_packet(
+            payload,
+            self.spec,
+            public_key,
+            run_id=run_id,
+            round=round,
+            max_bytes=self.cfg.max_packet_bytes,
+            max_abs_value=self.cfg.max_abs_value,
+        )
         if packet.peer_id != peer_id:
             raise ProtocolError(f"packet names peer {packet.peer_id!r}")
         for name, shard in self.shards.items():
             sent = packet.tensors[name]
             if shard.aligned:
                 first, count = _chunk_span(shard, self.rank)
-                restore_sent(self.error_buffers[name], SparseTensor(
-                    shard.local, sent.positions[first:first + count], sent.codes[first:first + count], sent.table))
+                restore_sent(
+                    self.error_buffers[name],
+                    SparseTensor(
+                        shard.local,
+                        sent.positions[first : first + count],
+                        sent.codes[first : first + count],
+                        sent.table,
+                    ),
+                )
             elif self.rank == 0:
                 restore_sent(self.error_buffers[name], sent)
 
@@ -246,15 +285,22 @@ class ShardedSparseLoCo:
 
     refusable: tuple[type[Exception], ...] = (ProtocolError,)
 
-    def prepare(self, payloads: Mapping[str, bytes], public_keys: Mapping[str, bytes], *, run_id: str,
-                round: int) -> Prepared:
+    def prepare(
+        self, payloads: Mapping[str, bytes], public_keys: Mapping[str, bytes], *, run_id: str, round: int
+    ) -> Prepared:
         """Verify and decode every payload (the same on every rank), aggregate this rank's rows."""
         decoded, result = {}, ApplyResult(accepted=[])
         for peer_id in sorted(payloads):
             try:
-                packet = decode_packet(payloads[peer_id], self.spec, public_keys[peer_id], run_id=run_id,
-                                       round=round, max_bytes=self.cfg.max_packet_bytes,
-                                       max_abs_value=self.cfg.max_abs_value)
+                packet = decode_packet(
+                    payloads[peer_id],
+                    self.spec,
+                    public_keys[peer_id],
+                    run_id=run_id,
+                    round=round,
+                    max_bytes=self.cfg.max_packet_bytes,
+                    max_abs_value=self.cfg.max_abs_value,
+                )
                 if packet.peer_id != peer_id:
                     raise ProtocolError(f"packet names peer {packet.peer_id!r}")
                 decoded[peer_id] = packet.tensors
@@ -275,14 +321,22 @@ class ShardedSparseLoCo:
             device = self.params[name].device
             if shard.aligned:
                 first, count = _chunk_span(shard, self.rank)
-                mine = [SparseTensor(shard.local, s.positions[first:first + count], s.codes[first:first + count],
-                                     s.table) for s in selections]
-                aggregate = scatter_mean(mine, device=device, divide_by_peers=self.cfg.divide_by_peers,
-                                         peer_scales=scales) if count else torch.zeros_like(self.start[name])
+                mine = [
+                    SparseTensor(
+                        shard.local, s.positions[first : first + count], s.codes[first : first + count], s.table
+                    )
+                    for s in selections
+                ]
+                aggregate = (
+                    scatter_mean(mine, device=device, divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales)
+                    if count
+                    else torch.zeros_like(self.start[name])
+                )
             else:  # the whole tensor, then this rank's rows
                 start, end = shard.rows[self.rank]
-                aggregate = scatter_mean(selections, device=device, divide_by_peers=self.cfg.divide_by_peers,
-                                         peer_scales=scales)[start:end].contiguous()
+                aggregate = scatter_mean(
+                    selections, device=device, divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales
+                )[start:end].contiguous()
             if self.cfg.outer_lr != 1.0:
                 aggregate = aggregate * self.cfg.outer_lr
             aggregates[name] = aggregate
@@ -291,8 +345,11 @@ class ShardedSparseLoCo:
     def commit(self, prepared: Prepared) -> ApplyResult:
         """theta = theta_start - aggregate, on this rank's rows (the start stays where nothing was usable)."""
         for name, p in self.params.items():
-            new = self.start[name].clone() if prepared.aggregates is None else \
-                self.start[name] - prepared.aggregates[name].reshape(self.start[name].shape)
+            new = (
+                self.start[name].clone()
+                if prepared.aggregates is None
+                else self.start[name] - prepared.aggregates[name].reshape(self.start[name].shape)
+            )
             p.detach().copy_(new)
             self.start[name].copy_(new)
         return prepared.result
@@ -309,8 +366,11 @@ class ShardedSparseLoCo:
     def load(self, name: str, full: torch.Tensor | None) -> None:
         """Set the parameter and round start of `name` from the whole tensor rank 0 passes."""
         shard, local = self.shards[name], self.params[name]
-        whole = full.to(local.device, torch.float32).contiguous() if self.rank == 0 else \
-            torch.empty(shard.layout.shape, dtype=torch.float32, device=local.device)
+        whole = (
+            full.to(local.device, torch.float32).contiguous()
+            if self.rank == 0
+            else torch.empty(shard.layout.shape, dtype=torch.float32, device=local.device)
+        )
         dist.broadcast(whole, 0, group=self.group)
         start, end = shard.rows[self.rank]
         local.detach().copy_(whole[start:end])
@@ -332,7 +392,7 @@ class ShardedSparseLoCo:
             return local
         most = max(counts)
         padded = torch.zeros((most, *local.shape[1:]), dtype=local.dtype, device=local.device)
-        padded[:local.shape[0]] = local
+        padded[: local.shape[0]] = local
         pieces = [torch.empty_like(padded) for _ in counts] if self.rank == 0 else None
         dist.gather(padded, pieces, dst=0, group=self.group)
         if self.rank != 0:
@@ -350,9 +410,8 @@ class ShardedSparseLoCo:
             pieces, offset = [], 0
             for count in counts:
                 piece = torch.zeros((most, width), dtype=torch.uint8)
-                piece[:count] = full[offset:offset + count]
+                piece[:count] = full[offset : offset + count]
                 pieces.append(piece)
                 offset += count
         dist.scatter(out, pieces, src=0, group=self.group)
         return out[:mine]
-

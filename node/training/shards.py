@@ -43,8 +43,16 @@ from pathlib import Path
 
 import numpy as np
 
-from node.training.data import (TOKENIZER_FILE, BadInput, DataError, DataNotFound, EmptyData, shard_dtype, tokenizer_id,
-                                write_bin_shard)
+from node.training.data import (
+    TOKENIZER_FILE,
+    BadInput,
+    DataError,
+    DataNotFound,
+    EmptyData,
+    shard_dtype,
+    tokenizer_id,
+    write_bin_shard,
+)
 
 DATA_FILE = "data.json"  # what `prepare` made: tokenizer, vocabulary, shards, token counts
 BPE_PREFIX = "bpe:"
@@ -68,8 +76,9 @@ def _import(module: str, extra: str = "data"):
     try:
         return __import__(module, fromlist=["_"])
     except ImportError:
-        raise MissingPackage(f"preparing data needs the {module.split('.')[0]} package: "
-                             f"pip install 'locoswarm[{extra}]'") from None
+        raise MissingPackage(
+            f"preparing data needs the {module.split('.')[0]} package: pip install 'locoswarm[{extra}]'"
+        ) from None
 
 
 # -- the tokenizer's id and special tokens -----------------------------------------------------
@@ -107,13 +116,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     text has fewer merges to offer)."""
     tk = _import("tokenizers")
     if vocab_size < 257:
-        raise ValueError(f"a byte-level BPE needs a vocabulary of at least 257 (256 bytes and {END_OF_TEXT}), "
-                         f"got {vocab_size}")
+        raise ValueError(
+            f"a byte-level BPE needs a vocabulary of at least 257 (256 bytes and {END_OF_TEXT}), got {vocab_size}"
+        )
     tokenizer = tk.Tokenizer(tk.models.BPE())
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 
@@ -225,8 +239,10 @@ def _jsonl_pieces(path: Path, column: str) -> Iterator[Piece]:
             text = record.get(column) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise BadInput(f"{path} line {number}: no text in {column!r} (it has {keys}); "
-                               "name the text's key with --text-column")
+                raise BadInput(
+                    f"{path} line {number}: no text in {column!r} (it has {keys}); "
+                    "name the text's key with --text-column"
+                )
             yield Piece(text, True, True, counting.count - reported)
             reported = counting.count
 
@@ -284,7 +300,7 @@ class _ShardWriter:
     def add(self, ids: np.ndarray) -> None:
         while len(ids):
             take = min(len(ids), len(self.buffer) - self.filled)
-            self.buffer[self.filled:self.filled + take] = ids[:take]
+            self.buffer[self.filled : self.filled + take] = ids[:take]
             self.filled += take
             ids = ids[take:]
             if self.filled == len(self.buffer):
@@ -295,8 +311,13 @@ class _ShardWriter:
             return
         name = f"{self.split}_{len(self.files):06d}.bin"
         temporary = self.out_dir / f".{name}.tmp"
-        write_bin_shard(temporary, self.buffer[:self.filled], self.buffer.dtype, vocab_size=self.vocab_size,
-                        tokenizer_id=self.tokenizer_id)
+        write_bin_shard(
+            temporary,
+            self.buffer[: self.filled],
+            self.buffer.dtype,
+            vocab_size=self.vocab_size,
+            tokenizer_id=self.tokenizer_id,
+        )
         os.replace(temporary, self.out_dir / name)
         self.files.append(name)
         self.num_tokens += self.filled
@@ -328,8 +349,14 @@ class PreparedData:
 
 def run_config_lines(prepared: PreparedData) -> str:
     """The run config's [model] lines for this data (TOML)."""
-    return "\n".join(["[model]", f"data = {json.dumps(prepared.out_dir)}", f"vocab_size = {prepared.vocab_size}",
-                      f"tokenizer_id = \"{prepared.tokenizer_id}\""])
+    return "\n".join(
+        [
+            "[model]",
+            f"data = {json.dumps(prepared.out_dir)}",
+            f"vocab_size = {prepared.vocab_size}",
+            f'tokenizer_id = "{prepared.tokenizer_id}"',
+        ]
+    )
 
 
 def prepare(
@@ -362,7 +389,7 @@ def prepare(
 
     if tokenizer_spec.startswith(BPE_PREFIX):
         try:
-            requested = int(tokenizer_spec[len(BPE_PREFIX):])
+            requested = int(tokenizer_spec[len(BPE_PREFIX) :])
         except ValueError:
             raise ValueError(f"bad tokenizer {tokenizer_spec!r}: bpe:VOCAB takes a number, e.g. bpe:32000") from None
         budget = min(total_bytes, tokenizer_train_bytes)
@@ -412,10 +439,19 @@ def prepare(
     if not train.files:
         raise EmptyData(f"no tokens in {', '.join(map(str, inputs))}")
     prepared = PreparedData(
-        out_dir=str(out), tokenizer=tokenizer_spec, tokenizer_id=identity, vocab_size=vocab_size,
-        bos_id=special["bos"], eos_id=special["eos"], dtype=shard_dtype(vocab_size).name,
-        num_documents=num_documents, num_tokens={s: w.num_tokens for s, w in writers.items()},
-        shards={s: w.files for s, w in writers.items()}, inputs=[str(f) for f in files], text_column=text_column)
+        out_dir=str(out),
+        tokenizer=tokenizer_spec,
+        tokenizer_id=identity,
+        vocab_size=vocab_size,
+        bos_id=special["bos"],
+        eos_id=special["eos"],
+        dtype=shard_dtype(vocab_size).name,
+        num_documents=num_documents,
+        num_tokens={s: w.num_tokens for s, w in writers.items()},
+        shards={s: w.files for s, w in writers.items()},
+        inputs=[str(f) for f in files],
+        text_column=text_column,
+    )
     (out / DATA_FILE).write_text(json.dumps(asdict(prepared), indent=2) + "\n")
     return prepared
 

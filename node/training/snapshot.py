@@ -33,7 +33,12 @@ import torch
 from node.training.params import named_tensors, tensor_bytes, tensor_header, tensor_nbytes
 from protocol.digest import CHUNK_BYTES, Tree, encode_header, leaf, tree_of
 from protocol.snapshot import (
-    PARAMS_SECTION, SectionLayout, SnapshotLayout, check_roots, decode_prologue, encode_prologue,
+    PARAMS_SECTION,
+    SectionLayout,
+    SnapshotLayout,
+    check_roots,
+    decode_prologue,
+    encode_prologue,
     snapshot_digest,
 )
 from protocol.stream import DigestMismatch
@@ -73,7 +78,7 @@ class _Section:
         for segment, base in zip(self.segments, self.starts):
             lo, hi = max(start, base), min(end, base + segment.nbytes)
             if lo < hi:
-                segment.fill(out[lo - start: hi - start], lo - base)
+                segment.fill(out[lo - start : hi - start], lo - base)
 
 
 def _tensor_section(named: Mapping[str, torch.Tensor]) -> _Section:
@@ -82,6 +87,7 @@ def _tensor_section(named: Mapping[str, torch.Tensor]) -> _Section:
     def segment(t: torch.Tensor) -> _Segment:
         def fill(out: memoryview, lo: int) -> None:
             out[:] = tensor_bytes(t, lo, lo + len(out))
+
         return _Segment(tensor_nbytes(t), lambda lo, hi: tensor_bytes(t, lo, hi), fill)
 
     return _Section(tensor_header(named), [segment(t) for t in named.values()])
@@ -105,6 +111,7 @@ def _file_section(file, extents: Mapping[str, tuple[str, tuple[int, ...], int, i
                 if count <= 0:
                     raise StaleSnapshot(f"{file.name} ends early")
                 out, lo = out[count:], lo + count
+
         return _Segment(end - begin, read, fill)
 
     return _Section(header, [segment(extents[n][2], extents[n][3]) for n in names])
@@ -119,8 +126,15 @@ def _pieces(section: _Section, piece_bytes: int = CHUNK_BYTES) -> Iterator[bytes
 class Snapshot:
     """A snapshot this node serves: its layout, trees and digest, and its bytes unit by unit."""
 
-    def __init__(self, sections: list[_Section], trees: list[Tree | None], *, durable: bool,
-                 round: int | None = None, files: tuple = ()):
+    def __init__(
+        self,
+        sections: list[_Section],
+        trees: list[Tree | None],
+        *,
+        durable: bool,
+        round: int | None = None,
+        files: tuple = (),
+    ):
         self._sections = sections
         self.trees = [tree if tree is not None else tree_of(s.header, _pieces(s)) for s, tree in zip(sections, trees)]
         self.layout = SnapshotLayout([s.layout() for s in sections])
@@ -133,8 +147,13 @@ class Snapshot:
         self._files = files
 
     @classmethod
-    def from_tensors(cls, params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
-                     params_tree: Tree | None = None, state_tree: Tree | None = None) -> Snapshot:
+    def from_tensors(
+        cls,
+        params: Mapping[str, torch.Tensor],
+        state: Mapping[str, torch.Tensor] | None = None,
+        params_tree: Tree | None = None,
+        state_tree: Tree | None = None,
+    ) -> Snapshot:
         """Served from these tensors, read as each unit is served (no copy is kept): valid while
         they hold the same values. `params_tree`/`state_tree`: their trees, if already computed."""
         return cls([_tensor_section(params), _tensor_section(state or {})], [params_tree, state_tree], durable=False)
@@ -146,7 +165,12 @@ class Snapshot:
         what this one serves. Without `params_tree` the files are read once to hash them; either
         way the parameter root must be the digest the checkpoint recorded."""
         from node.training.checkpoint import (
-            PARAMS_FILE, STATE_FILE, CheckpointError, checkpoint_meta, resolve, tensor_extents,
+            PARAMS_FILE,
+            STATE_FILE,
+            CheckpointError,
+            checkpoint_meta,
+            resolve,
+            tensor_extents,
         )
 
         directory = resolve(Path(directory))
@@ -156,18 +180,22 @@ class Snapshot:
             for name in (PARAMS_FILE, STATE_FILE):
                 files.append(open(directory / name, "rb"))
             params = _file_section(files[0], tensor_extents(files[0]))
-            state = _file_section(files[1], {n: e for n, e in tensor_extents(files[1]).items()
-                                             if n.startswith(STATE_PREFIX)})
-            snapshot = cls([params, state], [params_tree, None], durable=True, round=meta.get("round"),
-                           files=tuple(files))
+            state = _file_section(
+                files[1], {n: e for n, e in tensor_extents(files[1]).items() if n.startswith(STATE_PREFIX)}
+            )
+            snapshot = cls(
+                [params, state], [params_tree, None], durable=True, round=meta.get("round"), files=tuple(files)
+            )
         except BaseException:
             for f in files:
                 f.close()
             raise
         if snapshot.params_digest != meta.get("digest"):
             snapshot.close()
-            raise CheckpointError(f"{directory}: parameters hash to {snapshot.params_digest[:12]}, "
-                                  f"meta.json says {str(meta.get('digest'))[:12]}")
+            raise CheckpointError(
+                f"{directory}: parameters hash to {snapshot.params_digest[:12]}, "
+                f"meta.json says {str(meta.get('digest'))[:12]}"
+            )
         return snapshot
 
     def read_unit(self, offset: int) -> tuple[int, bytes | bytearray]:
@@ -194,12 +222,14 @@ class SnapshotSink:
     """Receives one snapshot into live tensors: the parameters and the outer state, each verified
     chunk written in place (see the module docstring)."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None,
-                 params_digest: str):
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None, params_digest: str
+    ):
         groups = [named_tensors(params), named_tensors(state or {})]
         self._targets = [_byte_views(named) for named in groups]
-        self.layout = SnapshotLayout([SectionLayout(tensor_header(named), sum(map(tensor_nbytes, named.values())))
-                                      for named in groups])
+        self.layout = SnapshotLayout(
+            [SectionLayout(tensor_header(named), sum(map(tensor_nbytes, named.values()))) for named in groups]
+        )
         self.params_digest = params_digest  # the agreed digest the parameters must hash to
         self.digest: str | None = None  # the snapshot asked for
         self.trees: list[Tree] | None = None  # from the prologue, once it verified
@@ -253,7 +283,7 @@ class SnapshotSink:
             for view in self._targets[section]:
                 lo, hi = max(start, base), min(end, base + len(view))
                 if lo < hi:
-                    view[lo - base: hi - base].copy_(source[lo - start: hi - start])
+                    view[lo - base : hi - base].copy_(source[lo - start : hi - start])
                     self.written_bytes += hi - lo
                 base += len(view)
 
@@ -266,4 +296,3 @@ def _byte_views(named: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
             raise ValueError(f"snapshot target {name} is not contiguous: writes would not reach it")
         out.append(tensor.reshape(-1).view(torch.uint8))
     return out
-

@@ -23,7 +23,6 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from node.exchange.base import Reachability, Traffic
@@ -54,18 +53,40 @@ class MemorySwarm:
         digest = hashlib.sha256(data).hexdigest()
         copies = self.packets.setdefault((round, publisher), {})
         copies.setdefault(digest, (data, set()))[1].add(holder)
-        return Announcement(peer_id=publisher, round=round, digest=digest, size_bytes=len(data),
-                            multiaddrs=[f"/memory/{holder}"], holder=holder)
+        return Announcement(
+            peer_id=publisher,
+            round=round,
+            digest=digest,
+            size_bytes=len(data),
+            multiaddrs=[f"/memory/{holder}"],
+            holder=holder,
+        )
 
     def _holders(self, round: int, publisher: str) -> list[Announcement]:
         if publisher == PARAMS_ID:
-            return [Announcement(peer_id=PARAMS_ID, round=round, digest=snap.digest, size_bytes=snap.size_bytes,
-                                 multiaddrs=[f"/memory/{h}"], holder=h)
-                    for h, snap in sorted(self.snapshots.get(round, {}).items())]
-        return [Announcement(peer_id=publisher, round=round, digest=digest, size_bytes=len(data),
-                             multiaddrs=[f"/memory/{h}"], holder=h)
-                for digest, (data, holders) in self.packets.get((round, publisher), {}).items()
-                for h in sorted(holders)]
+            return [
+                Announcement(
+                    peer_id=PARAMS_ID,
+                    round=round,
+                    digest=snap.digest,
+                    size_bytes=snap.size_bytes,
+                    multiaddrs=[f"/memory/{h}"],
+                    holder=h,
+                )
+                for h, snap in sorted(self.snapshots.get(round, {}).items())
+            ]
+        return [
+            Announcement(
+                peer_id=publisher,
+                round=round,
+                digest=digest,
+                size_bytes=len(data),
+                multiaddrs=[f"/memory/{h}"],
+                holder=h,
+            )
+            for digest, (data, holders) in self.packets.get((round, publisher), {}).items()
+            for h in sorted(holders)
+        ]
 
 
 class MemoryExchange:
@@ -84,14 +105,23 @@ class MemoryExchange:
         return self.swarm._store(round, peer_id, data, self.holder)
 
     async def announcements(self, round: int) -> dict[str, Announcement]:
-        return {publisher: holders[0] for (r, publisher) in self.swarm.packets
-                if r == round and publisher != PARAMS_ID and (holders := self.swarm._holders(r, publisher))}
+        return {
+            publisher: holders[0]
+            for (r, publisher) in self.swarm.packets
+            if r == round and publisher != PARAMS_ID and (holders := self.swarm._holders(r, publisher))
+        }
 
     async def holders(self, round: int, publisher: str) -> list[Announcement]:
         return self.swarm._holders(round, publisher)
 
-    async def fetch(self, round: int, wanted: dict[str, str], holders_hint: dict[str, list[str]] | None = None,
-                    timeout_s: float = 60, parents: dict[str, list[str]] | None = None) -> dict[str, bytes]:
+    async def fetch(
+        self,
+        round: int,
+        wanted: dict[str, str],
+        holders_hint: dict[str, list[str]] | None = None,
+        timeout_s: float = 60,
+        parents: dict[str, list[str]] | None = None,
+    ) -> dict[str, bytes]:
         got, start = {}, time.monotonic()
         for publisher, digest in wanted.items():
             copy = self.swarm.packets.get((round, publisher), {}).get(digest)
@@ -113,8 +143,14 @@ class MemoryExchange:
 
     async def publish_params(self, round: int, snapshot: Snapshot) -> Announcement:
         self.swarm.snapshots.setdefault(round, {})[self.holder] = snapshot
-        return Announcement(peer_id=PARAMS_ID, round=round, digest=snapshot.digest, size_bytes=snapshot.size_bytes,
-                            multiaddrs=self.visible_maddrs, holder=self.holder)
+        return Announcement(
+            peer_id=PARAMS_ID,
+            round=round,
+            digest=snapshot.digest,
+            size_bytes=snapshot.size_bytes,
+            multiaddrs=self.visible_maddrs,
+            holder=self.holder,
+        )
 
     async def params_holders(self, round: int) -> list[Announcement]:
         return self.swarm._holders(round, PARAMS_ID)
@@ -144,8 +180,14 @@ class MemoryExchange:
                 by_holder.pop(self.holder, None)
 
     async def reachability_check(self) -> Reachability:
-        return Reachability(maddrs=self.visible_maddrs, public_maddrs=[], relayed=False, loopback_only=True,
-                            reachable=True, advice="in memory: every exchange of its swarm reaches it")
+        return Reachability(
+            maddrs=self.visible_maddrs,
+            public_maddrs=[],
+            relayed=False,
+            loopback_only=True,
+            reachable=True,
+            advice="in memory: every exchange of its swarm reaches it",
+        )
 
     async def shutdown(self) -> None:
         await self.forget_before(2**62)
@@ -156,5 +198,5 @@ def _copy_units(snapshot: Snapshot, sink: SnapshotSink, traffic: Traffic) -> Non
     while not sink.done:
         unit = sink.next_unit()
         start, data = snapshot.read_unit(unit.start)
-        sink.accept(data[unit.start - start:])
+        sink.accept(data[unit.start - start :])
         traffic.downloaded_bytes += unit.end - unit.start

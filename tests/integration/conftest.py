@@ -55,24 +55,28 @@ def postgres_url() -> Iterator[str]:
         os.chown(base, pg_user.pw_uid, pg_user.pw_gid)
     data_dir, log_file, port = base / "data", base / "server.log", _free_port()
     subprocess.run(
-        as_user + [str(bin_dir / "initdb"), "-D", str(data_dir), "-A", "trust", "-U", "postgres",
-                   "--no-sync", "-E", "UTF8"],
-        check=True, capture_output=True, timeout=60,
+        as_user
+        + [str(bin_dir / "initdb"), "-D", str(data_dir), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     # Unix socket only (no TCP), fsync off: a throwaway server for tests.
     options = f"-k {base} -p {port} -c listen_addresses='' -c fsync=off"
     subprocess.run(
-        as_user + [str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-l", str(log_file), "-o",
-                   options, "-w", "-t", "30", "start"],
-        check=True, capture_output=True, timeout=60,
+        as_user
+        + [str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-l", str(log_file), "-o", options, "-w", "-t", "30", "start"],
+        check=True,
+        capture_output=True,
+        timeout=60,
     )
     try:
         yield f"postgresql://postgres@/postgres?host={base}&port={port}"
     finally:
         subprocess.run(
-            as_user + [str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-m", "immediate", "-w",
-                       "stop"],
-            capture_output=True, timeout=60,
+            as_user + [str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-m", "immediate", "-w", "stop"],
+            capture_output=True,
+            timeout=60,
         )
         shutil.rmtree(base, ignore_errors=True)
 
@@ -97,9 +101,7 @@ def start_coordinator(tmp_path: Path) -> Iterator[Any]:
     started: list[CoordinatorProcess] = []
 
     def start(db_path: Path | None = None) -> CoordinatorProcess:
-        coordinator = launch_coordinator(
-            db_path or tmp_path / "coordinator.db", tmp_path / f"serve-{len(started)}.log"
-        )
+        coordinator = launch_coordinator(db_path or tmp_path / "coordinator.db", tmp_path / f"serve-{len(started)}.log")
         started.append(coordinator)
         return coordinator
 

@@ -131,8 +131,10 @@ def _wait(swarm: LocalSwarm, predicate, what: str, timeout_s: float, watch: rang
     while time.monotonic() < deadline:
         for i in watch or ():
             if swarm.nodes[i].poll() not in (None, 0):
-                raise CellFailed(f"node {i} exited with {swarm.nodes[i].returncode} waiting for {what}:\n"
-                                 + _tail(swarm.workdir / f"node{i % NUM_PEERS}.log"))
+                raise CellFailed(
+                    f"node {i} exited with {swarm.nodes[i].returncode} waiting for {what}:\n"
+                    + _tail(swarm.workdir / f"node{i % NUM_PEERS}.log")
+                )
         try:
             status = swarm.status()
         except Exception:  # a coordinator restarting
@@ -141,8 +143,10 @@ def _wait(swarm: LocalSwarm, predicate, what: str, timeout_s: float, watch: rang
             return status
         time.sleep(POLL_S)
     logs = "\n".join(f"--- node{i}.log\n{_tail(swarm.workdir / f'node{i}.log')}" for i in range(NUM_PEERS))
-    raise CellFailed(f"timed out after {timeout_s:.0f} s waiting for {what}\n{logs}\n--- coordinator.log\n"
-                     + _tail(swarm.workdir / "coordinator.log"))
+    raise CellFailed(
+        f"timed out after {timeout_s:.0f} s waiting for {what}\n{logs}\n--- coordinator.log\n"
+        + _tail(swarm.workdir / "coordinator.log")
+    )
 
 
 def _crash_args(cell: Cell, i: int) -> tuple[str, ...]:
@@ -163,11 +167,24 @@ def run_cell(workdir: Path, cell: Cell) -> CellResult:
     # after the others, not 20 (meanwhile the run would close empty rounds, to its end with 4 s rounds).
     base = {i: ("--checkpoint-dir", str(ckpt[i]), "--fetch-timeout", "5") for i in range(NUM_PEERS)}
     extra = {i: base[i] + _crash_args(cell, i) for i in range(NUM_PEERS)}
-    with LocalSwarm(workdir, num_peers=NUM_PEERS, preset="tiny", rounds=ROUNDS, inner_steps=H, top_k=64,
-                    quiet=True, extra_node_args=extra) as swarm:
+    with LocalSwarm(
+        workdir,
+        num_peers=NUM_PEERS,
+        preset="tiny",
+        rounds=ROUNDS,
+        inner_steps=H,
+        top_k=64,
+        quiet=True,
+        extra_node_args=extra,
+    ) as swarm:
         swarm.start_coordinator()
-        swarm.create_run({"membership.heartbeat_timeout_s": timeout_s, "membership.state_wait_s": 60.0,
-                          "deadline": {"kind": "fixed", "round_timeout_s": deadline_s}})
+        swarm.create_run(
+            {
+                "membership.heartbeat_timeout_s": timeout_s,
+                "membership.state_wait_s": 60.0,
+                "deadline": {"kind": "fixed", "round_timeout_s": deadline_s},
+            }
+        )
         swarm.start_node(0)
         swarm.wait_for_peers(1)
         for i in range(1, NUM_PEERS):
@@ -177,8 +194,9 @@ def run_cell(workdir: Path, cell: Cell) -> CellResult:
             try:
                 node.wait(timeout=240)
             except Exception as e:
-                raise CellFailed(f"node {i} did not crash in round {CRASH_ROUND}:\n"
-                                 + _tail(workdir / f"node{i}.log")) from e
+                raise CellFailed(
+                    f"node {i} did not crash in round {CRASH_ROUND}:\n" + _tail(workdir / f"node{i}.log")
+                ) from e
         killed_at = time.time()
         for node in swarm.nodes:  # what a crashed node leaves: its p2pd daemon
             try:
@@ -192,8 +210,15 @@ def run_cell(workdir: Path, cell: Cell) -> CellResult:
         port = int(swarm.url.rsplit(":", 1)[1])
         if cell.timing == "after_both":
             round_deadline = (before["current_round"] or {}).get("deadline") or killed_at
-            _wait(swarm, lambda s: s["now"] > max(round_deadline, killed_at + timeout_s) + 1
-                  and all(p["status"] != "live" for p in s["peers"]), "the deadline and the time-out", 120)
+            _wait(
+                swarm,
+                lambda s: (
+                    s["now"] > max(round_deadline, killed_at + timeout_s) + 1
+                    and all(p["status"] != "live" for p in s["peers"])
+                ),
+                "the deadline and the time-out",
+                120,
+            )
         elif cell.timing in ("deadline_first", "defaults"):
             _wait(swarm, lambda s: all(p["status"] != "live" for p in s["peers"]), "every peer gone", 3 * timeout_s)
         if cell.killed == "both":
@@ -205,9 +230,13 @@ def run_cell(workdir: Path, cell: Cell) -> CellResult:
             swarm.extra_node_args[i] = base[i]
             swarm.start_node(i)  # swarm.nodes[NUM_PEERS + i]
         restarted = range(NUM_PEERS, 2 * NUM_PEERS)
-        status = _wait(swarm, lambda s: s["run"]["state"] == "finished" and all(
-            h.get("agreed_digest") for h in s["history"]), "the run finished with every round agreed", 240,
-            watch=restarted)
+        status = _wait(
+            swarm,
+            lambda s: s["run"]["state"] == "finished" and all(h.get("agreed_digest") for h in s["history"]),
+            "the run finished with every round agreed",
+            240,
+            watch=restarted,
+        )
         for i in restarted:
             try:
                 result.exit_codes.append(swarm.nodes[i].wait(timeout=120))
@@ -215,8 +244,11 @@ def run_cell(workdir: Path, cell: Cell) -> CellResult:
                 result.exit_codes.append(-1)
         status = swarm.status()
         result.history, result.rewinds = status["history"], status.get("rewinds") or []
-        recovered = [h for h in result.history if h["round"] >= CRASH_ROUND and h["num_contributors"]
-                     and h["closed_at"] > restarted_at]
+        recovered = [
+            h
+            for h in result.history
+            if h["round"] >= CRASH_ROUND and h["num_contributors"] and h["closed_at"] > restarted_at
+        ]
         if recovered:
             result.recovered_s = recovered[0]["closed_at"] - restarted_at
         for i in range(NUM_PEERS):
@@ -232,21 +264,26 @@ def run_cell(workdir: Path, cell: Cell) -> CellResult:
 
 
 def table(results: list[CellResult]) -> str:
-    lines = ["phase       timing          killed  rounds lost  unagreed  forked  rewinds  round 2 pkts  "
-             "kept sent  recovered s  round s  wall s  ok",
-             "-" * 125]
+    lines = [
+        "phase       timing          killed  rounds lost  unagreed  forked  rewinds  round 2 pkts  "
+        "kept sent  recovered s  round s  wall s  ok",
+        "-" * 125,
+    ]
     for r in results:
         recovered = f"{r.recovered_s:.1f}" if r.recovered_s is not None else "-"
-        lines.append(f"{r.cell.phase:<11} {r.cell.timing:<15} {r.cell.killed:<7} {r.rounds_lost:>11}  "
-                     f"{len(r.unagreed):>8}  {len(r.forked):>6}  {len(r.rewinds):>7}  "
-                     f"{'-' if r.crash_round_packets is None else r.crash_round_packets:>12}  {r.kept_sent:>9}  {recovered:>11}  "
-                     f"{r.round_time_s:>7.1f}  {r.wall_s:>6.0f}  {'yes' if not r.problems() else '; '.join(r.problems())}")
+        lines.append(
+            f"{r.cell.phase:<11} {r.cell.timing:<15} {r.cell.killed:<7} {r.rounds_lost:>11}  "
+            f"{len(r.unagreed):>8}  {len(r.forked):>6}  {len(r.rewinds):>7}  "
+            f"{'-' if r.crash_round_packets is None else r.crash_round_packets:>12}  {r.kept_sent:>9}  {recovered:>11}  "
+            f"{r.round_time_s:>7.1f}  {r.wall_s:>6.0f}  {'yes' if not r.problems() else '; '.join(r.problems())}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    cells = [Cell.parse(a) for a in argv] or [Cell(p, t, k) for k in ("nodes", "both") for p in PHASES
-                                              for t in TIMINGS if t != "defaults"]
+    cells = [Cell.parse(a) for a in argv] or [
+        Cell(p, t, k) for k in ("nodes", "both") for p in PHASES for t in TIMINGS if t != "defaults"
+    ]
     results = []
     for cell in cells:
         with tempfile.TemporaryDirectory(prefix="restart-matrix-") as tmp:

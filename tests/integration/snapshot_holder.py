@@ -63,8 +63,9 @@ async def main() -> None:
     parser.add_argument("--unit-delay-s", type=float, default=0.0)
     args = parser.parse_args()
     SlowExchange.unit_delay_s = args.unit_delay_s
-    exchange = await SlowExchange.create(ExchangeConfig(run_id=args.run_id, initial_peers=(args.initial_peer,),
-                                                        max_packet_bytes=1 << 20))
+    exchange = await SlowExchange.create(
+        ExchangeConfig(run_id=args.run_id, initial_peers=(args.initial_peer,), max_packet_bytes=1 << 20)
+    )
     _, snapshot = toy_snapshot()
     await exchange.publish_params(args.round, snapshot)
     print(f"ready {exchange.holder_id}", flush=True)

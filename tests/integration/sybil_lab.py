@@ -54,20 +54,45 @@ class Scenario:
     why: str = ""
 
 
-SCENARIOS = {s.name: s for s in (
-    Scenario("empty_4_of_7", 3, 4, EMPTY, rounds=12, newcomer_after_round=1,
-             why="four keys send empty updates and report a made-up digest (the attack as found)"),
-    Scenario("empty_10_of_13", 3, 10, EMPTY, rounds=6, why="ten such keys against three"),
-    Scenario("noise_4_of_7", 3, 4, NOISE, why="noise at the honest scale instead of empty updates"),
-    Scenario("copy_then_lie", 3, 3, ("--inject", "copy", "--inject", "lie@from_round=3"),
-             why="three keys send copies of honest packets (re-signed) for credit, then lie from round 3"),
-    Scenario("credit_then_lie", 3, 2, ("--inject", "lie@from_round=3"),
-             attacker_args_by_index={1: ("--inject", "copy", "--inject", "lie@from_round=3")},
-             why="one key trains honestly for three rounds, one sends copies; both lie from round 3 (CI)"),
-    Scenario("honest_then_lie", 3, 1, ("--inject", "lie@from_round=3"),
-             why="one key trains honestly for three rounds (earning credit), then lies"),
-    Scenario("minority_of_one", 1, 3, EMPTY, rounds=6, why="one honest node among three liars"),
-)}
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario(
+            "empty_4_of_7",
+            3,
+            4,
+            EMPTY,
+            rounds=12,
+            newcomer_after_round=1,
+            why="four keys send empty updates and report a made-up digest (the attack as found)",
+        ),
+        Scenario("empty_10_of_13", 3, 10, EMPTY, rounds=6, why="ten such keys against three"),
+        Scenario("noise_4_of_7", 3, 4, NOISE, why="noise at the honest scale instead of empty updates"),
+        Scenario(
+            "copy_then_lie",
+            3,
+            3,
+            ("--inject", "copy", "--inject", "lie@from_round=3"),
+            why="three keys send copies of honest packets (re-signed) for credit, then lie from round 3",
+        ),
+        Scenario(
+            "credit_then_lie",
+            3,
+            2,
+            ("--inject", "lie@from_round=3"),
+            attacker_args_by_index={1: ("--inject", "copy", "--inject", "lie@from_round=3")},
+            why="one key trains honestly for three rounds, one sends copies; both lie from round 3 (CI)",
+        ),
+        Scenario(
+            "honest_then_lie",
+            3,
+            1,
+            ("--inject", "lie@from_round=3"),
+            why="one key trains honestly for three rounds (earning credit), then lies",
+        ),
+        Scenario("minority_of_one", 1, 3, EMPTY, rounds=6, why="one honest node among three liars"),
+    )
+}
 
 
 @dataclass(slots=True)
@@ -88,37 +113,74 @@ class Result:
 
     def row(self) -> list[str]:
         s = self.scenario
-        return [s.name, f"{s.honest}+{s.attackers}", str(len(self.captured)),
-                f"{len(self.honest_agreed)}/{s.rounds}", str(len(self.undecided)), str(len(self.honest_flagged)),
-                f"{self.attackers_excluded}/{s.attackers}",
-                "-" if self.newcomer_on_honest is None else ("yes" if self.newcomer_on_honest else "NO"),
-                ",".join(map(str, self.honest_credit)), ",".join(map(str, self.attacker_credit)),
-                f"{self.seconds:.0f} s"]
+        return [
+            s.name,
+            f"{s.honest}+{s.attackers}",
+            str(len(self.captured)),
+            f"{len(self.honest_agreed)}/{s.rounds}",
+            str(len(self.undecided)),
+            str(len(self.honest_flagged)),
+            f"{self.attackers_excluded}/{s.attackers}",
+            "-" if self.newcomer_on_honest is None else ("yes" if self.newcomer_on_honest else "NO"),
+            ",".join(map(str, self.honest_credit)),
+            ",".join(map(str, self.attacker_credit)),
+            f"{self.seconds:.0f} s",
+        ]
 
 
-HEADER = ["scenario", "honest+attackers", "rounds captured", "agreed honest", "undecided", "honest flagged",
-          "attackers excluded", "newcomer on honest", "honest credit", "attacker credit", "time"]
+HEADER = [
+    "scenario",
+    "honest+attackers",
+    "rounds captured",
+    "agreed honest",
+    "undecided",
+    "honest flagged",
+    "attackers excluded",
+    "newcomer on honest",
+    "honest credit",
+    "attacker credit",
+    "time",
+]
 
 
 def run(scenario: Scenario, workdir: Path) -> Result:
     num = scenario.honest + scenario.attackers
-    extra = {scenario.honest + i: scenario.attacker_args_by_index.get(i, scenario.attacker_args)
-             for i in range(scenario.attackers)}
+    extra = {
+        scenario.honest + i: scenario.attacker_args_by_index.get(i, scenario.attacker_args)
+        for i in range(scenario.attackers)
+    }
     started = time.monotonic()
-    swarm = LocalSwarm(workdir, num_peers=num, preset="tiny", rounds=scenario.rounds, inner_steps=H, top_k=64,
-                       quiet=True, extra_node_args=extra)
+    swarm = LocalSwarm(
+        workdir,
+        num_peers=num,
+        preset="tiny",
+        rounds=scenario.rounds,
+        inner_steps=H,
+        top_k=64,
+        quiet=True,
+        extra_node_args=extra,
+    )
     with swarm:
         swarm.start_coordinator()
-        swarm.create_run({"membership.min_peers": num, "membership.heartbeat_timeout_s": 30.0,
-                          "deadline": {"kind": "fixed", "round_timeout_s": 60.0}})
+        swarm.create_run(
+            {
+                "membership.min_peers": num,
+                "membership.heartbeat_timeout_s": 30.0,
+                "deadline": {"kind": "fixed", "round_timeout_s": 60.0},
+            }
+        )
         swarm.start_node(0)
         swarm.wait_for_peers(1)
         for i in range(1, num):
             swarm.start_node(i)
         newcomer = None
         if scenario.newcomer_after_round is not None:
-            _wait(swarm, lambda s: any(h["round"] >= scenario.newcomer_after_round and h["agreed_digest"]
-                                       for h in s["history"]), "a round to be agreed before the newcomer", 300)
+            _wait(
+                swarm,
+                lambda s: any(h["round"] >= scenario.newcomer_after_round and h["agreed_digest"] for h in s["history"]),
+                "a round to be agreed before the newcomer",
+                300,
+            )
             newcomer = num
             swarm.start_node(newcomer)
         indices = list(range(num)) + ([newcomer] if newcomer is not None else [])
@@ -158,8 +220,9 @@ def run(scenario: Scenario, workdir: Path) -> Result:
             result.attackers_excluded += bool(peer["excluded"])
             result.attacker_credit.append(peer["credit"])
             score = peer.get("score") or {}
-            result.attacker_verdicts.append(f"{score.get('num_useful', 0)}/{score.get('num_rounds', 0)}"
-                                            f" {score.get('last_verdict')}")
+            result.attacker_verdicts.append(
+                f"{score.get('num_useful', 0)}/{score.get('num_rounds', 0)} {score.get('last_verdict')}"
+            )
     if newcomer is not None:
         agreed = {h["round"]: h["agreed_digest"] for h in status["history"]}
         applied = _rounds(workdir, newcomer)
@@ -172,8 +235,10 @@ def _wait(swarm: LocalSwarm, predicate, what: str, timeout_s: float) -> dict:
     while time.monotonic() < deadline:
         for i, node in enumerate(swarm.nodes):
             if node is not None and node.poll() not in (None, 0):
-                raise ScenarioFailed(f"node {i} exited with {node.returncode} waiting for {what}:\n"
-                                     f"{_tail(swarm.workdir / f'node{i}.log')}")
+                raise ScenarioFailed(
+                    f"node {i} exited with {node.returncode} waiting for {what}:\n"
+                    f"{_tail(swarm.workdir / f'node{i}.log')}"
+                )
         try:
             status = swarm.status()
         except Exception:
@@ -216,8 +281,11 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory(prefix=f"sybil-{name}-") as tmp:
             result = run(SCENARIOS[name], Path(tmp))
         results.append(result)
-        print(f"{name}: {SCENARIOS[name].why}; exit codes {result.exit_codes}; attackers' useful/judged rounds, last verdict"
-              f" {result.attacker_verdicts}", flush=True)
+        print(
+            f"{name}: {SCENARIOS[name].why}; exit codes {result.exit_codes}; attackers' useful/judged rounds, last verdict"
+            f" {result.attacker_verdicts}",
+            flush=True,
+        )
         for r, verdict in sorted(result.disputes.items())[:3]:
             print(f"  round {r} dispute: {verdict}", flush=True)
     print(table(results))

@@ -14,8 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.integration.test_faults import (assert_history_complete, assert_identical_digests, peer_id_of,
-                                           rounds_of, start_swarm, swarm_for, wait_exit)
+from tests.integration.test_faults import (
+    assert_history_complete,
+    assert_identical_digests,
+    peer_id_of,
+    rounds_of,
+    start_swarm,
+    swarm_for,
+    wait_exit,
+)
 
 pytestmark = [pytest.mark.slow]
 
@@ -24,8 +31,9 @@ pytestmark = [pytest.mark.slow]
 def test_an_overflowing_signed_packet_is_refused_by_every_node(tmp_path):
     rounds = 3
     with swarm_for(tmp_path, 3, rounds, {2: ("--inject", "poison@round=1,mode=overflow")}) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": 30.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 40.0}})
+        start_swarm(
+            swarm, {"membership.heartbeat_timeout_s": 30.0, "deadline": {"kind": "fixed", "round_timeout_s": 40.0}}
+        )
         codes = wait_exit(swarm, (0, 1, 2), timeout_s=150)
         status = swarm.status()
     assert codes == [0, 0, 0]

@@ -71,10 +71,12 @@ async def cleanup():
     """An exit stack for exchanges and bare daemons; on exit, checks that no p2pd child survives."""
     pids: list[int] = []
     async with contextlib.AsyncExitStack() as stack:
+
         def own(x):
             pids.append(x.daemon_pid if isinstance(x, P2PExchange) else x._child.pid)
             stack.push_async_callback(x.shutdown)
             return x
+
         yield own
     assert not [pid for pid in pids if pid_alive(pid)], "a p2pd outlived its shutdown"
     assert not p2pd_children({os.getpid()}), "a p2pd child of the test process survived"
@@ -90,8 +92,9 @@ async def dead_address(own) -> str:
 
 async def create(initial_peers=()) -> tuple[P2PExchange, float]:
     start = time.monotonic()
-    exchange = await P2PExchange.create(ExchangeConfig(
-        run_id=RUN_ID, initial_peers=tuple(initial_peers), bootstrap_timeout_s=BOOTSTRAP_TIMEOUT_S))
+    exchange = await P2PExchange.create(
+        ExchangeConfig(run_id=RUN_ID, initial_peers=tuple(initial_peers), bootstrap_timeout_s=BOOTSTRAP_TIMEOUT_S)
+    )
     return exchange, time.monotonic() - start
 
 
@@ -112,9 +115,11 @@ def test_a_node_given_only_dead_bootstrap_peers_starts_its_own_dht_and_others_jo
     async def scenario():
         async with cleanup() as own:
             with unanswering_port() as silent_port:
-                dead = [await dead_address(own),
-                        f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{made_up_peer_id()}",
-                        f"/ip4/127.0.0.1/tcp/{silent_port}/p2p/{made_up_peer_id()}"]
+                dead = [
+                    await dead_address(own),
+                    f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{made_up_peer_id()}",
+                    f"/ip4/127.0.0.1/tcp/{silent_port}/p2p/{made_up_peer_id()}",
+                ]
                 with caplog.at_level("INFO", logger="node.exchange"):
                     first, took_s = await create(dead)
                 own(first)
@@ -136,8 +141,7 @@ def test_dead_and_live_bootstrap_peers_join_the_live_ones_dht(caplog):
             live, _ = await create()
             own(live)
             with unanswering_port() as silent_port:
-                dead = [await dead_address(own),
-                        f"/ip4/127.0.0.1/tcp/{silent_port}/p2p/{made_up_peer_id()}"]
+                dead = [await dead_address(own), f"/ip4/127.0.0.1/tcp/{silent_port}/p2p/{made_up_peer_id()}"]
                 with caplog.at_level("INFO", logger="node.exchange"):
                     joined, took_s = await create([dead[0], *live.visible_maddrs, dead[1]])
                 own(joined)
@@ -153,6 +157,7 @@ def test_dead_and_live_bootstrap_peers_join_the_live_ones_dht(caplog):
 def test_a_bootstrap_daemon_without_a_dht_node_leaves_the_node_on_its_own_dht(caplog):
     """p2pd answers the dial but no DHT node answers the ping (a daemon that outlived its node):
     the node starts its own DHT on a fresh daemon, and others join it."""
+
     async def scenario():
         async with cleanup() as own:
             orphan = own(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False))
@@ -174,6 +179,7 @@ def test_a_bootstrap_daemon_without_a_dht_node_leaves_the_node_on_its_own_dht(ca
 def test_shutdown_after_p2pd_was_killed_under_the_node_is_bounded():
     """p2pd SIGKILLed (by the pid the Host holds) before and during a node's shutdown: hivemind's
     own shutdown would wait forever for the dead daemon's answer; the Host's ends in seconds."""
+
     async def scenario():
         async with cleanup() as own:
             settled, racing = own((await create())[0]), own((await create())[0])

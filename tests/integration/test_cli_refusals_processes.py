@@ -26,8 +26,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOCOSWARM
 
 
 def locoswarm(*argv: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "locoswarm", *argv], cwd=REPO_ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "locoswarm", *argv],
+        cwd=REPO_ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def test_cuda_on_a_cpu_only_torch_is_the_only_line(tmp_path):
@@ -35,8 +41,9 @@ def test_cuda_on_a_cpu_only_torch_is_the_only_line(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this torch sees a GPU")
-    done = locoswarm("node", "join", "--coordinator", "http://127.0.0.1:9", "--device", "cuda",
-                     "--key", str(tmp_path / "peer.key"))
+    done = locoswarm(
+        "node", "join", "--coordinator", "http://127.0.0.1:9", "--device", "cuda", "--key", str(tmp_path / "peer.key")
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("error: cuda requested but this torch is a CPU-only build -> reinstall with ")
     assert done.stderr.count("\n") == 1
@@ -44,10 +51,22 @@ def test_cuda_on_a_cpu_only_torch_is_the_only_line(tmp_path):
 
 def test_a_run_that_does_not_exist_quietly_and_verbosely(tmp_path, start_coordinator):
     url = start_coordinator().url
-    argv = ("node", "join", "--coordinator", url, "--run", "run-doesnotexist", "--device", "cpu",
-            "--key", str(tmp_path / "peer.key"))
-    error = (f"error: run run-doesnotexist does not exist on {url}: list the runs with "
-             f"`locoswarm run list --coordinator {url}`")
+    argv = (
+        "node",
+        "join",
+        "--coordinator",
+        url,
+        "--run",
+        "run-doesnotexist",
+        "--device",
+        "cpu",
+        "--key",
+        str(tmp_path / "peer.key"),
+    )
+    error = (
+        f"error: run run-doesnotexist does not exist on {url}: list the runs with "
+        f"`locoswarm run list --coordinator {url}`"
+    )
     done = locoswarm(*argv)
     lines = done.stderr.splitlines()
     assert done.returncode == 2 and len(lines) == 2, done.stderr
@@ -62,18 +81,43 @@ def test_a_closed_run_and_a_missing_join_token(tmp_path, start_coordinator):
     with httpx.Client(base_url=url, timeout=10) as client:
         closed = create_run(client, {"exchange.dht_bootstrap": []})
         assert client.post(f"/v1/runs/{closed}/close", headers=ADMIN_HEADERS).status_code == 200
-        guarded = create_run(client, {"exchange.dht_bootstrap": [], "membership.join_policy": "token",
-                                      "membership.join_tokens": ["long-enough-token"]})
+        guarded = create_run(
+            client,
+            {
+                "exchange.dht_bootstrap": [],
+                "membership.join_policy": "token",
+                "membership.join_tokens": ["long-enough-token"],
+            },
+        )
     runs_hint = f"list the runs with `locoswarm run list --coordinator {url}`"
     for run_id, token, error in [
         (closed, None, f"error: run {closed} is closed: nothing to join; {runs_hint}"),
-        (guarded, None, f"error: run {guarded} refused this node: this run needs a join token; pass the join "
-                        f"token from the run's operator with --token T"),
-        (guarded, "wrong-token-0", f"error: run {guarded} refused this node: the join token is not valid for this "
-                                   f"run; pass the join token from the run's operator with --token T"),
+        (
+            guarded,
+            None,
+            f"error: run {guarded} refused this node: this run needs a join token; pass the join "
+            f"token from the run's operator with --token T",
+        ),
+        (
+            guarded,
+            "wrong-token-0",
+            f"error: run {guarded} refused this node: the join token is not valid for this "
+            f"run; pass the join token from the run's operator with --token T",
+        ),
     ]:
-        done = locoswarm("node", "join", "--coordinator", url, "--run", run_id, "--device", "cpu", "--key",
-                         str(tmp_path / "peer.key"), *(("--token", token) if token else ()))
+        done = locoswarm(
+            "node",
+            "join",
+            "--coordinator",
+            url,
+            "--run",
+            run_id,
+            "--device",
+            "cpu",
+            "--key",
+            str(tmp_path / "peer.key"),
+            *(("--token", token) if token else ()),
+        )
         assert done.returncode == 2 and done.stderr.splitlines()[-1] == error, done.stderr
         assert "Traceback" not in done.stderr and "HTTP Request" not in done.stderr
 
@@ -82,9 +126,28 @@ def _start_node(tmp_path: Path, url: str, name: str) -> tuple[subprocess.Popen, 
     err_path = tmp_path / f"{name}.err"
     with open(err_path, "wb") as err, open(tmp_path / f"{name}.out", "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "locoswarm", "node", "join", "--coordinator", url, "--device", "cpu",
-             "--threads", "1", "--no-progress", "--key", str(tmp_path / f"{name}.key")],
-            cwd=REPO_ROOT, env=ENV, stdout=out, stderr=err, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "locoswarm",
+                "node",
+                "join",
+                "--coordinator",
+                url,
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+                "--no-progress",
+                "--key",
+                str(tmp_path / f"{name}.key"),
+            ],
+            cwd=REPO_ROOT,
+            env=ENV,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
     return process, err_path
 
 
@@ -105,9 +168,16 @@ def test_ctrl_c_once_stops_after_the_step_twice_quits_now(tmp_path, start_coordi
         with httpx.Client(base_url=url, timeout=10) as client:
             # One peer suffices to open round 0; 40 inner steps keep it training for a few seconds.
             # Heartbeats every second (a quarter of the time-out), so that training shows at once.
-            return create_run(client, {"membership.min_peers": 1, "membership.heartbeat_timeout_s": 4.0,
-                                       "max_rounds": 20, "exchange.dht_bootstrap": [],
-                                       "inner": {"steps": 40, "batch_size": 8, "seq_len": 64, "warmup_steps": 5}})
+            return create_run(
+                client,
+                {
+                    "membership.min_peers": 1,
+                    "membership.heartbeat_timeout_s": 4.0,
+                    "max_rounds": 20,
+                    "exchange.dht_bootstrap": [],
+                    "inner": {"steps": 40, "batch_size": 8, "seq_len": 64, "warmup_steps": 5},
+                },
+            )
 
     first_run = new_run()
     nodes: list[subprocess.Popen] = []

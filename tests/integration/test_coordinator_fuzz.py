@@ -28,8 +28,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
 ANY_JSON = st.recursive(
     JSON_LEAVES,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
-                                                                max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=12,
 )
 
@@ -52,15 +51,12 @@ def from_schema(schema: dict, components: dict, depth: int = 0) -> st.SearchStra
         properties = schema.get("properties", {})
         required = set(schema.get("required", ()))
         return st.fixed_dictionaries(
-            {k: from_schema(v, components, depth + 1) for k, v in properties.items()
-             if k in required},
-            optional={k: from_schema(v, components, depth + 1) for k, v in properties.items()
-                      if k not in required},
+            {k: from_schema(v, components, depth + 1) for k, v in properties.items() if k in required},
+            optional={k: from_schema(v, components, depth + 1) for k, v in properties.items() if k not in required},
         )
     if kind == "array":
         if "prefixItems" in schema:
-            return st.tuples(*[from_schema(s, components, depth + 1)
-                               for s in schema["prefixItems"]]).map(list)
+            return st.tuples(*[from_schema(s, components, depth + 1) for s in schema["prefixItems"]]).map(list)
         items = from_schema(schema.get("items", {}), components, depth + 1)
         return st.lists(items, max_size=min(schema.get("maxItems", 3), 3))
     if kind == "string":
@@ -72,9 +68,14 @@ def from_schema(schema: dict, components: dict, depth: int = 0) -> st.SearchStra
     if kind == "number":
         low = schema.get("minimum", schema.get("exclusiveMinimum"))
         high = schema.get("maximum", schema.get("exclusiveMaximum"))
-        return st.floats(low, high, allow_nan=False, allow_infinity=False,
-                         exclude_min="exclusiveMinimum" in schema,
-                         exclude_max="exclusiveMaximum" in schema)
+        return st.floats(
+            low,
+            high,
+            allow_nan=False,
+            allow_infinity=False,
+            exclude_min="exclusiveMinimum" in schema,
+            exclude_max="exclusiveMaximum" in schema,
+        )
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
@@ -99,8 +100,7 @@ def fuzz_target(tmp_path_factory):
 
 
 def operations(schema: dict) -> list[tuple[str, str, dict]]:
-    return [(path, method, op) for path, item in sorted(schema["paths"].items())
-            for method, op in sorted(item.items())]
+    return [(path, method, op) for path, item in sorted(schema["paths"].items()) for method, op in sorted(item.items())]
 
 
 @st.composite
@@ -138,10 +138,13 @@ def requests_for(draw, schema: dict, run_id: str, member: SignedPeer):
     elif auth == "admin":
         headers.update(ADMIN_HEADERS)
     elif auth == "garbage":
-        headers.update({"X-Locoswarm-Peer": draw(st.text("p0123456789abcdef", max_size=20)),
-                        "X-Locoswarm-Nonce": draw(st.text("0123456789-", max_size=25)),
-                        "X-Locoswarm-Signature": draw(st.text("0123456789abcdefXYZ",
-                                                              max_size=140))})
+        headers.update(
+            {
+                "X-Locoswarm-Peer": draw(st.text("p0123456789abcdef", max_size=20)),
+                "X-Locoswarm-Nonce": draw(st.text("0123456789-", max_size=25)),
+                "X-Locoswarm-Signature": draw(st.text("0123456789abcdefXYZ", max_size=140)),
+            }
+        )
     return method, path, query, body, headers
 
 
@@ -150,13 +153,16 @@ def test_openapi_schema_fuzz_finds_no_server_errors(fuzz_target):
     assert len(operations(schema)) >= 13
     seen_statuses: set[int] = set()
 
-    @settings(max_examples=400, deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @settings(
+        max_examples=400,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
     @given(requests_for(schema, run_id, member))
     def check(request):
         method, path, query, body, headers = request
-        response = client.request(method.upper(), path, params=query, content=body,
-                                  headers=headers)
+        response = client.request(method.upper(), path, params=query, content=body, headers=headers)
         seen_statuses.add(response.status_code)
         assert response.status_code < 500, (method, path, query, body[:200], response.text)
         if response.status_code >= 400:

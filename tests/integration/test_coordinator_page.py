@@ -31,8 +31,8 @@ def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat, header = 8, b"", None
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, chunk = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, chunk = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
         if kind == b"IHDR":
             header = struct.unpack(">IIBBBBB", chunk)
         elif kind == b"IDAT":
@@ -47,7 +47,7 @@ def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
     rows, previous = [], bytearray(stride)
     for y in range(height):
         filter_type = raw[y * (stride + 1)]
-        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        line = bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for i in range(stride):
             left = line[i - channels] if i >= channels else 0
             up = previous[i]
@@ -79,12 +79,14 @@ def count_near(rows: list[bytes], rgb: tuple[int, int, int], tolerance: int = 40
 
 def populate(url: str) -> str:
     with httpx.Client(base_url=url, timeout=10) as client:
-        run_id = create_run(client, {"name": "page-demo", "membership.min_peers": 3,
-                                     "membership.heartbeat_timeout_s": 300.0})
+        run_id = create_run(
+            client, {"name": "page-demo", "membership.min_peers": 3, "membership.heartbeat_timeout_s": 300.0}
+        )
         peers = [SignedPeer(client) for _ in range(3)]
         for i, peer in enumerate(peers):
-            peer.join(run_id, bandwidth_mbps=100.0 * (i + 1), device=f"gpu-{i}",
-                      **({"uplink_mbps": 40.0} if i == 0 else {}))
+            peer.join(
+                run_id, bandwidth_mbps=100.0 * (i + 1), device=f"gpu-{i}", **({"uplink_mbps": 40.0} if i == 0 else {})
+            )
         for round_index in range(8):
             for i, peer in enumerate(peers):
                 loss = 5.0 - 0.35 * round_index + 0.05 * i
@@ -93,27 +95,43 @@ def populate(url: str) -> str:
                 digest = "ab" * 32 if i < 2 or round_index < 7 else "cd" * 32
                 # Every update judged useful: the peers earn credit, which agrees round 7 against peer 2.
                 scores = {p.peer_id: {"loss_delta": -0.1, "cosine": 0.8} for p in peers if p is not peer}
-                response = peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
-                                     {"params_digest": digest, "scores": scores})
+                response = peer.post(
+                    f"/v1/runs/{run_id}/rounds/{round_index}/applied", {"params_digest": digest, "scores": scores}
+                )
                 assert response.status_code == 200, response.text
         peers[0].submit(run_id, 8, train_loss=2.1)
     return run_id
 
 
-needs_chromium = pytest.mark.skipif(shutil.which("chromium") is None,
-                                    reason="chromium is not installed (apt-get install chromium)")
+needs_chromium = pytest.mark.skipif(
+    shutil.which("chromium") is None, reason="chromium is not installed (apt-get install chromium)"
+)
 
 
 def open_page(url: str, tmp_path: Path, name: str = "page") -> tuple[str, list[bytes]]:
     """(the DOM after the page's script ran, the screenshot's rows); the PNG stays in tmp_path."""
     screenshot = tmp_path / f"{name}.png"
     result = subprocess.run(
-        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={tmp_path / ('profile-' + name)}",
-         f"--screenshot={screenshot}", "--dump-dom", "--window-size=1280,900",
-         "--virtual-time-budget=5000", url],
-        capture_output=True, text=True, timeout=60,
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / ('profile-' + name)}",
+            f"--screenshot={screenshot}",
+            "--dump-dom",
+            "--window-size=1280,900",
+            "--virtual-time-budget=5000",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     (tmp_path / f"{name}.html").write_text(result.stdout)  # beside the screenshot, for a failure
@@ -142,8 +160,9 @@ def test_status_page_renders_in_headless_chromium(start_coordinator, tmp_path: P
 
 
 def start_run(client: httpx.Client, num_peers: int, **overrides) -> tuple[str, list[SignedPeer]]:
-    run_id = create_run(client, {"membership.min_peers": num_peers, "membership.heartbeat_timeout_s": 300.0,
-                                 **overrides})
+    run_id = create_run(
+        client, {"membership.min_peers": num_peers, "membership.heartbeat_timeout_s": 300.0, **overrides}
+    )
     peers = [SignedPeer(client) for _ in range(num_peers)]
     for i, peer in enumerate(peers):
         assert peer.join(run_id, device=f"gpu-{i}").status_code == 200
@@ -151,8 +170,9 @@ def start_run(client: httpx.Client, num_peers: int, **overrides) -> tuple[str, l
 
 
 def beat(peer: SignedPeer, run_id: str, round_index: int, state: str, inner_step: int | None) -> None:
-    response = peer.post(f"/v1/runs/{run_id}/heartbeat",
-                         {"round": round_index, "state": state, "inner_step": inner_step})
+    response = peer.post(
+        f"/v1/runs/{run_id}/heartbeat", {"round": round_index, "state": state, "inner_step": inner_step}
+    )
     assert response.status_code == 200, response.text
 
 
@@ -224,8 +244,9 @@ def test_page_shows_what_the_model_writes(start_coordinator, tmp_path: Path):
         run_id, peers = start_run(client, 2)
         for peer in peers:
             assert peer.submit(run_id, 0).status_code == 200
-        response = peers[1].post(f"/v1/runs/{run_id}/rounds/0/applied",
-                                 {"params_digest": "ab" * 32, "val_loss": 3.5, "sample": text})
+        response = peers[1].post(
+            f"/v1/runs/{run_id}/rounds/0/applied", {"params_digest": "ab" * 32, "val_loss": 3.5, "sample": text}
+        )
         assert response.status_code == 200, response.text
     dom, _ = open_page(f"{coordinator.url}/?run={run_id}", tmp_path, "sample")
     assert f'<div id="sample-info" class="muted">after round 0, from {peers[1].peer_id}</div>' in dom
@@ -294,10 +315,14 @@ def test_page_plots_a_thousand_rounds_readably(start_coordinator, tmp_path: Path
         runs = client.get("/v1/runs").content
         status = client.get(f"/v1/runs/{run_id}/status").json()
     [first] = status["history"]
-    status["history"] = [first | {"round": r, "mean_loss": 6.0 / (1 + 0.01 * r), "round_time_s": 20.0 + r % 7}
-                         for r in range(1000)]
-    bodies = {"/": render_page(run_id).encode(), "/v1/runs": runs,
-              f"/v1/runs/{run_id}/status": json.dumps(status).encode()}
+    status["history"] = [
+        first | {"round": r, "mean_loss": 6.0 / (1 + 0.01 * r), "round_time_s": 20.0 + r % 7} for r in range(1000)
+    ]
+    bodies = {
+        "/": render_page(run_id).encode(),
+        "/v1/runs": runs,
+        f"/v1/runs/{run_id}/status": json.dumps(status).encode(),
+    }
 
     class Stub(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -332,12 +357,18 @@ def test_page_plots_validation_loss_and_shows_compression(start_coordinator, tmp
         run_id, peers = start_run(client, 2)
         for round_index in range(7):
             for i, peer in enumerate(peers):
-                assert peer.submit(run_id, round_index, train_loss=5.0 - 0.3 * round_index + 0.1 * i,
-                                   packet_size_bytes=20_000).status_code == 200
+                assert (
+                    peer.submit(
+                        run_id, round_index, train_loss=5.0 - 0.3 * round_index + 0.1 * i, packet_size_bytes=20_000
+                    ).status_code
+                    == 200
+                )
             if round_index % 3 == 0:  # the peers evaluate every third round
                 for peer in peers:
-                    response = peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
-                                         {"params_digest": "ab" * 32, "val_loss": 5.2 - 0.3 * round_index})
+                    response = peer.post(
+                        f"/v1/runs/{run_id}/rounds/{round_index}/applied",
+                        {"params_digest": "ab" * 32, "val_loss": 5.2 - 0.3 * round_index},
+                    )
                     assert response.status_code == 200, response.text
     dom, rows = open_page(f"{coordinator.url}/", tmp_path, "validation")
     assert 'class="series-loss"' in dom and 'class="series-val"' in dom
@@ -384,10 +415,14 @@ def test_page_shows_a_peer_excluded_by_contribution_scoring(start_coordinator, t
             for peer in [peers[3], *peers[:3]]:  # the bad one first: once it hurt, no round waits for it
                 assert peer.submit(run_id, round_index, train_loss=4.0).status_code == 200
             for peer in peers:
-                scores = {p: {"loss_delta": 0.1 if p == ids[3] else -0.1, "cosine": -0.8 if p == ids[3] else 0.8}
-                          for p in ids if p != peer.peer_id}
-                response = peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
-                                     {"params_digest": "ab" * 32, "scores": scores})
+                scores = {
+                    p: {"loss_delta": 0.1 if p == ids[3] else -0.1, "cosine": -0.8 if p == ids[3] else 0.8}
+                    for p in ids
+                    if p != peer.peer_id
+                }
+                response = peer.post(
+                    f"/v1/runs/{run_id}/rounds/{round_index}/applied", {"params_digest": "ab" * 32, "scores": scores}
+                )
                 assert response.status_code == 200, response.text
         refused = peers[3].submit(run_id, 2, train_loss=4.0)
         assert refused.status_code == 403 and error_of(refused) == "excluded"
@@ -403,5 +438,7 @@ def test_page_shows_a_peer_excluded_by_contribution_scoring(start_coordinator, t
     assert "excluded: hurting_updates: its updates hurt in 2 of its last 2 scored rounds" in dom
     assert "dloss 0.100 cos -0.80 (2/2 hurt)" in dom and dom.count("dloss -0.100 cos 0.80") == 3
     assert f"excluded: wrong_digest: round 2: it reported digest {'ef' * 8}" in dom
-    assert (f"dispute: {'cd' * 6} by 2 (credit 4) vs {'ef' * 6} by 1 (credit 2); its chunks recompute to the"
-            " agreed leaves by 2 peer(s) of credit 4") in dom
+    assert (
+        f"dispute: {'cd' * 6} by 2 (credit 4) vs {'ef' * 6} by 1 (credit 2); its chunks recompute to the"
+        " agreed leaves by 2 peer(s) of credit 4"
+    ) in dom

@@ -29,8 +29,14 @@ def test_sigkill_and_restart_lose_nothing(start_coordinator, tmp_path):
     db_path = tmp_path / "coordinator.db"
     first = start_coordinator(db_path)
     with httpx.Client(base_url=first.url, timeout=10) as client:
-        run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": 60.0,
-                                    "deadline": {"kind": "fixed", "round_timeout_s": 120.0}})
+        run_id = create_run(
+            client,
+            {
+                "membership.min_peers": 2,
+                "membership.heartbeat_timeout_s": 60.0,
+                "deadline": {"kind": "fixed", "round_timeout_s": 120.0},
+            },
+        )
         a, b = SignedPeer(client), SignedPeer(client)
         assert a.join(run_id).status_code == 200 and b.join(run_id).status_code == 200
         assert a.submit(run_id, 0).status_code == 200
@@ -56,11 +62,11 @@ def test_sigkill_and_restart_lose_nothing(start_coordinator, tmp_path):
         assert [r["run_id"] for r in client.get("/v1/runs").json()["runs"]] == [run_id]
         assert client.get(f"/v1/runs/{run_id}/rounds/0").json()["manifest"] == manifest_0
         resumed = client.get(f"/v1/runs/{run_id}/rounds/1").json()
-        assert (resumed["state"], resumed["deadline"], resumed["num_submitted"]) == (
-            "open", open_1["deadline"], 1)
+        assert (resumed["state"], resumed["deadline"], resumed["num_submitted"]) == ("open", open_1["deadline"], 1)
         status = client.get(f"/v1/runs/{run_id}/status").json()
         assert sorted((p["peer_id"], p["status"]) for p in status["peers"]) == sorted(
-            [(a.peer_id, "live"), (b.peer_id, "live")])
+            [(a.peer_id, "live"), (b.peer_id, "live")]
+        )
         refused = client.post(path, content=body, headers=replayed)
         assert refused.status_code == 401 and refused.json()["error"] == "replayed_nonce"
         newcomer = SignedPeer(client).join(run_id).json()
@@ -76,8 +82,14 @@ def test_deadline_that_passed_while_down_gets_the_restart_grace(start_coordinato
     db_path = tmp_path / "coordinator.db"
     first = start_coordinator(db_path)
     with httpx.Client(base_url=first.url, timeout=10) as client:
-        run_id = create_run(client, {"membership.min_peers": 1, "membership.heartbeat_timeout_s": 10.0,
-                                    "deadline": {"kind": "fixed", "round_timeout_s": 1.0}})
+        run_id = create_run(
+            client,
+            {
+                "membership.min_peers": 1,
+                "membership.heartbeat_timeout_s": 10.0,
+                "deadline": {"kind": "fixed", "round_timeout_s": 1.0},
+            },
+        )
         peer = SignedPeer(client)
         peer.join(run_id)
         round_0 = client.get(f"/v1/runs/{run_id}/rounds/0").json()
@@ -109,18 +121,27 @@ async def _simulated_swarm(url: str, run_id: str, num_peers: int) -> tuple[list[
 
     limits = httpx.Limits(max_connections=num_peers + 4)
     async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
-        await asyncio.gather(*[
-            signed_post(client, key, f"/v1/runs/{run_id}/join", {"public_key": key.public_hex})
-            for key in keys
-        ])
+        await asyncio.gather(
+            *[signed_post(client, key, f"/v1/runs/{run_id}/join", {"public_key": key.public_hex}) for key in keys]
+        )
         waiter = asyncio.create_task(client.get(f"/v1/runs/{run_id}/rounds/0?wait_s=30"))
-        await asyncio.gather(*[
-            signed_post(client, key, f"/v1/runs/{run_id}/rounds/0/submit", {
-                "packet_digest": key.public_hex, "packet_size_bytes": 4096 + i,
-                "train_loss": 3.0 + i / 100, "compute_s": 2.0, "encode_s": 0.2,
-            })
-            for i, key in enumerate(keys)
-        ])
+        await asyncio.gather(
+            *[
+                signed_post(
+                    client,
+                    key,
+                    f"/v1/runs/{run_id}/rounds/0/submit",
+                    {
+                        "packet_digest": key.public_hex,
+                        "packet_size_bytes": 4096 + i,
+                        "train_loss": 3.0 + i / 100,
+                        "compute_s": 2.0,
+                        "encode_s": 0.2,
+                    },
+                )
+                for i, key in enumerate(keys)
+            ]
+        )
         round_0 = (await waiter).json()
     return statuses, round_0
 
@@ -129,32 +150,45 @@ def test_32_peers_submit_concurrently(start_coordinator):
     coordinator = start_coordinator()
     with httpx.Client(base_url=coordinator.url, timeout=10) as client:
         # 32 keys from one address: the operator lifts the per-address join limit (default burst 10).
-        run_id = create_run(client, {"membership.min_peers": 32, "membership.heartbeat_timeout_s": 120.0,
-                                    "membership.join_burst_per_address": 32,
-                                    "deadline": {"kind": "fixed", "round_timeout_s": 60.0}})
+        run_id = create_run(
+            client,
+            {
+                "membership.min_peers": 32,
+                "membership.heartbeat_timeout_s": 120.0,
+                "membership.join_burst_per_address": 32,
+                "deadline": {"kind": "fixed", "round_timeout_s": 60.0},
+            },
+        )
     statuses, round_0 = asyncio.run(_simulated_swarm(coordinator.url, run_id, 32))
     assert statuses == [200] * 64
     assert round_0["state"] == "closed" and len(round_0["manifest"]) == 32
     assert round_0["closed_at"] < round_0["deadline"], "closed early, not at the deadline"
-    assert [e["peer_id"] for e in round_0["manifest"]] == sorted(
-        e["peer_id"] for e in round_0["manifest"])
+    assert [e["peer_id"] for e in round_0["manifest"]] == sorted(e["peer_id"] for e in round_0["manifest"])
     metrics = httpx.get(f"{coordinator.url}/metrics").text
     codes = re.findall(r'locoswarm_http_responses_total\{code="(\d+)"\}', metrics)
     assert codes and all(not code.startswith("5") for code in codes)
 
 
 def _cli(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "coordinator.cli", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def test_operator_commands_against_a_live_server(start_coordinator, tmp_path):
     coordinator = start_coordinator()
     config = tmp_path / "run.toml"
-    config.write_text('name = "cli-run"\n[model]\npreset = "small"\n[membership]\nmin_peers = 1\n'
-                      '[inner]\nbetas = [0.9, 0.99]\n[deadline]\nkind = "fixed"\nround_timeout_s = 45.0\n')
-    created = _cli("run", "create", "--coordinator", coordinator.url, "--config", str(config),
-                   "--admin-token", ADMIN_TOKEN)
+    config.write_text(
+        'name = "cli-run"\n[model]\npreset = "small"\n[membership]\nmin_peers = 1\n'
+        '[inner]\nbetas = [0.9, 0.99]\n[deadline]\nkind = "fixed"\nround_timeout_s = 45.0\n'
+    )
+    created = _cli(
+        "run", "create", "--coordinator", coordinator.url, "--config", str(config), "--admin-token", ADMIN_TOKEN
+    )
     assert created.returncode == 0, created.stderr
     run_id = created.stdout.strip()
     with httpx.Client(base_url=coordinator.url, timeout=10) as client:
@@ -167,9 +201,16 @@ def test_operator_commands_against_a_live_server(start_coordinator, tmp_path):
     assert status.returncode == 0, status.stderr
     assert run_id in status.stdout and peer.peer_id in status.stdout
     assert "400 Mbps" in status.stdout and "3.5000" in status.stdout
-    wrong = _cli("run", "create", "--coordinator", coordinator.url, "--config", str(config),
-                 "--admin-token", "wrong-token-wrong-token")
+    wrong = _cli(
+        "run",
+        "create",
+        "--coordinator",
+        coordinator.url,
+        "--config",
+        str(config),
+        "--admin-token",
+        "wrong-token-wrong-token",
+    )
     assert wrong.returncode == 2 and "bad_admin_token" in wrong.stderr
-    closed = _cli("run", "close", "--coordinator", coordinator.url, "--run", run_id,
-                  "--admin-token", ADMIN_TOKEN)
+    closed = _cli("run", "close", "--coordinator", coordinator.url, "--run", run_id, "--admin-token", ADMIN_TOKEN)
     assert closed.returncode == 0 and "closed" in closed.stdout

@@ -35,8 +35,9 @@ def a_run(run_id: str = "run-1") -> RunRow:
 
 
 def a_peer(peer_id: str, index: int, run_id: str = "run-1") -> PeerRow:
-    return PeerRow(run_id, peer_id, "00" * 32, index, "live", None, "joining", "cpu", "[]",
-                   None, None, 1.0, 1.0, 0, None)
+    return PeerRow(
+        run_id, peer_id, "00" * 32, index, "live", None, "joining", "cpu", "[]", None, None, 1.0, 1.0, 0, None
+    )
 
 
 def test_migrations_apply_once(storage_url):
@@ -94,8 +95,7 @@ def test_submissions_stats_and_expected(storage_url):
     storage.insert_round(RoundRow("run-1", 0, 0.0, 30.0, None, None))
     assert storage.expected_and_missing("run-1", 0) == (2, 2)
     for peer_id, loss in [("pb", 3.0), ("pa", 2.0)]:
-        storage.insert_submission(
-            SubmissionRow("run-1", 0, peer_id, "ab" * 32, 100, loss, 1.0, 0.1, "[]", 5.0))
+        storage.insert_submission(SubmissionRow("run-1", 0, peer_id, "ab" * 32, 100, loss, 1.0, 0.1, "[]", 5.0))
     assert storage.expected_and_missing("run-1", 0) == (2, 0)
     assert [s.peer_id for s in storage.list_submissions("run-1", 0)] == ["pa", "pb"]
     assert storage.count_submissions("run-1", 0) == 2
@@ -137,7 +137,9 @@ def test_missing_reports_dropped_entries_and_versions(storage_url):
     assert storage.add_missing_report(MissingReportRow("run-1", 0, "pw", "pa", 8.0)) is False
     storage.add_missing_report(MissingReportRow("run-1", 0, "pw", "pb", 9.0))
     assert [(m.reporter_id, m.reported_at) for m in storage.list_missing_reports("run-1", 0)] == [
-        ("pa", 7.0), ("pb", 9.0)]
+        ("pa", 7.0),
+        ("pb", 9.0),
+    ]
     assert storage.rounds_with_pending_reports(4) == [("run-1", 0)]
     assert storage.rounds_with_pending_reports(4, "run-2") == []
     storage.update_run("run-1", current_round=5)
@@ -148,7 +150,8 @@ def test_missing_reports_dropped_entries_and_versions(storage_url):
     storage.update_peer("run-1", "pw", withheld_round=0)
     assert storage.rounds_with_pending_reports(4) == []
     assert [(d.peer_id, d.reason, d.manifest_version) for d in storage.list_dropped("run-1", 0)] == [
-        ("pw", "unserved", 2)]
+        ("pw", "unserved", 2)
+    ]
     assert storage.get_round("run-1", 0).manifest_version == 2
     storage.insert_round(RoundRow("run-1", 1, 6.0, 36.0, None, None))
     assert storage.expected_and_missing("run-1", 1) == (2, 2), "a withholding peer is not expected"
@@ -167,8 +170,7 @@ def test_service_round_flow_on_both_backends(storage_url):
     keys = [PeerKey.generate() for _ in range(2)]
     peer_ids = [service.join(run_id, *_join(key)).peer_id for key in keys]
     for peer_id in peer_ids:
-        service.submit(run_id, 0, peer_id, SubmitRequest(
-            packet_digest="cd" * 32, packet_size_bytes=10, train_loss=1.0))
+        service.submit(run_id, 0, peer_id, SubmitRequest(packet_digest="cd" * 32, packet_size_bytes=10, train_loss=1.0))
     view = service.views.round_view(run_id, 0)
     assert view.state == "closed" and [e.peer_id for e in view.manifest] == sorted(peer_ids)
     assert service.views.round_view(run_id, 1).state == "open"

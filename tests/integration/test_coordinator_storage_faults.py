@@ -30,8 +30,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.fixtures.coordinator import (ADMIN_HEADERS, ADMIN_TOKEN, SignedPeer, coordinator_on, create_run,
-                                        run_config)
+from tests.fixtures.coordinator import ADMIN_HEADERS, ADMIN_TOKEN, SignedPeer, coordinator_on, create_run, run_config
 from tests.integration.coordinator_process import launch_coordinator
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,8 +49,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     mount_dir.mkdir()
     if shutil.which("mount") is None:
         pytest.skip("no 'mount' command to mount a small tmpfs")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "locoswarm-test",
-                              str(mount_dir)], capture_output=True, text=True, timeout=30)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "locoswarm-test", str(mount_dir)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs (needs root): {mounted.stderr.strip()}")
     try:
@@ -131,8 +134,11 @@ def faulty_coordinator(request: pytest.FixtureRequest, tmp_path: Path, fake_cloc
     kind = request.param
     db_dir = request.getfixturevalue("small_disk") if kind == "disk_full" else tmp_path
     with coordinator_on(db_dir / "coordinator.db", fake_clock) as (client, storage):
-        fault = {"disk_full": lambda: DiskFull(db_dir), "page_limit": lambda: PageLimit(storage),
-                 "read_only": lambda: ReadOnly(storage)}[kind]()
+        fault = {
+            "disk_full": lambda: DiskFull(db_dir),
+            "page_limit": lambda: PageLimit(storage),
+            "read_only": lambda: ReadOnly(storage),
+        }[kind]()
         yield client, fault
 
 
@@ -158,8 +164,13 @@ def test_failed_writes_answer_503_reads_work_and_nothing_committed_is_lost(fault
     assert a.applied(run_id, 0, "ee" * 32).status_code == 200
     assert b.applied(run_id, 0, "ee" * 32).status_code == 200  # agreed now: round 1's close changes nothing
     assert a.submit(run_id, 1).status_code == 200
-    reads = ["/v1/runs", f"/v1/runs/{run_id}", f"/v1/runs/{run_id}/rounds/0", f"/v1/runs/{run_id}/rounds/1",
-             f"/v1/runs/{run_id}/status"]
+    reads = [
+        "/v1/runs",
+        f"/v1/runs/{run_id}",
+        f"/v1/runs/{run_id}/rounds/0",
+        f"/v1/runs/{run_id}/rounds/1",
+        f"/v1/runs/{run_id}/status",
+    ]
     committed = {path: client.get(path).json() for path in reads}
     assert client.get("/readyz").json() == {"status": "ready"}
 
@@ -188,7 +199,8 @@ def test_failed_writes_answer_503_reads_work_and_nothing_committed_is_lost(fault
     assert [p["peer_index"] for p in client.get(f"/v1/runs/{run_id}/status").json()["peers"]] == [0, 1, 2]
     round_1 = client.get(f"/v1/runs/{run_id}/rounds/1").json()
     assert round_1["state"] == "closed" and [e["peer_id"] for e in round_1["manifest"]] == sorted(
-        [a.peer_id, b.peer_id])
+        [a.peer_id, b.peer_id]
+    )
     assert {e["peer_id"]: e["multiaddrs"] for e in round_1["manifest"]}[b.peer_id] == LONG_ADDRS
     assert client.get(f"/v1/runs/{run_id}/rounds/0").json() == committed[f"/v1/runs/{run_id}/rounds/0"]
     assert client.get(f"/v1/runs/{run_id}/status").json()["history"][0]["majority_digest"] == "ee" * 32
@@ -231,8 +243,13 @@ def test_a_real_server_on_a_full_disk_answers_503_on_a_kept_connection(small_dis
             peer = SignedPeer(client)
             assert peer.join(run_id).status_code == 200
             fault.start()
-            answers = [peer.heartbeat(run_id, 0), peer.submit(run_id, 0), client.get("/readyz"),
-                       client.post("/v1/runs", json=run_config(), headers=ADMIN_HEADERS), peer.heartbeat(run_id, 0)]
+            answers = [
+                peer.heartbeat(run_id, 0),
+                peer.submit(run_id, 0),
+                client.get("/readyz"),
+                client.post("/v1/runs", json=run_config(), headers=ADMIN_HEADERS),
+                peer.heartbeat(run_id, 0),
+            ]
             for response in answers:
                 assert_storage_unavailable(response, FULL)
             assert client.get("/healthz").status_code == 200

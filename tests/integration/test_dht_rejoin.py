@@ -33,8 +33,9 @@ TTL_S = 3.0
 @contextlib.asynccontextmanager
 async def islands(count: int, **config):
     """`count` exchanges, each a DHT of its own; all shut down after, and their p2pd checked gone."""
-    exchanges = await asyncio.gather(*(P2PExchange.create(ExchangeConfig(run_id=RUN_ID, bootstrap_timeout_s=2.0,
-                                                                           **config)) for _ in range(count)))
+    exchanges = await asyncio.gather(
+        *(P2PExchange.create(ExchangeConfig(run_id=RUN_ID, bootstrap_timeout_s=2.0, **config)) for _ in range(count))
+    )
     pids = [x.daemon_pid for x in exchanges]
     try:
         yield exchanges
@@ -54,8 +55,10 @@ def test_islands_merge_through_rejoin_and_a_snapshot_held_on_one_is_found_from_a
 
             # As after a whole-swarm restart: each learns the live members' addresses from the
             # coordinator; the fresh node's and the holder's passes run at the same moment.
-            joined = await asyncio.gather(fresh.rejoin_dht([*holder.visible_maddrs, *other.visible_maddrs]),
-                                          holder.rejoin_dht(fresh.visible_maddrs))
+            joined = await asyncio.gather(
+                fresh.rejoin_dht([*holder.visible_maddrs, *other.visible_maddrs]),
+                holder.rejoin_dht(fresh.visible_maddrs),
+            )
             assert set(joined[0]) == {holder.holder_id, other.holder_id}
             assert fresh.holder_id in holder.dht_peers and fresh.holder_id in other.dht_peers
             assert await fresh.rejoin_dht(holder.visible_maddrs) == [], "members already known are not dialled"

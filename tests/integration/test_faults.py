@@ -38,6 +38,7 @@ STATUS_POLL_S = 0.3
 
 # -- helpers ----------------------------------------------------------------------------------
 
+
 def start_swarm(swarm: LocalSwarm, run_overrides: dict) -> None:
     """Coordinator, run, node 0 (the DHT's first node), then the other nodes; returns once all joined."""
     swarm.start_coordinator()
@@ -46,8 +47,12 @@ def start_swarm(swarm: LocalSwarm, run_overrides: dict) -> None:
     swarm.wait_for_peers(1)
     for i in range(1, swarm.num_peers):
         swarm.start_node(i)
-    wait_until(swarm, lambda s: sum(p["status"] == "live" for p in s["peers"]) >= swarm.num_peers,
-               "every node joined", timeout_s=120)
+    wait_until(
+        swarm,
+        lambda s: sum(p["status"] == "live" for p in s["peers"]) >= swarm.num_peers,
+        "every node joined",
+        timeout_s=120,
+    )
 
 
 def wait_until(swarm: LocalSwarm, predicate, what: str, timeout_s: float = 120, may_die: tuple[int, ...] = ()):
@@ -56,8 +61,10 @@ def wait_until(swarm: LocalSwarm, predicate, what: str, timeout_s: float = 120, 
     while time.monotonic() < deadline:
         for i, node in enumerate(swarm.nodes):
             if i not in may_die and node.poll() not in (None, 0):
-                pytest.fail(f"node {i} exited with {node.returncode} while waiting for {what}:\n"
-                            + tail(swarm.workdir / f"node{i}.log"))
+                pytest.fail(
+                    f"node {i} exited with {node.returncode} while waiting for {what}:\n"
+                    + tail(swarm.workdir / f"node{i}.log")
+                )
         try:
             status = swarm.status()
         except Exception:  # the coordinator may be restarting
@@ -133,11 +140,20 @@ def assert_history_complete(history: list[dict], rounds: int) -> None:
 
 
 def swarm_for(tmp_path: Path, num_peers: int, rounds: int, extra=None) -> LocalSwarm:
-    return LocalSwarm(tmp_path, num_peers=num_peers, preset="tiny", rounds=rounds, inner_steps=H, top_k=64,
-                      quiet=True, extra_node_args=extra)
+    return LocalSwarm(
+        tmp_path,
+        num_peers=num_peers,
+        preset="tiny",
+        rounds=rounds,
+        inner_steps=H,
+        top_k=64,
+        quiet=True,
+        extra_node_args=extra,
+    )
 
 
 # -- tests ------------------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(300)
 def test_crash_in_training_and_a_late_joiner(tmp_path):
@@ -146,8 +162,9 @@ def test_crash_in_training_and_a_late_joiner(tmp_path):
     then, catches up from peers, and from its first round on its digest is everyone's."""
     rounds = 12  # rounds take under a second: enough of them to be running when node 3 is up
     with swarm_for(tmp_path, 3, rounds, {2: ("--inject", "crash@round=1,phase=training")}) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": 6.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 40.0}})
+        start_swarm(
+            swarm, {"membership.heartbeat_timeout_s": 6.0, "deadline": {"kind": "fixed", "round_timeout_s": 40.0}}
+        )
         assert swarm.nodes[2].wait(timeout=120) == -signal.SIGKILL
         swarm.start_node(3)
         codes = wait_exit(swarm, (0, 1, 3))
@@ -179,11 +196,15 @@ def test_crash_in_transfer_beside_corrupt_and_slow_peers(tmp_path):
     refuses node 2's packet for the same reason (in its report), the coordinator's status shows it,
     and the digests agree."""
     rounds = 3
-    extra = {1: ("--inject", "slow-upload@delay_s=1"), 2: ("--inject", "corrupt-packet@round=1"),
-             3: ("--inject", "crash@round=1,phase=transfer")}
+    extra = {
+        1: ("--inject", "slow-upload@delay_s=1"),
+        2: ("--inject", "corrupt-packet@round=1"),
+        3: ("--inject", "crash@round=1,phase=transfer"),
+    }
     with swarm_for(tmp_path, 4, rounds, extra) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": 6.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 40.0}})
+        start_swarm(
+            swarm, {"membership.heartbeat_timeout_s": 6.0, "deadline": {"kind": "fixed", "round_timeout_s": 40.0}}
+        )
         assert swarm.nodes[3].wait(timeout=150) == -signal.SIGKILL
         codes = wait_exit(swarm, (0, 1, 2))
         status, manifests = swarm.status(), manifests_of(swarm, rounds)
@@ -216,14 +237,19 @@ def test_paused_node_is_refused_as_stale_and_catches_up(tmp_path):
     H=5 the tiny model could otherwise train and submit round 1 between two status polls."""
     rounds = 5
     with swarm_for(tmp_path, 3, rounds, {2: ("--inject", "slow-compute@round=1,min_s=3")}) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": 120.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 8.0}})
+        start_swarm(
+            swarm, {"membership.heartbeat_timeout_s": 120.0, "deadline": {"kind": "fixed", "round_timeout_s": 8.0}}
+        )
         wait_until(swarm, lambda s: s["history"] and s["history"][0]["num_applied"] == 3, "round 0 applied by all")
         paused = swarm.nodes[2]
         os.killpg(paused.pid, signal.SIGSTOP)
         try:
-            wait_until(swarm, lambda s: (s["current_round"] or {}).get("round", rounds) >= 3,
-                       "two rounds closed without the paused node", may_die=(2,))
+            wait_until(
+                swarm,
+                lambda s: (s["current_round"] or {}).get("round", rounds) >= 3,
+                "two rounds closed without the paused node",
+                may_die=(2,),
+            )
         finally:
             os.killpg(paused.pid, signal.SIGCONT)
         codes = wait_exit(swarm, (0, 1, 2))
@@ -253,12 +279,15 @@ def test_coordinator_restart_stale_submission_and_unwritable_checkpoints(tmp_pat
     rounds = 5
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoint directory should be")
-    extra = {0: ("--checkpoint-dir", str(tmp_path / "ckpt0")),
-             1: ("--checkpoint-dir", str(blocker / "ckpt")),
-             2: ("--inject", "stale-submit@round=3")}
+    extra = {
+        0: ("--checkpoint-dir", str(tmp_path / "ckpt0")),
+        1: ("--checkpoint-dir", str(blocker / "ckpt")),
+        2: ("--inject", "stale-submit@round=3"),
+    }
     with swarm_for(tmp_path, 3, rounds, extra) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": 60.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 15.0}})
+        start_swarm(
+            swarm, {"membership.heartbeat_timeout_s": 60.0, "deadline": {"kind": "fixed", "round_timeout_s": 15.0}}
+        )
         wait_until(swarm, lambda s: len(s["history"]) >= 2, "round 1 closed")
         port = int(swarm.url.rsplit(":", 1)[1])
         swarm.coordinator.kill()
@@ -284,7 +313,8 @@ def test_coordinator_restart_stale_submission_and_unwritable_checkpoints(tmp_pat
     # that each save was tried and failed for the blocked directory.
     log1 = node_log(swarm, 1)
     assert log1.count("checkpoint not saved, training goes on") == len(rounds_of(swarm, 1)), tail(
-        swarm.workdir / "node1.log")
+        swarm.workdir / "node1.log"
+    )
     assert "Not a directory" in log1 or "File exists" in log1
     meta = json.loads((tmp_path / "ckpt0" / "meta.json").read_text())
     assert meta["round"] == rounds and meta["digest"] == digests[rounds - 1]
@@ -310,13 +340,17 @@ def test_everything_killed_at_once_resumes_from_checkpoints(tmp_path):
     ckpt = [tmp_path / f"ckpt{i}" for i in range(3)]
     extra = {i: ("--checkpoint-dir", str(ckpt[i]), "--inject", "slow-compute@min_s=3") for i in range(3)}
     with swarm_for(tmp_path, 3, rounds, extra) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": 5.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 30.0}})
+        start_swarm(
+            swarm, {"membership.heartbeat_timeout_s": 5.0, "deadline": {"kind": "fixed", "round_timeout_s": 30.0}}
+        )
 
         def all_training_round_2(status) -> bool:  # every checkpoint starts round 2, nobody submitted yet
             current = status["current_round"] or {}
-            return (current.get("round") == 2 and current.get("num_submitted") == 0
-                    and all(checkpoint_round(c) == 2 for c in ckpt))
+            return (
+                current.get("round") == 2
+                and current.get("num_submitted") == 0
+                and all(checkpoint_round(c) == 2 for c in ckpt)
+            )
 
         before = wait_until(swarm, all_training_round_2, "every node training round 2 from its checkpoint")
         port = int(swarm.url.rsplit(":", 1)[1])
@@ -347,8 +381,10 @@ def test_everything_killed_at_once_resumes_from_checkpoints(tmp_path):
     # The loss goes on from round 1's, not from the seeded initialisation's.
     first_resumed = history[2]["mean_loss"]
     assert first_resumed < history[0]["mean_loss"] - 0.1 and first_resumed < history[1]["mean_loss"] + 0.2, history
-    print(f"recovery: 0 agreed rounds lost; round 2 closed {history[2]['closed_at'] - restarted_at:.1f} s after the "
-          f"restart (rounds take >= 3 s)")
+    print(
+        f"recovery: 0 agreed rounds lost; round 2 closed {history[2]['closed_at'] - restarted_at:.1f} s after the "
+        f"restart (rounds take >= 3 s)"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -359,8 +395,9 @@ def test_coordinator_down_past_the_heartbeat_timeout(tmp_path):
     every node exiting 0 and every digest agreeing."""
     rounds, down_s = 5, 15.0
     with swarm_for(tmp_path, 3, rounds) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": 5.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 30.0}})
+        start_swarm(
+            swarm, {"membership.heartbeat_timeout_s": 5.0, "deadline": {"kind": "fixed", "round_timeout_s": 30.0}}
+        )
         wait_until(swarm, lambda s: len(s["history"]) >= 2, "rounds 0 and 1 closed")
         port = int(swarm.url.rsplit(":", 1)[1])
         swarm.coordinator.kill()
@@ -381,8 +418,10 @@ def test_coordinator_down_past_the_heartbeat_timeout(tmp_path):
     assert all([r["round"] for r in rounds_of(swarm, i)] == list(range(rounds)) for i in range(3))
     assert sum(h["num_contributors"] for h in history) >= 3 * rounds - 3, history
     first_after = next(h for h in history if h["closed_at"] > restarted_at)
-    print(f"recovery: 0 agreed rounds lost; round {first_after['round']} closed "
-          f"{first_after['closed_at'] - restarted_at:.1f} s after the coordinator came back")
+    print(
+        f"recovery: 0 agreed rounds lost; round {first_after['round']} closed "
+        f"{first_after['closed_at'] - restarted_at:.1f} s after the coordinator came back"
+    )
     assert_identical_digests(swarm, (0, 1, 2), history)
 
 
@@ -396,8 +435,14 @@ def test_a_packet_nobody_serves_is_dropped_from_the_manifest(tmp_path):
     common = ("--fetch-timeout", str(fetch_timeout_s))
     extra = {0: common, 1: common, 2: (*common, "--inject", "withhold@round=1")}
     with swarm_for(tmp_path, 3, rounds, extra) as swarm:
-        start_swarm(swarm, {"exchange.missing_grace_s": 5.0, "membership.heartbeat_timeout_s": 60.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 30.0}})
+        start_swarm(
+            swarm,
+            {
+                "exchange.missing_grace_s": 5.0,
+                "membership.heartbeat_timeout_s": 60.0,
+                "deadline": {"kind": "fixed", "round_timeout_s": 30.0},
+            },
+        )
         codes = wait_exit(swarm, (0, 1, 2))
         status = swarm.status()
         import httpx
@@ -427,8 +472,10 @@ def test_median_norm_clipping_keeps_a_poisoned_swarm_on_course():
     clipped = _poison_sim(poisoned=True, clip=True)
     unclipped = _poison_sim(poisoned=True, clip=False)
     start = _poison_sim(poisoned=False, clip=False, num_rounds=0)
-    print(f"val loss: start {start:.4f} clean {clean:.4f} clipped+poisoned {clipped:.4f} "
-          f"unclipped+poisoned {unclipped:.4f}")
+    print(
+        f"val loss: start {start:.4f} clean {clean:.4f} clipped+poisoned {clipped:.4f} "
+        f"unclipped+poisoned {unclipped:.4f}"
+    )
     assert clean < start - 0.05, "the clean swarm learned"
     assert abs(clipped - clean) < 0.25 * (start - clean), (start, clean, clipped)
     assert unclipped > start + 0.5, (start, unclipped)
@@ -448,12 +495,20 @@ def _poison_sim(*, poisoned: bool, clip: bool, num_rounds: int = 5, num_peers: i
 
     torch.set_num_threads(1)
     corpus = load_corpus(None)
-    run = RunConfig.model_validate({
-        "name": "poison", "model": {"preset": "tiny", "seed": 0},
-        "inner": {"steps": H, "warmup_steps": min(H, max(1, num_rounds * H)),
-                  "total_steps": max(1, num_rounds * H), "batch_size": 8, "seq_len": 64},
-        "outer": {"clip_to_median_norm": clip},
-    })
+    run = RunConfig.model_validate(
+        {
+            "name": "poison",
+            "model": {"preset": "tiny", "seed": 0},
+            "inner": {
+                "steps": H,
+                "warmup_steps": min(H, max(1, num_rounds * H)),
+                "total_steps": max(1, num_rounds * H),
+                "batch_size": 8,
+                "seq_len": 64,
+            },
+            "outer": {"clip_to_median_norm": clip},
+        }
+    )
     peers = [f"p{i:02d}" for i in range(num_peers)]
     keys = {p: PeerKey.from_seed(p.encode()) for p in peers}
     trainings = [PeerTraining.build(run, "cpu", corpus.train.shard(i, num_peers)) for i in range(num_peers)]
@@ -466,8 +521,9 @@ def _poison_sim(*, poisoned: bool, clip: bool, num_rounds: int = 5, num_peers: i
         for peer, training in zip(peers, trainings):
             training.outer.begin_round()
             training.train_round(r)
-            payloads[peer] = training.outer.make_payload(run_id="sim", round=r, peer_id=peer, base_digest=digest,
-                                                         key=keys[peer])
+            payloads[peer] = training.outer.make_payload(
+                run_id="sim", round=r, peer_id=peer, base_digest=digest, key=keys[peer]
+            )
         for training in trainings:
             training.outer.apply(payloads, lambda p: keys[p].public_bytes, run_id="sim", round=r)
         digests = {param_digest(m) for m in models}

@@ -100,12 +100,18 @@ class Heartbeater(threading.Thread):
 @pytest.mark.timeout(300)
 def test_strangers_cannot_set_the_agreed_digest_nor_stall_rounds(tmp_path: Path):
     extra = {i: ("--inject", f"slow-compute@min_s={SLOW_S:g}") for i in (0, 1)}
-    with LocalSwarm(tmp_path, num_peers=2, preset="tiny", rounds=ROUNDS, inner_steps=H, top_k=64, quiet=True,
-                    extra_node_args=extra) as swarm:
+    with LocalSwarm(
+        tmp_path, num_peers=2, preset="tiny", rounds=ROUNDS, inner_steps=H, top_k=64, quiet=True, extra_node_args=extra
+    ) as swarm:
         swarm.start_coordinator()
-        swarm.create_run({"membership.min_peers": 2, "membership.heartbeat_timeout_s": 20.0,
-                          "membership.join_pow_bits": POW_BITS,
-                          "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S}})
+        swarm.create_run(
+            {
+                "membership.min_peers": 2,
+                "membership.heartbeat_timeout_s": 20.0,
+                "membership.join_pow_bits": POW_BITS,
+                "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S},
+            }
+        )
         swarm.start_node(0)
         swarm.wait_for_peers(1)
         swarm.start_node(1)
@@ -175,19 +181,28 @@ def test_strangers_cannot_set_the_agreed_digest_nor_stall_rounds(tmp_path: Path)
     assert (idle["status"], idle["standing"], idle["waited_for"]) == ("live", "probation", False), idle
     slowest = max(h["round_time_s"] for h in history.values())
     assert slowest < DEADLINE_S / 3, f"a round took {slowest:.1f} s of its {DEADLINE_S:g} s"
-    print(f"strangers: {len(answers)} reports, 0 votes; rounds took at most {slowest:.1f} s; late joiner "
-          f"caught up at round {late['catch_ups'][0]['to_round']} by {late['catch_ups'][0]['method']}")
+    print(
+        f"strangers: {len(answers)} reports, 0 votes; rounds took at most {slowest:.1f} s; late joiner "
+        f"caught up at round {late['catch_ups'][0]['to_round']} by {late['catch_ups'][0]['method']}"
+    )
 
 
 @pytest.mark.timeout(60)
 def test_a_burst_of_joins_from_one_address_is_rate_limited(start_coordinator):
     coordinator = start_coordinator()
     with httpx.Client(base_url=coordinator.url, timeout=10, trust_env=False) as http:
-        run_id = create_run(http, {"membership.min_peers": 1, "membership.join_burst_per_address": 5,
-                                   "membership.join_rate_per_address_per_min": 20.0})  # one per 3 s
+        run_id = create_run(
+            http,
+            {
+                "membership.min_peers": 1,
+                "membership.join_burst_per_address": 5,
+                "membership.join_rate_per_address_per_min": 20.0,
+            },
+        )  # one per 3 s
 
     async def burst(count: int) -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=coordinator.url, timeout=10, trust_env=False) as client:
+
             async def join(key: PeerKey) -> httpx.Response:
                 path = f"/v1/runs/{run_id}/join"
                 body = json.dumps({"public_key": key.public_hex}).encode()
@@ -228,8 +243,14 @@ def test_votes_and_standing_on_both_backends(storage_url, tmp_path, fake_clock):
 
     c = Coordinator(tmp_path, fake_clock, url=storage_url)
     try:
-        run_id = c.create_run(**{"membership.min_peers": 2, "membership.heartbeat_timeout_s": 600.0,
-                                 "membership.max_missed_rounds": 1, "membership.vote_after_rounds": 1})
+        run_id = c.create_run(
+            **{
+                "membership.min_peers": 2,
+                "membership.heartbeat_timeout_s": 600.0,
+                "membership.max_missed_rounds": 1,
+                "membership.vote_after_rounds": 1,
+            }
+        )
         a, b = c.join(run_id, 2)
         (w,) = c.join(run_id)
         c.credit(run_id, {a: 1, b: 1, w: 1})  # as scoring gives it: votes weigh credit (a peer column)
@@ -248,7 +269,11 @@ def test_votes_and_standing_on_both_backends(storage_url, tmp_path, fake_clock):
         c.submit(run_id, 2, a, b)  # w: withheld, and no packet in round 1's manifest any more
         assert c.round(run_id, 2).state == "closed"
         standings = {p.peer_id: (p.standing, p.waited_for) for p in c.status(run_id).peers}
-        assert standings == {a: ("contributor", True), b: ("contributor", True), w: ("not_waited", False),
-                             idler: ("probation", False)}
+        assert standings == {
+            a: ("contributor", True),
+            b: ("contributor", True),
+            w: ("not_waited", False),
+            idler: ("probation", False),
+        }
     finally:
         c.storage.close()

@@ -26,8 +26,16 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 def test_two_rank_node_agrees_with_one_rank_node(tmp_path):
     rounds, peers = 3, 2
-    with LocalSwarm(tmp_path, num_peers=peers, preset="tiny", rounds=rounds, inner_steps=4, top_k=64, quiet=True,
-                    extra_node_args={0: ("--ranks", "2", "--checkpoint-dir", str(tmp_path / "checkpoint"))}) as swarm:
+    with LocalSwarm(
+        tmp_path,
+        num_peers=peers,
+        preset="tiny",
+        rounds=rounds,
+        inner_steps=4,
+        top_k=64,
+        quiet=True,
+        extra_node_args={0: ("--ranks", "2", "--checkpoint-dir", str(tmp_path / "checkpoint"))},
+    ) as swarm:
         summary = swarm.run(timeout_s=240)
         codes = [node.wait(timeout=60) for node in swarm.nodes]
         status = swarm.status()
@@ -69,8 +77,12 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_follower_exits_when_rank_0_is_killed():
-    rank0 = subprocess.Popen([sys.executable, "-c", RANK0_THEN_SLEEP], stdout=subprocess.PIPE, text=True,
-                             cwd=Path(__file__).resolve().parents[2])
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", RANK0_THEN_SLEEP],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     try:
         followers = [int(pid) for pid in rank0.stdout.readline().split()]  # once the group is up
         assert followers and not any(_gone(pid) for pid in followers)

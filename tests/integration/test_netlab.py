@@ -27,8 +27,24 @@ FAST_MBPS = 100.0
 # mini at top_k 2048 sends ~1 MB packets: each peer downloads ~2 MB a round, ~0.33 s at 50 Mbps,
 # well above the few tens of milliseconds the same transfer takes on an unshaped veth.
 DELAY_MS = 20.0
-LAB_ARGS = ["--peers", "3", "--rounds", "2", "--rate-mbps", f"{RATE_MBPS},{FAST_MBPS}", "--delay-ms", str(DELAY_MS),
-            "--preset", "mini", "--top-k", "2048", "--inner-steps", "3", "--batch-size", "4"]
+LAB_ARGS = [
+    "--peers",
+    "3",
+    "--rounds",
+    "2",
+    "--rate-mbps",
+    f"{RATE_MBPS},{FAST_MBPS}",
+    "--delay-ms",
+    str(DELAY_MS),
+    "--preset",
+    "mini",
+    "--top-k",
+    "2048",
+    "--inner-steps",
+    "3",
+    "--batch-size",
+    "4",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,16 +66,31 @@ def _left_behind(prefix: str) -> list[str]:
 
 def test_three_peers_two_rounds_on_shaped_links(tmp_path):
     links_before = _root_links()
-    done = subprocess.run([sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--json", "--workdir", str(tmp_path),
-                           "--timeout", "150"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=200)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--json", "--workdir", str(tmp_path), "--timeout", "150"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=200,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
 
     assert result["completed"] and result["teardown_errors"] == []
     for key in ("per_round", "summary", "link", "link_check", "overlap", "interface_bytes", "namespace_prefix"):
         assert key in result, key
-    for key in ("compute_s", "transfer_s", "idle_s", "round_s", "packet_bytes", "download_bytes",
-                "ideal_transfer_s", "transfer_over_ideal", "compute_utilization", "digests_agree"):
+    for key in (
+        "compute_s",
+        "transfer_s",
+        "idle_s",
+        "round_s",
+        "packet_bytes",
+        "download_bytes",
+        "ideal_transfer_s",
+        "transfer_over_ideal",
+        "compute_utilization",
+        "digests_agree",
+    ):
         assert all(key in row for row in result["per_round"]), key
     assert [row["round"] for row in result["per_round"]] == [0, 1]
     link = result["link"]
@@ -101,8 +132,13 @@ def test_three_peers_two_rounds_on_shaped_links(tmp_path):
 
 def test_ctrl_c_tears_everything_down(tmp_path):
     links_before = _root_links()
-    lab = subprocess.Popen([sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--workdir", str(tmp_path)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+    lab = subprocess.Popen(
+        [sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     try:
         lines = []
         # Interrupt once nodes run: namespaces, shapers, the coordinator and node processes all up. The

@@ -23,8 +23,25 @@ from tools.netlab.topology import LAB_PREFIX, lab_available, lab_namespaces
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LAB_ARGS = ["--peers", "3", "--nat", "1", "--relay-host", "--rounds", "2", "--rate-mbps", "50,100",
-            "--delay-ms", "20", "--preset", "tiny", "--inner-steps", "3", "--batch-size", "4"]
+LAB_ARGS = [
+    "--peers",
+    "3",
+    "--nat",
+    "1",
+    "--relay-host",
+    "--rounds",
+    "2",
+    "--rate-mbps",
+    "50,100",
+    "--delay-ms",
+    "20",
+    "--preset",
+    "tiny",
+    "--inner-steps",
+    "3",
+    "--batch-size",
+    "4",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,8 +68,13 @@ def _left_behind(prefix: str) -> list[str]:
 
 def test_a_peer_behind_nat_is_unreachable_and_reported(tmp_path):
     links_before, rules_before = _root_links(), _root_rules()
-    done = subprocess.run([sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--json", "--workdir", str(tmp_path),
-                           "--timeout", "80"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=110)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--json", "--workdir", str(tmp_path), "--timeout", "80"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=110,
+    )
     assert done.stdout, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["teardown_errors"] == [], result["teardown_errors"]
@@ -88,8 +110,13 @@ def test_a_peer_behind_nat_is_unreachable_and_reported(tmp_path):
 
 def test_ctrl_c_once_the_nat_is_up_tears_everything_down(tmp_path):
     links_before, rules_before = _root_links(), _root_rules()
-    lab = subprocess.Popen([sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--workdir", str(tmp_path)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+    lab = subprocess.Popen(
+        [sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     try:
         lines = []
         for line in lab.stdout:  # the NAT check's line: routers, rules and the NAT'd host are all up

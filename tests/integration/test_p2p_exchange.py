@@ -17,16 +17,23 @@ import random
 import threading
 import time
 
-import pytest
-
-from protocol.dht_records import packets_key
 import msgpack
+import pytest
 from hivemind.p2p import PeerID
 
 from node.exchange.config import ExchangeConfig
 from node.exchange.p2p import P2PExchange
-from protocol.stream import (PROTOCOL_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
-                             decode_request, request_body_length)
+from protocol.dht_records import packets_key
+from protocol.stream import (
+    PROTOCOL_NAME,
+    REQUEST_PREFIX,
+    RESPONSE_HEADER,
+    STATUS_BUSY,
+    STATUS_ERROR,
+    STATUS_OK,
+    decode_request,
+    request_body_length,
+)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
@@ -73,7 +80,7 @@ class TricklingExchange(P2PExchange):
         writer.write(RESPONSE_HEADER.pack(STATUS_OK, len(data)))
         try:
             for start in range(0, len(data), 256):
-                writer.write(data[start:start + 256])
+                writer.write(data[start : start + 256])
                 await writer.drain()
                 await asyncio.sleep(0.1)
         except (ConnectionError, OSError):
@@ -138,8 +145,8 @@ def p2pd_children(parent_pids: set[int]) -> set[int]:
                 stat = f.read()
         except OSError:
             continue
-        comm = stat[stat.index("(") + 1: stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
         if comm == "p2pd" and fields[0] != "Z" and int(fields[1]) in parent_pids:
             found.add(int(entry))
     return found
@@ -179,8 +186,9 @@ async def swarm(*kinds: type[P2PExchange], **config):
         first = await kinds[0].create(ExchangeConfig(run_id=RUN_ID, **config))
         exchanges.append(first)
         bootstrap = tuple(first.visible_maddrs)
-        rest = await asyncio.gather(*(
-            kind.create(ExchangeConfig(run_id=RUN_ID, initial_peers=bootstrap, **config)) for kind in kinds[1:]))
+        rest = await asyncio.gather(
+            *(kind.create(ExchangeConfig(run_id=RUN_ID, initial_peers=bootstrap, **config)) for kind in kinds[1:])
+        )
         exchanges += rest
         daemon_pids = [x.daemon_pid for x in exchanges]
         yield exchanges
@@ -210,9 +218,12 @@ def test_four_peers_fetch_every_packet_and_become_holders():
             assert {n: a.digest for n, a in seen.items()} == {n: sha(p) for n, p in packets.items()}
 
             manifest = {n: sha(p) for n, p in packets.items()}
-            results = await asyncio.gather(*(
-                x.fetch(0, {n: d for n, d in manifest.items() if n != own}, timeout_s=30)
-                for x, own in zip(peers, names)))
+            results = await asyncio.gather(
+                *(
+                    x.fetch(0, {n: d for n, d in manifest.items() if n != own}, timeout_s=30)
+                    for x, own in zip(peers, names)
+                )
+            )
             for own, got in zip(names, results):
                 assert got == {n: p for n, p in packets.items() if n != own}
 
@@ -237,6 +248,7 @@ def test_a_busy_holder_names_who_it_served_and_the_fetcher_gets_the_packet_there
     """With its one upload slot held by a stalled reader, the publisher answers the next request
     busy, naming the peer it already sent the packet to; the fetcher, given only the publisher's
     address (as a manifest gives it), fetches from that peer instead."""
+
     async def scenario():
         async with swarm(*[P2PExchange] * 4, max_uploads=1, busy_pause_s=0.02) as peers:
             publisher, first, second, staller = peers
@@ -247,7 +259,8 @@ def test_a_busy_holder_names_who_it_served_and_the_fetcher_gets_the_packet_there
 
             # A reader that asks for the packet and never reads holds the publisher's only slot.
             _, reader, writer = await staller._host.p2p.call_binary_stream_handler(
-                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME)
+                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME
+            )
             request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "peer0", "digest": sha(data)})
             writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             await writer.drain()
@@ -258,7 +271,8 @@ def test_a_busy_holder_names_who_it_served_and_the_fetcher_gets_the_packet_there
             # A plain request now gets the busy answer, naming the first fetcher (a whole copy) before
             # the staller (a copy still arriving).
             _, busy_reader, busy_writer = await second._host.p2p.call_binary_stream_handler(
-                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME)
+                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME
+            )
             busy_writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             status, length = RESPONSE_HEADER.unpack(await busy_reader.readexactly(RESPONSE_HEADER.size))
             assert status == STATUS_BUSY
@@ -276,13 +290,21 @@ def test_a_busy_holder_names_who_it_served_and_the_fetcher_gets_the_packet_there
 def test_a_tree_child_that_asks_before_its_parent_has_a_copy_is_served_by_the_parent():
     """A child asks its parent in the packet's tree before the parent started fetching: the parent
     waits for its own copy and forwards it as it arrives; the publisher uploads one copy."""
+
     async def scenario():
         async with swarm(*[P2PExchange] * 3) as (publisher, parent, child):
             data = packet(18)
             ann = await publisher.publish(0, "pub", data)
             asked = _signal_copy_lookups(parent)
-            fetch = asyncio.create_task(child.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20,
-                                                    parents={"pub": parent.visible_maddrs}))
+            fetch = asyncio.create_task(
+                child.fetch(
+                    0,
+                    {"pub": ann.digest},
+                    {"pub": ann.multiaddrs},
+                    timeout_s=20,
+                    parents={"pub": parent.visible_maddrs},
+                )
+            )
             await asyncio.wait_for(asked.wait(), 10)  # the request waits at the parent, which does not want it yet
             assert not fetch.done() and child.traffic(0).downloaded_bytes == 0
             assert await parent.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
@@ -309,6 +331,7 @@ def _signal_copy_lookups(exchange: P2PExchange) -> asyncio.Event:
 def test_a_fetcher_that_finds_every_holder_busy_queues_for_the_next_free_slot():
     """A holder's one slot is held by a stalled reader, and the only peer it can name has no copy:
     the fetcher asks again with "wait", queues, and is served the moment the slot frees."""
+
     async def scenario():
         async with swarm(*[P2PExchange] * 4, max_uploads=1, busy_pause_s=5.0) as peers:
             publisher, holder, staller, fetcher = peers
@@ -316,22 +339,25 @@ def test_a_fetcher_that_finds_every_holder_busy_queues_for_the_next_free_slot():
             ann = await publisher.publish(0, "peer0", data)
             assert await holder.fetch(0, {"peer0": ann.digest}, {"peer0": ann.multiaddrs}, timeout_s=20)
             _, reader, writer = await staller._host.p2p.call_binary_stream_handler(
-                PeerID.from_base58(holder.holder_id), PROTOCOL_NAME)
+                PeerID.from_base58(holder.holder_id), PROTOCOL_NAME
+            )
             request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "peer0", "digest": ann.digest})
             writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
             assert status == STATUS_OK
 
-            fetch = asyncio.create_task(fetcher.fetch(0, {"peer0": ann.digest}, {"peer0": holder.visible_maddrs},
-                                                      timeout_s=20))
+            fetch = asyncio.create_task(
+                fetcher.fetch(0, {"peer0": ann.digest}, {"peer0": holder.visible_maddrs}, timeout_s=20)
+            )
             await poll(lambda: len(holder._server.upload_queue) == 1, what="the fetcher in the holder's queue")
             freed = time.monotonic()
             writer.close()  # the stalled reader gives up its slot
             assert await fetch == {"peer0": data}
             assert time.monotonic() - freed < 4.0  # served from the queue, not after a 5 s busy pause
             assert fetcher.traffic(0).downloaded_bytes == len(data) and holder.traffic(0).num_served == 1
-            await poll(lambda: not holder._server.upload_queue and holder._server.num_uploads == 0,
-                       what="every slot free")
+            await poll(
+                lambda: not holder._server.upload_queue and holder._server.num_uploads == 0, what="every slot free"
+            )
 
     asyncio.run(scenario())
 
@@ -339,13 +365,15 @@ def test_a_fetcher_that_finds_every_holder_busy_queues_for_the_next_free_slot():
 def test_a_publisher_seeds_its_fresh_packet_beside_busy_slots():
     """With its one slot taken, a publisher still serves its own packet that nobody has confirmed
     yet (on a seed stream) rather than queueing it behind other uploads."""
+
     async def scenario():
         async with swarm(*[P2PExchange] * 3, max_uploads=1) as (publisher, staller, fetcher):
             old, fresh = packet(16), packet(17)
             old_ann = await publisher.publish(0, "old", old)
             fresh_ann = await publisher.publish(0, "fresh", fresh)
             _, reader, writer = await staller._host.p2p.call_binary_stream_handler(
-                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME)
+                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME
+            )
             request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "old", "digest": old_ann.digest})
             writer.write(REQUEST_PREFIX.pack(len(request)) + request)
             status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
@@ -430,6 +458,7 @@ def test_holder_shut_down_mid_transfer_falls_back_to_another():
 def test_a_holder_that_trickles_is_dropped_for_another():
     """2.5 kB/s is never silent for stall_timeout_s, but it is under min_rate_bytes_per_s: after
     stall_timeout_s of it as the only download in progress, the fetcher leaves it for the publisher."""
+
     async def scenario():
         async with swarm(P2PExchange, TricklingExchange, P2PExchange, stall_timeout_s=1.5) as peers:
             publisher, trickler, fetcher = peers
@@ -443,15 +472,17 @@ def test_a_holder_that_trickles_is_dropped_for_another():
     asyncio.run(scenario())
 
 
-async def _forwarding_half(publisher: PausingExchange, middle: P2PExchange, fetcher: P2PExchange, data: bytes,
-                           middle_timeout_s: float) -> tuple[asyncio.Task, asyncio.Task]:
+async def _forwarding_half(
+    publisher: PausingExchange, middle: P2PExchange, fetcher: P2PExchange, data: bytes, middle_timeout_s: float
+) -> tuple[asyncio.Task, asyncio.Task]:
     """The middle fetches `data` from the pausing publisher, which stops after half; the fetcher,
     told only of the middle, asks it for the packet. Returns both fetches once the fetcher has
     that half."""
     publisher.paused, publisher.release = asyncio.Event(), asyncio.Event()
     ann = await publisher.publish(0, "pub", data)
-    first = asyncio.create_task(middle.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs},
-                                             timeout_s=middle_timeout_s))
+    first = asyncio.create_task(
+        middle.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=middle_timeout_s)
+    )
     await poll(lambda: middle.traffic(0).downloaded_bytes == len(data) // 2, what="half the packet")
     second = asyncio.create_task(fetcher.fetch(0, {"pub": ann.digest}, {"pub": middle.visible_maddrs}, timeout_s=30))
     await poll(lambda: fetcher.traffic(0).downloaded_bytes == len(data) // 2, what="the half forwarded")
@@ -461,6 +492,7 @@ async def _forwarding_half(publisher: PausingExchange, middle: P2PExchange, fetc
 def test_a_packet_still_arriving_is_forwarded_as_it_arrives_but_its_last_byte_only_once_verified():
     """Cut-through: a peer asked for a packet it is still receiving sends what it has at once,
     holding back the last byte until the whole packet hashed to its digest."""
+
     async def scenario():
         async with swarm(PausingExchange, P2PExchange, P2PExchange) as (publisher, middle, fetcher):
             data = packet(13)
@@ -478,6 +510,7 @@ def test_a_packet_still_arriving_is_forwarded_as_it_arrives_but_its_last_byte_on
 def test_a_forwarded_copy_that_fails_upstream_ends_short_and_the_forwarder_is_not_blamed(mode, caplog):
     """When the copy being forwarded is cut off or fails its digest check, the onward stream ends
     without its last byte: the fetcher tries another holder and bans nobody for it."""
+
     async def scenario():
         async with swarm(PausingExchange, P2PExchange, P2PExchange) as (publisher, middle, fetcher):
             publisher.mode = mode
@@ -516,17 +549,21 @@ def test_unheld_packet_is_left_out_within_the_timeout():
 
 def test_client_mode_peer_publishes_and_fetches():
     """A node in DHT client mode (as behind NAT) still publishes, fetches, and serves over its streams."""
+
     async def scenario():
         async with swarm(P2PExchange, P2PExchange) as (server, _):
-            client = await P2PExchange.create(ExchangeConfig(
-                run_id=RUN_ID, initial_peers=tuple(server.visible_maddrs), client_mode=True))
+            client = await P2PExchange.create(
+                ExchangeConfig(run_id=RUN_ID, initial_peers=tuple(server.visible_maddrs), client_mode=True)
+            )
             try:
                 mine, theirs = packet(11, 1 << 18), packet(12, 1 << 18)
                 a = await client.publish(1, "client", mine)
                 b = await server.publish(1, "server", theirs)
                 await poll(lambda: _announced_count(server, 1, 2), what="both announcements")
                 hint = {"server": server.visible_maddrs}
-                assert await client.fetch(1, {"server": b.digest}, holders_hint=hint, timeout_s=10) == {"server": theirs}
+                assert await client.fetch(1, {"server": b.digest}, holders_hint=hint, timeout_s=10) == {
+                    "server": theirs
+                }
                 assert await server.fetch(1, {"client": a.digest}, timeout_s=10) == {"client": mine}
             finally:
                 pid = client.daemon_pid
@@ -593,8 +630,13 @@ def test_plain_hivemind_dht_reads_the_round_announcements():
 
             def foreign_read():
                 # Blocking calls in a thread: the exchanges in this loop must keep answering it.
-                dht = hivemind.DHT(initial_peers=bootstrap, start=True, client_mode=True,
-                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+                dht = hivemind.DHT(
+                    initial_peers=bootstrap,
+                    start=True,
+                    client_mode=True,
+                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    nat_port_map=False,
+                )
                 dht_pid.append(dht.pid)
                 try:
                     deadline = time.monotonic() + 20

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from node.exchange.p2p import P2PExchange
-from tests.integration.test_p2p_exchange import poll, swarm, packet, sha
+from tests.integration.test_p2p_exchange import packet, poll, sha, swarm
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 

@@ -38,5 +38,7 @@ def test_a_swarm_killed_at_once_resumes(tmp_path, cell):
         assert result.crash_round_packets == 2, result.history[CRASH_ROUND]
     if cell.startswith("published"):
         assert result.kept_sent == 3 and result.crash_round_packets == 3, result.history[CRASH_ROUND]
-    print(f"{cell}: recovered {result.recovered_s:.1f} s after the restart (rounds of {result.round_time_s:.1f} s), "
-          f"{result.wall_s:.0f} s in all")
+    print(
+        f"{cell}: recovered {result.recovered_s:.1f} s after the restart (rounds of {result.round_time_s:.1f} s), "
+        f"{result.wall_s:.0f} s in all"
+    )

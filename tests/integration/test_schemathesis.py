@@ -74,8 +74,14 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     coordinator = launch_coordinator(work / "coordinator.db", work / "serve.log")
     try:
         with httpx.Client(base_url=coordinator.url, timeout=10) as client:
-            run_id = create_run(client, {"membership.min_peers": 1, "membership.heartbeat_timeout_s": 3600.0,
-                                         "exchange.max_packet_bytes": 1 << 20})
+            run_id = create_run(
+                client,
+                {
+                    "membership.min_peers": 1,
+                    "membership.heartbeat_timeout_s": 3600.0,
+                    "exchange.max_packet_bytes": 1 << 20,
+                },
+            )
             members = [SignedPeer(client) for _ in range(NUM_MEMBERS)]
             for member in members:
                 assert member.join(run_id).status_code == 200
@@ -141,18 +147,23 @@ def test_the_coordinator_keeps_to_its_openapi_document(target: Target, mode: str
         if mode == "negative" and not (operation.body or any(True for _ in operation.iter_parameters())):
             continue  # nothing in the request to get wrong
 
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
         def check(case: Any) -> None:
             member = next(target.members)
             _aim_at_the_run(case, target, member)
             auth = SignAs(member)
             response = case.call(session=target.session, auth=auth, timeout=30)
-            statuses.setdefault(operation.label, set()).add(response.status_code)
+            statuses.setdefault(operation.label, set()).add(response.status_code)  # noqa: B023 (run in this iteration)
             if mode == "positive" and response.status_code == 422 and _unstated_rule(case, response):
                 # A rule the document does not state (see `_unstated_rule`): shown below, not failed.
-                unstated.setdefault(operation.label, set()).add(response.json()["detail"][:200])
+                unstated.setdefault(operation.label, set()).add(response.json()["detail"][:200])  # noqa: B023
                 reject()
             case.validate_response(response, transport_kwargs={"session": target.session, "auth": auth})
 
@@ -187,7 +198,9 @@ def test_a_405_names_the_methods_the_path_takes(target: Target) -> None:
 def test_a_valid_run_config_over_the_default_body_limit_is_taken_from_the_admin(target: Target) -> None:
     from tests.fixtures.coordinator import run_config
 
-    config = run_config({"membership.join_policy": "token", "membership.join_tokens": [f"{i:08d}" * 32 for i in range(300)]})
+    config = run_config(
+        {"membership.join_policy": "token", "membership.join_tokens": [f"{i:08d}" * 32 for i in range(300)]}
+    )
     body = json.dumps(config)
     assert len(body) > 64 * 1024
     headers = {"Content-Type": "application/json"}

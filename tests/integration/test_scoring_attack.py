@@ -15,8 +15,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_faults import (assert_history_complete, assert_identical_digests, manifests_of,
-                                           peer_id_of, peer_view, rounds_of, start_swarm, swarm_for, wait_exit)
+from tests.integration.test_faults import (
+    assert_history_complete,
+    assert_identical_digests,
+    manifests_of,
+    peer_id_of,
+    peer_view,
+    rounds_of,
+    start_swarm,
+    swarm_for,
+    wait_exit,
+)
 
 pytestmark = [pytest.mark.slow]
 
@@ -27,8 +36,9 @@ EXCLUDED_WITHIN_ROUNDS = 5
 @pytest.mark.timeout(180)
 def test_a_sign_flipping_member_is_excluded_within_five_rounds(tmp_path):
     with swarm_for(tmp_path, 4, ROUNDS, {3: ("--inject", "poison@factor=1,mode=sign-flip")}) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": 30.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": 40.0}})
+        start_swarm(
+            swarm, {"membership.heartbeat_timeout_s": 30.0, "deadline": {"kind": "fixed", "round_timeout_s": 40.0}}
+        )
         codes = wait_exit(swarm, (0, 1, 2, 3), timeout_s=150)
         status = swarm.status()
         manifests = manifests_of(swarm, ROUNDS)

@@ -28,8 +28,8 @@ from node.exchange.p2p import P2PExchange
 from node.training.checkpoint import save_checkpoint
 from node.training.params import param_digest
 from node.training.snapshot import Snapshot, SnapshotSink
-from protocol.digest import CHUNK_BYTES
 from protocol.dht_records import PARAMS_ID
+from protocol.digest import CHUNK_BYTES
 from protocol.stream import PROTOCOL_NAME, RESPONSE_HEADER, STATUS_OK, PacketRequest, encode_request
 from tests.fixtures.coordinator import REPO_ROOT
 from tests.integration.snapshot_holder import Toy, momentum_of, toy_snapshot
@@ -57,6 +57,7 @@ async def announced(fetcher: P2PExchange, count: int):
     async def enough():
         holders = await fetcher.params_holders(ROUND)
         return holders if len(holders) >= count else None
+
     return await poll(enough, timeout_s=20, what=f"{count} snapshot holders")
 
 
@@ -137,14 +138,27 @@ def test_a_snapshot_many_times_the_packet_limit_streams_from_a_checkpoint_into_t
 def test_a_holder_killed_mid_stream_is_followed_by_another_from_the_first_unverified_chunk():
     """The first holder is a process of its own; it is killed (SIGKILL, with its p2pd) once the
     fetcher verified the prologue and a chunk from it. The second holder sends only the rest."""
+
     async def scenario():
         source, snapshot = toy_snapshot()
         momentum = momentum_of(source, -2.0)
         async with swarm(P2PExchange, P2PExchange, max_packet_bytes=MAX_PACKET_BYTES) as (fetcher, second):
             process = subprocess.Popen(
-                [sys.executable, "-m", "tests.integration.snapshot_holder", RUN_ID, str(ROUND),
-                 fetcher.visible_maddrs[0], "--unit-delay-s", "0.3"],
-                cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.integration.snapshot_holder",
+                    RUN_ID,
+                    str(ROUND),
+                    fetcher.visible_maddrs[0],
+                    "--unit-delay-s",
+                    "0.3",
+                ],
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             try:
                 line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 40)
                 assert line.startswith("ready "), line
@@ -190,6 +204,7 @@ def test_a_holder_whose_tensors_move_on_stops_serving_them_and_the_fetch_resumes
     """After 3 units the first holder's tensors change (its next outer step): the unit it reads no
     longer matches the snapshot, so it ends the stream short rather than send it, and drops the
     snapshot; nobody is banned, and the second holder sends the rest."""
+
     async def scenario():
         source = Toy(1)
         momentum = momentum_of(source, -2.0)
@@ -219,6 +234,7 @@ def test_a_snapshot_every_holder_moved_on_from_is_given_up_long_before_the_time_
     whole-swarm restart when a fresh node asks for the round the others just left): each answers
     "not held". The fetch stops after two passes with a DHT re-read between them instead of asking
     until its 40 s time-out, so the node's catch-up can look for the newer snapshot."""
+
     async def scenario():
         async with swarm(P2PExchange, P2PExchange, P2PExchange, max_packet_bytes=MAX_PACKET_BYTES) as peers:
             fetcher, *holders = peers
@@ -266,7 +282,8 @@ def test_a_holder_sending_wrong_bytes_is_refused_and_the_next_one_used(bad_unit,
 async def _open(requester: P2PExchange, holder: P2PExchange, publisher: str, digest: str, round: int):
     """A raw request to `holder` (not queued); the response status, and the stream to close."""
     _, reader, writer = await requester._host.p2p.call_binary_stream_handler(
-        PeerID.from_base58(holder.holder_id), PROTOCOL_NAME)
+        PeerID.from_base58(holder.holder_id), PROTOCOL_NAME
+    )
     writer.write(encode_request(PacketRequest(run=RUN_ID, round=round, publisher=publisher, digest=digest)))
     status, _ = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(RESPONSE_HEADER.size), 10))
     return status, writer
@@ -276,15 +293,20 @@ def test_a_snapshot_stream_never_takes_the_upload_slot_packets_wait_for():
     """The holder has one upload slot. A snapshot download that reads nothing after its header
     (a slow link: the holder's writes block) holds a snapshot slot, not that one: a request for a
     packet another peer already confirmed (no seed stream for it) is served at once, not answered busy."""
+
     async def scenario():
-        async with swarm(P2PExchange, P2PExchange, P2PExchange, max_packet_bytes=MAX_PACKET_BYTES,
-                         max_uploads=1) as (holder, slow, fetcher):
+        async with swarm(P2PExchange, P2PExchange, P2PExchange, max_packet_bytes=MAX_PACKET_BYTES, max_uploads=1) as (
+            holder,
+            slow,
+            fetcher,
+        ):
             await holder.publish_params(ROUND, toy_snapshot()[1])
             (ann,) = await announced(slow, 1)
             data = os.urandom(64 << 10)
             packet_ann = await holder.publish(ROUND, "pub", data)
-            assert await slow.fetch(ROUND, {"pub": packet_ann.digest}, {"pub": packet_ann.multiaddrs},
-                                    timeout_s=10) == {"pub": data}
+            assert await slow.fetch(
+                ROUND, {"pub": packet_ann.digest}, {"pub": packet_ann.multiaddrs}, timeout_s=10
+            ) == {"pub": data}
             await poll(lambda: holder._server.num_uploads == 0, what="the confirmed packet's slot freed")
 
             status, snapshot_stream = await _open(slow, holder, PARAMS_ID, ann.digest, ROUND)

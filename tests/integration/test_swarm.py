@@ -13,8 +13,9 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 def test_four_nodes_three_rounds(tmp_path):
     rounds, peers = 3, 4
-    with LocalSwarm(tmp_path, num_peers=peers, preset="tiny", rounds=rounds, inner_steps=10, top_k=64,
-                    quiet=True) as swarm:
+    with LocalSwarm(
+        tmp_path, num_peers=peers, preset="tiny", rounds=rounds, inner_steps=10, top_k=64, quiet=True
+    ) as swarm:
         summary = swarm.run(timeout_s=500)
         codes = [node.wait(timeout=60) for node in swarm.nodes]
         status = swarm.status()
@@ -40,8 +41,16 @@ def test_overlapped_rounds_keep_peers_identical(tmp_path):
     """With the one-round-delayed outer step, round r's packets move while round r+1 trains; the
     global models still agree, and the last aggregate lands before the nodes leave."""
     rounds, peers = 3, 3
-    with LocalSwarm(tmp_path, num_peers=peers, preset="tiny", rounds=rounds, inner_steps=10, top_k=64,
-                    quiet=True, run_overrides={"outer.overlap": True}) as swarm:
+    with LocalSwarm(
+        tmp_path,
+        num_peers=peers,
+        preset="tiny",
+        rounds=rounds,
+        inner_steps=10,
+        top_k=64,
+        quiet=True,
+        run_overrides={"outer.overlap": True},
+    ) as swarm:
         summary = swarm.run(timeout_s=500)
         codes = [node.wait(timeout=60) for node in swarm.nodes]
         status = swarm.status()

@@ -17,9 +17,19 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.integration.test_faults import (assert_history_complete, assert_identical_digests, checkpoint_round,
-                                           manifests_of, peer_id_of, report_of, start_swarm, swarm_for, tail,
-                                           wait_exit, wait_until)
+from tests.integration.test_faults import (
+    assert_history_complete,
+    assert_identical_digests,
+    checkpoint_round,
+    manifests_of,
+    peer_id_of,
+    report_of,
+    start_swarm,
+    swarm_for,
+    tail,
+    wait_exit,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow]
 
@@ -31,13 +41,22 @@ def swarm_killed_in_round_2(tmp_path, rounds: int, timeout_s: float, round_timeo
     ckpt = [tmp_path / f"ckpt{i}" for i in range(3)]
     extra = {i: ("--checkpoint-dir", str(ckpt[i]), "--inject", "slow-compute@min_s=2") for i in range(3)}
     with swarm_for(tmp_path, 3, rounds, extra) as swarm:
-        start_swarm(swarm, {"membership.heartbeat_timeout_s": timeout_s, "membership.state_wait_s": 120.0,
-                            "deadline": {"kind": "fixed", "round_timeout_s": round_timeout_s}})
+        start_swarm(
+            swarm,
+            {
+                "membership.heartbeat_timeout_s": timeout_s,
+                "membership.state_wait_s": 120.0,
+                "deadline": {"kind": "fixed", "round_timeout_s": round_timeout_s},
+            },
+        )
 
         def all_training_round_2(status) -> bool:
             current = status["current_round"] or {}
-            return (current.get("round") == 2 and current.get("num_submitted") == 0
-                    and all(checkpoint_round(c) == 2 for c in ckpt))
+            return (
+                current.get("round") == 2
+                and current.get("num_submitted") == 0
+                and all(checkpoint_round(c) == 2 for c in ckpt)
+            )
 
         before = wait_until(swarm, all_training_round_2, "every node training round 2 from its checkpoint")
         for node in swarm.nodes:
@@ -51,8 +70,13 @@ def test_a_run_every_node_left_pauses_and_resumes_where_it_stopped(tmp_path):
     rounds, timeout_s, round_timeout_s = 5, 8.0, 12.0
     with swarm_killed_in_round_2(tmp_path, rounds, timeout_s, round_timeout_s) as (swarm, before, ckpt):
         deadline = before["current_round"]["deadline"]
-        paused = wait_until(swarm, lambda s: s["recovery"] is not None and s["now"] > deadline + 2,
-                            "the run paused and past round 2's deadline", timeout_s=60, may_die=(0, 1, 2))
+        paused = wait_until(
+            swarm,
+            lambda s: s["recovery"] is not None and s["now"] > deadline + 2,
+            "the run paused and past round 2's deadline",
+            timeout_s=60,
+            may_die=(0, 1, 2),
+        )
         assert paused["current_round"]["round"] == 2 and [h["round"] for h in paused["history"]] == [0, 1]
         assert {p["status"] for p in paused["peers"]} == {"gone"}
         assert "every peer has stopped" in paused["recovery"]["message"]
@@ -75,8 +99,10 @@ def test_a_run_every_node_left_pauses_and_resumes_where_it_stopped(tmp_path):
     for report in reports:
         assert report["resumed_from"] == 2, report
     assert_identical_digests(swarm, (0, 1, 2), history)
-    print(f"whole-swarm restart: 0 agreed rounds lost, no empty round closed while paused; round 2 closed "
-          f"{history[2]['closed_at'] - restarted_at:.1f} s after the restart")
+    print(
+        f"whole-swarm restart: 0 agreed rounds lost, no empty round closed while paused; round 2 closed "
+        f"{history[2]['closed_at'] - restarted_at:.1f} s after the restart"
+    )
 
 
 @pytest.mark.timeout(150)
@@ -110,6 +136,8 @@ def test_nodes_restarted_together_one_with_an_empty_disk_find_one_dht_and_the_fr
     contributed = [r for r, ids in manifests.items() if r >= 2 and fresh_id in ids]
     assert contributed, "the node restarted with an empty disk never contributed again"
     assert_identical_digests(swarm, (0, 1, 2), history)
-    print(f"whole-swarm restart, all at once, one empty disk: 0 agreed rounds lost; round 2 closed "
-          f"{history[2]['closed_at'] - restarted_at:.1f} s after the restart; the fresh node's first packet is in "
-          f"round {contributed[0]}, closed {history[contributed[0]]['closed_at'] - restarted_at:.1f} s after it")
+    print(
+        f"whole-swarm restart, all at once, one empty disk: 0 agreed rounds lost; round 2 closed "
+        f"{history[2]['closed_at'] - restarted_at:.1f} s after the restart; the fresh node's first packet is in "
+        f"round {contributed[0]}, closed {history[contributed[0]]['closed_at'] - restarted_at:.1f} s after it"
+    )

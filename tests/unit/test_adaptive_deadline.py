@@ -21,12 +21,25 @@ def wall_clock() -> FakeClock:
 def test_adaptive_deadline_tracks_submission_times(tmp_path):
     clock = wall_clock()
     app = create_app(open_storage(f"sqlite:///{tmp_path / 'c.db'}"), ADMIN, clock=clock)
-    config = RunConfig(name="a", model={"preset": "tiny"}, membership={"min_peers": 2}, deadline={
-        "kind": "adaptive", "initial_s": 100.0, "quantile": 0.9, "margin": 1.5, "min_s": 5.0, "max_s": 1000.0})
+    config = RunConfig(
+        name="a",
+        model={"preset": "tiny"},
+        membership={"min_peers": 2},
+        deadline={
+            "kind": "adaptive",
+            "initial_s": 100.0,
+            "quantile": 0.9,
+            "margin": 1.5,
+            "min_s": 5.0,
+            "max_s": 1000.0,
+        },
+    )
     with TestClient(app) as client:
-        run_id = client.post("/v1/runs", content=config.model_dump_json(),
-                             headers={"authorization": f"Bearer {ADMIN}", "content-type": "application/json"}
-                             ).json()["run_id"]
+        run_id = client.post(
+            "/v1/runs",
+            content=config.model_dump_json(),
+            headers={"authorization": f"Bearer {ADMIN}", "content-type": "application/json"},
+        ).json()["run_id"]
         peers = [SignedPeer(client, key=PeerKey.from_seed(bytes([i]))) for i in range(2)]
         for peer in peers:
             assert peer.join(run_id).status_code == 200
@@ -45,12 +58,18 @@ def test_adaptive_deadline_tracks_submission_times(tmp_path):
 def test_straggler_is_cut_off_at_the_deadline_and_flagged(tmp_path):
     clock = wall_clock()
     app = create_app(open_storage(f"sqlite:///{tmp_path / 'c.db'}"), ADMIN, clock=clock, tick_s=0.05)
-    config = RunConfig(name="a", model={"preset": "tiny"}, membership={"min_peers": 2},
-                       deadline={"kind": "fixed", "round_timeout_s": 30.0})
+    config = RunConfig(
+        name="a",
+        model={"preset": "tiny"},
+        membership={"min_peers": 2},
+        deadline={"kind": "fixed", "round_timeout_s": 30.0},
+    )
     with TestClient(app) as client:
-        run_id = client.post("/v1/runs", content=config.model_dump_json(),
-                             headers={"authorization": f"Bearer {ADMIN}", "content-type": "application/json"}
-                             ).json()["run_id"]
+        run_id = client.post(
+            "/v1/runs",
+            content=config.model_dump_json(),
+            headers={"authorization": f"Bearer {ADMIN}", "content-type": "application/json"},
+        ).json()["run_id"]
         peers = [SignedPeer(client, key=PeerKey.from_seed(bytes([10 + i]))) for i in range(2)]
         for peer in peers:
             assert peer.join(run_id).status_code == 200

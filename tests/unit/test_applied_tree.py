@@ -27,8 +27,11 @@ def _body_tree(num_bytes: int = 2 * CHUNK_BYTES + 12345, fill: int = 7) -> Tree:
     return tree_of(header, [bytes([fill]) * num_bytes])
 
 
-@pytest.mark.parametrize("tree", [_body_tree(), param_tree(build_model("tiny", 0)), _body_tree(0)],
-                         ids=["three-chunks", "tiny-model", "empty-body"])
+@pytest.mark.parametrize(
+    "tree",
+    [_body_tree(), param_tree(build_model("tiny", 0)), _body_tree(0)],
+    ids=["three-chunks", "tiny-model", "empty-body"],
+)
 def test_the_wire_tree_round_trips_to_the_digest(tree):
     wire = wire_tree(tree)
     assert wire is not None and wire.tree() == tree and wire.tree().hex == tree.hex
@@ -64,11 +67,16 @@ def _recording_client(bodies: list[dict]) -> CoordinatorClient:
 
     def answer(request: httpx.Request) -> httpx.Response:
         bodies.append(json.loads(request.content))
-        return httpx.Response(200, json=AppliedResponse(round=0, majority_digest=bodies[-1]["params_digest"],
-                                                        agrees=True, num_reports=1).model_dump())
+        return httpx.Response(
+            200,
+            json=AppliedResponse(
+                round=0, majority_digest=bodies[-1]["params_digest"], agrees=True, num_reports=1
+            ).model_dump(),
+        )
 
-    client = CoordinatorClient("http://coordinator.test", PeerKey.from_seed(b"tree"),
-                               transport=httpx.MockTransport(answer))
+    client = CoordinatorClient(
+        "http://coordinator.test", PeerKey.from_seed(b"tree"), transport=httpx.MockTransport(answer)
+    )
     client.run_id = "run"
     return client
 

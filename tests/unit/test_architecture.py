@@ -11,8 +11,15 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # import name -> folder: the kernels' folder is kernels/, their import name locoswarm_kernels
 # (pyproject.toml says why).
-PACKAGES = {"locoswarm_kernels": "kernels", "protocol": "protocol", "node": "node", "coordinator": "coordinator",
-            "locoswarm": "locoswarm", "tools": "tools", "deploy": "deploy"}
+PACKAGES = {
+    "locoswarm_kernels": "kernels",
+    "protocol": "protocol",
+    "node": "node",
+    "coordinator": "coordinator",
+    "locoswarm": "locoswarm",
+    "tools": "tools",
+    "deploy": "deploy",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -27,7 +34,8 @@ def _modules() -> dict[str, Path]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imported(tree: ast.AST) -> set[str]:

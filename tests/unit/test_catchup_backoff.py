@@ -19,11 +19,10 @@ import pytest
 import torch
 
 from node.config import NodeConfig
+from node.faults import FaultInjector
 from node.round.catchup import IDLE_MAX_S, catch_up
 from node.round.prefetch import Decoded
 from node.round.session import Session
-from node.faults import FaultInjector
-from tests.doubles.memory_exchange import MemorySwarm
 from node.training.data import load_corpus
 from node.training.params import flat_named_params, param_digest
 from node.training.peer import PeerTraining
@@ -31,6 +30,7 @@ from node.training.snapshot import Snapshot
 from protocol.http import ManifestEntry, RoundView
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
+from tests.doubles.memory_exchange import MemorySwarm
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,10 +49,16 @@ class ScriptedCoordinator:
 
     async def status(self, *_, **__):
         self.num_status += 1
-        history = [SimpleNamespace(round=r, num_contributors=1, agreed_digest=self.agreed.get(r + 1))
-                   for r in range(self.current)]
-        return SimpleNamespace(current_round=SimpleNamespace(round=self.current),
-                               run=SimpleNamespace(current_round=self.current), history=history, peers=[])
+        history = [
+            SimpleNamespace(round=r, num_contributors=1, agreed_digest=self.agreed.get(r + 1))
+            for r in range(self.current)
+        ]
+        return SimpleNamespace(
+            current_round=SimpleNamespace(round=self.current),
+            run=SimpleNamespace(current_round=self.current),
+            history=history,
+            peers=[],
+        )
 
     async def missing(self, round: int, peer_ids: list[str], lost_own: bool = False):
         # Recorded, and not amended (the state under test: nothing the node does unsticks the round).
@@ -62,8 +68,17 @@ class ScriptedCoordinator:
     async def round(self, round: int, **_) -> RoundView:
         # Closed, with one packet that nobody announces (its publisher left, the others forgot it).
         entry = ManifestEntry(peer_id=GONE_PEER, packet_digest="0" * 64, packet_size_bytes=100, multiaddrs=[])
-        return RoundView(run_id=RUN_ID, round=round, state="closed", opened_at=0.0, deadline=1.0, closed_at=1.0,
-                         num_submitted=1, majority_digest=None, manifest=[entry])
+        return RoundView(
+            run_id=RUN_ID,
+            round=round,
+            state="closed",
+            opened_at=0.0,
+            deadline=1.0,
+            closed_at=1.0,
+            num_submitted=1,
+            majority_digest=None,
+            manifest=[entry],
+        )
 
 
 def _training(run: RunConfig) -> PeerTraining:
@@ -77,15 +92,20 @@ def _publish(holder, training: PeerTraining, round: int, shift: float) -> str:
             p.add_(shift)
     params = dict(flat_named_params(training.model))
     asyncio.get_running_loop().create_task(
-        holder.publish_params(round, Snapshot.from_tensors(params, training.outer.snapshot_state())))
+        holder.publish_params(round, Snapshot.from_tensors(params, training.outer.snapshot_state()))
+    )
     return param_digest(params)
 
 
 def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be_replayed(tmp_path: Path):
     async def main():
-        run = RunConfig.model_validate({"name": "backoff", "model": {"preset": "tiny"},
-                                        "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2,
-                                                  "total_steps": 100}})
+        run = RunConfig.model_validate(
+            {
+                "name": "backoff",
+                "model": {"preset": "tiny"},
+                "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
+            }
+        )
         network = MemorySwarm()
         holder, exchange = network.exchange("holder"), network.exchange("node")
         source = _training(run)
@@ -93,12 +113,28 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
         coordinator = ScriptedCoordinator(current=3, agreed={2: start_2})
         key_path = tmp_path / "node.key"
         key = PeerKey.load_or_create(key_path)
-        s = Session(config=NodeConfig(coordinator="http://coordinator.test", run_id=RUN_ID, key_path=key_path,
-                                      training={"device": "cpu", "threads": 1}, debug={"progress": False},
-                                      network={"fetch_timeout_s": 3.0}),
-                    client=coordinator, exchange=exchange, key=key, faults=FaultInjector(), clock=time.time,
-                    run_id=RUN_ID, peer_id="p" + "a" * 16, run=run, training=_training(run),
-                    rejoin=None, stopping=asyncio.Event(), params_round=None)
+        s = Session(
+            config=NodeConfig(
+                coordinator="http://coordinator.test",
+                run_id=RUN_ID,
+                key_path=key_path,
+                training={"device": "cpu", "threads": 1},
+                debug={"progress": False},
+                network={"fetch_timeout_s": 3.0},
+            ),
+            client=coordinator,
+            exchange=exchange,
+            key=key,
+            faults=FaultInjector(),
+            clock=time.time,
+            run_id=RUN_ID,
+            peer_id="p" + "a" * 16,
+            run=run,
+            training=_training(run),
+            rejoin=None,
+            stopping=asyncio.Event(),
+            params_round=None,
+        )
         await asyncio.sleep(0)  # the holder's snapshot is published
 
         catching_up = asyncio.create_task(catch_up(s, Decoded()))
@@ -111,8 +147,9 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
         assert polls_while_stuck <= 4, f"{polls_while_stuck} status polls in {STUCK_S} s"
         # It is not silent: the gone author's entry was reported missing once, and its heartbeats say why it waits.
         assert coordinator.missing_reports == [(2, [GONE_PEER], False)]
-        assert s.activity.state == "stuck" and s.activity.detail.startswith(f"round 2: waiting for the packets of "
-                                                                            f"{GONE_PEER} (gone; reported missing")
+        assert s.activity.state == "stuck" and s.activity.detail.startswith(
+            f"round 2: waiting for the packets of {GONE_PEER} (gone; reported missing"
+        )
 
         # The swarm moves on: round 2's successor is agreed and a peer serves the start of round 3.
         start_3 = _publish(holder, source, 3, 0.02)

@@ -14,8 +14,8 @@ import pytest
 from node.round.catchup import packets_gone, replay
 from node.round.prefetch import Decoded
 from node.round.steps import CatchUpNeeded
-from tests.doubles.memory_exchange import MemorySwarm
 from protocol.http import ManifestEntry, RoundView
+from tests.doubles.memory_exchange import MemorySwarm
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,11 +35,27 @@ def test_replay_loads_a_snapshot_at_once_when_no_peer_holds_a_packet():
         swarm = MemorySwarm()
         a, b = swarm.exchange("a"), swarm.exchange("b")
         announced = [await a.publish(1, PEER_A, b"packet of a"), await b.publish(1, PEER_B, b"packet of b")]
-        view = RoundView(run_id="run-x", round=1, state="closed", opened_at=0.0, deadline=1.0, closed_at=1.0,
-                         num_submitted=2, majority_digest=None,
-                         manifest=[ManifestEntry(peer_id=x.peer_id, packet_digest=x.digest, packet_size_bytes=x.size_bytes,
-                                                 multiaddrs=x.multiaddrs) for x in announced])
-        s = SimpleNamespace(exchange=a, config=SimpleNamespace(network=SimpleNamespace(fetch_timeout_s=30.0)), client=OneRoundClient(view))
+        view = RoundView(
+            run_id="run-x",
+            round=1,
+            state="closed",
+            opened_at=0.0,
+            deadline=1.0,
+            closed_at=1.0,
+            num_submitted=2,
+            majority_digest=None,
+            manifest=[
+                ManifestEntry(
+                    peer_id=x.peer_id, packet_digest=x.digest, packet_size_bytes=x.size_bytes, multiaddrs=x.multiaddrs
+                )
+                for x in announced
+            ],
+        )
+        s = SimpleNamespace(
+            exchange=a,
+            config=SimpleNamespace(network=SimpleNamespace(fetch_timeout_s=30.0)),
+            client=OneRoundClient(view),
+        )
         assert await packets_gone(s, 1, view) == []
         swarm.withhold(1, PEER_B)
         assert await packets_gone(s, 1, view) == [], "announced and not served: not known gone"

@@ -39,8 +39,9 @@ def test_round_trip_bit_identical(tmp_path):
     model, optimizer = trained_tiny()
     errors = {name: torch.randn(p.shape) for name, p in flat_named_params(model).items()}
     momentum = {name: torch.randn(p.shape) for name, p in flat_named_params(model).items()}
-    digest = save_checkpoint(tmp_path / "ckpt", 3, model, optimizer, errors, {"run": "abc", "inner_step": 2},
-                             outer_momentum=momentum)
+    digest = save_checkpoint(
+        tmp_path / "ckpt", 3, model, optimizer, errors, {"run": "abc", "inner_step": 2}, outer_momentum=momentum
+    )
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["meta.json", "params.safetensors", "state.safetensors"]
     assert json.loads((tmp_path / "ckpt" / "meta.json").read_text())["digest"] == digest == param_digest(model)
 

@@ -28,8 +28,10 @@ from tests.fixtures.coordinator import ADMIN_TOKEN, REPO_ROOT, coordinator_in_th
 
 pytestmark = pytest.mark.timeout(60)
 
-CUDA_FIX = ('reinstall with TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" '
-            "bash deploy/setup.sh (check nvidia-smi), or use --device cpu")
+CUDA_FIX = (
+    'reinstall with TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" '
+    "bash deploy/setup.sh (check nvidia-smi), or use --device cpu"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -92,54 +94,85 @@ def test_a_coordinator_that_never_answers_is_one_line(tmp_path, capsys, monkeypa
     url = f"http://127.0.0.1:{closed_port()}"
     code, line = refused(capsys, join_argv(tmp_path, "--coordinator", url, "--device", "cpu"))
     assert code == 2
-    assert re.fullmatch(rf"error: no answer from the coordinator at {re.escape(url)} in 1 s \(ConnectError: .+\): "
-                        rf"check the address, or run `locoswarm doctor --coordinator {re.escape(url)}`", line), line
+    assert re.fullmatch(
+        rf"error: no answer from the coordinator at {re.escape(url)} in 1 s \(ConnectError: .+\): "
+        rf"check the address, or run `locoswarm doctor --coordinator {re.escape(url)}`",
+        line,
+    ), line
 
 
 def test_a_run_that_does_not_exist(tmp_path, capsys, coordinator_url):
     url = coordinator_url
-    expected = (f"error: run run-doesnotexist does not exist on {url}: list the runs with "
-                f"`locoswarm run list --coordinator {url}`")
-    assert refused(capsys, join_argv(tmp_path, "--coordinator", url, "--run", "run-doesnotexist",
-                                     "--device", "cpu")) == (2, expected)
+    expected = (
+        f"error: run run-doesnotexist does not exist on {url}: list the runs with "
+        f"`locoswarm run list --coordinator {url}`"
+    )
+    assert refused(
+        capsys, join_argv(tmp_path, "--coordinator", url, "--run", "run-doesnotexist", "--device", "cpu")
+    ) == (2, expected)
     assert refused(capsys, ["status", "--coordinator", url, "--run", "run-doesnotexist"]) == (2, expected)
-    assert refused(capsys, ["run", "close", "--coordinator", url, "--run", "run-doesnotexist",
-                            "--admin-token", ADMIN_TOKEN]) == (2, expected)
+    assert refused(
+        capsys, ["run", "close", "--coordinator", url, "--run", "run-doesnotexist", "--admin-token", ADMIN_TOKEN]
+    ) == (2, expected)
 
 
 def test_status_without_runs_says_how_to_create_one(capsys, coordinator_url):
     url = coordinator_url  # no test here creates a run on it
     assert refused(capsys, ["status", "--coordinator", url]) == (
-        2, f"error: no runs on {url}: create one with `locoswarm run create --coordinator {url} --config run.toml`")
+        2,
+        f"error: no runs on {url}: create one with `locoswarm run create --coordinator {url} --config run.toml`",
+    )
 
 
 def test_misspelt_keys_get_the_closest_known_one(tmp_path, capsys):
     node_toml = tmp_path / "node.toml"
     node_toml.write_text('coordinator = "http://127.0.0.1:9"\nthreds = 2\n')
     assert refused(capsys, ["node", "join", "--config", str(node_toml)]) == (
-        2, f"error: {node_toml}: threds: unknown key (did you mean training.threads?)")
+        2,
+        f"error: {node_toml}: threds: unknown key (did you mean training.threads?)",
+    )
     run_toml = tmp_path / "run.toml"
     for text, message in [
         ("inner_step = 15\n", "inner_step: unknown key (did you mean inner.steps?)"),
         ("[inner]\nstepz = 15\n", "inner.stepz: unknown key (did you mean inner.steps?)"),
         ("[inner]\ntop_k = 8\n", "inner.top_k: unknown key (did you mean outer.top_k?)"),
         ("lr = 0.1\n", "lr: unknown key (did you mean inner.lr or outer.lr?)"),
-        ("[deadline]\nkind = \"adaptive\"\nquantil = 0.5\n", "deadline.quantil: unknown key (did you mean "
-                                                             "deadline.quantile?)"),
-        ("[outer]\nspeed = 1\n", "outer.speed: unknown key (known keys: strategy, lr, momentum, nesterov, top_k, "
-                                 "chunk_size, error_decay, aggregation, max_abs_value, overlap)"),
+        (
+            '[deadline]\nkind = "adaptive"\nquantil = 0.5\n',
+            "deadline.quantil: unknown key (did you mean deadline.quantile?)",
+        ),
+        (
+            "[outer]\nspeed = 1\n",
+            "outer.speed: unknown key (known keys: strategy, lr, momentum, nesterov, top_k, "
+            "chunk_size, error_decay, aggregation, max_abs_value, overlap)",
+        ),
     ]:
         head, _, section = text.partition("[")
         run_toml.write_text(f'name = "a"\n{head}[model]\npreset = "tiny"\n' + (f"[{section}" if section else ""))
-        assert refused(capsys, ["run", "create", "--coordinator", "http://127.0.0.1:9", "--config", str(run_toml),
-                                "--admin-token", ADMIN_TOKEN]) == (2, f"error: {run_toml}: {message}")
+        assert refused(
+            capsys,
+            [
+                "run",
+                "create",
+                "--coordinator",
+                "http://127.0.0.1:9",
+                "--config",
+                str(run_toml),
+                "--admin-token",
+                ADMIN_TOKEN,
+            ],
+        ) == (2, f"error: {run_toml}: {message}")
 
 
 def test_bounds_are_plain_numbers(tmp_path, capsys):
     assert refused(capsys, join_argv(tmp_path, "--coordinator", "http://127.0.0.1:9", "--uplink-mbps", "1e9")) == (
-        2, "error: command line: network.uplink_mbps: Input should be less than or equal to 10000000")
-    assert refused(capsys, join_argv(tmp_path, "--coordinator", "http://127.0.0.1:9", "--max-rounds", "200000000")) \
-        == (2, "error: command line: training.max_rounds: Input should be less than or equal to 100000000")
+        2,
+        "error: command line: network.uplink_mbps: Input should be less than or equal to 10000000",
+    )
+    assert refused(capsys, join_argv(tmp_path, "--coordinator", "http://127.0.0.1:9", "--max-rounds", "200000000")) == (
+        2,
+        "error: command line: training.max_rounds: Input should be less than or equal to 100000000",
+    )
     run_toml = tmp_path / "run.toml"
     run_toml.write_text('name = "a"\n[model]\npreset = "tiny"\n[inner]\ngrad_clip = 1e9\nlr = 1e-9\n')
     from protocol.config_file import plain_number
@@ -149,7 +182,13 @@ def test_bounds_are_plain_numbers(tmp_path, capsys):
         load_run_config(run_toml)
     assert str(error.value) == f"{run_toml}: inner.grad_clip: Input should be less than or equal to 1000000"
     assert [plain_number(x) for x in (1e8, 1e-7, 2.5, 17179869184, 1.0, 0)] == [
-        "100000000", "0.0000001", "2.5", "17179869184", "1", "0"]
+        "100000000",
+        "0.0000001",
+        "2.5",
+        "17179869184",
+        "1",
+        "0",
+    ]
 
 
 # -- run create -----------------------------------------------------------------------------------
@@ -159,9 +198,11 @@ def test_run_create_without_a_token_says_where_serve_wrote_it(tmp_path, capsys, 
     monkeypatch.delenv("LOCOSWARM_ADMIN_TOKEN", raising=False)
     monkeypatch.chdir(tmp_path)
     argv = ["run", "create", "--coordinator", "http://127.0.0.1:9", "--config", str(REPO_ROOT / "deploy/run.toml")]
-    expected = ("error: no admin token: pass --admin-token-file PATH, the file `coordinator serve` printed as "
-                "`admin token in PATH` (beside a SQLite database DB: DB.admin-token), or --admin-token T, or set "
-                "LOCOSWARM_ADMIN_TOKEN")
+    expected = (
+        "error: no admin token: pass --admin-token-file PATH, the file `coordinator serve` printed as "
+        "`admin token in PATH` (beside a SQLite database DB: DB.admin-token), or --admin-token T, or set "
+        "LOCOSWARM_ADMIN_TOKEN"
+    )
     assert refused(capsys, argv) == (2, expected)
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "coordinator.db.admin-token").write_text("x" * 32)
@@ -175,31 +216,59 @@ def test_the_first_interrupt_stops_after_the_step_the_second_quits():
     said, calls = [], []
     interrupts = Interrupts(lambda: calls.append("stop"), lambda: calls.append("quit"), say=said.append)
     interrupts()
-    assert (said, calls, interrupts.quitting) == (["stopping after this step; Ctrl+C again to quit now"], ["stop"],
-                                                  False)
+    assert (said, calls, interrupts.quitting) == (
+        ["stopping after this step; Ctrl+C again to quit now"],
+        ["stop"],
+        False,
+    )
     interrupts()
     assert (said[-1], calls, interrupts.quitting) == ("quitting now", ["stop", "quit"], True)
 
 
 def _report(round: int, loss: float, started_at: float, ended_at: float) -> RoundReport:
-    return RoundReport(round=round, train_loss=loss, digest="ab" * 16, num_packets=3, packet_bytes=800_000,
-                       downloaded_bytes=1_600_000, uploaded_bytes=1_200_000, started_at=started_at, ended_at=ended_at)
+    return RoundReport(
+        round=round,
+        train_loss=loss,
+        digest="ab" * 16,
+        num_packets=3,
+        packet_bytes=800_000,
+        downloaded_bytes=1_600_000,
+        uploaded_bytes=1_200_000,
+        started_at=started_at,
+        ended_at=ended_at,
+    )
 
 
 def test_the_summary_says_rounds_loss_bytes_and_time():
-    node = SimpleNamespace(reports=[_report(3, 5.81234, 1000.0, 1010.0), _report(4, 5.5, 1010.0, 1020.0),
-                                    _report(5, 4.90111, 1020.0, 1250.0)],
-                           resumed_from=None, catch_ups=[])
-    assert summary_line(node, 300.0) == ("summary: 3 rounds (3-5) in 4m10s, loss 5.8123 -> 4.9011, "
-                                         "sent 3.6 MB, received 4.8 MB")
+    node = SimpleNamespace(
+        reports=[
+            _report(3, 5.81234, 1000.0, 1010.0),
+            _report(4, 5.5, 1010.0, 1020.0),
+            _report(5, 4.90111, 1020.0, 1250.0),
+        ],
+        resumed_from=None,
+        catch_ups=[],
+    )
+    assert summary_line(node, 300.0) == (
+        "summary: 3 rounds (3-5) in 4m10s, loss 5.8123 -> 4.9011, sent 3.6 MB, received 4.8 MB"
+    )
     node.reports, node.resumed_from = node.reports[:1], 3
     node.catch_ups = [CatchUpReport(None, 3, "snapshot"), CatchUpReport(3, 3, "none")]
-    assert summary_line(node, 30.0) == ("summary: 1 round (3) in 10s, loss 5.8123, sent 1.2 MB, received 1.6 MB, "
-                                        "resumed from its checkpoint at round 3, caught up 1 time")
-    assert summary_line(SimpleNamespace(reports=[], resumed_from=None, catch_ups=[]), 7.2) == \
-        "summary: no round completed in 7s"
-    assert [format_bytes(n) for n in (0, 999, 1000, 2_500_000, 3 * 10**9)] == ["0 B", "999 B", "1.0 kB", "2.5 MB",
-                                                                              "3.0 GB"]
+    assert summary_line(node, 30.0) == (
+        "summary: 1 round (3) in 10s, loss 5.8123, sent 1.2 MB, received 1.6 MB, "
+        "resumed from its checkpoint at round 3, caught up 1 time"
+    )
+    assert (
+        summary_line(SimpleNamespace(reports=[], resumed_from=None, catch_ups=[]), 7.2)
+        == "summary: no round completed in 7s"
+    )
+    assert [format_bytes(n) for n in (0, 999, 1000, 2_500_000, 3 * 10**9)] == [
+        "0 B",
+        "999 B",
+        "1.0 kB",
+        "2.5 MB",
+        "3.0 GB",
+    ]
 
 
 # -- logging and help -----------------------------------------------------------------------------

@@ -30,44 +30,72 @@ def refusal(capsys, argv: list[str]) -> str:
     return err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["nod", "join"], "locoswarm: error: argument COMMAND: invalid choice: 'nod' (did you mean 'node'?)"),
-    (["node", "jion"], "locoswarm node: error: argument COMMAND: invalid choice: 'jion' (did you mean 'join'?)"),
-    (["coordinator", "serv"],
-     "locoswarm coordinator: error: argument COMMAND: invalid choice: 'serv' (did you mean 'serve'?)"),
-    (["bench", "codc"], "locoswarm bench: error: argument BENCH: invalid choice: 'codc' (did you mean 'codec'?)"),
-    (["run", "craete"], "locoswarm run: error: argument COMMAND: invalid choice: 'craete' (did you mean 'create'?)"),
-    (["coordinator", "serve", "--log-level", "warnin"],
-     "locoswarm coordinator serve: error: argument --log-level: invalid choice: 'warnin' (did you mean 'warning'?)"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["nod", "join"], "locoswarm: error: argument COMMAND: invalid choice: 'nod' (did you mean 'node'?)"),
+        (["node", "jion"], "locoswarm node: error: argument COMMAND: invalid choice: 'jion' (did you mean 'join'?)"),
+        (
+            ["coordinator", "serv"],
+            "locoswarm coordinator: error: argument COMMAND: invalid choice: 'serv' (did you mean 'serve'?)",
+        ),
+        (["bench", "codc"], "locoswarm bench: error: argument BENCH: invalid choice: 'codc' (did you mean 'codec'?)"),
+        (
+            ["run", "craete"],
+            "locoswarm run: error: argument COMMAND: invalid choice: 'craete' (did you mean 'create'?)",
+        ),
+        (
+            ["coordinator", "serve", "--log-level", "warnin"],
+            "locoswarm coordinator serve: error: argument --log-level: invalid choice: 'warnin' (did you mean 'warning'?)",
+        ),
+    ],
+)
 def test_a_misspelt_command_or_choice_gets_the_closest(capsys, argv, message):
     assert refusal(capsys, argv) == message
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["node", "join", "--coordinatr", URL],
-     f"locoswarm node join: error: unrecognized arguments: --coordinatr {URL} (did you mean --coordinator?)"),
-    (["node", "join", f"--coordinatr={URL}"],
-     f"locoswarm node join: error: unrecognized arguments: --coordinatr={URL} (did you mean --coordinator?)"),
-    (["status", "--coordinator", URL, "--wach"],
-     "locoswarm status: error: unrecognized arguments: --wach (did you mean --watch?)"),
-    (["node", "join", "--coordinatr", URL, "--rn", "r1"],
-     f"locoswarm node join: error: unrecognized arguments: --coordinatr {URL} --rn r1 "
-     "(did you mean --coordinator for --coordinatr, --run for --rn?)"),
-    (["run", "create", "--coordinatr", URL, "--config", "run.toml"],
-     "locoswarm run create: error: the following arguments are required: --coordinator "
-     "(unrecognized: --coordinatr; did you mean --coordinator?)"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["node", "join", "--coordinatr", URL],
+            f"locoswarm node join: error: unrecognized arguments: --coordinatr {URL} (did you mean --coordinator?)",
+        ),
+        (
+            ["node", "join", f"--coordinatr={URL}"],
+            f"locoswarm node join: error: unrecognized arguments: --coordinatr={URL} (did you mean --coordinator?)",
+        ),
+        (
+            ["status", "--coordinator", URL, "--wach"],
+            "locoswarm status: error: unrecognized arguments: --wach (did you mean --watch?)",
+        ),
+        (
+            ["node", "join", "--coordinatr", URL, "--rn", "r1"],
+            f"locoswarm node join: error: unrecognized arguments: --coordinatr {URL} --rn r1 "
+            "(did you mean --coordinator for --coordinatr, --run for --rn?)",
+        ),
+        (
+            ["run", "create", "--coordinatr", URL, "--config", "run.toml"],
+            "locoswarm run create: error: the following arguments are required: --coordinator "
+            "(unrecognized: --coordinatr; did you mean --coordinator?)",
+        ),
+    ],
+)
 def test_a_misspelt_flag_gets_the_closest_of_its_command(capsys, argv, message):
     assert refusal(capsys, argv) == message
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["xyzzy"], "locoswarm: error: argument COMMAND: invalid choice: 'xyzzy' (choose from 'version', "),
-    (["node", "join", "--zzqq", "3"], "locoswarm node join: error: unrecognized arguments: --zzqq 3"),
-    (["run", "create", "--config", "run.toml"],
-     "locoswarm run create: error: the following arguments are required: --coordinator"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["xyzzy"], "locoswarm: error: argument COMMAND: invalid choice: 'xyzzy' (choose from 'version', "),
+        (["node", "join", "--zzqq", "3"], "locoswarm node join: error: unrecognized arguments: --zzqq 3"),
+        (
+            ["run", "create", "--config", "run.toml"],
+            "locoswarm run create: error: the following arguments are required: --coordinator",
+        ),
+    ],
+)
 def test_nothing_close_gets_argparses_plain_message(capsys, argv, message):
     line = refusal(capsys, argv)
     assert line.startswith(message) and "did you mean" not in line, line
@@ -90,8 +118,14 @@ def test_bench_hands_help_to_the_benchmarks_own_parser(capsys):
 
 def test_the_installed_command_suggests():
     """The same through `python -m locoswarm`, as a user runs it."""
-    result = subprocess.run([sys.executable, "-m", "locoswarm", "nod", "join"], capture_output=True, text=True,
-                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "locoswarm", "nod", "join"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        timeout=30,
+    )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "usage: locoswarm [-h] COMMAND ...",

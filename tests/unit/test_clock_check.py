@@ -92,8 +92,19 @@ def test_no_coordinator_to_ask_is_a_warning_not_a_refusal():
 
 
 def test_join_refuses_a_bad_clock_in_one_line_before_starting(coordinator_url, tmp_path: Path, capsys):
-    args = parse_args(["node", "join", "--coordinator", coordinator_url, "--device", "cpu", "--no-progress",
-                       "--key", str(tmp_path / "peer.key")])
+    args = parse_args(
+        [
+            "node",
+            "join",
+            "--coordinator",
+            coordinator_url,
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--key",
+            str(tmp_path / "peer.key"),
+        ]
+    )
     assert _join_checked(args, clock=skewed(-250.0)) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -5,14 +5,40 @@ import pytest
 import torch
 
 from locoswarm_kernels.chunking import chunk_layout, from_chunks, largest_divisor_at_most, to_chunks
-from locoswarm_kernels.entropy import (best_rice_param, gaps_to_positions, pack_2bit, positions_to_gaps, rice_decode,
-                             rice_encode, unpack_2bit)
-from locoswarm_kernels.reference import (reference_chunks, reference_compress, reference_decode_values,
-                               reference_rice_bits, reference_scatter_mean)
+from locoswarm_kernels.entropy import (
+    best_rice_param,
+    gaps_to_positions,
+    pack_2bit,
+    positions_to_gaps,
+    rice_decode,
+    rice_encode,
+    unpack_2bit,
+)
+from locoswarm_kernels.reference import (
+    reference_chunks,
+    reference_compress,
+    reference_decode_values,
+    reference_rice_bits,
+    reference_scatter_mean,
+)
 from locoswarm_kernels.sparse import compress, decompress, error_feedback_step, scatter_mean
 
-SHAPES = [(1,), (7,), (64,), (65,), (127,), (4096,), (1, 1), (3, 5), (67, 130), (128, 192), (13, 64),
-          (256, 33), (4, 6, 10), ()]
+SHAPES = [
+    (1,),
+    (7,),
+    (64,),
+    (65,),
+    (127,),
+    (4096,),
+    (1, 1),
+    (3, 5),
+    (67, 130),
+    (128, 192),
+    (13, 64),
+    (256, 33),
+    (4, 6, 10),
+    (),
+]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -113,14 +139,17 @@ def test_scatter_mean_matches_reference_and_ignores_arrival_order(num_peers):
     layout = chunk_layout(shape, 128)
     selections = [compress(tie_free(shape, torch.float32, seed=10 + i), layout) for i in range(num_peers)]
     got = scatter_mean(selections).reshape(-1)
-    expected = reference_scatter_mean([(s.flat_indices().tolist(), s.values().reshape(-1)) for s in selections],
-                                      layout.numel)
+    expected = reference_scatter_mean(
+        [(s.flat_indices().tolist(), s.values().reshape(-1)) for s in selections], layout.numel
+    )
     assert torch.equal(got, expected)
     # bit-identical in any arrival order once sorted by peer (here: by list position)
     shuffled = list(reversed(list(enumerate(selections))))
     assert torch.equal(scatter_mean([s for _, s in sorted(shuffled, key=lambda t: t[0])]).reshape(-1), got)
-    assert torch.allclose(scatter_mean(selections, divide_by_peers=True).reshape(-1) * num_peers,
-                          sum(decompress(s).reshape(-1) for s in selections))
+    assert torch.allclose(
+        scatter_mean(selections, divide_by_peers=True).reshape(-1) * num_peers,
+        sum(decompress(s).reshape(-1) for s in selections),
+    )
 
 
 @pytest.mark.parametrize("b", [0, 1, 4, 5, 9])

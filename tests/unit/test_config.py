@@ -44,8 +44,13 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def test_sections_defaults_and_redaction():
-    config = RunConfig.model_validate({"name": "a", "model": {"preset": "tiny"},
-                                       "membership": {"join_policy": "token", "join_tokens": ["secret-token"]}})
+    config = RunConfig.model_validate(
+        {
+            "name": "a",
+            "model": {"preset": "tiny"},
+            "membership": {"join_policy": "token", "join_tokens": ["secret-token"]},
+        }
+    )
     assert (config.inner.steps, config.inner.lr, config.outer.lr, config.outer.top_k) == (15, 1e-3, 1.0, 64)
     assert (config.exchange.tree_fanout, config.membership.min_peers, config.deadline.round_timeout_s) == (2, 1, 120.0)
     redacted = config.redacted()
@@ -60,15 +65,18 @@ def test_an_integer_where_a_float_goes_is_read_as_the_float(tmp_path):
         load_run_config(write(tmp_path, "run.toml", 'name = "a"\n[model]\npreset = "tiny"\n[inner]\nsteps = 15.0\n'))
 
 
-@pytest.mark.parametrize("text, message", [
-    ('[inner]\nlr = 0.0\n', "inner.lr: Input should be greater than 0"),
-    ('[inner]\nbetas = [0.9, 1.0]\n', "inner.betas.1: Input should be less than 1"),
-    ('[outer]\nstrategy = "adam"\n', "outer.strategy: Input should be 'sparseloco', 'diloco' or 'ddp'"),
-    ('[exchange]\ndht_bootstrap = ["not an address"]\n', "exchange.dht_bootstrap.0: String should match"),
-    ('[membership]\nmin_peer = 2\n', "membership.min_peer: unknown key (did you mean membership.min_peers?)"),
-    ('[deadline]\nkind = "fixed"\nround_timeout_s = 0.0\n', "deadline.round_timeout_s: Input should be greater"),
-    ('[deadline]\nkind = "adaptive"\nmargin = 0.5\n', "deadline.margin: Input should be greater than or equal"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[inner]\nlr = 0.0\n", "inner.lr: Input should be greater than 0"),
+        ("[inner]\nbetas = [0.9, 1.0]\n", "inner.betas.1: Input should be less than 1"),
+        ('[outer]\nstrategy = "adam"\n', "outer.strategy: Input should be 'sparseloco', 'diloco' or 'ddp'"),
+        ('[exchange]\ndht_bootstrap = ["not an address"]\n', "exchange.dht_bootstrap.0: String should match"),
+        ("[membership]\nmin_peer = 2\n", "membership.min_peer: unknown key (did you mean membership.min_peers?)"),
+        ('[deadline]\nkind = "fixed"\nround_timeout_s = 0.0\n', "deadline.round_timeout_s: Input should be greater"),
+        ('[deadline]\nkind = "adaptive"\nmargin = 0.5\n', "deadline.margin: Input should be greater than or equal"),
+    ],
+)
 def test_errors_name_the_dotted_key(tmp_path, text, message):
     path = write(tmp_path, "run.toml", 'name = "a"\n[model]\npreset = "tiny"\n' + text)
     with pytest.raises(ConfigError) as refused:
@@ -77,8 +85,9 @@ def test_errors_name_the_dotted_key(tmp_path, text, message):
 
 
 def test_a_flat_file_is_refused_naming_each_keys_new_place(tmp_path):
-    path = write(tmp_path, "run.toml", 'name = "a"\npreset = "tiny"\ninner_lr = 1e-3\n'
-                                       '[deadline_policy]\nkind = "fixed"\n')
+    path = write(
+        tmp_path, "run.toml", 'name = "a"\npreset = "tiny"\ninner_lr = 1e-3\n[deadline_policy]\nkind = "fixed"\n'
+    )
     with pytest.raises(ConfigError) as refused:
         load_run_config(path)
     message = str(refused.value)
@@ -88,8 +97,16 @@ def test_a_flat_file_is_refused_naming_each_keys_new_place(tmp_path):
 
 def test_overrides_by_dotted_key(tmp_path):
     path = write(tmp_path, "run.toml", 'name = "a"\n[model]\npreset = "tiny"\n[inner]\nlr = 1e-3\n')
-    config = load_run_config(path, {"inner.lr": 3e-4, "outer.overlap": True, "max_rounds": 7, "model.seed": None,
-                                    "deadline": {"kind": "adaptive"}})
+    config = load_run_config(
+        path,
+        {
+            "inner.lr": 3e-4,
+            "outer.overlap": True,
+            "max_rounds": 7,
+            "model.seed": None,
+            "deadline": {"kind": "adaptive"},
+        },
+    )
     assert (config.inner.lr, config.outer.overlap, config.max_rounds, config.model.seed) == (3e-4, True, 7, 0)
     assert isinstance(config.deadline, AdaptiveDeadline)
     with pytest.raises(ConfigError, match=r"inner\.lr: Input should be less than or equal to 1"):
@@ -100,8 +117,9 @@ def test_overrides_by_dotted_key(tmp_path):
 
 
 def test_json_files_load_like_toml(tmp_path):
-    toml = load_run_config(write(tmp_path, "run.toml", 'name = "a"\n[model]\npreset = "mini"\n[inner]\n'
-                                                       'betas = [0.8, 0.9]\n'))
+    toml = load_run_config(
+        write(tmp_path, "run.toml", 'name = "a"\n[model]\npreset = "mini"\n[inner]\nbetas = [0.8, 0.9]\n')
+    )
     assert load_run_config(write(tmp_path, "run.json", toml.model_dump_json())) == toml
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_run_config(write(tmp_path, "bad.json", "{"))
@@ -169,8 +187,7 @@ def test_node_config_defaults_bounds_and_descriptions():
     for key, value, message in [
         ("training.threads", 1025, "training.threads: Input should be less than or equal to 1024"),
         ("network.uplink_mbps", 0.0, "network.uplink_mbps: Input should be greater than 0"),
-        ("network.fetch_timeout_s", 86_401.0,
-         "network.fetch_timeout_s: Input should be less than or equal to 86400"),
+        ("network.fetch_timeout_s", 86_401.0, "network.fetch_timeout_s: Input should be less than or equal to 86400"),
         ("training.device", "cuda:x", "training.device: must be auto, cpu, mps, cuda or cuda:N, got 'cuda:x'"),
         ("run_id", "a/b", "run_id: String should match pattern"),
         ("key_path", "", "key_path: must be a path"),
@@ -184,11 +201,16 @@ def test_node_config_defaults_bounds_and_descriptions():
 
 
 def test_node_config_file_then_flags(tmp_path):
-    path = write(tmp_path, "node.toml", 'coordinator = "http://c:8000"\n[checkpoints]\ncheckpoint_dir = "~/ckpt"\n'
-                                        '[network]\nhost_maddrs = ["/ip4/0.0.0.0/tcp/31337"]\n'
-                                        '[training]\ndevice = "cpu"\n')
-    config = load_node_config(path, {"network.host_maddrs": None, "debug.inject": ["crash@round=1"],
-                                     "network.uplink_mbps": 50.0})
+    path = write(
+        tmp_path,
+        "node.toml",
+        'coordinator = "http://c:8000"\n[checkpoints]\ncheckpoint_dir = "~/ckpt"\n'
+        '[network]\nhost_maddrs = ["/ip4/0.0.0.0/tcp/31337"]\n'
+        '[training]\ndevice = "cpu"\n',
+    )
+    config = load_node_config(
+        path, {"network.host_maddrs": None, "debug.inject": ["crash@round=1"], "network.uplink_mbps": 50.0}
+    )
     assert config.checkpoints.checkpoint_dir == Path.home() / "ckpt"
     assert config.network.host_maddrs == ("/ip4/0.0.0.0/tcp/31337",)
     assert config.debug.inject == ("crash@round=1",) and config.network.uplink_mbps == 50.0
@@ -200,12 +222,19 @@ def test_node_config_file_then_flags(tmp_path):
 def test_a_flat_node_config_loads_with_a_warning_per_moved_key(tmp_path, caplog):
     """A node.toml written before the sections: every key at the top level, outer_state_device
     under its old name. It loads as the sectioned file does, saying where each key went."""
-    flat = write(tmp_path, "flat.toml", 'coordinator = "http://c:8000"\nthreads = 3\nfetch_timeout_s = 5.0\n'
-                                        'outer_state_device = "device"\nprogress = false\ndevice = "cpu"\n')
-    sectioned = write(tmp_path, "sectioned.toml",
-                      'coordinator = "http://c:8000"\n[training]\nthreads = 3\ndevice = "cpu"\n'
-                      '[network]\nfetch_timeout_s = 5.0\n[memory]\nstate_placement = "device"\n'
-                      '[debug]\nprogress = false\n')
+    flat = write(
+        tmp_path,
+        "flat.toml",
+        'coordinator = "http://c:8000"\nthreads = 3\nfetch_timeout_s = 5.0\n'
+        'outer_state_device = "device"\nprogress = false\ndevice = "cpu"\n',
+    )
+    sectioned = write(
+        tmp_path,
+        "sectioned.toml",
+        'coordinator = "http://c:8000"\n[training]\nthreads = 3\ndevice = "cpu"\n'
+        '[network]\nfetch_timeout_s = 5.0\n[memory]\nstate_placement = "device"\n'
+        "[debug]\nprogress = false\n",
+    )
     with caplog.at_level(logging.WARNING, logger="node.config"):
         config = load_node_config(flat, {"training.threads": None})
     assert config == load_node_config(sectioned)
@@ -213,8 +242,9 @@ def test_a_flat_node_config_loads_with_a_warning_per_moved_key(tmp_path, caplog)
     assert f"{flat}: outer_state_device is now memory.state_placement (read as that; move it into [memory])" in lines
     assert f"{flat}: threads is now training.threads (read as that; move it into [training])" in lines
     assert len(lines) == 5, lines
-    assert set(FLAT_NODE_KEYS.values()) <= {f"{s}.{n}" for s in SECTIONS
-                                           for n in NodeConfig.model_fields[s].annotation.model_fields}
+    assert set(FLAT_NODE_KEYS.values()) <= {
+        f"{s}.{n}" for s in SECTIONS for n in NodeConfig.model_fields[s].annotation.model_fields
+    }
     assert load_node_config(flat, {"training.threads": 1}).training.threads == 1, "flags override a flat key"
     both = write(tmp_path, "both.toml", 'coordinator = "http://c:8000"\nthreads = 3\n[training]\nthreads = 4\n')
     with pytest.raises(ConfigError, match="threads and training.threads both given: keep training.threads"):
@@ -230,21 +260,54 @@ def test_a_flat_node_config_loads_with_a_warning_per_moved_key(tmp_path, caplog)
 def test_builder_maps_every_section_field():
     from node.training.build import inner_config, outer_config
 
-    run = RunConfig.model_validate({
-        "name": "a", "model": {"preset": "tiny"},
-        "inner": {"lr": 5e-4, "betas": [0.8, 0.9], "weight_decay": 0.01, "grad_clip": 0.5, "warmup_steps": 3,
-                  "total_steps": 30, "min_lr_ratio": 0.2, "batch_size": 2, "seq_len": 16},
-        "outer": {"strategy": "diloco", "lr": 0.7, "momentum": 0.9, "nesterov": True, "top_k": 8, "chunk_size": 16,
-                  "error_decay": 0.5, "aggregation": "mean", "max_abs_value": 5.0, "overlap": True},
-        "exchange": {"max_packet_bytes": 4096},
-    })
+    run = RunConfig.model_validate(
+        {
+            "name": "a",
+            "model": {"preset": "tiny"},
+            "inner": {
+                "lr": 5e-4,
+                "betas": [0.8, 0.9],
+                "weight_decay": 0.01,
+                "grad_clip": 0.5,
+                "warmup_steps": 3,
+                "total_steps": 30,
+                "min_lr_ratio": 0.2,
+                "batch_size": 2,
+                "seq_len": 16,
+            },
+            "outer": {
+                "strategy": "diloco",
+                "lr": 0.7,
+                "momentum": 0.9,
+                "nesterov": True,
+                "top_k": 8,
+                "chunk_size": 16,
+                "error_decay": 0.5,
+                "aggregation": "mean",
+                "max_abs_value": 5.0,
+                "overlap": True,
+            },
+            "exchange": {"max_packet_bytes": 4096},
+        }
+    )
     inner, outer = inner_config(run), outer_config(run)
     assert (inner.lr, inner.betas, inner.weight_decay, inner.grad_clip) == (5e-4, (0.8, 0.9), 0.01, 0.5)
     assert (inner.warmup_steps, inner.total_steps, inner.min_lr_ratio, inner.batch_size, inner.seq_len) == (
-        3, 30, 0.2, 2, 16)
+        3,
+        30,
+        0.2,
+        2,
+        16,
+    )
     assert (outer.strategy, outer.outer_lr, outer.outer_momentum, outer.nesterov) == ("diloco", 0.7, 0.9, True)
-    assert (outer.top_k, outer.chunk_size, outer.error_decay, outer.aggregation, outer.max_abs_value,
-            outer.overlap) == (8, 16, 0.5, "mean", 5.0, True)
+    assert (
+        outer.top_k,
+        outer.chunk_size,
+        outer.error_decay,
+        outer.aggregation,
+        outer.max_abs_value,
+        outer.overlap,
+    ) == (8, 16, 0.5, "mean", 5.0, True)
     assert outer.max_packet_bytes == 4096
     with pytest.raises(ValueError, match="ddp"):
         outer_config(run.model_copy(update={"outer": run.outer.model_copy(update={"strategy": "ddp"})}))

@@ -26,8 +26,11 @@ FLAGS_IN_USE = [
     (["--device", "cpu"], "training.device", "cpu"),
     (["--data", "/srv/text"], "training.data", "/srv/text"),
     (["--key", "/tmp/k.key"], "key_path", Path("/tmp/k.key")),
-    (["--host-maddrs", "/ip4/0.0.0.0/tcp/1", "/ip6/::/tcp/1"], "network.host_maddrs",
-     ("/ip4/0.0.0.0/tcp/1", "/ip6/::/tcp/1")),
+    (
+        ["--host-maddrs", "/ip4/0.0.0.0/tcp/1", "/ip6/::/tcp/1"],
+        "network.host_maddrs",
+        ("/ip4/0.0.0.0/tcp/1", "/ip6/::/tcp/1"),
+    ),
     (["--announce-maddrs", "/ip4/8.8.8.8/tcp/1"], "network.announce_maddrs", ("/ip4/8.8.8.8/tcp/1",)),
     (["--initial-peers"], "network.initial_peers", ()),
     (["--client-mode"], "network.client_mode", True),
@@ -42,8 +45,11 @@ FLAGS_IN_USE = [
     (["--checkpoint-every", "4"], "checkpoints.checkpoint_every_rounds", 4),
     (["--no-progress"], "debug.progress", False),
     (["--eval-every", "0"], "training.eval_every_rounds", 0),
-    (["--inject", "crash@round=1", "--inject", "lie@from_round=2"], "debug.inject",
-     ("crash@round=1", "lie@from_round=2")),
+    (
+        ["--inject", "crash@round=1", "--inject", "lie@from_round=2"],
+        "debug.inject",
+        ("crash@round=1", "lie@from_round=2"),
+    ),
     (["--state-placement", "device"], "memory.state_placement", "device"),
     (["--micro-batch-size", "2"], "memory.micro_batch_size", 2),
     (["--packets-in-memory"], "network.packets_in_memory", True),
@@ -69,8 +75,10 @@ def test_every_field_has_one_flag_with_its_description():
     parser = argparse.ArgumentParser()
     add_config_flags(parser, NodeConfig)
     by_dest = {action.dest: action for action in parser._actions if action.dest != "help"}
-    fields = {**{n: f for n, f in NodeConfig.model_fields.items() if n not in SECTIONS},
-              **{n: f for s in SECTIONS for n, f in NodeConfig.model_fields[s].annotation.model_fields.items()}}
+    fields = {
+        **{n: f for n, f in NodeConfig.model_fields.items() if n not in SECTIONS},
+        **{n: f for s in SECTIONS for n, f in NodeConfig.model_fields[s].annotation.model_fields.items()},
+    }
     assert set(by_dest) == set(fields)
     for name, field in fields.items():
         action = by_dest[name]
@@ -89,8 +97,10 @@ def test_flags_not_given_leave_the_file_alone(tmp_path):
 
 def test_the_command_line_modules_import_neither_torch_nor_hivemind():
     """`locoswarm --help` builds every parser: the node's command modules must stay light."""
-    code = ("import sys; import node.cli.join, node.cli.doctor, node.cli.demo, node.cli.config_flags, node.config; "
-            "print(sorted(m for m in ('torch', 'hivemind') if m in sys.modules))")
+    code = (
+        "import sys; import node.cli.join, node.cli.doctor, node.cli.demo, node.cli.config_flags, node.config; "
+        "print(sorted(m for m in ('torch', 'hivemind') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

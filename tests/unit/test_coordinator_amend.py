@@ -31,8 +31,14 @@ def applied(peer: SignedPeer, run_id: str, round_index: int, digest: str, versio
 
 def closed_round(client, fake_clock, num_peers: int = 4):
     """A run with `num_peers` peers whose round 0 closed with every packet; round 1 open."""
-    run_id = create_run(client, {"membership.min_peers": num_peers, "exchange.missing_grace_s": GRACE_S,
-                                 "membership.heartbeat_timeout_s": 300.0})
+    run_id = create_run(
+        client,
+        {
+            "membership.min_peers": num_peers,
+            "exchange.missing_grace_s": GRACE_S,
+            "membership.heartbeat_timeout_s": 300.0,
+        },
+    )
     peers = peers_for(client, fake_clock, run_id, num_peers)
     for peer in peers:
         assert peer.submit(run_id, 0).status_code == 200
@@ -104,9 +110,18 @@ def test_majority_counts_only_the_latest_version(coordinator_client, fake_clock)
     assert view["manifest_version"] == 2 and view["majority_digest"] is None
     assert error_of(applied(b, run_id, 0, amended, version=3)) == "unknown_manifest_version"
     first = applied(b, run_id, 0, amended, version=2).json()
-    assert first == {"round": 0, "majority_digest": amended, "agrees": True, "num_reports": 1,
-                     "manifest_version": 2, "amended": {"0": 2}, "agreed_digest": None, "provisional": True,
-                     "num_votes": 1, "vote": True}
+    assert first == {
+        "round": 0,
+        "majority_digest": amended,
+        "agrees": True,
+        "num_reports": 1,
+        "manifest_version": 2,
+        "amended": {"0": 2},
+        "agreed_digest": None,
+        "provisional": True,
+        "num_votes": 1,
+        "vote": True,
+    }
     stale = applied(w, run_id, 0, full).json()  # a version-1 report again: kept, not counted
     assert stale["agrees"] is False and stale["manifest_version"] == 2 and stale["num_reports"] == 1
     assert applied(c, run_id, 0, amended, version=2).json()["num_reports"] == 2
@@ -187,8 +202,15 @@ def test_version_long_poll_wakes_on_the_amendment(coordinator_client, fake_clock
 
 def test_the_last_round_of_a_finished_run_is_amended_too(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, {"membership.min_peers": 2, "max_rounds": 1, "exchange.missing_grace_s": GRACE_S,
-                                 "membership.heartbeat_timeout_s": 300.0})
+    run_id = create_run(
+        client,
+        {
+            "membership.min_peers": 2,
+            "max_rounds": 1,
+            "exchange.missing_grace_s": GRACE_S,
+            "membership.heartbeat_timeout_s": 300.0,
+        },
+    )
     a, w = peers_for(client, fake_clock, run_id, 2)
     a.submit(run_id, 0)
     w.submit(run_id, 0)

@@ -91,14 +91,14 @@ def test_join_open_run_gives_identity_shard_and_params(coordinator_client, fake_
 def test_join_token_policy(coordinator_client, fake_clock):
     client = coordinator_client
     hashed = "sha256:" + __import__("hashlib").sha256(b"hashed-token-2").hexdigest()
-    run_id = create_run(client, {"membership.join_policy": "token",
-                                 "membership.join_tokens": ["plain-token-1", hashed]})
+    run_id = create_run(
+        client, {"membership.join_policy": "token", "membership.join_tokens": ["plain-token-1", hashed]}
+    )
     peer = SignedPeer(client, clock=fake_clock)
     assert error_of(peer.join(run_id)) == "join_refused"
     assert error_of(peer.join(run_id, join_token="wrong-token")) == "join_refused"
     assert peer.join(run_id, join_token="plain-token-1").status_code == 200
-    assert SignedPeer(client, clock=fake_clock).join(
-        run_id, join_token="hashed-token-2").status_code == 200
+    assert SignedPeer(client, clock=fake_clock).join(run_id, join_token="hashed-token-2").status_code == 200
 
 
 def test_peer_auth_refusals(coordinator_client, fake_clock):
@@ -113,13 +113,10 @@ def test_peer_auth_refusals(coordinator_client, fake_clock):
     assert error_of(client.post(path, content=body, headers=json_type)) == "unsigned"
     signed = sign_request(alice.key, "POST", path, body, nonce=alice.nonce())
     tampered = body.replace(b"training", b"idle_now")
-    assert error_of(client.post(path, content=tampered, headers={**signed, **json_type})) == (
-        "bad_signature")
+    assert error_of(client.post(path, content=tampered, headers={**signed, **json_type})) == ("bad_signature")
     # Alice's signature presented as Bob's: a peer cannot act for another.
-    as_bob = {**sign_request(alice.key, "POST", path, body, nonce=alice.nonce()),
-              "X-Locoswarm-Peer": bob.peer_id}
-    assert error_of(client.post(path, content=body, headers={**as_bob, **json_type})) == (
-        "bad_signature")
+    as_bob = {**sign_request(alice.key, "POST", path, body, nonce=alice.nonce()), "X-Locoswarm-Peer": bob.peer_id}
+    assert error_of(client.post(path, content=body, headers={**as_bob, **json_type})) == ("bad_signature")
     stranger = SignedPeer(client, clock=fake_clock)
     assert error_of(stranger.heartbeat(run_id, 0)) == "unknown_peer"
     # Replay: the same signed request twice.
@@ -127,16 +124,14 @@ def test_peer_auth_refusals(coordinator_client, fake_clock):
     assert client.post(path, content=body, headers=fresh).status_code == 200
     assert error_of(client.post(path, content=body, headers=fresh)) == "replayed_nonce"
     old_nonce = int((fake_clock() - NONCE_WINDOW_S - 5) * 1e9)
-    assert error_of(alice.post(path, {"round": 0, "state": "training"}, nonce=old_nonce)) == (
-        "stale_nonce")
+    assert error_of(alice.post(path, {"round": 0, "state": "training"}, nonce=old_nonce)) == ("stale_nonce")
     # Submitting for another peer, and joining with a key you do not hold.
     submit = alice.submit(run_id, 0, peer_id=bob.peer_id)
     assert error_of(submit) == "peer_mismatch"
     join_path = f"/v1/runs/{run_id}/join"
     join_body = json.dumps({"public_key": bob.key.public_hex}).encode()
     forged = sign_request(alice.key, "POST", join_path, join_body, nonce=alice.nonce())
-    assert error_of(client.post(join_path, content=join_body, headers={**forged, **json_type})) == (
-        "peer_mismatch")
+    assert error_of(client.post(join_path, content=join_body, headers={**forged, **json_type})) == ("peer_mismatch")
     # A peer of another run is not a member of this one.
     other_run = create_run(client, {"name": "other"})
     assert error_of(alice.heartbeat(other_run, 0)) == "not_member"
@@ -149,10 +144,8 @@ def test_malformed_oversized_and_mistyped_requests_are_4xx(coordinator_client, f
     peer.join(run_id)
     path = f"/v1/runs/{run_id}/heartbeat"
     for raw in [b"{not json", b"[]", b'{"round": "1", "state": "x"}', b'{"round": -1}', b"null"]:
-        headers = {**sign_request(peer.key, "POST", path, raw, nonce=peer.nonce()),
-                   "Content-Type": "application/json"}
-        assert error_of(client.post(path, content=raw, headers=headers)) in (
-            "malformed_json", "invalid_request")
+        headers = {**sign_request(peer.key, "POST", path, raw, nonce=peer.nonce()), "Content-Type": "application/json"}
+        assert error_of(client.post(path, content=raw, headers=headers)) in ("malformed_json", "invalid_request")
     huge = b'{"pad": "' + b"x" * (70 * 1024) + b'"}'
     response = client.post(path, content=huge, headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and response.json()["error"] == "body_too_large"
@@ -174,8 +167,7 @@ def test_rate_limit_per_peer(tmp_path, fake_clock):
     from tests.fixtures.coordinator import ADMIN_TOKEN
 
     storage = open_storage(f"sqlite:///{tmp_path / 'c.db'}")
-    app = create_app(storage, ADMIN_TOKEN, clock=fake_clock, tick_s=None, rate_per_s=0.001,
-                     rate_burst=3)
+    app = create_app(storage, ADMIN_TOKEN, clock=fake_clock, tick_s=None, rate_per_s=0.001, rate_burst=3)
     with TestClient(app) as client:
         run_id = create_run(client)
         peer, other = SignedPeer(client, clock=fake_clock), SignedPeer(client, clock=fake_clock)
@@ -197,7 +189,12 @@ def test_status_metrics_health_and_page(coordinator_client, fake_clock):
     assert RunStatus.model_validate(status).peers[0].peer_id == peer.peer_id
     [row] = status["peers"]
     assert (row["peer_id"], row["status"], row["last_loss"], row["bandwidth_mbps"], row["uplink_mbps"]) == (
-        peer.peer_id, "live", 4.25, 250.0, 40.0)
+        peer.peer_id,
+        "live",
+        4.25,
+        250.0,
+        40.0,
+    )
     [first] = status["history"]
     assert first["num_contributors"] == 1 and first["mean_loss"] == 4.25
     members_only = client.get(f"/v1/runs/{run_id}/status", params={"history": 0}).json()
@@ -228,11 +225,9 @@ def test_openapi_lists_every_route_with_models(coordinator_client):
         ("post", "/v1/runs/{run_id}/join"): ("JoinRequest", "JoinResponse"),
         ("post", "/v1/runs/{run_id}/heartbeat"): ("HeartbeatRequest", "HeartbeatResponse"),
         ("post", "/v1/runs/{run_id}/leave"): ("LeaveRequest", "LeaveResponse"),
-        ("post", "/v1/runs/{run_id}/rounds/{round_index}/submit"): ("SubmitRequest",
-                                                                    "SubmitResponse"),
+        ("post", "/v1/runs/{run_id}/rounds/{round_index}/submit"): ("SubmitRequest", "SubmitResponse"),
         ("get", "/v1/runs/{run_id}/rounds/{round_index}"): (None, "RoundView"),
-        ("post", "/v1/runs/{run_id}/rounds/{round_index}/applied"): ("AppliedRequest",
-                                                                     "AppliedResponse"),
+        ("post", "/v1/runs/{run_id}/rounds/{round_index}/applied"): ("AppliedRequest", "AppliedResponse"),
         ("get", "/v1/runs/{run_id}/status"): (None, "RunStatus"),
         ("get", "/healthz"): (None, "Health"),
         ("get", "/readyz"): (None, "Ready"),
@@ -255,10 +250,11 @@ def test_openapi_lists_every_route_with_models(coordinator_client):
 
 
 def test_coordinator_never_imports_torch():
-    code = ("import sys; import coordinator.app, coordinator.cli, coordinator.service;"
-            " assert 'torch' not in sys.modules, 'torch imported'")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=60)
+    code = (
+        "import sys; import coordinator.app, coordinator.cli, coordinator.service;"
+        " assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
 
@@ -266,15 +262,15 @@ def test_peer_id_is_stable_per_key():
     from protocol.http import peer_id_from_public_key
 
     key = PeerKey.from_seed(b"seed")
-    assert peer_id_from_public_key(key.public_bytes) == peer_id_from_public_key(
-        PeerKey.from_seed(b"seed").public_bytes)
+    assert peer_id_from_public_key(key.public_bytes) == peer_id_from_public_key(PeerKey.from_seed(b"seed").public_bytes)
     assert len(peer_id_from_public_key(key.public_bytes)) == 17
 
 
 def test_heartbeat_inner_step_shows_in_the_status(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, {"membership.min_peers": 2, "inner.steps": 10, "inner.batch_size": 4,
-                                 "inner.seq_len": 64})
+    run_id = create_run(
+        client, {"membership.min_peers": 2, "inner.steps": 10, "inner.batch_size": 4, "inner.seq_len": 64}
+    )
     first, second = SignedPeer(client, clock=fake_clock), SignedPeer(client, clock=fake_clock)
     first.join(run_id), second.join(run_id)
 
@@ -293,8 +289,16 @@ def test_heartbeat_inner_step_shows_in_the_status(coordinator_client, fake_clock
 
 def test_round_summaries_count_tokens_and_packet_bytes(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, {"membership.min_peers": 2, "inner.steps": 10, "inner.batch_size": 4,
-                                 "inner.seq_len": 64, "membership.heartbeat_timeout_s": 60.0})
+    run_id = create_run(
+        client,
+        {
+            "membership.min_peers": 2,
+            "inner.steps": 10,
+            "inner.batch_size": 4,
+            "inner.seq_len": 64,
+            "membership.heartbeat_timeout_s": 60.0,
+        },
+    )
     first, second = SignedPeer(client, clock=fake_clock), SignedPeer(client, clock=fake_clock)
     first.join(run_id), second.join(run_id)
     first.submit(run_id, 0, packet_size_bytes=1000)
@@ -303,7 +307,9 @@ def test_round_summaries_count_tokens_and_packet_bytes(coordinator_client, fake_
     fake_clock.advance(31.0)  # round 1 closes at its deadline with one packet
     history = client.get(f"/v1/runs/{run_id}/status").json()["history"]
     assert [(h["round"], h["tokens"], h["packet_bytes"]) for h in history][:2] == [
-        (0, 2 * 10 * 4 * 64, 4000), (1, 1 * 10 * 4 * 64, 500)]
+        (0, 2 * 10 * 4 * 64, 4000),
+        (1, 1 * 10 * 4 * 64, 500),
+    ]
 
 
 def test_page_and_status_default_to_the_live_run(coordinator_client, fake_clock):

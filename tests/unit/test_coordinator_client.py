@@ -13,8 +13,13 @@ import pytest
 import uvicorn
 
 import node.round.coordinator_client as client_module
-from node.round.coordinator_client import (CoordinatorClient, CoordinatorUnavailable, CoordinatorUnreachable,
-                                          Refused, format_duration)
+from node.round.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorUnavailable,
+    CoordinatorUnreachable,
+    Refused,
+    format_duration,
+)
 from node.round.refusals import Action, Code
 from protocol.signing import PeerKey
 
@@ -33,8 +38,9 @@ class Coordinator:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                     log_level="warning", lifespan="on"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        )
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:  # readiness: uvicorn has bound its socket
             await asyncio.sleep(0.01)

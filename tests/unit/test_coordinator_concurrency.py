@@ -75,8 +75,11 @@ def served(tmp_path: Path) -> Iterator[tuple[ServerThread, Any, Any]]:
 
 def test_healthz_answers_while_the_database_is_busy(served):
     server, storage, _ = served
-    with httpx.Client(base_url=server.url, timeout=30) as peer_client, \
-            httpx.Client(base_url=server.url, timeout=10) as client, ThreadPoolExecutor(max_workers=2) as pool:
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as peer_client,
+        httpx.Client(base_url=server.url, timeout=10) as client,
+        ThreadPoolExecutor(max_workers=2) as pool,
+    ):
         run_id = create_run(client, {"membership.min_peers": 1})
         peer = SignedPeer(peer_client)
         assert peer.join(run_id).status_code == 200
@@ -179,9 +182,10 @@ def test_tune_gc_applies_to_the_serving_process_only(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["50000", "True"]
     threshold = gc.get_threshold()
+    from fastapi.testclient import TestClient
+
     from coordinator.app import create_app
     from coordinator.storage import open_storage
-    from fastapi.testclient import TestClient
 
     storage = open_storage(f"sqlite:///{tmp_path / 'd.db'}")
     try:

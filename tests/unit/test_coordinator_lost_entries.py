@@ -46,8 +46,9 @@ def storage_of(client):
 
 
 def applied_version(peer: SignedPeer, run_id: str, round_index: int, digest: str, version: int):
-    return peer.post(f"/v1/runs/{run_id}/rounds/{round_index}/applied",
-                     {"params_digest": digest, "manifest_version": version})
+    return peer.post(
+        f"/v1/runs/{run_id}/rounds/{round_index}/applied", {"params_digest": digest, "manifest_version": version}
+    )
 
 
 def everyone_gone(client, fake_clock, run_id: str, peers: list[SignedPeer]) -> None:
@@ -62,8 +63,14 @@ def everyone_gone(client, fake_clock, run_id: str, peers: list[SignedPeer]) -> N
 def round_1_closed_with_a_and_b(client, fake_clock, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
     """Three peers; round 0 applied and agreed by all (D0); round 1 closed at its deadline with the
     packets of a and b only (c never submitted), before anyone's heartbeat timed out."""
-    run_id = create_run(client, {"membership.min_peers": 3, "membership.heartbeat_timeout_s": heartbeat_timeout_s,
-                                 "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S}})
+    run_id = create_run(
+        client,
+        {
+            "membership.min_peers": 3,
+            "membership.heartbeat_timeout_s": heartbeat_timeout_s,
+            "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S},
+        },
+    )
     a, b, c = peers_for(client, fake_clock, run_id, 3)
     for peer in (a, b, c):
         assert peer.submit(run_id, 0).status_code == 200
@@ -180,7 +187,11 @@ def test_a_gone_authors_entry_is_dropped_at_once_unless_an_applier_serves_it(coo
     held = report_missing(c, run_id, 1, b).json()
     assert held["manifest_version"] == 1 and held["pending"] == [b.peer_id]
     # The same without the applier: a fresh round 2 where a and b submitted, b left, nobody applied.
-    assert a.submit(run_id, 2).status_code == 200 and b.join(run_id).status_code == 200 and b.submit(run_id, 2).status_code == 200
+    assert (
+        a.submit(run_id, 2).status_code == 200
+        and b.join(run_id).status_code == 200
+        and b.submit(run_id, 2).status_code == 200
+    )
     fake_clock.advance(DEADLINE_S + 1)
     assert round_of(client, run_id, 2)["state"] == "closed"
     assert b.post(f"/v1/runs/{run_id}/leave", {"reason": "power cut"}).status_code == 200
@@ -222,8 +233,9 @@ def test_empty_rounds_take_their_starts_agreed_digest_when_it_comes(coordinator_
     history = history_of(client, run_id)
     assert history[2]["num_contributors"] == 0 and history[3]["num_contributors"] == 0
     assert history[1]["agreed_digest"] is None
-    assert history[2]["agreed_digest"] is None and history[3]["agreed_digest"] is None, \
+    assert history[2]["agreed_digest"] is None and history[3]["agreed_digest"] is None, (
         "their start (round 1's result) is not agreed yet"
+    )
     for peer in (a, b):
         assert peer.applied(run_id, 1, D1).status_code == 200
     history = history_of(client, run_id)
@@ -235,8 +247,14 @@ def test_empty_rounds_take_their_starts_agreed_digest_when_it_comes(coordinator_
 
 def test_an_empty_round_after_an_agreed_one_is_agreed_when_it_closes(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
-                                 "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S}})
+    run_id = create_run(
+        client,
+        {
+            "membership.min_peers": 2,
+            "membership.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+            "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S},
+        },
+    )
     a, b = peers_for(client, fake_clock, run_id, 2)
     for peer in (a, b):
         assert peer.submit(run_id, 0).status_code == 200
@@ -255,8 +273,14 @@ def test_an_empty_round_after_an_agreed_one_is_agreed_when_it_closes(coordinator
 def test_an_empty_round_0_has_no_agreed_digest(coordinator_client, fake_clock):
     """Round 0 starts from the seeded initialisation, whose digest nobody recorded."""
     client = coordinator_client
-    run_id = create_run(client, {"membership.min_peers": 2, "membership.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
-                                 "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S}})
+    run_id = create_run(
+        client,
+        {
+            "membership.min_peers": 2,
+            "membership.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+            "deadline": {"kind": "fixed", "round_timeout_s": DEADLINE_S},
+        },
+    )
     a, b = peers_for(client, fake_clock, run_id, 2)
     fake_clock.advance(DEADLINE_S + 1)
     for peer in (a, b):
@@ -299,8 +323,12 @@ def test_a_submission_or_an_applied_report_clears_the_stuck_line(coordinator_cli
     client = coordinator_client
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
     for peer in (a, b):
-        assert peer.post(f"/v1/runs/{run_id}/heartbeat",
-                         {"round": 2, "state": "stuck", "detail": "round 1: waiting"}).status_code == 200
+        assert (
+            peer.post(
+                f"/v1/runs/{run_id}/heartbeat", {"round": 2, "state": "stuck", "detail": "round 1: waiting"}
+            ).status_code
+            == 200
+        )
     assert a.submit(run_id, 2).status_code == 200
     assert b.applied(run_id, 1, D1).status_code == 200
     status = status_of(client, run_id)
@@ -318,14 +346,22 @@ def test_a_database_from_before_detail_gains_the_column(tmp_path):
             for statement in statements:
                 conn.execute(statement)
             conn.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (?, 0)", (version,))
-        conn.execute("INSERT INTO runs (run_id, name, config_json, join_token_hashes, state, created_at, current_round)"
-                     " VALUES ('run-old', 'old', '{}', '[]', 'running', 0, 0)")
+        conn.execute(
+            "INSERT INTO runs (run_id, name, config_json, join_token_hashes, state, created_at, current_round)"
+            " VALUES ('run-old', 'old', '{}', '[]', 'running', 0, 0)"
+        )
         columns = [row[1] for row in conn.execute("PRAGMA table_info(peers)")]
         assert "detail" not in columns
-        values = {name: 0 for name in columns} | {"run_id": "run-old", "peer_id": "p" + "0" * 16, "status": "live",
-                                                  "activity": "stuck", "listen_multiaddrs": "[]"}
-        conn.execute(f"INSERT INTO peers ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
-                     tuple(values.values()))
+        values = {name: 0 for name in columns} | {
+            "run_id": "run-old",
+            "peer_id": "p" + "0" * 16,
+            "status": "live",
+            "activity": "stuck",
+            "listen_multiaddrs": "[]",
+        }
+        conn.execute(
+            f"INSERT INTO peers ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})", tuple(values.values())
+        )
     storage = open_storage(f"sqlite:///{db_path}")
     try:
         assert storage.schema_version() == MIGRATIONS[-1][0]
@@ -346,8 +382,9 @@ def test_a_round_nobody_got_past_takes_reports_however_old(coordinator_client, f
         fake_clock.advance(DEADLINE_S + 1)
         status_of(client, run_id)  # each read closes the round past its deadline
     history = history_of(client, run_id)
-    assert max(history) >= 1 + MISSING_REPORT_ROUNDS + 1 and all(h["agreed_digest"] is None
-                                                                  for r, h in history.items() if r >= 1)
+    assert max(history) >= 1 + MISSING_REPORT_ROUNDS + 1 and all(
+        h["agreed_digest"] is None for r, h in history.items() if r >= 1
+    )
     for author in (a, b):
         answer = report_missing(author, run_id, 1, lost_own=True)
         assert answer.status_code == 200, answer.text

@@ -108,8 +108,9 @@ def test_a_probationer_whose_packet_makes_a_manifest_is_waited_for(coordinator):
 
 def test_a_contributor_missing_k_rounds_in_a_row_is_no_longer_waited_for(coordinator, fake_clock):
     c = coordinator
-    run_id = c.create_run(**{"membership.min_peers": 2, "membership.max_missed_rounds": 2,
-                             "membership.heartbeat_timeout_s": 300.0})
+    run_id = c.create_run(
+        **{"membership.min_peers": 2, "membership.max_missed_rounds": 2, "membership.heartbeat_timeout_s": 300.0}
+    )
     a, b = c.join(run_id, 2)
     (stalled,) = c.join(run_id)  # it joined while round 0 was open, and submits to it first
     c.submit(run_id, 0, stalled, a, b)
@@ -131,9 +132,15 @@ def test_a_contributor_missing_k_rounds_in_a_row_is_no_longer_waited_for(coordin
 
 def test_joins_of_new_keys_are_rate_limited_per_address_and_per_run(coordinator, fake_clock):
     c = coordinator
-    run_id = c.create_run(**{"membership.min_peers": 1, "membership.join_burst_per_address": 3,
-                             "membership.join_rate_per_address_per_min": 6.0, "membership.join_burst": 5,
-                             "membership.join_rate_per_min": 60.0})
+    run_id = c.create_run(
+        **{
+            "membership.min_peers": 1,
+            "membership.join_burst_per_address": 3,
+            "membership.join_rate_per_address_per_min": 6.0,
+            "membership.join_burst": 5,
+            "membership.join_rate_per_min": 60.0,
+        }
+    )
     first = c.join(run_id, 3, source="10.0.0.1")
     with pytest.raises(errors.RateLimited, match="address 10.0.0.1") as refused:
         c.join(run_id, source="10.0.0.1")
@@ -165,19 +172,24 @@ def test_a_proof_of_work_join(coordinator, fake_clock):
     with pytest.raises(errors.BadJoinProof):
         c.service.join(run_id, peer_id, _join_request(key, challenge.salt, wrong))
     # A proof is bound to its key. (With 8 bits, one key in 256 meets the same nonce by chance: not that one.)
-    other = next(k for k in iter(PeerKey.generate, None) if not meets(run_id, k.public_hex, challenge.salt, nonce, bits))
+    other = next(
+        k for k in iter(PeerKey.generate, None) if not meets(run_id, k.public_hex, challenge.salt, nonce, bits)
+    )
     with pytest.raises(errors.BadJoinProof):
-        c.service.join(run_id, peer_id_from_public_key(other.public_bytes),
-                       _join_request(other, challenge.salt, nonce))
+        c.service.join(run_id, peer_id_from_public_key(other.public_bytes), _join_request(other, challenge.salt, nonce))
     fake_clock.advance(JOIN_POW_PERIOD_S)  # still good in the next period
     joined = c.service.join(run_id, peer_id, _join_request(key, challenge.salt, nonce))
     assert joined.peer_id == peer_id
     assert c.service.join(run_id, peer_id, JoinRequest(public_key=key.public_hex)).peer_id == peer_id, (
-        "a member rejoins without a proof")
+        "a member rejoins without a proof"
+    )
     fake_clock.advance(JOIN_POW_PERIOD_S)  # two periods on: expired
     with pytest.raises(errors.JoinProofRequired, match="expired"):
-        c.service.join(run_id, peer_id_from_public_key(other.public_bytes),
-                       _join_request(other, challenge.salt, solve(run_id, other.public_hex, challenge.salt, bits)))
+        c.service.join(
+            run_id,
+            peer_id_from_public_key(other.public_bytes),
+            _join_request(other, challenge.salt, solve(run_id, other.public_hex, challenge.salt, bits)),
+        )
     stored = c.storage.get_run(run_id).join_secret
     assert c.service.join_challenge(run_id).salt == salt_of(stored, run_id, int(fake_clock() // JOIN_POW_PERIOD_S))
     open_run = c.create_run(**{"membership.min_peers": 1})
@@ -225,8 +237,14 @@ async def _raw_join(transport, run_id: str, key: PeerKey) -> httpx.Response:
 
 def test_a_rate_limited_join_is_a_429_with_retry_after_that_the_client_waits_out(tmp_path):
     async def scenario(transport):
-        run_id = await _create(transport, {"membership.min_peers": 1, "membership.join_burst_per_address": 1,
-                                           "membership.join_rate_per_address_per_min": 60.0})
+        run_id = await _create(
+            transport,
+            {
+                "membership.min_peers": 1,
+                "membership.join_burst_per_address": 1,
+                "membership.join_rate_per_address_per_min": 60.0,
+            },
+        )
         assert (await _raw_join(transport, run_id, PeerKey.generate())).status_code == 200
         refused = await _raw_join(transport, run_id, PeerKey.generate())
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"

@@ -38,8 +38,15 @@ def play_rounds(client, run_id, peers, rounds) -> None:
 def swarm(tmp_path, fake_clock):
     """A run with three peers that agreed rounds 0-3 (round 4 open), then all went silent."""
     with coordinator_on(tmp_path / "coordinator.db", fake_clock) as (client, storage):
-        run_id = create_run(client, {"membership.min_peers": 3, "membership.heartbeat_timeout_s": TIMEOUT_S,
-                                     "membership.state_wait_s": WAIT_S, "max_rounds": 8})
+        run_id = create_run(
+            client,
+            {
+                "membership.min_peers": 3,
+                "membership.heartbeat_timeout_s": TIMEOUT_S,
+                "membership.state_wait_s": WAIT_S,
+                "max_rounds": 8,
+            },
+        )
         peers = [SignedPeer(client, clock=fake_clock) for _ in range(3)]
         for peer in peers:
             assert peer.join(run_id).status_code == 200
@@ -95,7 +102,9 @@ def test_the_run_waits_for_the_newest_state_then_goes_back_to_the_newest_held(sw
     assert recovery["waiting_since"] == returned_at and recovery["newest_held_round"] == 3
     assert recovery["rewind_at"] == returned_at + WAIT_S
     assert {h["peer_id"]: (h["state_round"], h["agreed"]) for h in recovery["held"]} == {
-        peers[0].peer_id: (2, True), peers[1].peer_id: (3, True)}
+        peers[0].peer_id: (2, True),
+        peers[1].peer_id: (3, True),
+    }
     for _ in range(int(WAIT_S / 5) - 1):  # they keep beating while they wait
         fake_clock.advance(5)
         for peer in peers[:2]:

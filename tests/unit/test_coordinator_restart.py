@@ -62,8 +62,7 @@ def test_restart_after_ten_timeouts_keeps_peers_live_until_the_timeout_passes_ag
 
         fake_clock.advance(1.5)  # past the grace: the timeout has passed since the restart
         peers = {p["peer_id"]: p for p in client.get(f"/v1/runs/{run_id}/status").json()["peers"]}
-        assert {p: v["status"] for p, v in peers.items()} == {
-            a.peer_id: "live", b.peer_id: "live", c.peer_id: "gone"}
+        assert {p: v["status"] for p, v in peers.items()} == {a.peer_id: "live", b.peer_id: "live", c.peer_id: "gone"}
         assert peers[c.peer_id]["reason"] == "no heartbeat for 20 s since the coordinator resumed (timeout 20 s)"
         closed = round_of(client, run_id, 1)
         assert closed["state"] == "closed" and closed["closed_at"] == fake_clock()

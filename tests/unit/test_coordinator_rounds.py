@@ -11,7 +11,6 @@ import pytest
 
 from coordinator.storage import open_storage
 from protocol.http import RoundView
-
 from tests.fixtures.coordinator import (
     SignedPeer,
     create_run,
@@ -65,15 +64,17 @@ def test_round_zero_waits_for_min_peers_then_closes_early(coordinator_client, fa
     assert len(RoundView.model_validate(closed).manifest) == 3
     assert [e["peer_id"] for e in closed["manifest"]] == sorted(p.peer_id for p in peers)
     assert {(e["peer_id"], e["packet_digest"]) for e in closed["manifest"]} == {
-        (p.peer_id, packet_digest(p.peer_id, 0)) for p in peers}
+        (p.peer_id, packet_digest(p.peer_id, 0)) for p in peers
+    }
     nxt = round_of(client, run_id, 1)
     assert nxt["state"] == "open" and nxt["deadline"] == fake_clock() + 30.0
 
 
 def test_deadline_close_and_refusal_codes(coordinator_client, fake_clock):
     client = coordinator_client
-    run_id = create_run(client, {"membership.min_peers": 3, "exchange.max_packet_bytes": 4096,
-                                 "membership.heartbeat_timeout_s": 300.0})
+    run_id = create_run(
+        client, {"membership.min_peers": 3, "exchange.max_packet_bytes": 4096, "membership.heartbeat_timeout_s": 300.0}
+    )
     a, b, c = peers_for(client, fake_clock, run_id, 3)
     assert a.submit(run_id, 0).status_code == 200
     assert a.submit(run_id, 0).status_code == 200, "a retry of the same submission is accepted"
@@ -140,8 +141,17 @@ def test_applied_digests_majority_and_flags(coordinator_client, fake_clock, tmp_
         peer.submit(run_id, 0)
     good, bad = "11" * 32, "22" * 32
     assert a.applied(run_id, 0, good).json() == {
-        "round": 0, "majority_digest": good, "agrees": True, "num_reports": 1, "manifest_version": 1,
-        "amended": {}, "agreed_digest": None, "provisional": True, "num_votes": 1, "vote": True}
+        "round": 0,
+        "majority_digest": good,
+        "agrees": True,
+        "num_reports": 1,
+        "manifest_version": 1,
+        "amended": {},
+        "agreed_digest": None,
+        "provisional": True,
+        "num_votes": 1,
+        "vote": True,
+    }
     assert c.applied(run_id, 0, bad).json()["agrees"] is False, "a tie keeps the majority"
     last = b.applied(run_id, 0, good).json()
     # Nobody has earned credit yet (no scores): a dispute waits for credit to decide it.
@@ -161,8 +171,7 @@ def test_applied_digests_majority_and_flags(coordinator_client, fake_clock, tmp_
     assert round_of(client, run_id, 0)["agreed_digest"] == good
     status = client.get(f"/v1/runs/{run_id}/status").json()
     flags = {p["peer_id"]: (p["flags"], p["mismatch_round"]) for p in status["peers"]}
-    assert flags == {a.peer_id: ([], None), b.peer_id: ([], None),
-                     c.peer_id: (["params_mismatch"], 0)}
+    assert flags == {a.peer_id: ([], None), b.peer_id: ([], None), c.peer_id: (["params_mismatch"], 0)}
     excluded = next(p for p in status["peers"] if p["peer_id"] == c.peer_id)
     assert excluded["excluded"] and excluded["excluded_reason"].startswith("wrong_digest: round 0:"), excluded
     dispute = status["history"][0]["dispute"]

@@ -25,8 +25,9 @@ def coordinator(tmp_path, fake_clock):
     c.storage.close()
 
 
-def play_round(c: Coordinator, run_id: str, r: int, submitters: list[str], bad: set[str],
-               reporters: list[str] | None = None) -> None:
+def play_round(
+    c: Coordinator, run_id: str, r: int, submitters: list[str], bad: set[str], reporters: list[str] | None = None
+) -> None:
     """The submitters submit (the round closes when all waited-for peers did; the `bad` ones first:
     a peer whose updates earned no credit is not waited for), then each reporter reports the honest
     digest with scores of the others: GOOD, or BAD for the peers in `bad`."""
@@ -80,8 +81,7 @@ def test_one_bad_round_and_strangers_scores_exclude_nobody(coordinator):
         # peers[3] first: after its bad round it has no credit, and no round waits for it.
         play_round(c, run_id, r, [peers[3], *peers[:3]], bad={peers[3]} if r == 0 else set())
         for stranger in strangers:  # never contributed: their reports are no votes, their scores no judgements
-            c.service.applied(run_id, r, stranger, AppliedRequest(
-                params_digest=HONEST, scores={p: BAD for p in peers}))
+            c.service.applied(run_id, r, stranger, AppliedRequest(params_digest=HONEST, scores={p: BAD for p in peers}))
     views = {p: peer_view(c, run_id, p) for p in peers}
     assert not any(v.excluded for v in views.values())
     assert views[peers[3]].score.num_hurt == 1 and views[victim].score.num_hurt == 0

@@ -14,7 +14,14 @@ from coordinator import errors
 from coordinator.service import CoordinatorService, tally
 from coordinator.storage import open_storage
 from protocol.digest import CHUNK_BYTES
-from protocol.http import AppliedRequest, ParamsTree, JoinRequest, MissingRequest, SubmitRequest, peer_id_from_public_key
+from protocol.http import (
+    AppliedRequest,
+    JoinRequest,
+    MissingRequest,
+    ParamsTree,
+    SubmitRequest,
+    peer_id_from_public_key,
+)
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
 from tests.fixtures.coordinator import packet_digest, run_config
@@ -52,12 +59,19 @@ class Coordinator:
 
     def submit(self, run_id: str, round_index: int, *peer_ids: str) -> None:
         for peer_id in peer_ids:
-            self.service.submit(run_id, round_index, peer_id, SubmitRequest(
-                packet_digest=packet_digest(peer_id, round_index), packet_size_bytes=1000, train_loss=3.0))
+            self.service.submit(
+                run_id,
+                round_index,
+                peer_id,
+                SubmitRequest(
+                    packet_digest=packet_digest(peer_id, round_index), packet_size_bytes=1000, train_loss=3.0
+                ),
+            )
 
     def applied(self, run_id: str, round_index: int, peer_id: str, digest: str, version: int = 1):
-        return self.service.applied(run_id, round_index, peer_id,
-                                    AppliedRequest(params_digest=digest, manifest_version=version))
+        return self.service.applied(
+            run_id, round_index, peer_id, AppliedRequest(params_digest=digest, manifest_version=version)
+        )
 
     def round(self, run_id: str, round_index: int):
         self.service.advance(run_id)  # as the routes do before a read
@@ -99,7 +113,12 @@ def test_strangers_reports_never_vote_and_contributors_agree(coordinator):
 
     first = c.applied(run_id, 0, a, HONEST)
     assert (first.vote, first.num_votes, first.majority_digest, first.agreed_digest, first.provisional) == (
-        True, 1, HONEST, None, True), "a lone vote is provisional"
+        True,
+        1,
+        HONEST,
+        None,
+        True,
+    ), "a lone vote is provisional"
     assert c.status(run_id).history[0].agreed_digest is None
     second = c.applied(run_id, 0, b, HONEST)
     assert (second.agreed_digest, second.provisional, second.num_votes, second.num_reports) == (HONEST, False, 2, 6)
@@ -343,42 +362,51 @@ def test_an_amendment_starts_a_new_vote_among_the_remaining_contributors(coordin
     assert versions[(a, 1)] == HONEST and versions[(a, 2)] == OTHER, "the version-1 report is kept as it was"
 
 
-@pytest.mark.parametrize(("votes", "contributors", "settled", "expected"), [
-    (["x"], 1, False, ("x", None)),
-    (["x"], 1, True, ("x", "x")),
-    (["x", "x"], 3, False, ("x", "x")),
-    (["x", "x"], 4, False, ("x", None)),
-    (["x", "x"], 4, True, ("x", "x")),
-    (["x", "y"], 2, True, ("x", None)),
-    (["y", "x", "x"], 5, True, ("x", "x")),
-    (["x", "y", "z"], 3, True, ("x", None)),
-])
+@pytest.mark.parametrize(
+    ("votes", "contributors", "settled", "expected"),
+    [
+        (["x"], 1, False, ("x", None)),
+        (["x"], 1, True, ("x", "x")),
+        (["x", "x"], 3, False, ("x", "x")),
+        (["x", "x"], 4, False, ("x", None)),
+        (["x", "x"], 4, True, ("x", "x")),
+        (["x", "y"], 2, True, ("x", None)),
+        (["y", "x", "x"], 5, True, ("x", "x")),
+        (["x", "y", "z"], 3, True, ("x", None)),
+    ],
+)
 def test_tally_by_headcount_with_scoring_off(votes, contributors, settled, expected):
     assert tally([(v, 0) for v in votes], contributors, settled, None, None) == expected
 
 
-@pytest.mark.parametrize(("votes", "contributors", "settled", "expected"), [
-    ([("x", 0), ("x", 0)], 3, False, ("x", None)),  # not every contributor voted yet
-    ([("x", 0), ("x", 0), ("x", 0)], 3, False, ("x", "x")),
-    ([("x", 0)], 1, False, ("x", None)),  # a lone vote waits for the round to settle
-    ([("x", 0)], 1, True, ("x", "x")),
-    ([("y", 0), ("y", 0), ("x", 0)], 3, True, ("y", None)),  # a dispute: credit decides it, not heads
-])
+@pytest.mark.parametrize(
+    ("votes", "contributors", "settled", "expected"),
+    [
+        ([("x", 0), ("x", 0)], 3, False, ("x", None)),  # not every contributor voted yet
+        ([("x", 0), ("x", 0), ("x", 0)], 3, False, ("x", "x")),
+        ([("x", 0)], 1, False, ("x", None)),  # a lone vote waits for the round to settle
+        ([("x", 0)], 1, True, ("x", "x")),
+        ([("y", 0), ("y", 0), ("x", 0)], 3, True, ("y", None)),  # a dispute: credit decides it, not heads
+    ],
+)
 def test_tally_before_anyone_earned_credit(votes, contributors, settled, expected):
     assert tally(votes, contributors, settled, None, 0) == expected
 
 
-@pytest.mark.parametrize(("votes", "total", "settled", "expected"), [
-    ([("f", 0)] * 10 + [("x", 1), ("x", 1)], 3, False, ("x", "x")),  # ten keys without credit weigh nothing
-    ([("f", 0)] * 10 + [("x", 2)], 3, False, ("x", None)),  # one vote of credit is not enough early
-    ([("f", 0)] * 10 + [("x", 2)], 3, True, ("x", "x")),  # ... but is once the round settled
-    ([("f", 0)] * 10, 3, True, ("f", None)),  # no vote of credit: never agreed
-    ([("x", 1), ("x", 1), ("y", 8)], 10, False, ("y", None)),  # credit, not heads, leads
-    ([("x", 1), ("x", 1), ("y", 8)], 10, True, ("y", None)),  # one key of high credit against two: undecided
-    ([("y", 8), ("y", 1), ("x", 1)], 10, True, ("y", "y")),
-    ([("x", 3), ("y", 3)], 6, True, ("x", None)),  # a tie of credit stays undecided
-    ([("y", 8), ("x", 2), ("x", 2), ("z", 0)], 12, False, ("y", None)),
-])
+@pytest.mark.parametrize(
+    ("votes", "total", "settled", "expected"),
+    [
+        ([("f", 0)] * 10 + [("x", 1), ("x", 1)], 3, False, ("x", "x")),  # ten keys without credit weigh nothing
+        ([("f", 0)] * 10 + [("x", 2)], 3, False, ("x", None)),  # one vote of credit is not enough early
+        ([("f", 0)] * 10 + [("x", 2)], 3, True, ("x", "x")),  # ... but is once the round settled
+        ([("f", 0)] * 10, 3, True, ("f", None)),  # no vote of credit: never agreed
+        ([("x", 1), ("x", 1), ("y", 8)], 10, False, ("y", None)),  # credit, not heads, leads
+        ([("x", 1), ("x", 1), ("y", 8)], 10, True, ("y", None)),  # one key of high credit against two: undecided
+        ([("y", 8), ("y", 1), ("x", 1)], 10, True, ("y", "y")),
+        ([("x", 3), ("y", 3)], 6, True, ("x", None)),  # a tie of credit stays undecided
+        ([("y", 8), ("x", 2), ("x", 2), ("z", 0)], 12, False, ("y", None)),
+    ],
+)
 def test_tally_by_credit(votes, total, settled, expected):
     assert tally(votes, len(votes), settled, None, total) == expected
 

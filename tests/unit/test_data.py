@@ -6,8 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from node.training.data import (BIN_HEADER_BYTES, DataNotFound, EmptyData, MalformedShard, TokenDataset, evaluate,
-                       load_corpus, open_bin_shard, stdlib_files, write_bin_shard)
+from node.training.data import (
+    BIN_HEADER_BYTES,
+    DataNotFound,
+    EmptyData,
+    MalformedShard,
+    TokenDataset,
+    evaluate,
+    load_corpus,
+    open_bin_shard,
+    stdlib_files,
+    write_bin_shard,
+)
 from node.training.model import build_model
 
 
@@ -38,8 +48,9 @@ def test_stdlib_split_deterministic_and_disjoint(stdlib, tmp_path):
 
 
 def test_shards_disjoint_and_covering():
-    data = TokenDataset([np.arange(1000, dtype=np.uint16), np.arange(1000, 1037, dtype=np.uint16)],
-                        vocab_size=2000, name="t")
+    data = TokenDataset(
+        [np.arange(1000, dtype=np.uint16), np.arange(1000, 1037, dtype=np.uint16)], vocab_size=2000, name="t"
+    )
     shards = [data.shard(i, 4) for i in range(4)]
     pieces = [s.tokens() for s in shards]
     assert np.array_equal(np.concatenate(pieces), data.tokens())

@@ -100,8 +100,10 @@ def unit(name: str) -> configparser.ConfigParser:
     return parser
 
 
-@pytest.mark.parametrize("name, command", [("locoswarm-coordinator.service", ["coordinator", "serve"]),
-                                           ("locoswarm-node.service", ["node", "join"])])
+@pytest.mark.parametrize(
+    "name, command",
+    [("locoswarm-coordinator.service", ["coordinator", "serve"]), ("locoswarm-node.service", ["node", "join"])],
+)
 def test_systemd_exec_start_parses_with_the_real_cli(name, command):
     parsed = unit(name)
     assert {"Unit", "Service", "Install"} <= set(parsed.sections())
@@ -153,7 +155,7 @@ def readme_commands() -> list[list[str]]:
                 segment = segment.strip()
                 for prefix in (".venv/bin/locoswarm ", "locoswarm "):
                     if segment.startswith(prefix):
-                        commands.append(shlex.split(segment[len(prefix):]))
+                        commands.append(shlex.split(segment[len(prefix) :]))
     return commands
 
 
@@ -242,22 +244,25 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("line, key", [
-    ("[network]\nfetch_timeout = 3.0", "network.fetch_timeout"),  # unknown key (the field is fetch_timeout_s)
-    ("fetch_timeout = 3.0", "fetch_timeout"),
-    ("[training]\nthreads = -1", "training.threads"),            # out of range
-    ("threads = -1", "training.threads"),                        # a key from before the sections, in its new place
-    ("[network]\nfetch_timeout_s = 0.0", "network.fetch_timeout_s"),
-    ("[training]\nmax_rounds = 0", "training.max_rounds"),
-    ("[training]\ndevice = \"gpu\"", "training.device"),
-    ("[network]\nclient_mode = \"yes\"", "network.client_mode"),  # wrong type
-    ("[training]\nthreads = 2.5", "training.threads"),
-    ("[network]\nhost_maddrs = []", "network.host_maddrs"),
-    ("[network]\ninitial_peers = \"/ip4/1.2.3.4/tcp/1\"", "network.initial_peers"),
-    ("join_token = \"short\"", "join_token"),
-    ("[memory]\nstate_placement = \"disk\"", "memory.state_placement"),
-    ("training = 3", "training"),
-])
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ("[network]\nfetch_timeout = 3.0", "network.fetch_timeout"),  # unknown key (the field is fetch_timeout_s)
+        ("fetch_timeout = 3.0", "fetch_timeout"),
+        ("[training]\nthreads = -1", "training.threads"),  # out of range
+        ("threads = -1", "training.threads"),  # a key from before the sections, in its new place
+        ("[network]\nfetch_timeout_s = 0.0", "network.fetch_timeout_s"),
+        ("[training]\nmax_rounds = 0", "training.max_rounds"),
+        ('[training]\ndevice = "gpu"', "training.device"),
+        ('[network]\nclient_mode = "yes"', "network.client_mode"),  # wrong type
+        ("[training]\nthreads = 2.5", "training.threads"),
+        ("[network]\nhost_maddrs = []", "network.host_maddrs"),
+        ('[network]\ninitial_peers = "/ip4/1.2.3.4/tcp/1"', "network.initial_peers"),
+        ('join_token = "short"', "join_token"),
+        ('[memory]\nstate_placement = "disk"', "memory.state_placement"),
+        ("training = 3", "training"),
+    ],
+)
 def test_bad_node_config_is_refused_naming_the_key(tmp_path, line, key):
     path = write(tmp_path, f'coordinator = "http://c:8000"\n{line}\n')
     with pytest.raises(ConfigError, match=rf"node.toml: {key}: "):
@@ -274,15 +279,19 @@ def test_node_config_needs_a_coordinator_and_a_url(tmp_path):
 
 
 def test_flags_override_the_file_and_are_checked_too(tmp_path):
-    path = write(tmp_path, 'coordinator = "http://c:8000"\nkey_path = "~/k.key"\n[training]\nthreads = 4\n'
-                           'device = "cpu"\n[network]\nclient_mode = true\n')
+    path = write(
+        tmp_path,
+        'coordinator = "http://c:8000"\nkey_path = "~/k.key"\n[training]\nthreads = 4\n'
+        'device = "cpu"\n[network]\nclient_mode = true\n',
+    )
     config = load_node_config(path, {"training.threads": 1, "network.client_mode": False, "training.max_rounds": None})
     assert (config.training.threads, config.network.client_mode, config.training.max_rounds) == (1, False, None)
     assert config.key_path == Path.home() / "k.key" and config.coordinator == "http://c:8000"
     with pytest.raises(ConfigError, match="network.fetch_timeout_s"):
         load_node_config(path, {"network.fetch_timeout_s": -1.0})
-    printed = json.loads(format_node_config(
-        load_node_config(path, {"join_token": "secret-token"})).removeprefix("node config: "))
+    printed = json.loads(
+        format_node_config(load_node_config(path, {"join_token": "secret-token"})).removeprefix("node config: ")
+    )
     assert printed["join_token"] == "<hidden>" and printed["training"]["threads"] == 4
 
 
@@ -290,11 +299,32 @@ def test_node_join_flags_reach_the_config(tmp_path):
     from node.cli.config_flags import config_overrides
 
     path = write(tmp_path, 'coordinator = "http://c:8000"\n[debug]\nprogress = true\n')
-    args = parses(["node", "join", "--config", str(path), "--no-progress", "--fetch-timeout", "5",
-                   "--auto-relay", "--run", "r1", "--key", str(tmp_path / "k"), "--state-placement", "device"])
+    args = parses(
+        [
+            "node",
+            "join",
+            "--config",
+            str(path),
+            "--no-progress",
+            "--fetch-timeout",
+            "5",
+            "--auto-relay",
+            "--run",
+            "r1",
+            "--key",
+            str(tmp_path / "k"),
+            "--state-placement",
+            "device",
+        ]
+    )
     config = load_node_config(path, config_overrides(args, NodeConfig))
-    assert (config.debug.progress, config.network.fetch_timeout_s, config.network.use_auto_relay, config.run_id,
-            config.memory.state_placement) == (False, 5.0, True, "r1", "device")
+    assert (
+        config.debug.progress,
+        config.network.fetch_timeout_s,
+        config.network.use_auto_relay,
+        config.run_id,
+        config.memory.state_placement,
+    ) == (False, 5.0, True, "r1", "device")
 
 
 def test_node_join_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
@@ -309,13 +339,36 @@ def test_node_join_with_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
 def test_doctor_runs_and_prints_its_checks(tmp_path):
     closed_port = _free_port()  # nothing listens there: the coordinator check must FAIL
     result = subprocess.run(
-        [sys.executable, "-m", "locoswarm", "doctor", "--coordinator", f"http://127.0.0.1:{closed_port}",
-         "--key", str(tmp_path / "keys" / "peer.key"), "--device", "cpu"],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "locoswarm",
+            "doctor",
+            "--coordinator",
+            f"http://127.0.0.1:{closed_port}",
+            "--key",
+            str(tmp_path / "keys" / "peer.key"),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     lines = result.stdout.splitlines()
     status = {line.split()[1]: line.split()[0] for line in lines if line.split()[0] in ("OK", "WARN", "FAIL")}
-    assert set(status) == {"python", "torch", "device", "libp2p", "coordinator", "clock", "reachability", "disk",
-                           "key"}, result.stdout + result.stderr
+    assert set(status) == {
+        "python",
+        "torch",
+        "device",
+        "libp2p",
+        "coordinator",
+        "clock",
+        "reachability",
+        "disk",
+        "key",
+    }, result.stdout + result.stderr
     assert status["libp2p"] == "OK" and status["python"] == "OK" and status["key"] == "OK"
     assert status["coordinator"] == "FAIL" and status["clock"] == "WARN" and result.returncode == 1
     assert "->" in next(line for line in lines if " coordinator " in line), "a FAIL says what to fix"
@@ -326,8 +379,9 @@ def test_doctor_coordinator_check_reads_healthz_and_runs():
     from node.cli.doctor import OK, WARN, check_coordinator
 
     runs = {"runs": []}
-    answer = lambda path: (200, {"status": "ok"} if path == "/healthz" else runs) if path in (
-        "/healthz", "/v1/runs") else (404, {})
+    answer = lambda path: (
+        (200, {"status": "ok"} if path == "/healthz" else runs) if path in ("/healthz", "/v1/runs") else (404, {})
+    )
     with json_server(answer) as url:
         assert check_coordinator(url).status == WARN  # healthy, but no open run
         runs["runs"] = [{"run_id": "r1", "name": "demo", "state": "running"}]
@@ -340,11 +394,14 @@ def test_doctor_reachability():
 
     loopback = load_node_config(None, {"coordinator": "http://c:1", "training.device": "cpu"})
     assert check_reachability(loopback.network).status == WARN
-    public = load_node_config(None, {"coordinator": "http://c:1", "training.device": "cpu",
-                                     "network.announce_maddrs": ("/ip4/8.8.8.8/tcp/31337",)})
+    public = load_node_config(
+        None,
+        {"coordinator": "http://c:1", "training.device": "cpu", "network.announce_maddrs": ("/ip4/8.8.8.8/tcp/31337",)},
+    )
     assert check_reachability(public.network).status == OK
-    client = load_node_config(None, {"coordinator": "http://c:1", "training.device": "cpu",
-                                     "network.client_mode": True})
+    client = load_node_config(
+        None, {"coordinator": "http://c:1", "training.device": "cpu", "network.client_mode": True}
+    )
     assert check_reachability(client.network).status == OK
 
 

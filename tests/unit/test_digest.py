@@ -35,7 +35,7 @@ def reference_digest(named: dict[str, torch.Tensor]) -> str:
         for field in (name.encode(), str(t.dtype).encode(), struct.pack(f"<{t.ndim}Q", *t.shape)):
             header += struct.pack("<Q", len(field)) + field
         body += t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    leaves = [blake3(b"\x00" + body[i: i + CHUNK_BYTES]).digest() for i in range(0, len(body), CHUNK_BYTES)]
+    leaves = [blake3(b"\x00" + body[i : i + CHUNK_BYTES]).digest() for i in range(0, len(body), CHUNK_BYTES)]
     root = blake3(b"\x01" + struct.pack("<Q", len(header)) + header + struct.pack("<Q", len(body)) + b"".join(leaves))
     return root.hexdigest()
 
@@ -82,13 +82,16 @@ def test_the_same_digest_from_a_module_a_mapping_any_layout_and_a_byte_stream_cu
     hasher, at = ChunkHasher(), 0
     while at < len(body):
         size = rng.choice([1, 7, 4096, CHUNK_BYTES - 1, CHUNK_BYTES + 3, 3 * CHUNK_BYTES])
-        hasher.update(body[at: at + size])
+        hasher.update(body[at : at + size])
         at += size
     assert Tree(tensor_header(dict(sorted(named.items()))), len(body), hasher.finish()).hex == expected
     # A module's parameters.
     module = torch.nn.Linear(300, 200)
-    assert param_digest(module) == param_digest(dict(module.named_parameters())) == reference_digest(
-        {n: p.detach() for n, p in module.named_parameters()})
+    assert (
+        param_digest(module)
+        == param_digest(dict(module.named_parameters()))
+        == reference_digest({n: p.detach() for n, p in module.named_parameters()})
+    )
 
 
 def test_shards_on_chunk_boundaries_hash_their_own_chunks_to_the_same_digest():
@@ -106,9 +109,12 @@ def test_shards_on_chunk_boundaries_hash_their_own_chunks_to_the_same_digest():
 def test_names_dtypes_shapes_and_values_all_change_the_digest():
     base = {"a": torch.ones(2, 3), "b": torch.zeros(4)}
     digest = param_digest(base)
-    for other in ({"a": torch.ones(3, 2), "b": torch.zeros(4)}, {"a": torch.ones(2, 3), "c": torch.zeros(4)},
-                  {"a": torch.ones(2, 3, dtype=torch.float64), "b": torch.zeros(4)},
-                  {"a": torch.ones(2, 3), "b": torch.tensor([0.0, 0.0, 0.0, 1e-30])}):
+    for other in (
+        {"a": torch.ones(3, 2), "b": torch.zeros(4)},
+        {"a": torch.ones(2, 3), "c": torch.zeros(4)},
+        {"a": torch.ones(2, 3, dtype=torch.float64), "b": torch.zeros(4)},
+        {"a": torch.ones(2, 3), "b": torch.tensor([0.0, 0.0, 0.0, 1e-30])},
+    ):
         assert param_digest(other) != digest
     with pytest.raises(ValueError):
         Tree(b"", CHUNK_BYTES + 1, (b"\0" * 32,))  # two chunks need two leaves
@@ -129,7 +135,7 @@ def stream_into(snapshot: Snapshot, sink: SnapshotSink, tamper=lambda i, data: d
     while not sink.done:
         unit = sink.next_unit()
         start, data = snapshot.read_unit(unit.start)
-        sink.accept(tamper(number, bytes(data[unit.start - start:])))
+        sink.accept(tamper(number, bytes(data[unit.start - start :])))
         number += 1
 
 
@@ -236,8 +242,9 @@ def test_a_checkpoint_serves_the_same_snapshot_as_the_tensors_it_holds(tmp_path)
     momentum = {n: torch.randn_like(p) for n, p in model.named_parameters()}
     digest = save_checkpoint(tmp_path / "c", 7, model, outer_momentum=momentum)
     from_file = Snapshot.from_checkpoint(tmp_path / "c")
-    from_tensors = Snapshot.from_tensors(dict(model.named_parameters()),
-                                         {f"outer_momentum.{n}": m for n, m in momentum.items()})
+    from_tensors = Snapshot.from_tensors(
+        dict(model.named_parameters()), {f"outer_momentum.{n}": m for n, m in momentum.items()}
+    )
     assert from_file.params_digest == digest and from_file.digest == from_tensors.digest
     offset = 0
     while offset < from_file.size_bytes:
@@ -249,7 +256,8 @@ def test_a_checkpoint_serves_the_same_snapshot_as_the_tensors_it_holds(tmp_path)
 
 def test_encode_header_sorts_and_describes_every_tensor():
     assert encode_header([("b", "torch.float32", (2,)), ("a", "torch.int8", ())]) == encode_header(
-        [("a", "torch.int8", ()), ("b", "torch.float32", (2,))])
+        [("a", "torch.int8", ()), ("b", "torch.float32", (2,))]
+    )
     assert tree_of(b"h", [b"x" * 10, b"y"]).body_bytes == 11
 
 

@@ -64,8 +64,10 @@ def test_http_layer_refusals_carry_listed_codes(tmp_path):
     assert response.status_code == 500
     assert response.json() == {"error": "internal", "detail": "internal error; see the coordinator log"}
     assert not_ready.status_code == 503 and not_ready.headers["Retry-After"] == "5"
-    assert not_ready.json() == {"error": "storage_unavailable",
-                                "detail": "the readiness probe failed: ProgrammingError"}
+    assert not_ready.json() == {
+        "error": "storage_unavailable",
+        "detail": "the readiness probe failed: ProgrammingError",
+    }
 
     sent: list[dict] = []
 
@@ -79,5 +81,4 @@ def test_http_layer_refusals_carry_listed_codes(tmp_path):
     scope = {"type": "http", "headers": [(b"content-length", b"ten")]}
     asyncio.run(limit(scope, None, send))
     assert sent[0]["status"] == 400
-    assert json.loads(sent[1]["body"]) == {"error": "bad_request",
-                                           "detail": "Content-Length is not a number"}
+    assert json.loads(sent[1]["body"]) == {"error": "bad_request", "detail": "Content-Length is not a number"}

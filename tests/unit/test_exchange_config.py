@@ -26,23 +26,42 @@ def test_every_network_field_is_the_exchanges_or_named_here():
 
 
 def test_from_network_takes_the_section_and_the_run(tmp_path):
-    node = load_node_config(None, {
-        "coordinator": "http://c:1", "network.host_maddrs": ["/ip4/0.0.0.0/tcp/31337"],
-        "network.announce_maddrs": ["/ip4/8.8.8.8/tcp/31337"], "network.client_mode": True,
-        "network.use_auto_relay": True, "network.initial_peers": ["/ip4/1.2.3.4/tcp/1/p2p/Qm"]})
-    config = ExchangeConfig.from_network(node.network, run_id="r1", initial_peers=("/ip4/5.6.7.8/tcp/1/p2p/Qm",),
-                                         max_packet_bytes=4096, cache_dir=tmp_path)
-    assert config == ExchangeConfig(run_id="r1", host_maddrs=("/ip4/0.0.0.0/tcp/31337",),
-                                    announce_maddrs=("/ip4/8.8.8.8/tcp/31337",), client_mode=True,
-                                    use_auto_relay=True, initial_peers=("/ip4/5.6.7.8/tcp/1/p2p/Qm",),
-                                    max_packet_bytes=4096, spool_dir=str(tmp_path / "spool"))
+    node = load_node_config(
+        None,
+        {
+            "coordinator": "http://c:1",
+            "network.host_maddrs": ["/ip4/0.0.0.0/tcp/31337"],
+            "network.announce_maddrs": ["/ip4/8.8.8.8/tcp/31337"],
+            "network.client_mode": True,
+            "network.use_auto_relay": True,
+            "network.initial_peers": ["/ip4/1.2.3.4/tcp/1/p2p/Qm"],
+        },
+    )
+    config = ExchangeConfig.from_network(
+        node.network,
+        run_id="r1",
+        initial_peers=("/ip4/5.6.7.8/tcp/1/p2p/Qm",),
+        max_packet_bytes=4096,
+        cache_dir=tmp_path,
+    )
+    assert config == ExchangeConfig(
+        run_id="r1",
+        host_maddrs=("/ip4/0.0.0.0/tcp/31337",),
+        announce_maddrs=("/ip4/8.8.8.8/tcp/31337",),
+        client_mode=True,
+        use_auto_relay=True,
+        initial_peers=("/ip4/5.6.7.8/tcp/1/p2p/Qm",),
+        max_packet_bytes=4096,
+        spool_dir=str(tmp_path / "spool"),
+    )
 
 
 def test_where_held_packets_live(tmp_path):
     def spool_dir(**network) -> str | None:
         node = load_node_config(None, {"coordinator": "http://c:1", **{f"network.{k}": v for k, v in network.items()}})
-        return ExchangeConfig.from_network(node.network, run_id="r1", initial_peers=(), max_packet_bytes=4096,
-                                           cache_dir=tmp_path / "cache").spool_dir
+        return ExchangeConfig.from_network(
+            node.network, run_id="r1", initial_peers=(), max_packet_bytes=4096, cache_dir=tmp_path / "cache"
+        ).spool_dir
 
     assert spool_dir() == str(tmp_path / "cache" / "spool")
     assert spool_dir(packet_spool_dir=str(tmp_path / "disk")) == str(tmp_path / "disk")

@@ -54,16 +54,28 @@ def test_record_accepts_a_tuple_of_maddrs_from_hivemind_serializer():
 
 GOOD = {"digest": DIGEST, "size": 10, "maddrs": [MADDR], "holder": HOLDER}
 BAD_RECORDS = [
-    None, b"bytes", [DIGEST, 10, [MADDR], HOLDER], {},
+    None,
+    b"bytes",
+    [DIGEST, 10, [MADDR], HOLDER],
+    {},
     GOOD | {"extra": 1},
     {k: v for k, v in GOOD.items() if k != "holder"},
     GOOD | {"digest": DIGEST.upper()},
     GOOD | {"digest": DIGEST[:-1]},
     GOOD | {"digest": bytes.fromhex(DIGEST)},
-    GOOD | {"size": 0}, GOOD | {"size": -5}, GOOD | {"size": True}, GOOD | {"size": 1.5}, GOOD | {"size": "10"},
-    GOOD | {"maddrs": MADDR}, GOOD | {"maddrs": [MADDR] * 17}, GOOD | {"maddrs": [b"/ip4/1.2.3.4"]},
-    GOOD | {"maddrs": ["not-a-maddr"]}, GOOD | {"maddrs": ["/" + "x" * 600]},
-    GOOD | {"holder": ""}, GOOD | {"holder": 5}, GOOD | {"holder": "x" * 257},
+    GOOD | {"size": 0},
+    GOOD | {"size": -5},
+    GOOD | {"size": True},
+    GOOD | {"size": 1.5},
+    GOOD | {"size": "10"},
+    GOOD | {"maddrs": MADDR},
+    GOOD | {"maddrs": [MADDR] * 17},
+    GOOD | {"maddrs": [b"/ip4/1.2.3.4"]},
+    GOOD | {"maddrs": ["not-a-maddr"]},
+    GOOD | {"maddrs": ["/" + "x" * 600]},
+    GOOD | {"holder": ""},
+    GOOD | {"holder": 5},
+    GOOD | {"holder": "x" * 257},
 ]
 
 
@@ -98,11 +110,16 @@ def test_random_msgpack_values_raise_only_protocol_errors_and_valid_ones_parse_e
     num_accepted = 0
     for _ in range(500):
         # A well-formed record among the hostile ones: read back exactly as written.
-        good = make_record(good_rng.randbytes(32).hex(), good_rng.randint(1, 256 << 20),
-                           good_rng.sample(maddrs, good_rng.randint(0, 3)), good_rng.choice([HOLDER, "h" * 256]))
+        good = make_record(
+            good_rng.randbytes(32).hex(),
+            good_rng.randint(1, 256 << 20),
+            good_rng.sample(maddrs, good_rng.randint(0, 3)),
+            good_rng.choice([HOLDER, "h" * 256]),
+        )
         wire = msgpack.unpackb(msgpack.packb(good), raw=False)
         assert parse_record("p", 7, wire, 256 << 20) == Announcement(
-            "p", 7, good["digest"], good["size"], good["maddrs"], good["holder"])
+            "p", 7, good["digest"], good["size"], good["maddrs"], good["holder"]
+        )
         value = {rng.choice(["digest", "size", "maddrs", "holder", "other"]): rng.choice(atoms) for _ in range(4)}
         if rng.random() < 0.3:
             value = GOOD | {rng.choice(list(GOOD)): rng.choice(atoms + [[rng.choice(atoms)]])}
@@ -118,13 +135,16 @@ def test_random_msgpack_values_raise_only_protocol_errors_and_valid_ones_parse_e
     assert num_accepted >= 10
 
 
-@pytest.mark.parametrize("maddrs, reachable, loopback_only, advice_word", [
-    (["/ip4/127.0.0.1/tcp/1/p2p/" + HOLDER], False, True, "loopback"),
-    (["/ip4/192.168.1.5/tcp/1/p2p/" + HOLDER, "/ip4/127.0.0.1/tcp/1/p2p/" + HOLDER], False, False, "private"),
-    (["/ip4/10.0.0.2/tcp/1/p2p/" + HOLDER, "/ip4/8.8.8.8/tcp/1/p2p/" + HOLDER], True, False, "public"),
-    (["/ip4/8.8.8.8/tcp/1/p2p/" + HOLDER + "/p2p-circuit/p2p/" + HOLDER], True, False, "public"),
-    (["/ip4/10.0.0.2/tcp/1/p2p/" + HOLDER + "/p2p-circuit/p2p/" + HOLDER], True, False, "relay"),
-])
+@pytest.mark.parametrize(
+    "maddrs, reachable, loopback_only, advice_word",
+    [
+        (["/ip4/127.0.0.1/tcp/1/p2p/" + HOLDER], False, True, "loopback"),
+        (["/ip4/192.168.1.5/tcp/1/p2p/" + HOLDER, "/ip4/127.0.0.1/tcp/1/p2p/" + HOLDER], False, False, "private"),
+        (["/ip4/10.0.0.2/tcp/1/p2p/" + HOLDER, "/ip4/8.8.8.8/tcp/1/p2p/" + HOLDER], True, False, "public"),
+        (["/ip4/8.8.8.8/tcp/1/p2p/" + HOLDER + "/p2p-circuit/p2p/" + HOLDER], True, False, "public"),
+        (["/ip4/10.0.0.2/tcp/1/p2p/" + HOLDER + "/p2p-circuit/p2p/" + HOLDER], True, False, "relay"),
+    ],
+)
 def test_reachability_is_classified_with_advice(maddrs, reachable, loopback_only, advice_word):
     report = assess_reachability(maddrs)
     assert report.reachable is reachable and report.loopback_only is loopback_only
@@ -137,8 +157,18 @@ def test_p2p_exchange_implements_every_method_of_the_exchange_protocol():
     from node.exchange.p2p import P2PExchange
 
     members = [name for name in vars(Exchange) if not name.startswith("_")]
-    assert {"publish", "fetch", "traffic", "publish_params", "params_holders", "fetch_params", "forget_before",
-            "reachability_check", "visible_maddrs", "shutdown"} <= set(members)
+    assert {
+        "publish",
+        "fetch",
+        "traffic",
+        "publish_params",
+        "params_holders",
+        "fetch_params",
+        "forget_before",
+        "reachability_check",
+        "visible_maddrs",
+        "shutdown",
+    } <= set(members)
     for name in members:
         expected, actual = getattr(Exchange, name), getattr(P2PExchange, name)
         if isinstance(expected, property):
@@ -150,6 +180,8 @@ def test_p2p_exchange_implements_every_method_of_the_exchange_protocol():
 
 def test_exchange_base_imports_no_transport():
     """An in-memory exchange can be written against node.exchange.base without hivemind."""
-    code = ("import sys, node.exchange.base; "
-            "bad = [m for m in sys.modules if m.split('.')[0] == 'hivemind']; assert not bad, bad")
+    code = (
+        "import sys, node.exchange.base; "
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'hivemind']; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from node.round.coordinator_client import wire_tree
 from node.faults import Fault, FaultInjector, FaultSpecError, Phase, made_up_tree, parse_fault
+from node.round.coordinator_client import wire_tree
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
 from node.training.params import flat_named_params, param_digest, param_tree
@@ -39,14 +39,32 @@ def test_parse_specs_and_their_defaults():
     assert (lie.fault, lie.from_round) == (Fault.LIE, 3)
     assert [lie.fires(r) for r in (0, 2, 3, 4, 100)] == [False, False, True, True, True]
     assert parse_fault("lie").from_round == 0 and parse_fault("lie").fires(0)
-    for text in ("crash@round=3,phase=transfer", "poison@round=1,factor=10.0,mode=scale", "corrupt-packet",
-                 "lie@from_round=3"):
+    for text in (
+        "crash@round=3,phase=transfer",
+        "poison@round=1,factor=10.0,mode=scale",
+        "corrupt-packet",
+        "lie@from_round=3",
+    ):
         assert str(parse_fault(str(parse_fault(text)))) == str(parse_fault(text))
 
 
-@pytest.mark.parametrize("bad", ["explode", "crash@round=-1", "crash@phase=upload", "crash@factor=2",
-                                 "poison@mode=nice", "slow-upload@delay_s=inf", "crash@round", "poison@factor=x",
-                                 "lie@round=3", "lie@from_round=-1", "lie@from_round=1.5", "crash@from_round=1"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "explode",
+        "crash@round=-1",
+        "crash@phase=upload",
+        "crash@factor=2",
+        "poison@mode=nice",
+        "slow-upload@delay_s=inf",
+        "crash@round",
+        "poison@factor=x",
+        "lie@round=3",
+        "lie@from_round=-1",
+        "lie@from_round=1.5",
+        "crash@from_round=1",
+    ],
+)
 def test_bad_specs_are_refused_with_the_reason(bad):
     with pytest.raises(FaultSpecError) as info:
         parse_fault(bad)
@@ -181,13 +199,22 @@ class _ReportingClient:
     async def applied(self, round, params_digest, refused=None, manifest_version=1, *, tree=None, **fields):
         self.reports.append((round, params_digest, manifest_version, tree, refused, fields))
         majority = self.majority or params_digest
-        return AppliedResponse(round=round, majority_digest=majority, agrees=majority == params_digest,
-                               num_reports=3, agreed_digest=majority, manifest_version=manifest_version)
+        return AppliedResponse(
+            round=round,
+            majority_digest=majority,
+            agrees=majority == params_digest,
+            num_reports=3,
+            agreed_digest=majority,
+            manifest_version=manifest_version,
+        )
 
 
 def _report(client, round: int, digest: str, tree, manifest_version: int = 1) -> AppliedResponse:
-    return asyncio.run(client.applied(round, digest, refused={"p1": "late"}, manifest_version=manifest_version,
-                                      tree=tree, val_loss=2.5))
+    return asyncio.run(
+        client.applied(
+            round, digest, refused={"p1": "late"}, manifest_version=manifest_version, tree=tree, val_loss=2.5
+        )
+    )
 
 
 def test_lie_replaces_the_digest_and_tree_from_its_round_on():
@@ -274,8 +301,18 @@ def test_inject_flag_and_node_config_field():
 
     parser = argparse.ArgumentParser()
     node_cli.register(parser.add_subparsers())
-    args = parser.parse_args(["node", "join", "--coordinator", "http://127.0.0.1:1", "--inject", "crash@round=1",
-                              "--inject", "slow-upload@delay_s=1"])
+    args = parser.parse_args(
+        [
+            "node",
+            "join",
+            "--coordinator",
+            "http://127.0.0.1:1",
+            "--inject",
+            "crash@round=1",
+            "--inject",
+            "slow-upload@delay_s=1",
+        ]
+    )
     config = load_node_config(None, config_overrides(args, NodeConfig))
     assert config.debug.inject == ("crash@round=1", "slow-upload@delay_s=1")
     assert load_node_config(None, {"coordinator": "http://x:1"}).debug.inject == ()

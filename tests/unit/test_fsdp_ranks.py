@@ -29,11 +29,25 @@ def _check(rank: int) -> None:
     from protocol.run_config import RunConfig
     from protocol.signing import PeerKey
 
-    run = RunConfig.model_validate({"name": "ranks", "model": {"preset": "tiny"},
-                                    "inner": {"steps": 2, "batch_size": 4, "seq_len": 32, "warmup_steps": 1,
-                                              "total_steps": 4}})
-    start_message = broadcast_message({"run": run.model_dump_json(), "data": None, "shard_index": 0,
-                                       "num_shards": 1, "evaluate": True, "device": "cpu"} if rank == 0 else None)
+    run = RunConfig.model_validate(
+        {
+            "name": "ranks",
+            "model": {"preset": "tiny"},
+            "inner": {"steps": 2, "batch_size": 4, "seq_len": 32, "warmup_steps": 1, "total_steps": 4},
+        }
+    )
+    start_message = broadcast_message(
+        {
+            "run": run.model_dump_json(),
+            "data": None,
+            "shard_index": 0,
+            "num_shards": 1,
+            "evaluate": True,
+            "device": "cpu",
+        }
+        if rank == 0
+        else None
+    )
     state = RankState.build(start_message, rank, WORLD)
     params = flat_named_params(state.model)
     before = {name: p.full_tensor().clone() for name, p in params.items()}

@@ -29,12 +29,12 @@ def test_zstd_frame_claiming_a_huge_content_size_is_refused_not_allocated():
     import msgpack
 
     from protocol.errors import MalformedPacket
-    from tools.fuzz import KEY, ROUND, RUN_ID, SPECS, make_bases, member_key
     from protocol.packet import MAGIC, PREFIX, WIRE_VERSION, decode_packet, read_header
+    from tools.fuzz import KEY, ROUND, RUN_ID, SPECS, make_bases, member_key
 
     base = make_bases(0)[0]
     header, offset = read_header(base.data)
-    streams = base.data[offset: offset + sum(t[5] + t[6] for t in header["tensors"])]
+    streams = base.data[offset : offset + sum(t[5] + t[6] for t in header["tensors"])]
     # zstd frame: magic, descriptor 0xE0 (single segment, 8-byte content size), the size, a last raw block
     frame = b"\x28\xb5\x2f\xfd" + b"\xe0" + struct.pack("<Q", 4349749363775702282) + b"\x01\x00\x00"
     header["codes"] = [1, len(frame)]

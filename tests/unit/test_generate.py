@@ -18,10 +18,17 @@ import torch
 
 from locoswarm.cli import main as locoswarm
 from node.cli import demo
-from node.training.sampling import (ByteTokenizer, GenerateError, SampleConfig, generate_ids, generate_text,
-                                    load_checkpoint_model, run_tokenizer)
 from node.training.checkpoint import save_checkpoint
 from node.training.model import PRESETS, build_model
+from node.training.sampling import (
+    ByteTokenizer,
+    GenerateError,
+    SampleConfig,
+    generate_ids,
+    generate_text,
+    load_checkpoint_model,
+    run_tokenizer,
+)
 from tests.fixtures.coordinator import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,8 +90,14 @@ def test_context_is_cut_to_the_models_window(single_thread):
 def test_a_real_process_prints_the_same_sample(checkpoint, capsys, single_thread):
     args = ["--checkpoint", str(checkpoint), "--prompt", PROMPT, "--tokens", "20", "--seed", "5"]
     here = _generate(capsys, *args)[1]
-    done = subprocess.run([sys.executable, "-m", "locoswarm", "generate", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=90, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "locoswarm", "generate", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == here
 
@@ -93,15 +106,29 @@ def test_a_bad_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
     code, out, err = _generate(capsys, "--checkpoint", str(tmp_path / "nothing"), "--prompt", PROMPT)
     assert (code, out) == (2, "")
     assert err == f"error: no checkpoint at {tmp_path / 'nothing'}\n"
-    done = subprocess.run([sys.executable, "-m", "locoswarm", "generate", "--checkpoint", str(tmp_path / "nothing"),
-                           "--prompt", PROMPT], cwd=REPO_ROOT, capture_output=True, text=True, timeout=90)
+    done = subprocess.run(
+        [sys.executable, "-m", "locoswarm", "generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", PROMPT],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: no checkpoint at")
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("flag, value", [("--tokens", "0"), ("--tokens", "1025"), ("--tokens", "ten"),
-                                         ("--temperature", "-0.5"), ("--temperature", "nan"), ("--seed", "-1")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--tokens", "0"),
+        ("--tokens", "1025"),
+        ("--tokens", "ten"),
+        ("--temperature", "-0.5"),
+        ("--temperature", "nan"),
+        ("--seed", "-1"),
+    ],
+)
 def test_out_of_range_values_are_refused_by_the_parser(checkpoint, capsys, flag, value):
     with pytest.raises(SystemExit) as exit_info:
         locoswarm(["generate", "--checkpoint", str(checkpoint), "--prompt", PROMPT, flag, value])
@@ -110,8 +137,13 @@ def test_out_of_range_values_are_refused_by_the_parser(checkpoint, capsys, flag,
 
 
 def test_sample_config_bounds():
-    for bad in ({"max_new_tokens": 0}, {"max_new_tokens": 1025}, {"temperature": float("inf")},
-                {"temperature": -1.0}, {"seed": -1}):
+    for bad in (
+        {"max_new_tokens": 0},
+        {"max_new_tokens": 1025},
+        {"temperature": float("inf")},
+        {"temperature": -1.0},
+        {"seed": -1},
+    ):
         with pytest.raises(ValueError):
             SampleConfig(**bad)
     with pytest.raises(GenerateError, match="no tokens"):
@@ -132,7 +164,7 @@ def test_an_exported_model_gives_the_checkpoints_text(checkpoint, tmp_path, caps
 
 def test_a_tokenizer_run_needs_its_tokenizer(tmp_path, capsys, single_thread):
     pytest.importorskip("tokenizers")
-    from node.training.shards import END_OF_TEXT, train_bpe, tokenizer_id, vocabulary_size
+    from node.training.shards import END_OF_TEXT, tokenizer_id, train_bpe, vocabulary_size
 
     texts = ["def main():\n    return 0\n" * 20, "import os\nimport sys\n" * 20]
     tokenizers = {}
@@ -141,8 +173,12 @@ def test_a_tokenizer_run_needs_its_tokenizer(tmp_path, capsys, single_thread):
         tokenizers[name] = tmp_path / name / "tokenizer.json"
         tokenizers[name].parent.mkdir()
         tokenizer.save(str(tokenizers[name]))
-    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=1, vocab_size=vocabulary_size(train_bpe(texts, 300)),
-                              tokenizer_id=tokenizer_id(tokenizers["run"]))
+    cfg = dataclasses.replace(
+        PRESETS["tiny"],
+        num_layers=1,
+        vocab_size=vocabulary_size(train_bpe(texts, 300)),
+        tokenizer_id=tokenizer_id(tokenizers["run"]),
+    )
     save_checkpoint(tmp_path / "ckpt", 0, build_model(cfg, seed=0))
     args = ("--checkpoint", str(tmp_path / "ckpt"), "--prompt", "import ", "--tokens", "8")
 
@@ -168,8 +204,10 @@ def test_the_demo_samples_its_final_model_and_never_fails_on_it(tmp_path, capsys
     from node.training.params import flat_named_params
 
     model = build_model("tiny", seed=1)
-    save_file({n: p.detach().contiguous() for n, p in flat_named_params(model).items()},
-              str(tmp_path / "node0.report.safetensors"))
+    save_file(
+        {n: p.detach().contiguous() for n, p in flat_named_params(model).items()},
+        str(tmp_path / "node0.report.safetensors"),
+    )
     sample = demo._sample(tmp_path / "node0.report.safetensors", "tiny")
     assert sample is not None and sample.startswith(demo.SAMPLE_PROMPT) and len(sample) > len(demo.SAMPLE_PROMPT)
     assert demo._sample(tmp_path / "missing.safetensors", "tiny") is None

@@ -13,8 +13,18 @@ import torch
 from locoswarm.cli import main as locoswarm
 from node.training.checkpoint import save_checkpoint
 from node.training.data import TokenDataset
-from node.training.hf import (InitMismatch, WeightsError, export_checkpoint, export_model, file_sha256, from_hf_state,
-                              hf_name, our_name, read_init_weights, to_hf_state)
+from node.training.hf import (
+    InitMismatch,
+    WeightsError,
+    export_checkpoint,
+    export_model,
+    file_sha256,
+    from_hf_state,
+    hf_name,
+    our_name,
+    read_init_weights,
+    to_hf_state,
+)
 from node.training.model import PRESETS, build_model, llama_tensor_shapes
 from node.training.params import flat_named_params
 from node.training.peer import PeerTraining
@@ -23,8 +33,15 @@ from protocol.run_config import RunConfig
 # The tiny preset (tied, multi-head), and a shape that exercises everything else the map must get
 # right: grouped-query attention, untied head, another rotary base and norm epsilon, odd vocabulary.
 TIED = PRESETS["tiny"]
-UNTIED_GQA = dataclasses.replace(PRESETS["tiny"], num_layers=2, num_kv_heads=2, tie_embeddings=False,
-                                 rope_theta=500_000.0, norm_eps=1e-6, vocab_size=301)
+UNTIED_GQA = dataclasses.replace(
+    PRESETS["tiny"],
+    num_layers=2,
+    num_kv_heads=2,
+    tie_embeddings=False,
+    rope_theta=500_000.0,
+    norm_eps=1e-6,
+    vocab_size=301,
+)
 CONFIGS = [pytest.param(TIED, id="tied"), pytest.param(UNTIED_GQA, id="untied-gqa")]
 
 
@@ -66,8 +83,11 @@ def test_round_trip_through_the_project_model(cfg, tmp_path):
     model = _model(cfg)
     export_model(flat_named_params(model), cfg, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert (saved["tie_word_embeddings"], saved["rope_theta"], saved["num_key_value_heads"]) == \
-        (cfg.tie_embeddings, cfg.rope_theta, cfg.num_kv_heads)
+    assert (saved["tie_word_embeddings"], saved["rope_theta"], saved["num_key_value_heads"]) == (
+        cfg.tie_embeddings,
+        cfg.rope_theta,
+        cfg.num_kv_heads,
+    )
     back = build_model(cfg, seed=7)
     params = read_init_weights(tmp_path, file_sha256(tmp_path / "model.safetensors"), cfg)
     with torch.no_grad():
@@ -96,10 +116,17 @@ def test_export_loads_in_transformers_with_equal_logits(cfg, tmp_path, transform
 def test_import_from_transformers_with_equal_logits(cfg, tmp_path, transformers, single_thread):
     """A model transformers initialised and saved starts a run: the same logits in our model."""
     hf_config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config).eval()
     with torch.no_grad():
@@ -118,9 +145,13 @@ def test_import_from_transformers_with_equal_logits(cfg, tmp_path, transformers,
 
 
 def _run(init_from, sha256, **model) -> RunConfig:
-    return RunConfig.model_validate({"name": "t", "model": {"preset": "tiny", "init_from": str(init_from),
-                                                            "init_sha256": sha256, **model},
-                                     "inner": {"steps": 1, "batch_size": 2, "seq_len": 16}})
+    return RunConfig.model_validate(
+        {
+            "name": "t",
+            "model": {"preset": "tiny", "init_from": str(init_from), "init_sha256": sha256, **model},
+            "inner": {"steps": 1, "batch_size": 2, "seq_len": 16},
+        }
+    )
 
 
 def test_init_from_starts_every_peer_identical_and_refuses_another_file(tmp_path, single_thread):
@@ -130,8 +161,10 @@ def test_init_from_starts_every_peer_identical_and_refuses_another_file(tmp_path
     shard = TokenDataset([torch.arange(256, dtype=torch.uint8).numpy()], vocab_size=256, name="bytes")
     peers = [PeerTraining.build(_run(tmp_path / "start", sha256), "cpu", shard) for _ in range(2)]
     for peer in peers:
-        assert all(torch.equal(a, b) for a, b in zip(flat_named_params(peer.model).values(),
-                                                      flat_named_params(source).values()))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(flat_named_params(peer.model).values(), flat_named_params(source).values())
+        )
     # The file given directly works as well as its directory.
     PeerTraining.build(_run(tmp_path / "start" / "model.safetensors", sha256), "cpu", shard)
 
@@ -170,12 +203,38 @@ def test_export_ships_the_runs_tokenizer(tmp_path, transformers, capsys):
     assert "pass --tokenizer" in capsys.readouterr().err
     other = train_bpe(["something else entirely"] * 10, 280)
     other.save(str(tmp_path / "other.json"))
-    assert locoswarm(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "b"),
-                      "--tokenizer", str(tmp_path / "other.json")]) == 2
+    assert (
+        locoswarm(
+            [
+                "export",
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--out",
+                str(tmp_path / "b"),
+                "--tokenizer",
+                str(tmp_path / "other.json"),
+            ]
+        )
+        == 2
+    )
     assert "pass the tokenizer.json of the run's data" in capsys.readouterr().err
 
-    assert locoswarm(["export", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"),
-                      "--tokenizer", str(tmp_path / "tokenizer.json"), "--dtype", "bfloat16"]) == 0
+    assert (
+        locoswarm(
+            [
+                "export",
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--out",
+                str(tmp_path / "hf"),
+                "--tokenizer",
+                str(tmp_path / "tokenizer.json"),
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
     assert "LlamaForCausalLM.from_pretrained" in capsys.readouterr().out
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     end = tokenizer.token_to_id("<|endoftext|>")

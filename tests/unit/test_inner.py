@@ -10,10 +10,16 @@ import pytest
 import torch
 
 from node.training.data import load_corpus
-from node.training.inner import (ExecutionConfig, InnerConfig, accumulate_gradients, lr_at, make_inner_optimizer,
-                                  prepare_model, run_inner_steps)
+from node.training.inner import (
+    ExecutionConfig,
+    InnerConfig,
+    accumulate_gradients,
+    lr_at,
+    make_inner_optimizer,
+    prepare_model,
+    run_inner_steps,
+)
 from node.training.model import build_model
-
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -50,8 +56,9 @@ def test_optimizer_groups_and_decay_choice():
     optimizer = make_inner_optimizer(model, cfg)
     assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["weight_decay"] == 0.1
     assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
-    customary = make_inner_optimizer(model, InnerConfig(warmup_steps=1, total_steps=2, batch_size=1, seq_len=8,
-                                                        decay_1d_params=False))
+    customary = make_inner_optimizer(
+        model, InnerConfig(warmup_steps=1, total_steps=2, batch_size=1, seq_len=8, decay_1d_params=False)
+    )
     decayed, undecayed = customary.param_groups
     assert all(p.ndim == 2 for p in decayed["params"]) and all(p.ndim == 1 for p in undecayed["params"])
     assert undecayed["weight_decay"] == 0.0
@@ -84,7 +91,7 @@ def test_inner_loop_is_deterministic():
         model = build_model("tiny", seed=3)
         optimizer = make_inner_optimizer(model, cfg)
         generator = torch.Generator().manual_seed(0)
-        windows = iter(lambda: torch.randint(0, 256, (2, 17), generator=generator), None)
+        windows = iter(lambda: torch.randint(0, 256, (2, 17), generator=generator), None)  # noqa: B023
         batches = ((t[:, :-1], t[:, 1:]) for t in windows)
         result = run_inner_steps(model, optimizer, batches, 0, 3, cfg, "cpu")
         digests.append((result.mean_loss, [p.detach().clone() for p in model.parameters()]))
@@ -118,15 +125,26 @@ def test_on_step_every_n_steps_reports_the_mean_since_the_last():
     generator = torch.Generator().manual_seed(1)
     windows = iter(lambda: torch.randint(0, 256, (2, 9), generator=generator), None)
     seen = []
-    result = run_inner_steps(model, optimizer, ((t[:, :-1], t[:, 1:]) for t in windows), 0, 5, cfg, "cpu",
-                             on_step=lambda *a: seen.append(a), execution=ExecutionConfig(report_every_steps=2))
+    result = run_inner_steps(
+        model,
+        optimizer,
+        ((t[:, :-1], t[:, 1:]) for t in windows),
+        0,
+        5,
+        cfg,
+        "cpu",
+        on_step=lambda *a: seen.append(a),
+        execution=ExecutionConfig(report_every_steps=2),
+    )
     assert [step for step, _, _ in seen] == [1, 3, 4]
     assert (2 * seen[0][1] + 2 * seen[1][1] + seen[2][1]) / 5 == pytest.approx(result.mean_loss, rel=1e-6)
 
 
-@pytest.mark.skipif(os.environ.get("LOCOSWARM_COMPILE_TEST") != "1",
-                    reason="a cold torch.compile of tiny's blocks took 106 s on 2 shared cores (22 s with a warm "
-                    "inductor cache); LOCOSWARM_COMPILE_TEST=1 runs it")
+@pytest.mark.skipif(
+    os.environ.get("LOCOSWARM_COMPILE_TEST") != "1",
+    reason="a cold torch.compile of tiny's blocks took 106 s on 2 shared cores (22 s with a warm "
+    "inductor cache); LOCOSWARM_COMPILE_TEST=1 runs it",
+)
 def test_compiled_checkpointed_blocks_give_the_plain_gradients():
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         pytest.skip("torch.compile's CPU backend needs a C++ compiler")

@@ -105,13 +105,24 @@ def reference_packet_body(spec: ModelSpec, tensors: dict[str, SparseTensor]) -> 
         b = ref.best_rice_param(gaps)
         unary, remainders = ref.rice_encode(gaps, b)
         table = TABLE.pack(sparse.table.shift, *sparse.table.lookup.tolist())
-        sections.append([name, list(sparse.layout.shape), DTYPE_NAMES[sparse.table.dtype], b, table,
-                         len(unary), len(remainders)])
+        sections.append(
+            [name, list(sparse.layout.shape), DTYPE_NAMES[sparse.table.dtype], b, table, len(unary), len(remainders)]
+        )
         streams += [unary, remainders]
         all_codes.append(sparse.codes.numpy().reshape(-1))
     codes = ref.pack_2bit(np.concatenate(all_codes))
-    header = msgpack.packb({"run": "r", "round": 3, "peer": "p", "base": bytes(32), "top_k": spec.top_k,
-                            "chunk": spec.chunk_size, "codes": [0, len(codes)], "tensors": sections})
+    header = msgpack.packb(
+        {
+            "run": "r",
+            "round": 3,
+            "peer": "p",
+            "base": bytes(32),
+            "top_k": spec.top_k,
+            "chunk": spec.chunk_size,
+            "codes": [0, len(codes)],
+            "tensors": sections,
+        }
+    )
     return b"".join([PREFIX.pack(MAGIC, WIRE_VERSION, len(header)), header, *streams, codes])
 
 
@@ -123,10 +134,12 @@ def test_packets_are_the_reference_bytes_and_decode_back(dtype, top_k):
     gen = torch.Generator().manual_seed(top_k)
     shapes = {f"t{i}": s for i, s in enumerate(SHAPES)}
     spec = ModelSpec(shapes, top_k)
-    tensors = {name: compress(torch.randn(shape, generator=gen).to(dtype), layout)
-               for (name, shape), layout in zip(shapes.items(), spec.layouts().values())}
+    tensors = {
+        name: compress(torch.randn(shape, generator=gen).to(dtype), layout)
+        for (name, shape), layout in zip(shapes.items(), spec.layouts().values())
+    }
     data = encode_packet("r", 3, "p", bytes(32), spec, tensors, KEY, zstd_level=-131072)
-    header = msgpack.unpackb(data[PREFIX.size: PREFIX.size + PREFIX.unpack_from(data)[2]])
+    header = msgpack.unpackb(data[PREFIX.size : PREFIX.size + PREFIX.unpack_from(data)[2]])
     assert header["codes"][0] == 0  # raw codes: the whole body compares
     assert data[:-64] == reference_packet_body(spec, tensors)
     decoded = decode_packet(data, spec, KEY.public_bytes)
@@ -203,7 +216,7 @@ def test_batched_rice_decode_matches_per_section_reference(seed):
     u0, u_len, r0, r_len, n, b = sections[victim]
     broken[u0 + int(rng.integers(0, u_len))] ^= 1 << int(rng.integers(0, 8))
     try:
-        expected = ref.rice_decode(bytes(broken[u0:u0 + u_len]), bytes(broken[r0:r0 + r_len]), n, b).tolist()
+        expected = ref.rice_decode(bytes(broken[u0 : u0 + u_len]), bytes(broken[r0 : r0 + r_len]), n, b).tolist()
     except ValueError:
         expected = None
     if expected is None:
@@ -212,7 +225,7 @@ def test_batched_rice_decode_matches_per_section_reference(seed):
         assert refused.value.index == victim
     else:
         first = sum(s[4] for s in sections[:victim])
-        assert fast.rice_decode_batch(as_tensor(broken), sections)[first:first + n].tolist() == expected
+        assert fast.rice_decode_batch(as_tensor(broken), sections)[first : first + n].tolist() == expected
 
 
 def test_rows_to_positions_restarts_every_row():

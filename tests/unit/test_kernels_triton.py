@@ -50,8 +50,13 @@ def test_triton_kernel_counts_and_tiles(interpreted):
         total = torch.zeros(layout.num_chunks * layout.chunk_len)
         count = torch.zeros_like(total, dtype=torch.int32)
         values_by_code = torch.stack([s.table.decode(torch.arange(4, dtype=torch.uint8)).float() for s in selections])
-        interpreted.ordered_scatter_add(torch.stack([s.positions for s in selections]),
-                                        torch.stack([s.codes for s in selections]), values_by_code, total, count)
+        interpreted.ordered_scatter_add(
+            torch.stack([s.positions for s in selections]),
+            torch.stack([s.codes for s in selections]),
+            values_by_code,
+            total,
+            count,
+        )
         expected_count = torch.zeros(layout.numel, dtype=torch.int32)
         for s in selections:
             expected_count[s.flat_indices()] += 1

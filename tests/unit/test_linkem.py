@@ -22,8 +22,11 @@ def ipv4_packet(dest: str, payload_bytes: int, gso_size: int = 0, hdr_len: int =
 
 def emulator(rate_mbps: float = 8.0, rates_mbps: list[float] | None = None, **kwargs) -> LinkEmulator:
     rates = rates_mbps or [rate_mbps] * len(HOSTS)
-    return LinkEmulator([(ns, ip, rate) for (ns, ip), rate in zip(HOSTS, rates)],
-                        **({"delay_ms": 20.0, "loss_pct": 0.0} | kwargs), seed=0)
+    return LinkEmulator(
+        [(ns, ip, rate) for (ns, ip), rate in zip(HOSTS, rates)],
+        **({"delay_ms": 20.0, "loss_pct": 0.0} | kwargs),
+        seed=0,
+    )
 
 
 def drain(em: LinkEmulator) -> list[tuple[float, int, bytes]]:

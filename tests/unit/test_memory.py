@@ -8,18 +8,29 @@ import argparse
 import pytest
 import torch
 
-from tools.bench.memory import PRESETS, measured_state, meta_state, report
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer, state_device_for
 from node.training.params import flat_named_params, param_digest
 from protocol.signing import PeerKey
+from tools.bench.memory import PRESETS, measured_state, meta_state, report
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _args(**overrides) -> argparse.Namespace:
-    values = dict(preset="1b", device="cuda", placement="host", overlap=False, micro_batch=1, seq_len=2048,
-                  device_memory_gb=24.0, overhead_gb=1.5, measure=False, measure_preset="tiny", peers=8)
+    values = dict(
+        preset="1b",
+        device="cuda",
+        placement="host",
+        overlap=False,
+        micro_batch=1,
+        seq_len=2048,
+        device_memory_gb=24.0,
+        overhead_gb=1.5,
+        measure=False,
+        measure_preset="tiny",
+        peers=8,
+    )
     return argparse.Namespace(**(values | overrides))
 
 
@@ -32,14 +43,15 @@ def test_accounting_equals_a_real_cpu_state():
 
 def test_packet_layout_constants_are_counted_as_built():
     from locoswarm_kernels.chunking import packet_layout
-    from tools.bench.memory import packet_layout_bytes
     from protocol.packet import ModelSpec
+    from tools.bench.memory import packet_layout_bytes
 
     params = flat_named_params(build_model("tiny", seed=0))
     cfg = OuterConfig()
     layout = packet_layout(tuple(ModelSpec.from_named_tensors(params, cfg.top_k, cfg.chunk_size).layouts().values()))
-    built = sum(t.numel() * t.element_size()
-                for t in (layout.code_offsets, layout.symbol_row_offsets, layout.byte_code_offsets))
+    built = sum(
+        t.numel() * t.element_size() for t in (layout.code_offsets, layout.symbol_row_offsets, layout.byte_code_offsets)
+    )
     counted = packet_layout_bytes(sum(p.numel() for p in params.values()), cfg)
     assert abs(built - counted) < 0.05 * built  # (k rounds per tensor)
 
@@ -86,8 +98,9 @@ def _swarm_digests(placement: str, overlap: bool, strategy: str = "sparseloco") 
             with torch.no_grad():
                 for p in flat_named_params(model).values():
                     p.add_(torch.randn(p.shape, generator=gen) * 1e-2)
-            payloads[peers[i]] = outer.make_payload(run_id="r", round=round, peer_id=peers[i],
-                                                    base_digest="00" * 32, key=keys[peers[i]])
+            payloads[peers[i]] = outer.make_payload(
+                run_id="r", round=round, peer_id=peers[i], base_digest="00" * 32, key=keys[peers[i]]
+            )
         for outer in outers:
             outer.apply(payloads, lambda p: keys[p].public_bytes, run_id="r", round=round)
         digests.append(param_digest(outers[0].start))

@@ -8,8 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from node.training.model import (PRESETS, SDPA_HAS_GQA, ModelConfig, apply_rope, build_model, llama_tensor_shapes,
-                                 lm_loss, num_parameters, rope_tables)
+from node.training.model import (
+    PRESETS,
+    SDPA_HAS_GQA,
+    ModelConfig,
+    apply_rope,
+    build_model,
+    llama_tensor_shapes,
+    lm_loss,
+    num_parameters,
+    rope_tables,
+)
 from node.training.params import flat_named_params, param_digest
 
 
@@ -90,8 +99,9 @@ def test_512m_shape_matches_paper():
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        ModelConfig(vocab_size=256, hidden=100, num_layers=1, num_heads=3, num_kv_heads=3, intermediate=8,
-                    max_seq_len=8)
+        ModelConfig(
+            vocab_size=256, hidden=100, num_layers=1, num_heads=3, num_kv_heads=3, intermediate=8, max_seq_len=8
+        )
     with pytest.raises(ValueError):
         build_model("no-such-preset", seed=0)
 
@@ -122,8 +132,7 @@ def test_sdpa_gqa_equals_repeated_kv():
     q = apply_rope(attn.q_proj(x).view(B, T, 4, 32).transpose(1, 2), cos, sin)  # (B, H, T, D)
     k = apply_rope(attn.k_proj(x).view(B, T, 2, 32).transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
     v = attn.v_proj(x).view(B, T, 2, 32).transpose(1, 2)  # (B, Hkv, T, D)
-    y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1),
-                                       is_causal=True)
+    y = F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True)
     reference = attn.o_proj(y.transpose(1, 2).reshape(B, T, 128))
     assert SDPA_HAS_GQA
     torch.testing.assert_close(attn(x, cos, sin), reference, rtol=0, atol=1e-6)
@@ -163,4 +172,10 @@ def test_llama3_presets():
     assert 3.1e9 < num_parameters("3b") < 3.3e9 and 8.0e9 < num_parameters("8b") < 8.1e9
     cfg = PRESETS["8b"]
     assert (cfg.hidden, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate, cfg.vocab_size) == (
-        4096, 32, 32, 8, 14336, 128256)
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        128256,
+    )

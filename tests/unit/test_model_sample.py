@@ -20,16 +20,21 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_node_samples_its_global_model_greedily():
-    run = RunConfig.model_validate({"name": "sample", "model": {"preset": "tiny"},
-                                    "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2,
-                                              "total_steps": 100}})
+    run = RunConfig.model_validate(
+        {
+            "name": "sample",
+            "model": {"preset": "tiny"},
+            "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
+        }
+    )
     training = PeerTraining.build(run, "cpu", load_corpus(None).train)
     s = SimpleNamespace(run=run, training=training, config=SimpleNamespace(training=SimpleNamespace(data=None)))
     first, again = text_sample(s, 0), text_sample(s, 0)
     assert first is not None and first.startswith(SAMPLE_PROMPT) and len(first) > len(SAMPLE_PROMPT)
     assert first == again, "greedy: the same model writes the same text"
-    assert len(first) <= MAX_SAMPLE_CHARS and all(c in "\t\n" or (" " <= c and not "\x7f" <= c <= "\x9f")
-                                                  for c in first)
+    assert len(first) <= MAX_SAMPLE_CHARS and all(
+        c in "\t\n" or (" " <= c and not "\x7f" <= c <= "\x9f") for c in first
+    )
     assert training.model.training, "the model is left in training mode"
     overlap = run.model_copy(update={"outer": run.outer.model_copy(update={"overlap": True})})
     assert text_sample(SimpleNamespace(run=overlap, training=training, config=s.config), 0) is None
@@ -52,8 +57,7 @@ def test_the_status_shows_the_newest_sample(coordinator_client, fake_clock):
     assert sample == {"round": 1, "peer_id": a.peer_id, "text": "def g(<b>y</b>): ¿ünïcode?"}
 
 
-@pytest.mark.parametrize("hostile", ["", "x" * (MAX_SAMPLE_CHARS + 1), "bell\x07", "esc\x1b[31m", "nul\x00",
-                                     "c1\x85"])
+@pytest.mark.parametrize("hostile", ["", "x" * (MAX_SAMPLE_CHARS + 1), "bell\x07", "esc\x1b[31m", "nul\x00", "c1\x85"])
 def test_hostile_samples_are_refused(coordinator_client, fake_clock, hostile):
     client = coordinator_client
     run_id = create_run(client, {"membership.min_peers": 1})

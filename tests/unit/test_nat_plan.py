@@ -55,15 +55,19 @@ def test_the_router_masquerades_out_of_its_uplink_and_forwards_in_only_replies()
 
 
 def test_routers_take_their_hosts_places_on_the_segment_and_the_relay_is_one_more_member():
-    topology = Topology(5, LinkSpec(rate_mbps=100), rates_mbps=[1000, 10, 100, 10, 100], nat_hosts=[3, 4],
-                        relay=True)
+    topology = Topology(5, LinkSpec(rate_mbps=100), rates_mbps=[1000, 10, 100, 10, 100], nat_hosts=[3, 4], relay=True)
     prefix, subnet = topology.prefix, topology.subnet
     assert topology.hosts[3].ip == "192.168.3.2" and topology.hosts[2].ip == f"{subnet}.3"
     assert topology.nat[3].uplink_ip == f"{subnet}.4" and sorted(topology.nat) == [3, 4]
     segment = [(p.name, p.namespace, p.ip, p.rate_mbps) for p in topology.segment()]
-    assert segment == [("h0", f"{prefix}h0", f"{subnet}.1", 1000), ("h1", f"{prefix}h1", f"{subnet}.2", 10),
-                       ("h2", f"{prefix}h2", f"{subnet}.3", 100), ("nat3", f"{prefix}nat3", f"{subnet}.4", 10),
-                       ("nat4", f"{prefix}nat4", f"{subnet}.5", 100), ("relay", f"{prefix}relay", f"{subnet}.6", 1000)]
+    assert segment == [
+        ("h0", f"{prefix}h0", f"{subnet}.1", 1000),
+        ("h1", f"{prefix}h1", f"{subnet}.2", 10),
+        ("h2", f"{prefix}h2", f"{subnet}.3", 100),
+        ("nat3", f"{prefix}nat3", f"{subnet}.4", 10),
+        ("nat4", f"{prefix}nat4", f"{subnet}.5", 100),
+        ("relay", f"{prefix}relay", f"{subnet}.6", 1000),
+    ]
     assert Topology(3, LinkSpec(rate_mbps=100)).relay is None
     with pytest.raises(ValueError, match="h0 stays public"):
         Topology(3, LinkSpec(rate_mbps=100), nat_hosts=[0])
@@ -75,8 +79,12 @@ def test_the_lab_refuses_more_nat_hosts_than_peers_before_building_anything(caps
 
 
 def test_the_emulator_carries_a_packet_for_a_routers_lan_to_the_router():
-    em = LinkEmulator([("ns-a", "10.9.0.1", 8.0), ("ns-r", "10.9.0.2", 8.0)], delay_ms=20.0, loss_pct=0.0,
-                      routes=[("192.168.2.0/24", "10.9.0.2")])
+    em = LinkEmulator(
+        [("ns-a", "10.9.0.1", 8.0), ("ns-r", "10.9.0.2", 8.0)],
+        delay_ms=20.0,
+        loss_pct=0.0,
+        routes=[("192.168.2.0/24", "10.9.0.2")],
+    )
     assert em.destination(bytes([10, 9, 0, 2])) == 1
     assert em.destination(bytes([192, 168, 2, 2])) == 1
     assert em.destination(bytes([192, 168, 3, 2])) is None  # another LAN: nobody's
@@ -87,18 +95,29 @@ def test_the_emulator_carries_a_packet_for_a_routers_lan_to_the_router():
 
 
 def _view(k, manifest, dropped=(), state="closed"):
-    return {"round": k, "state": state, "manifest": [{"peer_id": p} for p in manifest],
-            "dropped": {p: "unfetchable" for p in dropped}}
+    return {
+        "round": k,
+        "state": state,
+        "manifest": [{"peer_id": p} for p in manifest],
+        "dropped": {p: "unfetchable" for p in dropped},
+    }
 
 
 def test_per_peer_rows_count_the_final_manifests_that_hold_each_peers_packet():
-    rounds = {0: _view(0, ["pa", "pb", "pc"]), 1: _view(1, ["pa", "pb"], dropped=["pc"]),
-              2: _view(2, ["pa"]), 3: _view(3, [], state="open")}  # an open round is not counted
+    rounds = {
+        0: _view(0, ["pa", "pb", "pc"]),
+        1: _view(1, ["pa", "pb"], dropped=["pc"]),
+        2: _view(2, ["pa"]),
+        3: _view(3, [], state="open"),
+    }  # an open round is not counted
     reports = [{"rounds": [{}, {}, {}]}, {"rounds": [{}, {}]}, {"peer_id": None, "rounds": []}]
     peers = [{"peer_id": "pa", "standing": "contributor"}, {"peer_id": "pc", "standing": "not_waited"}]
     rows = peer_rows(["pa", "pb", "pc"], [False, False, True], rounds, reports, peers)
     assert [(r["host"], r["behind_nat"], r["rounds_in_manifest"], r["rounds"]) for r in rows] == [
-        ("h1", False, 3, 3), ("h2", False, 2, 3), ("h3", True, 1, 3)]
+        ("h1", False, 3, 3),
+        ("h2", False, 2, 3),
+        ("h3", True, 1, 3),
+    ]
     assert [r["rounds_dropped"] for r in rows] == [0, 0, 1]
     assert [r["rounds_applied"] for r in rows] == [3, 2, 0]
     assert [r["standing"] for r in rows] == ["contributor", None, "not_waited"]

@@ -6,18 +6,30 @@ from tools.netlab.report import format_table, summarize
 
 
 def _round(k, *, compute, transfer, packet_bytes, digest="d", wait=0.5):
-    return {"round": k, "digest": digest, "num_packets": 2, "packet_bytes": packet_bytes,
-            "times": {"compute_s": compute, "encode_s": 0.1, "wait_s": wait, "transfer_s": transfer,
-                      "aggregate_s": 0.2}}
+    return {
+        "round": k,
+        "digest": digest,
+        "num_packets": 2,
+        "packet_bytes": packet_bytes,
+        "times": {"compute_s": compute, "encode_s": 0.1, "wait_s": wait, "transfer_s": transfer, "aggregate_s": 0.2},
+    }
 
 
 def test_ratios_per_round_and_steady_state_summary():
     # Two peers, 8 Mbps = 1 MB/s: each downloads the other's 1 MB packet, ideal 1 s.
     reports = [
-        {"rounds": [_round(0, compute=5.0, transfer=2.0, packet_bytes=1_000_000),
-                    _round(1, compute=3.0, transfer=1.5, packet_bytes=1_000_000)]},
-        {"rounds": [_round(0, compute=5.0, transfer=2.0, packet_bytes=1_000_000),
-                    _round(1, compute=3.0, transfer=1.2, packet_bytes=1_000_000)]},
+        {
+            "rounds": [
+                _round(0, compute=5.0, transfer=2.0, packet_bytes=1_000_000),
+                _round(1, compute=3.0, transfer=1.5, packet_bytes=1_000_000),
+            ]
+        },
+        {
+            "rounds": [
+                _round(0, compute=5.0, transfer=2.0, packet_bytes=1_000_000),
+                _round(1, compute=3.0, transfer=1.2, packet_bytes=1_000_000),
+            ]
+        },
     ]
     history = [{"round": 0, "closed_at": 100.0}, {"round": 1, "closed_at": 105.5}]
     result = summarize(reports, history, rate_mbps=8.0)
@@ -40,8 +52,10 @@ def test_ratios_per_round_and_steady_state_summary():
 
 
 def test_a_diverged_round_and_an_unshaped_link():
-    reports = [{"rounds": [_round(0, compute=1.0, transfer=0.1, packet_bytes=10, digest="a")]},
-               {"rounds": [_round(0, compute=1.0, transfer=0.1, packet_bytes=10, digest="b")]}]
+    reports = [
+        {"rounds": [_round(0, compute=1.0, transfer=0.1, packet_bytes=10, digest="a")]},
+        {"rounds": [_round(0, compute=1.0, transfer=0.1, packet_bytes=10, digest="b")]},
+    ]
     result = summarize(reports, [], rate_mbps=0.0)
     row = result["per_round"][0]
     assert not row["digests_agree"] and not result["summary"]["digests_agree_every_round"]
@@ -54,6 +68,7 @@ def test_fetching_time_start_to_start_rounds_and_the_part_after_the_close():
     included), a round runs until the same node's next one starts, and the part of the transfer
     left after the close gets its own ratio. With overlap, a first round that fetched nothing has
     no ratio rather than 0."""
+
     def timed(k, start, fetching, transfer):
         r = _round(k, compute=4.0, transfer=transfer, packet_bytes=1_000_000)
         return r | {"started_at": start, "ended_at": start + 5.0, "fetching_s": fetching}
@@ -78,8 +93,10 @@ def test_links_of_several_rates_bound_each_peer_by_its_downlink_or_the_slowest_u
     """Three peers with 1 MB packets: one on 8 Mbps (1 MB/s), two on 80 Mbps. The slow peer needs
     2 s to download two packets; a fast one needs 0.2 s on its own link, but the slow peer's packet
     cannot leave its uplink in under 1 s, so 1 s is its ideal. `by_rate` splits the means."""
-    reports = [{"rounds": [_round(k, compute=4.0, transfer=t, packet_bytes=1_000_000) for k in (0, 1)]}
-               for t in (3.0, 1.5, 2.0)]
+    reports = [
+        {"rounds": [_round(k, compute=4.0, transfer=t, packet_bytes=1_000_000) for k in (0, 1)]}
+        for t in (3.0, 1.5, 2.0)
+    ]
     result = summarize(reports, [], rate_mbps=[8.0, 80.0, 80.0])
     row = result["per_round"][1]
     assert row["download_bytes"] == 2_000_000

@@ -12,11 +12,11 @@ from locoswarm_kernels.sparse import median_clip_scales, scatter_mean
 from node.training.model import build_model
 from node.training.outer import OuterConfig, make_outer
 from node.training.params import flat_named_params, param_digest
-from tools.sim.cli import write_summary
-from tools.sim.plot import plot_summary
-from tools.sim.engine import SimConfig, simulate
 from protocol.packet import decode_packet
 from protocol.signing import PeerKey
+from tools.sim.cli import write_summary
+from tools.sim.engine import SimConfig, simulate
+from tools.sim.plot import plot_summary
 
 PEERS = ["p0", "p1", "p2"]
 KEYS = {p: PeerKey.from_seed(p.encode()) for p in PEERS}
@@ -43,8 +43,9 @@ def payloads_for(models, outers, round, base):
     out = {}
     for i, (model, outer) in enumerate(zip(models, outers)):
         local_training(model, seed=100 * round + i)
-        out[PEERS[i]] = outer.make_payload(run_id="r", round=round, peer_id=PEERS[i], base_digest=base,
-                                           key=KEYS[PEERS[i]])
+        out[PEERS[i]] = outer.make_payload(
+            run_id="r", round=round, peer_id=PEERS[i], base_digest=base, key=KEYS[PEERS[i]]
+        )
     return out
 
 
@@ -84,8 +85,9 @@ def test_bad_packets_are_left_out_by_every_peer():
     models, outers = swarm(OuterConfig(strategy="sparseloco"))
     payloads = payloads_for(models, outers, 0, param_digest(models[0]))
     payloads["p1"] = payloads["p1"][:-1] + bytes([payloads["p1"][-1] ^ 1])  # broken signature
-    payloads["p2"] = outers[2].make_payload(run_id="r", round=5, peer_id="p2", base_digest="00" * 32,
-                                            key=KEYS["p2"])  # replayed into the wrong round
+    payloads["p2"] = outers[2].make_payload(
+        run_id="r", round=5, peer_id="p2", base_digest="00" * 32, key=KEYS["p2"]
+    )  # replayed into the wrong round
     results = [outer.apply(payloads, public, run_id="r", round=0) for outer in outers]
     for result in results:
         assert result.accepted == ["p0"]
@@ -126,8 +128,10 @@ def test_median_norm_clipping_bounds_a_poisoned_peer():
             with torch.no_grad():
                 for name, p in flat_named_params(model).items():
                     p.copy_(outer.start[name] + (p - outer.start[name]) * 1000)
-    payloads = {PEERS[i]: o.make_payload(run_id="r", round=0, peer_id=PEERS[i], base_digest=base, key=KEYS[PEERS[i]])
-                for i, o in enumerate(outers)}
+    payloads = {
+        PEERS[i]: o.make_payload(run_id="r", round=0, peer_id=PEERS[i], base_digest=base, key=KEYS[PEERS[i]])
+        for i, o in enumerate(outers)
+    }
     result = outers[0].apply(payloads, public, run_id="r", round=0)
     assert set(result.scales) == {"p2"} and len(result.scales["p2"]) == len(outers[0].params)
     # Each tensor on its own: about 1/1000, but a norm gain sends 2 values, whose honest norms vary a lot.
@@ -135,8 +139,10 @@ def test_median_norm_clipping_bounds_a_poisoned_peer():
     assert factors[len(factors) // 2] < 0.002 and factors[-1] < 0.5, factors
     moved = sum(float((p.detach() - outers[0].start[n]).abs().max()) for n, p in flat_named_params(models[0]).items())
     assert moved == 0.0  # start was advanced with the parameters
-    update = max(float((m.detach() - s.detach()).abs().max())
-                 for m, s in zip(flat_named_params(models[0]).values(), flat_named_params(build_model("tiny", 0)).values()))
+    update = max(
+        float((m.detach() - s.detach()).abs().max())
+        for m, s in zip(flat_named_params(models[0]).values(), flat_named_params(build_model("tiny", 0)).values())
+    )
     assert update < 0.5  # unclipped, the poisoned values would be about 1000 * 1e-2 * 3 sigma
 
 
@@ -148,9 +154,13 @@ def test_diloco_outer_step_is_nesterov_sgd():
     sgd = torch.optim.SGD(ref_params, lr=0.7, momentum=0.9, nesterov=True)
     for round in range(2):
         payloads = payloads_for(models, outers, round, "00" * 32)
-        mean_delta = [(o0 + o1) / 2 for o0, o1 in zip(
-            [s - p.detach() for s, p in zip(outers[0].start.values(), flat_named_params(models[0]).values())],
-            [s - p.detach() for s, p in zip(outers[1].start.values(), flat_named_params(models[1]).values())])]
+        mean_delta = [
+            (o0 + o1) / 2
+            for o0, o1 in zip(
+                [s - p.detach() for s, p in zip(outers[0].start.values(), flat_named_params(models[0]).values())],
+                [s - p.detach() for s, p in zip(outers[1].start.values(), flat_named_params(models[1]).values())],
+            )
+        ]
         for outer in outers:
             outer.apply(payloads)
         for p, g in zip(ref_params, mean_delta):
@@ -162,8 +172,17 @@ def test_diloco_outer_step_is_nesterov_sgd():
 
 
 def test_simulator_smoke(tmp_path):
-    cfg = SimConfig(preset="tiny", num_peers=2, inner_steps=2, num_rounds=2, batch_size=2, seq_len=32,
-                    eval_every_rounds=1, eval_batches=1, threads=1)
+    cfg = SimConfig(
+        preset="tiny",
+        num_peers=2,
+        inner_steps=2,
+        num_rounds=2,
+        batch_size=2,
+        seq_len=32,
+        eval_every_rounds=1,
+        eval_batches=1,
+        threads=1,
+    )
     summary = simulate(cfg, show_progress=False)
     write_summary(summary, tmp_path)  # as `locoswarm sim` writes it, with its figure
     plot_summary(summary, tmp_path / "val_loss.png")
@@ -180,8 +199,19 @@ def test_simulator_smoke(tmp_path):
 def test_overlap_keeps_the_global_model_identical_and_learns(tmp_path):
     """One-round-delayed outer step: peers' global models agree every round (the simulator raises
     otherwise) and the model still learns; the local model is global minus own in-flight update."""
-    cfg = SimConfig(algos=("sparseloco",), preset="tiny", num_peers=2, inner_steps=3, num_rounds=3, batch_size=2,
-                    seq_len=32, eval_every_rounds=1, eval_batches=1, threads=1, overlap=True)
+    cfg = SimConfig(
+        algos=("sparseloco",),
+        preset="tiny",
+        num_peers=2,
+        inner_steps=3,
+        num_rounds=3,
+        batch_size=2,
+        seq_len=32,
+        eval_every_rounds=1,
+        eval_batches=1,
+        threads=1,
+        overlap=True,
+    )
     r = simulate(cfg, show_progress=False)["strategies"]["sparseloco"]
     assert r["final_val_loss"] < r["curve"][0][1]
 

@@ -9,8 +9,14 @@ from node.round.own_packets import OwnPackets
 
 
 def keep(packets: OwnPackets, round: int, payload: bytes, **fields) -> str:
-    return packets.keep(round, payload, **({"run_id": "run", "peer_id": "peer", "base_digest": "ab" * 16,
-                                             "train_loss": 3.5, "compute_s": 1.25} | fields))
+    return packets.keep(
+        round,
+        payload,
+        **(
+            {"run_id": "run", "peer_id": "peer", "base_digest": "ab" * 16, "train_loss": 3.5, "compute_s": 1.25}
+            | fields
+        ),
+    )
 
 
 def test_kept_beside_the_checkpoint_not_inside_it(tmp_path):
@@ -52,5 +58,9 @@ def test_forget_before_drops_only_final_rounds(tmp_path):
     packets.forget_before(7)
     assert packets.rounds() == [7, 12]
     assert sorted(p.name for p in packets.directory.iterdir()) == [
-        "round-000007.json", "round-000007.pkt", "round-000012.json", "round-000012.pkt"]
+        "round-000007.json",
+        "round-000007.pkt",
+        "round-000012.json",
+        "round-000012.pkt",
+    ]
     OwnPackets(tmp_path / "never-made").forget_before(100)  # nothing kept yet: nothing to do

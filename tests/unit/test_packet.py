@@ -11,12 +11,24 @@ from hypothesis import strategies as st
 
 from locoswarm_kernels.sparse import error_feedback_step
 from protocol import errors
-from protocol.packet import (MAGIC, PREFIX, WIRE_VERSION, ModelSpec, decode_packet, encode_packet, packet_digest,
-                             read_header)
+from protocol.packet import (
+    MAGIC,
+    PREFIX,
+    WIRE_VERSION,
+    ModelSpec,
+    decode_packet,
+    encode_packet,
+    read_header,
+)
 from protocol.signing import PeerKey
 
-SHAPES = {"embed.weight": (256, 64), "layers.0.attn.wq.weight": (64, 64), "layers.0.mlp.w1.weight": (67, 130),
-          "norm.weight": (64,), "scalar": (1,)}
+SHAPES = {
+    "embed.weight": (256, 64),
+    "layers.0.attn.wq.weight": (64, 64),
+    "layers.0.mlp.w1.weight": (67, 130),
+    "norm.weight": (64,),
+    "scalar": (1,),
+}
 KEY = PeerKey.from_seed(b"peer-a")
 OTHER = PeerKey.from_seed(b"peer-b")
 
@@ -25,8 +37,9 @@ def make_packet(top_k=64, seed=0, key=KEY, round=3):
     torch.manual_seed(seed)
     spec = ModelSpec(dict(sorted(SHAPES.items())), top_k)
     layouts = spec.layouts()
-    tensors = {n: error_feedback_step(torch.zeros(s), torch.randn(s), layouts[n], 0.95, 1.0)
-               for n, s in spec.shapes.items()}
+    tensors = {
+        n: error_feedback_step(torch.zeros(s), torch.randn(s), layouts[n], 0.95, 1.0) for n, s in spec.shapes.items()
+    }
     return spec, tensors, encode_packet("run-1", round, "p-a", bytes(range(32)), spec, tensors, key)
 
 
@@ -123,9 +136,13 @@ def test_signed_but_malformed_sections():
     def lying_length(h):
         h["tensors"][0][5] += 1
 
-    for mutate, error in [(nan_table, errors.NonFiniteValue), (big_rice, errors.MalformedPacket),
-                          (extra_key, errors.MalformedPacket), (bad_codes, errors.MalformedPacket),
-                          (lying_length, errors.ProtocolError)]:
+    for mutate, error in [
+        (nan_table, errors.NonFiniteValue),
+        (big_rice, errors.MalformedPacket),
+        (extra_key, errors.MalformedPacket),
+        (bad_codes, errors.MalformedPacket),
+        (lying_length, errors.ProtocolError),
+    ]:
         with pytest.raises(error):
             decode_packet(rebuild(data, mutate), spec, KEY.public_bytes)
 
@@ -142,7 +159,7 @@ def test_index_out_of_range_is_refused():
     unary = np.packbits(np.array([0] + [1] * 64 + [0] * 7, dtype=np.uint8)).tobytes()
     header["tensors"][0][5] = len(unary)
     raw = msgpack.packb(header)
-    body = PREFIX.pack(MAGIC, WIRE_VERSION, len(raw)) + raw + unary + data[offset + 8:-64]
+    body = PREFIX.pack(MAGIC, WIRE_VERSION, len(raw)) + raw + unary + data[offset + 8 : -64]
     with pytest.raises(errors.IndexOutOfRange):
         decode_packet(resign(body), spec, KEY.public_bytes)
 
@@ -160,7 +177,7 @@ def test_zstd_bomb_is_bounded():
     sections_len = sum(t[5] + t[6] for t in header["tensors"])
     bomb(header)
     raw = msgpack.packb(header)
-    body = PREFIX.pack(MAGIC, WIRE_VERSION, len(raw)) + raw + data[offset: offset + sections_len] + bomb_bytes
+    body = PREFIX.pack(MAGIC, WIRE_VERSION, len(raw)) + raw + data[offset : offset + sections_len] + bomb_bytes
     with pytest.raises(errors.MalformedPacket):
         decode_packet(resign(body), spec, KEY.public_bytes)
 
@@ -181,7 +198,7 @@ def test_fuzz_mutations_raise_only_protocol_errors(data):
         elif op == "insert":
             body[pos:pos] = data.draw(st.binary(max_size=16))
         else:
-            body[pos:pos + 1] = bytes([data.draw(st.integers(0, 255))])
+            body[pos : pos + 1] = bytes([data.draw(st.integers(0, 255))])
     signed = data.draw(st.booleans())
     mutated = resign(bytes(body)) if signed else bytes(body) + packet[-64:]
     try:

@@ -8,14 +8,28 @@ import torch
 
 from locoswarm_kernels.chunking import packet_layout
 from locoswarm_kernels.quantize import QuantTable
-from locoswarm_kernels.sparse import (PacketSelections, aggregate_packets, code_values, error_feedback_step, median_clip_scales,
-                            packet_clip_scales, scatter_mean)
+from locoswarm_kernels.sparse import (
+    PacketSelections,
+    aggregate_packets,
+    code_values,
+    error_feedback_step,
+    median_clip_scales,
+    packet_clip_scales,
+    scatter_mean,
+)
 from protocol.packet import ModelSpec, decode_packet, encode_packet
 from protocol.signing import PeerKey
 
 # tiled, plain-view, awkward (67 x 130: small tiles), vector, 1-element and 3-D tensors
-SHAPES = {"embed.weight": (256, 64), "layers.0.attn.wq.weight": (64, 64), "layers.0.mlp.w1.weight": (67, 130),
-          "layers.0.conv": (8, 4, 16), "norm.weight": (64,), "scalar": (1,), "wide.weight": (128, 192)}
+SHAPES = {
+    "embed.weight": (256, 64),
+    "layers.0.attn.wq.weight": (64, 64),
+    "layers.0.mlp.w1.weight": (67, 130),
+    "layers.0.conv": (8, 4, 16),
+    "norm.weight": (64,),
+    "scalar": (1,),
+    "wide.weight": (128, 192),
+}
 
 
 def decoded_packets(num_peers: int, seed: int, top_k: int = 64, dtype=torch.float32, shapes=SHAPES):
@@ -26,8 +40,12 @@ def decoded_packets(num_peers: int, seed: int, top_k: int = 64, dtype=torch.floa
     for peer in range(num_peers):
         key = PeerKey.from_seed(bytes([peer % 256, peer // 256]))
         scale = float(torch.rand((), generator=gen)) * 10 ** int(torch.randint(-4, 2, (), generator=gen))
-        sparse = {n: error_feedback_step(torch.zeros(s, dtype=dtype), torch.randn(s, generator=gen).to(dtype) * scale,
-                                         layouts[n], 0.95, 1.0) for n, s in spec.shapes.items()}
+        sparse = {
+            n: error_feedback_step(
+                torch.zeros(s, dtype=dtype), torch.randn(s, generator=gen).to(dtype) * scale, layouts[n], 0.95, 1.0
+            )
+            for n, s in spec.shapes.items()
+        }
         data = encode_packet("run", 0, f"p{peer:03d}", bytes(32), spec, sparse, key)
         packets.append(decode_packet(data, spec, key.public_bytes).tensors)
     return spec, packets
@@ -36,9 +54,14 @@ def decoded_packets(num_peers: int, seed: int, top_k: int = 64, dtype=torch.floa
 def reference(packets, divide_by_peers=False, peer_scales=None):
     """scatter_mean tensor by tensor; peer_scales[p][t] as aggregate_packets takes them."""
     names = list(packets[0])
-    return {name: scatter_mean([p[name] for p in packets], divide_by_peers=divide_by_peers,
-                               peer_scales=None if peer_scales is None else [row[t] for row in peer_scales])
-            for t, name in enumerate(names)}
+    return {
+        name: scatter_mean(
+            [p[name] for p in packets],
+            divide_by_peers=divide_by_peers,
+            peer_scales=None if peer_scales is None else [row[t] for row in peer_scales],
+        )
+        for t, name in enumerate(names)
+    }
 
 
 def assert_same_bits(got, expected):
@@ -52,8 +75,9 @@ def assert_same_bits(got, expected):
 @pytest.mark.parametrize("divide_by_peers", [False, True])
 def test_aggregate_is_scatter_mean_bit_for_bit(seed, divide_by_peers):
     _, packets = decoded_packets(num_peers=3 + 2 * seed, seed=seed)
-    assert_same_bits(aggregate_packets(packets, divide_by_peers=divide_by_peers),
-                     reference(packets, divide_by_peers=divide_by_peers))
+    assert_same_bits(
+        aggregate_packets(packets, divide_by_peers=divide_by_peers), reference(packets, divide_by_peers=divide_by_peers)
+    )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -63,7 +87,9 @@ def test_median_clip_norms_scales_and_aggregate_match_the_per_tensor_path(seed):
         assert packet.squared_norms() == [sparse.squared_norm() for sparse in packet.values()]
     peer_scales = packet_clip_scales(packets)
     for t, name in enumerate(packets[0]):
-        assert [row[t] for row in peer_scales] == median_clip_scales([math.sqrt(p[name].squared_norm()) for p in packets])
+        assert [row[t] for row in peer_scales] == median_clip_scales(
+            [math.sqrt(p[name].squared_norm()) for p in packets]
+        )
     assert any(s < 1.0 for scales in peer_scales for s in scales)
     assert_same_bits(aggregate_packets(packets, peer_scales=peer_scales), reference(packets, peer_scales=peer_scales))
 
@@ -72,9 +98,9 @@ def test_median_clip_norms_scales_and_aggregate_match_the_per_tensor_path(seed):
 def test_code_counts_from_packed_bytes_are_the_counts_of_the_codes(top_k):
     # At top_k 256 every tensor's codes fill whole bytes; at 64 a 1-value scalar and other small
     # tensors share bytes with their neighbours, and the last byte holds padding.
-    shapes = {n: s for n, s in SHAPES.items() if n in ("embed.weight", "layers.0.attn.wq.weight", "wide.weight")}
-    shapes["norm.weight"] = (256,)
-    for shapes in (shapes, SHAPES):
+    small = {n: s for n, s in SHAPES.items() if n in ("embed.weight", "layers.0.attn.wq.weight", "wide.weight")}
+    small["norm.weight"] = (256,)
+    for shapes in (small, SHAPES):
         _, packets = decoded_packets(num_peers=3, seed=5, top_k=top_k, shapes=shapes)
         for packet in packets:
             expected = torch.bincount(packet.code_index(), minlength=packet.code_values.numel()).view(-1, 4)
@@ -109,8 +135,10 @@ def test_arbitrary_scales_give_the_same_float32_products(seed):
     peer_scales = peer_scales.tolist()
     assert_same_bits(aggregate_packets(packets, peer_scales=peer_scales), reference(packets, peer_scales=peer_scales))
     for divide in (False, True):
-        assert_same_bits(aggregate_packets(packets, peer_scales=peer_scales, divide_by_peers=divide),
-                         reference(packets, peer_scales=peer_scales, divide_by_peers=divide))
+        assert_same_bits(
+            aggregate_packets(packets, peer_scales=peer_scales, divide_by_peers=divide),
+            reference(packets, peer_scales=peer_scales, divide_by_peers=divide),
+        )
 
 
 def test_one_peer_half_precision_tables_and_coordinates_nobody_sent():
@@ -123,8 +151,9 @@ def test_one_peer_half_precision_tables_and_coordinates_nobody_sent():
     for name, sparse in packets[0].items():  # what nobody sent is +0.0
         untouched = torch.ones(sparse.layout.numel, dtype=torch.bool)
         untouched[sparse.flat_indices()] = False
-        assert torch.equal(means[name].reshape(-1)[untouched].view(torch.int32),
-                           torch.zeros(int(untouched.sum()), dtype=torch.int32))
+        assert torch.equal(
+            means[name].reshape(-1)[untouched].view(torch.int32), torch.zeros(int(untouched.sum()), dtype=torch.int32)
+        )
 
 
 def test_counts_past_255_peers_and_blocks_shared_by_tensors(monkeypatch):
@@ -145,9 +174,13 @@ def test_counts_past_255_peers_and_blocks_shared_by_tensors(monkeypatch):
 
 def test_code_values_decode_as_quant_table_does():
     gen = torch.Generator().manual_seed(0)
-    tables = [QuantTable(shift=float(torch.randn((), generator=gen)) * 10.0 ** e, lookup=torch.randn(4, generator=gen),
-                         dtype=dtype)
-              for e in range(-6, 6) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    tables = [
+        QuantTable(
+            shift=float(torch.randn((), generator=gen)) * 10.0**e, lookup=torch.randn(4, generator=gen), dtype=dtype
+        )
+        for e in range(-6, 6)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    ]
     expected = torch.stack([t.decode(torch.arange(4, dtype=torch.uint8)).float() for t in tables])
     assert torch.equal(code_values(tables), expected)
 
@@ -166,9 +199,11 @@ def test_decoded_views_and_layout_are_consistent():
     packet = packets[0]
     assert isinstance(packet, PacketSelections) and list(packet) == list(spec.shapes)
     assert packet.layout is packet_layout(tuple(spec.layouts().values()), torch.device("cpu"))
-    for t, (name, sparse) in enumerate(packet.items()):
+    for t, (_, sparse) in enumerate(packet.items()):
         first, end = packet.layout.symbol_starts[t], packet.layout.symbol_starts[t + 1]
-        assert sparse.positions.dtype == torch.int16 and sparse.codes.dtype == torch.uint8  # 7 bytes a value, with the index
+        assert (
+            sparse.positions.dtype == torch.int16 and sparse.codes.dtype == torch.uint8
+        )  # 7 bytes a value, with the index
         assert packet.index.dtype == torch.int32
         assert torch.equal(packet.code_index()[first:end], sparse.codes.reshape(-1).int() + 4 * t)
         assert bool((sparse.positions.diff(dim=1) > 0).all()) and int(sparse.positions.max()) < sparse.layout.chunk_len

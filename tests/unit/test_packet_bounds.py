@@ -26,14 +26,18 @@ def make_packet(scale: float = 1e-2) -> tuple[ModelSpec, bytes]:
     generator = torch.Generator().manual_seed(0)
     spec = ModelSpec(dict(sorted(SHAPES.items())), 64)
     layouts = spec.layouts()
-    tensors = {name: error_feedback_step(torch.zeros(shape), torch.randn(shape, generator=generator) * scale,
-                                         layouts[name], 0.95, 1.0)
-               for name, shape in spec.shapes.items()}
+    tensors = {
+        name: error_feedback_step(
+            torch.zeros(shape), torch.randn(shape, generator=generator) * scale, layouts[name], 0.95, 1.0
+        )
+        for name, shape in spec.shapes.items()
+    }
     return spec, encode_packet("run", 0, "p-a", bytes(32), spec, tensors, KEY)
 
 
-def with_table(data: bytes, shift: float, entries, *, dtype: str | None = None, tensor: int = 0,
-               codes: bytes | None = None) -> bytes:
+def with_table(
+    data: bytes, shift: float, entries, *, dtype: str | None = None, tensor: int = 0, codes: bytes | None = None
+) -> bytes:
     """The packet with one tensor's table (and dtype) replaced, signed again by the member: an
     attacker inside the swarm. `codes` replaces the code stream (raw)."""
     header, offset = read_header(data)
@@ -41,9 +45,9 @@ def with_table(data: bytes, shift: float, entries, *, dtype: str | None = None, 
     section[4] = TABLE.pack(shift, *entries)
     if dtype is not None:
         section[2] = dtype
-    streams = data[offset: offset + sum(t[5] + t[6] for t in header["tensors"])]
+    streams = data[offset : offset + sum(t[5] + t[6] for t in header["tensors"])]
     if codes is None:
-        codes = data[offset + len(streams): -64]
+        codes = data[offset + len(streams) : -64]
     else:
         header["codes"] = [1, len(codes)]  # claims zstandard: only a decoder that reaches it fails on it
     raw = msgpack.packb(header)
@@ -169,6 +173,7 @@ def test_run_config_bounds_the_bound():
 
 
 # -- the dense (DiLoCo) payload ---------------------------------------------------------------------
+
 
 def _diloco(max_abs_value: float = BOUND):
     from node.training.model import build_model

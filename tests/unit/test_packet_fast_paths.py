@@ -54,7 +54,9 @@ def test_grouped_rice_decode_is_the_plain_one_and_refuses_alike(seed):
     rng = np.random.default_rng(seed)
     buffer, sections, row_lengths = random_sections(rng, int(rng.integers(1, 9)), grouped=seed % 2 == 0)
     streams = torch.tensor(list(buffer), dtype=torch.uint8)
-    assert torch.equal(fast.rice_decode_positions(streams, sections, row_lengths), plain(streams, sections, row_lengths))
+    assert torch.equal(
+        fast.rice_decode_positions(streams, sections, row_lengths), plain(streams, sections, row_lengths)
+    )
     out = torch.full((sum(s[4] for s in sections),), -7, dtype=torch.int32)
     assert fast.rice_decode_positions(streams, sections, row_lengths, out=out) is out
     assert torch.equal(out, plain(streams, sections, row_lengths))
@@ -87,7 +89,9 @@ def test_groups_split_where_int32_would_not_hold_them(monkeypatch):
     decode_group = fast._decode_group
     monkeypatch.setattr(fast, "_decode_group", lambda *args: runs.append(len(args[1])) or decode_group(*args))
     row_lengths = [8] * len(sections)
-    assert torch.equal(fast.rice_decode_positions(streams, sections, row_lengths), plain(streams, sections, row_lengths))
+    assert torch.equal(
+        fast.rice_decode_positions(streams, sections, row_lengths), plain(streams, sections, row_lengths)
+    )
     assert runs == [2, 3]  # (8, 512), (512, 256, 64); 2048 alone is too large
 
 
@@ -105,8 +109,9 @@ def test_aggregation_bits_do_not_depend_on_workers_or_path(seed):
         assert_same_bits(aggregate_packets(packets, peer_scales=scales, num_threads=workers), expected)
     layout = packets[0].layout
     tables = [(p.code_values * torch.tensor(s).unsqueeze(1)).view(-1) for p, s in zip(packets, scales)]
-    assert_same_bits(sparse._aggregate_blocks(packets, tables, torch.float32, torch.device("cpu"), False, torch.float32),
-                     expected)
+    assert_same_bits(
+        sparse._aggregate_blocks(packets, tables, torch.float32, torch.device("cpu"), False, torch.float32), expected
+    )
     assert layout.num_symbols == packets[0].index.numel()
 
 
@@ -116,8 +121,10 @@ def test_runs_of_tile_rows_split_large_tensors(monkeypatch):
     shapes = {"tiled": (256, 192), "view": (64, 64 * 9), "vector": (64 * 50,)}
     _, packets = decoded_packets(num_peers=4, seed=40, shapes=shapes)
     for divide in (False, True):
-        assert_same_bits(aggregate_packets(packets, divide_by_peers=divide, num_threads=2),
-                         reference(packets, divide_by_peers=divide))
+        assert_same_bits(
+            aggregate_packets(packets, divide_by_peers=divide, num_threads=2),
+            reference(packets, divide_by_peers=divide),
+        )
 
 
 def test_scratch_buffers_are_reused_per_thread_and_name():

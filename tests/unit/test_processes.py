@@ -19,16 +19,20 @@ import pytest
 
 from node.cli.processes import stop_processes
 
-pytestmark = [pytest.mark.timeout(30),
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (prctl, sessions)")]
+pytestmark = [
+    pytest.mark.timeout(30),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (prctl, sessions)"),
+]
 
 PR_SET_CHILD_SUBREAPER = 36
 
 # Prints "ready" once SIGINT would interrupt it (Python's handler is set), then sleeps. The handler is
 # set explicitly: started from a background job (no job control), the suite and its children inherit
 # SIGINT ignored, and Python then installs none.
-EXITS_ON_SIGINT = ("import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                   "print('ready', flush=True); time.sleep(60)")
+EXITS_ON_SIGINT = (
+    "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "print('ready', flush=True); time.sleep(60)"
+)
 # Ignores SIGINT, starts a grandchild that ignores it too, prints the grandchild's pid once both
 # are ready, then sleeps (or with `exit` as argv[1], exits and leaves the grandchild behind).
 IGNORES_SIGINT_WITH_GRANDCHILD = """
@@ -68,9 +72,13 @@ class Started:
         self.grandchildren: set[int] = set()  # pids re-parented to us and not yet reaped
 
     def start(self, code: str, *args: str, new_session: bool = True) -> subprocess.Popen:
-        process = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                   start_new_session=new_session)
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=new_session,
+        )
         self.processes.append(process)
         return process
 
@@ -148,8 +156,10 @@ def test_sigint_then_kill_of_the_session_and_sweep_of_an_exited_one(started):
 
 def test_a_process_without_a_session_of_its_own_is_still_killed(started):
     # It shares our process group: killpg by its pid finds no group, the process itself is killed.
-    stubborn = started.start("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                             "print('ready', flush=True); time.sleep(60)", new_session=False)
+    stubborn = started.start(
+        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)",
+        new_session=False,
+    )
     assert started.read_line(stubborn) == "ready"
     stop_processes([stubborn], grace_s=0.2)
     assert stubborn.returncode == -signal.SIGKILL

@@ -66,8 +66,9 @@ def test_waiting_for_peers(swarm):
     client, run_id, peers = swarm
     assert peers[0].join(run_id).status_code == 200
     line = progress_line(status_of(client, run_id), NUM_ROUNDS)
-    assert line == (f"waiting for peers: 1 live of the {NUM_PEERS} the run needs to start"
-                    f" | {peers[0].peer_id[:7]}:joining")
+    assert line == (
+        f"waiting for peers: 1 live of the {NUM_PEERS} the run needs to start | {peers[0].peer_id[:7]}:joining"
+    )
 
 
 def test_mid_round_counts_the_open_rounds_packets(swarm, fake_clock):
@@ -78,8 +79,11 @@ def test_mid_round_counts_the_open_rounds_packets(swarm, fake_clock):
     status = status_of(client, run_id)
     line = progress_line(status, NUM_ROUNDS)
     assert line.startswith("round 0 of 0-1 open: 1/3 submitted | "), line
-    assert activities(line) == {peers[0].peer_id[:7]: "submitted", peers[1].peer_id[:7]: "training 7/15",
-                                peers[2].peer_id[:7]: "joining"}
+    assert activities(line) == {
+        peers[0].peer_id[:7]: "submitted",
+        peers[1].peer_id[:7]: "training 7/15",
+        peers[2].peer_id[:7]: "joining",
+    }
     assert_counts_match_peers(line, status)
 
 
@@ -90,8 +94,9 @@ def test_a_round_whose_peers_all_submitted_is_named_beside_the_next_ones_count(s
     status = status_of(client, run_id)
     line = progress_line(status, NUM_ROUNDS)
     assert status["current_round"]["num_submitted"] == 0
-    assert line.startswith("round 1 of 0-1 open: 0/3 submitted; round 0: 3 contributors, 0 applied, "
-                           "mean loss 3.000 | "), line
+    assert line.startswith(
+        "round 1 of 0-1 open: 0/3 submitted; round 0: 3 contributors, 0 applied, mean loss 3.000 | "
+    ), line
     assert set(activities(line).values()) == {"submitted r0"}
     assert_counts_match_peers(line, status)
 
@@ -113,8 +118,11 @@ def test_a_finished_run_says_so_with_its_last_rounds_figures(swarm, fake_clock):
     assert status["run"]["state"] == "finished" and status["current_round"] is None
     line = progress_line(status, NUM_ROUNDS)
     assert line.startswith("run finished after 2 rounds; round 1: 3 contributors, 2 applied, mean loss 3.000 | "), line
-    assert activities(line) == {peers[0].peer_id[:7]: "applied r1", peers[1].peer_id[:7]: "applied r1",
-                                peers[2].peer_id[:7]: "serving r1"}
+    assert activities(line) == {
+        peers[0].peer_id[:7]: "applied r1",
+        peers[1].peer_id[:7]: "applied r1",
+        peers[2].peer_id[:7]: "serving r1",
+    }
     assert "?" not in line and "0/0" not in line
     assert_counts_match_peers(line, status)
 

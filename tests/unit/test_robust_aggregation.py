@@ -36,6 +36,7 @@ def public(peer: str) -> bytes:
 
 # -- median-clip scales ------------------------------------------------------------------------------
 
+
 def test_median_clip_scales_bring_norms_above_the_median_down_to_it():
     assert median_clip_scales([1.0, 2.0, 3.0]) == [1.0, 1.0, 2.0 / 3.0]
     assert median_clip_scales([1.0, 2.0, 4.0, 1000.0]) == [1.0, 1.0, 3.0 / 4.0, 3.0 / 1000.0]
@@ -44,8 +45,15 @@ def test_median_clip_scales_bring_norms_above_the_median_down_to_it():
 
 def test_median_clip_scales_are_never_infinite_or_nan():
     """The old whole-model clip computed 0 * inf = NaN; nothing here can."""
-    cases = [[0.0, 0.0, 0.0], [0.0, 0.0, 7.0], [0.0, 1e300, 1e300], [float("inf"), 1.0, 2.0],
-             [float("nan"), 1.0, 2.0], [float("inf")] * 3, [1e-320, 1e308, 1.0]]
+    cases = [
+        [0.0, 0.0, 0.0],
+        [0.0, 0.0, 7.0],
+        [0.0, 1e300, 1e300],
+        [float("inf"), 1.0, 2.0],
+        [float("nan"), 1.0, 2.0],
+        [float("inf")] * 3,
+        [1e-320, 1e308, 1.0],
+    ]
     for norms in cases:
         scales = median_clip_scales(norms)
         assert all(math.isfinite(s) and 0.0 <= s <= 1.0 for s in scales), (norms, scales)
@@ -88,6 +96,7 @@ def test_scatter_mean_refuses_scales_outside_zero_one():
 
 # -- values at the bound -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("scales", [None, "clip"])
 def test_values_at_the_largest_bound_from_many_peers_sum_without_overflow(scales):
     """1000 peers each sending the config's largest bound (1e30) at the same coordinates, all the same
@@ -95,8 +104,7 @@ def test_values_at_the_largest_bound_from_many_peers_sum_without_overflow(scales
     bound = MAX_ABS_VALUE_LIMIT
     shape, num_peers = (64, 64), 1000
     layout = chunk_layout(shape, 64)
-    selections = [_sparse(shape, [3] * (layout.num_chunks * layout.k), 0.0, [0, 0, 0, bound])
-                  for _ in range(num_peers)]
+    selections = [_sparse(shape, [3] * (layout.num_chunks * layout.k), 0.0, [0, 0, 0, bound]) for _ in range(num_peers)]
     peer_scales = None
     if scales == "clip":
         peer_scales = median_clip_scales([math.sqrt(s.squared_norm()) for s in selections])
@@ -109,6 +117,7 @@ def test_values_at_the_largest_bound_from_many_peers_sum_without_overflow(scales
 
 
 # -- the attack: a member's signed packet of finite fields that overflow --------------------------------
+
 
 def _swarm(cfg: OuterConfig):
     models = [build_model("tiny", seed=0) for _ in PEERS]
@@ -130,8 +139,9 @@ def _round(cfg: OuterConfig, attacker_table=OVERFLOW_TABLE):
     payloads = {}
     for i, (model, outer) in enumerate(zip(models, outers)):
         _train(model, seed=i)
-        payloads[PEERS[i]] = outer.make_payload(run_id="r", round=0, peer_id=PEERS[i], base_digest=base,
-                                                key=KEYS[PEERS[i]])
+        payloads[PEERS[i]] = outer.make_payload(
+            run_id="r", round=0, peer_id=PEERS[i], base_digest=base, key=KEYS[PEERS[i]]
+        )
     payloads["p3"] = _with_tables(payloads["p3"], KEYS["p3"], attacker_table)
     results = [outer.apply(payloads, public, run_id="r", round=0) for outer in outers]
     return models, outers, results, payloads
@@ -172,8 +182,9 @@ def test_an_attacker_at_the_bound_is_accepted_and_can_make_nothing_non_finite(ag
     """Every value an attacker may send within the bound: the aggregate stays finite; clipping keeps
     the step the size of an honest one."""
     bound = 1e4
-    models, _, results, _ = _round(OuterConfig(aggregation=aggregation, max_abs_value=bound),
-                                   attacker_table=(0.0, -bound, -bound, bound, bound))
+    models, _, results, _ = _round(
+        OuterConfig(aggregation=aggregation, max_abs_value=bound), attacker_table=(0.0, -bound, -bound, bound, bound)
+    )
     assert all(r.accepted == PEERS and not r.refused for r in results)
     assert len({param_digest(m) for m in models}) == 1
     start = flat_named_params(build_model("tiny", seed=0))
@@ -191,6 +202,7 @@ def test_an_attacker_at_the_bound_is_accepted_and_can_make_nothing_non_finite(ag
 
 # -- config: robust by default, older configs still load -------------------------------------------
 
+
 def test_robust_aggregation_is_the_default_and_reaches_the_outer_step():
     from node.training.build import outer_config
 
@@ -198,8 +210,9 @@ def test_robust_aggregation_is_the_default_and_reaches_the_outer_step():
     assert (run.outer.aggregation, run.outer.max_abs_value) == ("median_clip", 1e4)
     outer = outer_config(run)
     assert (outer.aggregation, outer.max_abs_value) == ("median_clip", 1e4)
-    run = RunConfig.model_validate({"name": "a", "model": {"preset": "tiny"},
-                                    "outer": {"aggregation": "mean", "max_abs_value": 5.0}})
+    run = RunConfig.model_validate(
+        {"name": "a", "model": {"preset": "tiny"}, "outer": {"aggregation": "mean", "max_abs_value": 5.0}}
+    )
     assert (outer_config(run).aggregation, outer_config(run).max_abs_value) == ("mean", 5.0)
     with pytest.raises(Exception, match="aggregation"):
         OuterSection(aggregation="median")
@@ -211,8 +224,9 @@ def test_configs_with_the_old_clip_flag_still_load():
     """Every config stored before `aggregation` holds `clip_to_median_norm`; such a run keeps the
     aggregation it was created with."""
     for flag, aggregation in ((True, "median_clip"), (False, "mean")):
-        stored = RunConfig.model_validate({"name": "a", "model": {"preset": "tiny"},
-                                           "outer": {"clip_to_median_norm": flag}}).model_dump_json()
+        stored = RunConfig.model_validate(
+            {"name": "a", "model": {"preset": "tiny"}, "outer": {"clip_to_median_norm": flag}}
+        ).model_dump_json()
         old = stored.replace('"aggregation":"%s"' % aggregation, '"clip_to_median_norm":%s' % str(flag).lower())
         assert "clip_to_median_norm" in old and '"aggregation"' not in old
         assert RunConfig.from_stored(old).outer.aggregation == aggregation
@@ -227,6 +241,7 @@ def test_configs_with_the_old_clip_flag_still_load():
 
 # -- the poison fault's kinds -----------------------------------------------------------------------
 
+
 def test_poison_sign_flip_negates_and_overflow_signs_an_overflowing_packet():
     class Training:
         def __init__(self, model, outer):
@@ -238,7 +253,8 @@ def test_poison_sign_flip_negates_and_overflow_signs_an_overflowing_packet():
     def trained(faults):
         model = build_model("tiny", 0)
         training = FaultInjector.parse(faults).wrap_training(
-            Training(model, make_outer(flat_named_params(model), OuterConfig())))
+            Training(model, make_outer(flat_named_params(model), OuterConfig()))
+        )
         training.train_round(0)
         return training
 
@@ -257,9 +273,10 @@ def test_poison_sign_flip_negates_and_overflow_signs_an_overflowing_packet():
         decode_packet(data, overflowing.outer.spec, key.public_bytes)
     loose = decode_packet(data, overflowing.outer.spec, key.public_bytes, max_abs_value=float("inf"))
     table = loose.tensors["embed.weight"].table
-    assert (table.shift, table.lookup.tolist()) == (struct.unpack("<f", struct.pack("<f", 1e30))[0],
-                                                   [struct.unpack("<f", struct.pack("<f", v))[0]
-                                                    for v in OVERFLOW_TABLE[1:]])
+    assert (table.shift, table.lookup.tolist()) == (
+        struct.unpack("<f", struct.pack("<f", 1e30))[0],
+        [struct.unpack("<f", struct.pack("<f", v))[0] for v in OVERFLOW_TABLE[1:]],
+    )
 
 
 # -- a poisoning peer in the simulator ------------------------------------------------------------------
@@ -267,15 +284,27 @@ def test_poison_sign_flip_negates_and_overflow_signs_an_overflowing_packet():
 # 4 peers, tiny preset, 4 rounds of H = 4: a few seconds a case on one thread. Clipping alone:
 # contribution scoring, which excludes the sign-flipped and random peers after two rounds, is
 # measured at this config in test_scoring_sim.py.
-SIM = dict(algos=("sparseloco",), preset="tiny", num_peers=4, inner_steps=4, num_rounds=4, batch_size=8,
-           seq_len=32, eval_every_rounds=4, eval_batches=4, threads=1, scoring=False)
+SIM = dict(
+    algos=("sparseloco",),
+    preset="tiny",
+    num_peers=4,
+    inner_steps=4,
+    num_rounds=4,
+    batch_size=8,
+    seq_len=32,
+    eval_every_rounds=4,
+    eval_batches=4,
+    threads=1,
+    scoring=False,
+)
 
 
 def _sim(poison: str | None = None, aggregation: str = "median_clip") -> dict:
     from tools.sim.engine import SimConfig, simulate
 
-    return simulate(SimConfig(poison=poison, aggregation=aggregation, **SIM), show_progress=False)[
-        "strategies"]["sparseloco"]
+    return simulate(SimConfig(poison=poison, aggregation=aggregation, **SIM), show_progress=False)["strategies"][
+        "sparseloco"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -287,18 +316,23 @@ def clean_sim() -> dict:
 # 4.2868): x1000 -0.03 %, sign-flip +5.9 %, random +2.2 %, overflow (refused: 3 peers' data) +1.8 %.
 # Clipping bounds an update's norm, not its direction: a sign-flipped or random update of the
 # median norm still counts as much as an honest one, alone on the coordinates only it sent.
-@pytest.mark.parametrize("poison, bound", [
-    ("poison@factor=1000", 0.01),
-    ("poison@factor=1000,mode=sign-flip", 0.10),
-    ("poison@factor=1000,mode=random", 0.05),
-    ("poison@mode=overflow", 0.03),
-])
+@pytest.mark.parametrize(
+    "poison, bound",
+    [
+        ("poison@factor=1000", 0.01),
+        ("poison@factor=1000,mode=sign-flip", 0.10),
+        ("poison@factor=1000,mode=random", 0.05),
+        ("poison@mode=overflow", 0.03),
+    ],
+)
 def test_a_poisoning_peer_moves_the_swarms_loss_a_bounded_amount(clean_sim, poison, bound):
     start, clean = clean_sim["curve"][0][1], clean_sim["final_val_loss"]
     poisoned = _sim(poison)
     moved = (poisoned["final_val_loss"] - clean) / clean
-    print(f"{poison}: start {start:.4f} clean {clean:.4f} poisoned {poisoned['final_val_loss']:.4f}"
-          f" ({100 * moved:+.2f} %), refused {poisoned['refused']}")
+    print(
+        f"{poison}: start {start:.4f} clean {clean:.4f} poisoned {poisoned['final_val_loss']:.4f}"
+        f" ({100 * moved:+.2f} %), refused {poisoned['refused']}"
+    )
     assert clean < start - 0.5, "the clean swarm learned"
     assert math.isfinite(poisoned["final_val_loss"]) and abs(moved) < bound
     if poison.endswith("overflow"):  # refused by every peer in every round, the rest applied

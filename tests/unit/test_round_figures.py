@@ -35,7 +35,8 @@ def test_preset_sizes_are_the_models():
     for preset in presets:
         config = PRESETS[preset]
         assert PRESET_SIZES[preset] == model_sizes.PresetSize(
-            num_parameters(preset), config.vocab_size, config.hidden, config.tie_embeddings)
+            num_parameters(preset), config.vocab_size, config.hidden, config.tie_embeddings
+        )
         for vocab_size in (2, 50_257):  # a run's own tokenizer
             resized = dataclasses.replace(config, vocab_size=vocab_size)
             assert model_sizes.num_parameters(preset, vocab_size) == num_parameters(resized), (preset, vocab_size)
@@ -85,12 +86,16 @@ def test_metrics_expose_the_round_figures(coordinator_client, fake_clock):
     run_id, _ = three_peers_two_rounds(client, fake_clock)
     text = client.get("/metrics").text
     labels = f'{{run="{run_id}"}}'
-    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-               if line.endswith(tuple("0123456789.")) and labels in line}
+    samples = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.endswith(tuple("0123456789.")) and labels in line
+    }
     assert samples[f"locoswarm_last_round_tokens{labels}"] == 3 * 10 * 4 * 64
     assert samples[f"locoswarm_last_round_packet_bytes{labels}"] == 6000
     assert samples[f"locoswarm_last_round_compression_ratio{labels}"] == pytest.approx(
-        3 * 4 * PRESET_SIZES["tiny"].num_parameters / 6000)
+        3 * 4 * PRESET_SIZES["tiny"].num_parameters / 6000
+    )
     # The last round (1) was not evaluated: the latest evaluated one is, with its round.
     assert samples[f"locoswarm_val_loss{labels}"] == pytest.approx(3.6)
     assert samples[f"locoswarm_val_loss_round{labels}"] == 0
@@ -115,7 +120,9 @@ def test_activity_is_what_the_peer_does_now(coordinator_client, fake_clock):
     beat(peer, 0, "training", 10)
     peer.submit(run_id, 0)
     assert (peer_row(client, run_id, peer)["activity"], peer_row(client, run_id, peer)["inner_step"]) == (
-        "submitted", 10)
+        "submitted",
+        10,
+    )
     other.submit(run_id, 0)  # round 0 closes
     peer.applied(run_id, 0, "ab" * 32)
     row = peer_row(client, run_id, peer)
@@ -176,8 +183,14 @@ def test_evaluating_with_overlap_leaves_the_local_parameters_as_they_were(single
     from node.training.peer import PeerTraining
     from protocol.run_config import RunConfig
 
-    run = RunConfig.model_validate({"name": "eval", "model": {"preset": "tiny"}, "outer": {"overlap": True},
-                                    "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 0}})
+    run = RunConfig.model_validate(
+        {
+            "name": "eval",
+            "model": {"preset": "tiny"},
+            "outer": {"overlap": True},
+            "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 0},
+        }
+    )
     tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0)).numpy().astype("uint16")
     data = TokenDataset([tokens], vocab_size=256, name="random")
     training = PeerTraining.build(run, "cpu", data, val=data)
@@ -198,8 +211,13 @@ def test_a_held_out_split_too_short_for_a_sequence_is_no_evaluation(single_threa
     from node.training.peer import PeerTraining
     from protocol.run_config import RunConfig
 
-    run = RunConfig.model_validate({"name": "eval", "model": {"preset": "tiny"},
-                                    "inner": {"steps": 1, "batch_size": 2, "seq_len": 32, "warmup_steps": 0}})
+    run = RunConfig.model_validate(
+        {
+            "name": "eval",
+            "model": {"preset": "tiny"},
+            "inner": {"steps": 1, "batch_size": 2, "seq_len": 32, "warmup_steps": 0},
+        }
+    )
     train = TokenDataset([np.arange(5000, dtype=np.uint16) % 256], vocab_size=256, name="train")
     short = TokenDataset([np.arange(10, dtype=np.uint16)], vocab_size=256, name="val")
     training = PeerTraining.build(run, "cpu", train, val=short)

@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 from node.config import FLAT_KEYS, load_node_config
+from node.faults import FaultInjector
 from node.round.coordinator_client import CoordinatorClient
 from node.round.loop import Node
-from node.faults import FaultInjector
-from tests.doubles.memory_exchange import MemorySwarm
 from protocol.http import RoundView, RunStatus, peer_id_from_public_key
 from protocol.signing import PeerKey
+from tests.doubles.memory_exchange import MemorySwarm
 
 ADMIN_TOKEN = "round-loop-test-admin-token-0123456789"
 BASE_URL = "http://coordinator.test"
@@ -32,8 +32,9 @@ class Swarm:
     def __init__(self, tmp_path: Path, app, transport: httpx.ASGITransport):
         self.tmp_path, self.app, self.transport = tmp_path, app, transport
         self.network = MemorySwarm()
-        self.admin = httpx.AsyncClient(transport=transport, base_url=BASE_URL,
-                                       headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
+        self.admin = httpx.AsyncClient(
+            transport=transport, base_url=BASE_URL, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
         self.corpus = tmp_path / "corpus.txt"
         # A small real text: this test file's own bytes, repeated (byte-level tokens for `tiny`).
         self.corpus.write_text(Path(__file__).read_text() * 8)
@@ -41,7 +42,8 @@ class Swarm:
 
     async def create_run(self, **sections) -> str:
         config = {
-            "name": "round-loop", "max_rounds": sections.pop("max_rounds", 3),
+            "name": "round-loop",
+            "max_rounds": sections.pop("max_rounds", 3),
             "model": {"preset": "tiny", "data": str(self.corpus)},
             "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
             "membership": {"min_peers": sections.pop("min_peers", 3), "heartbeat_timeout_s": 600.0},
@@ -57,13 +59,18 @@ class Swarm:
     def node(self, name: str, faults: FaultInjector | None = None, **settings) -> tuple[Node, str]:
         key_path = self.tmp_path / f"{name}.key"
         key = PeerKey.load_or_create(key_path)
-        settings = {"training.device": "cpu", "debug.progress": False, "network.fetch_timeout_s": 3.0,
-                    "training.threads": 1, **{FLAT_KEYS[name]: value for name, value in settings.items()}}
-        config = load_node_config(None, {"coordinator": BASE_URL, "run_id": self.run_id, "key_path": key_path,
-                                         **settings})
+        settings = {
+            "training.device": "cpu",
+            "debug.progress": False,
+            "network.fetch_timeout_s": 3.0,
+            "training.threads": 1,
+            **{FLAT_KEYS[name]: value for name, value in settings.items()},
+        }
+        config = load_node_config(
+            None, {"coordinator": BASE_URL, "run_id": self.run_id, "key_path": key_path, **settings}
+        )
         client = CoordinatorClient(BASE_URL, key, transport=self.transport, retry_for_s=5.0)
-        node = Node(config, client=client, exchange=self.network.exchange(name),
-                    faults=faults)
+        node = Node(config, client=client, exchange=self.network.exchange(name), faults=faults)
         return node, peer_id_from_public_key(key.public_bytes)
 
     async def status(self) -> RunStatus:
@@ -226,10 +233,12 @@ async def test_restart_resumes_from_the_checkpoint(swarm):
     ckpt = {name: swarm.tmp_path / f"ckpt-{name}" for name in "ab"}
     first = [swarm.node(name, checkpoint_dir=ckpt[name], max_rounds=2)[0] for name in "ab"]
     await run_all(*first)
-    held = {name: {n: b.clone() for n, b in node.training.outer.error_buffers.items()}
-            for name, node in zip("ab", first)}
-    moments = {name: [s["exp_avg"].clone() for s in node.training.optimizer.state.values()]
-               for name, node in zip("ab", first)}
+    held = {
+        name: {n: b.clone() for n, b in node.training.outer.error_buffers.items()} for name, node in zip("ab", first)
+    }
+    moments = {
+        name: [s["exp_avg"].clone() for s in node.training.optimizer.state.values()] for name, node in zip("ab", first)
+    }
     again = [swarm.node(name, checkpoint_dir=ckpt[name])[0] for name in "ab"]
 
     async def restored(node: Node, name: str) -> None:  # the state as loaded, before round 2 trains
@@ -237,11 +246,11 @@ async def test_restart_resumes_from_the_checkpoint(swarm):
             await asyncio.sleep(0.01)
         outer = node.training.outer
         assert all(torch.equal(outer.error_buffers[n], b) for n, b in held[name].items())
-        assert all(torch.equal(s["exp_avg"], m)
-                   for s, m in zip(node.training.optimizer.state.values(), moments[name]))
+        assert all(torch.equal(s["exp_avg"], m) for s, m in zip(node.training.optimizer.state.values(), moments[name]))
 
-    await asyncio.wait_for(asyncio.gather(*(n.run() for n in again), *(restored(n, m) for n, m in zip(again, "ab"))),
-                           TEST_TIMEOUT_S)
+    await asyncio.wait_for(
+        asyncio.gather(*(n.run() for n in again), *(restored(n, m) for n, m in zip(again, "ab"))), TEST_TIMEOUT_S
+    )
     agreed = {h.round: h.majority_digest for h in (await swarm.status()).history}
     assert sorted(agreed) == [0, 1, 2, 3]
     for node in again:
@@ -276,7 +285,8 @@ async def test_withheld_packet_is_amended_out_and_every_round_applied(swarm):
         assert applied_1.ended_at - closed_at < 2 * 3.0 + 4.0, "within about two fetch time-outs"
     assert c.catch_ups == [] and [r.round for r in c.reports] == [0, 1, 2, 3]
     assert [(x.round, x.from_version, x.to_version, x.digest) for x in c.session.amendments.recomputed] == [
-        (1, 1, 2, agreed[1])]
+        (1, 1, 2, agreed[1])
+    ]
     # Its report of round 1 follows the recompute: the amended digest, at manifest version 2.
     assert digests_by_round(c) == agreed
     assert [(r.round, r.manifest_version) for r in c.reports] == [(0, 1), (1, 2), (2, 1), (3, 1)]
@@ -285,8 +295,11 @@ async def test_withheld_packet_is_amended_out_and_every_round_applied(swarm):
 @in_swarm
 async def test_withheld_packet_with_diloco_recomputes_the_outer_momentum(swarm):
     """As above with DiLoCo's Nesterov outer momentum: the recompute puts the momentum back too."""
-    await swarm.create_run(max_rounds=3, exchange={"missing_grace_s": 2.0},
-                           outer={"strategy": "diloco", "momentum": 0.9, "nesterov": True, "lr": 0.7})
+    await swarm.create_run(
+        max_rounds=3,
+        exchange={"missing_grace_s": 2.0},
+        outer={"strategy": "diloco", "momentum": 0.9, "nesterov": True, "lr": 0.7},
+    )
     (a, _), (b, _), (c, c_id) = swarm.node("a"), swarm.node("b"), swarm.node("c")
     swarm.network.withhold(1, c_id)
     await run_all(a, b, c)

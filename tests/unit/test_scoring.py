@@ -53,7 +53,8 @@ def test_honest_updates_score_better_than_flipped_and_random_ones():
         for n, p in params.items():
             p.copy_(start[n])
         assert scores["honest"].loss_delta == pytest.approx(
-            score_updates(model, start, {"honest": updates["honest"]}, batch)["honest"].loss_delta)
+            score_updates(model, start, {"honest": updates["honest"]}, batch)["honest"].loss_delta
+        )
         for n, p in params.items():
             p.copy_(before[n])
     assert float(lm_loss(model, *batch)) == model_loss
@@ -105,8 +106,14 @@ def test_reported_scores_are_finite_and_bounded():
     from protocol.http import MAX_ABS_LOSS_DELTA as WIRE_BOUND
 
     assert MAX_ABS_LOSS_DELTA == WIRE_BOUND
-    out = reportable({"a": PeerScore(math.inf, 0.1), "b": PeerScore(math.nan, math.nan), "c": PeerScore(-1e9, -1.0),
-                      "d": PeerScore(-0.25, 0.5)})
+    out = reportable(
+        {
+            "a": PeerScore(math.inf, 0.1),
+            "b": PeerScore(math.nan, math.nan),
+            "c": PeerScore(-1e9, -1.0),
+            "d": PeerScore(-0.25, 0.5),
+        }
+    )
     assert out["a"].loss_delta == out["b"].loss_delta == MAX_ABS_LOSS_DELTA and out["b"].cosine == 0.0
     assert out["c"].loss_delta == -MAX_ABS_LOSS_DELTA and out["d"] == PeerScore(-0.25, 0.5)
 

@@ -95,7 +95,9 @@ def test_an_honest_peer_whose_data_raises_the_judges_loss_for_rounds_is_never_ex
     """The false positive of the loss rule alone (the simulator at 32 rounds excluded one honest peer
     in each of 4 seeds, from round 18 on): its update raised the others' held-out loss by up to 4x
     the typical gain for rounds running, but moved its coordinates the way theirs did."""
-    unlike = reports({"a": Score(+0.018, 0.03), "b": Score(-0.005, 0.4), "c": Score(-0.004, 0.5), "d": Score(-0.006, 0.4)})
+    unlike = reports(
+        {"a": Score(+0.018, 0.03), "b": Score(-0.005, 0.4), "c": Score(-0.004, 0.5), "d": Score(-0.006, 0.4)}
+    )
     assert round_verdicts(unlike, PEERS, RULE)["a"].num_hurt == 0
     assert standings_after([unlike] * 12)["a"].excluded_at is None
     scaled = reports({"a": Score(+5.0, 0.9), "b": HONEST, "c": HONEST, "d": HONEST})  # x1000, same direction
@@ -143,8 +145,9 @@ def test_the_run_config_section_and_the_rule_agree():
     section = RunConfig.model_validate({"name": "a", "model": {"preset": "tiny"}}).scoring
     assert section.enabled and ScoringRule.from_section(section) == ScoringRule()
     with pytest.raises(ValidationError, match="exclude_after_rounds"):
-        RunConfig.model_validate({"name": "a", "model": {"preset": "tiny"},
-                                  "scoring": {"window_rounds": 2, "exclude_after_rounds": 3}})
+        RunConfig.model_validate(
+            {"name": "a", "model": {"preset": "tiny"}, "scoring": {"window_rounds": 2, "exclude_after_rounds": 3}}
+        )
 
 
 # -- the applied report's scores, as hostile input ------------------------------------------------------
@@ -190,8 +193,10 @@ def test_empty_and_noise_earn_no_credit_and_useful_work_does():
     for bad in (EMPTY, NOISE):
         judged_by_honest = {p: (HONEST if p.startswith("h") else bad) for p in peers}
         judged_by_empty = {p: (Score(-0.08, 0.0) if p.startswith("h") else bad) for p in peers}
-        round_reports = {j: {p: s for p, s in (judged_by_honest if j.startswith("h") else judged_by_empty).items()
-                             if p != j} for j in peers}
+        round_reports = {
+            j: {p: s for p, s in (judged_by_honest if j.startswith("h") else judged_by_empty).items() if p != j}
+            for j in peers
+        }
         standings = standings_after([round_reports] * 3, contributors=peers)
         assert [standings[p].credit for p in peers] == [3, 3, 3, 0, 0, 0, 0], standings
         assert standings["s1"].last_verdict == "not_useful" and standings["h1"].num_useful == 3
@@ -222,8 +227,12 @@ def test_once_a_judge_has_credit_judges_without_it_weigh_nothing():
     weighed = round_verdicts(round_reports, peers, RULE, credit={"h1": 2, "h2": 2})
     assert [weighed[p].useful for p in peers] == [None, None, False, False, False, False]  # h's: 1 judge of credit
     assert not any(v.hurt for v in weighed.values())
-    three = round_verdicts(round_reports | {"h3": {p: s for p, s in truth.items()}}, peers + ["h3"], RULE,
-                           credit={"h1": 2, "h2": 2, "h3": 1})
+    three = round_verdicts(
+        round_reports | {"h3": {p: s for p, s in truth.items()}},
+        peers + ["h3"],
+        RULE,
+        credit={"h1": 2, "h2": 2, "h3": 1},
+    )
     assert three["h1"].useful and not three["h1"].hurt and not three["s1"].useful
     unweighed = round_verdicts(round_reports, peers, RULE)
     assert unweighed["h1"].hurt, "with no credit anywhere, four liars outvote two (what credit is for)"
@@ -242,14 +251,19 @@ def test_a_copy_of_an_earlier_packet_is_never_useful():
     cosine; b (the original) is judged as usual. A copy of a copy names the earliest original."""
     copy_of_b = Score(-0.10, 0.8, overlap=1.0, overlap_with=("b",))
     submitted = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}
-    verdicts = round_verdicts(reports({"a": HONEST, "b": HONEST, "c": copy_of_b, "d": HONEST}), PEERS, RULE,
-                              submitted=submitted)
+    verdicts = round_verdicts(
+        reports({"a": HONEST, "b": HONEST, "c": copy_of_b, "d": HONEST}), PEERS, RULE, submitted=submitted
+    )
     assert verdicts["c"].copy_of == "b" and verdicts["c"].useful is False
     assert verdicts["b"].copy_of is None and verdicts["b"].useful
     assert update_standing(Standing(), 0, verdicts["c"], RULE).last_verdict == "copy"
     chain = Score(-0.10, 0.8, overlap=1.0, overlap_with=("b", "c"))
-    assert round_verdicts(reports({"a": HONEST, "b": HONEST, "c": HONEST, "d": chain}), PEERS, RULE,
-                          submitted=submitted)["d"].copy_of == "b"
+    assert (
+        round_verdicts(reports({"a": HONEST, "b": HONEST, "c": HONEST, "d": chain}), PEERS, RULE, submitted=submitted)[
+            "d"
+        ].copy_of
+        == "b"
+    )
     # Honest updates share some of their entries: below copy_overlap, nobody is a copy.
     honest = Score(-0.10, 0.8, overlap=0.15, overlap_with=("a",))
     assert round_verdicts(reports({p: honest for p in PEERS}), PEERS, RULE, submitted=submitted)["d"].copy_of is None

@@ -20,8 +20,9 @@ CONFIG = SIM | {"scoring": True}
 def _sim(poison: str | None = None, scoring: bool = True) -> dict:
     from tools.sim.engine import SimConfig, simulate
 
-    return simulate(SimConfig(**(CONFIG | {"poison": poison, "scoring": scoring})), show_progress=False)[
-        "strategies"]["sparseloco"]
+    return simulate(SimConfig(**(CONFIG | {"poison": poison, "scoring": scoring})), show_progress=False)["strategies"][
+        "sparseloco"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,11 @@ def test_a_sign_flipper_is_excluded_after_two_rounds_and_costs_less(clean):
     flipped = _sim("poison@factor=1,mode=sign-flip")
     unscored = _sim("poison@factor=1,mode=sign-flip", scoring=False)["final_val_loss"]
     base = clean["final_val_loss"]
-    print(f"clean {base:.4f}; sign-flip: scored {flipped['final_val_loss']:.4f}"
-          f" ({100 * (flipped['final_val_loss'] / base - 1):+.2f} %), unscored {unscored:.4f}"
-          f" ({100 * (unscored / base - 1):+.2f} %)")
+    print(
+        f"clean {base:.4f}; sign-flip: scored {flipped['final_val_loss']:.4f}"
+        f" ({100 * (flipped['final_val_loss'] / base - 1):+.2f} %), unscored {unscored:.4f}"
+        f" ({100 * (unscored / base - 1):+.2f} %)"
+    )
     assert flipped["excluded"] == {"p03": 2}
     standing = flipped["standings"]["p03"]
     assert standing["reason"].startswith("its updates hurt in 2 of its last 2 scored rounds (0, 1")

@@ -12,10 +12,7 @@ gathering the delta to rank 0), a 1-D tensor of each kind, and a rank holding no
 
 from __future__ import annotations
 
-
 import pytest
-
-from tests.fixtures.ranks import spawn_ranks
 import torch
 
 from node.training.outer import OuterConfig, SparseLoCoOuter
@@ -23,6 +20,7 @@ from node.training.params import param_digest
 from node.training.sharded_outer import ShardedSparseLoCo, is_aligned, row_ranges
 from protocol.packet import ModelSpec
 from protocol.signing import PeerKey
+from tests.fixtures.ranks import spawn_ranks
 
 SHAPES = {
     "a.aligned": (128, 96),  # 64-row tiles, 64 rows a rank
@@ -37,7 +35,6 @@ WORLD = 2
 ROUNDS = 3
 
 
-
 def _full(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {name: torch.randn(shape, generator=g) * scale for name, shape in SHAPES.items()}
@@ -50,8 +47,14 @@ def _check(rank: int, cfg: OuterConfig) -> None:
     local = {n: t[slice(*rows[n])].clone() for n, t in start.items()}
     sharded = ShardedSparseLoCo(local, SHAPES, cfg)
     assert {n: s.aligned for n, s in sharded.shards.items()} == {
-        "a.aligned": True, "b.mlp": True, "c.cut": False, "d.vector": True, "e.vector_cut": False,
-        "f.short": True, "g.odd": False}
+        "a.aligned": True,
+        "b.mlp": True,
+        "c.cut": False,
+        "d.vector": True,
+        "e.vector_cut": False,
+        "f.short": True,
+        "g.odd": False,
+    }
     key, other_key = PeerKey.from_seed(b"node"), PeerKey.from_seed(b"other")
     other = SparseLoCoOuter({n: torch.nn.Parameter(t.clone()) for n, t in start.items()}, cfg)
     for round in range(ROUNDS):
@@ -66,8 +69,9 @@ def _check(rank: int, cfg: OuterConfig) -> None:
                 local[n].sub_(delta[n][slice(*rows[n])])
                 other.params[n].sub_(other_delta[n])
         expected = reference.make_payload(run_id="run", round=round, peer_id="node", base_digest=digest, key=key)
-        packet = sharded.make_payload(run_id="run", round=round, peer_id="node", base_digest=digest,
-                                      key=key if rank == 0 else None)
+        packet = sharded.make_payload(
+            run_id="run", round=round, peer_id="node", base_digest=digest, key=key if rank == 0 else None
+        )
         if rank == 0:
             assert packet == expected, f"round {round}: the packets differ"
         else:
@@ -80,8 +84,10 @@ def _check(rank: int, cfg: OuterConfig) -> None:
                 assert torch.equal(mine, reference.error_buffers[n]), f"round {round}: {n}"
             else:
                 assert mine is None
-        payloads = {"node": expected, "other": other.make_payload(run_id="run", round=round, peer_id="other",
-                                                                  base_digest=digest, key=other_key)}
+        payloads = {
+            "node": expected,
+            "other": other.make_payload(run_id="run", round=round, peer_id="other", base_digest=digest, key=other_key),
+        }
         keys = {"node": key.public_bytes, "other": other_key.public_bytes}
         applied = reference.apply(payloads, keys.__getitem__, run_id="run", round=round)
         other.apply(payloads, keys.__getitem__, run_id="run", round=round)
@@ -108,7 +114,10 @@ def test_layout_alignment_follows_fsdp_rows():
     assert not is_aligned(layouts["c.cut"], 2) and is_aligned(layouts["c.cut"], 1)
 
 
-@pytest.mark.parametrize("cfg", [OuterConfig(), OuterConfig(aggregation="mean", outer_lr=0.7, error_decay=0.9)],
-                         ids=["median_clip", "mean_lr0.7"])
+@pytest.mark.parametrize(
+    "cfg",
+    [OuterConfig(), OuterConfig(aggregation="mean", outer_lr=0.7, error_decay=0.9)],
+    ids=["median_clip", "mean_lr0.7"],
+)
 def test_two_ranks_match_one_rank_bit_for_bit(cfg, tmp_path):
     spawn_ranks(_check, tmp_path, cfg, world_size=WORLD)

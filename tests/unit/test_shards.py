@@ -4,15 +4,23 @@ and the refusal of shards the run's model cannot train on (node, simulator)."""
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
 from locoswarm.cli import main as locoswarm
-from node.training.data import (DataError, TokenDataset, TokenizerMismatch, VocabularyMismatch, check_vocabulary,
-                                load_corpus, read_bin_header, write_bin_shard)
+from node.training.data import (
+    DataError,
+    TokenDataset,
+    TokenizerMismatch,
+    VocabularyMismatch,
+    check_vocabulary,
+    load_corpus,
+    read_bin_header,
+    write_bin_shard,
+)
 from node.training.peer import PeerTraining
 from node.training.shards import BadInput, prepare, run_config_lines, special_tokens, tokenizer_id
 from protocol.run_config import RunConfig
@@ -48,8 +56,14 @@ def inputs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def prepared(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("prepared") / "data"
-    return prepare([inputs / "text", inputs / "docs.jsonl", inputs / "docs.parquet"], "bpe:700", out,
-                   text_column="body", shard_tokens=4000, val_fraction=0.2)
+    return prepare(
+        [inputs / "text", inputs / "docs.jsonl", inputs / "docs.parquet"],
+        "bpe:700",
+        out,
+        text_column="body",
+        shard_tokens=4000,
+        val_fraction=0.2,
+    )
 
 
 def test_prepare_reads_every_format_and_writes_tagged_shards(prepared, inputs):
@@ -71,17 +85,25 @@ def test_prepare_reads_every_format_and_writes_tagged_shards(prepared, inputs):
     # Every document comes back, each followed by <|endoftext|>, split by document between train and val.
     tokenizer = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
     eos = special_tokens(out / "tokenizer.json")["eos"][0]
-    decoded = [tokenizer.decode(list(map(int, piece)), skip_special_tokens=False)
-               for split in (corpus.train, corpus.val)
-               for piece in np.split(split.tokens(), np.flatnonzero(split.tokens() == eos) + 1) if len(piece)]
+    decoded = [
+        tokenizer.decode(list(map(int, piece)), skip_special_tokens=False)
+        for split in (corpus.train, corpus.val)
+        for piece in np.split(split.tokens(), np.flatnonzero(split.tokens() == eos) + 1)
+        if len(piece)
+    ]
     assert sorted(d.removesuffix("<|endoftext|>") for d in decoded) == sorted(documents)
 
 
 def test_prepare_with_a_given_tokenizer_is_deterministic(prepared, inputs, tmp_path):
     """The tokenizer.json of one preparation, given to another, gives the same id and tokens."""
-    again = prepare([inputs / "text", inputs / "docs.jsonl", inputs / "docs.parquet"],
-                    str(Path(prepared.out_dir) / "tokenizer.json"), tmp_path / "again", text_column="body",
-                    shard_tokens=4000, val_fraction=0.2)
+    again = prepare(
+        [inputs / "text", inputs / "docs.jsonl", inputs / "docs.parquet"],
+        str(Path(prepared.out_dir) / "tokenizer.json"),
+        tmp_path / "again",
+        text_column="body",
+        shard_tokens=4000,
+        val_fraction=0.2,
+    )
     assert again.tokenizer_id == prepared.tokenizer_id and again.num_tokens == prepared.num_tokens
     for name in prepared.shards["train"]:
         assert (Path(prepared.out_dir) / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
@@ -121,8 +143,9 @@ def test_header_keeps_llm_c_fields_and_picks_the_dtype(tmp_path):
 
 
 def _run(**model) -> RunConfig:
-    return RunConfig.model_validate({"name": "t", "model": {"preset": "tiny", **model},
-                                     "inner": {"steps": 2, "batch_size": 2, "seq_len": 16}})
+    return RunConfig.model_validate(
+        {"name": "t", "model": {"preset": "tiny", **model}, "inner": {"steps": 2, "batch_size": 2, "seq_len": 16}}
+    )
 
 
 def test_check_vocabulary_refuses_what_the_model_cannot_embed(prepared, tmp_path):
@@ -160,17 +183,42 @@ def test_peer_refuses_mismatched_shards_and_embeds_the_runs_vocabulary(prepared,
 
 def test_cli_prints_the_run_config_lines(inputs, tmp_path, capsys):
     out = tmp_path / "cli"
-    code = locoswarm(["data", "prepare", "--input", str(inputs / "text"), "--tokenizer", "bpe:400",
-                      "--out", str(out), "--shard-tokens", "100000"])
+    code = locoswarm(
+        [
+            "data",
+            "prepare",
+            "--input",
+            str(inputs / "text"),
+            "--tokenizer",
+            "bpe:400",
+            "--out",
+            str(out),
+            "--shard-tokens",
+            "100000",
+        ]
+    )
     assert code == 0
     captured = capsys.readouterr()
     assert "%|" not in captured.err  # no progress bar when stderr is not a terminal
-    model = tomllib.loads(captured.out[captured.out.index("[model]"):])["model"]
+    model = tomllib.loads(captured.out[captured.out.index("[model]") :])["model"]
     assert model == {"data": str(out), "vocab_size": 400, "tokenizer_id": tokenizer_id(out / "tokenizer.json")}
     run = RunConfig.model_validate({"name": "t", "model": {"preset": "tiny", **model}})
     assert (run.model.vocab_size, run.model.tokenizer_id) == (400, model["tokenizer_id"])
-    assert locoswarm(["data", "prepare", "--input", str(tmp_path / "nothing"), "--tokenizer", "bpe:400",
-                      "--out", str(tmp_path / "x")]) == 2
+    assert (
+        locoswarm(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(tmp_path / "nothing"),
+                "--tokenizer",
+                "bpe:400",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
     assert "no such input" in capsys.readouterr().err
 
 
@@ -182,8 +230,18 @@ def test_run_config_lines_are_toml(prepared):
 def test_sim_trains_on_prepared_shards(prepared, single_thread):
     from tools.sim.engine import SimConfig, simulate
 
-    cfg = SimConfig(algos=("sparseloco",), preset="tiny", num_peers=2, inner_steps=2, num_rounds=1, batch_size=2,
-                    seq_len=32, eval_batches=1, data=prepared.out_dir, threads=1)
+    cfg = SimConfig(
+        algos=("sparseloco",),
+        preset="tiny",
+        num_peers=2,
+        inner_steps=2,
+        num_rounds=1,
+        batch_size=2,
+        seq_len=32,
+        eval_batches=1,
+        data=prepared.out_dir,
+        threads=1,
+    )
     summary = simulate(cfg, show_progress=False)
     assert summary["config"]["vocab_size"] == 700
     assert summary["config"]["tokenizer_id"] == prepared.tokenizer_id
@@ -196,9 +254,15 @@ def test_a_llama_style_tokenizer_gets_one_bos_per_document(inputs, tmp_path):
     tk = tokenizers
     tokenizer = tk.Tokenizer(tk.models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.train_from_iterator(_documents(), tk.trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
-        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.train_from_iterator(
+        _documents(),
+        tk.trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<unk>", "<s>", "</s>"],
+            show_progress=False,
+            initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tokenizer.post_processor = tk.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tokenizer.save(str(tmp_path / "llama.json"))
     prepared = prepare([inputs / "text"], str(tmp_path / "llama.json"), tmp_path / "out", val_fraction=0.0)

@@ -16,15 +16,33 @@ import sys
 import pytest
 
 from locoswarm.cli import main as locoswarm
+from tests.fixtures.coordinator import REPO_ROOT
 from tools.sim import cli as sim_cli
 from tools.sim import plot as sim_plot
-from tests.fixtures.coordinator import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
 # The smallest run the simulator accepts, and every evaluation kept (3 per strategy).
-TINY = ["--preset", "tiny", "--peers", "2", "--inner-steps", "1", "--rounds", "2", "--batch-size", "1",
-        "--seq-len", "8", "--eval-every", "1", "--eval-batches", "1", "--threads", "1"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--peers",
+    "2",
+    "--inner-steps",
+    "1",
+    "--rounds",
+    "2",
+    "--batch-size",
+    "1",
+    "--seq-len",
+    "8",
+    "--eval-every",
+    "1",
+    "--eval-batches",
+    "1",
+    "--threads",
+    "1",
+]
 COLOUR_TOLERANCE = 0.02  # of 1.0 per channel: antialiased edges aside, a line is drawn in its exact colour
 MIN_LINE_PIXELS = 20
 
@@ -50,14 +68,14 @@ def _panels(path):
 
     pixels = image.imread(str(path))[..., :3]  # (H, W, 3) in [0, 1]
     height, width, _ = pixels.shape
-    body = pixels[int(height * 0.15):]
-    return pixels, body[:, : width // 2], body[:, width // 2:]
+    body = pixels[int(height * 0.15) :]
+    return pixels, body[:, : width // 2], body[:, width // 2 :]
 
 
 def _count_colour(pixels, hex_colour: str) -> int:
     import numpy as np
 
-    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    rgb = np.array([int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)])
     return int((np.abs(pixels - rgb).max(axis=-1) < COLOUR_TOLERANCE).sum())
 
 
@@ -76,8 +94,18 @@ def test_the_figure_has_both_panels_every_strategy_and_the_settings(tiny_run, tm
     summary = sim_plot.read_summary(out)
     title = sim_plot.plot_summary(summary, tmp_path / "again.png")
     assert title == sim_plot.figure_title(summary)
-    for setting in ("2 peers", "H=1", "2 rounds", "preset tiny", "batch 1x8", "seed 0", "top_k 64",
-                    "error decay 0.95", "diloco outer lr 0.7", "data stdlib"):
+    for setting in (
+        "2 peers",
+        "H=1",
+        "2 rounds",
+        "preset tiny",
+        "batch 1x8",
+        "seed 0",
+        "top_k 64",
+        "error decay 0.95",
+        "diloco outer lr 0.7",
+        "data stdlib",
+    ):
         assert setting in title
 
 
@@ -143,8 +171,10 @@ def test_without_matplotlib(tiny_run, tmp_path, capsys, monkeypatch):
 
 
 def test_matplotlib_is_not_imported_until_a_figure_is_drawn():
-    code = ("import sys; from locoswarm.cli import parse_args; parse_args(['sim', '--plot', 'x.png']); "
-            "assert 'matplotlib' not in sys.modules, 'imported'")
+    code = (
+        "import sys; from locoswarm.cli import parse_args; parse_args(['sim', '--plot', 'x.png']); "
+        "assert 'matplotlib' not in sys.modules, 'imported'"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
 

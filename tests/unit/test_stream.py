@@ -11,9 +11,24 @@ import pytest
 
 from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, TruncatedPacket
 from protocol.stream import (
-    MAX_ERROR_BYTES, MAX_REQUEST_BYTES, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_BUSY, STATUS_ERROR, STATUS_OK,
-    PacketRequest, decode_busy, decode_error, decode_request, decode_response_header, encode_busy, encode_error,
-    encode_request, encode_response_header, is_peer_id, request_body_length,
+    MAX_ERROR_BYTES,
+    MAX_REQUEST_BYTES,
+    REQUEST_PREFIX,
+    RESPONSE_HEADER,
+    STATUS_BUSY,
+    STATUS_ERROR,
+    STATUS_OK,
+    PacketRequest,
+    decode_busy,
+    decode_error,
+    decode_request,
+    decode_response_header,
+    encode_busy,
+    encode_error,
+    encode_request,
+    encode_response_header,
+    is_peer_id,
+    request_body_length,
 )
 
 DIGEST = "ab" * 32
@@ -23,7 +38,7 @@ GOOD = {"run": "r1", "round": 3, "peer": "peer-a", "digest": DIGEST}
 
 def split(frame: bytes) -> bytes:
     """The body of a request frame, after checking its prefix."""
-    prefix, body = frame[:REQUEST_PREFIX.size], frame[REQUEST_PREFIX.size:]
+    prefix, body = frame[: REQUEST_PREFIX.size], frame[REQUEST_PREFIX.size :]
     assert request_body_length(prefix) == len(body)
     return body
 
@@ -46,26 +61,38 @@ def test_request_without_optional_keys_is_accepted():
     assert not request.wait and not request.child
 
 
-@pytest.mark.parametrize("prefix, error", [
-    (REQUEST_PREFIX.pack(MAX_REQUEST_BYTES + 1), OversizedPacket),
-    (REQUEST_PREFIX.pack(1 << 30), OversizedPacket),
-    (b"\x00\x00\x01", TruncatedPacket),
-    (b"", TruncatedPacket),
-])
+@pytest.mark.parametrize(
+    "prefix, error",
+    [
+        (REQUEST_PREFIX.pack(MAX_REQUEST_BYTES + 1), OversizedPacket),
+        (REQUEST_PREFIX.pack(1 << 30), OversizedPacket),
+        (b"\x00\x00\x01", TruncatedPacket),
+        (b"", TruncatedPacket),
+    ],
+)
 def test_request_prefix_refuses_long_and_truncated(prefix, error):
     with pytest.raises(error):
         request_body_length(prefix)
 
 
 BAD_REQUESTS = [
-    b"", b"\xc1", msgpack.packb(GOOD)[:-3],  # empty, not msgpack, truncated
+    b"",
+    b"\xc1",
+    msgpack.packb(GOOD)[:-3],  # empty, not msgpack, truncated
     msgpack.packb(GOOD) + b"\x00",  # trailing bytes
-    msgpack.packb([1, 2]), msgpack.packb("r1"), msgpack.packb(None),  # not a map
+    msgpack.packb([1, 2]),
+    msgpack.packb("r1"),
+    msgpack.packb(None),  # not a map
     msgpack.packb({k: v for k, v in GOOD.items() if k != "digest"}),  # a required key missing
     msgpack.packb(GOOD | {"x": 1}),  # an unknown key
-    msgpack.packb(GOOD | {"round": True}), msgpack.packb(GOOD | {"round": "3"}), msgpack.packb(GOOD | {"round": 1.0}),
-    msgpack.packb(GOOD | {"run": 1}), msgpack.packb(GOOD | {"peer": None}), msgpack.packb(GOOD | {"digest": b"ab"}),
-    msgpack.packb(GOOD | {"wait": 1}), msgpack.packb(GOOD | {"child": "yes"}),
+    msgpack.packb(GOOD | {"round": True}),
+    msgpack.packb(GOOD | {"round": "3"}),
+    msgpack.packb(GOOD | {"round": 1.0}),
+    msgpack.packb(GOOD | {"run": 1}),
+    msgpack.packb(GOOD | {"peer": None}),
+    msgpack.packb(GOOD | {"digest": b"ab"}),
+    msgpack.packb(GOOD | {"wait": 1}),
+    msgpack.packb(GOOD | {"child": "yes"}),
     msgpack.packb({1: "r1", "round": 3, "peer": "p", "digest": DIGEST}),  # a non-string key
     msgpack.packb({**GOOD, **{f"k{i}": 0 for i in range(5)}}),  # more entries than any request has
     msgpack.packb(GOOD | {"run": ["r1"]}),  # a nested list
@@ -99,26 +126,29 @@ def test_response_header_round_trips_and_refuses_hostile_values():
 def test_busy_answer_round_trips():
     for names in ([], HOLDERS, HOLDERS * 4):
         frame = encode_busy(names)
-        status, length = decode_response_header(frame[:RESPONSE_HEADER.size], 1)
+        status, length = decode_response_header(frame[: RESPONSE_HEADER.size], 1)
         assert status == STATUS_BUSY and length == len(frame) - RESPONSE_HEADER.size
-        assert decode_busy(frame[RESPONSE_HEADER.size:]) == names
+        assert decode_busy(frame[RESPONSE_HEADER.size :]) == names
     with pytest.raises(ValueError):
         encode_busy(HOLDERS * 5)
 
 
-@pytest.mark.parametrize("body, error", [
-    (b"\xc1", MalformedPacket),  # not msgpack
-    (msgpack.packb({"a": 1}), MalformedPacket),  # not a list
-    (msgpack.packb([1, 2]), MalformedPacket),  # not strings
-    (msgpack.packb([b"\x01"]), MalformedPacket),  # bytes, not strings
-    (msgpack.packb(["not-a-peer-id"]), MalformedPacket),  # "-" is not base58
-    (msgpack.packb(["0OIl"]), MalformedPacket),  # characters base58 leaves out
-    (msgpack.packb(["x"] * 9), MalformedPacket),  # more names than an answer carries
-    (msgpack.packb(["1" * 129]), MalformedPacket),  # longer than a peer id
-    (msgpack.packb(HOLDERS)[:-5], MalformedPacket),  # truncated
-    (msgpack.packb(HOLDERS) + b"\x90", MalformedPacket),  # trailing bytes
-    (msgpack.packb(["1" * 100] * 6), OversizedPacket),  # over 512 bytes
-])
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        (b"\xc1", MalformedPacket),  # not msgpack
+        (msgpack.packb({"a": 1}), MalformedPacket),  # not a list
+        (msgpack.packb([1, 2]), MalformedPacket),  # not strings
+        (msgpack.packb([b"\x01"]), MalformedPacket),  # bytes, not strings
+        (msgpack.packb(["not-a-peer-id"]), MalformedPacket),  # "-" is not base58
+        (msgpack.packb(["0OIl"]), MalformedPacket),  # characters base58 leaves out
+        (msgpack.packb(["x"] * 9), MalformedPacket),  # more names than an answer carries
+        (msgpack.packb(["1" * 129]), MalformedPacket),  # longer than a peer id
+        (msgpack.packb(HOLDERS)[:-5], MalformedPacket),  # truncated
+        (msgpack.packb(HOLDERS) + b"\x90", MalformedPacket),  # trailing bytes
+        (msgpack.packb(["1" * 100] * 6), OversizedPacket),  # over 512 bytes
+    ],
+)
 def test_busy_answers_that_are_not_lists_of_peer_ids_are_refused(body, error):
     with pytest.raises(error):
         decode_busy(body)
@@ -145,9 +175,9 @@ def test_error_frame_is_cut_to_the_limit():
     frame = encode_error("not held")
     assert frame == RESPONSE_HEADER.pack(STATUS_ERROR, 8) + b"not held"
     long = encode_error("\u00e9" * MAX_ERROR_BYTES)  # 2 bytes each: cut mid-character
-    status, length = decode_response_header(long[:RESPONSE_HEADER.size], 1)
+    status, length = decode_response_header(long[: RESPONSE_HEADER.size], 1)
     assert status == STATUS_ERROR and length == MAX_ERROR_BYTES == len(long) - RESPONSE_HEADER.size
-    assert decode_error(long[RESPONSE_HEADER.size:]) == "\u00e9" * (MAX_ERROR_BYTES // 2)
+    assert decode_error(long[RESPONSE_HEADER.size :]) == "\u00e9" * (MAX_ERROR_BYTES // 2)
     assert decode_error(b"\xff\xfe") == "\ufffd\ufffd"
 
 
@@ -155,8 +185,7 @@ def test_random_bytes_raise_only_protocol_errors():
     rng = random.Random(0)
     for _ in range(2000):
         raw = rng.randbytes(rng.randint(0, 40))
-        for decode in (decode_request, decode_busy, request_body_length,
-                       lambda b: decode_response_header(b, 1 << 20)):
+        for decode in (decode_request, decode_busy, request_body_length, lambda b: decode_response_header(b, 1 << 20)):
             try:
                 decode(raw)
             except ProtocolError:
@@ -164,7 +193,9 @@ def test_random_bytes_raise_only_protocol_errors():
 
 
 def test_protocol_stream_imports_neither_node_nor_hivemind():
-    code = ("import sys, protocol.stream; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('node', 'hivemind', 'coordinator')]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, protocol.stream; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('node', 'hivemind', 'coordinator')]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

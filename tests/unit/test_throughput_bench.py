@@ -16,8 +16,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_tiny_preset_runs_and_reports_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert main(["--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup-steps", "0",
-                 "--batch-size", "1", "--seq-len", "32", "--peak-tflops", "1.0"]) == 0
+    assert (
+        main(
+            [
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "0",
+                "--batch-size",
+                "1",
+                "--seq-len",
+                "32",
+                "--peak-tflops",
+                "1.0",
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     written = json.loads((tmp_path / "throughput.json").read_text())
     assert printed == written
@@ -37,6 +56,13 @@ def test_peak_lookup_prefers_the_longer_name():
 def test_gpu_check_script_parses_and_refuses_without_cuda(tmp_path):
     script = ROOT / "deploy" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True).returncode == 0
-    done = subprocess.run(["bash", str(script)], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PYTHON": sys.executable})
+    done = subprocess.run(
+        ["bash", str(script)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "PYTHON": sys.executable},
+    )
     assert done.returncode == 2 and "no CUDA device" in done.stderr

@@ -83,5 +83,11 @@ def test_stated_uplinks_put_the_slow_links_at_the_leaves_and_the_fast_ones_share
     # Unstated uplinks count as fast; with none stated, the trees are the plain ones.
     assert parents(2, "peer-0", MEMBERS, 2) == {m: tree_parent(2, "peer-0", m, MEMBERS, 2, {}) for m in MEMBERS[1:]}
     partly = {"peer-1": 10.0}
-    assert all(tree_parent(r, p, m, MEMBERS, 2, partly) != "peer-1"
-               for r in range(3) for p in MEMBERS if p != "peer-1" for m in MEMBERS if m != p)
+    assert all(
+        tree_parent(r, p, m, MEMBERS, 2, partly) != "peer-1"
+        for r in range(3)
+        for p in MEMBERS
+        if p != "peer-1"
+        for m in MEMBERS
+        if m != p
+    )

@@ -12,8 +12,6 @@ is 2 eps * max|v| (`ROUNDING` = 2^-22 for float32 buffers), with rtol 0.
 from __future__ import annotations
 
 import pytest
-
-from tests.fixtures.ranks import spawn_ranks
 import torch
 
 from locoswarm_kernels.chunking import chunk_layout
@@ -25,6 +23,7 @@ from node.training.sharded_outer import ShardedSparseLoCo, row_ranges
 from protocol.errors import ProtocolError
 from protocol.packet import decode_packet
 from protocol.signing import PeerKey
+from tests.fixtures.ranks import spawn_ranks
 
 KEY = PeerKey.from_seed(b"me")
 ROUNDING = 2.0**-22  # of the tensor's largest folded value: see the module docstring
@@ -70,8 +69,10 @@ def fold(outer) -> dict[str, torch.Tensor]:
     The same two in-place ops as locoswarm_kernels.sparse.error_feedback_step: add_ with alpha may fuse the
     multiply-add (one rounding), so `beta * e + lr * delta` written out can differ in the last bit."""
     cfg = outer.cfg
-    return {name: outer.error_buffers[name].clone().mul_(cfg.error_decay).add_(delta.float(), alpha=cfg.outer_lr)
-            for name, delta in outer.deltas()}
+    return {
+        name: outer.error_buffers[name].clone().mul_(cfg.error_decay).add_(delta.float(), alpha=cfg.outer_lr)
+        for name, delta in outer.deltas()
+    }
 
 
 def send(outer, round: int) -> bytes:
@@ -89,8 +90,11 @@ def decoded(outer, payload: bytes) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,top_k", [((1,), 64), ((62,), 64), ((5, 64), 64), ((130, 64), 128), ((3, 7, 9), 64),
-                                         ((64, 64), 4096)], ids=str)  # the last: k = chunk, all sent
+@pytest.mark.parametrize(
+    "shape,top_k",
+    [((1,), 64), ((62,), 64), ((5, 64), 64), ((130, 64), 128), ((3, 7, 9), 64), ((64, 64), 4096)],
+    ids=str,
+)  # the last: k = chunk, all sent
 def test_restore_sent_undoes_the_removal(shape, top_k, dtype):
     """The kernel alone on awkward shapes: compress a buffer in place, add the selection back."""
     layout = chunk_layout(shape, top_k)
@@ -168,8 +172,9 @@ def test_a_damaged_packet_is_refused_and_changes_nothing():
         lambda: give_back(outer, bytes(damaged), round=1),
         lambda: give_back(outer, payload[:-100], round=1),
         lambda: give_back(outer, payload, round=2),  # another round's
-        lambda: outer.return_unsent(payload, PeerKey.from_seed(b"other").public_bytes, peer_id="me", run_id="run",
-                                    round=1),  # the signature does not verify
+        lambda: outer.return_unsent(
+            payload, PeerKey.from_seed(b"other").public_bytes, peer_id="me", run_id="run", round=1
+        ),  # the signature does not verify
         lambda: outer.return_unsent(payload, KEY.public_bytes, peer_id="someone", run_id="run", round=1),
     ]
     for call in refused:
@@ -184,8 +189,9 @@ def test_diloco_keeps_nothing_to_return():
     outer = make_outer(flat_named_params(model), OuterConfig(strategy="diloco", outer_lr=0.7, outer_momentum=0.9))
     perturb(model, seed=1)
     payload = outer.make_payload()
-    state = lambda: [{n: t.clone() for n, t in part.items()}
-                     for part in (flat_named_params(model), outer.start, outer.momentum)]
+    state = lambda: [
+        {n: t.clone() for n, t in part.items()} for part in (flat_named_params(model), outer.start, outer.momentum)
+    ]
     before = state()
     for data in (payload, b"not a packet"):
         outer.return_unsent(data, KEY.public_bytes, peer_id="me", run_id="run", round=0)
@@ -221,8 +227,11 @@ def _check_sharded(rank: int) -> None:
 
     def mine(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What this rank holds of whole buffers: its rows (aligned), the whole tensor on rank 0 (the rest)."""
-        return {n: full[n][rows[n]] if shard.aligned else full[n] for n, shard in sharded.shards.items()
-                if shard.aligned or rank == 0}
+        return {
+            n: full[n][rows[n]] if shard.aligned else full[n]
+            for n, shard in sharded.shards.items()
+            if shard.aligned or rank == 0
+        }
 
     for name, buffer in reference.error_buffers.items():
         buffer.copy_(history[name])
@@ -235,8 +244,9 @@ def _check_sharded(rank: int) -> None:
     folded = fold(reference)
     digest = param_digest(reference.start)
     payload = reference.make_payload(run_id="run", round=0, peer_id="me", base_digest=digest, key=KEY)
-    packet = sharded.make_payload(run_id="run", round=0, peer_id="me", base_digest=digest,
-                                  key=KEY if rank == 0 else None)
+    packet = sharded.make_payload(
+        run_id="run", round=0, peer_id="me", base_digest=digest, key=KEY if rank == 0 else None
+    )
     assert packet == (payload if rank == 0 else None)
 
     damaged = bytearray(payload)

@@ -37,5 +37,9 @@ def register(subparsers) -> None:
     for name, (module_name, help_text) in BENCHMARKS.items():
         parser = bench_sub.add_parser(name, help=help_text, add_help=False)
         # Every argument after the benchmark's name is its own parser's (locoswarm.cli passes them on).
-        parser.set_defaults(func=lambda args, module_name=module_name: importlib.import_module(module_name).main(
-            args.passthrough, prog=f"locoswarm bench {args.bench_command}"), passthrough=[])
+        parser.set_defaults(
+            func=lambda args, module_name=module_name: importlib.import_module(module_name).main(
+                args.passthrough, prog=f"locoswarm bench {args.bench_command}"
+            ),
+            passthrough=[],
+        )

@@ -53,8 +53,11 @@ def llama_shapes(hidden=640, num_layers=8, intermediate=1728, vocab=8192) -> dic
         p = f"layers.{i}."
         shapes |= {p + "attn_norm.weight": (hidden,), p + "mlp_norm.weight": (hidden,)}
         shapes |= {p + f"attn.{n}.weight": (hidden, hidden) for n in ("wq", "wk", "wv", "wo")}
-        shapes |= {p + "mlp.w1.weight": (intermediate, hidden), p + "mlp.w3.weight": (intermediate, hidden),
-                   p + "mlp.w2.weight": (hidden, intermediate)}
+        shapes |= {
+            p + "mlp.w1.weight": (intermediate, hidden),
+            p + "mlp.w3.weight": (intermediate, hidden),
+            p + "mlp.w2.weight": (hidden, intermediate),
+        }
     return dict(sorted(shapes.items()))
 
 
@@ -98,8 +101,8 @@ def baseline_decode_aggregate(packets: list[list[bytes]], layouts: dict[str, Chu
         for packet in packets:
             raw = packet[t]
             idx = torch.frombuffer(bytearray(raw[: 8 * n]), dtype=torch.int64).view(layout.num_chunks, layout.k)
-            codes = torch.frombuffer(bytearray(raw[8 * n: 9 * n]), dtype=torch.uint8).view(layout.num_chunks, layout.k)
-            shift, *lookup = np.frombuffer(raw[9 * n:], dtype=np.float32).tolist()
+            codes = torch.frombuffer(bytearray(raw[8 * n : 9 * n]), dtype=torch.uint8).view(layout.num_chunks, layout.k)
+            shift, *lookup = np.frombuffer(raw[9 * n :], dtype=np.float32).tolist()
             values = torch.tensor(lookup, device=device)[codes.to(device).long()] + shift
             idx_all.append(idx.to(device))
             val_all.append(values)
@@ -115,8 +118,10 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
     spec = ModelSpec(llama_shapes(), top_k)
     layouts = spec.layouts()
     gen = torch.Generator().manual_seed(top_k)
-    deltas = {n: (torch.randn(s, generator=gen) * float(torch.rand((), generator=gen) * 1e-2 + 1e-4)).to(device)
-              for n, s in spec.shapes.items()}
+    deltas = {
+        n: (torch.randn(s, generator=gen) * float(torch.rand((), generator=gen) * 1e-2 + 1e-4)).to(device)
+        for n, s in spec.shapes.items()
+    }
     numel = sum(layout.numel for layout in layouts.values())
     values_sent = sum(layout.num_selected for layout in layouts.values())
     keys = [PeerKey.from_seed(bytes([i])) for i in range(num_peers)]
@@ -152,16 +157,29 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
 
     # Ours with the aggregation's default workers (locoswarm_kernels.chunking.num_workers) and with one, for the record.
     decode_s, decode_single_s, baseline_decode_s = _interleaved_medians(
-        [decode_aggregate, lambda: decode_aggregate(num_threads=1),
-         lambda: baseline_decode_aggregate(base_packets, layouts, device)], repeats, device)
+        [
+            decode_aggregate,
+            lambda: decode_aggregate(num_threads=1),
+            lambda: baseline_decode_aggregate(base_packets, layouts, device),
+        ],
+        repeats,
+        device,
+    )
     return {
-        "num_parameters": numel, "values_sent": values_sent, "density": values_sent / numel,
-        "packet_bytes": len(packets[0]), "bits_per_value": len(packets[0]) * 8 / values_sent,
-        "encode_s": encode_s, "encode_gbps": numel * 4 / encode_s / 1e9, "decode_aggregate_s": decode_s,
-        "decode_aggregate_workers": num_workers(None, device), "decode_aggregate_single_worker_s": decode_single_s,
+        "num_parameters": numel,
+        "values_sent": values_sent,
+        "density": values_sent / numel,
+        "packet_bytes": len(packets[0]),
+        "bits_per_value": len(packets[0]) * 8 / values_sent,
+        "encode_s": encode_s,
+        "encode_gbps": numel * 4 / encode_s / 1e9,
+        "decode_aggregate_s": decode_s,
+        "decode_aggregate_workers": num_workers(None, device),
+        "decode_aggregate_single_worker_s": decode_single_s,
         "baseline_packet_bytes": sum(map(len, base_packets[0])),
         "baseline_bits_per_value": sum(map(len, base_packets[0])) * 8 / values_sent,
-        "baseline_encode_s": baseline_s, "baseline_encode_gbps": numel * 4 / baseline_s / 1e9,
+        "baseline_encode_s": baseline_s,
+        "baseline_encode_gbps": numel * 4 / baseline_s / 1e9,
         "baseline_decode_aggregate_s": baseline_decode_s,
     }
 
@@ -179,10 +197,13 @@ def run_cli(args: argparse.Namespace) -> int:
     results = {f"top_k_{k}": run(k, device, args.repeats, args.peers) for k in args.top_k}
     first = results[f"top_k_{args.top_k[0]}"]
     summary = {
-        "device": str(device), "torch_threads": torch.get_num_threads(), "peers": args.peers,
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
+        "peers": args.peers,
         "num_parameters": first["num_parameters"],
         **{f"bits_per_value_top_k_{k}": results[f"top_k_{k}"]["bits_per_value"] for k in args.top_k},
-        "encode_gbps": first["encode_gbps"], "decode_aggregate_s": first["decode_aggregate_s"],
+        "encode_gbps": first["encode_gbps"],
+        "decode_aggregate_s": first["decode_aggregate_s"],
         "baseline_bits_per_value": first["baseline_bits_per_value"],
         "baseline_encode_gbps": first["baseline_encode_gbps"],
         "baseline_decode_aggregate_s": first["baseline_decode_aggregate_s"],
@@ -190,35 +211,51 @@ def run_cli(args: argparse.Namespace) -> int:
         "encode_speedup_over_baseline": first["baseline_encode_s"] / first["encode_s"],
         "decode_aggregate_speedup_over_baseline": first["baseline_decode_aggregate_s"] / first["decode_aggregate_s"],
         "decode_aggregate_workers": first["decode_aggregate_workers"],
-        "decode_aggregate_single_worker_speedup_over_baseline":
-            first["baseline_decode_aggregate_s"] / first["decode_aggregate_single_worker_s"],
+        "decode_aggregate_single_worker_speedup_over_baseline": first["baseline_decode_aggregate_s"]
+        / first["decode_aggregate_single_worker_s"],
         "per_top_k": results,
     }
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"codec benchmark: {first['num_parameters'] / 1e6:.1f}M parameters on {device}, "
-          f"{torch.get_num_threads()} threads, {first['decode_aggregate_workers']} decode/aggregate workers "
-          f"(1w: one), medians of {args.repeats}")
-    print(f"{'top_k':>6} {'':>9} {'bits/value':>11} {'packet MB':>10} {'encode s':>9} {'encode GB/s':>12} "
-          f"{'dec+agg s':>10}")
+    print(
+        f"codec benchmark: {first['num_parameters'] / 1e6:.1f}M parameters on {device}, "
+        f"{torch.get_num_threads()} threads, {first['decode_aggregate_workers']} decode/aggregate workers "
+        f"(1w: one), medians of {args.repeats}"
+    )
+    print(
+        f"{'top_k':>6} {'':>9} {'bits/value':>11} {'packet MB':>10} {'encode s':>9} {'encode GB/s':>12} "
+        f"{'dec+agg s':>10}"
+    )
     for k in args.top_k:
         r = results[f"top_k_{k}"]
-        print(f"{k:>6} {'ours':>9} {r['bits_per_value']:>11.2f} {r['packet_bytes'] / 1e6:>10.3f} {r['encode_s']:>9.3f} "
-              f"{r['encode_gbps']:>12.3f} {r['decode_aggregate_s']:>10.3f}")
-        print(f"{'':>6} {'baseline':>9} {r['baseline_bits_per_value']:>11.2f} {r['baseline_packet_bytes'] / 1e6:>10.3f} "
-              f"{r['baseline_encode_s']:>9.3f} {r['baseline_encode_gbps']:>12.3f} {r['baseline_decode_aggregate_s']:>10.3f}")
-        print(f"{'':>6} {'ratio':>9} {r['baseline_packet_bytes'] / r['packet_bytes']:>10.1f}x {'':>10} "
-              f"{r['baseline_encode_s'] / r['encode_s']:>8.2f}x {'':>12} "
-              f"{r['baseline_decode_aggregate_s'] / r['decode_aggregate_s']:>9.2f}x")
-        print(f"{'':>6} {'ours 1w':>9} {'':>11} {'':>10} {'':>9} {'':>12} {r['decode_aggregate_single_worker_s']:>10.3f}")
-        print(f"{'':>6} {'ratio 1w':>9} {'':>11} {'':>10} {'':>9} {'':>12} "
-              f"{r['baseline_decode_aggregate_s'] / r['decode_aggregate_single_worker_s']:>9.2f}x")
+        print(
+            f"{k:>6} {'ours':>9} {r['bits_per_value']:>11.2f} {r['packet_bytes'] / 1e6:>10.3f} {r['encode_s']:>9.3f} "
+            f"{r['encode_gbps']:>12.3f} {r['decode_aggregate_s']:>10.3f}"
+        )
+        print(
+            f"{'':>6} {'baseline':>9} {r['baseline_bits_per_value']:>11.2f} {r['baseline_packet_bytes'] / 1e6:>10.3f} "
+            f"{r['baseline_encode_s']:>9.3f} {r['baseline_encode_gbps']:>12.3f} {r['baseline_decode_aggregate_s']:>10.3f}"
+        )
+        print(
+            f"{'':>6} {'ratio':>9} {r['baseline_packet_bytes'] / r['packet_bytes']:>10.1f}x {'':>10} "
+            f"{r['baseline_encode_s'] / r['encode_s']:>8.2f}x {'':>12} "
+            f"{r['baseline_decode_aggregate_s'] / r['decode_aggregate_s']:>9.2f}x"
+        )
+        print(
+            f"{'':>6} {'ours 1w':>9} {'':>11} {'':>10} {'':>9} {'':>12} {r['decode_aggregate_single_worker_s']:>10.3f}"
+        )
+        print(
+            f"{'':>6} {'ratio 1w':>9} {'':>11} {'':>10} {'':>9} {'':>12} "
+            f"{r['baseline_decode_aggregate_s'] / r['decode_aggregate_single_worker_s']:>9.2f}x"
+        )
     return 0
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

@@ -48,8 +48,10 @@ def preset_tensors(preset: str, device: torch.device) -> dict[str, torch.Tensor]
 
     with torch.device("meta"):
         model = Transformer(PRESETS[preset])
-    return {name: torch.empty(p.shape, device=device).fill_(0.001 * i)
-            for i, (name, p) in enumerate(sorted(model.named_parameters()))}
+    return {
+        name: torch.empty(p.shape, device=device).fill_(0.001 * i)
+        for i, (name, p) in enumerate(sorted(model.named_parameters()))
+    }
 
 
 def timed(fn, named) -> tuple[float, str]:
@@ -69,16 +71,26 @@ def run(preset: str, device: torch.device, repeats: int) -> dict:
         tree_times.append(elapsed)
     sha_s, tree_s = statistics.median(sha_times), statistics.median(tree_times)
     return {
-        "preset": preset, "device": str(device), "num_parameters": sum(t.numel() for t in named.values()),
-        "bytes": num_bytes, "hash_threads": HASH_THREADS, "chunk_bytes": CHUNK_BYTES, "repeats": repeats,
-        "sha256_s": sha_s, "sha256_gbps": num_bytes / sha_s / 1e9,
-        "digest_s": tree_s, "digest_gbps": num_bytes / tree_s / 1e9,
-        "speedup_over_sha256": sha_s / tree_s, "digest": digest,
+        "preset": preset,
+        "device": str(device),
+        "num_parameters": sum(t.numel() for t in named.values()),
+        "bytes": num_bytes,
+        "hash_threads": HASH_THREADS,
+        "chunk_bytes": CHUNK_BYTES,
+        "repeats": repeats,
+        "sha256_s": sha_s,
+        "sha256_gbps": num_bytes / sha_s / 1e9,
+        "digest_s": tree_s,
+        "digest_gbps": num_bytes / tree_s / 1e9,
+        "speedup_over_sha256": sha_s / tree_s,
+        "digest": digest,
     }
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--preset", default="512m", help="model preset whose parameters are hashed")
     parser.add_argument("--device", default="cpu")
@@ -88,8 +100,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"digest benchmark: {result['num_parameters'] / 1e6:.1f}M fp32 parameters ({result['bytes'] / 1e9:.2f} GB) "
-          f"on {result['device']}, {result['hash_threads']} hash threads, medians of {args.repeats}")
+    print(
+        f"digest benchmark: {result['num_parameters'] / 1e6:.1f}M fp32 parameters ({result['bytes'] / 1e9:.2f} GB) "
+        f"on {result['device']}, {result['hash_threads']} hash threads, medians of {args.repeats}"
+    )
     print(f"{'':>22} {'s':>8} {'GB/s':>8}")
     print(f"{'sha256 (baseline)':>22} {result['sha256_s']:>8.3f} {result['sha256_gbps']:>8.2f}")
     print(f"{'hash tree (BLAKE3)':>22} {result['digest_s']:>8.3f} {result['digest_gbps']:>8.2f}")

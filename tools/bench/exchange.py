@@ -47,10 +47,10 @@ def make_packet(index: int, packet_bytes: int | None) -> bytes:
         return random.Random(SEED * 1000 + index).randbytes(packet_bytes)
     import torch
 
-    from tools.bench.codec import BETA, OUTER_LR, llama_shapes
     from locoswarm_kernels.sparse import error_feedback_step
     from protocol.packet import ModelSpec, encode_packet
     from protocol.signing import PeerKey
+    from tools.bench.codec import BETA, OUTER_LR, llama_shapes
 
     spec = ModelSpec(llama_shapes(), top_k=64)
     layouts = spec.layouts()
@@ -120,8 +120,9 @@ class Peers:
 
     def _start(self, index: int, initial_peers: list[str], packet_bytes: int | None) -> None:
         parent_end, child_end = self.ctx.Pipe()
-        proc = self.ctx.Process(target=peer_main, args=(index, child_end, initial_peers, packet_bytes),
-                                name=f"bench-peer{index}")
+        proc = self.ctx.Process(
+            target=peer_main, args=(index, child_end, initial_peers, packet_bytes), name=f"bench-peer{index}"
+        )
         proc.start()
         self.procs.append(proc)
         self.conns.append(parent_end)
@@ -173,32 +174,46 @@ def run(num_peers: int, num_rounds: int, packet_bytes: int | None, baseline_byte
             per_peer = []
             for i, ((elapsed, got), (down, up)) in enumerate(zip(fetched, traffic)):
                 ideal_s = down / baseline_bps
-                per_peer.append({
-                    "peer": f"peer{i}", "downloaded_bytes": down, "uploaded_bytes": up,
-                    "transfer_s": round_(elapsed), "packets_fetched": len(got),
-                    "ratio": round_(elapsed / ideal_s) if ideal_s > 0 else None,
-                })
+                per_peer.append(
+                    {
+                        "peer": f"peer{i}",
+                        "downloaded_bytes": down,
+                        "uploaded_bytes": up,
+                        "transfer_s": round_(elapsed),
+                        "packets_fetched": len(got),
+                        "ratio": round_(elapsed / ideal_s) if ideal_s > 0 else None,
+                    }
+                )
             transfer_s = max(p["transfer_s"] for p in per_peer)
             max_down = max(p["downloaded_bytes"] for p in per_peer)
             total_down = sum(p["downloaded_bytes"] for p in per_peer)
-            rounds.append({
-                "round": round, "transfer_s": transfer_s,
-                "complete": all(p["packets_fetched"] == num_peers - 1 for p in per_peer),
-                "ratio": round_(transfer_s / (max_down / baseline_bps)),
-                "median_peer_ratio": round_(statistics.median(p["ratio"] for p in per_peer)),
-                "total_downloaded_bytes": total_down,
-                "swarm_ratio": round_(transfer_s / (total_down / baseline_bps)),
-                "peers": per_peer,
-            })
+            rounds.append(
+                {
+                    "round": round,
+                    "transfer_s": transfer_s,
+                    "complete": all(p["packets_fetched"] == num_peers - 1 for p in per_peer),
+                    "ratio": round_(transfer_s / (max_down / baseline_bps)),
+                    "median_peer_ratio": round_(statistics.median(p["ratio"] for p in per_peer)),
+                    "total_downloaded_bytes": total_down,
+                    "swarm_ratio": round_(transfer_s / (total_down / baseline_bps)),
+                    "peers": per_peer,
+                }
+            )
             peers.ask_all("forget_before", round)
     finally:
         leftovers = peers.close()
     return {
-        "peers": num_peers, "rounds": num_rounds,
-        "packet_bytes": peers.packet_sizes, "packet_kind": "random" if packet_bytes else "llama50M_topk64",
-        "baseline_bytes": baseline_bytes, "baseline_mbps": round_(baseline_bps * 8 / 1e6),
-        "baseline_MBps": round_(baseline_bps / 1e6), "startup_s": round_(startup_s),
-        "results": rounds, "p2pd_left_alive": sum(leftovers), "cpu_count": os.cpu_count(),
+        "peers": num_peers,
+        "rounds": num_rounds,
+        "packet_bytes": peers.packet_sizes,
+        "packet_kind": "random" if packet_bytes else "llama50M_topk64",
+        "baseline_bytes": baseline_bytes,
+        "baseline_mbps": round_(baseline_bps * 8 / 1e6),
+        "baseline_MBps": round_(baseline_bps / 1e6),
+        "startup_s": round_(startup_s),
+        "results": rounds,
+        "p2pd_left_alive": sum(leftovers),
+        "cpu_count": os.cpu_count(),
     }
 
 
@@ -233,7 +248,9 @@ def round_(x: float) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--packet-bytes", type=int, default=None, help="random packets of this size instead of real ones")
+    parser.add_argument(
+        "--packet-bytes", type=int, default=None, help="random packets of this size instead of real ones"
+    )
     parser.add_argument("--baseline-bytes", type=int, default=64 << 20)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per fetch")
     parser.add_argument("--json", action="store_true")
@@ -246,15 +263,21 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{report['peers']} peers, packets {min(report['packet_bytes'])}-{max(report['packet_bytes'])} bytes, "
-              f"baseline stream {report['baseline_MBps']:.1f} MB/s, start-up {report['startup_s']:.1f} s")
+        print(
+            f"{report['peers']} peers, packets {min(report['packet_bytes'])}-{max(report['packet_bytes'])} bytes, "
+            f"baseline stream {report['baseline_MBps']:.1f} MB/s, start-up {report['startup_s']:.1f} s"
+        )
         print(f"{'round':>5} {'peer':>6} {'down_MB':>8} {'up_MB':>8} {'time_s':>7} {'ratio':>6}")
         for r in report["results"]:
             for p in r["peers"]:
-                print(f"{r['round']:>5} {p['peer']:>6} {p['downloaded_bytes'] / 1e6:>8.2f} "
-                      f"{p['uploaded_bytes'] / 1e6:>8.2f} {p['transfer_s']:>7.3f} {p['ratio']:>6.2f}")
-            print(f"{r['round']:>5} {'all':>6} {'':>8} {'':>8} {r['transfer_s']:>7.3f} {r['ratio']:>6.2f}"
-                  f"{'' if r['complete'] else '  INCOMPLETE'}")
+                print(
+                    f"{r['round']:>5} {p['peer']:>6} {p['downloaded_bytes'] / 1e6:>8.2f} "
+                    f"{p['uploaded_bytes'] / 1e6:>8.2f} {p['transfer_s']:>7.3f} {p['ratio']:>6.2f}"
+                )
+            print(
+                f"{r['round']:>5} {'all':>6} {'':>8} {'':>8} {r['transfer_s']:>7.3f} {r['ratio']:>6.2f}"
+                f"{'' if r['complete'] else '  INCOMPLETE'}"
+            )
     return 0 if all(r["complete"] for r in report["results"]) and not report["p2pd_left_alive"] else 1
 
 

@@ -193,7 +193,11 @@ async def _join_all(run_id: str, peers: list[Peer], concurrency: int) -> None:
 
     async def join(peer: Peer) -> None:
         path = f"/v1/runs/{run_id}/join"
-        payload = {"public_key": peer.key.public_hex, "device": "bench", "listen_multiaddrs": ["/ip4/127.0.0.1/tcp/4001"]}
+        payload = {
+            "public_key": peer.key.public_hex,
+            "device": "bench",
+            "listen_multiaddrs": ["/ip4/127.0.0.1/tcp/4001"],
+        }
         async with semaphore:
             status, body = await peer.connection.send(_signed(peer.connection, peer.key, path, payload))
         if status != 200:
@@ -202,8 +206,9 @@ async def _join_all(run_id: str, peers: list[Peer], concurrency: int) -> None:
     await asyncio.gather(*(join(peer) for peer in peers))
 
 
-def _plan_heartbeats(peers: list[Peer], start_at: float, wall_minus_mono: float, duration_s: float,
-                     interval_s: float) -> None:
+def _plan_heartbeats(
+    peers: list[Peer], start_at: float, wall_minus_mono: float, duration_s: float, interval_s: float
+) -> None:
     """Render and sign every heartbeat of the load phase now; peer i beats at start + i/N of an
     interval, then every interval. A nonce is the beat's planned wall-clock time in ns."""
     for i, peer in enumerate(peers):
@@ -217,12 +222,19 @@ def _plan_heartbeats(peers: list[Peer], start_at: float, wall_minus_mono: float,
             beat += 1
 
 
-async def _one_at_a_time(url: str, run_id: str, peers: list[Peer], samples: int, timeout_s: float,
-                         endpoints: dict[str, Latencies]) -> None:
+async def _one_at_a_time(
+    url: str, run_id: str, peers: list[Peer], samples: int, timeout_s: float, endpoints: dict[str, Latencies]
+) -> None:
     reads = Connection(url, timeout_s)
-    gets = {name: reads.render("GET", path) for name, path in (
-        ("status_members", f"/v1/runs/{run_id}/status?history=0"), ("status_full", f"/v1/runs/{run_id}/status"),
-        ("healthz", "/healthz"), ("readyz", "/readyz"))}
+    gets = {
+        name: reads.render("GET", path)
+        for name, path in (
+            ("status_members", f"/v1/runs/{run_id}/status?history=0"),
+            ("status_full", f"/v1/runs/{run_id}/status"),
+            ("healthz", "/healthz"),
+            ("readyz", "/readyz"),
+        )
+    }
     for n in range(samples):
         peer = peers[n % len(peers)]
         heartbeat = _signed(peer.connection, peer.key, peer.heartbeat_path, {"round": 0, "state": "training"})
@@ -232,8 +244,15 @@ async def _one_at_a_time(url: str, run_id: str, peers: list[Peer], samples: int,
     reads.close()
 
 
-async def _under_load(url: str, run_id: str, peers: list[Peer], args: argparse.Namespace, start_at: float,
-                      endpoints: dict[str, Latencies], loop_lag_s: list[float]) -> None:
+async def _under_load(
+    url: str,
+    run_id: str,
+    peers: list[Peer],
+    args: argparse.Namespace,
+    start_at: float,
+    endpoints: dict[str, Latencies],
+    loop_lag_s: list[float],
+) -> None:
     """Nothing new is sent after `--duration-s`; requests still in flight then get the request
     timeout to answer. A peer has one heartbeat in flight at most, like a node: a beat whose
     predecessor is still waiting goes out late (or not at all, past the end)."""
@@ -307,12 +326,22 @@ async def _bench(args: argparse.Namespace, server: Server) -> dict[str, Any]:
         "name": "bench-load",
         "model": {"preset": "tiny"},
         # New keys are rate-limited per run and per address; here they all come from 127.0.0.1 at once.
-        "membership": {"min_peers": 1, "heartbeat_timeout_s": args.interval_s * 4,
-                       "join_burst": args.peers, "join_burst_per_address": args.peers},
+        "membership": {
+            "min_peers": 1,
+            "heartbeat_timeout_s": args.interval_s * 4,
+            "join_burst": args.peers,
+            "join_burst_per_address": args.peers,
+        },
         "deadline": {"kind": "fixed", "round_timeout_s": args.round_timeout_s},
     }
-    status, body = await admin.send(admin.render("POST", "/v1/runs", json.dumps(config).encode(), {
-        "Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"}))
+    status, body = await admin.send(
+        admin.render(
+            "POST",
+            "/v1/runs",
+            json.dumps(config).encode(),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"},
+        )
+    )
     if status != 200:
         raise RuntimeError(f"the run was refused: {status} {body[:300]!r}")
     run_id = json.loads(body)["run_id"]
@@ -382,11 +411,15 @@ def _ms(seconds: float | None) -> float | None:
 
 def _print_table(result: dict[str, Any]) -> None:
     watchers = f", {result['round_watchers']} round watchers" if result["round_watchers"] else ""
-    print(f"coordinator under load: {result['peers']} peers heartbeating every {result['interval_s']:g} s, "
-          f"{result['readers']} status readers{watchers}, {result['duration_s']:g} s "
-          f"({result['requests_per_s']:g} requests/s; joins took {result['join_all_s']:g} s)")
-    header = f"{'endpoint':<16}{'alone p50':>11}{'load p50':>11}{'load p99':>11}{'max':>11}{'p50 x':>8}{'p99 x':>8}" \
-             f"{'requests':>10}{'failed':>8}"
+    print(
+        f"coordinator under load: {result['peers']} peers heartbeating every {result['interval_s']:g} s, "
+        f"{result['readers']} status readers{watchers}, {result['duration_s']:g} s "
+        f"({result['requests_per_s']:g} requests/s; joins took {result['join_all_s']:g} s)"
+    )
+    header = (
+        f"{'endpoint':<16}{'alone p50':>11}{'load p50':>11}{'load p99':>11}{'max':>11}{'p50 x':>8}{'p99 x':>8}"
+        f"{'requests':>10}{'failed':>8}"
+    )
     print(header)
     print("-" * len(header))
 
@@ -396,16 +429,22 @@ def _print_table(result: dict[str, Any]) -> None:
     for name, row in result["endpoints"].items():
         if not row["num_requests"] and row["alone_p50_ms"] is None:
             continue
-        print(f"{name:<16}{cell(row['alone_p50_ms'], 11, ' ms')}{cell(row['load_p50_ms'], 11, ' ms')}"
-              f"{cell(row['load_p99_ms'], 11, ' ms')}{cell(row['load_max_ms'], 11, ' ms')}"
-              f"{cell(row['p50_ratio'], 8)}{cell(row['p99_ratio'], 8)}{row['num_requests']:>10}{row['num_failed']:>8}")
+        print(
+            f"{name:<16}{cell(row['alone_p50_ms'], 11, ' ms')}{cell(row['load_p50_ms'], 11, ' ms')}"
+            f"{cell(row['load_p99_ms'], 11, ' ms')}{cell(row['load_max_ms'], 11, ' ms')}"
+            f"{cell(row['p50_ratio'], 8)}{cell(row['p99_ratio'], 8)}{row['num_requests']:>10}{row['num_failed']:>8}"
+        )
         if row["failures"]:
             print(f"{'':<16}failures: {row['failures']}")
-    print(f"load generator: {result['generator_cpu_pct']:g} % of a core, its loop lag p99 "
-          f"{result['generator_loop_lag_p99_ms']:g} ms; server: {result['server_cpu_pct']:g} % of a core; "
-          f"{result['cpu_count']} CPUs, load average {result['load_average_1m']}")
-    print(f"after the load: {result['live_peers_after']} of {result['peers']} peers live, run at round "
-          f"{result['round_after']}")
+    print(
+        f"load generator: {result['generator_cpu_pct']:g} % of a core, its loop lag p99 "
+        f"{result['generator_loop_lag_p99_ms']:g} ms; server: {result['server_cpu_pct']:g} % of a core; "
+        f"{result['cpu_count']} CPUs, load average {result['load_average_1m']}"
+    )
+    print(
+        f"after the load: {result['live_peers_after']} of {result['peers']} peers live, run at round "
+        f"{result['round_after']}"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -414,8 +453,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval-s", type=float, default=5.0, help="each peer's heartbeat period")
     parser.add_argument("--readers", type=int, default=4, help="status readers (the first reads the full status)")
     parser.add_argument("--reader-interval-s", type=float, default=1.0, help="each reader's period")
-    parser.add_argument("--round-watchers", type=int, default=0,
-                        help="peers that also watch rounds as nodes do (members, then a long-poll to the close)")
+    parser.add_argument(
+        "--round-watchers",
+        type=int,
+        default=0,
+        help="peers that also watch rounds as nodes do (members, then a long-poll to the close)",
+    )
     parser.add_argument("--round-timeout-s", type=float, default=10.0, help="the run's fixed round deadline")
     parser.add_argument("--idle-samples", type=int, default=30, help="one-at-a-time requests per endpoint")
     parser.add_argument("--join-concurrency", type=int, default=16, help="joins in flight at once")
@@ -442,7 +485,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

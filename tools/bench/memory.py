@@ -76,8 +76,12 @@ def _unique_bytes(tensors) -> int:
     return total
 
 
-def count_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, outer: SparseLoCoOuter,
-                aggregates: dict[str, torch.Tensor]) -> NodeState:
+def count_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    outer: SparseLoCoOuter,
+    aggregates: dict[str, torch.Tensor],
+) -> NodeState:
     """Bytes per category of real (or meta) state; gradients are counted from `.grad` as they stand."""
     params = flat_named_params(model)
     moments = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -139,8 +143,15 @@ def packet_layout_bytes(num_params: int, cfg: OuterConfig = OuterConfig()) -> in
     return int(num_params * cfg.top_k / cfg.chunk_size**2 * LAYOUT_BYTES_PER_VALUE)
 
 
-def categories(state: NodeState, device: str, placement: str, overlap: bool, *, baseline: bool = False,
-               num_peers: int = DEFAULT_PEERS) -> list[Category]:
+def categories(
+    state: NodeState,
+    device: str,
+    placement: str,
+    overlap: bool,
+    *,
+    baseline: bool = False,
+    num_peers: int = DEFAULT_PEERS,
+) -> list[Category]:
     """Where each category lives and when, for training on `device` with the outer state at `placement`
     in a round of `num_peers` packets; `baseline`: the first build's layout (all on the device, two round
     starts, a dense kept start, no staging)."""
@@ -159,12 +170,17 @@ def categories(state: NodeState, device: str, placement: str, overlap: bool, *, 
         Category(name="round_start", num_bytes=state.round_start_bytes, device=state_on_device, phases=PHASES),
         Category(name="local_round_start", num_bytes=local_start, device=state_on_device, phases=PHASES),
         Category(name="error_buffer", num_bytes=state.error_buffer_bytes, device=state_on_device, phases=PHASES),
-        Category(name="aggregate", num_bytes=state.aggregate_bytes, device=aggregate_on_device,
-                 phases=aggregate_phases),
+        Category(
+            name="aggregate", num_bytes=state.aggregate_bytes, device=aggregate_on_device, phases=aggregate_phases
+        ),
         # node/round/amend.py keeps the round start (the first build: a dense clone) until the manifest is
         # final, as a patch on the training device.
-        Category(name="kept_round_start", device=True, phases=PHASES,
-                 num_bytes=state.round_start_bytes if baseline else kept_start_bytes(state.num_params, num_peers, overlap)),
+        Category(
+            name="kept_round_start",
+            device=True,
+            phases=PHASES,
+            num_bytes=state.round_start_bytes if baseline else kept_start_bytes(state.num_params, num_peers, overlap),
+        ),
     ]
     # The round's packets: the kept round's bytes until the next outer step (node/round/amend.py) and
     # the applied round's, held and served from the spool's mapped files (node/exchange/spool.py; the
@@ -172,28 +188,45 @@ def categories(state: NodeState, device: str, placement: str, overlap: bool, *, 
     # build: on the CPU). Peers faster than this node send theirs while it still trains: decoded
     # packets may meet the inner steps' gradients.
     packet_bytes, decoded_bytes = round_packet_bytes(state.num_params, num_peers)
-    out += [Category(name="kept_packets", num_bytes=packet_bytes, device=False, phases=PHASES, disk=not baseline),
-            Category(name="round_packets", num_bytes=packet_bytes, device=False, phases=("inner", "apply"),
-                     disk=not baseline),
-            Category(name="decoded_packets", num_bytes=decoded_bytes, device=aggregate_on_device and not baseline,
-                     phases=("inner", "apply"))]
+    out += [
+        Category(name="kept_packets", num_bytes=packet_bytes, device=False, phases=PHASES, disk=not baseline),
+        Category(
+            name="round_packets", num_bytes=packet_bytes, device=False, phases=("inner", "apply"), disk=not baseline
+        ),
+        Category(
+            name="decoded_packets",
+            num_bytes=decoded_bytes,
+            device=aggregate_on_device and not baseline,
+            phases=("inner", "apply"),
+        ),
+    ]
     if not baseline:  # made at the first decode and kept (the first build decoded without one)
-        out.append(Category(name="packet_layout", num_bytes=packet_layout_bytes(state.num_params),
-                            device=aggregate_on_device, phases=PHASES))
+        out.append(
+            Category(
+                name="packet_layout",
+                num_bytes=packet_layout_bytes(state.num_params),
+                device=aggregate_on_device,
+                phases=PHASES,
+            )
+        )
     if not baseline and not state_on_device:
-        out += [Category(name="staging", num_bytes=4 * state.largest_tensor_bytes, device=True, phases=("payload",)),
-                Category(name="staging", num_bytes=2 * state.largest_tensor_bytes, device=True, phases=("apply",))]
+        out += [
+            Category(name="staging", num_bytes=4 * state.largest_tensor_bytes, device=True, phases=("payload",)),
+            Category(name="staging", num_bytes=2 * state.largest_tensor_bytes, device=True, phases=("apply",)),
+        ]
     return out
 
 
 def peak_bytes(cats: list[Category], on_device: bool) -> int:
     """The largest total over the phases of what lives in memory on the device (or the host)."""
-    return max(sum(c.num_bytes for c in cats if c.device == on_device and not c.disk and phase in c.phases)
-               for phase in PHASES)
+    return max(
+        sum(c.num_bytes for c in cats if c.device == on_device and not c.disk and phase in c.phases) for phase in PHASES
+    )
 
 
-def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, checkpointing: bool,
-                     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS) -> int:
+def activation_bytes(
+    cfg: ModelConfig, micro_batch: int, seq_len: int, checkpointing: bool, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
+) -> int:
     """Estimated bytes the autograd graph keeps for one micro-batch under bf16 autocast.
 
     Per token and block, without checkpointing: the two RMSNorms keep fp32 input and output
@@ -212,16 +245,25 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, checkpoin
     return blocks + head
 
 
-def largest_fitting(device_memory_gb: float, device: str, placement: str, micro_batch: int, seq_len: int,
-                    checkpointing: bool, overhead_gb: float) -> str | None:
+def largest_fitting(
+    device_memory_gb: float,
+    device: str,
+    placement: str,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing: bool,
+    overhead_gb: float,
+) -> str | None:
     """The preset with the most parameters whose peak (state + activations + overhead) fits."""
     fits = []
     for name, cfg in PRESETS.items():
         state = meta_state(cfg, overlap=False)
         cats = categories(state, device, placement, overlap=False)
         inner_extra = activation_bytes(cfg, micro_batch, min(seq_len, cfg.max_seq_len), checkpointing)
-        need = max(sum(c.num_bytes for c in cats if c.device and phase in c.phases)
-                   + (inner_extra if phase == "inner" else 0) for phase in PHASES)
+        need = max(
+            sum(c.num_bytes for c in cats if c.device and phase in c.phases) + (inner_extra if phase == "inner" else 0)
+            for phase in PHASES
+        )
         if need + overhead_gb * GIB <= device_memory_gb * GIB:
             fits.append((state.num_params, name))
     return max(fits)[1] if fits else None
@@ -233,11 +275,18 @@ def fsdp_budget(cfg: ModelConfig, num_ranks: int, micro_batch: int, seq_len: int
     prefetch), with checkpointing."""
     state = meta_state(cfg, overlap=False)
     cats = categories(state, "cuda", "host", overlap=False)
-    block_bytes = 4 * (state.num_params - cfg.vocab_size * cfg.hidden * (1 if cfg.tie_embeddings else 2)) // cfg.num_layers
+    block_bytes = (
+        4 * (state.num_params - cfg.vocab_size * cfg.hidden * (1 if cfg.tie_embeddings else 2)) // cfg.num_layers
+    )
     device_state = peak_bytes(cats, True) // num_ranks + 2 * 2 * block_bytes
     activations = activation_bytes(cfg, micro_batch, min(seq_len, cfg.max_seq_len), checkpointing=True)
-    return {"ranks": num_ranks, "device_state_gb": device_state / GIB, "activations_gb": activations / GIB,
-            "device_total_gb": (device_state + activations) / GIB, "host_gb": peak_bytes(cats, False) / num_ranks / GIB}
+    return {
+        "ranks": num_ranks,
+        "device_state_gb": device_state / GIB,
+        "activations_gb": activations / GIB,
+        "device_total_gb": (device_state + activations) / GIB,
+        "host_gb": peak_bytes(cats, False) / num_ranks / GIB,
+    }
 
 
 def measured_state(preset: str) -> NodeState:
@@ -275,56 +324,89 @@ def report(args) -> dict:
 
     seq_len = min(args.seq_len, cfg.max_seq_len)
     result = {
-        "preset": args.preset, "num_params": n, "device": args.device, "placement": args.placement,
-        "overlap": args.overlap, "peers": args.peers,
+        "preset": args.preset,
+        "num_params": n,
+        "device": args.device,
+        "placement": args.placement,
+        "overlap": args.overlap,
+        "peers": args.peers,
         "device_bytes_per_param": peak_bytes(after, True) / n,
         "host_bytes_per_param": peak_bytes(after, False) / n,
         "baseline_device_bytes_per_param": peak_bytes(before, True) / n,
         "baseline_host_bytes_per_param": peak_bytes(before, False) / n,
-        "device_categories": by_category(after, True), "host_categories": by_category(after, False),
+        "device_categories": by_category(after, True),
+        "host_categories": by_category(after, False),
         "disk_categories": by_category(after, False, disk=True),
         "baseline_device_categories": by_category(before, True),
-        "activations": {"micro_batch": args.micro_batch, "seq_len": seq_len,
-                        "bytes_checkpointed": activation_bytes(cfg, args.micro_batch, seq_len, True),
-                        "bytes_plain": activation_bytes(cfg, args.micro_batch, seq_len, False)},
-        "device_memory_gb": args.device_memory_gb, "overhead_gb": args.overhead_gb,
+        "activations": {
+            "micro_batch": args.micro_batch,
+            "seq_len": seq_len,
+            "bytes_checkpointed": activation_bytes(cfg, args.micro_batch, seq_len, True),
+            "bytes_plain": activation_bytes(cfg, args.micro_batch, seq_len, False),
+        },
+        "device_memory_gb": args.device_memory_gb,
+        "overhead_gb": args.overhead_gb,
         "largest_preset_that_fits": {
-            ckpt: largest_fitting(args.device_memory_gb, args.device, args.placement, args.micro_batch,
-                                  args.seq_len, ckpt == "checkpointed", args.overhead_gb)
-            for ckpt in ("checkpointed", "plain")},
+            ckpt: largest_fitting(
+                args.device_memory_gb,
+                args.device,
+                args.placement,
+                args.micro_batch,
+                args.seq_len,
+                ckpt == "checkpointed",
+                args.overhead_gb,
+            )
+            for ckpt in ("checkpointed", "plain")
+        },
         "fsdp_8b_on_8x80gb": fsdp_budget(PRESETS["8b"], 8, args.micro_batch, args.seq_len),
     }
     if args.measure:
         real = measured_state(args.measure_preset)
         counted = meta_state(PRESETS[args.measure_preset], overlap=False)
-        result["measured"] = {"preset": args.measure_preset, "real": dataclasses.asdict(real),
-                              "accounting_matches": real == counted}
+        result["measured"] = {
+            "preset": args.measure_preset,
+            "real": dataclasses.asdict(real),
+            "accounting_matches": real == counted,
+        }
     return result
 
 
 def print_table(r: dict) -> None:
     n = r["num_params"]
-    print(f"memory: preset {r['preset']} ({n / 1e9:.2f}B params), training on {r['device']}, outer state "
-          f"placement {r['placement']}, overlap {r['overlap']}")
+    print(
+        f"memory: preset {r['preset']} ({n / 1e9:.2f}B params), training on {r['device']}, outer state "
+        f"placement {r['placement']}, overlap {r['overlap']}"
+    )
     print(f"{'category':<20}{'before dev B/p':>16}{'after dev B/p':>16}{'after host B/p':>16}{'after disk B/p':>16}")
-    names = dict.fromkeys([*r["baseline_device_categories"], *r["device_categories"], *r["host_categories"],
-                           *r["disk_categories"]])
+    names = dict.fromkeys(
+        [*r["baseline_device_categories"], *r["device_categories"], *r["host_categories"], *r["disk_categories"]]
+    )
     for name in names:
-        print(f"{name:<20}{r['baseline_device_categories'].get(name, 0):>16.2f}"
-              f"{r['device_categories'].get(name, 0):>16.2f}{r['host_categories'].get(name, 0):>16.2f}"
-              f"{r['disk_categories'].get(name, 0):>16.2f}")
-    print(f"{'peak over phases':<20}{r['baseline_device_bytes_per_param']:>16.2f}"
-          f"{r['device_bytes_per_param']:>16.2f}{r['host_bytes_per_param']:>16.2f}")
+        print(
+            f"{name:<20}{r['baseline_device_categories'].get(name, 0):>16.2f}"
+            f"{r['device_categories'].get(name, 0):>16.2f}{r['host_categories'].get(name, 0):>16.2f}"
+            f"{r['disk_categories'].get(name, 0):>16.2f}"
+        )
+    print(
+        f"{'peak over phases':<20}{r['baseline_device_bytes_per_param']:>16.2f}"
+        f"{r['device_bytes_per_param']:>16.2f}{r['host_bytes_per_param']:>16.2f}"
+    )
     print(f"ratio after/before (device): {r['device_bytes_per_param'] / r['baseline_device_bytes_per_param']:.3f}")
     a = r["activations"]
-    print(f"activations (estimate, bf16, micro-batch {a['micro_batch']} x {a['seq_len']}): "
-          f"{a['bytes_checkpointed'] / GIB:.2f} GiB with checkpointing, {a['bytes_plain'] / GIB:.2f} GiB without")
+    print(
+        f"activations (estimate, bf16, micro-batch {a['micro_batch']} x {a['seq_len']}): "
+        f"{a['bytes_checkpointed'] / GIB:.2f} GiB with checkpointing, {a['bytes_plain'] / GIB:.2f} GiB without"
+    )
     fit = r["largest_preset_that_fits"]
-    print(f"largest preset in {r['device_memory_gb']:g} GB (keeping {r['overhead_gb']:g} GB back): "
-          f"{fit['checkpointed']} with checkpointing, {fit['plain']} without")
+    print(
+        f"largest preset in {r['device_memory_gb']:g} GB (keeping {r['overhead_gb']:g} GB back): "
+        f"{fit['checkpointed']} with checkpointing, {fit['plain']} without"
+    )
     f = r["fsdp_8b_on_8x80gb"]
-    print(f"8b on 8 x 80 GB (FSDP, sharded by 8), per rank: device {f['device_state_gb']:.1f} GB state + "
-          f"{f['activations_gb']:.1f} GB activations = {f['device_total_gb']:.1f} GB of 80; host {f['host_gb']:.1f} GB")
+    print(
+        f"8b on 8 x 80 GB (FSDP, sharded by 8), per rank: device {f['device_state_gb']:.1f} GB state + "
+        f"{f['activations_gb']:.1f} GB activations = {f['device_total_gb']:.1f} GB of 80; host {f['host_gb']:.1f} GB"
+    )
     if "measured" in r:
         m = r["measured"]
         print(f"check: real state of {m['preset']} on the CPU equals the accounting: {m['accounting_matches']}")

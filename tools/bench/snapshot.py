@@ -68,9 +68,9 @@ async def measure(way: str, preset: str, with_state: bool) -> dict:
     import torch
 
     from node.exchange.p2p import ExchangeConfig, P2PExchange
-    from tools.bench.digest import preset_tensors
     from node.training.params import param_digest
     from node.training.snapshot import Snapshot, SnapshotSink
+    from tools.bench.digest import preset_tensors
 
     source = preset_tensors(preset, torch.device("cpu"))
     state = {f"outer_momentum.{n}": t for n, t in source.items()} if with_state else {}
@@ -80,8 +80,11 @@ async def measure(way: str, preset: str, with_state: bool) -> dict:
     num_bytes = sum(t.numel() * 4 for t in source.values()) + sum(t.numel() * 4 for t in state.values())
     limit = num_bytes + (64 << 20)
     holder = await P2PExchange.create(ExchangeConfig(run_id=RUN_ID, max_packet_bytes=limit))
-    fetcher = await P2PExchange.create(ExchangeConfig(run_id=RUN_ID, initial_peers=tuple(holder.visible_maddrs),
-                                                      max_packet_bytes=limit, stall_timeout_s=60))
+    fetcher = await P2PExchange.create(
+        ExchangeConfig(
+            run_id=RUN_ID, initial_peers=tuple(holder.visible_maddrs), max_packet_bytes=limit, stall_timeout_s=60
+        )
+    )
     try:
         meter = PeakRss()
         before = meter.rss()
@@ -98,8 +101,11 @@ async def measure(way: str, preset: str, with_state: bool) -> dict:
                 data = await asyncio.to_thread(save, {**source, **state})
                 ann = await holder.publish(ROUND, "snapshot", data)
                 del data  # the holder keeps its own reference, as the first build's store did
-                fetched = (await fetcher.fetch(ROUND, {"snapshot": ann.digest}, holders_hint={
-                    "snapshot": ann.multiaddrs}, timeout_s=3600))["snapshot"]
+                fetched = (
+                    await fetcher.fetch(
+                        ROUND, {"snapshot": ann.digest}, holders_hint={"snapshot": ann.multiaddrs}, timeout_s=3600
+                    )
+                )["snapshot"]
                 tensors = load(fetched)
                 assert param_digest({n: tensors[n] for n in source}) == digest
                 with torch.no_grad():
@@ -108,8 +114,14 @@ async def measure(way: str, preset: str, with_state: bool) -> dict:
                 del tensors, fetched
         seconds = time.perf_counter() - start
         assert param_digest(target) == digest
-        return {"way": way, "preset": preset, "snapshot_bytes": num_bytes, "rss_before_bytes": before,
-                "peak_extra_bytes": meter.peak - before, "seconds": seconds}
+        return {
+            "way": way,
+            "preset": preset,
+            "snapshot_bytes": num_bytes,
+            "rss_before_bytes": before,
+            "peak_extra_bytes": meter.peak - before,
+            "seconds": seconds,
+        }
     finally:
         await fetcher.shutdown()
         await holder.shutdown()
@@ -125,7 +137,9 @@ def run_way(way: str, preset: str, with_state: bool) -> dict:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--preset", default="small", help="model preset whose parameters make the snapshot")
     parser.add_argument("--state", action="store_true", help="add DiLoCo's outer momentum (doubles the size)")
@@ -137,9 +151,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     baseline = run_way("baseline", args.preset, args.state)
     stream = run_way("stream", args.preset, args.state)
     result = {
-        "preset": args.preset, "snapshot_bytes": stream["snapshot_bytes"],
-        "baseline_peak_extra_bytes": baseline["peak_extra_bytes"], "baseline_s": baseline["seconds"],
-        "stream_peak_extra_bytes": stream["peak_extra_bytes"], "stream_s": stream["seconds"],
+        "preset": args.preset,
+        "snapshot_bytes": stream["snapshot_bytes"],
+        "baseline_peak_extra_bytes": baseline["peak_extra_bytes"],
+        "baseline_s": baseline["seconds"],
+        "stream_peak_extra_bytes": stream["peak_extra_bytes"],
+        "stream_s": stream["seconds"],
         "memory_ratio_baseline_over_stream": baseline["peak_extra_bytes"] / max(1, stream["peak_extra_bytes"]),
         "time_ratio_baseline_over_stream": baseline["seconds"] / stream["seconds"],
     }
@@ -147,14 +164,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     mb = 1 << 20
-    print(f"snapshot benchmark: preset {args.preset}, snapshot {result['snapshot_bytes'] / mb:.1f} MiB, "
-          "peak resident memory above the tensors held, one process per way")
+    print(
+        f"snapshot benchmark: preset {args.preset}, snapshot {result['snapshot_bytes'] / mb:.1f} MiB, "
+        "peak resident memory above the tensors held, one process per way"
+    )
     print(f"{'':>10} {'peak MiB':>10} {'x snapshot':>11} {'s':>8}")
     for way, r in (("baseline", baseline), ("stream", stream)):
-        print(f"{way:>10} {r['peak_extra_bytes'] / mb:>10.1f} {r['peak_extra_bytes'] / r['snapshot_bytes']:>11.2f} "
-              f"{r['seconds']:>8.2f}")
-    print(f"{'ratio':>10} {result['memory_ratio_baseline_over_stream']:>9.1f}x {'':>11} "
-          f"{result['time_ratio_baseline_over_stream']:>7.2f}x")
+        print(
+            f"{way:>10} {r['peak_extra_bytes'] / mb:>10.1f} {r['peak_extra_bytes'] / r['snapshot_bytes']:>11.2f} "
+            f"{r['seconds']:>8.2f}"
+        )
+    print(
+        f"{'ratio':>10} {result['memory_ratio_baseline_over_stream']:>9.1f}x {'':>11} "
+        f"{result['time_ratio_baseline_over_stream']:>7.2f}x"
+    )
     return 0
 
 

@@ -45,9 +45,23 @@ from node.training.model import Transformer, num_parameters, resolve_config
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' data sheets; the first
 # key found in the device name wins, so longer names come first.
 PEAK_BF16_TFLOPS = {
-    "H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0,
-    "B200": 2250.0, "A100": 312.0, "A800": 312.0, "A10G": 70.0, "A10": 125.0, "L40S": 362.0,
-    "L40": 181.0, "L4": 121.0, "A6000": 155.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "A6000": 155.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
 }
 
 
@@ -81,8 +95,16 @@ def _random_batches(vocab_size: int, batch_size: int, seq_len: int, seed: int = 
         yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def measure(preset: str, device: torch.device, steps: int, warmup_steps: int, batch_size: int, seq_len: int,
-            execution: ExecutionConfig, peak_tflops: float | None) -> dict:
+def measure(
+    preset: str,
+    device: torch.device,
+    steps: int,
+    warmup_steps: int,
+    batch_size: int,
+    seq_len: int,
+    execution: ExecutionConfig,
+    peak_tflops: float | None,
+) -> dict:
     cfg = resolve_config(preset)
     seq_len = min(seq_len, cfg.max_seq_len)
     model = prepare_model(_model_on(preset, device), execution)
@@ -101,19 +123,32 @@ def measure(preset: str, device: torch.device, steps: int, warmup_steps: int, ba
         peak_tflops = peak_tflops_for(device_name)
     model_tflops = 6 * n * tokens_per_s / 1e12
     return {
-        "preset": preset, "device": str(device), "device_name": device_name, "num_parameters": n,
-        "batch_size": batch_size, "seq_len": seq_len, "micro_batch_size": execution.micro_batch_size or batch_size,
-        "activation_checkpointing": execution.activation_checkpointing, "compile": execution.compile,
-        "autocast": "bf16" if device.type == "cuda" else "none", "steps": steps, "warmup_steps": warmup_steps,
-        "mean_loss": timed.mean_loss, "tokens_per_s": tokens_per_s, "step_s": timed.compute_s / steps,
-        "model_tflops": model_tflops, "peak_tflops": peak_tflops,
+        "preset": preset,
+        "device": str(device),
+        "device_name": device_name,
+        "num_parameters": n,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "micro_batch_size": execution.micro_batch_size or batch_size,
+        "activation_checkpointing": execution.activation_checkpointing,
+        "compile": execution.compile,
+        "autocast": "bf16" if device.type == "cuda" else "none",
+        "steps": steps,
+        "warmup_steps": warmup_steps,
+        "mean_loss": timed.mean_loss,
+        "tokens_per_s": tokens_per_s,
+        "step_s": timed.compute_s / steps,
+        "model_tflops": model_tflops,
+        "peak_tflops": peak_tflops,
         "mfu": model_tflops / peak_tflops if peak_tflops else None,
         "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="1b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=5)
@@ -128,11 +163,22 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup_steps < 0:
         parser.error("--steps must be >= 1 and --warmup-steps >= 0")
-    execution = ExecutionConfig(micro_batch_size=args.micro_batch_size, compile=args.compile,
-                                activation_checkpointing=not args.no_activation_checkpointing)
+    execution = ExecutionConfig(
+        micro_batch_size=args.micro_batch_size,
+        compile=args.compile,
+        activation_checkpointing=not args.no_activation_checkpointing,
+    )
     start_s = time.perf_counter()
-    result = measure(args.preset, torch.device(args.device), args.steps, args.warmup_steps, args.batch_size,
-                     args.seq_len, execution, args.peak_tflops)
+    result = measure(
+        args.preset,
+        torch.device(args.device),
+        args.steps,
+        args.warmup_steps,
+        args.batch_size,
+        args.seq_len,
+        execution,
+        args.peak_tflops,
+    )
     result["wall_s"] = time.perf_counter() - start_s
     text = json.dumps(result, indent=2)
     print(text)

@@ -41,23 +41,46 @@ import threading
 import time
 from pathlib import Path
 
-from tools.netlab.nat import firewall_available, nat_hosts
-from tools.netlab.report import format_peers, format_table, peer_rows, summarize
-from tools.netlab.topology import (REPO_ROOT, SHAPERS, LabError, LinkSpec, Topology, cleanup_stale,
-                                    lab_available, read_line)
 from node.cli.demo import progress_line
 from node.cli.processes import stop_processes
 from protocol.http import peer_id_from_public_key
 from protocol.signing import PeerKey
+from tools.netlab.nat import firewall_available, nat_hosts
+from tools.netlab.report import format_peers, format_table, peer_rows, summarize
+from tools.netlab.topology import (
+    REPO_ROOT,
+    SHAPERS,
+    LabError,
+    LinkSpec,
+    Topology,
+    cleanup_stale,
+    lab_available,
+    read_line,
+)
 
 
 class LabSwarm:
     """A coordinator in host 0 and one node in each other host, as child processes this object owns."""
 
-    def __init__(self, topology: Topology, workdir: Path, *, rounds: int, preset: str, inner_steps: int,
-                 top_k: int, batch_size: int, seq_len: int, overlap: bool, say,
-                 linger_s: float = 30.0, compute_floor_s: float = 0.0, tree_fanout: int = 2,
-                 state_uplinks: bool = True, nat_client_mode: bool = True):
+    def __init__(
+        self,
+        topology: Topology,
+        workdir: Path,
+        *,
+        rounds: int,
+        preset: str,
+        inner_steps: int,
+        top_k: int,
+        batch_size: int,
+        seq_len: int,
+        overlap: bool,
+        say,
+        linger_s: float = 30.0,
+        compute_floor_s: float = 0.0,
+        tree_fanout: int = 2,
+        state_uplinks: bool = True,
+        nat_client_mode: bool = True,
+    ):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
         self.preset, self.inner_steps, self.top_k = preset, inner_steps, top_k
         self.batch_size, self.seq_len, self.tree_fanout = batch_size, seq_len, tree_fanout
@@ -81,15 +104,33 @@ class LabSwarm:
     def _spawn(self, host: int, args: list[str], log_name: str, stdout=None) -> subprocess.Popen:
         log = open(self.workdir / log_name, "ab")
         # A session of its own: Ctrl+C reaches only the lab, which then stops its children in order.
-        return subprocess.Popen([*self.topology.exec_args(host), sys.executable, "-m", *args],
-                                stdout=stdout or log, stderr=log, env=self._env(), cwd=REPO_ROOT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [*self.topology.exec_args(host), sys.executable, "-m", *args],
+            stdout=stdout or log,
+            stderr=log,
+            env=self._env(),
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
 
     def start_coordinator(self, timeout_s: float = 90.0) -> None:
         h0 = self.topology.hosts[0]
-        self.coordinator = self._spawn(0, ["locoswarm", "coordinator", "serve", "--db",
-                                           f"sqlite:///{self.workdir / 'coordinator.db'}", "--host", h0.ip,
-                                           "--port", "0"], "coordinator.log", stdout=subprocess.PIPE)
+        self.coordinator = self._spawn(
+            0,
+            [
+                "locoswarm",
+                "coordinator",
+                "serve",
+                "--db",
+                f"sqlite:///{self.workdir / 'coordinator.db'}",
+                "--host",
+                h0.ip,
+                "--port",
+                "0",
+            ],
+            "coordinator.log",
+            stdout=subprocess.PIPE,
+        )
         stdout = self.coordinator.stdout
         self.url = read_line(stdout, timeout_s, "coordinator listening on ").split()[-1]
 
@@ -102,10 +143,25 @@ class LabSwarm:
 
     def http(self, method: str, path: str, body: dict | None = None, timeout_s: float = 45.0) -> dict:
         """One request to the coordinator, made from inside h0; returns the parsed JSON body."""
-        args = [*self.topology.exec_args(0), sys.executable, "-m", "tools.netlab.helpers", "http", method,
-                f"{self.url}{path}", "--token-env", "LOCOSWARM_ADMIN_TOKEN"]
-        result = subprocess.run(args, input=json.dumps(body).encode() if body is not None else b"",
-                                capture_output=True, timeout=timeout_s, env=self._env(), cwd=REPO_ROOT)
+        args = [
+            *self.topology.exec_args(0),
+            sys.executable,
+            "-m",
+            "tools.netlab.helpers",
+            "http",
+            method,
+            f"{self.url}{path}",
+            "--token-env",
+            "LOCOSWARM_ADMIN_TOKEN",
+        ]
+        result = subprocess.run(
+            args,
+            input=json.dumps(body).encode() if body is not None else b"",
+            capture_output=True,
+            timeout=timeout_s,
+            env=self._env(),
+            cwd=REPO_ROOT,
+        )
         if result.returncode != 0:
             raise LabError(f"{method} {path}: {result.stderr.decode(errors='replace').strip()[-500:]}")
         answer = json.loads(result.stdout)
@@ -116,10 +172,16 @@ class LabSwarm:
     def create_run(self) -> str:
         H = self.inner_steps
         config = {
-            "name": "netlab", "max_rounds": self.rounds,
+            "name": "netlab",
+            "max_rounds": self.rounds,
             "model": {"preset": self.preset, "num_data_shards": self.num_peers},
-            "inner": {"steps": H, "batch_size": self.batch_size, "seq_len": self.seq_len, "warmup_steps": H,
-                      "total_steps": H * self.rounds},
+            "inner": {
+                "steps": H,
+                "batch_size": self.batch_size,
+                "seq_len": self.seq_len,
+                "warmup_steps": H,
+                "total_steps": H * self.rounds,
+            },
             "outer": {"strategy": "sparseloco", "top_k": self.top_k, "overlap": self.overlap},
             "exchange": {"tree_fanout": self.tree_fanout},
             "membership": {"min_peers": self.num_peers, "heartbeat_timeout_s": 60.0},
@@ -135,12 +197,35 @@ class LabSwarm:
         # The lab makes the key, so that it knows the node's peer id even if the node never reports.
         key_path = self.workdir / f"node{host}.key"
         self.peer_ids[host] = peer_id_from_public_key(PeerKey.load_or_create(key_path).public_bytes)
-        self.nodes.append(self._spawn(host, [
-            "locoswarm", "node", "join", "--coordinator", self.url, "--run", self.run_id, "--device", "cpu",
-            "--key", str(key_path), "--host-maddrs", f"/ip4/{ip}/tcp/0", *behind_nat,
-            "--threads", "1", "--no-progress", "--report", str(self.report_path(host)), *uplink,
-            *(["--inject", f"slow-compute@min_s={self.compute_floor_s}"] if self.compute_floor_s > 0 else [])],
-            f"node{host}.log"))
+        self.nodes.append(
+            self._spawn(
+                host,
+                [
+                    "locoswarm",
+                    "node",
+                    "join",
+                    "--coordinator",
+                    self.url,
+                    "--run",
+                    self.run_id,
+                    "--device",
+                    "cpu",
+                    "--key",
+                    str(key_path),
+                    "--host-maddrs",
+                    f"/ip4/{ip}/tcp/0",
+                    *behind_nat,
+                    "--threads",
+                    "1",
+                    "--no-progress",
+                    "--report",
+                    str(self.report_path(host)),
+                    *uplink,
+                    *(["--inject", f"slow-compute@min_s={self.compute_floor_s}"] if self.compute_floor_s > 0 else []),
+                ],
+                f"node{host}.log",
+            )
+        )
 
     def report_path(self, host: int) -> Path:
         return self.workdir / f"node{host}.report.json"
@@ -150,8 +235,10 @@ class LabSwarm:
 
     def closed_rounds(self, status: dict) -> dict[int, dict]:
         """The coordinator's view of each closed round in `status` (its final manifest, what was dropped)."""
-        return {h["round"]: self.http("GET", f"/v1/runs/{self.run_id}/rounds/{h['round']}")
-                for h in status.get("history", [])}
+        return {
+            h["round"]: self.http("GET", f"/v1/runs/{self.run_id}/rounds/{h['round']}")
+            for h in status.get("history", [])
+        }
 
     def _check_nodes(self) -> None:
         stopped = {s["host"] for s in self.stragglers}
@@ -179,7 +266,9 @@ class LabSwarm:
             self._check_nodes()
             now = time.monotonic()
             if now > deadline:
-                raise LabError(f"the swarm did not finish {self.rounds} rounds in {timeout_s:.0f} s; logs in {self.workdir}")
+                raise LabError(
+                    f"the swarm did not finish {self.rounds} rounds in {timeout_s:.0f} s; logs in {self.workdir}"
+                )
             if finished_at is not None and now - finished_at > self.linger_s:
                 self._stop_stragglers(now - finished_at)
                 break
@@ -208,10 +297,16 @@ class LabSwarm:
         """
         running = [(host, node) for host, node in enumerate(self.nodes, start=1) if node.poll() is None]
         for host, _ in running:
-            self.stragglers.append({"host": f"h{host}", "reason": f"still running {since_s:.0f} s after the run "
-                                                                   f"finished; stopped with SIGINT"})
-        self.say(f"the run finished {since_s:.0f} s ago; stopping nodes still running: "
-                 + ", ".join(f"h{host}" for host, _ in running))
+            self.stragglers.append(
+                {
+                    "host": f"h{host}",
+                    "reason": f"still running {since_s:.0f} s after the run finished; stopped with SIGINT",
+                }
+            )
+        self.say(
+            f"the run finished {since_s:.0f} s ago; stopping nodes still running: "
+            + ", ".join(f"h{host}" for host, _ in running)
+        )
         stop_processes([node for _, node in running], grace_s=15.0)
 
     def stop(self, grace_s: float = 15.0) -> None:
@@ -225,9 +320,11 @@ def _check_nat(topology: Topology, say) -> list[dict]:
     probes = []
     for host in sorted(topology.nat):
         probe = topology.probe_nat(host, prober)
-        say(f"NAT check h{host}: from h{prober} to {probe['public_ip']} {probe['inbound_to_public_ip']}, to "
+        say(
+            f"NAT check h{host}: from h{prober} to {probe['public_ip']} {probe['inbound_to_public_ip']}, to "
             f"{probe['private_ip']} {probe['inbound_to_private_ip']}; out to h{prober} {probe['outbound']}, "
-            f"seen from {probe['outbound_seen_from']}")
+            f"seen from {probe['outbound_seen_from']}"
+        )
         if not (probe["inbound_blocked"] and probe["outbound_masqueraded"]):
             raise LabError(f"the NAT in front of h{host} does not behave as one: {probe}")
         probes.append(probe)
@@ -243,6 +340,7 @@ def overlap_support() -> tuple[bool, str | None]:
 
 
 # -- the command ---------------------------------------------------------------------------------
+
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
@@ -274,35 +372,62 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="locoswarm-netlab-"))
     workdir.mkdir(parents=True, exist_ok=True)
     behind_nat = nat_hosts(args.peers, args.nat)
-    topology = Topology(args.peers + 1, link, shaper=args.shaper, sysctls=args.sysctl, rates_mbps=rates,
-                        nat_hosts=behind_nat, relay=args.relay_host)
+    topology = Topology(
+        args.peers + 1,
+        link,
+        shaper=args.shaper,
+        sysctls=args.sysctl,
+        rates_mbps=rates,
+        nat_hosts=behind_nat,
+        relay=args.relay_host,
+    )
     rate_text = _rates_text(args.rate_mbps)
-    swarm = LabSwarm(topology, workdir, rounds=args.rounds, preset=args.preset, inner_steps=args.inner_steps,
-                     top_k=args.top_k, batch_size=args.batch_size, seq_len=args.seq_len,
-                     overlap=args.overlap and overlap_ok, say=say, linger_s=args.linger,
-                     compute_floor_s=args.compute_floor, tree_fanout=args.tree_fanout,
-                     state_uplinks=args.state_uplinks, nat_client_mode=args.nat_client_mode)
+    swarm = LabSwarm(
+        topology,
+        workdir,
+        rounds=args.rounds,
+        preset=args.preset,
+        inner_steps=args.inner_steps,
+        top_k=args.top_k,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        overlap=args.overlap and overlap_ok,
+        say=say,
+        linger_s=args.linger,
+        compute_floor_s=args.compute_floor,
+        tree_fanout=args.tree_fanout,
+        state_uplinks=args.state_uplinks,
+        nat_client_mode=args.nat_client_mode,
+    )
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
     teardown_errors: list[str] = []
     try:
         topology.up()
-        say(f"lab {topology.prefix}*: {args.peers + 1} hosts on {topology.subnet}.0/24, "
+        say(
+            f"lab {topology.prefix}*: {args.peers + 1} hosts on {topology.subnet}.0/24, "
             f"{rate_text} Mbps each way per host, {link.delay_ms:g} ms one-way, {link.loss_pct:g} % loss "
-            f"({SHAPING[topology.shaper]})")
+            f"({SHAPING[topology.shaper]})"
+        )
         if topology.delay_requested and not topology.delay_applied:
-            say(f"NOTE: --delay-ms {link.delay_ms:g} / --loss-pct {link.loss_pct:g} NOT applied. {topology.delay_reason}")
+            say(
+                f"NOTE: --delay-ms {link.delay_ms:g} / --loss-pct {link.loss_pct:g} NOT applied. {topology.delay_reason}"
+            )
         if behind_nat:
-            say(f"behind NAT: {', '.join(f'h{i}' for i in behind_nat)}, each behind its own router "
+            say(
+                f"behind NAT: {', '.join(f'h{i}' for i in behind_nat)}, each behind its own router "
                 f"({topology.prefix}nat<i>); their nodes join "
-                + ("with --client-mode" if args.nat_client_mode else "with the defaults (--no-nat-client-mode)"))
+                + ("with --client-mode" if args.nat_client_mode else "with the defaults (--no-nat-client-mode)")
+            )
         if topology.relay is not None:
             say(f"relay host reserved: {topology.relay.namespace} {topology.relay.ip} (nothing runs there yet)")
         # The probe's receiver has to be dialable: h2, else the first public node host, else h0.
         receiver = next((i for i in range(2, args.peers + 1) if i not in topology.nat), 0)
         link_check = topology.probe_rate(sender=1, receiver=receiver)
-        say(f"link check h1 -> h{receiver}: {link_check['mbps']:.1f} Mbps (path {link_check['rate_mbps']:g} Mbps), "
-            f"round trip {link_check['rtt_ms']:.1f} ms measured")
+        say(
+            f"link check h1 -> h{receiver}: {link_check['mbps']:.1f} Mbps (path {link_check['rate_mbps']:g} Mbps), "
+            f"round trip {link_check['rtt_ms']:.1f} ms measured"
+        )
         link_check |= {"sender": "h1", "receiver": f"h{receiver}"}
         if behind_nat:
             link_check["nat"] = _check_nat(topology, say)
@@ -310,9 +435,13 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         reports, status = swarm.run(args.timeout)
         bytes_after = topology.interface_bytes()
         result |= summarize(reports, status.get("history", []), rate_mbps=rates[1:])
-        result["per_peer"] = peer_rows([swarm.peer_ids.get(i) for i in range(1, args.peers + 1)],
-                                       [i in topology.nat for i in range(1, args.peers + 1)],
-                                       swarm.closed_rounds(status), reports, status.get("peers", []))
+        result["per_peer"] = peer_rows(
+            [swarm.peer_ids.get(i) for i in range(1, args.peers + 1)],
+            [i in topology.nat for i in range(1, args.peers + 1)],
+            swarm.closed_rounds(status),
+            reports,
+            status.get("peers", []),
+        )
         node_rx = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(bytes_after[1:], bytes_before[1:])]
         result["summary"]["interface_rx_bytes_per_peer_round"] = sum(node_rx) / len(node_rx) / args.rounds
         if behind_nat:
@@ -325,13 +454,19 @@ def run_lab(args: argparse.Namespace, say) -> dict:
             result["tcp_alltoall"] = baseline
             result["summary"]["tcp_alltoall_over_ideal"] = baseline["over_ideal"]
         result |= {
-            "completed": len(result["per_round"]) == args.rounds and not swarm.stragglers
+            "completed": len(result["per_round"]) == args.rounds
+            and not swarm.stragglers
             and all(row["num_peers"] == args.peers for row in result["per_round"]),
             "stragglers": swarm.stragglers,
             "link_check": link_check,
-            "interface_bytes": [{"host": h.namespace.removeprefix(topology.prefix),
-                                 "rx_bytes": a["rx_bytes"] - b["rx_bytes"], "tx_bytes": a["tx_bytes"] - b["tx_bytes"]}
-                                for h, a, b in zip(topology.hosts, bytes_after, bytes_before)],
+            "interface_bytes": [
+                {
+                    "host": h.namespace.removeprefix(topology.prefix),
+                    "rx_bytes": a["rx_bytes"] - b["rx_bytes"],
+                    "tx_bytes": a["tx_bytes"] - b["tx_bytes"],
+                }
+                for h, a, b in zip(topology.hosts, bytes_after, bytes_before)
+            ],
         }
     finally:
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -344,29 +479,50 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         if teardown_errors:
             say("teardown: " + "; ".join(teardown_errors))
     return result | {
-        "peers": args.peers, "rounds": args.rounds, "preset": args.preset, "inner_steps": args.inner_steps,
-        "top_k": args.top_k, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "compute_floor_s": args.compute_floor, "sysctls": args.sysctl, "state_uplinks": args.state_uplinks,
+        "peers": args.peers,
+        "rounds": args.rounds,
+        "preset": args.preset,
+        "inner_steps": args.inner_steps,
+        "top_k": args.top_k,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "compute_floor_s": args.compute_floor,
+        "sysctls": args.sysctl,
+        "state_uplinks": args.state_uplinks,
         "tree_fanout": args.tree_fanout,
-        "namespace_prefix": topology.prefix, "subnet": f"{topology.subnet}.0/24",
-        "nat": {"hosts": [f"h{i}" for i in behind_nat], "client_mode": args.nat_client_mode and bool(behind_nat),
-                "routers": {f"h{i}": {"namespace": r.namespace, "public_ip": r.uplink_ip, "private_ip": r.host_lan_ip}
-                            for i, r in topology.nat.items()}},
+        "namespace_prefix": topology.prefix,
+        "subnet": f"{topology.subnet}.0/24",
+        "nat": {
+            "hosts": [f"h{i}" for i in behind_nat],
+            "client_mode": args.nat_client_mode and bool(behind_nat),
+            "routers": {
+                f"h{i}": {"namespace": r.namespace, "public_ip": r.uplink_ip, "private_ip": r.host_lan_ip}
+                for i, r in topology.nat.items()
+            },
+        },
         "relay_host": {"namespace": topology.relay.namespace, "ip": topology.relay.ip} if topology.relay else None,
-        "link": {"rate_mbps": args.rate_mbps[0] if len(args.rate_mbps) == 1 else args.rate_mbps,
-                 "host_rates_mbps": rates, "delay_ms": link.delay_ms, "loss_pct": link.loss_pct,
-                 "delay_applied": topology.delay_applied, "delay_reason": topology.delay_reason,
-                 "shaper": topology.shaper, "shaping": SHAPING.get(topology.shaper),
-                 "emulator_counters": topology.emulator_counters},
+        "link": {
+            "rate_mbps": args.rate_mbps[0] if len(args.rate_mbps) == 1 else args.rate_mbps,
+            "host_rates_mbps": rates,
+            "delay_ms": link.delay_ms,
+            "loss_pct": link.loss_pct,
+            "delay_applied": topology.delay_applied,
+            "delay_reason": topology.delay_reason,
+            "shaper": topology.shaper,
+            "shaping": SHAPING.get(topology.shaper),
+            "emulator_counters": topology.emulator_counters,
+        },
         "overlap": {"requested": args.overlap, "in_run_config": args.overlap and overlap_ok, "reason": overlap_reason},
-        "run_id": swarm.run_id, "elapsed_s": time.monotonic() - started, "teardown_errors": teardown_errors,
+        "run_id": swarm.run_id,
+        "elapsed_s": time.monotonic() - started,
+        "teardown_errors": teardown_errors,
     }
 
 
 SHAPING = {
     "tc": "tbf on each host's egress and on the bridge-side veth (the host's ingress), netem for delay and loss",
     "userspace": "tools/netlab/linkem.py on TUN devices: a FIFO at the rate on each host's uplink and downlink, "
-                 "the one-way delay between them",
+    "the one-way delay between them",
     "auto": "not built",
 }
 
@@ -374,48 +530,93 @@ SHAPING = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tools.netlab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=4, help="nodes, one per host h1..hN (h0 runs the coordinator)")
-    parser.add_argument("--rate-mbps", type=_rates, default=[100.0], metavar="R[,R...]",
-                        help="each host's link, both directions (0: unshaped); a list gives the nodes' hosts "
-                             "these rates in turn (h1 the first, ...) and the coordinator's the fastest")
+    parser.add_argument(
+        "--rate-mbps",
+        type=_rates,
+        default=[100.0],
+        metavar="R[,R...]",
+        help="each host's link, both directions (0: unshaped); a list gives the nodes' hosts "
+        "these rates in turn (h1 the first, ...) and the coordinator's the fastest",
+    )
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per host link")
     parser.add_argument("--loss-pct", type=float, default=0.0, help="packet loss per host link, percent")
-    parser.add_argument("--shaper", choices=SHAPERS, default="auto",
-                        help="tc (tbf, netem), userspace (tools/netlab/linkem.py), or auto: tc unless delay or loss "
-                             "is asked for and the kernel has no netem")
+    parser.add_argument(
+        "--shaper",
+        choices=SHAPERS,
+        default="auto",
+        help="tc (tbf, netem), userspace (tools/netlab/linkem.py), or auto: tc unless delay or loss "
+        "is asked for and the kernel has no netem",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--preset", default="tiny", help="model preset (tiny, mini, small, ...)")
     parser.add_argument("--inner-steps", type=int, default=15, help="H, inner steps per round")
     parser.add_argument("--top-k", type=int, default=64, help="values kept per 4096-element chunk (packet size)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
-                        help="set a per-namespace kernel setting on every host (repeatable), e.g. "
-                             "net.ipv4.tcp_slow_start_after_idle=0")
-    parser.add_argument("--compute-floor", type=float, default=0.0, metavar="S",
-                        help="each round's inner steps take at least S seconds, the rest idle (accelerator "
-                             "time, emulated with the slow-compute fault, so that N nodes need not share the "
-                             "CPU for compute); 0: off")
+    parser.add_argument(
+        "--sysctl",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a per-namespace kernel setting on every host (repeatable), e.g. net.ipv4.tcp_slow_start_after_idle=0",
+    )
+    parser.add_argument(
+        "--compute-floor",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="each round's inner steps take at least S seconds, the rest idle (accelerator "
+        "time, emulated with the slow-compute fault, so that N nodes need not share the "
+        "CPU for compute); 0: off",
+    )
     parser.add_argument("--overlap", action="store_true", help="run option overlap=true (one-round-delayed outer step)")
-    parser.add_argument("--tree-fanout", type=int, default=2,
-                        help="run option exchange.tree_fanout: copies each peer forwards of a packet (1: a chain)")
-    parser.add_argument("--state-uplinks", action=argparse.BooleanOptionalAction, default=True,
-                        help="each node states its link's rate at join (node option uplink_mbps), so that the "
-                             "packet trees put slower uplinks at the leaves (default on)")
-    parser.add_argument("--nat", type=int, default=0, metavar="K",
-                        help="put the last K node hosts (h(N-K+1)..hN) each behind a NAT router of its own: they "
-                             "dial out, nobody dials them (needs nft)")
-    parser.add_argument("--nat-client-mode", action=argparse.BooleanOptionalAction, default=True,
-                        help="nodes behind NAT join with --client-mode, the README's advice for a volunteer nobody "
-                             "can dial (default on); off: with the defaults")
-    parser.add_argument("--relay-host", action="store_true",
-                        help="add one more public host, <prefix>relay, reserved for a relay (nothing runs there yet)")
+    parser.add_argument(
+        "--tree-fanout",
+        type=int,
+        default=2,
+        help="run option exchange.tree_fanout: copies each peer forwards of a packet (1: a chain)",
+    )
+    parser.add_argument(
+        "--state-uplinks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each node states its link's rate at join (node option uplink_mbps), so that the "
+        "packet trees put slower uplinks at the leaves (default on)",
+    )
+    parser.add_argument(
+        "--nat",
+        type=int,
+        default=0,
+        metavar="K",
+        help="put the last K node hosts (h(N-K+1)..hN) each behind a NAT router of its own: they "
+        "dial out, nobody dials them (needs nft)",
+    )
+    parser.add_argument(
+        "--nat-client-mode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nodes behind NAT join with --client-mode, the README's advice for a volunteer nobody "
+        "can dial (default on); off: with the defaults",
+    )
+    parser.add_argument(
+        "--relay-host",
+        action="store_true",
+        help="add one more public host, <prefix>relay, reserved for a relay (nothing runs there yet)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole swarm run")
-    parser.add_argument("--linger", type=float, default=30.0,
-                        help="seconds nodes may run on after the last round closed before the lab stops them")
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=30.0,
+        help="seconds nodes may run on after the last round closed before the lab stops them",
+    )
     parser.add_argument("--workdir", default=None, help="database, logs and reports here (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
-    parser.add_argument("--cleanup-stale", action="store_true",
-                        help="only delete lab namespaces left by lab processes that no longer exist")
+    parser.add_argument(
+        "--cleanup-stale",
+        action="store_true",
+        help="only delete lab namespaces left by lab processes that no longer exist",
+    )
     return parser
 
 
@@ -462,35 +663,52 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(format_peers(result["per_peer"]))
         link = result["link"]
-        delay = (f"{link['delay_ms']:g} ms one-way, {link['loss_pct']:g} % loss" if link["delay_applied"]
-                 else "no delay or loss" if not (link["delay_ms"] or link["loss_pct"])
-                 else f"delay/loss NOT applied ({link['delay_reason']})")
+        delay = (
+            f"{link['delay_ms']:g} ms one-way, {link['loss_pct']:g} % loss"
+            if link["delay_applied"]
+            else "no delay or loss"
+            if not (link["delay_ms"] or link["loss_pct"])
+            else f"delay/loss NOT applied ({link['delay_reason']})"
+        )
         if counters := link.get("emulator_counters"):
             carried = sum(c["packets"] for c in counters.values())
-            up, down, lost, outside = (sum(c[k] for c in counters.values()) for k in
-                                       ("dropped_uplink", "dropped_downlink", "dropped_loss", "dropped_unroutable"))
-            print(f"link emulator: {carried:,} packets carried; dropped by full queues: {up:,} on uplinks, "
-                  f"{down:,} on downlinks; {lost:,} lost; {outside:,} unroutable (IPv6, addresses outside the lab)")
+            up, down, lost, outside = (
+                sum(c[k] for c in counters.values())
+                for k in ("dropped_uplink", "dropped_downlink", "dropped_loss", "dropped_unroutable")
+            )
+            print(
+                f"link emulator: {carried:,} packets carried; dropped by full queues: {up:,} on uplinks, "
+                f"{down:,} on downlinks; {lost:,} lost; {outside:,} unroutable (IPv6, addresses outside the lab)"
+            )
         if baseline := result.get("tcp_alltoall"):
             ratio = f" ({baseline['over_ideal']:.1f}x ideal)" if baseline["over_ideal"] else ""
-            print(f"baseline: the same bytes over plain TCP, every host to every other at once: "
-                  f"{baseline['mean_s']:.2f} s{ratio}")
+            print(
+                f"baseline: the same bytes over plain TCP, every host to every other at once: "
+                f"{baseline['mean_s']:.2f} s{ratio}"
+            )
         if skipped := result.get("tcp_alltoall_skipped"):
             print(f"baseline: skipped ({skipped})")
         for straggler in result["stragglers"]:
             print(f"INCOMPLETE: {straggler['host']} {straggler['reason']}")
         for group in result["summary"].get("by_rate", []):
-            print(f"peers on {group['rate_mbps']:g} Mbps ({group['num_peers']}): fetching {_fmt(group['fetching_s'], 's')}"
-                  f", ideal {_fmt(group['ideal_transfer_s'], 's', 3)}, xfer/ideal {_fmt(group['transfer_over_ideal'], 'x', 1)}"
-                  f", round {_fmt(group['round_s'], 's')}, util {_fmt(group['compute_utilization'], '%')}")
-        print(f"\n{args.peers} peers, {_rates_text(args.rate_mbps)} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "
-              f"round trip {result['link_check']['rtt_ms']:.1f} ms), "
-              f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}"
-              + (f"; compute at least {args.compute_floor:g} s a round (emulated)" if args.compute_floor else "")
-              + (f"; behind NAT: {', '.join(result['nat']['hosts'])}"
-                 + (" (--client-mode)" if result["nat"]["client_mode"] else " (node defaults)")
-                 if result["nat"]["hosts"] else "")
-              + f"; logs in {result['workdir']}")
+            print(
+                f"peers on {group['rate_mbps']:g} Mbps ({group['num_peers']}): fetching {_fmt(group['fetching_s'], 's')}"
+                f", ideal {_fmt(group['ideal_transfer_s'], 's', 3)}, xfer/ideal {_fmt(group['transfer_over_ideal'], 'x', 1)}"
+                f", round {_fmt(group['round_s'], 's')}, util {_fmt(group['compute_utilization'], '%')}"
+            )
+        print(
+            f"\n{args.peers} peers, {_rates_text(args.rate_mbps)} Mbps links (probe: {result['link_check']['mbps']:.1f} Mbps, "
+            f"round trip {result['link_check']['rtt_ms']:.1f} ms), "
+            f"{delay}; overlap {'on (run option)' if result['overlap']['in_run_config'] else 'off'}"
+            + (f"; compute at least {args.compute_floor:g} s a round (emulated)" if args.compute_floor else "")
+            + (
+                f"; behind NAT: {', '.join(result['nat']['hosts'])}"
+                + (" (--client-mode)" if result["nat"]["client_mode"] else " (node defaults)")
+                if result["nat"]["hosts"]
+                else ""
+            )
+            + f"; logs in {result['workdir']}"
+        )
     return 0 if result["completed"] and result["summary"]["digests_agree_every_round"] else 1
 
 

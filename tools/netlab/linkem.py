@@ -77,15 +77,25 @@ class HostLink:
 
 
 class LinkEmulator:
-    def __init__(self, hosts: list[tuple[str, str, float]], *, delay_ms: float, loss_pct: float,
-                 seed: int | None = None, routes: list[tuple[str, str]] = ()):
+    def __init__(
+        self,
+        hosts: list[tuple[str, str, float]],
+        *,
+        delay_ms: float,
+        loss_pct: float,
+        seed: int | None = None,
+        routes: list[tuple[str, str]] = (),
+    ):
         """`hosts`: (namespace, IPv4 address, link rate in Mbps, 0 for unshaped) for each host;
         `routes`: (subnet "A.B.C.D/N", address of the host it lies behind)."""
-        self.hosts = [HostLink(ns, ipaddress.IPv4Address(ip).packed, 8 / (rate * 1e6) if rate > 0 else 0.0)
-                      for ns, ip, rate in hosts]
+        self.hosts = [
+            HostLink(ns, ipaddress.IPv4Address(ip).packed, 8 / (rate * 1e6) if rate > 0 else 0.0)
+            for ns, ip, rate in hosts
+        ]
         self.by_ip = {h.ip: i for i, h in enumerate(self.hosts)}
-        self.routes = [(ipaddress.IPv4Network(subnet), self.by_ip[ipaddress.IPv4Address(via).packed])
-                       for subnet, via in routes]
+        self.routes = [
+            (ipaddress.IPv4Network(subnet), self.by_ip[ipaddress.IPv4Address(via).packed]) for subnet, via in routes
+        ]
         self.delay_s = delay_ms / 1000
         self.loss = loss_pct / 100
         self.offload = self.loss == 0
@@ -141,7 +151,7 @@ class LinkEmulator:
         if len(packet) < ip_header + 20 or packet[ip_header] >> 4 != 4:
             src.counters.dropped_unroutable += 1  # IPv6 and anything else: the lab is IPv4 only
             return
-        dest = self.destination(packet[ip_header + 16:ip_header + 20])
+        dest = self.destination(packet[ip_header + 16 : ip_header + 20])
         if dest is None or dest == source:
             src.counters.dropped_unroutable += 1
             return
@@ -229,15 +239,29 @@ class LinkEmulator:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.netlab.linkem", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--host", action="append", required=True, metavar="NAMESPACE=IP[=MBPS]",
-                        help="a lab host: its namespace (holding TUN device eth0), IPv4 address, and its own "
-                             "link rate if it differs from --rate-mbps")
-    parser.add_argument("--rate-mbps", type=float, default=0.0,
-                        help="each host's link, both directions, unless its --host gives one (0: unshaped)")
+    parser.add_argument(
+        "--host",
+        action="append",
+        required=True,
+        metavar="NAMESPACE=IP[=MBPS]",
+        help="a lab host: its namespace (holding TUN device eth0), IPv4 address, and its own "
+        "link rate if it differs from --rate-mbps",
+    )
+    parser.add_argument(
+        "--rate-mbps",
+        type=float,
+        default=0.0,
+        help="each host's link, both directions, unless its --host gives one (0: unshaped)",
+    )
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay between a host and the network")
     parser.add_argument("--loss-pct", type=float, default=0.0, help="loss on each host's uplink, percent")
-    parser.add_argument("--route", action="append", default=[], metavar="SUBNET=IP",
-                        help="packets to SUBNET (A.B.C.D/N) go to the host with address IP (repeatable)")
+    parser.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="SUBNET=IP",
+        help="packets to SUBNET (A.B.C.D/N) go to the host with address IP (repeatable)",
+    )
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
     hosts = []

@@ -53,17 +53,19 @@ class NatRouter:
 
     def ruleset(self) -> str:
         """The router's nftables rules: masquerade out of the uplink, forward in only replies."""
-        return (f"table ip {NAT_TABLE} {{\n"
-                f"  chain postrouting {{\n"
-                f"    type nat hook postrouting priority srcnat; policy accept;\n"
-                f"    oifname \"{UPLINK}\" masquerade\n"
-                f"  }}\n"
-                f"  chain forward {{\n"
-                f"    type filter hook forward priority filter; policy drop;\n"
-                f"    ct state established,related accept\n"
-                f"    iifname \"{LAN}\" oifname \"{UPLINK}\" accept\n"
-                f"  }}\n"
-                f"}}\n")
+        return (
+            f"table ip {NAT_TABLE} {{\n"
+            f"  chain postrouting {{\n"
+            f"    type nat hook postrouting priority srcnat; policy accept;\n"
+            f'    oifname "{UPLINK}" masquerade\n'
+            f"  }}\n"
+            f"  chain forward {{\n"
+            f"    type filter hook forward priority filter; policy drop;\n"
+            f"    ct state established,related accept\n"
+            f'    iifname "{LAN}" oifname "{UPLINK}" accept\n'
+            f"  }}\n"
+            f"}}\n"
+        )
 
     def setup_commands(self, host_namespace: str) -> list[tuple[list[str], str | None]]:
         """(command, stdin) pairs that build the LAN side, once both namespaces exist and the
@@ -95,8 +97,10 @@ def plan_nat(prefix: str, subnet: str, hosts: list[int]) -> dict[int, NatRouter]
     i's address is .i+1 (the router takes it over)."""
     if any(not 1 <= i <= 254 for i in hosts):
         raise ValueError(f"NAT'd hosts are h1..h254, not {hosts}")
-    return {i: NatRouter(host=i, namespace=f"{prefix}nat{i}", uplink_ip=f"{subnet}.{i + 1}",
-                         lan_prefix=f"192.168.{i}") for i in hosts}
+    return {
+        i: NatRouter(host=i, namespace=f"{prefix}nat{i}", uplink_ip=f"{subnet}.{i + 1}", lan_prefix=f"192.168.{i}")
+        for i in hosts
+    }
 
 
 def firewall_available() -> tuple[bool, str]:

@@ -45,8 +45,19 @@ import statistics
 TIMERS = ("compute_s", "encode_s", "wait_s", "transfer_s", "aggregate_s")
 
 
-SUMMARY_KEYS = (*TIMERS, "transfer_max_s", "fetching_s", "round_s", "idle_s", "packet_bytes", "download_bytes",
-                "ideal_transfer_s", "transfer_over_ideal", "after_close_over_ideal", "compute_utilization")
+SUMMARY_KEYS = (
+    *TIMERS,
+    "transfer_max_s",
+    "fetching_s",
+    "round_s",
+    "idle_s",
+    "packet_bytes",
+    "download_bytes",
+    "ideal_transfer_s",
+    "transfer_over_ideal",
+    "after_close_over_ideal",
+    "compute_utilization",
+)
 
 
 def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float | list[float]) -> dict:
@@ -55,8 +66,9 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float | li
     rates = list(rate_mbps) if isinstance(rate_mbps, (list, tuple)) else [rate_mbps] * len(reports)
     if len(rates) != len(reports):
         raise ValueError(f"{len(rates)} rates for {len(reports)} reports")
-    node_rounds = [[r | {"rate_mbps": rate} for r in _with_next_start(report["rounds"])]
-                   for report, rate in zip(reports, rates)]
+    node_rounds = [
+        [r | {"rate_mbps": rate} for r in _with_next_start(report["rounds"])] for report, rate in zip(reports, rates)
+    ]
     rounds = sorted({r["round"] for per_node in node_rounds for r in per_node})
     closed_at = {h["round"]: h["closed_at"] for h in history}
     rows, by_rate_rows = [], {rate: [] for rate in sorted(set(rates))}
@@ -66,13 +78,18 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float | li
         if len(by_rate_rows) > 1:
             for rate, rate_rows in by_rate_rows.items():
                 # Every peer's ideal depends on the others' uplinks: compute it over all, average a few.
-                rate_rows.append(_round_row(k, per_peer, closed_at, only=lambda r: r["rate_mbps"] == rate))
+                rate_rows.append(_round_row(k, per_peer, closed_at, only=lambda r: r["rate_mbps"] == rate))  # noqa: B023
     steady = slice(1, None) if len(rows) > 1 else slice(None)
-    summary = {"rounds_averaged": [row["round"] for row in rows[steady]], **_means(rows[steady], "swarm_cycle_s"),
-               "digests_agree_every_round": bool(rows) and all(row["digests_agree"] for row in rows)}
+    summary = {
+        "rounds_averaged": [row["round"] for row in rows[steady]],
+        **_means(rows[steady], "swarm_cycle_s"),
+        "digests_agree_every_round": bool(rows) and all(row["digests_agree"] for row in rows),
+    }
     if len(by_rate_rows) > 1:
-        summary["by_rate"] = [{"rate_mbps": rate, "num_peers": rates.count(rate), **_means(rate_rows[steady])}
-                              for rate, rate_rows in by_rate_rows.items()]
+        summary["by_rate"] = [
+            {"rate_mbps": rate, "num_peers": rates.count(rate), **_means(rate_rows[steady])}
+            for rate, rate_rows in by_rate_rows.items()
+        ]
     return {"per_round": rows, "summary": summary}
 
 
@@ -121,14 +138,20 @@ def _round_row(k: int, per_peer: list[dict], closed_at: dict[int, float], only=N
     ideal_s = _ideal_s(per_peer)
     if only is not None:
         chosen = [only(r) for r in per_peer]
-        per_peer, download_bytes, ideal_s = ([x for x, c in zip(xs, chosen) if c]
-                                             for xs in (per_peer, download_bytes, ideal_s))
+        per_peer, download_bytes, ideal_s = (
+            [x for x, c in zip(xs, chosen) if c] for xs in (per_peer, download_bytes, ideal_s)
+        )
     times = [r["times"] for r in per_peer]
     # A peer's round: wall clock from the start of its inner steps to the end of its outer step
     # (reports from older nodes lack the clock: the sum of the timers stands in).
-    round_s = [r["next_started_at"] - r["started_at"] if r.get("next_started_at")
-               else r["ended_at"] - r["started_at"] if r.get("ended_at") and r.get("started_at")
-               else sum(t[name] for name in TIMERS) for r, t in zip(per_peer, times)]
+    round_s = [
+        r["next_started_at"] - r["started_at"]
+        if r.get("next_started_at")
+        else r["ended_at"] - r["started_at"]
+        if r.get("ended_at") and r.get("started_at")
+        else sum(t[name] for name in TIMERS)
+        for r, t in zip(per_peer, times)
+    ]
     packet_bytes = [r["packet_bytes"] for r in per_peer]
     measured = [r["downloaded_bytes"] for r in per_peer if r.get("downloaded_bytes") is not None]
     row = {
@@ -159,8 +182,13 @@ def _mean(values) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def peer_rows(peer_ids: list[str | None], behind_nat: list[bool], rounds: dict[int, dict],
-              reports: list[dict], peers: list[dict] = ()) -> list[dict]:
+def peer_rows(
+    peer_ids: list[str | None],
+    behind_nat: list[bool],
+    rounds: dict[int, dict],
+    reports: list[dict],
+    peers: list[dict] = (),
+) -> list[dict]:
     """One row per node host h1..hN (in order): `peer_ids` its node's peer id (None: unknown),
     `rounds` the coordinator's view of each closed round (RoundView: its final `manifest` and the
     entries `dropped` from it), `reports` the nodes' --report objects, `peers` the run status's
@@ -171,23 +199,36 @@ def peer_rows(peer_ids: list[str | None], behind_nat: list[bool], rounds: dict[i
     standing = {p["peer_id"]: p.get("standing") for p in peers}
     rows = []
     for i, (peer_id, nat, report) in enumerate(zip(peer_ids, behind_nat, reports), start=1):
-        rows.append({
-            "host": f"h{i}", "peer_id": peer_id, "behind_nat": nat,
-            "rounds_in_manifest": sum(any(e["peer_id"] == peer_id for e in view["manifest"]) for view in closed),
-            "rounds": len(closed),
-            "rounds_dropped": sum(peer_id in view.get("dropped", {}) for view in closed),
-            "rounds_applied": len(report.get("rounds", [])),
-            "standing": standing.get(peer_id),
-        })
+        rows.append(
+            {
+                "host": f"h{i}",
+                "peer_id": peer_id,
+                "behind_nat": nat,
+                "rounds_in_manifest": sum(any(e["peer_id"] == peer_id for e in view["manifest"]) for view in closed),
+                "rounds": len(closed),
+                "rounds_dropped": sum(peer_id in view.get("dropped", {}) for view in closed),
+                "rounds_applied": len(report.get("rounds", [])),
+                "standing": standing.get(peer_id),
+            }
+        )
     return rows
 
 
 def format_peers(rows: list[dict]) -> str:
     """The per-peer rows as a plain-text table."""
     headings = ("host", "peer", "NAT", "in manifest", "dropped", "applied", "standing")
-    cells = [[row["host"], row["peer_id"] or "-", "yes" if row["behind_nat"] else "no",
-              f"{row['rounds_in_manifest']}/{row['rounds']}", str(row["rounds_dropped"]), str(row["rounds_applied"]),
-              row["standing"] or "-"] for row in rows]
+    cells = [
+        [
+            row["host"],
+            row["peer_id"] or "-",
+            "yes" if row["behind_nat"] else "no",
+            f"{row['rounds_in_manifest']}/{row['rounds']}",
+            str(row["rounds_dropped"]),
+            str(row["rounds_applied"]),
+            row["standing"] or "-",
+        ]
+        for row in rows
+    ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headings)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(headings, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
@@ -221,8 +262,7 @@ COLUMNS = (  # (heading, key, format)
 def format_table(result: dict) -> str:
     """The per-round rows and the steady-state line as a plain-text table."""
     rows = [[_cell(row, key, fmt) for _, key, fmt in COLUMNS] for row in result["per_round"]]
-    summary = {"round": "mean", **result["summary"],
-               "digests_agree": result["summary"]["digests_agree_every_round"]}
+    summary = {"round": "mean", **result["summary"], "digests_agree": result["summary"]["digests_agree_every_round"]}
     rows.append([_cell(summary, key, fmt) for _, key, fmt in COLUMNS])
     headings = [heading for heading, _, _ in COLUMNS]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headings)]

@@ -98,10 +98,14 @@ def _probe(name: str, steps: list[tuple[list[str], str]]) -> tuple[bool, str]:
     """Run `steps` (command, what its failure means) in a throwaway namespace with a veth pair
     ("probe0", "probe1"); the first failure's meaning and error, or (True, "ok")."""
     probe = f"{LAB_PREFIX}{os.getpid()}-{name}"
-    steps = [(["ip", "netns", "add", probe], "`ip netns` does not work here"),
-             (["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"],
-              "veth pairs cannot be created here"),
-             *[([c.replace("{ns}", probe) for c in command], meaning) for command, meaning in steps]]
+    steps = [
+        (["ip", "netns", "add", probe], "`ip netns` does not work here"),
+        (
+            ["ip", "-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"],
+            "veth pairs cannot be created here",
+        ),
+        *[([c.replace("{ns}", probe) for c in command], meaning) for command, meaning in steps],
+    ]
     try:
         for command, meaning in steps:
             try:
@@ -141,6 +145,7 @@ def cleanup_stale() -> list[str]:
 
 def _kill_namespace_processes(namespace: str, grace_s: float = 3.0) -> list[int]:
     """End the processes still inside one of the lab's namespaces (all descend from the lab's)."""
+
     def pids() -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
         return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
@@ -160,8 +165,15 @@ def _kill_namespace_processes(namespace: str, grace_s: float = 3.0) -> list[int]
 
 def netem_available() -> tuple[bool, str]:
     """Whether this kernel has the netem qdisc, tried on a veth in a namespace of its own."""
-    return _probe("netem", [(["tc", "-n", "{ns}", "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms"],
-                             "this kernel has no usable netem qdisc (sch_netem)")])
+    return _probe(
+        "netem",
+        [
+            (
+                ["tc", "-n", "{ns}", "qdisc", "add", "dev", "probe0", "root", "netem", "delay", "1ms"],
+                "this kernel has no usable netem qdisc (sch_netem)",
+            )
+        ],
+    )
 
 
 SHAPERS = ("auto", "tc", "userspace")
@@ -170,8 +182,16 @@ SHAPERS = ("auto", "tc", "userspace")
 class Topology:
     """The lab's namespaces and links; `up()` builds, `down()` removes."""
 
-    def __init__(self, num_hosts: int, link: LinkSpec, shaper: str = "auto", sysctls: list[str] = (),
-                 rates_mbps: list[float] | None = None, nat_hosts: list[int] = (), relay: bool = False):
+    def __init__(
+        self,
+        num_hosts: int,
+        link: LinkSpec,
+        shaper: str = "auto",
+        sysctls: list[str] = (),
+        rates_mbps: list[float] | None = None,
+        nat_hosts: list[int] = (),
+        relay: bool = False,
+    ):
         if shaper not in SHAPERS:
             raise ValueError(f"shaper must be one of {SHAPERS}, not {shaper!r}")
         if rates_mbps is not None and (len(rates_mbps) != num_hosts or any(r < 0 for r in rates_mbps)):
@@ -193,8 +213,10 @@ class Topology:
         if any(not 1 <= i < num_hosts for i in nat_hosts):
             raise ValueError(f"nat_hosts are among h1..h{num_hosts - 1} (h0 stays public), not {list(nat_hosts)}")
         self.nat = plan_nat(self.prefix, self.subnet, sorted(set(nat_hosts)))  # host -> the router in front of it
-        self.hosts = [Host(f"{self.prefix}h{i}", self.nat[i].host_lan_ip if i in self.nat else f"{self.subnet}.{i + 1}")
-                      for i in range(num_hosts)]
+        self.hosts = [
+            Host(f"{self.prefix}h{i}", self.nat[i].host_lan_ip if i in self.nat else f"{self.subnet}.{i + 1}")
+            for i in range(num_hosts)
+        ]
         # A spare public host for a relay service: on the segment at the first free address, nothing runs there.
         self.relay = Host(f"{self.prefix}relay", f"{self.subnet}.{num_hosts + 1}") if relay else None
         self.created: list[str] = []  # namespaces this object made, in order
@@ -212,9 +234,12 @@ class Topology:
     def segment(self) -> list[SegmentPort]:
         """The shared segment's members, h0 first: the public hosts, the NAT routers in their
         hosts' places (with their rates), then the relay host (with h0's rate)."""
-        ports = [SegmentPort(f"nat{i}", self.nat[i].namespace, self.nat[i].uplink_ip, rate) if i in self.nat
-                 else SegmentPort(f"h{i}", host.namespace, host.ip, rate)
-                 for i, (host, rate) in enumerate(zip(self.hosts, self.rates_mbps))]
+        ports = [
+            SegmentPort(f"nat{i}", self.nat[i].namespace, self.nat[i].uplink_ip, rate)
+            if i in self.nat
+            else SegmentPort(f"h{i}", host.namespace, host.ip, rate)
+            for i, (host, rate) in enumerate(zip(self.hosts, self.rates_mbps))
+        ]
         if self.relay is not None:
             ports.append(SegmentPort("relay", self.relay.namespace, self.relay.ip, self.rates_mbps[0]))
         return ports
@@ -243,15 +268,20 @@ class Topology:
             # What is for no host of the lab goes to the emulator, which drops it as unroutable.
             _run(["ip", "-n", port.namespace, "route", "add", "default", "dev", "eth0"])
         self._up_nat()
-        args = [sys.executable, "-m", "tools.netlab.linkem",
-                *(f"--host={port.namespace}={port.ip}={port.rate_mbps:g}" for port in segment),
-                # A packet for a router's LAN is carried to the router, whose filter drops it unless
-                # it answers a connection the LAN opened.
-                *(f"--route={r.lan_subnet}={r.uplink_ip}" for r in self.nat.values()),
-                f"--delay-ms={self.link.delay_ms}",
-                f"--loss-pct={self.link.loss_pct}"]
-        self.emulator = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
-                                         start_new_session=True)
+        args = [
+            sys.executable,
+            "-m",
+            "tools.netlab.linkem",
+            *(f"--host={port.namespace}={port.ip}={port.rate_mbps:g}" for port in segment),
+            # A packet for a router's LAN is carried to the router, whose filter drops it unless
+            # it answers a connection the LAN opened.
+            *(f"--route={r.lan_subnet}={r.uplink_ip}" for r in self.nat.values()),
+            f"--delay-ms={self.link.delay_ms}",
+            f"--loss-pct={self.link.loss_pct}",
+        ]
+        self.emulator = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT, start_new_session=True
+        )
         try:
             read_line(self.emulator.stdout, 30.0, "ready")
         except LabError as e:
@@ -271,8 +301,23 @@ class Topology:
             self._add_namespace(port.namespace)
             # The pair is made inside the bridge namespace with its far end placed straight into the
             # member's, so neither end ever appears in the root namespace.
-            _run(["ip", "-n", self.bridge_ns, "link", "add", port.name, "type", "veth",
-                  "peer", "name", "eth0", "netns", port.namespace])
+            _run(
+                [
+                    "ip",
+                    "-n",
+                    self.bridge_ns,
+                    "link",
+                    "add",
+                    port.name,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    port.namespace,
+                ]
+            )
             _run(["ip", "-n", self.bridge_ns, "link", "set", port.name, "master", "br0"])
             _run(["ip", "-n", self.bridge_ns, "link", "set", port.name, "up"])
             _run(["ip", "-n", port.namespace, "addr", "add", f"{port.ip}/24", "dev", "eth0"])
@@ -308,15 +353,35 @@ class Topology:
             if rate := port.rate_mbps:
                 parent = ["parent", "1:1", "handle", "10:"] if use_netem else ["root", "handle", "1:"]
                 _run(["tc", "-n", port.namespace, "qdisc", "add", "dev", "eth0", *parent, *self._tbf(rate)])
-                _run(["tc", "-n", self.bridge_ns, "qdisc", "add", "dev", port.name, "root", "handle", "1:",
-                      *self._tbf(rate)])
+                _run(
+                    [
+                        "tc",
+                        "-n",
+                        self.bridge_ns,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        port.name,
+                        "root",
+                        "handle",
+                        "1:",
+                        *self._tbf(rate),
+                    ]
+                )
 
     @staticmethod
     def _tbf(rate_mbps: float) -> list[str]:
         rate_bytes_per_s = rate_mbps * 1e6 / 8
         burst_bytes = max(TBF_MIN_BURST_BYTES, int(rate_bytes_per_s * 0.005))
-        return ["tbf", "rate", f"{rate_mbps * 1000:.0f}kbit", "burst", str(burst_bytes),
-                "latency", f"{TBF_LATENCY_MS}ms"]
+        return [
+            "tbf",
+            "rate",
+            f"{rate_mbps * 1000:.0f}kbit",
+            "burst",
+            str(burst_bytes),
+            "latency",
+            f"{TBF_LATENCY_MS}ms",
+        ]
 
     def _netem(self, namespace: str) -> None:
         args = ["limit", "100000"]
@@ -330,8 +395,11 @@ class Topology:
         try:
             self._netem(namespace)
         except LabError as e:
-            self.delay_reason = (f"This kernel has no netem qdisc (sch_netem); delay and loss need it. {e}"
-                                 if "unknown" in str(e) else f"netem could not be set up: {e}")
+            self.delay_reason = (
+                f"This kernel has no netem qdisc (sch_netem); delay and loss need it. {e}"
+                if "unknown" in str(e)
+                else f"netem could not be set up: {e}"
+            )
             return False
         self.delay_applied = True
         return True
@@ -389,9 +457,23 @@ class Topology:
         try:
             for i in hosts:
                 peers = [self.hosts[j].ip for j in hosts if j != i]
-                children.append(subprocess.Popen(
-                    [*self.exec_args(i), *helper, self.hosts[i].ip, port, str(num_bytes), f"{start_at:.3f}", *peers],
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT))
+                children.append(
+                    subprocess.Popen(
+                        [
+                            *self.exec_args(i),
+                            *helper,
+                            self.hosts[i].ip,
+                            port,
+                            str(num_bytes),
+                            f"{start_at:.3f}",
+                            *peers,
+                        ],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        cwd=REPO_ROOT,
+                    )
+                )
             seconds = []
             for child in children:
                 out, err = child.communicate(timeout=timeout_s)
@@ -411,12 +493,18 @@ class Topology:
         rate_mbps = min(shaped) if shaped else 0.0  # the path's bottleneck
         num_bytes = max(1 << 18, int(rate_mbps * 1e6 / 8 * PROBE_SECONDS)) if rate_mbps else 8 << 20
         helper = [sys.executable, "-m", "tools.netlab.helpers"]
-        sink = subprocess.Popen([*self.exec_args(receiver), *helper, "sink", self.hosts[receiver].ip],
-                                stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        sink = subprocess.Popen(
+            [*self.exec_args(receiver), *helper, "sink", self.hosts[receiver].ip],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
         try:
             port = read_line(sink.stdout, 30.0, "port ").split()[1]
-            _run([*self.exec_args(sender), *helper, "source", self.hosts[receiver].ip, port, str(num_bytes)],
-                 timeout_s=60 + 10 * num_bytes * 8 / max(1e6, rate_mbps * 1e6))
+            _run(
+                [*self.exec_args(sender), *helper, "source", self.hosts[receiver].ip, port, str(num_bytes)],
+                timeout_s=60 + 10 * num_bytes * 8 / max(1e6, rate_mbps * 1e6),
+            )
             result = json.loads(sink.communicate(timeout=30)[0].strip().splitlines()[-1])
         finally:
             if sink.poll() is None:
@@ -425,8 +513,14 @@ class Topology:
         mbps = result["bytes"] * 8 / result["seconds"] / 1e6 if result["seconds"] > 0 else None
         rtt = _run([*self.exec_args(sender), *helper, "rtt", self.hosts[receiver].ip])
         result["rtt_ms"] = json.loads(rtt.stdout.strip().splitlines()[-1])["rtt_ms"]
-        return {"bytes": result["bytes"], "seconds": result["seconds"], "mbps": mbps, "rtt_ms": result["rtt_ms"],
-                "rate_mbps": rate_mbps, "ratio_to_rate": mbps / rate_mbps if mbps and rate_mbps else None}
+        return {
+            "bytes": result["bytes"],
+            "seconds": result["seconds"],
+            "mbps": mbps,
+            "rtt_ms": result["rtt_ms"],
+            "rate_mbps": rate_mbps,
+            "ratio_to_rate": mbps / rate_mbps if mbps and rate_mbps else None,
+        }
 
     def probe_nat(self, host: int, prober: int) -> dict:
         """Check from public host `prober` that nobody can dial NAT'd host `host`, and that it can dial out.
@@ -458,21 +552,43 @@ class Topology:
                 seen = json.loads(sink.communicate(timeout=10)[0].strip().splitlines()[-1])
         finally:
             _end(sink)
-        return {"host": f"h{host}", "router": router.namespace, "prober": f"h{prober}",
-                "public_ip": router.uplink_ip, "private_ip": router.host_lan_ip,
-                "inbound_to_public_ip": to_public_ip, "inbound_to_private_ip": to_private_ip,
-                "outbound": outbound, "outbound_seen_from": seen.get("peer"),
-                "inbound_blocked": "connected" not in (to_public_ip, to_private_ip),
-                "outbound_masqueraded": outbound == "connected" and seen.get("peer") == router.uplink_ip}
+        return {
+            "host": f"h{host}",
+            "router": router.namespace,
+            "prober": f"h{prober}",
+            "public_ip": router.uplink_ip,
+            "private_ip": router.host_lan_ip,
+            "inbound_to_public_ip": to_public_ip,
+            "inbound_to_private_ip": to_private_ip,
+            "outbound": outbound,
+            "outbound_seen_from": seen.get("peer"),
+            "inbound_blocked": "connected" not in (to_public_ip, to_private_ip),
+            "outbound_masqueraded": outbound == "connected" and seen.get("peer") == router.uplink_ip,
+        }
 
     def _helper(self, host: int, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([*self.exec_args(host), sys.executable, "-m", "tools.netlab.helpers", *args],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        return subprocess.Popen(
+            [*self.exec_args(host), sys.executable, "-m", "tools.netlab.helpers", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
 
     def _connect(self, host: int, ip: str, port: int) -> str:
         """One TCP connection attempt from `host`: connected, refused, timeout, unreachable or error: ..."""
-        out = _run([*self.exec_args(host), sys.executable, "-m", "tools.netlab.helpers", "connect", ip, str(port),
-                    str(CONNECT_TIMEOUT_S)]).stdout
+        out = _run(
+            [
+                *self.exec_args(host),
+                sys.executable,
+                "-m",
+                "tools.netlab.helpers",
+                "connect",
+                ip,
+                str(port),
+                str(CONNECT_TIMEOUT_S),
+            ]
+        ).stdout
         return json.loads(out.strip().splitlines()[-1])["result"]
 
 

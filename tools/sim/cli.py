@@ -20,10 +20,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from tools.sim import plot as sim_plot
-from tools.sim import engine as simulator
-from tools.sim.engine import ALGOS, SimConfig, simulate
 from protocol.config_file import describe_validation_error
+from tools.sim import engine as simulator
+from tools.sim import plot as sim_plot
+from tools.sim.engine import ALGOS, SimConfig, simulate
 
 
 def register(subparsers) -> None:
@@ -44,10 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=d.top_k)
     parser.add_argument("--error-decay", type=float, default=d.error_decay)
     parser.add_argument("--overlap", action="store_true", help="one-round-delayed outer step")
-    parser.add_argument("--poison", default=None,
-                        help='arm the last peer with a poison fault spec, e.g. "poison@factor=1,mode=sign-flip"')
-    parser.add_argument("--no-scoring", dest="scoring", action="store_false",
-                        help="no contribution scoring (nobody is excluded)")
+    parser.add_argument(
+        "--poison",
+        default=None,
+        help='arm the last peer with a poison fault spec, e.g. "poison@factor=1,mode=sign-flip"',
+    )
+    parser.add_argument(
+        "--no-scoring", dest="scoring", action="store_false", help="no contribution scoring (nobody is excluded)"
+    )
     parser.add_argument("--sparseloco-inner-lr", type=float, default=d.sparseloco_inner_lr)
     parser.add_argument("--diloco-inner-lr", type=float, default=d.diloco_inner_lr)
     parser.add_argument("--diloco-outer-lr", type=float, default=d.diloco_outer_lr)
@@ -55,22 +59,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=d.eval_every_rounds, help="rounds between evaluations")
     parser.add_argument("--eval-batches", type=int, default=d.eval_batches)
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--data", default=None,
-                        help="text file or directory (byte tokens), .bin shards, or a `locoswarm data prepare` "
-                             "directory, whose vocabulary the model takes (default: stdlib sources)")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="token ids the model embeds (default: the preset's, or what prepared shards record)")
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="text file or directory (byte tokens), .bin shards, or a `locoswarm data prepare` "
+        "directory, whose vocabulary the model takes (default: stdlib sources)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="token ids the model embeds (default: the preset's, or what prepared shards record)",
+    )
     parser.add_argument("--threads", type=int, default=d.threads)
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--out", default="runs/sim", help="where summary.json and (without --plot) val_loss.png go")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--plot", default=None, metavar="PATH",
-                        help="write the figure here (.png, .svg or .pdf; default OUT/val_loss.png): validation loss "
-                             "against rounds and against bytes sent per peer, one line per strategy; needs "
-                             "matplotlib (pip install 'locoswarm[plot]')")
-    parser.add_argument("--from-out", default=None, metavar="DIR",
-                        help="simulate nothing: print the table of the run saved in DIR (its --out) and draw its "
-                             "figure (to --plot, default DIR/val_loss.png); the simulation's flags are refused with it")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write the figure here (.png, .svg or .pdf; default OUT/val_loss.png): validation loss "
+        "against rounds and against bytes sent per peer, one line per strategy; needs "
+        "matplotlib (pip install 'locoswarm[plot]')",
+    )
+    parser.add_argument(
+        "--from-out",
+        default=None,
+        metavar="DIR",
+        help="simulate nothing: print the table of the run saved in DIR (its --out) and draw its "
+        "figure (to --plot, default DIR/val_loss.png); the simulation's flags are refused with it",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -86,13 +105,29 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 def _sim_config(args: argparse.Namespace, algos: tuple[str, ...]) -> SimConfig:
     return SimConfig(
-        algos=algos, preset=args.preset, num_peers=args.peers, inner_steps=args.inner_steps,
-        num_rounds=args.rounds, batch_size=args.batch_size, seq_len=args.seq_len, top_k=args.top_k,
-        error_decay=args.error_decay, overlap=args.overlap, sparseloco_inner_lr=args.sparseloco_inner_lr,
-        diloco_inner_lr=args.diloco_inner_lr, diloco_outer_lr=args.diloco_outer_lr, ddp_lr=args.ddp_lr,
-        eval_every_rounds=args.eval_every, eval_batches=args.eval_batches, seed=args.seed, data=args.data,
-        vocab_size=args.vocab_size, poison=args.poison, scoring=args.scoring,
-        threads=args.threads, device=args.device,
+        algos=algos,
+        preset=args.preset,
+        num_peers=args.peers,
+        inner_steps=args.inner_steps,
+        num_rounds=args.rounds,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        top_k=args.top_k,
+        error_decay=args.error_decay,
+        overlap=args.overlap,
+        sparseloco_inner_lr=args.sparseloco_inner_lr,
+        diloco_inner_lr=args.diloco_inner_lr,
+        diloco_outer_lr=args.diloco_outer_lr,
+        ddp_lr=args.ddp_lr,
+        eval_every_rounds=args.eval_every,
+        eval_batches=args.eval_batches,
+        seed=args.seed,
+        data=args.data,
+        vocab_size=args.vocab_size,
+        poison=args.poison,
+        scoring=args.scoring,
+        threads=args.threads,
+        device=args.device,
     )
 
 
@@ -124,8 +159,10 @@ def _show_saved(args: argparse.Namespace) -> int:
     """--from-out: the saved run's table and figure."""
     given = _simulation_flags_given(args)
     if given:
-        raise SystemExit(f"error: --from-out shows a saved run; {', '.join(given)} would need a new simulation "
-                         "(drop --from-out to run one)")
+        raise SystemExit(
+            f"error: --from-out shows a saved run; {', '.join(given)} would need a new simulation "
+            "(drop --from-out to run one)"
+        )
     out = Path(args.from_out)
     try:
         summary = sim_plot.read_summary(out)
@@ -149,9 +186,13 @@ def _simulation_flags_given(args: argparse.Namespace) -> list[str]:
     values that differ from a fresh parser's defaults."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return [action.option_strings[0] for action in parser._actions
-            if action.option_strings and action.dest not in ("help", "json", "plot", "from_out")
-            and getattr(args, action.dest, action.default) != action.default]
+    return [
+        action.option_strings[0]
+        for action in parser._actions
+        if action.option_strings
+        and action.dest not in ("help", "json", "plot", "from_out")
+        and getattr(args, action.dest, action.default) != action.default
+    ]
 
 
 def _check_plot_path(figure: Path) -> None:
@@ -194,8 +235,10 @@ def _print_results(summary: dict, as_json: bool) -> None:
         return
     print(f"{'strategy':<12} {'val loss':>9} {'tokens':>11} {'bytes/peer/round':>17} {'wall s':>8}")
     for algo, r in per_strategy.items():
-        print(f"{algo:<12} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>17,.0f} "
-              f"{r['wall_s']:>8.1f}")
+        print(
+            f"{algo:<12} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>17,.0f} "
+            f"{r['wall_s']:>8.1f}"
+        )
     for algo, r in summary["strategies"].items():
         for peer_id, first_round in r.get("excluded", {}).items():
             reason = r["standings"][peer_id]["reason"]
@@ -203,8 +246,11 @@ def _print_results(summary: dict, as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.sim.cli", description=simulator.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.sim.cli",
+        description=simulator.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

@@ -63,8 +63,11 @@ class SimConfig(BaseModel):
         "median_clip", description="SparseLoCo: median-norm clipping per tensor, or the plain scatter-mean."
     )
     poison: str | None = Field(None, description="A poison fault spec armed in the last peer (sparseloco, diloco).")
-    scoring: bool = Field(True, description="Contribution scoring and exclusion, with the run config's [scoring]"
-                          " defaults (sparseloco, diloco).")
+    scoring: bool = Field(
+        True,
+        description="Contribution scoring and exclusion, with the run config's [scoring]"
+        " defaults (sparseloco, diloco).",
+    )
     sparseloco_inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="Paper: 1e-3.")
     diloco_inner_lr: float = Field(8e-4, gt=0.0, le=1.0, description="Paper: 8e-4.")
     diloco_outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="Paper: 0.6..0.7, Nesterov momentum 0.9.")
@@ -74,8 +77,12 @@ class SimConfig(BaseModel):
     eval_batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
     seed: int = Field(0, ge=0, description="Model init and batch sampling.")
     data: str | None = Field(None, description="Corpus path; None: the Python standard library's sources.")
-    vocab_size: int | None = Field(None, ge=2, description="Token ids the model embeds; None: the preset's, or"
-                                   " the vocabulary tagged shards record (`locoswarm data prepare`).")
+    vocab_size: int | None = Field(
+        None,
+        ge=2,
+        description="Token ids the model embeds; None: the preset's, or"
+        " the vocabulary tagged shards record (`locoswarm data prepare`).",
+    )
     tokenizer_id: str | None = Field(None, description="The data's tokenizer; None: the one tagged shards record.")
     threads: int = Field(2, ge=1, description="Torch CPU threads.")
     device: str = Field("cpu", description="Torch device.")
@@ -87,21 +94,36 @@ class SimConfig(BaseModel):
     def run_config(self, algo: str) -> RunConfig:
         """The run a node would be given for `algo`: the simulator builds its peers from it."""
         lr = {"sparseloco": self.sparseloco_inner_lr, "diloco": self.diloco_inner_lr, "ddp": self.ddp_lr}[algo]
-        outer = ({"strategy": "diloco", "lr": self.diloco_outer_lr, "momentum": 0.9, "nesterov": True}
-                 if algo == "diloco" else {"strategy": algo, "top_k": self.top_k, "error_decay": self.error_decay,
-                                           "aggregation": self.aggregation})
-        return RunConfig.model_validate({
-            "name": f"sim-{algo}", "max_rounds": self.num_rounds,
-            "model": {"preset": self.preset, "seed": self.seed, "data": self.data}
-                     | {k: v for k in ("vocab_size", "tokenizer_id") if (v := getattr(self, k)) is not None},
-            "inner": {"steps": self.inner_steps, "lr": lr, "total_steps": self.total_steps,
-                      "warmup_steps": max(1, int(self.total_steps * self.warmup_fraction)),
-                      "batch_size": self.batch_size, "seq_len": self.seq_len},
-            "outer": outer | {"overlap": self.overlap},
-            "exchange": {"max_packet_bytes": DEFAULT_MAX_PACKET_BYTES},
-            "membership": {"min_peers": self.num_peers},
-            "scoring": {"enabled": self.scoring},
-        })
+        outer = (
+            {"strategy": "diloco", "lr": self.diloco_outer_lr, "momentum": 0.9, "nesterov": True}
+            if algo == "diloco"
+            else {
+                "strategy": algo,
+                "top_k": self.top_k,
+                "error_decay": self.error_decay,
+                "aggregation": self.aggregation,
+            }
+        )
+        return RunConfig.model_validate(
+            {
+                "name": f"sim-{algo}",
+                "max_rounds": self.num_rounds,
+                "model": {"preset": self.preset, "seed": self.seed, "data": self.data}
+                | {k: v for k in ("vocab_size", "tokenizer_id") if (v := getattr(self, k)) is not None},
+                "inner": {
+                    "steps": self.inner_steps,
+                    "lr": lr,
+                    "total_steps": self.total_steps,
+                    "warmup_steps": max(1, int(self.total_steps * self.warmup_fraction)),
+                    "batch_size": self.batch_size,
+                    "seq_len": self.seq_len,
+                },
+                "outer": outer | {"overlap": self.overlap},
+                "exchange": {"max_packet_bytes": DEFAULT_MAX_PACKET_BYTES},
+                "membership": {"min_peers": self.num_peers},
+                "scoring": {"enabled": self.scoring},
+            }
+        )
 
 
 @dataclass(slots=True)
@@ -120,8 +142,9 @@ class StrategyResult:
 def _evaluate(model, corpus, cfg: SimConfig) -> float:
     from node.training.data import evaluate
 
-    return evaluate(model, corpus.val, cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                    device=cfg.device)
+    return evaluate(
+        model, corpus.val, cfg.eval_batches, batch_size=cfg.batch_size, seq_len=cfg.seq_len, device=cfg.device
+    )
 
 
 def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyResult:
@@ -132,8 +155,8 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     (node.round.overlap.Pipeline)."""
     import torch
 
-    from node.round.overlap import Pipeline
     from node.faults import FaultInjector
+    from node.round.overlap import Pipeline
     from node.training.build import model_config
     from node.training.model import build_model
     from node.training.params import flat_named_params, param_digest
@@ -168,8 +191,9 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
         payloads = {}
         for peer_id, peer in zip(peer_ids, peers):
             peer.train_round(r, on_step=lambda *_: progress.update(1))
-            payloads[peer_id] = peer.outer.make_payload(run_id="sim", round=r, peer_id=peer_id, base_digest=digest,
-                                                        key=keys[peer_id])
+            payloads[peer_id] = peer.outer.make_payload(
+                run_id="sim", round=r, peer_id=peer_id, base_digest=digest, key=keys[peer_id]
+            )
             bytes_sent += len(payloads[peer_id])
         if scorer is not None:  # as the coordinator refuses an excluded peer's submission
             payloads = {p: payload for p, payload in payloads.items() if not scorer.excluded(p, r)}
@@ -214,8 +238,9 @@ class _Scorer:
 
         if prepared.aggregates is None:
             return {}
-        scores = score_round(self.peers[index], outer.start, prepared, self.peer_ids[index], round, self.section,
-                             self.outer_lr)
+        scores = score_round(
+            self.peers[index], outer.start, prepared, self.peer_ids[index], round, self.section, self.outer_lr
+        )
         return {p: Score(s.loss_delta, s.cosine, s.overlap, s.overlap_with) for p, s in scores.items()}
 
     def judge(self, reports: dict, contributors: list[str], round: int) -> None:
@@ -230,8 +255,15 @@ class _Scorer:
         self.result.standings = {p: json.loads(s.to_json()) for p, s in self.standings.items()}
 
 
-def _apply_everywhere(outers, payloads: dict[str, bytes], public: dict[str, bytes], round: int,
-                      result: StrategyResult, cfg: SimConfig, scorer: _Scorer | None = None) -> str:
+def _apply_everywhere(
+    outers,
+    payloads: dict[str, bytes],
+    public: dict[str, bytes],
+    round: int,
+    result: StrategyResult,
+    cfg: SimConfig,
+    scorer: _Scorer | None = None,
+) -> str:
     """Every peer applies the round's payloads; they must agree bit for bit on the global model
     and refuse only the poisoned peer's payload (the last peer's, when cfg.poison is set). With
     `scorer`, every peer scores the round's updates before its outer step, and the round is judged."""
@@ -268,8 +300,10 @@ def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
     inner = inner_config(run)
     model = build_model(model_config(run), cfg.seed).to(cfg.device)
     optimizer = make_inner_optimizer(model, inner)
-    streams = [corpus.train.shard(i, cfg.num_peers).batches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.device)
-               for i in range(cfg.num_peers)]
+    streams = [
+        corpus.train.shard(i, cfg.num_peers).batches(cfg.batch_size, cfg.seq_len, cfg.seed, cfg.device)
+        for i in range(cfg.num_peers)
+    ]
     result = StrategyResult(final_val_loss=float("nan"), tokens=0, bytes_sent_per_peer_per_round=0.0, wall_s=0.0)
     result.curve.append((0, _evaluate(model, corpus, cfg)))
     start = time.perf_counter()
@@ -308,18 +342,23 @@ def simulate(cfg: SimConfig, show_progress: bool = True) -> dict:
     torch.set_num_threads(cfg.threads)
     corpus = load_corpus(cfg.data)
     if corpus.train.tokenizer_id is not None and cfg.tokenizer_id is None:  # the model follows tagged shards
-        cfg = cfg.model_copy(update={"tokenizer_id": corpus.train.tokenizer_id,
-                                     "vocab_size": cfg.vocab_size or corpus.train.vocab_size})
+        cfg = cfg.model_copy(
+            update={"tokenizer_id": corpus.train.tokenizer_id, "vocab_size": cfg.vocab_size or corpus.train.vocab_size}
+        )
     model = model_config(cfg.run_config("sparseloco"))  # the same model for every strategy
     for data in (corpus.train, corpus.val):  # DataMismatch before any training, with what to do
         check_vocabulary(data, model.vocab_size, model.tokenizer_id)
     results = {}
     for algo in cfg.algos:
-        with tqdm(total=cfg.num_peers * cfg.total_steps, desc=algo, unit="step", disable=not show_progress,
-                  leave=False) as progress:
+        with tqdm(
+            total=cfg.num_peers * cfg.total_steps, desc=algo, unit="step", disable=not show_progress, leave=False
+        ) as progress:
             if algo == "ddp":
                 results[algo] = run_ddp(cfg, corpus, progress)
             else:
                 results[algo] = run_local_updates(algo, cfg, corpus, progress)
-    return {"config": cfg.model_dump(mode="json"), "corpus": corpus.description,
-            "strategies": {a: asdict(r) for a, r in results.items()}}
+    return {
+        "config": cfg.model_dump(mode="json"),
+        "corpus": corpus.description,
+        "strategies": {a: asdict(r) for a, r in results.items()},
+    }

@@ -75,17 +75,25 @@ def strategy_curves(summary: Mapping) -> list[StrategyCurve]:
     for algo, result in summary["strategies"].items():
         per_round = float(result["bytes_sent_per_peer_per_round"])
         rounds = [round(tokens / tokens_per_round) for tokens, _ in result["curve"]]
-        curves.append(StrategyCurve(algo=algo, rounds=rounds, bytes_sent_per_peer=[r * per_round for r in rounds],
-                                    val_losses=[float(loss) for _, loss in result["curve"]],
-                                    bytes_per_peer_per_round=per_round))
+        curves.append(
+            StrategyCurve(
+                algo=algo,
+                rounds=rounds,
+                bytes_sent_per_peer=[r * per_round for r in rounds],
+                val_losses=[float(loss) for _, loss in result["curve"]],
+                bytes_per_peer_per_round=per_round,
+            )
+        )
     return curves
 
 
 def figure_title(summary: Mapping) -> str:
     """The run's settings, two lines: the swarm and schedule, then the strategies' knobs and data."""
     c = summary["config"]
-    swarm = (f"locoswarm sim: {c['num_peers']} peers, H={c['inner_steps']}, {c['num_rounds']} rounds, "
-             f"preset {c['preset']}, batch {c['batch_size']}x{c['seq_len']}, seed {c['seed']}")
+    swarm = (
+        f"locoswarm sim: {c['num_peers']} peers, H={c['inner_steps']}, {c['num_rounds']} rounds, "
+        f"preset {c['preset']}, batch {c['batch_size']}x{c['seq_len']}, seed {c['seed']}"
+    )
     algos = c.get("algos") or list(summary["strategies"])
     knobs = [f"top_k {c['top_k']}", f"error decay {c['error_decay']}"] if "sparseloco" in algos else []
     knobs += [f"diloco outer lr {c['diloco_outer_lr']}"] * ("diloco" in algos)
