@@ -35,8 +35,12 @@ from typing import get_args
 from protocol.http import ErrorCode
 
 
-class Code(enum.StrEnum):
-    """`protocol.http.ErrorCode`, member by member (what each means: the comments there)."""
+class Code(str, enum.Enum):
+    """`protocol.http.ErrorCode`, member by member (what each means: the comments there). A `str`:
+    it compares equal to, and prints as, its code (enum.StrEnum is Python 3.11+; this runs on 3.10)."""
+
+    def __str__(self) -> str:
+        return self.value
 
     BAD_REQUEST = "bad_request"
     MALFORMED_JSON = "malformed_json"
