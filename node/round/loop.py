@@ -287,17 +287,8 @@ class Node:
     async def _heartbeats(self, s: Session, interval_s: float) -> None:
         while True:
             await asyncio.sleep(max(0.5, interval_s))
-            a = s.activity
             try:
-                await s.signed(
-                    s.client.heartbeat,
-                    a.round,
-                    a.state,
-                    train_loss=a.last_loss,
-                    bandwidth_mbps=a.bandwidth_mbps,
-                    inner_step=a.inner_step,
-                    detail=a.detail,
-                )
+                await s.heartbeat()
             except CoordinatorCallFailed as e:  # an outage is logged once a minute by the client
                 log.log(
                     logging.DEBUG if s.client.unreachable_for_s is not None else logging.WARNING,

@@ -94,6 +94,19 @@ class Session:
             await self.rejoin()
             return await call(*args, **kwargs)
 
+    async def heartbeat(self) -> None:
+        """One heartbeat saying what `activity` says now (signed: rejoins if dropped)."""
+        a = self.activity
+        await self.signed(
+            self.client.heartbeat,
+            a.round,
+            a.state,
+            train_loss=a.last_loss,
+            bandwidth_mbps=a.bandwidth_mbps,
+            inner_step=a.inner_step,
+            detail=a.detail,
+        )
+
     def spawn(self, coro) -> asyncio.Task:
         """A background task the session keeps a reference to until it ends."""
         task = asyncio.create_task(coro)

@@ -119,17 +119,8 @@ async def beat_now(s: Session) -> None:
     heartbeat interval. A failed beat changes nothing: the next periodic one says the same."""
     from node.round.coordinator_client import CoordinatorCallFailed
 
-    a = s.activity
     try:
-        await s.signed(
-            s.client.heartbeat,
-            a.round,
-            a.state,
-            train_loss=a.last_loss,
-            bandwidth_mbps=a.bandwidth_mbps,
-            inner_step=a.inner_step,
-            detail=a.detail,
-        )
+        await s.heartbeat()
     except CoordinatorCallFailed as e:
         log.debug("heartbeat at the start of training failed: %s", e)
 
