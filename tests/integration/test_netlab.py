@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.netlab_leftovers import left_behind, root_links
 from tools.netlab.topology import LAB_PREFIX, lab_available, lab_namespaces
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -54,18 +55,8 @@ def _needs_lab():
         pytest.skip(reason)
 
 
-def _root_links() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
-
-
-def _left_behind(prefix: str) -> list[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    return lab_namespaces(prefix) + [line for line in out.splitlines() if prefix in line]
-
-
 def test_three_peers_two_rounds_on_shaped_links(tmp_path):
-    links_before = _root_links()
+    links_before = root_links()
     done = subprocess.run(
         [sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--json", "--workdir", str(tmp_path), "--timeout", "150"],
         capture_output=True,
@@ -126,12 +117,12 @@ def test_three_peers_two_rounds_on_shaped_links(tmp_path):
     # The bytes really went through the lab's interfaces: each node received at least its downloads.
     assert result["summary"]["interface_rx_bytes_per_peer_round"] >= result["summary"]["download_bytes"]
 
-    assert _left_behind(result["namespace_prefix"]) == []
-    assert _root_links() <= links_before
+    assert left_behind(result["namespace_prefix"]) == []
+    assert root_links() <= links_before
 
 
 def test_ctrl_c_tears_everything_down(tmp_path):
-    links_before = _root_links()
+    links_before = root_links()
     lab = subprocess.Popen(
         [sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--workdir", str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -160,8 +151,8 @@ def test_ctrl_c_tears_everything_down(tmp_path):
             lab.wait()
     assert lab.returncode == 130, "".join(lines) + rest
     assert "torn down" in rest
-    assert _left_behind(prefix) == []
-    assert _root_links() <= links_before
+    assert left_behind(prefix) == []
+    assert root_links() <= links_before
     # No process of the lab survives: nothing runs from its working directory any more.
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert leftovers == []

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.netlab_leftovers import left_behind, root_links, root_rules
 from tools.netlab.nat import firewall_available
 from tools.netlab.topology import LAB_PREFIX, lab_available, lab_namespaces
 
@@ -51,23 +52,8 @@ def _needs_lab():
             pytest.skip(reason)
 
 
-def _root_links() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
-
-
-def _root_rules() -> str:
-    """The root namespace's nftables ruleset (iptables-nft rules included)."""
-    return subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True, check=True).stdout
-
-
-def _left_behind(prefix: str) -> list[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
-    return lab_namespaces(prefix) + [line for line in out.splitlines() if prefix in line]
-
-
 def test_a_peer_behind_nat_is_unreachable_and_reported(tmp_path):
-    links_before, rules_before = _root_links(), _root_rules()
+    links_before, rules_before = root_links(), root_rules()
     done = subprocess.run(
         [sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--json", "--workdir", str(tmp_path), "--timeout", "80"],
         capture_output=True,
@@ -103,13 +89,13 @@ def test_a_peer_behind_nat_is_unreachable_and_reported(tmp_path):
         assert peer["rounds"] == len(result["per_round"]) and 0 <= peer["rounds_in_manifest"] <= peer["rounds"]
     assert "tcp_alltoall" not in result and result["tcp_alltoall_skipped"]
 
-    assert _left_behind(prefix) == []
-    assert _root_links() <= links_before
-    assert _root_rules() == rules_before
+    assert left_behind(prefix) == []
+    assert root_links() <= links_before
+    assert root_rules() == rules_before
 
 
 def test_ctrl_c_once_the_nat_is_up_tears_everything_down(tmp_path):
-    links_before, rules_before = _root_links(), _root_rules()
+    links_before, rules_before = root_links(), root_rules()
     lab = subprocess.Popen(
         [sys.executable, "-m", "tools.netlab", *LAB_ARGS, "--workdir", str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -134,6 +120,6 @@ def test_ctrl_c_once_the_nat_is_up_tears_everything_down(tmp_path):
             lab.kill()
             lab.wait()
     assert lab.returncode == 130, "".join(lines) + rest
-    assert _left_behind(prefix) == []
-    assert _root_links() <= links_before
-    assert _root_rules() == rules_before
+    assert left_behind(prefix) == []
+    assert root_links() <= links_before
+    assert root_rules() == rules_before
