@@ -55,10 +55,13 @@ Rules (the contract is written out in `protocol.http`):
   the next verdicts come (`_count_votes` weighs every round still undecided again). With
   ``scoring.enabled`` false it is a headcount as before standing existed (two votes and more than
   half of the contributors, or more than half of those cast once settled): an operator who turns
-  scoring off trusts every key. Until agreed a majority is provisional. A contributor whose vote
-  differs from the agreed digest, then or later, is excluded (`wrong_digest`: its credit is gone,
-  so its votes weigh nothing in every round still undecided) and the dispute is recorded with the
-  chunks each side's leaves differ in (coordinator/disputes.py). Every contributor computed the
+  scoring off trusts every key. Until agreed a majority is provisional. A peer whose report on the
+  latest version differs from the agreed digest, then or later, is excluded (`wrong_digest`: its
+  credit is gone, so its votes weigh nothing in every round still undecided) and the dispute is
+  recorded with the chunks each side's leaves differ in (coordinator/disputes.py). That holds for
+  reports that are not votes too (a peer whose packet missed the manifest, one on probation):
+  every peer that applied the version from the agreed start computes the agreed digest, so another
+  one is a lie or a fault, and a liar's first lie is its last (its later reports are `_forked`). Every contributor computed the
   whole outer step from r's start and r's packets, a recomputation of every chunk: the verdict is
   that of the peers with credit. A made-up digest is backed by no peer that did useful work, so it
   is never agreed. Decision for a round with exactly one contributor: its lone vote is agreed
@@ -840,19 +843,21 @@ class CoordinatorService:
 
     def _tally(self, run_id: str, round_index: int, settled: bool = False) -> tuple[RoundRow, bool]:
         """Weigh the votes on round r's latest manifest version and fix its agreed digest when it is
-        due (see "Agreed digests"); an agreed digest is never changed here. A contributor whose vote
-        differs from the agreed digest is excluded (`wrong_digest`), and the dispute recorded.
+        due (see "Agreed digests"); an agreed digest is never changed here. A peer whose report (a
+        vote or not) differs from the agreed digest is excluded (`wrong_digest`), and the dispute
+        recorded.
         Returns the round, and whether it excluded anyone (their credit is gone)."""
         round_row = self._closed_round(run_id, round_index)  # votes are on closed rounds only
         version = round_row.manifest_version
         run = self.views.require_run(run_id)
         config = self.views.config_of(run)
         forked = self._forked(run_id, round_index)
-        reports = [
+        witnesses = [  # applied this version from the agreed start: each must name the agreed digest
             a
             for a in self.storage.list_applied(run_id, round_index)
-            if a.manifest_version == version and a.vote and a.peer_id not in forked
+            if a.manifest_version == version and a.peer_id not in forked
         ]
+        reports = [a for a in witnesses if a.vote]
         fields: dict = {"num_votes": len(reports)}
         excluded_any = False
         contributors = self.storage.manifest_peers(run_id, round_index, version) - forked
@@ -883,10 +888,10 @@ class CoordinatorService:
                     " (settled)" if settled else "",
                 )
         agreed = fields.get("agreed_digest", round_row.agreed_digest)
-        if agreed is not None and weighed and any(a.params_digest != agreed for a in reports):
+        if agreed is not None and weighed and any(a.params_digest != agreed for a in witnesses):
             old = disputes.load(round_row.dispute)
-            if old is None or disputes.voters(old) != {a.peer_id for a in reports}:  # decided as first seen
-                record = disputes.decide(reports, agreed, credit, old)
+            if old is None or disputes.voters(old) != {a.peer_id for a in witnesses}:  # decided as first seen
+                record = disputes.decide(witnesses, agreed, self.storage.credits(run_id), old)
                 fields["dispute"] = json.dumps(record, sort_keys=True)
                 for peer_id in record["excluded"]:
                     scoring.exclude_for_wrong_digest(

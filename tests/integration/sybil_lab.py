@@ -108,8 +108,9 @@ class Result:
     disputes: dict[int, str] = field(default_factory=dict)  # round -> verdict
     honest_credit: list[int] = field(default_factory=list)
     attacker_credit: list[int] = field(default_factory=list)
-    attacker_verdicts: list[str] = field(default_factory=list)  # each attacker's "useful of judged" rounds, last
+    attacker_verdicts: list[str] = field(default_factory=list)  # each attacker's "useful/judged last", by index
     exit_codes: list[int] = field(default_factory=list)
+    sent_own: list[int] = field(default_factory=list)  # per attacker: rounds `copy` found nothing to copy
 
     def row(self) -> list[str]:
         s = self.scenario
@@ -194,7 +195,7 @@ def run(scenario: Scenario, workdir: Path) -> Result:
     result = Result(scenario, seconds=time.monotonic() - started, exit_codes=codes)
     honest_nodes = list(range(scenario.honest)) + ([newcomer] if newcomer is not None else [])
     honest_ids = {_peer_id(workdir, i) for i in honest_nodes}
-    attacker_ids = {_peer_id(workdir, i) for i in range(scenario.honest, num)}
+    attacker_ids = [_peer_id(workdir, i) for i in range(scenario.honest, num)]  # by attacker index
     honest_digests: dict[int, set[str]] = {}
     for i in honest_nodes:
         for r in _rounds(workdir, i):
@@ -209,6 +210,7 @@ def run(scenario: Scenario, workdir: Path) -> Result:
             result.captured.append(r)
         if h.get("dispute"):
             result.disputes[r] = h["dispute"]["verdict"]
+    by_peer = {peer["peer_id"]: peer for peer in status["peers"]}
     for peer in status["peers"]:
         if peer["peer_id"] in honest_ids:
             flags = [f for f in peer["flags"] if f == "params_mismatch"] + (["excluded"] if peer["excluded"] else [])
@@ -216,13 +218,16 @@ def run(scenario: Scenario, workdir: Path) -> Result:
                 result.honest_flagged[peer["peer_id"]] = flags
             if newcomer is None or peer["peer_id"] != _peer_id(workdir, newcomer):
                 result.honest_credit.append(peer["credit"])
-        elif peer["peer_id"] in attacker_ids:
-            result.attackers_excluded += bool(peer["excluded"])
-            result.attacker_credit.append(peer["credit"])
-            score = peer.get("score") or {}
-            result.attacker_verdicts.append(
-                f"{score.get('num_useful', 0)}/{score.get('num_rounds', 0)} {score.get('last_verdict')}"
-            )
+    for i in range(scenario.honest, num):
+        log_text = (workdir / f"node{i}.log").read_text(errors="replace")
+        result.sent_own.append(log_text.count("no other packet to copy"))
+    for peer in (by_peer[p] for p in attacker_ids if p in by_peer):
+        result.attackers_excluded += bool(peer["excluded"])
+        result.attacker_credit.append(peer["credit"])
+        score = peer.get("score") or {}
+        result.attacker_verdicts.append(
+            f"{score.get('num_useful', 0)}/{score.get('num_rounds', 0)} {score.get('last_verdict')}"
+        )
     if newcomer is not None:
         agreed = {h["round"]: h["agreed_digest"] for h in status["history"]}
         applied = _rounds(workdir, newcomer)

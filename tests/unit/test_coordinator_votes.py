@@ -216,6 +216,38 @@ def test_a_late_vote_against_the_agreed_digest_is_excluded(coordinator):
     assert "1 peer(s) of credit 4 reported another digest" in c.status(run_id).history[0].dispute.verdict
 
 
+def test_a_lie_is_caught_when_its_packet_missed_the_manifest(coordinator):
+    """A peer with credit whose packet missed round 1's manifest (its report is no vote) still
+    applied round 1 from the agreed start: a made-up digest is a lie, and it is excluded then. Its
+    later reports are void (it forked), so the first lie is the one that must be caught."""
+    c = coordinator
+    run_id = c.create_run(
+        **{
+            "membership.min_peers": 3,
+            "membership.heartbeat_timeout_s": 600.0,
+            "deadline": {"kind": "fixed", "round_timeout_s": 60.0},
+        }
+    )
+    a, b, liar = peers = c.join(run_id, 3)
+    c.credit(run_id, {p: 2 for p in peers})
+    c.submit(run_id, 0, *peers)
+    for p in peers:
+        c.applied(run_id, 0, p, HONEST)
+    c.submit(run_id, 1, a, b)
+    c.clock.advance(61)  # the liar is late: round 1 closes at its deadline without it
+    c.service.advance(run_id)
+    assert c.storage.manifest_peers(run_id, 1, 1) == {a, b}
+    answer = c.applied(run_id, 1, liar, FAKE)
+    assert answer.num_votes == 0, "a peer outside the manifest does not vote"
+    c.applied(run_id, 1, a, OTHER)
+    assert c.applied(run_id, 1, b, OTHER).agreed_digest == OTHER
+    assert c.storage.get_peer(run_id, liar).credit == 0
+    view = next(p for p in c.status(run_id).peers if p.peer_id == liar)
+    assert view.excluded and view.excluded_reason.startswith(f"wrong_digest: round 1: it reported digest {FAKE[:16]}")
+    dispute = c.status(run_id).history[1].dispute
+    assert dispute.excluded == [liar] and "1 peer(s) of credit 2 reported another digest" in dispute.verdict
+
+
 def test_a_dispute_keeps_the_credit_its_voters_had_when_counted(coordinator):
     """A liar excluded in a dispute has no credit afterwards; a vote that comes later adds to the
     record, which still says what the liar's credit was when its vote was counted."""
