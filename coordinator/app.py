@@ -10,8 +10,8 @@ metrics) run on a second thread over a read-only replica connection (`routes.Rea
 with the app's lifespan. Only long-polls wait, and they wait on a
 per-run `asyncio.Event` (`routes.RunEvents`) that the service fires after each commit that opens
 or closes a round or accepts a submission, never by polling the database. A background task has
-the database thread call `service.tick()` so that deadlines and heartbeat timeouts take effect
-with nobody asking.
+the database thread call `service.tick()`, the coordinator's own clock: deadlines and heartbeat
+timeouts take effect with nobody asking, and no read ever writes.
 
 Every refusal is ``{"error": code, "detail": text}`` with a 4xx status: typed service errors,
 validation errors (422, or 400 for malformed JSON), bodies over `max_body_bytes` (413, checked
@@ -206,8 +206,8 @@ def create_app(
     rate_burst: float = 60.0,
     tune_gc: bool = False,
 ) -> FastAPI:
-    """The coordinator app. `tick_s=None` runs no background task (rules then apply when a
-    request touches a run), which keeps some unit tests fully deterministic. `tune_gc`: the
+    """The coordinator app. `tick_s=None` runs no background task (rules then apply on writes,
+    and when the caller calls ``app.state.service.tick()``), which keeps unit tests deterministic. `tune_gc`: the
     process serves only this app (`coordinator serve`): see `tune_gc_for_serving`, applied once
     the app has started."""
     events = RunEvents()

@@ -6,8 +6,8 @@ takes. So the routes, the background tick and the readiness probe hand their wor
 dedicated thread and await it (`await worker.run(fn, *args)`), and the loop stays free to parse
 requests, park long-polls and answer /healthz.
 
-One thread, not a pool: the service's rules (round closes, nonces, the restart grace, its
-in-memory ``_changed`` set and ``resumed_at``) were written for calls that never overlap, and a
+One thread, not a pool: the service's rules (round closes, nonces, the restart grace, the
+runs changed and ``resumed_at`` it holds in memory) were written for calls that never overlap, and a
 single connection in one thread keeps that true with no locking and no "database is locked"
 retries, on SQLite and PostgreSQL alike. Each call is a short transaction or a few reads, so the
 thread's queue, not the loop, is where requests wait under load; `queue_depth` says how deep it is.
@@ -77,8 +77,7 @@ class SharedReads:
     """Identical reads share one call on the worker: a request joins the call of its key that has
     not finished yet, queued or running. Its answer is never older than the request: the worker
     runs one call at a time, so any write that completed before the request arrived completed
-    before that unfinished call began. Only reads go through here (and the rules a read applies
-    first, `CoordinatorService.advance`, which are the same whoever asks)."""
+    before that unfinished call began. Only reads go through here: they write nothing."""
 
     def __init__(self, worker: DatabaseWorker):
         self.worker = worker

@@ -5,7 +5,7 @@ each report is a recomputation of every chunk of the digest's hash tree (protoco
 chunk after round r depends only on that chunk at the start and the manifest's packets). When the
 reports on r's latest manifest version name more than one digest, the coordinator (which holds no
 tensors) compares the leaf hashes the reports carry (`AppliedRequest.tree`) and names the chunks
-each side differs in; the verdict is the digest the votes of credit agreed (coordinator/service.py,
+each side differs in; the verdict is the digest the votes of credit agreed (coordinator/rules/votes.py,
 `tally`: credit is standing earned by useful work, protocol/scoring.py rule 5), and every peer
 that applied that version from the agreed start and reported another digest (a vote or not) is
 excluded (`wrong_digest`). A made-up digest is backed by no

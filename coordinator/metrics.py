@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from coordinator.service import ACTIVE_STATES
+from coordinator.rules.runs import ACTIVE_STATES
 from coordinator.storage import Storage
 from coordinator.views import Views
 

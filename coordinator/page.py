@@ -391,7 +391,7 @@ function render(s) {
     const note = p.flags.map(f => f + (p.mismatch_round !== null ? " @" + p.mismatch_round : ""));
     if (p.excluded) note.push("excluded: " + p.excluded_reason);
     if (p.reason) note.push(p.reason);
-    // Standing (coordinator/service.py): shown unless it is a contributor the round waits for.
+    // Standing (coordinator/rules/standing.py): shown unless it is a contributor the round waits for.
     if (p.standing && p.standing !== "contributor") note.push(p.standing + ": " + (p.standing_reason || ""));
     cell(row, note.join("; "), p.flags.length || p.excluded ? "flag" : "muted");
     peers.appendChild(row);

@@ -24,9 +24,9 @@ finish a run nobody trained. Instead:
   no agreed state at all, the run keeps waiting, and the status says which peers last applied the
   state it needs (whoever holds their disks can bring it back).
 
-`hold` is called from `CoordinatorService._advance` inside its transaction, for a running run,
-after the liveness sweep; it returns True while the run is paused, and the caller then leaves the
-open round alone. `view` is the read side for the status JSON, the page and `locoswarm status`.
+`hold` is called from `coordinator.rules.rounds.advance` inside the service's transaction, for a
+running run, after the liveness sweep; it returns True while the run is paused, and the caller
+then leaves the open round alone. `view` is the read side for the status JSON, the page and `locoswarm status`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The coordinator's routes, one `APIRouter` per concern; `coordinator.app.create_app` mounts them.
 
 Routes are thin: authenticate, call `CoordinatorService` for a change or its `Views` for a read,
-return a `protocol.http` model. Everything that touches the database (the signature check reads
+return a `protocol.http` model. A read never applies the rules (rounds advance on writes and on
+the service's tick): it answers with what was committed. Everything that touches the database (the signature check reads
 the peer's key and records its nonce) runs on the database thread (`coordinator.db_worker`), one
 hop per request, and the answer is serialised there too (`_json`): the event loop only reads
 bodies, parks long-polls and writes bytes. The heavy reads - a run's status, a round's view with
 its manifest, the metrics - run on a second thread with a read-only connection of their own
-(`ReadSide`), after the rules were applied on the first, so that a heartbeat never waits behind
-a status of hundreds of peers. Each factory is handed what its routes use:
+(`ReadSide`), so that a heartbeat never waits behind a status of hundreds of peers. Each factory is handed what its routes use:
 
 - `ops_router`: ``/healthz`` (the process answers), ``/readyz`` (its database reads and writes),
   ``/metrics`` and the status page ``/`` (public).
@@ -274,11 +274,7 @@ def runs_router(
 
     @router.get("/runs/{run_id}", response_model=RunInfo, responses=ERROR_RESPONSES)
     async def get_run(run_id: RunIdPath) -> Response:
-        def answer() -> bytes:
-            service.advance(run_id)
-            return _encoded(views.run_info(run_id))
-
-        return _json(await reads.run(("run", run_id), answer))
+        return _json(await reads.run(("run", run_id), lambda: _encoded(views.run_info(run_id))))
 
     @router.post("/runs/{run_id}/close", response_model=RunInfo, responses=ERROR_RESPONSES)
     async def close_run(run_id: RunIdPath, authorization: Annotated[str | None, Header()] = None) -> Response:
@@ -297,7 +293,6 @@ def runs_router(
     ) -> Response:
         """`history`: how many of the latest closed rounds to summarize (0: none, for a peer that
         needs only the members)."""
-        await reads.run(("advance", run_id), lambda: service.advance(run_id))
         status = await read.reads.run(
             ("status", run_id, history),
             lambda: _encoded(read.views.status(run_id, now=service.clock(), history_limit=history)),
@@ -364,13 +359,12 @@ def rounds_router(
         once its manifest version exceeds that, or after `wait_s` seconds."""
 
         def answered() -> bool:
-            service.advance(run_id)
-            settled = views.round_is_settled(run_id, round_index)
-            if version_gt is None and settled:
+            over = views.round_is_over(run_id, round_index)
+            if version_gt is None and over:
                 return True
             if version_gt is not None:
                 version = views.manifest_version(run_id, round_index)
-                if (version is None and settled) or (version or 0) > version_gt:
+                if (version is None and over) or (version or 0) > version_gt:
                     return True  # a round that never ran answers its refusal at once
             return submitted_gt is not None and views.num_submitted(run_id, round_index) > submitted_gt
 

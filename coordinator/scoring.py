@@ -1,14 +1,15 @@
 """Contribution scoring on the coordinator: stored scores -> verdicts -> standings -> exclusion.
 
 The rule is protocol/scoring.py's (the simulator runs the same); this module reads and writes the
-database around it, inside the service's transactions (coordinator/service.py calls it):
+database around it, inside the service's transactions (coordinator/rules/votes.py and
+rounds.py call it):
 
 - `judge_round`, once per round (``rounds.scored``), when its votes are in: every contributor of
-  its latest manifest version voted, or the next round closed (the round is settled). The scores
+  its latest manifest version voted, or the round is settled (coordinator/rules/votes.py). The scores
   that count are those sent with votes on that version (``applied.scores``), so only contributors
   judge. Each contributor's standing (``peers.standing``) takes the round's verdict; a peer whose
-  verdicts exclude it gets ``peers.excluded_round``, which the waited-for query reads (an excluded
-  peer is waited for by no round).
+  verdicts exclude it gets ``peers.excluded_round``, which the standing rule reads (coordinator/rules/
+  standing.py: an excluded peer is waited for by no round).
 - `check_submission`: a submission of an excluded peer is refused ``excluded`` (403), while the
   exclusion is in force; one that lapsed (``scoring.exclusion_rounds``) is cleared here and the
   submission accepted. Decision: refused rather than accepted and left out of the manifest, so that

@@ -1,7 +1,9 @@
 """The coordinator's read side: stored rows turned into the response models of `protocol.http`.
 
-Kept apart from the rules in `coordinator.service` so that what a peer or a monitor sees (status
-JSON, round views with manifests, the join answer) reads in one place. Nothing here writes. The
+Kept apart from the rules (coordinator/rules/) so that what a peer or a monitor sees (status
+JSON, round views with manifests, the join answer) reads in one place. Nothing here writes, and
+nothing here applies a rule: a read answers with what the rules last committed. Who a round waits
+for, and each peer's standing, are the rule's own answers (coordinator/rules/standing.py). The
 service holds one `Views` as ``service.views``; the routes, `/metrics` and the authenticator read
 through it.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 
 from coordinator import disputes, errors, recovery
+from coordinator.rules import standing
 from coordinator.storage import PeerRow, RoundRow, RoundStats, RunRow, Storage
 from protocol.http import (
     CurrentRound,
@@ -109,7 +112,6 @@ class Views:
                 )
             raise errors.RoundNotFound(f"run {run_id} is {run.state}; round {round_index} never ran")
         closed = round_row.closed_at is not None
-        submissions = self.storage.list_submissions(run_id, round_index)
         dropped = {d.peer_id: d.reason for d in self.storage.list_dropped(run_id, round_index)}
         manifest = [
             ManifestEntry(
@@ -119,10 +121,8 @@ class Views:
                 multiaddrs=json.loads(s.multiaddrs),
                 public_key=self.storage.find_public_key(s.peer_id) or "",
             )
-            for s in submissions
-            if s.peer_id not in dropped
+            for s in self.storage.manifest_entries(run_id, round_index)
         ]
-        manifest.sort(key=lambda e: e.peer_id)
         return RoundView(
             run_id=run_id,
             round=round_index,
@@ -130,7 +130,7 @@ class Views:
             opened_at=round_row.opened_at,
             deadline=round_row.deadline,
             closed_at=round_row.closed_at,
-            num_submitted=len(submissions),
+            num_submitted=self.storage.count_submissions(run_id, round_index),
             manifest=manifest if closed else [],
             submitted=[] if closed else manifest,
             majority_digest=round_row.majority_digest,
@@ -149,8 +149,9 @@ class Views:
     def num_submitted(self, run_id: str, round_index: int) -> int:
         return self.storage.count_submissions(run_id, round_index)
 
-    def round_is_settled(self, run_id: str, round_index: int) -> bool:
-        """True once a long-poll on this round has nothing left to wait for."""
+    def round_is_over(self, run_id: str, round_index: int) -> bool:
+        """Whether the round closed, or never will (the run ended before it opened): a long-poll on
+        it has nothing left to wait for."""
         run = self.require_run(run_id)
         round_row = self.storage.get_round(run_id, round_index)
         if round_row is None:
@@ -228,8 +229,8 @@ class Views:
         round_row = self.storage.get_round(run.run_id, run.current_round)
         assert round_row is not None  # a running run always has its open round
         membership = self.config_of(run).membership
-        num_expected, _ = self.storage.expected_and_missing(
-            run.run_id, run.current_round, membership.max_missed_rounds, membership.min_peers
+        waited = standing.waited_for(
+            self.storage, run.run_id, run.current_round, membership.max_missed_rounds, membership.min_peers
         )
         return CurrentRound(
             round=round_row.round,
@@ -237,7 +238,7 @@ class Views:
             opened_at=round_row.opened_at,
             deadline=round_row.deadline,
             num_submitted=self.storage.count_submissions(run.run_id, run.current_round),
-            num_expected=num_expected,
+            num_expected=len(waited),
         )
 
     def _peer_views(self, run: RunRow, peers: list[PeerRow]) -> list[PeerView]:
@@ -249,11 +250,15 @@ class Views:
                 agreed[report.round] = (round_row.agreed_digest, round_row.manifest_version) if round_row else (None, 0)
         window, forming = self.config_of(run).membership.max_missed_rounds, self.config_of(run).membership.min_peers
         waited = (
-            self.storage.waited_for(run.run_id, run.current_round, window, forming) if run.state == "running" else {}
+            standing.waited_for(self.storage, run.run_id, run.current_round, window, forming)
+            if run.state == "running"
+            else {}
         )
         # Stragglers: live peers the last closed round waited for, that it closed without.
         last_closed = run.current_round - 1
-        waited_last = self.storage.waited_for(run.run_id, last_closed, window, forming) if last_closed >= 0 else {}
+        waited_last = (
+            standing.waited_for(self.storage, run.run_id, last_closed, window, forming) if last_closed >= 0 else {}
+        )
         views = []
         for peer in peers:
             report = latest_applied.get(peer.peer_id)
@@ -265,7 +270,9 @@ class Views:
                 and report.params_digest != agreed[report.round][0]
             )
             straggler = waited_last.get(peer.peer_id) is False
-            standing, standing_reason = _standing(peer, run.current_round, window, peer.peer_id in waited)
+            peer_standing, standing_reason = standing.standing_of(
+                peer, run.current_round, window, peer.peer_id in waited
+            )
             views.append(
                 PeerView(
                     peer_id=peer.peer_id,
@@ -288,7 +295,7 @@ class Views:
                     + (["withheld_packet"] if peer.withheld_round is not None else []),
                     mismatch_round=report.round if mismatch and report else None,
                     listen_multiaddrs=json.loads(peer.listen_multiaddrs),
-                    standing=standing,
+                    standing=peer_standing,
                     standing_reason=standing_reason,
                     waited_for=peer.peer_id in waited,
                     last_contributed_round=peer.last_contributed_round,
@@ -383,37 +390,6 @@ def _stuck(peers: list[PeerRow]) -> str | None:
         return None
     more = f" ({len(stuck)} peers)" if len(stuck) > 1 else ""
     return f"stuck: {stuck[0].peer_id}: {stuck[0].detail}{more}"
-
-
-def _standing(peer: PeerRow, open_round: int, window: int, waited: bool) -> tuple[str, str]:
-    """A peer's standing and why (coordinator/service.py, "Standing"); `waited`: the open round
-    waits for it."""
-    last = peer.last_contributed_round
-    if last is None:
-        return "probation", (
-            "no packet in a manifest yet; waited for while the swarm forms (fewer live"
-            " contributors than membership.min_peers)"
-            if waited
-            else "no packet in a manifest yet: no round waits for it"
-        )
-    if peer.excluded_round is not None:
-        return "not_waited", f"excluded by contribution scoring after round {peer.excluded_round} (excluded_reason)"
-    if peer.withheld_round is not None:
-        return "not_waited", (
-            f"its packet of round {peer.withheld_round} was dropped as unfetchable: not waited"
-            " for until a later packet of its is applied"
-        )
-    missed = open_round - 1 - last
-    if missed >= window:
-        return "not_waited", (
-            f"no packet in the last {missed} rounds (membership.max_missed_rounds {window}); its last in round {last}"
-        )
-    if not waited and peer.standing is not None and peer.credit == 0:
-        return "not_waited", (
-            f"its packet is in round {last}'s manifest, but its updates earned no credit (empty,"
-            " noise, copies or harm): no round waits for it while others have some"
-        )
-    return "contributor", f"its packet is in round {last}'s manifest"
 
 
 def _score_fields(peer: PeerRow, open_round: int) -> dict:

@@ -55,7 +55,3 @@ class BadSignature(ProtocolError):
 
 class WrongRound(ProtocolError):
     """The packet or request names another run or round than the one expected."""
-
-
-class StaleRound(WrongRound):
-    """The round named has already closed."""

@@ -1,8 +1,10 @@
 """The run configuration: everything that defines a training run, in sections, and its loader.
 
 The operator writes it (deploy/run.toml is a commented sample), the coordinator stores it with the
-run and hands it to every peer at join, and the node builds its model and optimizers from it
-(node/training/build.py). Each section is its own strict model, in the layout of the TOML file:
+run and hands it to every peer at join, and the node builds its model and optimizers from it: the
+training reads the [inner] and [outer] sections as they are (node/training/inner.py, outer.py), so
+their defaults, here, are the only ones. Each section is its own strict model, in the layout of the
+TOML file:
 
     name, max_rounds    the run as a whole
     [model]             what is trained: size preset, seed, data and its sharding

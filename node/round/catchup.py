@@ -39,11 +39,11 @@ import time
 from collections import Counter
 
 from node.round.coordinator_client import Refused
-from node.round.prefetch import Decoded
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
 from node.round.snapshots import serve_snapshot
-from node.round.steps import CatchUpNeeded, PacketsGone, apply_manifest
+from node.round.state import Doing
+from node.round.steps import CatchUpNeeded, PacketsGone, ToApply, apply_manifest
 from protocol.http import MAX_DETAIL_CHARS, MAX_REFUSED, RoundView, RunStatus
 from protocol.snapshot import PARAMS_SECTION
 
@@ -54,22 +54,22 @@ HOLDERS_LOOKUP_S = 10.0  # at most this long (or the fetch time-out) to learn wh
 IDLE_FIRST_S, IDLE_MAX_S = 1.0, 4.0  # with nothing to replay or load, poll again after this, doubling
 
 
-async def catch_up(s: Session, decoded: Decoded) -> CatchUpReport:
+async def catch_up(s: Session) -> CatchUpReport:
     """Bring the parameters to the start of the open round; say which round that is and how.
     Whatever local progress ran ahead of the global model (overlap) is dropped with the rounds
     skipped."""
-    from_round = s.params_round
+    from_round = s.state.params_round
     try:
-        round, method = await _catch_up_to_open_round(s, decoded)
+        round, method = await _catch_up_to_open_round(s)
     finally:
-        s.activity.detail = None
+        s.state.clear_detail()
     s.outer.finish()
     s.outer.reset_to_params()
     return CatchUpReport(from_round=from_round, to_round=round, method=method)
 
 
-async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, str]:
-    s.activity.state = "catching_up"
+async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
+    s.state.doing(Doing.CATCHING_UP)
     loaded = False  # a snapshot was loaded on an earlier pass
     idle_s, seen = IDLE_FIRST_S, None  # the next pause with nothing to do; (open round, newest agreed)
     waits = GoneWaits(s)
@@ -79,28 +79,29 @@ async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, st
         agreed = {h.round + 1: h.agreed_digest for h in status.history if h.agreed_digest}
         if (current, max(agreed, default=None)) != seen:  # the swarm moved on: what could not be done may be now
             idle_s, seen = IDLE_FIRST_S, (current, max(agreed, default=None))
-        if s.params_round is not None and s.params_round < current:
+        if s.state.params_round is not None and s.state.params_round < current:
             try:
-                for r in range(s.params_round, current):
-                    await replay(s, r, decoded)
+                for r in range(s.state.params_round, current):
+                    await replay(s, r)
                 return current, "snapshot+replay" if loaded else "replay"
             except PacketsGone as e:
                 if await waits.settle(e, status):
                     continue  # the manifest was amended: replay it at once
             except CatchUpNeeded as e:
                 log.info("replay stopped: %s; loading a snapshot", e)
-        if s.params_round == current:
+        if s.state.params_round == current:
             return current, "snapshot" if loaded else "none"
         # A snapshot no newer than the parameters held would only load them again (see above).
-        held = s.params_round if s.params_round is not None and s.params_round <= current else -1
+        params_round = s.state.params_round
+        held = params_round if params_round is not None and params_round <= current else -1
         newer = sorted((r for r in agreed if held < r <= current), reverse=True)[:SNAPSHOT_ROUNDS_TRIED]
         for start_round in newer:
             if await load_snapshot(s, start_round, agreed[start_round]):
                 loaded = True
                 break
         else:
-            if s.params_round != 0 and (current == 0 or not any(h.num_contributors for h in status.history)):
-                s.params_round = 0  # nothing was ever trained in: the seeded initialisation is the start
+            if s.state.params_round != 0 and (current == 0 or not any(h.num_contributors for h in status.history)):
+                s.state.seeded()  # nothing was ever trained in: the seeded initialisation is the start
                 if current == 0:
                     return current, "none"
                 continue  # and the empty rounds since replay from it
@@ -108,13 +109,13 @@ async def _catch_up_to_open_round(s: Session, decoded: Decoded) -> tuple[int, st
             # than the parameters held while the next round cannot be replayed: wait, not spin.
             log.debug(
                 "catch-up: nothing to replay or load at round %s (open round %d); polling again in %.1f s",
-                s.params_round,
+                s.state.params_round,
                 current,
                 idle_s,
             )
             await _pause(s, idle_s)
             idle_s = min(2 * idle_s, IDLE_MAX_S)
-    return s.params_round or 0, "none"
+    return s.state.params_round or 0, "none"
 
 
 async def _pause(s: Session, seconds: float) -> None:
@@ -125,14 +126,15 @@ async def _pause(s: Session, seconds: float) -> None:
         pass
 
 
-async def replay(s: Session, round: int, decoded: Decoded) -> None:
-    """Apply a closed round's manifest without having trained in it."""
+async def replay(s: Session, round: int) -> None:
+    """Apply a closed round's manifest without having trained in it: what it cannot fetch it does
+    not report (the peers applying the round as it happens do), nor does it score the round."""
     view = await s.client.round(round)
     if view.state != "closed":
         raise CatchUpNeeded(f"round {round} is not closed")
     if gone := await packets_gone(s, round, view):
         raise PacketsGone(round, view, gone)
-    await apply_manifest(s, round, view, RoundTimes(), decoded, report_missing=False)
+    await apply_manifest(s, ToApply(view=view, report_missing=False, score=False), RoundTimes())
     log.info("round %d: replayed the manifest (%d packets)", round, len(view.manifest))
 
 
@@ -162,7 +164,7 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
     model's size. A holder that fails midway is followed by the next from the first chunk not yet
     verified; a snapshot is given up after a fetch time-out without progress, or at once when every
     holder has moved on from it (the caller then looks for a newer one). Once bytes were
-    written and no snapshot completed, the parameters are unknown (`params_round` None)."""
+    written and no snapshot completed, the parameters are unknown (`RoundState.params_unknown`)."""
     from node.training.params import flat_named_params
     from node.training.snapshot import SnapshotSink
 
@@ -177,7 +179,7 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
             if done or sink.offset <= before:
                 break
         if sink.written_bytes:
-            s.params_round = None  # part of the model may now be this snapshot's
+            s.state.params_unknown()  # part of the model may now be this snapshot's
         if not done:
             log.warning(
                 "round %d: snapshot %s not loaded (%d of %d bytes verified)",
@@ -188,9 +190,8 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
             )
             continue
         await asyncio.to_thread(_load_outer_state, s, state)
-        s.amendments.reset()  # these parameters follow none of the rounds applied here
         s.sent.clear()  # the error buffers restarted at zero: nothing sent from them can go back
-        s.params_round, s.digest, s.tree = round, params_digest, sink.trees[PARAMS_SECTION]
+        s.state.loaded(round, params_digest, sink.trees[PARAMS_SECTION])
         log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], sink.total_bytes)
         await serve_snapshot(s, round, *sink.trees)  # a holder now too
         return True
@@ -281,7 +282,7 @@ class GoneWaits:
         if lost_own:
             parts.append("this node's own (lost in a restart; reported)")
         line = f"round {round}: waiting for the packets of {', '.join(parts)}"
-        self.s.activity.state, self.s.activity.detail = "stuck", line[:MAX_DETAIL_CHARS]
+        self.s.state.stuck(line[:MAX_DETAIL_CHARS])
         if line != self.said:
             log.warning("catch-up %s", line)
             self.said = line

@@ -15,7 +15,9 @@ wait for the round's manifest, fetch every listed packet (each as soon as its pu
 submitted it, from the start of this node's own training: node/round/prefetch.py), decode,
 aggregate, take the outer step, report the new parameter digest. Every peer applies the same
 manifest to the same start, so every digest agrees. The steps are node/round/steps.py; falling
-behind is node/round/catchup.py; the one-round-delayed outer step is node/round/overlap.py.
+behind is node/round/catchup.py; the one-round-delayed outer step is node/round/overlap.py; which
+round the parameters start and what the node is doing is the session's `RoundState`
+(node/round/state.py; docs/design-round.md, "A round's state has one owner").
 """
 
 from __future__ import annotations
@@ -34,12 +36,22 @@ from node.round.catchup import catch_up
 from node.round.coordinator_client import CoordinatorCallFailed, CoordinatorClient, Refused
 from node.round.overlap import Pipeline
 from node.round.own_packets import KEPT_ROUNDS, HeldPacket, OwnPackets
-from node.round.prefetch import Decoded, Prefetch
+from node.round.prefetch import Prefetch
 from node.round.refusals import Action
 from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
 from node.round.session import Clock, Session
-from node.round.steps import CatchUpNeeded, apply_and_report, apply_manifest, collect, send, train, wait_open
+from node.round.state import Doing, RoundState
+from node.round.steps import (
+    CatchUpNeeded,
+    ToApply,
+    apply_and_report,
+    apply_manifest,
+    collect,
+    send,
+    train,
+    wait_open,
+)
 from protocol.http import JoinResponse, peer_id_from_public_key
 from protocol.signing import PeerKey
 
@@ -79,14 +91,12 @@ class Node:
         self.config = config
         self.ranks = ranks  # node.training.distributed.Leader of a multi-rank node (rank 0); None: 1 rank
         self.faults = faults if faults is not None else FaultInjector.parse(config.debug.inject)
-        self.reports: list[RoundReport] = []
+        self.reports: list[RoundReport] = []  # the session's: a recompute updates the report of its round
         self.catch_ups: list[CatchUpReport] = []
         self.resumed_from: int | None = None  # the round whose start this node's checkpoint held
-        self._recomputes_noted = 0  # of session.amendments.recomputed, already applied to the reports
         self.session: Session | None = None
         self._client, self._exchange, self._clock = client, exchange, clock
         self._stopping = asyncio.Event()
-        self._decoded = Decoded()  # packets decoded as they arrived, until their round is applied
         self._pipeline: Pipeline[InFlight] = Pipeline(overlap=False)
 
     def stop(self) -> None:
@@ -153,7 +163,6 @@ class Node:
                 await self._rounds(s, joined)
                 if self._pipeline.in_flight and not self._stopping.is_set():
                     await self._drain(s)
-                self._note_recomputed(s)
                 if self.reports and not self._stopping.is_set():
                     await self._linger(s, self.reports[-1].round)
             finally:
@@ -175,7 +184,8 @@ class Node:
         """The round start this node holds, told at (re)join: its session's, else its checkpoint's."""
         s = self.session
         if s is not None:
-            return (s.params_round, s.digest) if s.params_round and s.digest else None
+            held = s.state
+            return (held.params_round, held.digest) if held.params_round and held.digest else None
         return resume.held_state(self.config, run_id)
 
     async def _open_exchange(self, client: CoordinatorClient, run_id: str) -> Exchange:
@@ -271,7 +281,8 @@ class Node:
             training=self.faults.wrap_training(training),
             rejoin=rejoin,
             stopping=self._stopping,
-            params_round=0 if joined.params.digest is None else None,
+            state=RoundState.at_join(swarm_has_params=joined.params.digest is not None),
+            reports=self.reports,
         )
 
     async def _pick_run(self, client: CoordinatorClient) -> str:
@@ -299,17 +310,17 @@ class Node:
     async def _rounds(self, s: Session, joined: JoinResponse) -> None:
         round, rounds_done = joined.current_round, 0
         if await resume.restore(s):  # this node's own state, where the swarm agrees with it
-            self.resumed_from = s.params_round
+            self.resumed_from = s.state.params_round
         while not self._stopping.is_set():
             if self.config.training.max_rounds is not None and rounds_done >= self.config.training.max_rounds:
                 break
             if s.run.max_rounds is not None and round >= s.run.max_rounds:
                 log.info("the run is complete after %d rounds", s.run.max_rounds)
                 break
-            s.activity.round, s.activity.state, s.activity.inner_step = round, "waiting", 0
+            s.state.begin(round)
             # With overlap and the previous round in flight, this round's inner steps need nothing from
             # the swarm: train at once; the packet waits for the round to open (steps.send).
-            early = self._pipeline.in_flight is not None and s.params_round == round
+            early = self._pipeline.in_flight is not None and s.state.params_round == round
             try:
                 view = await (s.client.round(round) if early else wait_open(s, round))
             except Refused as e:
@@ -319,21 +330,20 @@ class Node:
                 raise
             if view is None:
                 break
-            if view.state == "closed" or s.params_round != round:
+            if view.state == "closed" or s.state.params_round != round:
                 # Behind: the round closed without us, or our parameters are not its start.
                 self._drop_in_flight()
-                self.catch_ups.append(caught_up := await catch_up(s, self._decoded))
+                self.catch_ups.append(caught_up := await catch_up(s))
                 round = caught_up.to_round
                 continue
             try:
                 report = await self._one_round(s, round, opened=view.state != "pending")
             except CatchUpNeeded as e:
                 log.warning("round %d: %s; catching up from peers", round, e)
-                s.params_round = None
+                s.state.params_unknown()
                 continue
             report.caught_up = bool(self.catch_ups) and self.catch_ups[-1].to_round == round
             self.reports.append(report)
-            self._note_recomputed(s)
             t = report.times
             log.info(
                 "round %d: loss %.4f, %d packet%s%s, digest %s | compute %.2fs encode %.2fs wait %.2fs "
@@ -355,16 +365,6 @@ class Node:
             round += 1
             rounds_done += 1
 
-    def _note_recomputed(self, s: Session) -> None:
-        """Rounds applied again at an amended manifest version since the last call: their reports
-        take the new digest. A recompute concerns a recent round, so reports are searched newest
-        first, and each recompute once (a long run's lists are long)."""
-        for recomputed in s.amendments.recomputed[self._recomputes_noted :]:
-            report = next((r for r in reversed(self.reports) if r.applied_round == recomputed.round), None)
-            if report is not None:
-                report.digest, report.manifest_version = recomputed.digest, recomputed.to_version
-        self._recomputes_noted = len(s.amendments.recomputed)
-
     async def _one_round(self, s: Session, round: int, opened: bool = True) -> RoundReport:
         """Train round r, send its packet, and apply a round: r itself, or with overlap r-1 (round
         r's packet is then encoded, sent and its round collected while round r+1 trains)."""
@@ -377,13 +377,13 @@ class Node:
         held = None if overlap else await asyncio.to_thread(held_packet, s, round, base_digest)
         # Others' packets are fetched as they are submitted, from the start of our own training:
         # the last peer to finish then has only its own packet left to spread.
-        prefetch = Prefetch.start(s, round, self._decoded)
+        prefetch = Prefetch.start(s, round)
         try:
             if held is None:
                 report.train_loss = await train(s, round, report.times)
             else:  # trained before a restart: its packet goes as it was (steps.send)
                 report.kept_packet = True
-                report.train_loss = s.activity.last_loss = held.train_loss
+                report.train_loss = s.state.activity.last_loss = held.train_loss
                 report.times.compute_s = held.compute_s
         except BaseException:
             prefetch.cancel()
@@ -398,16 +398,16 @@ class Node:
         )
         landed = self._pipeline.land(round, (exchange, times))
         if landed is None:  # overlap's first round: nothing lands yet
-            s.params_round = round + 1
+            s.state.trained(round)
             report.ended_at = s.clock()
             return report
-        applied_round, (task, landed_times) = landed
-        view, payloads, prepared = await task
+        _, (task, landed_times) = landed
+        view, payloads, prepared = await task  # of the round that lands: r, or with overlap r-1
         if overlap:
             report.times.hidden_wait_s, report.times.hidden_transfer_s = landed_times.wait_s, landed_times.transfer_s
             report.times.hidden_aggregate_s = landed_times.aggregate_s
-        report = await apply_and_report(s, report, applied_round, view, payloads, prepared, self._decoded)
-        s.params_round = round + 1  # with overlap: the start of round r+1, with round r still to land on it
+        report = await apply_and_report(s, report, view, payloads, prepared)
+        s.state.trained(round)  # with overlap: the start of round r+1, with round r still to land on it
         return report
 
     async def _send_and_collect(
@@ -430,7 +430,7 @@ class Node:
         except BaseException:
             prefetch.cancel()
             raise
-        return await collect(s, round, times, prefetch, self._decoded, foreground)
+        return await collect(s, round, times, prefetch, foreground)
 
     def _drop_in_flight(self) -> None:
         """Whatever was in flight belongs to rounds a catch-up skips."""
@@ -444,12 +444,12 @@ class Node:
             return
         view, payloads, prepared = await landed[1][0]
         try:
-            await apply_manifest(s, view.round, view, RoundTimes(), self._decoded, payloads, prepared)
+            await apply_manifest(s, ToApply(view=view, payloads=payloads, prepared=prepared), RoundTimes())
         except CatchUpNeeded as e:  # leaving anyway: no catch-up for a model nobody trains on
             log.warning("round %d: the last in-flight aggregate does not follow the swarm (%s)", view.round, e)
             return
         s.outer.finish()
-        log.info("round %d: applied the last in-flight aggregate, digest %s", view.round, s.digest[:12])
+        log.info("round %d: applied the last in-flight aggregate, digest %s", view.round, s.state.digest[:12])
 
     async def _linger(self, s: Session, round: int) -> None:
         """Keep serving until every live peer applied our last round (at most fetch_timeout_s).
@@ -457,7 +457,7 @@ class Node:
         Leaving at once would take this node's packet with it while slower peers still fetch it;
         when it is the only holder, nobody could apply the round.
         """
-        s.activity.state = "serving"
+        s.state.doing(Doing.SERVING)
         deadline = time.monotonic() + self.config.network.fetch_timeout_s
         while time.monotonic() < deadline:
             try:

@@ -1,68 +1,25 @@
-"""Fetching a round's packets while it is still open, and decoding each as it arrives.
+"""Fetching a round's packets while it is still open, and starting the decoding of each as it arrives.
 
 The coordinator's long-poll answers at every new submission, so packets move while the slower
 peers (and this node) still train; only the last ones are left for after the close. Each packet
 spreads down its own tree of the run's live members (node/exchange/topology.py): this node asks
-its parent there first. Each packet that arrives is decoded at once, in a worker thread, off the
-round's critical path (several at once on a CPU node); `Decoded.take` hands those results to the outer step's `prepare`.
+its parent there first. Each packet that arrives is handed to the session's `EarlyDecodes`
+(node/training/decode.py, which owns decoding and its workers), off the round's critical path;
+the round's `prepare` (node/round/steps.py) takes those results.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from locoswarm_kernels.chunking import worker_pool
 from node.exchange.topology import tree_parent
 from node.round.session import Session
-from node.training.outer import decode_or_refusal
+from node.training.decode import PacketKey
 from protocol.http import ManifestEntry, RoundView
 
 log = logging.getLogger("locoswarm.node")
-
-PacketKey = tuple[str, str]  # (publisher peer id, packet digest)
-
-
-@dataclass(slots=True)
-class Decoded:
-    """Packets decoded as they arrived, by round, until the round's aggregate takes them."""
-
-    tasks: dict[int, dict[PacketKey, asyncio.Task]] = field(default_factory=dict)
-    slots: asyncio.Semaphore | None = None  # the outer step's `decode_workers`, made at the first packet
-
-    def start(self, s: Session, round: int, entry: ManifestEntry, payload: bytes) -> None:
-        self.tasks.setdefault(round, {})[entry.peer_id, entry.packet_digest] = asyncio.create_task(
-            self._decode(s, payload, entry.peer_id, bytes.fromhex(entry.public_key), round)
-        )
-
-    async def _decode(self, s: Session, payload: bytes, peer_id: str, public_key: bytes, round: int):
-        """What outer.decode makes of one payload, or the refusal it raised (for outer.prepare)."""
-        # Decoding shares the CPU with training: on the CPU as many at once as the packet kernels'
-        # pool has workers, one torch thread each (the threads one decode at a time would take).
-        workers = s.outer.decode_workers
-        if self.slots is None:
-            self.slots = asyncio.Semaphore(workers)
-        async with self.slots:
-            decode = functools.partial(
-                decode_or_refusal, s.outer, payload, public_key, peer_id=peer_id, run_id=s.run_id, round=round
-            )
-            return await asyncio.get_running_loop().run_in_executor(
-                worker_pool(workers) if workers > 1 else None, decode
-            )
-
-    async def take(self, view: RoundView) -> dict:
-        """The round's manifest packets decoded so far (publisher -> decoded or refusal); rounds
-        before it are dropped (left behind by a catch-up)."""
-        decoding = self.tasks.pop(view.round, {})
-        for r in [r for r in self.tasks if r < view.round]:
-            del self.tasks[r]
-        return {
-            e.peer_id: await task
-            for e in view.manifest
-            if (task := decoding.get((e.peer_id, e.packet_digest))) is not None
-        }
 
 
 @dataclass(slots=True)
@@ -73,9 +30,9 @@ class Prefetch:
     early: dict[PacketKey, asyncio.Task]
 
     @classmethod
-    def start(cls, s: Session, round: int, decoded: Decoded) -> "Prefetch":
+    def start(cls, s: Session, round: int) -> "Prefetch":
         early: dict[PacketKey, asyncio.Task] = {}
-        return cls(asyncio.create_task(_watch_submissions(s, round, early, decoded)), early)
+        return cls(asyncio.create_task(_watch_submissions(s, round, early)), early)
 
     def cancel(self) -> None:
         self.task.cancel()
@@ -83,9 +40,7 @@ class Prefetch:
             fetch.cancel()
 
 
-async def _watch_submissions(
-    s: Session, round: int, early: dict[PacketKey, asyncio.Task], decoded: Decoded
-) -> RoundView:
+async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyncio.Task]) -> RoundView:
     """Fetch each of the round's packets as soon as it is submitted, into `early`, until the
     round closes; returns the closed round's view."""
     members, uplinks = await live_members(s)
@@ -98,14 +53,14 @@ async def _watch_submissions(
                 parent = tree_parent(round, e.peer_id, s.peer_id, members, s.run.exchange.tree_fanout, uplinks)
                 parent_maddrs = e.multiaddrs if parent == e.peer_id else members.get(parent, [])
                 early[e.peer_id, e.packet_digest] = asyncio.create_task(
-                    _fetch_early(s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None, decoded)
+                    _fetch_early(s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None)
                 )
         if view.state == "closed":
             return view
         view = await s.client.round(round, wait_s=30, submitted_gt=view.num_submitted)
 
 
-async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents, decoded: Decoded) -> dict[str, bytes]:
+async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents) -> dict[str, bytes]:
     """One submitted packet, fetched; its decoding starts at once."""
     got = await s.exchange.fetch(
         round,
@@ -115,7 +70,15 @@ async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents, de
         parents=parents,
     )
     if (payload := got.get(entry.peer_id)) is not None:
-        decoded.start(s, round, entry, payload)
+        s.decoded.start(
+            s.outer,
+            payload,
+            bytes.fromhex(entry.public_key),
+            peer_id=entry.peer_id,
+            packet_digest=entry.packet_digest,
+            run_id=s.run_id,
+            round=round,
+        )
     return got
 
 

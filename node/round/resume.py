@@ -14,8 +14,10 @@ with, of another run, or unreadable is set aside with one log line, and the node
 from peers as a new one would. A checkpoint the swarm agrees with is also what this node serves
 to peers catching up: its files are streamed as they are (node/training/snapshot.py).
 
-With overlap the error buffers already hold the update of the round in flight when a
-checkpoint is written; that update is not sent again: they restart at zero, as after a snapshot.
+The outer step's own state goes through the `OuterStep` protocol (node/training/base.py):
+`state_dict` when saving, `load_state_dict` when loading. With overlap the error buffers already
+hold the update of the round in flight when a checkpoint is written; that update is not sent
+again: they restart at zero, as after a snapshot.
 """
 
 from __future__ import annotations
@@ -41,11 +43,10 @@ def save(s: Session, applied_round: int, midway=None) -> None:
             applied_round + 1,
             s.training.model,
             s.training.optimizer,
-            getattr(s.outer, "error_buffers", None),
-            {"run_id": s.run_id, "applied_round": applied_round, "peer_id": s.peer_id},
-            outer_momentum=getattr(s.outer, "momentum", None),
+            extra={"run_id": s.run_id, "applied_round": applied_round, "peer_id": s.peer_id},
             params=s.outer.start,
             midway=midway,
+            **s.outer.state_dict(),  # error_buffers (SparseLoCo), outer_momentum (DiLoCo)
         )
     except CheckpointError as e:  # disk full, unwritable
         log.error("round %d: checkpoint not saved, training goes on: %s", applied_round, e)
@@ -104,7 +105,7 @@ async def restore(s: Session) -> bool:
     except CheckpointError as e:  # unreadable or corrupt tensors: the digest check inside refuses them
         log.warning("the checkpoint in %s does not load: %s; catching up instead", directory, e)
         return False
-    s.params_round, s.digest, s.tree = round, digest, None
+    s.state.loaded(round, digest, None)
     log.info("resumed from the checkpoint of round %d (digest %s)", round, digest[:12])
 
     await serve_snapshot(s, round)  # streamed from the checkpoint's files to peers catching up
@@ -112,19 +113,11 @@ async def restore(s: Session) -> bool:
 
 
 def _load(s: Session, directory) -> None:
-    import torch
-
     from node.training.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(directory, s.training.model, s.training.optimizer, device=s.training.device)
+    # With overlap the saved buffers hold the update in flight then: they restart at zero (see above).
+    error_buffers = {} if s.run.outer.overlap else checkpoint.error_buffers
     with s.buffers_lock:
         s.outer.reset_to_params()  # the saved parameters are the global model that starts the round
-        with torch.no_grad():
-            for name, buffer in getattr(s.outer, "error_buffers", {}).items():
-                if s.run.outer.overlap or name not in checkpoint.error_buffers:
-                    buffer.zero_()
-                else:
-                    buffer.copy_(checkpoint.error_buffers[name])
-            for name, momentum in getattr(s.outer, "momentum", {}).items():
-                if name in checkpoint.outer_momentum:
-                    momentum.copy_(checkpoint.outer_momentum[name])
+        s.outer.load_state_dict({"error_buffers": error_buffers, "outer_momentum": checkpoint.outer_momentum})

@@ -2,7 +2,10 @@
 
 A `Session` exists from the moment the node joined a run until it leaves. The steps
 (node/round/steps.py), the prefetch (prefetch.py) and the catch-up (catchup.py) take it as their
-first argument instead of a dozen loose ones; `Node` (loop.py) makes one and owns it.
+first argument instead of a dozen loose ones; `Node` (loop.py) makes one and owns it. Its round
+state (which round the parameters start, what the node is doing) is `state`, a `RoundState`
+(node/round/state.py), which alone changes it; `training` is the `Training` protocol
+(node/training/base.py).
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from typing import TYPE_CHECKING
 
 from node.exchange.base import Exchange
 from node.faults import FaultInjector
-from node.round.amend import Amendments
 from node.round.coordinator_client import CoordinatorClient, Refused
 from node.round.own_packets import OwnPackets
 from node.round.refusals import Action
-from node.training.peer import PeerTraining
-from protocol.digest import Tree
+from node.round.reports import RoundReport
+from node.round.state import RoundState
+from node.training.base import OuterStep, Training
+from node.training.decode import EarlyDecodes
 from protocol.http import JoinResponse
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
@@ -32,18 +36,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("locoswarm.node")
 
 Clock = Callable[[], float]  # unix seconds
-
-
-@dataclass(slots=True)
-class Activity:
-    """What the node tells the coordinator in its heartbeats (and the status page shows)."""
-
-    state: str = "joining"  # training, encoding, submitting, waiting, transferring, aggregating, ...
-    round: int = 0
-    inner_step: int | None = None  # inner steps done in `round` (set from the training thread)
-    last_loss: float | None = None
-    bandwidth_mbps: float | None = None  # measured on the last round's packet downloads
-    detail: str | None = None  # with state "stuck": what the node waits for, and from whom (one line)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -57,16 +49,12 @@ class Session:
     run_id: str
     peer_id: str
     run: RunConfig
-    training: PeerTraining
+    training: Training
     rejoin: Callable[[], Awaitable[JoinResponse]]  # join again with the same key (keeps id and shard)
     stopping: asyncio.Event
-    activity: Activity = field(default_factory=Activity)
-    params_round: int | None = 0  # the round whose start the parameters are (None: unknown)
-    digest: str = ""  # of the global model after the last applied round
-    # The hash tree of `digest` where this node computed or verified one (sent with applied reports);
-    # None where the digest came without one (a resumed checkpoint's).
-    tree: Tree | None = None
-    amendments: Amendments = field(default_factory=Amendments)  # the last applied round, kept (amend.py)
+    state: RoundState = field(default_factory=RoundState)
+    reports: list[RoundReport] = field(default_factory=list)  # the rounds this node trained (Node.reports)
+    decoded: EarlyDecodes = field(default_factory=EarlyDecodes)  # packets decoded as they arrived
     encode_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # error feedback folds rounds in order
     buffers_lock: threading.Lock = field(default_factory=threading.Lock)  # held by an encode and a reset
     background: set[asyncio.Task] = field(default_factory=set)  # snapshot publications
@@ -76,7 +64,7 @@ class Session:
     sent: dict[int, bytes] = field(default_factory=dict)
 
     @property
-    def outer(self):
+    def outer(self) -> OuterStep:
         return self.training.outer
 
     async def signed(self, call, *args, **kwargs):
@@ -95,8 +83,8 @@ class Session:
             return await call(*args, **kwargs)
 
     async def heartbeat(self) -> None:
-        """One heartbeat saying what `activity` says now (signed: rejoins if dropped)."""
-        a = self.activity
+        """One heartbeat saying what `state.activity` says now (signed: rejoins if dropped)."""
+        a = self.state.activity
         await self.signed(
             self.client.heartbeat,
             a.round,

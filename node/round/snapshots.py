@@ -21,7 +21,7 @@ async def serve_snapshot(
     critical path: from this node's checkpoint when it holds that round, else from the round-start
     tensors themselves, read as they are served (no copy: served until the next outer step moves
     them, then the fetchers resume at another holder). `params_tree`: their hash tree, if known."""
-    if params_tree is not None and params_tree.hex != s.digest:
+    if params_tree is not None and params_tree.hex != s.state.digest:
         params_tree = state_tree = None  # the start moved since (a recompute): hash it as it is now
     try:
         snapshot = await asyncio.to_thread(_snapshot_of, s, round, params_tree, state_tree)

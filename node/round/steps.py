@@ -2,8 +2,13 @@
 
     loss = await train(s, r, times)                      # H inner steps in a worker thread
     await send(s, r, base_digest, report, opened)        # encode, publish, submit the packet
-    view, payloads, prepared = await collect(s, r, times, prefetch, decoded)
-    await apply_and_report(s, report, r, view, payloads, prepared)
+    view, payloads, prepared = await collect(s, r, times, prefetch)
+    await apply_and_report(s, report, view, payloads, prepared)   # apply_manifest, then the report's figures
+
+`apply_manifest` takes one round (`ToApply`: its view, what is in hand, whether to report missing
+packets and whether to score) and returns what it applied (`Applied`); a replay (catchup.py) and the
+last in-flight round with overlap (loop.py) take it too. The round state (node/round/state.py)
+changes only through `s.state`: `applied` after the outer step, `doing(...)` at each step.
 
 Decisions at the boundaries, each logged:
 - a submission refused as late or stale: the round goes on without this packet; the node still
@@ -13,7 +18,7 @@ Decisions at the boundaries, each logged:
   within another fetch time-out, the node cannot reproduce the round, so it raises
   `CatchUpNeeded` and catches up (node/round/catchup.py);
 - a round this node applied whose manifest was amended since: recomputed from the kept round
-  start before the next outer step (amend.py);
+  start before the next outer step, reported again, its `RoundReport` updated (amend.py);
 - a packet that fails to verify or decode is left out (deterministically, by every honest peer);
 - a submission refused "excluded" (contribution scoring judged this peer's updates harmful,
   protocol/scoring.py): as a late one, the node applies the round without its packet and trains on.
@@ -31,16 +36,19 @@ import logging
 import math
 import re
 import time
+from dataclasses import dataclass
 
 from node.faults import Phase
 from node.round import amend, resume
 from node.round.coordinator_client import Refused
 from node.round.own_packets import HeldPacket
-from node.round.prefetch import Decoded, Prefetch
+from node.round.prefetch import Prefetch
 from node.round.refusals import Action, Code
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
 from node.round.snapshots import serve_snapshot
+from node.round.state import Doing
+from node.training.base import ApplyResult, Prepared
 from node.training.params import param_tree
 from node.training.scoring import PeerScore
 from protocol.errors import ProtocolError
@@ -72,6 +80,27 @@ class PacketsGone(CatchUpNeeded):
         self.round, self.view, self.peer_ids = round, view, peer_ids
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ToApply:
+    """One closed round for `apply_manifest`: its manifest, what is in hand, what goes beside it."""
+
+    view: RoundView  # the closed round's view: its manifest and manifest version
+    payloads: dict[str, bytes] | None = None  # the manifest's packets in hand (collect); None: fetched here
+    prepared: Prepared | None = None  # their aggregate (collect); None: made here
+    # Packets it cannot fetch: report them and wait for an amended manifest without them; False:
+    # `PacketsGone` at once (a replay, which loads a snapshot instead).
+    report_missing: bool = True
+    score: bool = True  # score the round's updates and send the scores with the applied report
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What `apply_manifest` applied: the outer step's result and this node's scores of the round."""
+
+    result: ApplyResult
+    scores: dict[str, PeerScore]
+
+
 async def wait_open(s: Session, round: int) -> RoundView | None:
     """The round's view once it is open (or closed); None if the node is stopping."""
     delay_s, previous_closed = 0.1, round == 0
@@ -89,13 +118,13 @@ async def wait_open(s: Session, round: int) -> RoundView | None:
 
 async def train(s: Session, round: int, times: RoundTimes) -> float:
     """The round's H inner steps, in a worker thread; returns the mean loss."""
-    s.activity.state, s.activity.inner_step = "training", 0
+    s.state.training()
     s.spawn(beat_now(s))  # the status shows it training now, not an interval later (after "applied")
     bar = _progress_bar(s, round)
     first_step = round * s.training.inner_steps  # train_round's global steps start here
 
     def count_step(step: int) -> None:  # in the worker thread: one int the heartbeat task reads
-        s.activity.inner_step = step - first_step + 1
+        s.state.activity.inner_step = step - first_step + 1
 
     def show_step(step: int, loss: float, tokens_per_s: float) -> None:  # a device sync a step: the bar only
         bar.update(1)
@@ -106,7 +135,7 @@ async def train(s: Session, round: int, times: RoundTimes) -> float:
     if bar:
         bar.close()
     times.compute_s = await s.faults.pad_compute(round, result.compute_s)
-    s.activity.last_loss = result.mean_loss
+    s.state.activity.last_loss = result.mean_loss
     return result.mean_loss
 
 
@@ -141,7 +170,7 @@ async def send(
     encoded: its values left the error buffer of the process that made it). In the background
     (overlap) it runs beside the next round's training and its time counts as hidden."""
     if foreground:
-        s.activity.state = "encoding"
+        s.state.doing(Doing.ENCODING)
     start = time.perf_counter()
 
     def encode() -> bytes:
@@ -163,7 +192,7 @@ async def send(
     encode_s = time.perf_counter() - start
     if foreground:
         report.times.encode_s = encode_s
-        s.activity.state = "submitting"
+        s.state.doing(Doing.SUBMITTING)
     else:
         report.times.hidden_encode_s = encode_s
     report.packet_bytes = announcement.size_bytes
@@ -240,14 +269,12 @@ def return_if_unsent(s: Session, round: int, view: RoundView) -> None:
     )
 
 
-async def collect(
-    s: Session, round: int, times: RoundTimes, prefetch: Prefetch, decoded: Decoded, foreground: bool = True
-):
+async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch, foreground: bool = True):
     """Wait for the round's manifest (the prefetch fetching packets as they come), fetch whatever
     it lists that is not in hand yet, and, when every packet is in hand, verify, decode and
     aggregate them (no parameter changes). Returns (view, payloads, prepared or None)."""
     if foreground:
-        s.activity.state = "waiting"
+        s.state.doing(Doing.WAITING)
     start = time.perf_counter()
     try:
         view = await prefetch.task
@@ -259,9 +286,9 @@ async def collect(
     prepared = None
     if {e.peer_id for e in view.manifest} <= set(payloads):
         if foreground:
-            s.activity.state = "aggregating"
+            s.state.doing(Doing.AGGREGATING)
         start = time.perf_counter()
-        prepared = await prepare(s, view, payloads, decoded)
+        prepared = await prepare(s, view, payloads)
         times.aggregate_s = time.perf_counter() - start
     return view, payloads, prepared
 
@@ -270,7 +297,7 @@ async def fetch_manifest(
     s: Session, round: int, view: RoundView, times: RoundTimes, early: dict | None = None, foreground: bool = True
 ) -> dict[str, bytes]:
     if foreground:
-        s.activity.state = "transferring"
+        s.state.doing(Doing.TRANSFERRING)
     start = time.perf_counter()
     payloads: dict[str, bytes] = {}
     for e in view.manifest:
@@ -288,68 +315,57 @@ async def fetch_manifest(
     return payloads
 
 
-async def prepare(s: Session, view: RoundView, payloads: dict[str, bytes], decoded: Decoded):
+async def prepare(s: Session, view: RoundView, payloads: dict[str, bytes]) -> Prepared:
     """Verify, decode and aggregate the manifest's packets, in a worker thread; no parameter changes.
-    Packets decoded as they arrived are not decoded again."""
+    Packets decoded as they arrived (`s.decoded`) are not decoded again."""
     public_keys = {e.peer_id: bytes.fromhex(e.public_key) for e in view.manifest}
-    early = await decoded.take(view)
+    early = await s.decoded.take(view.round, [(e.peer_id, e.packet_digest) for e in view.manifest])
     return await asyncio.to_thread(
         s.outer.prepare, payloads, public_keys.__getitem__, run_id=s.run_id, round=view.round, decoded=early
     )
 
 
-async def apply_manifest(
-    s: Session,
-    round: int,
-    view: RoundView,
-    times: RoundTimes,
-    decoded: Decoded,
-    payloads: dict[str, bytes] | None = None,
-    prepared=None,
-    report_missing: bool = True,
-    scores_out: dict[str, PeerScore] | None = None,
-):
-    """Take the round's outer step (fetching and aggregating its manifest unless given); report
-    the digest of the global model; serve a snapshot of it. Packets that cannot be fetched are
-    reported missing and the round applied as amended without them (`report_missing`; a replay
-    does not report: it loads a snapshot instead, nor scores). The round's contribution scores,
-    sent with the report, are also put in `scores_out` when given."""
+async def apply_manifest(s: Session, job: ToApply, times: RoundTimes) -> Applied:
+    """Take the round's outer step (fetching and aggregating its manifest unless `job` has them);
+    report the digest of the global model; serve a snapshot of it. Packets that cannot be fetched
+    are reported missing and the round applied as amended without them (`job.report_missing`).
+    Before the outer step, the round applied before it is brought to its latest manifest version
+    (amend.py); after its report, a newer version of this round is too."""
+    view, payloads, prepared = job.view, job.payloads, job.prepared
+    round = view.round
     if payloads is None:
         payloads = await fetch_manifest(s, round, view, times)
     await s.faults.at_phase(Phase.TRANSFER, round, exchange=s.exchange, peer_id=s.peer_id)
     missing = sorted({e.peer_id for e in view.manifest} - set(payloads))
     if missing:
-        amended = await amend.await_amendment(s, round, view, missing) if report_missing else None
+        amended = await amend.await_amendment(s, round, view, missing) if job.report_missing else None
         if amended is None:
             # Aggregating a subset would fork this peer from the swarm: catch up instead.
             raise PacketsGone(round, view, missing)
         view, prepared = amended, None
         payloads = {e.peer_id: payloads[e.peer_id] for e in view.manifest}
 
-    s.activity.state = "aggregating"
+    s.state.doing(Doing.AGGREGATING)
     start = time.perf_counter()
-    kept = s.amendments.kept
+    kept = s.state.amendments.kept
     if kept is not None and kept.round != round - 1:
-        s.amendments.forget()  # the parameters moved on by other means (a catch-up)
+        s.state.amendments.forget()  # the parameters moved on by other means (a catch-up)
     await _recompute_if_amended(s)
     if prepared is None:
-        prepared = await prepare(s, view, payloads, decoded)
-    amend.keep(s, round, view, payloads, prepared.aggregates)
-    scores = await score(s, round, prepared) if report_missing else {}
+        prepared = await prepare(s, view, payloads)
+    amend.keep(s, round, view, payloads, prepared)
+    scores = await score(s, round, prepared) if job.score else {}
     applied = s.outer.commit(prepared)
     await asyncio.to_thread(return_if_unsent, s, round, view)
     await s.faults.at_phase(Phase.APPLIED, round)
     tree = await asyncio.to_thread(param_tree, s.outer.start)
-    s.tree, s.digest = tree, tree.hex
-    s.params_round = round + 1
+    s.state.applied(round, tree)
     times.aggregate_s += time.perf_counter() - start  # after the prepare's share, if collect ran it
-    if scores_out is not None:
-        scores_out.update(scores)
     response = await _report(s, round, applied, view.manifest_version, scores)
     if response.manifest_version > view.manifest_version:  # amended while this node fetched
         applied = await _recompute_if_amended(s, await s.client.round(round)) or applied
-    if outdated := s.amendments.outdated(response.amended):
-        s.amendments.reset()
+    if outdated := s.state.amendments.outdated(response.amended):
+        s.state.amendments.reset()
         raise CatchUpNeeded(
             "amended after this node applied them: "
             + ", ".join(f"round {r} (version {old} -> {new})" for r, (old, new) in outdated.items())
@@ -357,7 +373,7 @@ async def apply_manifest(
     if resume.due(s, round):
         await asyncio.to_thread(resume.save, s, round, s.faults.checkpoint_hook(round))
     await serve_snapshot(s, round + 1, tree)
-    return applied
+    return Applied(applied, scores)
 
 
 async def _report(
@@ -379,13 +395,13 @@ async def _report(
         response = await s.signed(
             s.client.applied,
             round,
-            s.digest,
+            s.state.digest,
             refused=refused,
             manifest_version=manifest_version,
             val_loss=val_loss,
             scores=reports,
             sample=sample,
-            tree=s.tree,
+            tree=s.state.tree,
         )
     except Refused as e:
         if e.action is not Action.CATCH_UP:
@@ -393,15 +409,18 @@ async def _report(
         # This node reported another digest for this round before (reports are immutable): one of
         # the two states is not what the manifest gives, so take the swarm's agreed state instead.
         raise CatchUpNeeded(f"round {round}: {e.detail}") from e
-    if response.manifest_version == manifest_version and response.agreed_digest not in (None, s.digest):
+    if response.manifest_version == manifest_version and response.agreed_digest not in (None, s.state.digest):
         log.error(
-            "round %d: my digest %s differs from the agreed %s", round, s.digest[:12], response.agreed_digest[:12]
+            "round %d: my digest %s differs from the agreed %s",
+            round,
+            s.state.digest[:12],
+            response.agreed_digest[:12],
         )
     elif not response.agrees and response.manifest_version == manifest_version:
         log.warning(
             "round %d: my digest %s differs from the provisional majority %s",
             round,
-            s.digest[:12],
+            s.state.digest[:12],
             (response.majority_digest or "(none)")[:12],
         )
     return response
@@ -415,9 +434,7 @@ async def score(s: Session, round: int, prepared) -> dict[str, PeerScore]:
         return {}
     if s.run.outer.overlap:
         # Such a node judges nobody (it is still judged): its parameters are already training the
-        # next round, so it holds no own update of this round for the cosine. (The forked digests
-        # once blamed on scoring here came from settling votes a round early with overlap; see
-        # coordinator/service.py `settle_lag`.)
+        # next round, so it holds no own update of this round for the cosine.
         return {}
     from node.training.scoring import score_round
 
@@ -488,7 +505,7 @@ def text_sample(s: Session, round: int) -> str | None:
 async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
     """Bring the kept round (the last one applied) to its latest manifest version; `latest` is
     its view when the caller has one. Returns the recomputed outer step's result, if any."""
-    kept = s.amendments.kept
+    kept = s.state.amendments.kept
     if kept is None:
         return None
     if latest is None:
@@ -499,7 +516,7 @@ async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
     if applied is not None:
         await asyncio.to_thread(return_if_unsent, s, kept.round, latest)
     if applied is None:
-        s.amendments.forget()
+        s.state.amendments.forget()
         raise CatchUpNeeded(
             f"round {kept.round}: its manifest was amended to version {latest.manifest_version} "
             f"after this node applied version {kept.manifest_version} (with overlap)"
@@ -510,21 +527,22 @@ async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
 
 
 async def apply_and_report(
-    s: Session, report: RoundReport, applied_round: int, view: RoundView, payloads, prepared, decoded: Decoded
+    s: Session, report: RoundReport, view: RoundView, payloads: dict[str, bytes], prepared: Prepared | None
 ) -> RoundReport:
-    """Apply `applied_round` (the report's round, or with overlap the one before) and fill the report."""
-    scores: dict[str, PeerScore] = {}
-    applied = await apply_manifest(s, applied_round, view, report.times, decoded, payloads, prepared, scores_out=scores)
+    """Apply `view`'s round (the report's round, or with overlap the one before) and fill the report."""
+    applied_round = view.round
+    applied = await apply_manifest(s, ToApply(view=view, payloads=payloads, prepared=prepared), report.times)
     traffic = s.exchange.traffic(applied_round)
-    report.digest, report.num_packets, report.refused = s.digest, len(applied.accepted), applied.refused
+    report.digest, report.num_packets = s.state.digest, len(applied.result.accepted)
+    report.refused = applied.result.refused
     report.downloaded_bytes, report.fetching_s = traffic.downloaded_bytes, traffic.fetching_s()
     # Over the time any fetch ran: with early fetches, the bytes span more than the transfer timer.
     if traffic.downloaded_bytes and report.fetching_s > 0.01:  # goes to the coordinator with the heartbeats
-        s.activity.bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / report.fetching_s / 1e6)
+        s.state.activity.bandwidth_mbps = min(1e7, traffic.downloaded_bytes * 8 / report.fetching_s / 1e6)
     report.uploaded_bytes = s.exchange.traffic(report.round).uploaded_bytes
     report.ended_at, report.applied_round = s.clock(), applied_round
-    report.manifest_version = s.amendments.applied_versions.get(applied_round, view.manifest_version)
-    report.scores = {peer: {"loss_delta": sc.loss_delta, "cosine": sc.cosine} for peer, sc in scores.items()}
+    report.manifest_version = s.state.amendments.applied_versions.get(applied_round, view.manifest_version)
+    report.scores = {peer: {"loss_delta": sc.loss_delta, "cosine": sc.cosine} for peer, sc in applied.scores.items()}
     return report
 
 

@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 8 -m node.cli node join ...   # every rank from torchrun's environment
 
 Rank 0 runs the whole Node (coordinator, DHT, streams) exactly as a 1-rank node does, with a
-training object of the same interface as node.training.peer.PeerTraining (`RankedTraining`, its
-outer step `RankedOuter`). Ranks 1..N-1 run `follow()`: they wait for the small commands rank 0
+training object of the `Training` protocol (node/training/base.py): `RankedTraining`, its outer
+step `RankedOuter`. Ranks 1..N-1 run `follow()`: they wait for the small commands rank 0
 broadcasts (train round r, encode, prepare these payloads, commit, gather, load, evaluate, stop)
 and run the same collective step; `execute` is that step, the same code on every rank.
 
@@ -47,8 +47,8 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from node.training.base import ApplyResult, Prepared
 from node.training.inner import InnerResult, make_inner_optimizer, run_inner_steps
-from node.training.outer import ApplyResult, Prepared
 from node.training.params import flat_named_params
 from protocol.errors import ProtocolError
 
@@ -173,7 +173,7 @@ class RankState:
     outer: Any  # node.training.sharded_outer.ShardedSparseLoCo
     shard: Any  # node.training.data.TokenDataset: the node's part of the training data
     val: Any | None
-    inner: Any  # node.training.inner.InnerConfig
+    inner: Any  # protocol.run_config.InnerSection: the run's [inner]
     device: torch.device
     seed: int
     inner_steps: int
@@ -187,14 +187,13 @@ class RankState:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from node.training.build import inner_config, model_config, outer_config
         from node.training.data import check_vocabulary, load_corpus
-        from node.training.model import build_model
+        from node.training.model import build_model, model_config
         from node.training.sharded_outer import ShardedSparseLoCo
         from protocol.run_config import RunConfig
 
         run = RunConfig.model_validate_json(start["run"])
-        inner = inner_config(run)
+        inner = run.inner
         if inner.batch_size % world_size:
             raise ValueError(f"the run's batch of {inner.batch_size} does not split over {world_size} ranks")
         corpus = load_corpus(start["data"])
@@ -217,7 +216,12 @@ class RankState:
         params = flat_named_params(model)
         with torch.no_grad():
             local = {name: p.to_local() for name, p in params.items()}
-        outer = ShardedSparseLoCo(local, {name: tuple(p.shape) for name, p in params.items()}, outer_config(run))
+        outer = ShardedSparseLoCo(
+            local,
+            {name: tuple(p.shape) for name, p in params.items()},
+            run.outer,
+            max_packet_bytes=run.exchange.max_packet_bytes,
+        )
         return cls(
             model=model,
             optimizer=make_inner_optimizer(model, inner),

@@ -6,26 +6,29 @@ gradient norm clipped to 1.0, learning rate warmed up linearly from 0.1x to the 
 LinearLR with start_factor 0.1), then cosine-decayed to 0.1x of the peak at `total_steps` and
 held there.
 
+The settings are the run's [inner] section (protocol.run_config.InnerSection) as it is: its
+defaults are those above, and every peer of a run trains with the same ones.
+
 Weight decay: the authors' code decays every parameter, RMSNorm gains included, and that is
-the default here (`decay_1d_params=True`). The more customary choice, no decay on 1-D
-parameters (norm gains; this model has no biases), is one flag away.
+the default here (`make_inner_optimizer(..., decay_1d_params=True)`). The more customary choice,
+no decay on 1-D parameters (norm gains; this model has no biases), is one flag away.
 
 The step counter is global (it runs across rounds), so the schedule does not restart each round.
 The loop keeps the loss on the device and synchronises with the host once at the end, unless
 an `on_step` callback asks for figures (once every `report_every_steps` steps).
 
 How a node runs the steps is its own choice (`ExecutionConfig`), none of which changes the maths
-beyond float rounding: the run fixes the per-step batch (`InnerConfig.batch_size`, the global
+beyond float rounding: the run fixes the per-step batch (`InnerSection.batch_size`, the global
 batch of one step), and the node splits it into micro-batches whose gradients accumulate, each
 micro-batch's mean loss weighted by its share of the sequences; activation checkpointing per
 block; `torch.compile` per block; the chunked cross-entropy of node.training.model.lm_loss.
 
 Usage:
-    optimizer = make_inner_optimizer(model, cfg)
+    optimizer = make_inner_optimizer(model, run.inner)
     prepare_model(model, execution)                       # checkpointing and compile, once
-    batches = corpus.train.shard(peer, num_peers).batches(cfg.batch_size, cfg.seq_len, seed, device)
-    result = run_inner_steps(model, optimizer, batches, start_step=r * H, num_steps=H, cfg=cfg, device=device,
-                             execution=execution)
+    batches = corpus.train.shard(peer, num_peers).batches(run.inner.batch_size, run.inner.seq_len, seed, device)
+    result = run_inner_steps(model, optimizer, batches, start_step=r * H, num_steps=H, cfg=run.inner,
+                             device=device, execution=execution)
 """
 
 from __future__ import annotations
@@ -40,29 +43,9 @@ from torch import nn
 
 from node.training.model import LOSS_CHUNK_TOKENS, Transformer, autocast_for, lm_loss
 from node.training.params import flat_named_params
+from protocol.run_config import InnerSection
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InnerConfig:
-    lr: float = 1e-3  # peak learning rate
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW moment decays
-    weight_decay: float = 0.1  # decoupled weight decay
-    decay_1d_params: bool = True  # also decay 1-D parameters (norm gains), as the authors' code does
-    grad_clip: float = 1.0  # max global gradient L2 norm; <= 0 disables clipping
-    warmup_steps: int  # linear warm-up length in inner steps
-    total_steps: int  # step at which the cosine reaches min_lr_ratio * lr
-    warmup_start_ratio: float = 0.1  # lr at step 0 as a fraction of the peak
-    min_lr_ratio: float = 0.1  # final lr as a fraction of the peak
-    batch_size: int  # sequences per inner step
-    seq_len: int  # tokens per sequence
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError("warmup_steps must be >= 0 and total_steps >= 1")
-        if self.warmup_steps > self.total_steps:
-            raise ValueError(f"warmup_steps {self.warmup_steps} exceeds total_steps {self.total_steps}")
-        if self.batch_size < 1 or self.seq_len < 1:
-            raise ValueError("batch_size and seq_len must be positive")
+WARMUP_START_RATIO = 0.1  # lr at step 0 as a fraction of the peak (torch's LinearLR start_factor)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,14 +70,14 @@ class InnerResult:
     compute_s: float  # wall time of the steps, device synchronised
 
 
-def lr_at(step: int, cfg: InnerConfig) -> float:
+def lr_at(step: int, cfg: InnerSection) -> float:
     """Learning rate for global inner step `step` (0-based).
 
-    Exact endpoints: lr_at(0) = warmup_start_ratio * lr (when warmup_steps > 0),
+    Exact endpoints: lr_at(0) = WARMUP_START_RATIO * lr (when warmup_steps > 0),
     lr_at(warmup_steps) = lr, lr_at(s) = min_lr_ratio * lr for every s >= total_steps.
     """
     if step < cfg.warmup_steps:
-        return cfg.lr * (cfg.warmup_start_ratio + (1.0 - cfg.warmup_start_ratio) * step / cfg.warmup_steps)
+        return cfg.lr * (WARMUP_START_RATIO + (1.0 - WARMUP_START_RATIO) * step / cfg.warmup_steps)
     if step >= cfg.total_steps:
         return cfg.lr * cfg.min_lr_ratio
     if step == cfg.warmup_steps:
@@ -104,10 +87,15 @@ def lr_at(step: int, cfg: InnerConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
-def make_inner_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters in sorted-name order (see the module docstring on decay)."""
+def make_inner_optimizer(model: nn.Module, cfg: InnerSection, *, decay_1d_params: bool = True) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters in sorted-name order (see the module docstring on decay).
+
+    Refuses (ValueError) a schedule whose warm-up outlasts it: the run config bounds each field of
+    [inner] alone, and `lr_at` needs warmup_steps <= total_steps."""
+    if cfg.warmup_steps > cfg.total_steps:
+        raise ValueError(f"warmup_steps {cfg.warmup_steps} exceeds total_steps {cfg.total_steps}")
     params = flat_named_params(model)
-    if cfg.decay_1d_params:
+    if decay_1d_params:
         groups = [{"params": list(params.values()), "weight_decay": cfg.weight_decay}]
     else:
         groups = [
@@ -165,7 +153,7 @@ def run_inner_steps(
     batches_iter: Iterator[tuple[torch.Tensor, torch.Tensor]],
     start_step: int,
     num_steps: int,
-    cfg: InnerConfig,
+    cfg: InnerSection,
     device: torch.device | str,
     on_step: Callable[[int, float, float], None] | None = None,
     on_step_queued: Callable[[int], None] | None = None,

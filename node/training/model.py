@@ -11,6 +11,7 @@ fp32: they are the master copy the outer step updates; the inner loop runs bf16 
 
 Usage:
     model = build_model("small", seed=0)         # nn.Module on the CPU, fp32
+    model = build_model(model_config(run), seed) # a run's model: its preset, vocabulary and tokenizer
     logits = model(tokens)                       # (B, T) int64 -> (B, T, vocab) fp32
     loss = lm_loss(model, x, y)                  # scalar mean next-token cross-entropy (chunked when large)
     model.activation_checkpointing = True        # a node option: recompute each block in backward
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from protocol.run_config import RunConfig
 
 # SDPA's own grouped-query attention (`enable_gqa`) arrived in torch 2.5.
 SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -163,6 +166,15 @@ def resolve_config(preset_or_config: str | ModelConfig) -> ModelConfig:
         return PRESETS[preset_or_config]
     except KeyError:
         raise ValueError(f"unknown model preset {preset_or_config!r}; known: {sorted(PRESETS)}") from None
+
+
+def model_config(run: RunConfig) -> ModelConfig:
+    """The model of `run` ([model]): its preset, with the run's vocabulary and tokenizer when it
+    names them (a run on tokenized shards embeds its tokenizer's ids, not the preset's 256 bytes)."""
+    preset = resolve_config(run.model.preset)
+    return dataclasses.replace(
+        preset, vocab_size=run.model.vocab_size or preset.vocab_size, tokenizer_id=run.model.tokenizer_id
+    )
 
 
 class RMSNorm(nn.Module):

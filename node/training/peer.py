@@ -6,7 +6,9 @@
     val_loss = training.evaluate_global()                       # the global model, held-out batches
 
 The node (node/round/) and the simulator (tools/sim/engine.py) both build their peers here, so a
-run config means the same model, optimizers and data order in either.
+run config means the same model, optimizers and data order in either: the model from its [model]
+section (`model_config`), the inner steps from [inner] and the outer step from [outer], each section
+as it is. `PeerTraining` is the `Training` protocol (node/training/base.py) of a 1-rank node.
 """
 
 from __future__ import annotations
@@ -18,20 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from node.training.build import inner_config, model_config, outer_config
 from node.training.data import EmptyData, TokenDataset, check_vocabulary, evaluate
-from node.training.inner import (
-    ExecutionConfig,
-    InnerConfig,
-    InnerResult,
-    make_inner_optimizer,
-    prepare_model,
-    run_inner_steps,
-)
-from node.training.model import build_model
+from node.training.inner import ExecutionConfig, InnerResult, make_inner_optimizer, prepare_model, run_inner_steps
+from node.training.model import build_model, model_config
 from node.training.outer import DiLoCoOuter, SparseLoCoOuter, make_outer
 from node.training.params import flat_named_params
-from protocol.run_config import RunConfig
+from protocol.run_config import InnerSection, RunConfig
 
 if TYPE_CHECKING:
     from node.config import NodeConfig
@@ -43,7 +37,7 @@ log = logging.getLogger("locoswarm.node")
 class PeerTraining:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    inner: InnerConfig
+    inner: InnerSection
     outer: SparseLoCoOuter | DiLoCoOuter
     shard: TokenDataset  # this peer's part of the training data
     device: torch.device
@@ -69,13 +63,11 @@ class PeerTraining:
         run: RunConfig,
         device: torch.device | str,
         shard: TokenDataset,
-        inner: InnerConfig | None = None,
         val: TokenDataset | None = None,
         node: "NodeConfig | None" = None,
     ) -> "PeerTraining":
         """The peer's state at the run's start (seeded initialisation or the run's init_from, zero
-        error feedback); `inner` replaces the run's inner config (the simulator's per-strategy
-        learning rates); `val` is the held-out split `evaluate_global` reads. A shard the run's
+        error feedback); `val` is the held-out split `evaluate_global` reads. A shard the run's
         model cannot train on is refused before anything is built (node.training.data.DataMismatch),
         and so is an init_from that is not the run's (node.training.hf.InitMismatch): each says what
         to do. `node` brings this node's choices: where the outer state lives (memory.state_placement)
@@ -92,16 +84,18 @@ class PeerTraining:
 
             load_init_weights(model, run.model.init_from, run.model.init_sha256)
         model = model.to(device)
-        inner = inner or inner_config(run)
         execution = cls.execution_of(node) if node is not None else ExecutionConfig()
         prepare_model(model, execution)
         outer = make_outer(
-            flat_named_params(model), outer_config(run), node.memory.state_placement if node is not None else "host"
+            flat_named_params(model),
+            run.outer,
+            max_packet_bytes=run.exchange.max_packet_bytes,
+            state_placement=node.memory.state_placement if node is not None else "host",
         )
         return cls(
             model=model,
-            optimizer=make_inner_optimizer(model, inner),
-            inner=inner,
+            optimizer=make_inner_optimizer(model, run.inner),
+            inner=run.inner,
             outer=outer,
             shard=shard,
             device=device,

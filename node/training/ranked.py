@@ -1,5 +1,5 @@
-"""Rank 0's training objects of a multi-rank node: PeerTraining's and the outer step's interface,
-each call run by all the node's ranks (node/training/distributed.py).
+"""Rank 0's training objects of a multi-rank node: the `Training` and `OuterStep` protocols
+(node/training/base.py), each call run by all the node's ranks (node/training/distributed.py).
 
     leader = Leader(RankGroup.spawn(2, "cpu"))
     training = RankedTraining.build(leader, run, device="cpu", data=path, shard_index=i, num_shards=n)
@@ -15,7 +15,7 @@ offered on a multi-rank node.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +23,15 @@ import torch
 
 from locoswarm_kernels.sparse import SparseTensor
 from node.errors import CannotStart
+from node.training.base import ApplyResult, OuterState, Prepared
 from node.training.distributed import KEPT_PREPARED, Leader
-from node.training.inner import InnerConfig, InnerResult
-from node.training.outer import ApplyResult, OuterConfig, Prepared, decode_sparse
+from node.training.inner import InnerResult
+from node.training.model import build_model, model_config
+from node.training.outer import decode_sparse
 from node.training.params import flat_named_params
+from node.training.round_start import RoundStart, StartPatch
 from protocol.errors import ProtocolError
-from protocol.run_config import RunConfig
+from protocol.run_config import InnerSection, OuterSection, RunConfig
 from protocol.signing import PeerKey
 
 
@@ -38,8 +41,10 @@ class RankedOuter:
     refusable: tuple[type[Exception], ...] = (ProtocolError,)
     decode_workers = 1  # packets rank 0 decodes at once as they arrive (every rank decodes again to apply)
 
-    def __init__(self, leader: Leader, global_model: Mapping[str, torch.nn.Parameter], cfg: OuterConfig):
-        self.leader, self.cfg = leader, cfg
+    def __init__(
+        self, leader: Leader, global_model: Mapping[str, torch.nn.Parameter], cfg: OuterSection, max_packet_bytes: int
+    ):
+        self.leader, self.cfg, self.max_packet_bytes = leader, cfg, max_packet_bytes
         self.spec = leader.state.outer.spec
         self.layouts = self.spec.layouts()
         # Without overlap the parameters after an outer step are the global model: one host copy.
@@ -49,6 +54,9 @@ class RankedOuter:
 
     def begin_round(self) -> None:
         self.leader("begin")
+
+    def deltas(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise ValueError("a multi-rank node's deltas stay on its ranks (no overlap)")
 
     def make_payload(
         self,
@@ -68,7 +76,7 @@ class RankedOuter:
 
     def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
         """Every rank puts its rows of this node's unapplied packet back into its error buffer
-        (ShardedSparseLoCo.return_unsent; node/training/outer.py states the contract)."""
+        (ShardedSparseLoCo.return_unsent; node/training/base.py, `OuterStep.return_unsent`, states the contract)."""
         self.leader(
             "return_unsent",
             {
@@ -84,7 +92,16 @@ class RankedOuter:
         self, payload: bytes, public_key: Callable[[str], bytes], *, peer_id: str, run_id: str, round: int
     ) -> dict[str, SparseTensor]:
         """Verify and decode on rank 0 alone (as packets arrive; each rank decodes again to apply)."""
-        return decode_sparse(payload, self.spec, self.cfg, public_key, peer_id=peer_id, run_id=run_id, round=round)
+        return decode_sparse(
+            payload,
+            self.spec,
+            self.cfg,
+            public_key,
+            max_packet_bytes=self.max_packet_bytes,
+            peer_id=peer_id,
+            run_id=run_id,
+            round=round,
+        )
 
     def prepare(
         self,
@@ -122,6 +139,16 @@ class RankedOuter:
         self.leader("gather", mirror=self.start)
         return prepared.result
 
+    def keep_start(self, prepared: Prepared) -> RoundStart:
+        """The host copy's coordinates the step moves (dense: the aggregates are rank 0's rows only)."""
+        return RoundStart(StartPatch.before(self.start, prepared.aggregates))
+
+    def restore_start(self, kept: RoundStart) -> None:
+        with torch.no_grad():
+            for name, p in self.start.items():
+                p.copy_(kept.params.restored(name, p))
+        self.reset_to_params()
+
     def reset_to_params(self) -> None:
         """Take the host copy (a loaded snapshot or checkpoint, a kept start) as every rank's start."""
         self.leader("load", mirror=self.start)
@@ -137,14 +164,21 @@ class RankedOuter:
         self.leader("zero_errors")
         self.reset_to_params()
 
+    def state_dict(self) -> OuterState:
+        """Empty: a multi-rank node's checkpoint holds the global model only (node/training/distributed.py)."""
+        return {}
+
+    def load_state_dict(self, state: OuterState) -> None:
+        """Nothing to take: the ranks' buffers start as they were built (zero)."""
+
 
 @dataclass(slots=True)
 class RankedTraining:
-    """PeerTraining's interface for a multi-rank node (rank 0)."""
+    """The `Training` protocol of a multi-rank node (rank 0)."""
 
     model: torch.nn.Module  # rank 0's host copy of the global model, unsharded
     optimizer: None  # sharded over the ranks; checkpoints hold the global model only
-    inner: InnerConfig
+    inner: InnerSection
     outer: RankedOuter
     device: torch.device  # of `model`: the host
     seed: int
@@ -164,9 +198,6 @@ class RankedTraining:
         evaluate: bool,
     ) -> RankedTraining:
         """Build every rank's state (the node's data shard split by batch rows) and rank 0's copy."""
-        from node.training.build import inner_config, model_config, outer_config
-        from node.training.model import build_model
-
         if run.outer.strategy != "sparseloco" or run.outer.overlap:
             raise CannotStart("a multi-rank node (--ranks) runs the sparseloco strategy without overlap")
         if run.inner.batch_size % leader.group.world_size:
@@ -190,8 +221,8 @@ class RankedTraining:
         return cls(
             model=model,
             optimizer=None,
-            inner=inner_config(run),
-            outer=RankedOuter(leader, global_model, outer_config(run)),
+            inner=run.inner,
+            outer=RankedOuter(leader, global_model, run.outer, run.exchange.max_packet_bytes),
             device=torch.device("cpu"),
             seed=run.model.seed,
             inner_steps=run.inner.steps,

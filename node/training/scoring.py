@@ -27,8 +27,8 @@ round and the node, so every peer gets judges at any swarm size).
 Cost: one forward pass on the batch for the start and one per scored peer, with one dense copy of
 the parameters at a time, in no_grad. The passes run on a parameter-less copy of the model's
 structure (`torch.func.functional_call`), never on the live parameters: scoring runs in a worker
-thread that a cancelled round does not stop, and it had set the live parameters to each candidate
-and restored them afterwards, which could write a stale model over a snapshot just loaded.
+thread that a cancelled round does not stop, and writing candidates into the live parameters could
+leave a stale model over a snapshot loaded meanwhile.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class _LossOf(nn.Module):
 def score_round(
     training, start: Mapping[str, torch.Tensor], prepared, scorer_id: str, round: int, section, outer_lr: float
 ) -> dict[str, PeerScore]:
-    """`scorer_id`'s reportable scores of round r's accepted updates (`prepared`, node/training/outer.py,
+    """`scorer_id`'s reportable scores of round r's accepted updates (`prepared`, node/training/base.py,
     before its outer step), on its own scoring batch; `training` is its PeerTraining, `section` the
     run's [scoring]. The node (node/round/steps.py) and the simulator (tools/sim/engine.py) both call it."""
     picked = pick_peers(prepared.result.accepted, scorer_id, round, section.max_peers_per_round)

@@ -31,7 +31,9 @@ the hash tree of protocol/digest.py, so rank 0 holds at most one whole tensor: a
 a 1-rank node report the same digest.
 
 Every method is a collective: all ranks call it in the same order with the same arguments
-(rank 0 alone needs the key; payload bytes must be the same on every rank).
+(rank 0 alone needs the key; payload bytes must be the same on every rank). The node's round loop
+sees this outer step through rank 0's `RankedOuter` (node/training/ranked.py), which implements the
+`OuterStep` protocol (node/training/base.py) by commanding these methods on every rank.
 """
 
 from __future__ import annotations
@@ -53,11 +55,12 @@ from locoswarm_kernels.sparse import (
     scatter_mean,
     select_topk,
 )
-from node.training.outer import ApplyResult, OuterConfig, Prepared
+from node.training.base import ApplyResult, Prepared
 from node.training.params import tensor_bytes
 from protocol.digest import ChunkHasher, Tree, encode_header
 from protocol.errors import ProtocolError
-from protocol.packet import ModelSpec, decode_packet, encode_packet
+from protocol.packet import DEFAULT_MAX_PACKET_BYTES, ModelSpec, decode_packet, encode_packet
+from protocol.run_config import OuterSection
 from protocol.signing import PeerKey
 
 
@@ -122,20 +125,23 @@ class ShardedSparseLoCo:
     """The outer state of one rank: round start, error buffer and aggregate of its rows.
 
     `params`: name -> this rank's rows of the parameter (a plain tensor written in place; for
-    FSDP2, `DTensor.to_local()`), `shapes`: name -> the whole tensor's shape.
+    FSDP2, `DTensor.to_local()`), `shapes`: name -> the whole tensor's shape, `cfg`: the run's
+    [outer], `max_packet_bytes`: its exchange.max_packet_bytes.
     """
 
     def __init__(
         self,
         params: Mapping[str, torch.Tensor],
         shapes: Mapping[str, tuple[int, ...]],
-        cfg: OuterConfig,
+        cfg: OuterSection,
         *,
+        max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES,
         group: dist.ProcessGroup | None = None,
     ):
         if cfg.strategy != "sparseloco" or cfg.overlap:
             raise ValueError("a multi-rank node runs the sparseloco strategy without overlap")
         self.cfg, self.group = cfg, group
+        self.max_packet_bytes = max_packet_bytes
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.spec = ModelSpec({name: tuple(shapes[name]) for name in sorted(shapes)}, cfg.top_k, cfg.chunk_size)
         self.params = {name: params[name] for name in self.spec.shapes}
@@ -192,7 +198,7 @@ class ShardedSparseLoCo:
         buffer, layout, local = self.error_buffers[shard.name], shard.layout, shard.local
         if self.cfg.error_decay != 1.0:
             buffer.mul_(self.cfg.error_decay)
-        buffer.add_(delta, alpha=self.cfg.outer_lr)
+        buffer.add_(delta, alpha=self.cfg.lr)
         chunks = to_chunks(buffer, local)  # (local chunks, chunk_len)
         positions, selected = select_topk(chunks, layout.k)  # (local chunks, k) each
         chunk_counts = [count for _, count in (_chunk_span(shard, r) for r in range(self.world_size))]
@@ -238,7 +244,7 @@ class ShardedSparseLoCo:
                     full.reshape(shard.layout.shape),
                     shard.layout,
                     self.cfg.error_decay,
-                    self.cfg.outer_lr,
+                    self.cfg.lr,
                 )
             except ValueError:
                 ok.zero_()
@@ -249,7 +255,7 @@ class ShardedSparseLoCo:
 
     def return_unsent(self, payload: bytes, public_key: bytes, *, peer_id: str, run_id: str, round: int) -> None:
         """Add this node's own packet's values back into the error buffers' rows, when the swarm did
-        not apply it (node.training.outer.OuterStep.return_unsent has the contract). Every rank
+        not apply it (node.training.base.OuterStep.return_unsent has the contract). Every rank
         decodes the whole packet, as `prepare` does, and adds the values of its own chunks (aligned
         tensors) or, on rank 0, of the whole tensor (the rest): each rank's rows end as a 1-rank
         node's buffer would. No collective runs: a packet that does not decode raises the same
@@ -260,7 +266,7 @@ class ShardedSparseLoCo:
             public_key,
             run_id=run_id,
             round=round,
-            max_bytes=self.cfg.max_packet_bytes,
+            max_bytes=self.max_packet_bytes,
             max_abs_value=self.cfg.max_abs_value,
         )
         if packet.peer_id != peer_id:
@@ -298,7 +304,7 @@ class ShardedSparseLoCo:
                     public_keys[peer_id],
                     run_id=run_id,
                     round=round,
-                    max_bytes=self.cfg.max_packet_bytes,
+                    max_bytes=self.max_packet_bytes,
                     max_abs_value=self.cfg.max_abs_value,
                 )
                 if packet.peer_id != peer_id:
@@ -328,17 +334,15 @@ class ShardedSparseLoCo:
                     for s in selections
                 ]
                 aggregate = (
-                    scatter_mean(mine, device=device, divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales)
+                    scatter_mean(mine, device=device, peer_scales=scales)
                     if count
                     else torch.zeros_like(self.start[name])
                 )
             else:  # the whole tensor, then this rank's rows
                 start, end = shard.rows[self.rank]
-                aggregate = scatter_mean(
-                    selections, device=device, divide_by_peers=self.cfg.divide_by_peers, peer_scales=scales
-                )[start:end].contiguous()
-            if self.cfg.outer_lr != 1.0:
-                aggregate = aggregate * self.cfg.outer_lr
+                aggregate = scatter_mean(selections, device=device, peer_scales=scales)[start:end].contiguous()
+            if self.cfg.lr != 1.0:
+                aggregate = aggregate * self.cfg.lr
             aggregates[name] = aggregate
         return Prepared(result, aggregates)
 

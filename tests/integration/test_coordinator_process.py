@@ -77,7 +77,7 @@ def test_sigkill_and_restart_lose_nothing(start_coordinator, tmp_path):
 
 
 def test_deadline_that_passed_while_down_gets_the_restart_grace(start_coordinator, tmp_path):
-    """The restart grace (coordinator.service): the open round is not closed empty at the first
+    """The restart grace (coordinator/rules/rounds.py): the open round is not closed empty at the first
     tick; its deadline moves to the restart plus the heartbeat timeout, and the peer submits."""
     db_path = tmp_path / "coordinator.db"
     first = start_coordinator(db_path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.errors import StorageError
-from coordinator.schema import LATEST_VERSION
+from coordinator.rules import standing
 from coordinator.service import CoordinatorService
 from coordinator.storage import (
     AppliedRow,
@@ -18,10 +18,12 @@ from coordinator.storage import (
     PeerRow,
     RoundRow,
     RunRow,
-    SqliteStorage,
+    SqliteDatabase,
+    Storage,
     SubmissionRow,
     open_storage,
 )
+from coordinator.storage.schema import LATEST_VERSION
 from protocol.http import JoinRequest, SubmitRequest
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
@@ -40,13 +42,19 @@ def a_peer(peer_id: str, index: int, run_id: str = "run-1") -> PeerRow:
     )
 
 
+def expected_and_missing(storage: Storage, round_index: int) -> tuple[int, int]:
+    """How many live peers round r waits for (window 1, min_peers 1), and how many of them have not submitted."""
+    waited = standing.waited_for(storage, "run-1", round_index, window_rounds=1, min_contributors=1)
+    return len(waited), sum(not submitted for submitted in waited.values())
+
+
 def test_migrations_apply_once(storage_url):
     storage = open_storage(storage_url)
-    assert storage.schema_version() == LATEST_VERSION
+    assert storage.db.schema_version() == LATEST_VERSION
     storage.insert_run(a_run())
     storage.close()
     again = open_storage(storage_url)  # reopening migrates nothing and keeps the rows
-    assert again.schema_version() == LATEST_VERSION
+    assert again.db.schema_version() == LATEST_VERSION
     assert again.get_run("run-1").state == "waiting"
     again.close()
 
@@ -93,10 +101,10 @@ def test_submissions_stats_and_expected(storage_url):
         storage.insert_peer(a_peer(peer_id, index))
     storage.update_peer("run-1", "pc", member_since_round=1)
     storage.insert_round(RoundRow("run-1", 0, 0.0, 30.0, None, None))
-    assert storage.expected_and_missing("run-1", 0) == (2, 2)
+    assert expected_and_missing(storage, 0) == (2, 2)
     for peer_id, loss in [("pb", 3.0), ("pa", 2.0)]:
         storage.insert_submission(SubmissionRow("run-1", 0, peer_id, "ab" * 32, 100, loss, 1.0, 0.1, "[]", 5.0))
-    assert storage.expected_and_missing("run-1", 0) == (2, 0)
+    assert expected_and_missing(storage, 0) == (2, 0)
     assert [s.peer_id for s in storage.list_submissions("run-1", 0)] == ["pa", "pb"]
     assert storage.count_submissions("run-1", 0) == 2
     stats = storage.round_stats("run-1", 0, 0)[0]
@@ -106,13 +114,13 @@ def test_submissions_stats_and_expected(storage_url):
     storage.close()
 
 
-def test_applied_upsert_latest_and_nonces(storage_url):
+def test_applied_reports_latest_and_nonces(storage_url):
     storage = open_storage(storage_url)
     storage.insert_run(a_run())
-    storage.upsert_applied(AppliedRow("run-1", 0, "pa", "11" * 16, 1.0))
-    storage.upsert_applied(AppliedRow("run-1", 0, "pa", "22" * 16, 2.0))
-    storage.upsert_applied(AppliedRow("run-1", 1, "pa", "33" * 16, 3.0))
-    storage.upsert_applied(AppliedRow("run-1", 0, "pb", "22" * 16, 4.0))
+    assert storage.add_applied(AppliedRow("run-1", 0, "pa", "22" * 16, 2.0)) is True
+    assert storage.add_applied(AppliedRow("run-1", 0, "pa", "11" * 16, 1.0)) is False, "reports are immutable"
+    storage.add_applied(AppliedRow("run-1", 1, "pa", "33" * 16, 3.0))
+    storage.add_applied(AppliedRow("run-1", 0, "pb", "22" * 16, 4.0))
     assert [a.params_digest for a in storage.list_applied("run-1", 0)] == ["22" * 16] * 2
     latest = storage.latest_applied_by_peer("run-1")
     assert (latest["pa"].round, latest["pb"].round) == (1, 0)
@@ -154,9 +162,9 @@ def test_missing_reports_dropped_entries_and_versions(storage_url):
     ]
     assert storage.get_round("run-1", 0).manifest_version == 2
     storage.insert_round(RoundRow("run-1", 1, 6.0, 36.0, None, None))
-    assert storage.expected_and_missing("run-1", 1) == (2, 2), "a withholding peer is not expected"
-    storage.upsert_applied(AppliedRow("run-1", 0, "pa", "11" * 16, 11.0, None, 2))
-    storage.upsert_applied(AppliedRow("run-1", 0, "pw", "22" * 16, 12.0))
+    assert expected_and_missing(storage, 1) == (2, 2), "a withholding peer is not expected"
+    storage.add_applied(AppliedRow("run-1", 0, "pa", "11" * 16, 11.0, None, 2))
+    storage.add_applied(AppliedRow("run-1", 0, "pw", "22" * 16, 12.0))
     assert {a.peer_id: a.manifest_version for a in storage.list_applied("run-1", 0)} == {"pa": 2, "pw": 1}
     storage.close()
 
@@ -190,10 +198,10 @@ def test_unopenable_databases_raise_storage_error(tmp_path):
         open_storage("sqlite://:memory:")
     with pytest.raises(StorageError, match="PostgreSQL"):
         open_storage("postgresql://nobody@/nodb?host=/nonexistent-socket-dir&connect_timeout=2")
-    assert isinstance(open_storage(f"sqlite:///{tmp_path}/c.db"), SqliteStorage)
+    assert isinstance(open_storage(f"sqlite:///{tmp_path}/c.db").db, SqliteDatabase)
 
 
 def test_sqlite_uses_wal(tmp_path):
     storage = open_storage(f"sqlite:///{tmp_path}/c.db")
-    assert storage._rows("PRAGMA journal_mode")[0]["journal_mode"] == "wal"
+    assert storage.db.rows("PRAGMA journal_mode")[0]["journal_mode"] == "wal"
     storage.close()

@@ -98,16 +98,16 @@ class PageLimit:
         self.storage = storage
 
     def start(self) -> None:
-        with self.storage._lock:
+        with self.storage.db._lock:
             # Free pages (a migration that rebuilt a table leaves some) take writes without growing
             # the file: compact first, so that the next write needing a page fails.
-            self.storage._conn.execute("VACUUM")
-            pages = self.storage._conn.execute("PRAGMA page_count").fetchone()[0]
-            self.storage._conn.execute(f"PRAGMA max_page_count = {pages}")
+            self.storage.db._conn.execute("VACUUM")
+            pages = self.storage.db._conn.execute("PRAGMA page_count").fetchone()[0]
+            self.storage.db._conn.execute(f"PRAGMA max_page_count = {pages}")
 
     def stop(self) -> None:
-        with self.storage._lock:
-            self.storage._conn.execute("PRAGMA max_page_count = 4294967294")
+        with self.storage.db._lock:
+            self.storage.db._conn.execute("PRAGMA max_page_count = 4294967294")
 
 
 class ReadOnly:
@@ -120,12 +120,12 @@ class ReadOnly:
         self.storage = storage
 
     def start(self) -> None:
-        with self.storage._lock:
-            self.storage._conn.execute("PRAGMA query_only = 1")
+        with self.storage.db._lock:
+            self.storage.db._conn.execute("PRAGMA query_only = 1")
 
     def stop(self) -> None:
-        with self.storage._lock:
-            self.storage._conn.execute("PRAGMA query_only = 0")
+        with self.storage.db._lock:
+            self.storage.db._conn.execute("PRAGMA query_only = 0")
 
 
 @pytest.fixture
@@ -224,6 +224,7 @@ def test_an_outage_longer_than_the_timeouts_gets_the_restart_grace(faulty_coordi
     assert (view["state"], view["deadline"]) == ("open", deadline), "reads answer what is committed"
     fault.stop()
     back_at = fake_clock()
+    client.app.state.service.tick()  # the coordinator's clock: its first transaction since the outage
     view = client.get(f"/v1/runs/{run_id}/rounds/0").json()
     assert (view["state"], view["deadline"]) == ("open", back_at + 20.0)
     peers = client.get(f"/v1/runs/{run_id}/status").json()["peers"]
@@ -276,10 +277,10 @@ def test_a_bug_is_not_a_storage_failure(tmp_path):
     storage = open_storage(f"sqlite:///{tmp_path / 'coordinator.db'}")
     try:
         with pytest.raises(sqlite3.OperationalError, match="no such table"):
-            storage._rows("SELECT * FROM no_such_table")
+            storage.db.rows("SELECT * FROM no_such_table")
         with pytest.raises(sqlite3.IntegrityError), storage.transaction():
             storage.add_nonce("pa", 1, 1.0)
-            storage._exec("INSERT INTO readiness_probe (id, probed_at) VALUES (0, 0)")
+            storage.db.execute("INSERT INTO readiness_probe (id, probed_at) VALUES (0, 0)")
         assert storage.add_nonce("pa", 1, 2.0), "the failed transaction was rolled back"
         assert storage.num_failures == 0
     finally:
@@ -304,7 +305,7 @@ def test_postgres_connection_lost_answers_503_then_reconnects(postgres_url, fake
                 run_id = create_run(client, {"membership.min_peers": 2})
                 peer = SignedPeer(client, clock=fake_clock)
                 assert peer.join(run_id).status_code == 200
-                admin.execute("SELECT pg_terminate_backend(%s)", (storage._conn.info.backend_pid,))
+                admin.execute("SELECT pg_terminate_backend(%s)", (storage.db._conn.info.backend_pid,))
                 lost = client.get("/v1/runs")
                 assert_storage_unavailable(lost, "")
                 assert [r["run_id"] for r in client.get("/v1/runs").json()["runs"]] == [run_id]

@@ -525,7 +525,9 @@ def _poison_sim(*, poisoned: bool, clip: bool, num_rounds: int = 5, num_peers: i
                 run_id="sim", round=r, peer_id=peer, base_digest=digest, key=keys[peer]
             )
         for training in trainings:
-            training.outer.apply(payloads, lambda p: keys[p].public_bytes, run_id="sim", round=r)
+            training.outer.commit(
+                training.outer.prepare(payloads, lambda p: keys[p].public_bytes, run_id="sim", round=r)
+            )
         digests = {param_digest(m) for m in models}
         assert len(digests) == 1, f"round {r}: peers diverged"
         digest = digests.pop()

@@ -21,8 +21,8 @@ import torch
 from node.config import NodeConfig
 from node.faults import FaultInjector
 from node.round.catchup import IDLE_MAX_S, catch_up
-from node.round.prefetch import Decoded
 from node.round.session import Session
+from node.round.state import RoundState
 from node.training.data import load_corpus
 from node.training.params import flat_named_params, param_digest
 from node.training.peer import PeerTraining
@@ -133,21 +133,21 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
             training=_training(run),
             rejoin=None,
             stopping=asyncio.Event(),
-            params_round=None,
+            state=RoundState(params_round=None),
         )
         await asyncio.sleep(0)  # the holder's snapshot is published
 
-        catching_up = asyncio.create_task(catch_up(s, Decoded()))
+        catching_up = asyncio.create_task(catch_up(s))
         await asyncio.sleep(STUCK_S)
         assert not catching_up.done()
         loads_while_stuck, polls_while_stuck = exchange.traffic(2).num_fetched, coordinator.num_status
-        assert s.params_round == 2 and s.digest == start_2
+        assert s.state.params_round == 2 and s.state.digest == start_2
         assert loads_while_stuck == 1, f"the snapshot of round 2 was loaded {loads_while_stuck} times in {STUCK_S} s"
         # Polls at 1, 2, 4 s intervals: the first pass, then about log2(STUCK_S) more.
         assert polls_while_stuck <= 4, f"{polls_while_stuck} status polls in {STUCK_S} s"
         # It is not silent: the gone author's entry was reported missing once, and its heartbeats say why it waits.
         assert coordinator.missing_reports == [(2, [GONE_PEER], False)]
-        assert s.activity.state == "stuck" and s.activity.detail.startswith(
+        assert s.state.activity.state == "stuck" and s.state.activity.detail.startswith(
             f"round 2: waiting for the packets of {GONE_PEER} (gone; reported missing"
         )
 
@@ -159,8 +159,9 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
         report = await asyncio.wait_for(catching_up, IDLE_MAX_S + 10.0)
         assert time.monotonic() - moved_at < IDLE_MAX_S + 5.0
         assert (report.to_round, report.method) == (3, "snapshot")
-        assert s.activity.detail is None
-        assert s.params_round == 3 and s.digest == start_3 == param_digest(flat_named_params(s.training.model))
+        assert s.state.activity.detail is None
+        params = flat_named_params(s.training.model)
+        assert s.state.params_round == 3 and s.state.digest == start_3 == param_digest(params)
         assert exchange.traffic(2).num_fetched == 1 and exchange.traffic(3).num_fetched == 1
         for task in list(s.background):
             await task

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 
 from node.round.catchup import packets_gone, replay
-from node.round.prefetch import Decoded
 from node.round.steps import CatchUpNeeded
 from protocol.http import ManifestEntry, RoundView
 from tests.doubles.memory_exchange import MemorySwarm
@@ -63,7 +62,7 @@ def test_replay_loads_a_snapshot_at_once_when_no_peer_holds_a_packet():
         assert await packets_gone(s, 1, view) == [PEER_B]
         started = time.monotonic()
         with pytest.raises(CatchUpNeeded, match=f"no peer holds the packets of {PEER_B}"):
-            await replay(s, 1, Decoded())
+            await replay(s, 1)
         assert time.monotonic() - started < 5.0, "no fetch time-out waited out"
 
     asyncio.run(main())

@@ -11,11 +11,12 @@ import torch
 
 import node.training.checkpoint as checkpoint_module
 from node.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from node.training.inner import InnerConfig, make_inner_optimizer, run_inner_steps
+from node.training.inner import make_inner_optimizer, run_inner_steps
 from node.training.model import build_model
 from node.training.params import flat_named_params, param_digest
+from protocol.run_config import InnerSection
 
-CFG = InnerConfig(warmup_steps=2, total_steps=10, batch_size=2, seq_len=16)
+CFG = InnerSection(warmup_steps=2, total_steps=10, batch_size=2, seq_len=16)
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

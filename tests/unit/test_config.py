@@ -254,11 +254,14 @@ def test_a_flat_node_config_loads_with_a_warning_per_moved_key(tmp_path, caplog)
         load_node_config(misspelt)
 
 
-# -- the builder ------------------------------------------------------------------------------------
+# -- the run's sections reach the training ----------------------------------------------------------
 
 
-def test_builder_maps_every_section_field():
-    from node.training.build import inner_config, outer_config
+def test_the_training_takes_the_run_sections_as_they_are():
+    from node.training.inner import lr_at, make_inner_optimizer
+    from node.training.model import build_model, model_config
+    from node.training.outer import make_outer
+    from node.training.params import flat_named_params
 
     run = RunConfig.model_validate(
         {
@@ -290,24 +293,11 @@ def test_builder_maps_every_section_field():
             "exchange": {"max_packet_bytes": 4096},
         }
     )
-    inner, outer = inner_config(run), outer_config(run)
-    assert (inner.lr, inner.betas, inner.weight_decay, inner.grad_clip) == (5e-4, (0.8, 0.9), 0.01, 0.5)
-    assert (inner.warmup_steps, inner.total_steps, inner.min_lr_ratio, inner.batch_size, inner.seq_len) == (
-        3,
-        30,
-        0.2,
-        2,
-        16,
-    )
-    assert (outer.strategy, outer.outer_lr, outer.outer_momentum, outer.nesterov) == ("diloco", 0.7, 0.9, True)
-    assert (
-        outer.top_k,
-        outer.chunk_size,
-        outer.error_decay,
-        outer.aggregation,
-        outer.max_abs_value,
-        outer.overlap,
-    ) == (8, 16, 0.5, "mean", 5.0, True)
-    assert outer.max_packet_bytes == 4096
+    model = build_model(model_config(run), run.model.seed)
+    group = make_inner_optimizer(model, run.inner).param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (lr_at(0, run.inner), (0.8, 0.9), 0.01)
+    assert lr_at(3, run.inner) == 5e-4 and lr_at(30, run.inner) == 0.2 * 5e-4
+    outer = make_outer(flat_named_params(model), run.outer, max_packet_bytes=run.exchange.max_packet_bytes)
+    assert type(outer).__name__ == "DiLoCoOuter" and outer.cfg is run.outer and outer.max_packet_bytes == 4096
     with pytest.raises(ValueError, match="ddp"):
-        outer_config(run.model_copy(update={"outer": run.outer.model_copy(update={"strategy": "ddp"})}))
+        make_outer(flat_named_params(model), run.outer.model_copy(update={"strategy": "ddp"}))

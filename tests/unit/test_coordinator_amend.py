@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.fixtures.coordinator import SignedPeer, create_run, error_of
-from tests.unit.test_coordinator_rounds import peers_for, round_of, start_parked
+from tests.unit.test_coordinator_rounds import peers_for, round_of, start_parked, tick
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -82,17 +82,20 @@ def test_a_single_report_drops_the_entry_after_the_grace(coordinator_client, fak
     run_id, (a, b, c, w) = closed_round(client, fake_clock)
     assert missing(a, run_id, 0, w).json()["pending"] == [w.peer_id]
     fake_clock.advance(GRACE_S - 1)
+    tick(client)
     assert round_of(client, run_id, 0)["manifest_version"] == 1
     for peer in (a, b, c, w):  # a round goes on while an earlier one waits for its amendment
         peer.submit(run_id, 1)
     assert round_of(client, run_id, 1)["state"] == "closed"
     fake_clock.advance(1)
-    view = round_of(client, run_id, 0)  # the read applies the due amendment
+    tick(client)  # the coordinator's clock applies the due amendment
+    view = round_of(client, run_id, 0)
     assert view["manifest_version"] == 2 and w.peer_id not in {e["peer_id"] for e in view["manifest"]}
     assert "reported missing by 1 peer(s)" in view["dropped"][w.peer_id]
     # Another entry reported later makes a third version; a round never moves back.
     assert missing(b, run_id, 0, c).json()["manifest_version"] == 2
     fake_clock.advance(GRACE_S)
+    tick(client)
     view = round_of(client, run_id, 0)
     assert view["manifest_version"] == 3 and sorted(view["dropped"]) == sorted([w.peer_id, c.peer_id])
     assert [e["peer_id"] for e in view["manifest"]] == sorted([a.peer_id, b.peer_id])
@@ -228,6 +231,7 @@ def test_no_drop_after_the_grace_when_another_peer_applied_the_round(coordinator
     missing(a, run_id, 0, w)
     missing(a, run_id, 0, c)
     fake_clock.advance(GRACE_S * 3)
+    tick(client)
     view = round_of(client, run_id, 0)
     assert view["manifest_version"] == 1 and view["dropped"] == {}
     assert missing(a, run_id, 0, w).json()["pending"] == sorted([w.peer_id, c.peer_id])
@@ -236,4 +240,5 @@ def test_no_drop_after_the_grace_when_another_peer_applied_the_round(coordinator
     applied(w, run_id, 0, "11" * 32)
     missing(a, run_id, 0, w)
     fake_clock.advance(GRACE_S)
+    tick(client)
     assert list(round_of(client, run_id, 0)["dropped"]) == [w.peer_id]

@@ -305,6 +305,7 @@ def test_round_summaries_count_tokens_and_packet_bytes(coordinator_client, fake_
     second.submit(run_id, 0, packet_size_bytes=3000)  # the last expected packet closes round 0
     first.submit(run_id, 1, packet_size_bytes=500)
     fake_clock.advance(31.0)  # round 1 closes at its deadline with one packet
+    client.app.state.service.tick()  # the coordinator's own clock (these apps run no background tick)
     history = client.get(f"/v1/runs/{run_id}/status").json()["history"]
     assert [(h["round"], h["tokens"], h["packet_bytes"]) for h in history][:2] == [
         (0, 2 * 10 * 4 * 64, 4000),

@@ -83,7 +83,7 @@ def test_healthz_answers_while_the_database_is_busy(served):
         run_id = create_run(client, {"membership.min_peers": 1})
         peer = SignedPeer(peer_client)
         assert peer.join(run_id).status_code == 200
-        with storage._lock:  # the database thread now waits on its next statement
+        with storage.db._lock:  # the database thread now waits on its next statement
             parked_status = pool.submit(httpx.get, f"{server.url}/v1/runs/{run_id}/status", timeout=30)
             parked_heartbeat = pool.submit(lambda: peer.heartbeat(run_id, 0))
             for _ in range(20):  # the event loop is free: liveness answers, again and again
@@ -102,7 +102,7 @@ def test_heartbeats_do_not_wait_behind_a_status_read(served):
         assert peer.join(run_id).status_code == 200
         status = f"{server.url}/v1/runs/{run_id}/status"
         assert httpx.get(status).status_code == 200  # the read side's replica is open now
-        with app.state.read.storage._lock:  # the read thread now waits on its next statement
+        with app.state.read.storage.db._lock:  # the read thread now waits on its next statement
             parked_status = pool.submit(httpx.get, status, timeout=30)
             for round_index in range(5):
                 assert peer.heartbeat(run_id, round_index).status_code == 200

@@ -1,5 +1,5 @@
-"""Entries nobody can serve leave a closed round's manifest at once (coordinator/service.py, "Amended
-manifests"): an author that restarted without its packet says so (`lost_own`), an author that is not
+"""Entries nobody can serve leave a closed round's manifest at once (coordinator/rules/amendments.py,
+"Amended manifests"): an author that restarted without its packet says so (`lost_own`), an author that is not
 live cannot serve it; either is dropped unless a live peer that applied the round holds a copy. A
 round whose manifest is (or becomes) empty takes its start's agreed digest. Peers say what they
 are stuck on in their heartbeats and the status shows it. In-process, fake clock, real SQLite."""
@@ -12,12 +12,12 @@ from contextlib import closing
 import pytest
 
 from coordinator import recovery
-from coordinator.schema import CREATE_MIGRATIONS_TABLE, MIGRATIONS
 from coordinator.storage import open_storage
+from coordinator.storage.schema import CREATE_MIGRATIONS_TABLE, MIGRATIONS
 from coordinator.terminal import render_status
 from protocol.http import MISSING_REPORT_ROUNDS
 from tests.fixtures.coordinator import SignedPeer, create_run, error_of
-from tests.unit.test_coordinator_rounds import peers_for, round_of
+from tests.unit.test_coordinator_rounds import peers_for, round_of, tick
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,6 +55,7 @@ def everyone_gone(client, fake_clock, run_id: str, peers: list[SignedPeer]) -> N
     """The whole swarm killed: silent past the heartbeat timeout, so the coordinator marks every
     peer gone and pauses the run (coordinator/recovery.py)."""
     fake_clock.advance(HEARTBEAT_TIMEOUT_S + 1)
+    tick(client)
     status = status_of(client, run_id)
     assert {p["peer_id"]: p["status"] for p in status["peers"]} == {p.peer_id: "gone" for p in peers}
     assert status["recovery"] is not None
@@ -79,6 +80,7 @@ def round_1_closed_with_a_and_b(client, fake_clock, heartbeat_timeout_s: float =
     assert round_of(client, run_id, 0)["agreed_digest"] == D0
     assert a.submit(run_id, 1).status_code == 200 and b.submit(run_id, 1).status_code == 200
     fake_clock.advance(DEADLINE_S + 1)
+    tick(client)
     view = round_of(client, run_id, 1)
     assert view["state"] == "closed" and [e["peer_id"] for e in view["manifest"]] == sorted([a.peer_id, b.peer_id])
     return run_id, a, b, c
@@ -159,6 +161,7 @@ def test_a_swarm_marked_gone_comes_back_without_its_packets_and_resumes(coordina
     assert paused["needed_digest"] == D0
     assert paused["last_holders"] == sorted(p.peer_id for p in (a, b, c)), "round 0's appliers hold round 2's start"
     assert applied_version(a, run_id, 1, D0, 3).status_code == 200  # a replays the empty round 1
+    tick(client)  # the coordinator's clock resumes the run: a holds round 2's start
     status = status_of(client, run_id)
     assert status["recovery"] is None and status["rewinds"] == []
     assert status["current_round"]["round"] == 2 and status["current_round"]["state"] == "open"
@@ -193,6 +196,7 @@ def test_a_gone_authors_entry_is_dropped_at_once_unless_an_applier_serves_it(coo
         and b.submit(run_id, 2).status_code == 200
     )
     fake_clock.advance(DEADLINE_S + 1)
+    tick(client)
     assert round_of(client, run_id, 2)["state"] == "closed"
     assert b.post(f"/v1/runs/{run_id}/leave", {"reason": "power cut"}).status_code == 200
     dropped = report_missing(c, run_id, 2, b).json()
@@ -227,9 +231,9 @@ def test_empty_rounds_take_their_starts_agreed_digest_when_it_comes(coordinator_
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
     for peer in (a, b, c):  # alive, training nothing
         peer.heartbeat(run_id, 2)
-    for _ in range(2):  # rounds 2 and 3: nobody submitted; each closed at its deadline (at the next read)
+    for _ in range(2):  # rounds 2 and 3: nobody submitted; each closed at its deadline (at the next tick)
         fake_clock.advance(DEADLINE_S + 1)
-        status_of(client, run_id)
+        tick(client)
     history = history_of(client, run_id)
     assert history[2]["num_contributors"] == 0 and history[3]["num_contributors"] == 0
     assert history[1]["agreed_digest"] is None
@@ -261,6 +265,7 @@ def test_an_empty_round_after_an_agreed_one_is_agreed_when_it_closes(coordinator
     for peer in (a, b):
         assert peer.applied(run_id, 0, D0).status_code == 200
     fake_clock.advance(DEADLINE_S + 1)  # round 1 closes empty, its start already agreed
+    tick(client)
     view = round_of(client, run_id, 1)
     assert view["state"] == "closed" and view["manifest"] == []
     assert view["agreed_digest"] == D0 and view["majority_digest"] == D0
@@ -286,6 +291,7 @@ def test_an_empty_round_0_has_no_agreed_digest(coordinator_client, fake_clock):
     for peer in (a, b):
         peer.heartbeat(run_id, 1)
     fake_clock.advance(DEADLINE_S + 1)
+    tick(client)
     history = history_of(client, run_id)
     assert [history[r]["num_contributors"] for r in (0, 1)] == [0, 0]
     assert [history[r]["agreed_digest"] for r in (0, 1)] == [None, None]
@@ -364,7 +370,7 @@ def test_a_database_from_before_detail_gains_the_column(tmp_path):
         )
     storage = open_storage(f"sqlite:///{db_path}")
     try:
-        assert storage.schema_version() == MIGRATIONS[-1][0]
+        assert storage.db.schema_version() == MIGRATIONS[-1][0]
         (peer,) = storage.list_peers("run-old")
         assert peer.activity == "stuck" and peer.detail is None
     finally:
@@ -380,7 +386,7 @@ def test_a_round_nobody_got_past_takes_reports_however_old(coordinator_client, f
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock, heartbeat_timeout_s=3600.0)
     for _ in range(MISSING_REPORT_ROUNDS + 2):
         fake_clock.advance(DEADLINE_S + 1)
-        status_of(client, run_id)  # each read closes the round past its deadline
+        tick(client)  # the coordinator's clock closes the round past its deadline
     history = history_of(client, run_id)
     assert max(history) >= 1 + MISSING_REPORT_ROUNDS + 1 and all(
         h["agreed_digest"] is None for r, h in history.items() if r >= 1

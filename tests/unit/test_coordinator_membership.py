@@ -1,5 +1,5 @@
 """Membership that cannot be stalled or flooded, on the service with a fake clock and over HTTP in
-process (coordinator/service.py, "Standing" and "Joining"): probation, who a round waits for, K
+process (coordinator/rules/standing.py and membership.py): probation, who a round waits for, K
 missed rounds, per-address and per-run join rate limits with Retry-After, and the join proof of
 work; the node's client honours Retry-After and solves the proof."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.fixtures.coordinator import SignedPeer, coordinator_on, create_run, error_of
+from tests.unit.test_coordinator_rounds import tick
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,6 +59,7 @@ def swarm(tmp_path, fake_clock):
 def test_a_run_without_peers_pauses_instead_of_closing_empty_rounds(swarm, fake_clock):
     client, _, run_id, peers = swarm
     fake_clock.advance(TIMEOUT_S + 1)
+    tick(client)
     paused_at = fake_clock()
     body = status(client, run_id)
     assert {p["status"] for p in body["peers"]} == {"gone"}
@@ -65,6 +67,7 @@ def test_a_run_without_peers_pauses_instead_of_closing_empty_rounds(swarm, fake_
     assert body["recovery"]["needed_digest"] == digest(4)
     assert sorted(body["recovery"]["last_holders"]) == sorted(p.peer_id for p in peers)
     fake_clock.advance(3600)  # far past the round's 30 s deadline
+    tick(client)
     body = status(client, run_id)
     assert body["run"]["state"] == "running" and body["current_round"]["round"] == 4
     assert [h["round"] for h in body["history"]] == [0, 1, 2, 3], "no empty round was closed"
@@ -74,7 +77,8 @@ def test_a_run_without_peers_pauses_instead_of_closing_empty_rounds(swarm, fake_
 def test_a_peer_holding_the_open_rounds_start_resumes_the_run_at_once(swarm, fake_clock):
     client, _, run_id, peers = swarm
     fake_clock.advance(TIMEOUT_S + 3600)
-    status(client, run_id)  # paused
+    tick(client)  # paused
+    status(client, run_id)
     assert peers[0].join(run_id, state_round=4, state_digest=digest(4)).status_code == 200
     body = status(client, run_id)
     assert body["recovery"] is None and body["rewinds"] == []
@@ -92,6 +96,7 @@ def test_a_peer_holding_the_open_rounds_start_resumes_the_run_at_once(swarm, fak
 def test_the_run_waits_for_the_newest_state_then_goes_back_to_the_newest_held(swarm, fake_clock):
     client, storage, run_id, peers = swarm
     fake_clock.advance(TIMEOUT_S + 100)
+    tick(client)
     status(client, run_id)
     # Two return: one holds round 2's start, one round 3's (agreed); none holds round 4's.
     assert peers[0].join(run_id, state_round=2, state_digest=digest(2)).status_code == 200
@@ -110,9 +115,11 @@ def test_the_run_waits_for_the_newest_state_then_goes_back_to_the_newest_held(sw
         for peer in peers[:2]:
             assert peer.heartbeat(run_id, 4, state="catching_up").status_code == 200
     fake_clock.advance(4)
+    tick(client)
     assert status(client, run_id)["current_round"]["round"] == 4, "still waiting for round 4's start"
 
     fake_clock.advance(1)
+    tick(client)
     body = status(client, run_id)
     assert body["recovery"] is None
     # Expected: the holder, and the peer with round 2's agreed start (it replays round 2 first).
@@ -133,6 +140,7 @@ def test_the_run_waits_for_the_newest_state_then_goes_back_to_the_newest_held(sw
 def test_a_state_nobody_agreed_is_not_trusted_and_nothing_agreed_is_dropped(swarm, fake_clock):
     client, _, run_id, peers = swarm
     fake_clock.advance(TIMEOUT_S + 100)
+    tick(client)
     status(client, run_id)
     assert peers[0].join(run_id, state_round=4, state_digest=digest(99)).status_code == 200  # not agreed
     assert peers[1].join(run_id).status_code == 200  # a fresh disk
@@ -160,6 +168,7 @@ def test_a_paused_run_survives_a_coordinator_restart(tmp_path, fake_clock):
             assert peer.join(run_id).status_code == 200
         play_rounds(client, run_id, peers, range(2))
         fake_clock.advance(TIMEOUT_S + 1)
+        tick(client)
         paused_since = status(client, run_id)["recovery"]["paused_since"]
     fake_clock.advance(7200)
     with coordinator_on(db_path, fake_clock) as (client, _):
@@ -180,12 +189,14 @@ def test_peers_back_with_an_older_checkpoint_resume_by_replaying_the_closed_roun
     round 4 at once, and never rewinds past the agreed round 3."""
     client, _, run_id, peers = swarm
     fake_clock.advance(TIMEOUT_S + 1)
+    tick(client)
     assert status(client, run_id)["recovery"] is not None
     for peer in peers:
         assert peer.join(run_id, state_round=3, state_digest=digest(3)).status_code == 200
     body = status(client, run_id)
     assert body["recovery"]["newest_held_round"] == 3, "held: round 3's start, not the open round 4's"
     assert peers[0].applied(run_id, 3, digest(4)).status_code == 200  # the same report again: a retry
+    tick(client)  # the coordinator's clock resumes the run: peers[0] holds round 4's start
     body = status(client, run_id)
     assert body["recovery"] is None and body["current_round"]["round"] == 4 and body["rewinds"] == []
     assert [h["agreed_digest"] for h in body["history"]] == [digest(r + 1) for r in range(4)]
@@ -198,4 +209,5 @@ def test_peers_back_with_an_older_checkpoint_resume_by_replaying_the_closed_roun
         assert peer.submit(run_id, 4).status_code == 200
     assert status(client, run_id)["history"][4]["num_contributors"] == 3
     fake_clock.advance(WAIT_S + 1)
+    tick(client)
     assert status(client, run_id)["rewinds"] == []

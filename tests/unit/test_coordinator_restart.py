@@ -1,5 +1,5 @@
 """A coordinator restarted on its database after an outage, with a fake clock: the restart grace
-(coordinator.service, "Restart grace"). Nobody is marked gone for silence, and no open round closes,
+(coordinator/rules/rounds.py, "Restart grace"). Nobody is marked gone for silence, and no open round closes,
 until the heartbeat timeout has passed again since the restart; then only the silent are gone."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.fixtures.coordinator import SignedPeer, coordinator_on, create_run
+from tests.unit.test_coordinator_rounds import tick
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,12 +56,14 @@ def test_restart_after_ten_timeouts_keeps_peers_live_until_the_timeout_passes_ag
         assert round_of(client, run_id, 0)["manifest"] == manifest_0
 
         fake_clock.advance(TIMEOUT_S - 1.0)  # just inside the grace
+        tick(client)
         assert statuses(client, run_id) == {a.peer_id: "live", b.peer_id: "live", c.peer_id: "live"}
         assert a.heartbeat(run_id, 1).status_code == 200
         assert b.submit(run_id, 1).status_code == 200, "not late: the round got the grace"
         assert round_of(client, run_id, 1)["state"] == "open", "c is still expected"
 
         fake_clock.advance(1.5)  # past the grace: the timeout has passed since the restart
+        tick(client)
         peers = {p["peer_id"]: p for p in client.get(f"/v1/runs/{run_id}/status").json()["peers"]}
         assert {p: v["status"] for p, v in peers.items()} == {a.peer_id: "live", b.peer_id: "live", c.peer_id: "gone"}
         assert peers[c.peer_id]["reason"] == "no heartbeat for 20 s since the coordinator resumed (timeout 20 s)"
@@ -116,6 +119,7 @@ def test_a_returning_peer_holding_the_open_rounds_start_is_expected_at_once(tmp_
         for peer in (a, b):
             assert peer.applied(run_id, 0, agreed).status_code == 200
         fake_clock.advance(TIMEOUT_S + 1.0)
+        tick(client)
         assert statuses(client, run_id) == {a.peer_id: "gone", b.peer_id: "gone"}
         assert a.join(run_id, state_round=1, state_digest=agreed).status_code == 200
         assert b.join(run_id, state_round=1, state_digest="cd" * 32).status_code == 200

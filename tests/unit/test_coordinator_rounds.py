@@ -34,6 +34,12 @@ def round_of(client, run_id, round_index, wait_s=0.0):
     return response.json()
 
 
+def tick(client) -> None:
+    """The coordinator's own clock, once: deadlines and time-outs at the fake clock's time (these
+    apps run no background tick, and reads never apply the rules)."""
+    client.app.state.service.tick()
+
+
 def start_parked(client, long_poll) -> threading.Thread:
     """Run `long_poll` in a thread and return once its request is parked on the run's event."""
     waiter = threading.Thread(target=long_poll)
@@ -83,6 +89,7 @@ def test_deadline_close_and_refusal_codes(coordinator_client, fake_clock):
     assert error_of(b.submit(run_id, 1)) == "future_round"
     assert b.submit(run_id, 0).status_code == 200
     fake_clock.advance(30.0)  # c never submits: the deadline closes the round without it
+    tick(client)
     closed = round_of(client, run_id, 0)
     assert closed["state"] == "closed"
     assert [e["peer_id"] for e in closed["manifest"]] == sorted([a.peer_id, b.peer_id])
@@ -118,6 +125,7 @@ def test_empty_rounds_close_at_deadline_and_max_rounds_finishes(coordinator_clie
     run_id = create_run(client, {"membership.min_peers": 1, "max_rounds": 2, "membership.heartbeat_timeout_s": 300.0})
     (peer,) = peers_for(client, fake_clock, run_id, 1)
     fake_clock.advance(31.0)
+    tick(client)
     empty = round_of(client, run_id, 0)
     assert empty["state"] == "closed" and empty["manifest"] == []
     assert round_of(client, run_id, 1)["state"] == "open"
@@ -190,6 +198,7 @@ def test_silent_peers_become_gone_and_do_not_block(coordinator_client, fake_cloc
     fake_clock.advance(15.0)
     assert a.heartbeat(run_id, 0).json()["current_round"] == 0
     fake_clock.advance(10.0)  # b silent for 25 s
+    tick(client)
     peers = {p["peer_id"]: p for p in client.get(f"/v1/runs/{run_id}/status").json()["peers"]}
     assert peers[a.peer_id]["status"] == "live"
     assert peers[b.peer_id]["status"] == "gone"

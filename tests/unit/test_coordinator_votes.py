@@ -1,4 +1,4 @@
-"""Agreed digests on the service, with a fake clock (coordinator/service.py, "Agreed digests"): only
+"""Agreed digests on the service, with a fake clock (coordinator/rules/votes.py, "Agreed digests"): only
 the contributors of a round vote on its digest, one immutable report each per manifest version; a
 lone vote is provisional; an agreed digest is never rewritten (only an amendment starts a new vote);
 what trusts a digest (the join's parameter source, flags) trusts the agreed one."""
@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from coordinator import errors
-from coordinator.service import CoordinatorService, tally
+from coordinator.rules.votes import tally
+from coordinator.service import CoordinatorService
 from coordinator.storage import open_storage
 from protocol.digest import CHUNK_BYTES
 from protocol.http import (
@@ -74,7 +75,7 @@ class Coordinator:
         )
 
     def round(self, run_id: str, round_index: int):
-        self.service.advance(run_id)  # as the routes do before a read
+        self.service.advance(run_id)  # the coordinator's clock, as its tick would have run before a read
         return self.service.views.round_view(run_id, round_index)
 
     def status(self, run_id: str):

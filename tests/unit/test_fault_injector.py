@@ -15,11 +15,12 @@ import torch
 from node.faults import Fault, FaultInjector, FaultSpecError, Phase, made_up_tree, parse_fault
 from node.round.coordinator_client import wire_tree
 from node.training.model import build_model
-from node.training.outer import OuterConfig, make_outer
+from node.training.outer import make_outer
 from node.training.params import flat_named_params, param_digest, param_tree
 from protocol import errors
 from protocol.http import AppliedRequest, AppliedResponse
 from protocol.packet import decode_packet
+from protocol.run_config import OuterSection
 from protocol.signing import PeerKey
 from tests.fixtures.coordinator import REPO_ROOT, SignedPeer, create_run
 from tests.unit.test_round_loop import digests_by_round, in_swarm, run_all
@@ -86,7 +87,7 @@ def test_slow_compute_idles_up_to_its_floor_and_reports_the_whole():
 
 def _outer(seed=0):
     model = build_model("tiny", seed)
-    return model, make_outer(flat_named_params(model), OuterConfig(strategy="sparseloco"))
+    return model, make_outer(flat_named_params(model), OuterSection(strategy="sparseloco"))
 
 
 def _train_a_little(model, seed=1):
@@ -176,7 +177,7 @@ def test_corrupt_packet_is_refused_at_the_signature_by_any_decoder():
     assert len(corrupted) == len(payload) and corrupted != payload
     with pytest.raises(errors.BadSignature):
         decode_packet(corrupted, outer.spec, key.public_bytes, run_id="r", round=1)
-    result = outer.apply({"p0": corrupted}, lambda _: key.public_bytes, run_id="r", round=1)
+    result = outer.commit(outer.prepare({"p0": corrupted}, lambda _: key.public_bytes, run_id="r", round=1))
     assert result.accepted == [] and result.refused["p0"].startswith("BadSignature")
 
 
@@ -350,16 +351,16 @@ def test_a_round_with_no_usable_packet_leaves_every_peer_at_the_global_model(str
     digests = set()
     for seed in (1, 2):  # two peers that trained differently
         model = build_model("tiny", 0)
-        outer = make_outer(flat_named_params(model), OuterConfig(strategy=strategy))
+        outer = make_outer(flat_named_params(model), OuterSection(strategy=strategy))
         start = param_digest(model)
         outer.begin_round()
         _train_a_little(model, seed)
         payload = outer.make_payload(run_id="r", round=0, peer_id="p0", base_digest=start, key=key)
-        assert outer.apply({}, lambda _: key.public_bytes, run_id="r", round=0).accepted == []
+        assert outer.commit(outer.prepare({}, lambda _: key.public_bytes, run_id="r", round=0)).accepted == []
         assert param_digest(model) == start
         _train_a_little(model, seed)
         truncated = payload[: len(payload) // 2]  # refused by both strategies (DiLoCo payloads are unsigned)
-        result = outer.apply({"p0": truncated}, lambda _: key.public_bytes, run_id="r", round=0)
+        result = outer.commit(outer.prepare({"p0": truncated}, lambda _: key.public_bytes, run_id="r", round=0))
         assert result.accepted == [] and "p0" in result.refused
         digests.add(param_digest(model))
     assert digests == {start}

@@ -22,7 +22,6 @@ WORLD = 2
 def _check(rank: int) -> None:
     from torch.distributed.tensor import DTensor
 
-    from node.training.build import outer_config
     from node.training.distributed import RankState, broadcast_message, execute
     from node.training.outer import SparseLoCoOuter
     from node.training.params import flat_named_params
@@ -63,7 +62,11 @@ def _check(rank: int) -> None:
     key = PeerKey.from_seed(b"ranks")
     args = {"run_id": "run", "round": 0, "peer_id": "node", "base_digest": "00" * 32}
     packet = execute(state, "encode", args, key=key if rank == 0 else None)
-    reference = SparseLoCoOuter({n: torch.nn.Parameter(t.clone()) for n, t in before.items()}, outer_config(run))
+    reference = SparseLoCoOuter(
+        {n: torch.nn.Parameter(t.clone()) for n, t in before.items()},
+        run.outer,
+        max_packet_bytes=run.exchange.max_packet_bytes,
+    )
     with torch.no_grad():
         for name, p in reference.params.items():
             p.copy_(after[name])
@@ -72,7 +75,7 @@ def _check(rank: int) -> None:
     payloads, keys = {"node": expected}, {"node": key.public_bytes}
     execute(state, "prepare", {"payloads": payloads, "public_keys": keys, "run_id": "run", "round": 0, "token": 7})
     execute(state, "commit", {"token": 7})
-    reference.apply(payloads, keys.__getitem__, run_id="run", round=0)
+    reference.commit(reference.prepare(payloads, keys.__getitem__, run_id="run", round=0))
     for name, p in params.items():
         assert torch.equal(p.full_tensor(), reference.params[name].detach()), f"{name}: the model missed the step"
     # An evaluation leaves no gathered copy of a parameter behind, for the next outer step to miss.

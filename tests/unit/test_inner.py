@@ -12,7 +12,6 @@ import torch
 from node.training.data import load_corpus
 from node.training.inner import (
     ExecutionConfig,
-    InnerConfig,
     accumulate_gradients,
     lr_at,
     make_inner_optimizer,
@@ -20,12 +19,13 @@ from node.training.inner import (
     run_inner_steps,
 )
 from node.training.model import build_model
+from protocol.run_config import InnerSection
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_lr_schedule_endpoints_exact():
-    cfg = InnerConfig(warmup_steps=10, total_steps=110, batch_size=1, seq_len=8)
+    cfg = InnerSection(warmup_steps=10, total_steps=110, batch_size=1, seq_len=8)
     assert lr_at(0, cfg) == 0.1 * 1e-3
     assert lr_at(5, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
     assert lr_at(10, cfg) == 1e-3
@@ -39,26 +39,24 @@ def test_lr_schedule_endpoints_exact():
 
 
 def test_lr_schedule_without_warmup():
-    cfg = InnerConfig(warmup_steps=0, total_steps=4, batch_size=1, seq_len=8, lr=2.0, min_lr_ratio=0.25)
+    cfg = InnerSection(warmup_steps=0, total_steps=4, batch_size=1, seq_len=8, lr=1.0, min_lr_ratio=0.25)
     cosine = [0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(5)]
-    assert [lr_at(s, cfg) for s in range(5)] == pytest.approx([0.5 + 1.5 * c for c in cosine])
-    assert lr_at(0, cfg) == 2.0 and lr_at(4, cfg) == 0.5
+    assert [lr_at(s, cfg) for s in range(5)] == pytest.approx([0.25 + 0.75 * c for c in cosine])
+    assert lr_at(0, cfg) == 1.0 and lr_at(4, cfg) == 0.25
 
 
-def test_config_validation():
-    with pytest.raises(ValueError):
-        InnerConfig(warmup_steps=20, total_steps=10, batch_size=1, seq_len=8)
+def test_a_warmup_longer_than_the_schedule_is_refused():
+    with pytest.raises(ValueError, match="warmup_steps 20 exceeds total_steps 10"):
+        make_inner_optimizer(build_model("tiny", seed=0), InnerSection(warmup_steps=20, total_steps=10))
 
 
 def test_optimizer_groups_and_decay_choice():
     model = build_model("tiny", seed=0)
-    cfg = InnerConfig(warmup_steps=1, total_steps=2, batch_size=1, seq_len=8)
+    cfg = InnerSection(warmup_steps=1, total_steps=2, batch_size=1, seq_len=8)
     optimizer = make_inner_optimizer(model, cfg)
     assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0]["weight_decay"] == 0.1
     assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
-    customary = make_inner_optimizer(
-        model, InnerConfig(warmup_steps=1, total_steps=2, batch_size=1, seq_len=8, decay_1d_params=False)
-    )
+    customary = make_inner_optimizer(model, cfg, decay_1d_params=False)
     decayed, undecayed = customary.param_groups
     assert all(p.ndim == 2 for p in decayed["params"]) and all(p.ndim == 1 for p in undecayed["params"])
     assert undecayed["weight_decay"] == 0.0
@@ -67,7 +65,7 @@ def test_optimizer_groups_and_decay_choice():
 
 def test_tiny_loss_decreases_on_stdlib(tmp_path):
     corpus = load_corpus(None, cache_dir=tmp_path)
-    cfg = InnerConfig(warmup_steps=5, total_steps=30, batch_size=8, seq_len=64)
+    cfg = InnerSection(warmup_steps=5, total_steps=30, batch_size=8, seq_len=64)
     model = build_model("tiny", seed=0)
     optimizer = make_inner_optimizer(model, cfg)
     batches = corpus.train.shard(0, 4).batches(cfg.batch_size, cfg.seq_len, seed=0)
@@ -85,7 +83,7 @@ def test_tiny_loss_decreases_on_stdlib(tmp_path):
 
 
 def test_inner_loop_is_deterministic():
-    cfg = InnerConfig(warmup_steps=1, total_steps=4, batch_size=2, seq_len=16)
+    cfg = InnerSection(warmup_steps=1, total_steps=4, batch_size=2, seq_len=16)
     digests = []
     for _ in range(2):
         model = build_model("tiny", seed=3)
@@ -119,7 +117,7 @@ def test_micro_batches_accumulate_to_the_unsplit_step():
 
 
 def test_on_step_every_n_steps_reports_the_mean_since_the_last():
-    cfg = InnerConfig(warmup_steps=0, total_steps=10, batch_size=2, seq_len=8)
+    cfg = InnerSection(warmup_steps=0, total_steps=10, batch_size=2, seq_len=8)
     model = build_model("tiny", seed=0)
     optimizer = make_inner_optimizer(model, cfg)
     generator = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""node/round/amend.py `StartPatch`: a SparseLoCo round start kept as the coordinates its outer step
+"""node/training/round_start.py `StartPatch`: a SparseLoCo round start kept as the coordinates its outer step
 moved puts back, bit for bit, the start a dense copy would; and it is small.
 
 The amended-manifest recompute that uses it end to end is tests/unit/test_round_loop.py
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from node.round.amend import MAX_PATCH_FRACTION, StartPatch, pack_bits, unpack_bits
+from node.training.round_start import MAX_PATCH_FRACTION, StartPatch, pack_bits, unpack_bits
 
 
 def sparse_aggregate(shape: tuple[int, ...], fraction: float, seed: int) -> torch.Tensor:

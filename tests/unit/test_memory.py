@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from node.training.model import build_model
-from node.training.outer import OuterConfig, make_outer, state_device_for
+from node.training.outer import make_outer, state_placement_device
 from node.training.params import flat_named_params, param_digest
+from protocol.run_config import OuterSection
 from protocol.signing import PeerKey
 from tools.bench.memory import PRESETS, measured_state, meta_state, report
 
@@ -47,7 +48,7 @@ def test_packet_layout_constants_are_counted_as_built():
     from tools.bench.memory import packet_layout_bytes
 
     params = flat_named_params(build_model("tiny", seed=0))
-    cfg = OuterConfig()
+    cfg = OuterSection()
     layout = packet_layout(tuple(ModelSpec.from_named_tensors(params, cfg.top_k, cfg.chunk_size).layouts().values()))
     built = sum(
         t.numel() * t.element_size() for t in (layout.code_offsets, layout.symbol_row_offsets, layout.byte_code_offsets)
@@ -76,19 +77,19 @@ def test_1b_fits_a_24_gb_gpu_with_the_outer_state_on_the_host():
 
 
 def test_state_placement_for_each_device():
-    assert state_device_for("cuda:1", "host") == (torch.device("cpu"), True)
-    assert state_device_for("cuda", "device") == (torch.device("cuda"), False)
-    assert state_device_for("cpu", "host") == (torch.device("cpu"), False)
+    assert state_placement_device("cuda:1", "host") == (torch.device("cpu"), True)
+    assert state_placement_device("cuda", "device") == (torch.device("cuda"), False)
+    assert state_placement_device("cpu", "host") == (torch.device("cpu"), False)
     with pytest.raises(ValueError):
-        state_device_for("cpu", "disk")
+        state_placement_device("cpu", "disk")
 
 
 def _swarm_digests(placement: str, overlap: bool, strategy: str = "sparseloco") -> list[str]:
     peers = ["p0", "p1"]
     keys = {p: PeerKey.from_seed(p.encode()) for p in peers}
     models = [build_model("tiny", seed=0) for _ in peers]
-    cfg = OuterConfig(strategy=strategy, overlap=overlap, outer_momentum=0.9 if strategy == "diloco" else 0.0)
-    outers = [make_outer(flat_named_params(m), cfg, placement) for m in models]
+    cfg = OuterSection(strategy=strategy, overlap=overlap, momentum=0.9 if strategy == "diloco" else 0.0)
+    outers = [make_outer(flat_named_params(m), cfg, state_placement=placement) for m in models]
     digests = []
     for round in range(3):
         payloads = {}
@@ -102,7 +103,7 @@ def _swarm_digests(placement: str, overlap: bool, strategy: str = "sparseloco") 
                 run_id="r", round=round, peer_id=peers[i], base_digest="00" * 32, key=keys[peers[i]]
             )
         for outer in outers:
-            outer.apply(payloads, lambda p: keys[p].public_bytes, run_id="r", round=round)
+            outer.commit(outer.prepare(payloads, lambda p: keys[p].public_bytes, run_id="r", round=round))
         digests.append(param_digest(outers[0].start))
         assert param_digest(outers[1].start) == digests[-1]
     return digests

@@ -10,9 +10,10 @@ import torch
 
 from locoswarm_kernels.sparse import median_clip_scales, scatter_mean
 from node.training.model import build_model
-from node.training.outer import OuterConfig, make_outer
+from node.training.outer import make_outer
 from node.training.params import flat_named_params, param_digest
 from protocol.packet import decode_packet
+from protocol.run_config import OuterSection
 from protocol.signing import PeerKey
 from tools.sim.cli import write_summary
 from tools.sim.engine import SimConfig, simulate
@@ -51,13 +52,13 @@ def payloads_for(models, outers, round, base):
 
 @pytest.mark.parametrize("aggregation", ["mean", "median_clip"])
 def test_sparseloco_peers_stay_identical_and_apply_the_scatter_mean(aggregation):
-    models, outers = swarm(OuterConfig(strategy="sparseloco", aggregation=aggregation))
+    models, outers = swarm(OuterSection(strategy="sparseloco", aggregation=aggregation))
     start = {n: p.detach().clone() for n, p in flat_named_params(models[0]).items()}
     base = param_digest(models[0])
     payloads = payloads_for(models, outers, 0, base)
     for i, outer in enumerate(outers):
         order = dict(reversed(payloads.items())) if i % 2 else payloads  # arrival order differs
-        result = outer.apply(order, public, run_id="r", round=0)
+        result = outer.commit(outer.prepare(order, public, run_id="r", round=0))
         assert result.accepted == PEERS and not result.refused
     assert len({param_digest(m) for m in models}) == 1
     spec = outers[0].spec
@@ -77,18 +78,18 @@ def test_sparseloco_peers_stay_identical_and_apply_the_scatter_mean(aggregation)
     # the round after starts where the last ended
     payloads = payloads_for(models, outers, 1, param_digest(models[0]))
     for outer in outers:
-        outer.apply(payloads, public, run_id="r", round=1)
+        outer.commit(outer.prepare(payloads, public, run_id="r", round=1))
     assert len({param_digest(m) for m in models}) == 1
 
 
 def test_bad_packets_are_left_out_by_every_peer():
-    models, outers = swarm(OuterConfig(strategy="sparseloco"))
+    models, outers = swarm(OuterSection(strategy="sparseloco"))
     payloads = payloads_for(models, outers, 0, param_digest(models[0]))
     payloads["p1"] = payloads["p1"][:-1] + bytes([payloads["p1"][-1] ^ 1])  # broken signature
     payloads["p2"] = outers[2].make_payload(
         run_id="r", round=5, peer_id="p2", base_digest="00" * 32, key=KEYS["p2"]
     )  # replayed into the wrong round
-    results = [outer.apply(payloads, public, run_id="r", round=0) for outer in outers]
+    results = [outer.commit(outer.prepare(payloads, public, run_id="r", round=0)) for outer in outers]
     for result in results:
         assert result.accepted == ["p0"]
         assert "BadSignature" in result.refused["p1"] and "WrongRound" in result.refused["p2"]
@@ -99,7 +100,7 @@ def test_bad_packets_are_left_out_by_every_peer():
 def test_payloads_decoded_on_arrival_aggregate_exactly_like_those_decoded_at_the_end(strategy):
     """A node decodes each packet as it arrives (outer.decode, the refusal kept as the exception)
     and hands those to prepare: the aggregate and the refusals are the same bits."""
-    models, outers = swarm(OuterConfig(strategy=strategy))
+    models, outers = swarm(OuterSection(strategy=strategy))
     payloads = payloads_for(models, outers, 0, param_digest(models[0]))
     payloads["p1"] = payloads["p1"][: len(payloads["p1"]) // 2]  # cut short
     outer = outers[0]
@@ -118,7 +119,7 @@ def test_payloads_decoded_on_arrival_aggregate_exactly_like_those_decoded_at_the
 
 
 def test_median_norm_clipping_bounds_a_poisoned_peer():
-    cfg = OuterConfig(strategy="sparseloco")
+    cfg = OuterSection(strategy="sparseloco")
     assert cfg.aggregation == "median_clip", "robust aggregation is the default"
     models, outers = swarm(cfg)
     base = param_digest(models[0])
@@ -132,7 +133,7 @@ def test_median_norm_clipping_bounds_a_poisoned_peer():
         PEERS[i]: o.make_payload(run_id="r", round=0, peer_id=PEERS[i], base_digest=base, key=KEYS[PEERS[i]])
         for i, o in enumerate(outers)
     }
-    result = outers[0].apply(payloads, public, run_id="r", round=0)
+    result = outers[0].commit(outers[0].prepare(payloads, public, run_id="r", round=0))
     assert set(result.scales) == {"p2"} and len(result.scales["p2"]) == len(outers[0].params)
     # Each tensor on its own: about 1/1000, but a norm gain sends 2 values, whose honest norms vary a lot.
     factors = sorted(result.scales["p2"].values())
@@ -147,7 +148,7 @@ def test_median_norm_clipping_bounds_a_poisoned_peer():
 
 
 def test_diloco_outer_step_is_nesterov_sgd():
-    cfg = OuterConfig(strategy="diloco", outer_lr=0.7, outer_momentum=0.9, nesterov=True)
+    cfg = OuterSection(strategy="diloco", lr=0.7, momentum=0.9, nesterov=True)
     models, outers = swarm(cfg, num_peers=2)
     reference = build_model("tiny", seed=0)
     ref_params = list(flat_named_params(reference).values())
@@ -162,7 +163,7 @@ def test_diloco_outer_step_is_nesterov_sgd():
             )
         ]
         for outer in outers:
-            outer.apply(payloads)
+            outer.commit(outer.prepare(payloads))
         for p, g in zip(ref_params, mean_delta):
             p.grad = g
         sgd.step()
@@ -217,7 +218,7 @@ def test_overlap_keeps_the_global_model_identical_and_learns(tmp_path):
 
 
 def test_overlap_local_model_is_global_minus_pending_delta():
-    cfg = OuterConfig(strategy="sparseloco", overlap=True)
+    cfg = OuterSection(strategy="sparseloco", overlap=True)
     models, outers = swarm(cfg, num_peers=2)
     first = payloads_for(models, outers, 0, "00" * 32)
     for outer in outers:
@@ -226,7 +227,7 @@ def test_overlap_local_model_is_global_minus_pending_delta():
     second = payloads_for(models, outers, 1, "00" * 32)  # round 1 trains before round 0 lands
     pending = [{n: d.clone() for n, d in o.deltas()} for o in outers]
     for outer in outers:
-        outer.apply(first, public, run_id="r", round=0)
+        outer.commit(outer.prepare(first, public, run_id="r", round=0))
     assert len({param_digest(o.start) for o in outers}) == 1
     for model, outer, delta in zip(models, outers, pending):
         for name, p in flat_named_params(model).items():

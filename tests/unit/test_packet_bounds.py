@@ -177,11 +177,11 @@ def test_run_config_bounds_the_bound():
 
 def _diloco(max_abs_value: float = BOUND):
     from node.training.model import build_model
-    from node.training.outer import OuterConfig, make_outer
+    from node.training.outer import make_outer
     from node.training.params import flat_named_params
 
     model = build_model("tiny", 0)
-    return make_outer(flat_named_params(model), OuterConfig(strategy="diloco", max_abs_value=max_abs_value))
+    return make_outer(flat_named_params(model), OuterSection(strategy="diloco", max_abs_value=max_abs_value))
 
 
 def _dense_payload(outer, fill: dict[str, float]) -> bytes:

@@ -132,6 +132,7 @@ def test_a_run_whose_peers_all_stopped_says_it_is_paused(swarm, fake_clock):
     join_all(client, run_id, peers)
     submit_all(run_id, peers, 0, fake_clock)
     fake_clock.advance(100.0)  # past the heartbeat timeout: every peer is gone
+    client.app.state.service.tick()  # the coordinator's own clock (this app runs no background tick)
     status = status_of(client, run_id)
     line = progress_line(status, NUM_ROUNDS)
     assert line == f"run paused: {status['recovery']['message']}; round 0: 3 contributors, 0 applied, mean loss 3.000"

@@ -17,7 +17,7 @@ from locoswarm_kernels.quantize import QuantTable
 from locoswarm_kernels.sparse import SparseTensor, median_clip_scales, scatter_mean
 from node.faults import OVERFLOW_TABLE, FaultInjector, parse_fault
 from node.training.model import build_model
-from node.training.outer import OuterConfig, make_outer
+from node.training.outer import make_outer
 from node.training.params import flat_named_params, param_digest
 from protocol import errors
 from protocol.packet import decode_packet
@@ -119,7 +119,7 @@ def test_values_at_the_largest_bound_from_many_peers_sum_without_overflow(scales
 # -- the attack: a member's signed packet of finite fields that overflow --------------------------------
 
 
-def _swarm(cfg: OuterConfig):
+def _swarm(cfg: OuterSection):
     models = [build_model("tiny", seed=0) for _ in PEERS]
     return models, [make_outer(flat_named_params(m), cfg) for m in models]
 
@@ -131,7 +131,7 @@ def _train(model, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=generator) * 1e-2)
 
 
-def _round(cfg: OuterConfig, attacker_table=OVERFLOW_TABLE):
+def _round(cfg: OuterSection, attacker_table=OVERFLOW_TABLE):
     """Three honest peers and one that signs a packet whose every table is `attacker_table`; every
     peer applies the round. Returns (models, outers, results, payloads)."""
     models, outers = _swarm(cfg)
@@ -143,7 +143,7 @@ def _round(cfg: OuterConfig, attacker_table=OVERFLOW_TABLE):
             run_id="r", round=0, peer_id=PEERS[i], base_digest=base, key=KEYS[PEERS[i]]
         )
     payloads["p3"] = _with_tables(payloads["p3"], KEYS["p3"], attacker_table)
-    results = [outer.apply(payloads, public, run_id="r", round=0) for outer in outers]
+    results = [outer.commit(outer.prepare(payloads, public, run_id="r", round=0)) for outer in outers]
     return models, outers, results, payloads
 
 
@@ -165,7 +165,7 @@ def test_the_overflowing_packet_is_refused_by_every_peer_and_parameters_stay_fin
     """Before the bounds this packet (shift 1e30, bin means +-3e38, all finite float32) decoded
     and summed to inf, and with clipping to 0 * inf = NaN: thousands of NaN parameters, the same on
     every peer, so digests agreed and nobody noticed."""
-    models, outers, results, payloads = _round(OuterConfig(aggregation=aggregation))
+    models, outers, results, payloads = _round(OuterSection(aggregation=aggregation))
     for result in results:
         assert result.accepted == ["p0", "p1", "p2"]
         assert list(result.refused) == ["p3"] and result.refused["p3"].startswith("ValueOutOfRange")
@@ -183,7 +183,7 @@ def test_an_attacker_at_the_bound_is_accepted_and_can_make_nothing_non_finite(ag
     the step the size of an honest one."""
     bound = 1e4
     models, _, results, _ = _round(
-        OuterConfig(aggregation=aggregation, max_abs_value=bound), attacker_table=(0.0, -bound, -bound, bound, bound)
+        OuterSection(aggregation=aggregation, max_abs_value=bound), attacker_table=(0.0, -bound, -bound, bound, bound)
     )
     assert all(r.accepted == PEERS and not r.refused for r in results)
     assert len({param_digest(m) for m in models}) == 1
@@ -204,20 +204,18 @@ def test_an_attacker_at_the_bound_is_accepted_and_can_make_nothing_non_finite(ag
 
 
 def test_robust_aggregation_is_the_default_and_reaches_the_outer_step():
-    from node.training.build import outer_config
-
+    params = flat_named_params(build_model("tiny", seed=0))
     run = RunConfig.model_validate({"name": "a", "model": {"preset": "tiny"}})
     assert (run.outer.aggregation, run.outer.max_abs_value) == ("median_clip", 1e4)
-    outer = outer_config(run)
-    assert (outer.aggregation, outer.max_abs_value) == ("median_clip", 1e4)
+    outer = make_outer(params, run.outer)
+    assert (outer.cfg.aggregation, outer.cfg.max_abs_value) == ("median_clip", 1e4)
     run = RunConfig.model_validate(
         {"name": "a", "model": {"preset": "tiny"}, "outer": {"aggregation": "mean", "max_abs_value": 5.0}}
     )
-    assert (outer_config(run).aggregation, outer_config(run).max_abs_value) == ("mean", 5.0)
-    with pytest.raises(Exception, match="aggregation"):
-        OuterSection(aggregation="median")
+    outer = make_outer(params, run.outer)
+    assert (outer.cfg.aggregation, outer.cfg.max_abs_value) == ("mean", 5.0)
     with pytest.raises(ValueError, match="aggregation"):
-        OuterConfig(aggregation="median")
+        OuterSection(aggregation="median")
 
 
 def test_configs_with_the_old_clip_flag_still_load():
@@ -253,7 +251,7 @@ def test_poison_sign_flip_negates_and_overflow_signs_an_overflowing_packet():
     def trained(faults):
         model = build_model("tiny", 0)
         training = FaultInjector.parse(faults).wrap_training(
-            Training(model, make_outer(flat_named_params(model), OuterConfig()))
+            Training(model, make_outer(flat_named_params(model), OuterSection()))
         )
         training.train_round(0)
         return training

@@ -161,7 +161,7 @@ async def test_late_submission_then_catch_up_by_replay(swarm):
     agreed = {h.round: h.majority_digest for h in status.history}
     assert digests_by_round(a) == digests_by_round(b) == agreed
     assert digests_by_round(c) == {r: agreed[r] for r in (0, 1, 3)}
-    assert c.session.params_round == 4
+    assert c.session.state.params_round == 4
 
 
 class HoldUntil(FaultInjector):
@@ -218,7 +218,7 @@ async def test_overlap_lands_each_round_one_round_late(swarm):
     for node in (a, b):
         assert [r.round for r in node.reports] == [0, 1, 2]
         assert [r.applied_round for r in node.reports] == [-1, 0, 1]  # round 2 lands as the node leaves
-        assert node.session.digest == agreed[2]
+        assert node.session.state.digest == agreed[2]
         assert digests_by_round(node) == {0: agreed[0], 1: agreed[1]}
 
 
@@ -284,7 +284,7 @@ async def test_withheld_packet_is_amended_out_and_every_round_applied(swarm):
         assert applied_1.num_packets == 2
         assert applied_1.ended_at - closed_at < 2 * 3.0 + 4.0, "within about two fetch time-outs"
     assert c.catch_ups == [] and [r.round for r in c.reports] == [0, 1, 2, 3]
-    assert [(x.round, x.from_version, x.to_version, x.digest) for x in c.session.amendments.recomputed] == [
+    assert [(x.round, x.from_version, x.to_version, x.digest) for x in c.session.state.amendments.recomputed] == [
         (1, 1, 2, agreed[1])
     ]
     # Its report of round 1 follows the recompute: the amended digest, at manifest version 2.
@@ -305,7 +305,7 @@ async def test_withheld_packet_with_diloco_recomputes_the_outer_momentum(swarm):
     await run_all(a, b, c)
     agreed = {h.round: h.majority_digest for h in (await swarm.status()).history}
     assert digests_by_round(a) == digests_by_round(b) == agreed
-    assert [(x.round, x.to_version, x.digest) for x in c.session.amendments.recomputed] == [(1, 2, agreed[1])]
+    assert [(x.round, x.to_version, x.digest) for x in c.session.state.amendments.recomputed] == [(1, 2, agreed[1])]
     assert c.catch_ups == [] and digests_by_round(c)[2] == agreed[2]
 
 
@@ -322,7 +322,7 @@ async def test_withheld_packet_with_overlap_catches_up_by_snapshot(swarm):
     assert sorted(agreed) == [0, 1, 2, 3, 4]
     for node in (a, b):
         assert node.catch_ups == [] and digests_by_round(node) == {r: agreed[r] for r in range(4)}
-        assert node.session.digest == agreed[4]
-    assert c.session.amendments.recomputed == []
+        assert node.session.state.digest == agreed[4]
+    assert c.session.state.amendments.recomputed == []
     assert c.catch_ups and "snapshot" in c.catch_ups[0].method
-    assert c.session.digest == agreed[4]
+    assert c.session.state.digest == agreed[4]

@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.training.outer import OuterConfig, SparseLoCoOuter
+from node.training.outer import SparseLoCoOuter
 from node.training.params import param_digest
 from node.training.sharded_outer import ShardedSparseLoCo, is_aligned, row_ranges
 from protocol.packet import ModelSpec
+from protocol.run_config import OuterSection
 from protocol.signing import PeerKey
 from tests.fixtures.ranks import spawn_ranks
 
@@ -40,7 +41,7 @@ def _full(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) * scale for name, shape in SHAPES.items()}
 
 
-def _check(rank: int, cfg: OuterConfig) -> None:
+def _check(rank: int, cfg: OuterSection) -> None:
     start = _full(0)
     reference = SparseLoCoOuter({n: torch.nn.Parameter(t.clone()) for n, t in start.items()}, cfg)
     rows = {n: row_ranges(shape[0], WORLD)[rank] for n, shape in SHAPES.items()}
@@ -89,8 +90,8 @@ def _check(rank: int, cfg: OuterConfig) -> None:
             "other": other.make_payload(run_id="run", round=round, peer_id="other", base_digest=digest, key=other_key),
         }
         keys = {"node": key.public_bytes, "other": other_key.public_bytes}
-        applied = reference.apply(payloads, keys.__getitem__, run_id="run", round=round)
-        other.apply(payloads, keys.__getitem__, run_id="run", round=round)
+        applied = reference.commit(reference.prepare(payloads, keys.__getitem__, run_id="run", round=round))
+        other.commit(other.prepare(payloads, keys.__getitem__, run_id="run", round=round))
         result = sharded.commit(sharded.prepare(payloads, keys, run_id="run", round=round))
         assert result.accepted == applied.accepted == ["node", "other"] and result.scales == applied.scales
         for n in SHAPES:
@@ -116,7 +117,7 @@ def test_layout_alignment_follows_fsdp_rows():
 
 @pytest.mark.parametrize(
     "cfg",
-    [OuterConfig(), OuterConfig(aggregation="mean", outer_lr=0.7, error_decay=0.9)],
+    [OuterSection(), OuterSection(aggregation="mean", lr=0.7, error_decay=0.9)],
     ids=["median_clip", "mean_lr0.7"],
 )
 def test_two_ranks_match_one_rank_bit_for_bit(cfg, tmp_path):

@@ -17,11 +17,12 @@ import torch
 from locoswarm_kernels.chunking import chunk_layout
 from locoswarm_kernels.sparse import decompress, error_feedback_step, restore_sent
 from node.training.model import build_model
-from node.training.outer import OuterConfig, make_outer
+from node.training.outer import make_outer
 from node.training.params import flat_named_params, param_digest
 from node.training.sharded_outer import ShardedSparseLoCo, row_ranges
 from protocol.errors import ProtocolError
 from protocol.packet import decode_packet
+from protocol.run_config import OuterSection
 from protocol.signing import PeerKey
 from tests.fixtures.ranks import spawn_ranks
 
@@ -47,7 +48,7 @@ def perturb(model, seed: int, scale: float = 1e-2) -> None:
 def node(top_k: int = 64, outer_lr: float = 1.0, buffer_seed: int | None = 7):
     """The tiny model and its SparseLoCo outer step; the error buffers seeded (a history to decay)."""
     model = build_model("tiny", seed=0)
-    outer = make_outer(flat_named_params(model), OuterConfig(strategy="sparseloco", top_k=top_k, outer_lr=outer_lr))
+    outer = make_outer(flat_named_params(model), OuterSection(strategy="sparseloco", top_k=top_k, lr=outer_lr))
     if buffer_seed is not None:
         gen = torch.Generator().manual_seed(buffer_seed)
         for buffer in outer.error_buffers.values():
@@ -70,7 +71,7 @@ def fold(outer) -> dict[str, torch.Tensor]:
     multiply-add (one rounding), so `beta * e + lr * delta` written out can differ in the last bit."""
     cfg = outer.cfg
     return {
-        name: outer.error_buffers[name].clone().mul_(cfg.error_decay).add_(delta.float(), alpha=cfg.outer_lr)
+        name: outer.error_buffers[name].clone().mul_(cfg.error_decay).add_(delta.float(), alpha=cfg.lr)
         for name, delta in outer.deltas()
     }
 
@@ -186,7 +187,7 @@ def test_a_damaged_packet_is_refused_and_changes_nothing():
 def test_diloco_keeps_nothing_to_return():
     """DiLoCo sends its whole dense delta and keeps no copy: the method changes nothing, refuses nothing."""
     model = build_model("tiny", seed=0)
-    outer = make_outer(flat_named_params(model), OuterConfig(strategy="diloco", outer_lr=0.7, outer_momentum=0.9))
+    outer = make_outer(flat_named_params(model), OuterSection(strategy="diloco", lr=0.7, momentum=0.9))
     perturb(model, seed=1)
     payload = outer.make_payload()
     state = lambda: [
@@ -218,7 +219,7 @@ def _check_sharded(rank: int) -> None:
     start = {name: torch.randn(shape, generator=gen) for name, shape in SHARDED_SHAPES.items()}
     history = {name: torch.randn(shape, generator=gen) * 3e-3 for name, shape in SHARDED_SHAPES.items()}
     delta = {name: torch.randn(shape, generator=gen) * 1e-2 for name, shape in SHARDED_SHAPES.items()}
-    cfg = OuterConfig(outer_lr=0.7)
+    cfg = OuterSection(lr=0.7)
     reference = make_outer({n: torch.nn.Parameter(t.clone()) for n, t in start.items()}, cfg)
     rows = {n: slice(*row_ranges(shape[0], WORLD)[rank]) for n, shape in SHARDED_SHAPES.items()}
     local = {n: t[rows[n]].clone() for n, t in start.items()}

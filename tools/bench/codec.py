@@ -143,8 +143,8 @@ def run(top_k: int, device: torch.device, repeats: int, num_peers: int) -> dict:
     base_packets = [baseline() for _ in range(num_peers)]
 
     def decode_aggregate(num_threads=None):  # what a node does (node/training/outer.py, SparseLoCoOuter.prepare)
-        # Packets decode `num_workers` at once on the pool (OuterStep.decode_many, and as they arrive:
-        # node/round/prefetch.py).
+        # Packets decode `num_workers` at once on the pool (node/training/decode.py: `decode_all`, and
+        # `EarlyDecodes` as they arrive).
         def decode(i):  # and its norms taken on the decoding worker, as node.training.outer.decode_sparse does
             tensors = decode_packet(packets[i], spec, keys[i].public_bytes, device=device).tensors
             tensors.squared_norms()

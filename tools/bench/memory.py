@@ -7,7 +7,7 @@ It builds the node's real state for a preset on the meta device (no memory, so 8
 the model, AdamW stepped once so its moments exist, gradients, and the SparseLoCo outer step
 (round start, error buffers) of node/training/outer.py, plus one aggregate per tensor as `prepare`
 makes. Every tensor's bytes come from its shape and dtype; where it lives comes from the placement
-the node uses on `--device` (default cuda, whatever machine this runs on): `state_device_for`, and
+the node uses on `--device` (default cuda, whatever machine this runs on): `state_placement_device`, and
 the aggregate on the training device without overlap (made when the gradients are freed).
 
 A node's memory has phases; the peak is the largest of them:
@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from node.training.model import LOSS_CHUNK_TOKENS, PRESETS, ModelConfig, Transformer
-from node.training.outer import OuterConfig, SparseLoCoOuter, state_device_for
+from node.training.outer import SparseLoCoOuter, state_placement_device
 from node.training.params import flat_named_params, tensor_nbytes
+from protocol.run_config import OuterSection
 
 PHASES = ("inner", "payload", "apply")
 DEFAULT_PEERS = 8  # packets in a round, for the kept start of an amendable round
@@ -107,17 +108,17 @@ def meta_state(cfg: ModelConfig, overlap: bool) -> NodeState:
         p.grad = torch.empty_like(p)
     optimizer = torch.optim.AdamW(list(params.values()), foreach=False)
     optimizer.step()  # creates the moments, as the first inner step does
-    outer = SparseLoCoOuter(params, OuterConfig(overlap=overlap))
+    outer = SparseLoCoOuter(params, OuterSection(overlap=overlap))
     aggregates = {name: torch.empty(p.shape, dtype=torch.float32, device="meta") for name, p in params.items()}
     return count_state(model, optimizer, outer, aggregates)
 
 
-def kept_start_bytes(num_params: int, num_peers: int, overlap: bool, cfg: OuterConfig = OuterConfig()) -> int:
-    """node/round/amend.py's `StartPatch`: a bit per coordinate and an fp32 value for each coordinate
+def kept_start_bytes(num_params: int, num_peers: int, overlap: bool, cfg: OuterSection = OuterSection()) -> int:
+    """node/training/round_start.py's `StartPatch`: a bit per coordinate and an fp32 value for each coordinate
     the round's aggregate moved, about the union of `num_peers` Top-k selections (k of each
     chunk_size^2 tile, peers' choices taken as independent); a dense copy above MAX_PATCH_FRACTION.
     Nothing with overlap."""
-    from node.round.amend import MAX_PATCH_FRACTION
+    from node.training.round_start import MAX_PATCH_FRACTION
 
     if overlap:
         return 0
@@ -132,13 +133,13 @@ DECODED_BYTES_PER_VALUE = 3  # kernels/sparse.py `PacketSelections`: int16 posit
 LAYOUT_BYTES_PER_VALUE = 4 + 4 + 1
 
 
-def round_packet_bytes(num_params: int, num_peers: int, cfg: OuterConfig = OuterConfig()) -> tuple[int, int]:
+def round_packet_bytes(num_params: int, num_peers: int, cfg: OuterSection = OuterSection()) -> tuple[int, int]:
     """(bytes, decoded bytes) of a round's `num_peers` packets: each sends top_k of every chunk_size^2."""
     values = num_peers * num_params * cfg.top_k / cfg.chunk_size**2
     return int(values * PACKET_BITS_PER_VALUE / 8), int(values * DECODED_BYTES_PER_VALUE)
 
 
-def packet_layout_bytes(num_params: int, cfg: OuterConfig = OuterConfig()) -> int:
+def packet_layout_bytes(num_params: int, cfg: OuterSection = OuterSection()) -> int:
     """The per-value constants of the model's `PacketLayout`: one packet's worth of values."""
     return int(num_params * cfg.top_k / cfg.chunk_size**2 * LAYOUT_BYTES_PER_VALUE)
 
@@ -158,7 +159,7 @@ def categories(
     if baseline:
         state_on_device = aggregate_on_device = True
     else:
-        state_device, _ = state_device_for(device, placement)
+        state_device, _ = state_placement_device(device, placement)
         state_on_device = state_device.type == torch.device(device).type
         aggregate_on_device = state_on_device or not overlap
     aggregate_phases = PHASES if overlap else ("apply",)  # with overlap it is prepared beside training
@@ -291,14 +292,15 @@ def fsdp_budget(cfg: ModelConfig, num_ranks: int, micro_batch: int, seq_len: int
 
 def measured_state(preset: str) -> NodeState:
     """The real state of `preset` on the CPU after a real inner step, packet and aggregate."""
-    from node.training.inner import InnerConfig, make_inner_optimizer, run_inner_steps
+    from node.training.inner import make_inner_optimizer, run_inner_steps
     from node.training.model import build_model, lm_loss
+    from protocol.run_config import InnerSection
     from protocol.signing import PeerKey
 
     model = build_model(preset, seed=0)
-    cfg = InnerConfig(warmup_steps=0, total_steps=1, batch_size=1, seq_len=16)
+    cfg = InnerSection(warmup_steps=0, total_steps=1, batch_size=1, seq_len=16)
     optimizer = make_inner_optimizer(model, cfg)
-    outer = SparseLoCoOuter(flat_named_params(model), OuterConfig(aggregation="mean"))
+    outer = SparseLoCoOuter(flat_named_params(model), OuterSection(aggregation="mean"))
     tokens = torch.randint(0, model.config.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
     run_inner_steps(model, optimizer, iter([(tokens[:, :-1], tokens[:, 1:])]), 0, 1, cfg, "cpu")
     key = PeerKey.from_seed(b"memory")

@@ -33,14 +33,9 @@ from pathlib import Path
 
 import torch
 
-from node.training.inner import (
-    ExecutionConfig,
-    InnerConfig,
-    make_inner_optimizer,
-    prepare_model,
-    run_inner_steps,
-)
+from node.training.inner import ExecutionConfig, make_inner_optimizer, prepare_model, run_inner_steps
 from node.training.model import Transformer, num_parameters, resolve_config
+from protocol.run_config import InnerSection
 
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' data sheets; the first
 # key found in the device name wins, so longer names come first.
@@ -108,7 +103,7 @@ def measure(
     cfg = resolve_config(preset)
     seq_len = min(seq_len, cfg.max_seq_len)
     model = prepare_model(_model_on(preset, device), execution)
-    inner = InnerConfig(warmup_steps=0, total_steps=warmup_steps + steps, batch_size=batch_size, seq_len=seq_len)
+    inner = InnerSection(warmup_steps=0, total_steps=warmup_steps + steps, batch_size=batch_size, seq_len=seq_len)
     optimizer = make_inner_optimizer(model, inner)
     batches = _random_batches(cfg.vocab_size, batch_size, seq_len)
     if device.type == "cuda":

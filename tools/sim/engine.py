@@ -157,8 +157,7 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
 
     from node.faults import FaultInjector
     from node.round.overlap import Pipeline
-    from node.training.build import model_config
-    from node.training.model import build_model
+    from node.training.model import build_model, model_config
     from node.training.params import flat_named_params, param_digest
     from node.training.peer import PeerTraining
     from protocol.signing import PeerKey
@@ -292,12 +291,11 @@ def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
     """Every step: each peer's gradient on its own batch, averaged (fixed order), one AdamW step."""
     import torch
 
-    from node.training.build import inner_config, model_config
     from node.training.inner import lr_at, make_inner_optimizer
-    from node.training.model import autocast_for, build_model, lm_loss, num_parameters
+    from node.training.model import autocast_for, build_model, lm_loss, model_config, num_parameters
 
     run = cfg.run_config("ddp")
-    inner = inner_config(run)
+    inner = run.inner
     model = build_model(model_config(run), cfg.seed).to(cfg.device)
     optimizer = make_inner_optimizer(model, inner)
     streams = [
@@ -336,8 +334,8 @@ def simulate(cfg: SimConfig, show_progress: bool = True) -> dict:
     import torch
     from tqdm import tqdm
 
-    from node.training.build import model_config
     from node.training.data import check_vocabulary, load_corpus
+    from node.training.model import model_config
 
     torch.set_num_threads(cfg.threads)
     corpus = load_corpus(cfg.data)

@@ -1,13 +1,15 @@
 """The coordinator's SQL schema, as numbered migrations shared by SQLite and PostgreSQL.
 
 The DDL sticks to the common subset of both (TEXT, BIGINT, DOUBLE PRECISION, composite primary
-keys), so one list serves both backends. `schema_migrations` records which versions a database
-has; opening a database applies the missing ones in order inside one transaction. A released
-migration is never edited: a change is a new entry appended to `MIGRATIONS`.
+keys, plain views), so one list serves both backends. `schema_migrations` records which versions
+a database has; opening a database applies the missing ones in order inside one transaction. A
+released migration is never edited: a change is a new entry appended to `MIGRATIONS`.
 
-A round row with ``closed_at`` NULL is the run's open round. The manifest of a closed round is
-its rows in ``submissions`` (refused once the round closes) less its rows in ``dropped_entries``
-(amendments; ``rounds.manifest_version`` counts them).
+A round row with ``closed_at`` NULL is the run's open round. A round's latest manifest is its rows
+in ``submissions`` (refused once the round closes) less its rows in ``dropped_entries``
+(amendments; ``rounds.manifest_version`` counts them): the view ``manifest_entries``, the one place
+that rule is written. A migration that adds a column to ``submissions`` recreates the view
+(PostgreSQL fixes a view's columns when it is created).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     ),
     (
         5,
-        # Amended manifests (see coordinator.service): a closed round's manifest version, the
+        # Amended manifests (coordinator/rules/amendments.py): a closed round's manifest version, the
         # version each applied report is of, the latest round whose packet a peer withheld (NULL:
         # in good standing), who reported which entry missing, and the entries dropped.
         (
@@ -155,7 +157,7 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     ),
     (
         8,
-        # Agreed digests and standing (coordinator/service.py): a round's agreed digest (fixed once
+        # Agreed digests and standing (coordinator/rules/votes.py, standing.py): a round's agreed digest (fixed once
         # set) and how many votes its latest version has; applied reports one per manifest version,
         # each marked whether it is a vote (the table is rebuilt for its new key); a peer's latest
         # round whose manifest holds a packet of its (NULL: on probation); the run's secret for the
@@ -173,7 +175,7 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                 AND NOT EXISTS (SELECT 1 FROM dropped_entries d WHERE d.run_id = s.run_id
                                 AND d.round = s.round AND d.peer_id = s.peer_id)
             )""",
-            # Columns in the order of coordinator.storage.AppliedRow (rows are read by position).
+            # Columns in the order of coordinator.storage.rows.AppliedRow (rows are read by position).
             """CREATE TABLE applied_reports (
                 run_id TEXT NOT NULL,
                 round BIGINT NOT NULL,
@@ -190,7 +192,7 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             " manifest_version, 0 FROM applied",
             "DROP TABLE applied",
             "ALTER TABLE applied_reports RENAME TO applied",
-            # Standing: a peer's packets in a window of rounds (Storage.waited_for), one seek per peer.
+            # Standing: a peer's packets in a window of rounds (coordinator/rules/standing.py), one seek per peer.
             "CREATE INDEX submissions_by_peer ON submissions (run_id, peer_id, round)",
         ),
     ),
@@ -225,7 +227,7 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
     ),
     (
         13,
-        # Truth by standing, not headcount (coordinator/service.py, "Agreed digests"): the leaf hashes of
+        # Truth by standing, not headcount (coordinator/rules/votes.py, "Agreed digests"): the leaf hashes of
         # the digest an applied report names (hex; NULL: sent none), a peer's credit (protocol/scoring.py
         # rule 5, also in its standing JSON: here for the tally's query), and a round's dispute as
         # decided (JSON; NULL: none).
@@ -233,6 +235,19 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "ALTER TABLE applied ADD COLUMN leaves TEXT",
             "ALTER TABLE peers ADD COLUMN credit BIGINT NOT NULL DEFAULT 0",
             "ALTER TABLE rounds ADD COLUMN dispute TEXT",
+        ),
+    ),
+    (
+        14,
+        # Manifest entries: a round's latest manifest, its submissions less the entries amendments
+        # dropped; columns in the order of coordinator.storage.rows.SubmissionRow.
+        (
+            """CREATE VIEW manifest_entries AS
+            SELECT s.run_id, s.round, s.peer_id, s.packet_digest, s.packet_size_bytes, s.train_loss,
+                   s.compute_s, s.encode_s, s.multiaddrs, s.submitted_at
+            FROM submissions s
+            WHERE NOT EXISTS (SELECT 1 FROM dropped_entries d
+                              WHERE d.run_id = s.run_id AND d.round = s.round AND d.peer_id = s.peer_id)""",
         ),
     ),
 )
