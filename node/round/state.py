@@ -24,15 +24,19 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 
 from node.training.round_start import RoundStart
 from protocol.digest import Tree
 from protocol.http import MISSING_REPORT_ROUNDS
 
 
-class Doing(StrEnum):
-    """What the node is doing: the `state` of its heartbeats, shown on the status page."""
+class Doing(str, Enum):
+    """What the node is doing: the `state` of its heartbeats, shown on the status page (a `str`
+    that prints as its value, as node/round/refusals.py's `Code`)."""
+
+    def __str__(self) -> str:
+        return self.value
 
     JOINING = "joining"  # joined; building its model and loading its data
     WAITING = "waiting"  # for its round to open, or for the round's manifest
