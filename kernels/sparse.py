@@ -160,10 +160,9 @@ def scatter_mean(
     selections: list[SparseTensor],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    divide_by_peers: bool = False,
     peer_scales: list[float] | None = None,
 ) -> torch.Tensor:
-    """Per coordinate, the mean over the peers that sent it (or over all peers if asked).
+    """Per coordinate, the mean over the peers that sent it.
 
     All selections must share one layout and come in a fixed order (sorted by peer id): the sum
     runs peer by peer in that order and each peer touches each element once, so the result is
@@ -204,17 +203,11 @@ def scatter_mean(
         total = torch.zeros(numel, dtype=dtype, device=device)
         for peer in range(num_peers):  # peer order; distinct indices inside a peer
             total.index_add_(0, index[peer], values[peer])
-        count = (
-            None
-            if divide_by_peers
-            else torch.zeros(numel, dtype=torch.int32, device=device).index_add_(
-                0, index.reshape(-1), torch.ones(1, dtype=torch.int32, device=device).expand(index.numel())
-            )
+        count = torch.zeros(numel, dtype=torch.int32, device=device).index_add_(
+            0, index.reshape(-1), torch.ones(1, dtype=torch.int32, device=device).expand(index.numel())
         )
-    if divide_by_peers:
-        mean = total.div_(max(1, len(selections)))
-    else:  # counts are integers (exact on any device); where nobody sent a coordinate, 0 / 1 = 0
-        mean = total.div_(count.clamp_min_(1).to(dtype))
+    # counts are integers (exact on any device); where nobody sent a coordinate, 0 / 1 = 0
+    mean = total.div_(count.clamp_min_(1).to(dtype))
     return from_chunks(mean.view(layout.num_chunks, layout.chunk_len), layout)
 
 
@@ -371,7 +364,6 @@ def aggregate_packets(
     packets: Sequence[PacketSelections],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    divide_by_peers: bool = False,
     peer_scales: Sequence[Sequence[float]] | None = None,
     num_threads: int | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -401,8 +393,8 @@ def aggregate_packets(
     # float one; for narrower dtypes they are counted in int32 and cast, as scatter_mean does.
     count_dtype = dtype if dtype in (torch.float32, torch.float64) and len(packets) < 2**24 else torch.int32
     if device.type == "cpu":
-        return _aggregate_rows(packets, tables, dtype, divide_by_peers, count_dtype, num_workers(num_threads, device))
-    return _aggregate_blocks(packets, tables, dtype, device, divide_by_peers, count_dtype)
+        return _aggregate_rows(packets, tables, dtype, count_dtype, num_workers(num_threads, device))
+    return _aggregate_blocks(packets, tables, dtype, device, count_dtype)
 
 
 def _aggregate_blocks(
@@ -410,7 +402,6 @@ def _aggregate_blocks(
     tables: list[torch.Tensor],
     dtype: torch.dtype,
     device: torch.device,
-    divide_by_peers: bool,
     count_dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """`aggregate_packets` block by block (locoswarm_kernels.chunking.PacketLayout): one buffer in a block's
@@ -427,7 +418,7 @@ def _aggregate_blocks(
         span = slice(layout.symbol_starts[first], layout.symbol_starts[end])
         n = span.stop - span.start
         total = scratch("aggregate.total", size, dtype, device).zero_()
-        count = None if divide_by_peers else scratch("aggregate.count", size, count_dtype, device).zero_()
+        count = scratch("aggregate.count", size, count_dtype, device).zero_()
         at = scratch("aggregate.index", n, torch.int64, device)
         code_index = scratch("aggregate.code_index", n, torch.int32, device)
         values = scratch("aggregate.values", n, dtype, device)
@@ -437,20 +428,16 @@ def _aggregate_blocks(
             torch.add(code_offsets[span], peer_codes[span], out=code_index)
             torch.index_select(table, 0, code_index, out=values)
             total.scatter_add_(0, at, values)
-            if count is not None:
-                count.scatter_add_(0, at, ones)
-        if count is None:
-            divisor = max(1, len(packets))
-        else:  # where nobody sent a coordinate, 0 / 1 = 0
-            divisor = count.clamp_min_(1)
-            if count_dtype != dtype:
-                divisor = scratch("aggregate.divisor", size, dtype, device).copy_(divisor)
+            count.scatter_add_(0, at, ones)
+        divisor = count.clamp_min_(1)  # where nobody sent a coordinate, 0 / 1 = 0
+        if count_dtype != dtype:
+            divisor = scratch("aggregate.divisor", size, dtype, device).copy_(divisor)
         for t in range(first, end):
             chunks, offset = layout.layouts[t], layout.block_offsets[t]
             numel = chunks.num_chunks * chunks.chunk_len
             dense = torch.empty(chunks.shape, dtype=dtype, device=device)
             part = lambda x: tile_view(x[offset : offset + numel], chunks, chunk_space=True)  # noqa: B023 (this iteration's)
-            torch.div(part(total), divisor if count is None else part(divisor), out=tile_view(dense, chunks))
+            torch.div(part(total), part(divisor), out=tile_view(dense, chunks))
             out[names[t]] = dense
     return out
 
@@ -459,7 +446,6 @@ def _aggregate_rows(
     packets: Sequence[PacketSelections],
     tables: list[torch.Tensor],
     dtype: torch.dtype,
-    divide_by_peers: bool,
     count_dtype: torch.dtype,
     workers: int,
 ) -> dict[str, torch.Tensor]:
@@ -499,13 +485,11 @@ def _aggregate_rows(
         index = stacked("rows.index", torch.int64, [p.positions.cpu() for p in packets]).view(rows, -1)
         total = scratch("rows.total", rows * chunk_len, dtype, "cpu").view(rows, chunk_len).zero_()
         total.scatter_add_(1, index, values)
-        if divide_by_peers:
-            divisor = max(1, num_peers)
-        else:  # integer counts (exact in any order); where nobody sent a coordinate, 0 / 1 = 0
-            count = scratch("rows.count", rows * chunk_len, count_dtype, "cpu").view(rows, chunk_len).zero_()
-            divisor = count.scatter_add_(1, index, torch.ones(1, dtype=count_dtype).expand_as(index)).clamp_min_(1)
-            if count_dtype != dtype:
-                divisor = scratch("rows.divisor", divisor.numel(), dtype, "cpu").view_as(divisor).copy_(divisor)
+        # integer counts (exact in any order); where nobody sent a coordinate, 0 / 1 = 0
+        count = scratch("rows.count", rows * chunk_len, count_dtype, "cpu").view(rows, chunk_len).zero_()
+        divisor = count.scatter_add_(1, index, torch.ones(1, dtype=count_dtype).expand_as(index)).clamp_min_(1)
+        if count_dtype != dtype:
+            divisor = scratch("rows.divisor", divisor.numel(), dtype, "cpu").view_as(divisor).copy_(divisor)
         dense = out[names[t]].view(-1)[first * chunk_len : end * chunk_len]
         if chunks.is_view:  # chunk space is the tensor's own layout
             torch.div(total, divisor, out=dense.view(rows, chunk_len))
@@ -514,7 +498,7 @@ def _aggregate_rows(
             tiles = lambda x: x.view(rows // grid_cols, grid_cols, chunks.tile_rows, chunks.tile_cols)
             torch.div(
                 tiles(total),
-                divisor if divide_by_peers else tiles(divisor),
+                tiles(divisor),
                 out=dense.view(rows // grid_cols, chunks.tile_rows, grid_cols, chunks.tile_cols).permute(0, 2, 1, 3),
             )
 

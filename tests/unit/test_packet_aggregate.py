@@ -51,13 +51,12 @@ def decoded_packets(num_peers: int, seed: int, top_k: int = 64, dtype=torch.floa
     return spec, packets
 
 
-def reference(packets, divide_by_peers=False, peer_scales=None):
+def reference(packets, peer_scales=None):
     """scatter_mean tensor by tensor; peer_scales[p][t] as aggregate_packets takes them."""
     names = list(packets[0])
     return {
         name: scatter_mean(
             [p[name] for p in packets],
-            divide_by_peers=divide_by_peers,
             peer_scales=None if peer_scales is None else [row[t] for row in peer_scales],
         )
         for t, name in enumerate(names)
@@ -72,12 +71,9 @@ def assert_same_bits(got, expected):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("divide_by_peers", [False, True])
-def test_aggregate_is_scatter_mean_bit_for_bit(seed, divide_by_peers):
+def test_aggregate_is_scatter_mean_bit_for_bit(seed):
     _, packets = decoded_packets(num_peers=3 + 2 * seed, seed=seed)
-    assert_same_bits(
-        aggregate_packets(packets, divide_by_peers=divide_by_peers), reference(packets, divide_by_peers=divide_by_peers)
-    )
+    assert_same_bits(aggregate_packets(packets), reference(packets))
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -134,11 +130,6 @@ def test_arbitrary_scales_give_the_same_float32_products(seed):
     peer_scales[0, 0], peer_scales[1, 1], peer_scales[2] = 0.0, 1.0, 1.0  # the ends of [0, 1]
     peer_scales = peer_scales.tolist()
     assert_same_bits(aggregate_packets(packets, peer_scales=peer_scales), reference(packets, peer_scales=peer_scales))
-    for divide in (False, True):
-        assert_same_bits(
-            aggregate_packets(packets, peer_scales=peer_scales, divide_by_peers=divide),
-            reference(packets, peer_scales=peer_scales, divide_by_peers=divide),
-        )
 
 
 def test_one_peer_half_precision_tables_and_coordinates_nobody_sent():

@@ -110,7 +110,7 @@ def test_aggregation_bits_do_not_depend_on_workers_or_path(seed):
     layout = packets[0].layout
     tables = [(p.code_values * torch.tensor(s).unsqueeze(1)).view(-1) for p, s in zip(packets, scales)]
     assert_same_bits(
-        sparse._aggregate_blocks(packets, tables, torch.float32, torch.device("cpu"), False, torch.float32), expected
+        sparse._aggregate_blocks(packets, tables, torch.float32, torch.device("cpu"), torch.float32), expected
     )
     assert layout.num_symbols == packets[0].index.numel()
 
@@ -120,11 +120,7 @@ def test_runs_of_tile_rows_split_large_tensors(monkeypatch):
     monkeypatch.setattr(sparse, "BLOCK_ELEMENTS", 3 * 4096)
     shapes = {"tiled": (256, 192), "view": (64, 64 * 9), "vector": (64 * 50,)}
     _, packets = decoded_packets(num_peers=4, seed=40, shapes=shapes)
-    for divide in (False, True):
-        assert_same_bits(
-            aggregate_packets(packets, divide_by_peers=divide, num_threads=2),
-            reference(packets, divide_by_peers=divide),
-        )
+    assert_same_bits(aggregate_packets(packets, num_threads=2), reference(packets))
 
 
 def test_scratch_buffers_are_reused_per_thread_and_name():
