@@ -105,6 +105,13 @@ class CoordinatorService:
     # -- runs (the operator) ------------------------------------------------------------------
 
     def create_run(self, config: RunConfig) -> str:
+        if config.exchange.mirror is not None:  # refused now rather than found out at the first packet
+            from coordinator.mirror import Mirror, MirrorUnavailable  # boto3: only for runs with a mirror
+
+            try:
+                Mirror(config.exchange.mirror)
+            except MirrorUnavailable as e:
+                raise errors.InvalidConfig(str(e)) from e
         run = runs.new_run(config, self.clock())
         with self._tx():
             self.storage.insert_run(run)

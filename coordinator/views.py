@@ -11,6 +11,8 @@ through it.
 from __future__ import annotations
 
 import json
+import logging
+from typing import TYPE_CHECKING
 
 from coordinator import disputes, errors, recovery
 from coordinator.rules import standing
@@ -36,6 +38,11 @@ from protocol.model_sizes import dense_bytes
 from protocol.run_config import RunConfig
 from protocol.scoring import Standing
 
+if TYPE_CHECKING:
+    from coordinator.mirror import Mirror
+
+log = logging.getLogger("locoswarm.coordinator")
+
 HISTORY_LIMIT = 1000
 
 
@@ -45,6 +52,7 @@ class Views:
     def __init__(self, storage: Storage):
         self.storage = storage
         self._configs: dict[str, RunConfig] = {}  # configs never change after creation
+        self._mirrors: dict[str, Mirror | None] = {}  # by run id: its packet mirror's signer, if any
 
     def config_of(self, run: RunRow) -> RunConfig:
         config = self._configs.get(run.run_id)
@@ -52,6 +60,22 @@ class Views:
             config = RunConfig.from_stored(run.config_json)  # also a flat one from before the sections
             self._configs[run.run_id] = config
         return config
+
+    def mirror_of(self, run: RunRow) -> Mirror | None:
+        """The signer of the run's packet mirror (coordinator/mirror.py); None without one, or when
+        this coordinator cannot sign (logged once: the run goes on without the mirror)."""
+        if run.run_id not in self._mirrors:
+            section = self.config_of(run).exchange.mirror
+            mirror = None
+            if section is not None:
+                from coordinator.mirror import Mirror, MirrorUnavailable  # boto3: only for runs with a mirror
+
+                try:
+                    mirror = Mirror(section)
+                except MirrorUnavailable as e:
+                    log.error("run %s: packets are not mirrored: %s", run.run_id, e)
+            self._mirrors[run.run_id] = mirror
+        return self._mirrors[run.run_id]
 
     def require_run(self, run_id: str) -> RunRow:
         run = self.storage.get_run(run_id)
@@ -113,6 +137,7 @@ class Views:
             raise errors.RoundNotFound(f"run {run_id} is {run.state}; round {round_index} never ran")
         closed = round_row.closed_at is not None
         dropped = {d.peer_id: d.reason for d in self.storage.list_dropped(run_id, round_index)}
+        mirror = self.mirror_of(run)
         manifest = [
             ManifestEntry(
                 peer_id=s.peer_id,
@@ -120,6 +145,7 @@ class Views:
                 packet_size_bytes=s.packet_size_bytes,
                 multiaddrs=json.loads(s.multiaddrs),
                 public_key=self.storage.find_public_key(s.peer_id) or "",
+                mirror_url=mirror.get_url(run_id, round_index, s.peer_id) if mirror is not None else None,
             )
             for s in self.storage.manifest_entries(run_id, round_index)
         ]

@@ -349,6 +349,11 @@ class SubmitResponse(ResponseModel):
     peer_id: str
     num_submitted: int
     deadline: float
+    mirror_put_url: str | None = Field(
+        None,
+        description="With a packet mirror (exchange.mirror): a presigned URL to PUT exactly the submitted"
+        " packet_size_bytes into the store, valid at least half of mirror.url_ttl_s; null: no mirror.",
+    )
 
 
 class ManifestEntry(ResponseModel):
@@ -357,6 +362,11 @@ class ManifestEntry(ResponseModel):
     packet_size_bytes: int
     multiaddrs: list[str]
     public_key: str = Field("", description="The peer's Ed25519 key (hex), to verify its packet.")
+    mirror_url: str | None = Field(
+        None,
+        description="With a packet mirror (exchange.mirror): a presigned URL to GET the packet from the store,"
+        " one more holder, valid at least half of mirror.url_ttl_s from when it was served; null: no mirror.",
+    )
 
 
 class RoundView(ResponseModel):

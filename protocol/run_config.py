@@ -10,7 +10,8 @@ TOML file:
     [model]             what is trained: size preset, seed, data and its sharding
     [inner]             the inner AdamW steps (H = inner.steps) and their schedule and batches
     [outer]             the outer step: algorithm, SGD settings, compression, overlap
-    [exchange]          moving packets: their size bound, distribution trees, DHT bootstrap
+    [exchange]          moving packets: their size bound, distribution trees, DHT bootstrap,
+                        and [exchange.mirror], an object store that keeps a copy of each
     [membership]        who may join, how many before round 0, when a silent peer is gone
     [deadline]          when a round closes: a tagged policy, "fixed" or "adaptive"
     [scoring]           contribution scores, and when a peer whose updates hurt is excluded
@@ -43,6 +44,7 @@ __all__ = [
     "FLAT_KEYS",
     "InnerSection",
     "MembershipSection",
+    "MirrorSection",
     "ModelSection",
     "OuterSection",
     "RunConfig",
@@ -175,6 +177,33 @@ class OuterSection(RequestModel):
         return data
 
 
+class MirrorSection(RequestModel):
+    """An S3-compatible object store that keeps a copy of every packet (docs/DESIGN.md, "The
+    packet mirror"). Public facts only: the coordinator signs with credentials from its own
+    environment (the AWS variables or boto3's credential chain), never from here, and hands
+    peers presigned URLs."""
+
+    endpoint_url: Annotated[str, StringConstraints(pattern=r"^https?://", max_length=1024)] | None = Field(
+        None, description="The store's endpoint (https://...); null: AWS S3 in `region`."
+    )
+    bucket: Annotated[str, StringConstraints(min_length=3, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]+$")] = Field(
+        description="Bucket the packets are written to (it must exist)."
+    )
+    prefix: Annotated[str, StringConstraints(max_length=512, pattern=r"^[A-Za-z0-9!_.*'()/-]*$")] = Field(
+        "", description="Key prefix of every packet object, e.g. 'packets/'; a lifecycle rule on it expires them."
+    )
+    region: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")] = Field(
+        "us-east-1", description="The store's region (signatures name it)."
+    )
+    url_ttl_s: float = Field(
+        900.0,
+        ge=60.0,
+        le=7 * 86400.0,
+        description="Lifetime of the presigned URLs handed to peers; a URL is never handed out older than half"
+        " of it. S3 allows at most 7 days.",
+    )
+
+
 class ExchangeSection(RequestModel):
     """How packets move between peers."""
 
@@ -196,6 +225,11 @@ class ExchangeSection(RequestModel):
         description="Seconds after a closed round's manifest entry is first reported unfetchable until the"
         " coordinator drops it (a new manifest version); sooner once every other contributor reported it."
         " Keep it below the nodes' fetch_timeout_s (default 60), which is how long they wait for the amendment.",
+    )
+    mirror: MirrorSection | None = Field(
+        None,
+        description="An object store every packet is also written to, which fetchers use as one more holder"
+        " (peers behind NAT); null: none.",
     )
 
 

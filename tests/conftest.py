@@ -15,7 +15,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
-pytest_plugins = ["tests.fixtures.coordinator"]
+pytest_plugins = ["tests.fixtures.coordinator", "tests.fixtures.s3"]
 
 
 @pytest.fixture

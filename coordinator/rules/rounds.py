@@ -11,7 +11,8 @@
   answered as the first time; another is ``conflicting_submission``), at most
   ``exchange.max_packet_bytes``, never from an excluded peer (coordinator/scoring.py). A
   submission to a closed round is ``late`` when it is the round just closed at its deadline, else
-  ``stale_round``.
+  ``stale_round``. With a packet mirror (``exchange.mirror``), the answer to an accepted one
+  carries a presigned URL to PUT exactly the submitted size into the store (coordinator/mirror.py).
 - Newcomers in step. A round whose waited-for peers have all submitted stays open a little longer
   for a peer on probation that is training it right now (its heartbeat says so for this round) in
   its first ``max_missed_rounds`` rounds as a member: until the last waited-for submission plus a
@@ -238,10 +239,17 @@ def _check_round_accepts(ctx: Context, run: RunRow, round_index: int, now: float
 def _submit_response(ctx: Context, run_id: str, round_index: int, peer_id: str) -> SubmitResponse:
     round_row = ctx.storage.get_round(run_id, round_index)
     assert round_row is not None  # a submission exists only for an opened round
+    mirror = ctx.views.mirror_of(ctx.run(run_id))
+    put_url = None
+    if mirror is not None:  # the accepted submission's size is the only one the store takes
+        submission = ctx.storage.get_submission(run_id, round_index, peer_id)
+        assert submission is not None  # answered for an accepted submission only
+        put_url = mirror.put_url(run_id, round_index, peer_id, submission.packet_size_bytes)
     return SubmitResponse(
         run_id=run_id,
         round=round_index,
         peer_id=peer_id,
         num_submitted=ctx.storage.count_submissions(run_id, round_index),
         deadline=round_row.deadline,
+        mirror_put_url=put_url,
     )

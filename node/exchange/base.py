@@ -11,11 +11,17 @@ The round loop (node/round/loop.py) uses the `Exchange` protocol and nothing els
 
     announcement = await exchange.publish(r, my_peer_id, packet_bytes)
     ...coordinator closes round r and lists {peer_id: digest} in its manifest...
-    packets = await exchange.fetch(r, manifest, hints, timeout_s=60, parents=parents)  # a subset
+    packets = await exchange.fetch(r, manifest, hints, timeout_s=60, parents=parents, mirrors=mirrors)  # a subset
     exchange.traffic(r).downloaded_bytes, exchange.traffic(r).fetching_s()             # for its report
     await exchange.publish_params(r + 1, snapshot)        # a node.training.snapshot.Snapshot, served unit by unit
     ok = await exchange.fetch_params(r, digest, sink)     # a peer catching up: verified units into its model
     await exchange.forget_before(r - keep_rounds)
+
+With a packet mirror (the run's `exchange.mirror`: an object store the coordinator signs URLs
+for), `mirrors` names, per packet, a presigned GET URL and the size the manifest announces: one
+more holder, asked once the peers have not delivered within `mirror_after_s` (ExchangeConfig),
+with the same checks as a peer's bytes (node/exchange/fetch.py). A publisher uploads its packet
+there itself, after its submission (node/exchange/mirror.py).
 
 `fetch` never returns bytes whose sha256 differs from the digest asked for, and never hangs: a
 packet that no holder serves in time is left out of the result, and the caller decides (the
@@ -54,6 +60,15 @@ class Reachability:
     loopback_only: bool
     reachable: bool  # can a peer on another network plausibly dial us
     advice: str
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorCopy:
+    """Where the packet mirror keeps a packet: a presigned GET URL, and the size its manifest entry
+    announces (the only length accepted from the store)."""
+
+    url: str
+    size_bytes: int
 
 
 @dataclass(slots=True)
@@ -104,12 +119,14 @@ class Exchange(Protocol):
         holders_hint: dict[str, list[str]] | None = None,
         timeout_s: float = 60,
         parents: dict[str, list[str]] | None = None,
+        mirrors: dict[str, MirrorCopy] | None = None,
     ) -> dict[str, bytes]:
         """Bytes for each `wanted` peer id whose sha256 equals the wanted digest; missing ones are left out.
 
         `holders_hint` maps a publisher's peer id to holder multiaddrs to try besides the DHT's;
         `parents` maps it to the multiaddrs of this node's parent in the packet's distribution
-        tree (node.exchange.topology.tree_parent), asked first.
+        tree (node.exchange.topology.tree_parent), asked first; `mirrors` maps it to its copy in
+        the packet mirror, asked when the peers have not delivered within `mirror_after_s`.
         """
         ...
 

@@ -56,6 +56,9 @@ class ExchangeConfig:
     min_rate_bytes_per_s: float = 16 << 10
     request_timeout_s: float = 5.0  # a server waits this long for a request
     holder_refresh_s: float = 1.0  # with every holder failed, re-read the DHT for new holders this often
+    # with a packet mirror (the run's exchange.mirror): ask the store for a packet the peers have not
+    # delivered within this; its bytes are checked as a peer's (fetch.py)
+    mirror_after_s: float = 3.0
     holder_batch_s: float = 0.05  # verified copies are announced together after this pause
     startup_timeout_s: float = 30.0  # p2pd start-up
     # each initial peer must answer a dial within this, all tried at once; those that do not are
@@ -95,6 +98,8 @@ class ExchangeConfig:
             <= 0
         ):
             raise ValueError("time-outs and the announcement lifetime must be positive")
+        if self.mirror_after_s < 0:
+            raise ValueError("mirror_after_s must be >= 0 (0: ask the mirror at once)")
         if self.min_rate_bytes_per_s < 0:
             raise ValueError("min_rate_bytes_per_s must be >= 0 (0: no floor)")
 

@@ -1,7 +1,7 @@
 """Fetching packets: which holders to ask, in what order, and the download with its checks.
 
     fetcher = PacketFetcher(config, host, store, announcer, rng)
-    packets = await fetcher.fetch(round, {publisher: digest}, holders_hint, timeout_s, parents)
+    packets = await fetcher.fetch(round, {publisher: digest}, holders_hint, timeout_s, parents, mirrors)
 
 Per packet, the search asks this node's parent in the packet's tree first (`parents`, from
 node.exchange.topology.tree_parent), as a "child" that waits in its queue and for its copy to
@@ -27,6 +27,16 @@ fetcher, which never counts a short stream as a whole packet, tries another hold
 banning that one. A verified copy is kept, served, and announced under the holders key, so later
 fetchers spread their load over it.
 
+The packet mirror (`mirrors`: a presigned GET URL and the manifest's size per packet, from the
+coordinator) is one more holder, raced against the peer search once that has not delivered
+within `mirror_after_s`. Its bytes are as hostile as a peer's: a Content-Length other than the
+manifest's size (or the announcement's, or over `max_packet_bytes`) is refused before any body
+is read, the body is hashed as it arrives and never buffered past that size, and a short body,
+an HTTP error or a lost connection (the publisher's upload may not be there yet) is tried again
+every `holder_refresh_s`, while a wrong length or digest bans the mirror for that packet. A
+verified copy from the mirror is kept, served and announced like one from a peer; whichever of
+the two verifies first wins, and the other is cancelled.
+
 A parameter snapshot (`fetch_snapshot`) goes through the same search among the holders that
 announced it, but its bytes go into a `SnapshotSink` (node/training/snapshot.py) rather than a
 buffer: the request carries the sink's offset, the answer must be exactly the rest of the
@@ -48,9 +58,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import httpx
 from hivemind.p2p import PeerID
 
 from node.exchange.announce import Announcer
+from node.exchange.base import MirrorCopy
 from node.exchange.config import ExchangeConfig
 from node.exchange.host import Host, dial_addresses
 from node.exchange.reachability import addresses_by_holder
@@ -77,6 +89,8 @@ if TYPE_CHECKING:
     from node.training.snapshot import SnapshotSink
 
 log = logging.getLogger(__name__)
+
+MIRROR = "mirror"  # the packet mirror's name among a fetch's holders (its bans, its logs)
 
 
 @dataclass(slots=True)
@@ -116,6 +130,7 @@ class PacketFetcher:
         holders_hint: dict[str, list[str]] | None = None,
         timeout_s: float = 60,
         parents: dict[str, list[str]] | None = None,
+        mirrors: dict[str, MirrorCopy] | None = None,
     ) -> dict[str, bytes]:
         """The wanted packets ({publisher: digest}) that some holder served and that verified."""
         loop = asyncio.get_running_loop()
@@ -155,10 +170,11 @@ class PacketFetcher:
             log.debug(
                 "round %d: fetching %s's packet, parent %s", round, publisher, parent.holder[-8:] if parent else None
             )
+            search = self._fetch_one(state, hints, lookup, deadline, parent)
+            if (mirror := (mirrors or {}).get(publisher)) is not None:
+                search = self._with_mirror(state, search, mirror, deadline)
             try:
-                data = await asyncio.wait_for(
-                    self._fetch_one(state, hints, lookup, deadline, parent), timeout=max(0.0, deadline - loop.time())
-                )
+                data = await asyncio.wait_for(search, timeout=max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 log.warning("round %d: no holder served %s's packet within %.1f s", round, publisher, timeout_s)
                 return None
@@ -240,6 +256,102 @@ class PacketFetcher:
                     for name in outcome.holders:
                         known.setdefault(name, self._holder_named(name, state))
             return await self._search(state, known, lookup, deadline)
+
+    async def _with_mirror(self, state: FetchState, search, mirror: MirrorCopy, deadline: float) -> bytes:
+        """The peer `search`'s packet, or the mirror's if the peers have not delivered within
+        `mirror_after_s` and the mirror's copy verifies first (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        peers = asyncio.ensure_future(search)
+        fallback: asyncio.Future | None = None
+        try:
+            await asyncio.wait({peers}, timeout=max(0.0, min(self.config.mirror_after_s, deadline - loop.time())))
+            if peers.done():
+                return peers.result()
+            fallback = asyncio.ensure_future(self._from_mirror(state, mirror, deadline))
+            pending: set[asyncio.Future] = {peers, fallback}
+            while True:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if peers in done:
+                    return peers.result()
+                if fallback in done and (data := fallback.result()) is not None:
+                    return data
+        finally:
+            for task in (peers, fallback):
+                if task is not None and not task.done():
+                    task.cancel()
+
+    async def _from_mirror(self, state: FetchState, mirror: MirrorCopy, deadline: float) -> bytes | None:
+        """The mirror's verified copy, asked again every `holder_refresh_s` after a failure; None
+        once it sent bad bytes (banned for this packet)."""
+        loop = asyncio.get_running_loop()
+        while MIRROR not in state.banned:
+            started = loop.time()
+            try:
+                async with self._fetch_slots:
+                    data = await self._download_mirror(state, mirror, deadline)
+            except (DigestMismatch, MalformedPacket, OversizedPacket) as e:
+                state.banned.add(MIRROR)
+                log.warning("round %d: the mirror's copy of %s's packet banned: %s", state.round, state.publisher, e)
+                return None
+            except (httpx.HTTPError, asyncio.TimeoutError, asyncio.IncompleteReadError, OSError) as e:
+                log.info("round %d: the mirror's copy of %s's packet failed: %r", state.round, state.publisher, e)
+                await asyncio.sleep(max(0.0, min(self.config.holder_refresh_s, deadline - loop.time())))
+                continue
+            self._store.traffic(state.round).num_fetched += 1
+            self._announcer.announce_holder(state.round, state.publisher, state.digest, len(data))
+            log.debug(
+                "round %d: %s's packet from the mirror: %d bytes in %.3f s",
+                state.round,
+                state.publisher,
+                len(data),
+                loop.time() - started,
+            )
+            return data
+        return None
+
+    async def _download_mirror(self, state: FetchState, mirror: MirrorCopy, deadline: float) -> bytes:
+        """One GET of the mirror's copy: its length checked before the body is read, the body
+        hashed as it arrives and never buffered past the expected size; held once verified."""
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        expected = mirror.size_bytes
+        if state.size_bytes is not None and state.size_bytes != expected:
+            raise MalformedPacket(f"the manifest says {expected} bytes, the announcement {state.size_bytes}")
+        if expected > cfg.max_packet_bytes:
+            raise OversizedPacket(f"the manifest's {expected} bytes exceed max_packet_bytes {cfg.max_packet_bytes}")
+        remaining = max(0.001, deadline - loop.time())
+        timeout = httpx.Timeout(min(cfg.stall_timeout_s, remaining), connect=min(cfg.connect_timeout_s, remaining))
+        hasher, buffer = hashlib.sha256(), bytearray()
+        traffic = self._store.traffic(state.round)
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            async with client.stream("GET", mirror.url) as response:
+                if response.status_code != 200:
+                    raise httpx.HTTPStatusError(
+                        f"the mirror answered {response.status_code}", request=response.request, response=response
+                    )
+                length = response.headers.get("content-length")
+                if length is None or not length.isdigit() or int(length) != expected:
+                    raise MalformedPacket(f"the mirror offers {length} bytes, the manifest says {expected}")
+                async for piece in response.aiter_raw(cfg.chunk_bytes):
+                    if len(buffer) + len(piece) > expected:
+                        raise MalformedPacket(f"the mirror sent more than the {expected} bytes it offered")
+                    buffer += piece
+                    hasher.update(piece)
+                    traffic.downloaded_bytes += len(piece)
+        if len(buffer) != expected:
+            raise asyncio.IncompleteReadError(bytes(buffer[:0]), expected)
+        if hasher.hexdigest() != state.digest:
+            raise DigestMismatch(
+                f"bytes from the mirror hash to {hasher.hexdigest()[:16]}..., wanted {state.digest[:16]}..."
+            )
+        data = await asyncio.to_thread(self._store.spool.keep, buffer)
+        key = (state.round, state.publisher)
+        if (held := self._store.held.get(key)) is None or held.digest != state.digest:
+            self._store.held[key] = Held(state.digest, data)
+            self._store.notify_copy()  # tree children waiting for our copy
+        else:
+            data = held.data  # a peer's copy verified meanwhile: serve one
+        return data
 
     def _fetched(self, state: FetchState, data: bytes | SnapshotSink) -> bytes | SnapshotSink:
         """A verified packet, held and served from now on (_download); its copy announced. (A

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from node.exchange.announce import Announcer
-from node.exchange.base import Traffic
+from node.exchange.base import MirrorCopy, Traffic
 from node.exchange.config import ExchangeConfig
 from node.exchange.fetch import PacketFetcher
 from node.exchange.host import Host
@@ -137,6 +137,7 @@ class P2PExchange:
         holders_hint: dict[str, list[str]] | None = None,
         timeout_s: float = 60,
         parents: dict[str, list[str]] | None = None,
+        mirrors: dict[str, MirrorCopy] | None = None,
     ) -> dict[str, bytes]:
         """The wanted packets ({publisher: digest}) that some holder served and that verified.
 
@@ -144,8 +145,10 @@ class P2PExchange:
         `parents` names one holder per packet to ask first, waiting in its queue and for its copy
         to start arriving (this node's parent in the packet's distribution tree, node.exchange.
         tree_parent); without a parent, or if it fails, the search goes on as without one.
+        `mirrors` names a packet's copy in the packet mirror, asked beside the peers once they
+        have not delivered within `mirror_after_s`.
         """
-        return await self._fetcher.fetch(round, wanted, holders_hint, timeout_s, parents)
+        return await self._fetcher.fetch(round, wanted, holders_hint, timeout_s, parents, mirrors)
 
     # -- serving ------------------------------------------------------------------------------
 

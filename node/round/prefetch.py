@@ -14,6 +14,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from node.exchange.base import MirrorCopy
 from node.exchange.topology import tree_parent
 from node.round.session import Session
 from node.training.decode import PacketKey
@@ -68,6 +69,7 @@ async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents) ->
         {entry.peer_id: entry.multiaddrs},
         timeout_s=s.config.network.fetch_timeout_s,
         parents=parents,
+        mirrors={entry.peer_id: MirrorCopy(entry.mirror_url, entry.packet_size_bytes)} if entry.mirror_url else None,
     )
     if (payload := got.get(entry.peer_id)) is not None:
         s.decoded.start(

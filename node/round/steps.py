@@ -20,6 +20,9 @@ Decisions at the boundaries, each logged:
 - a round this node applied whose manifest was amended since: recomputed from the kept round
   start before the next outer step, reported again, its `RoundReport` updated (amend.py);
 - a packet that fails to verify or decode is left out (deterministically, by every honest peer);
+- with a packet mirror (the run's exchange.mirror), an accepted submission's answer carries a URL
+  the packet is uploaded to in the background (node/exchange/mirror.py); an upload that fails is
+  logged and the round goes on, and fetches ask the mirror as one more holder (fetch.py);
 - a submission refused "excluded" (contribution scoring judged this peer's updates harmful,
   protocol/scoring.py): as a late one, the node applies the round without its packet and trains on.
 
@@ -38,6 +41,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from node.exchange import mirror
+from node.exchange.base import MirrorCopy
 from node.faults import Phase
 from node.round import amend, resume
 from node.round.coordinator_client import Refused
@@ -52,7 +57,15 @@ from node.training.base import ApplyResult, Prepared
 from node.training.params import param_tree
 from node.training.scoring import PeerScore
 from protocol.errors import ProtocolError
-from protocol.http import MAX_REFUSED, MAX_SAMPLE_CHARS, MAX_SCORES, AppliedResponse, PeerScoreReport, RoundView
+from protocol.http import (
+    MAX_REFUSED,
+    MAX_SAMPLE_CHARS,
+    MAX_SCORES,
+    AppliedResponse,
+    ManifestEntry,
+    PeerScoreReport,
+    RoundView,
+)
 
 log = logging.getLogger("locoswarm.node")
 
@@ -201,7 +214,7 @@ async def send(
     from node.round.coordinator_client import Refused
 
     try:
-        await s.signed(
+        answer = await s.signed(
             s.client.submit,
             round,
             packet_digest=announcement.digest,
@@ -211,6 +224,15 @@ async def send(
             encode_s=encode_s,
             multiaddrs=announcement.multiaddrs,
         )
+        if answer.mirror_put_url is not None:  # the run's packet mirror: one more holder, for peers behind NAT
+            s.spawn(
+                mirror.upload(
+                    answer.mirror_put_url,
+                    payload,
+                    timeout_s=s.config.network.fetch_timeout_s,
+                    label=f"round {round}: this node's packet",
+                )
+            )
     except Refused as e:
         if e.action not in SUBMISSION_GOES_ON:
             raise
@@ -310,9 +332,16 @@ async def fetch_manifest(
             {e.peer_id: e.packet_digest for e in rest},
             {e.peer_id: e.multiaddrs for e in rest},
             timeout_s=s.config.network.fetch_timeout_s,
+            mirrors=mirror_copies(rest),
         )
     times.transfer_s = time.perf_counter() - start
     return payloads
+
+
+def mirror_copies(entries: list[ManifestEntry]) -> dict[str, MirrorCopy] | None:
+    """The packet mirror's copies of these entries' packets (None: the run has no mirror)."""
+    copies = {e.peer_id: MirrorCopy(e.mirror_url, e.packet_size_bytes) for e in entries if e.mirror_url}
+    return copies or None
 
 
 async def prepare(s: Session, view: RoundView, payloads: dict[str, bytes]) -> Prepared:

@@ -11,6 +11,9 @@ a peer that submits and never serves would leave it), so tests can drive the mis
 reports, amended manifests and the round loop's catch-up. A packet every holder forgot
 (`forget_before`) is announced by nobody: a replay sees it gone without fetching.
 
+The packet mirror is `MemorySwarm.mirrored`, bytes by URL: a fetch given `mirrors` takes a packet
+no peer serves from there, with the real fetcher's checks (the manifest's size, the digest).
+
 Snapshots are kept as each holder's `Snapshot` source (no bytes copied) and moved unit by unit
 into the fetcher's `SnapshotSink`, with the same checks as over the network: a source whose
 tensors moved on (StaleSnapshot) or bytes that do not verify send the fetch on to the next holder,
@@ -25,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from node.exchange.base import Reachability, Traffic
+from node.exchange.base import MirrorCopy, Reachability, Traffic
 from protocol.dht_records import PARAMS_ID, Announcement
 from protocol.errors import ProtocolError
 
@@ -40,6 +43,7 @@ class MemorySwarm:
     packets: dict[tuple[int, str], dict[str, tuple[bytes, set[str]]]] = field(default_factory=dict)
     withheld: set[tuple[int, str]] = field(default_factory=set)
     snapshots: dict[int, dict[str, Snapshot]] = field(default_factory=dict)  # round -> holder -> its snapshot
+    mirrored: dict[str, bytes] = field(default_factory=dict)  # the packet mirror: bytes by URL
 
     def exchange(self, holder: str) -> "MemoryExchange":
         return MemoryExchange(self, holder)
@@ -121,15 +125,22 @@ class MemoryExchange:
         holders_hint: dict[str, list[str]] | None = None,
         timeout_s: float = 60,
         parents: dict[str, list[str]] | None = None,
+        mirrors: dict[str, MirrorCopy] | None = None,
     ) -> dict[str, bytes]:
         got, start = {}, time.monotonic()
         for publisher, digest in wanted.items():
             copy = self.swarm.packets.get((round, publisher), {}).get(digest)
-            if copy is None or not copy[1]:
-                continue
+            served = copy is not None and bool(copy[1])
+            if served and (round, publisher) in self.swarm.withheld and self.holder not in copy[1]:
+                served = False
+            if not served:
+                mirror = (mirrors or {}).get(publisher)
+                data = self.swarm.mirrored.get(mirror.url) if mirror is not None else None
+                if data is None or len(data) != mirror.size_bytes or hashlib.sha256(data).hexdigest() != digest:
+                    continue
+                self.swarm._store(round, publisher, data, self.holder)  # kept and served on, as a peer's copy
+                copy = self.swarm.packets[(round, publisher)][digest]
             data, holders = copy
-            if (round, publisher) in self.swarm.withheld and self.holder not in holders:
-                continue
             holders.add(self.holder)  # a verified copy, served on
             traffic = self.traffic(round)
             traffic.downloaded_bytes += len(data)
