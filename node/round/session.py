@@ -57,7 +57,7 @@ class Session:
     decoded: EarlyDecodes = field(default_factory=EarlyDecodes)  # packets decoded as they arrived
     encode_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # error feedback folds rounds in order
     buffers_lock: threading.Lock = field(default_factory=threading.Lock)  # held by an encode and a reset
-    background: set[asyncio.Task] = field(default_factory=set)  # snapshot publications
+    background: set[asyncio.Task] = field(default_factory=set)  # snapshot publications, mirror uploads
     own_packets: OwnPackets | None = None  # this node's packets on disk until final (own_packets.py)
     # This session's own packets by round while their rounds may still leave them out: their values
     # left the error buffers, and go back in if the packet is not applied (`steps.return_if_unsent`).

@@ -1,0 +1,69 @@
+"""The packet mirror with real processes on 127.0.0.1: a coordinator that signs for an S3 store
+(moto's, in this process: tests/fixtures/s3.py), three tiny-preset nodes, and one of them whose
+packets only the mirror serves.
+
+Node 2 runs with `--inject withhold`: it submits each round's packet and uploads it to the URL its
+submission was answered with, but serves it to no peer (node/faults.py). Without a mirror the
+coordinator would amend every round's manifest without it
+(test_faults.py::test_a_packet_nobody_serves_is_dropped_from_the_manifest); with one, nodes 0
+and 1 take node 2's packet from the store once the peers have not delivered it within
+mirror_after_s, so every round keeps its first manifest, with all three packets, and every node
+applies each round with one parameter digest.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.test_faults import (
+    assert_history_complete,
+    assert_identical_digests,
+    peer_id_of,
+    rounds_of,
+    start_swarm,
+    swarm_for,
+    wait_exit,
+)
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.mark.timeout(240)
+def test_a_packet_only_the_mirror_serves_is_applied_every_round(tmp_path, s3_store):
+    rounds, fetch_timeout_s = 3, 20.0
+    bucket = s3_store.create_bucket()
+    common = ("--fetch-timeout", str(fetch_timeout_s))
+    extra = {0: common, 1: common, 2: (*common, "--inject", "withhold")}
+    with swarm_for(tmp_path, 3, rounds, extra) as swarm:
+        start_swarm(
+            swarm,
+            {
+                "exchange.mirror": {"endpoint_url": s3_store.endpoint_url, "bucket": bucket, "prefix": "pk/"},
+                "exchange.missing_grace_s": 10.0,
+                "deadline": {"kind": "fixed", "round_timeout_s": 60.0},
+            },
+        )
+        codes = wait_exit(swarm, (0, 1, 2))
+        status = swarm.status()
+        views = [
+            httpx.get(f"{swarm.url}/v1/runs/{swarm.run_id}/rounds/{r}", trust_env=False, timeout=30).json()
+            for r in range(rounds)
+        ]
+    assert codes == [0, 0, 0]
+    assert_history_complete(status["history"], rounds)
+    peers = [peer_id_of(swarm, i) for i in range(3)]
+    for view in views:
+        assert view["manifest_version"] == 1 and view["dropped"] == {}, view
+        assert sorted(e["peer_id"] for e in view["manifest"]) == sorted(peers)
+        assert all(e["mirror_url"] for e in view["manifest"])
+    assert_identical_digests(swarm, (0, 1, 2), status["history"])
+    for i in (0, 1):
+        applied = rounds_of(swarm, i)
+        assert [r["round"] for r in applied] == list(range(rounds))
+        assert all(r["num_packets"] == 3 for r in applied), applied
+    keys = set(s3_store.keys(bucket))
+    withheld = {f"pk/{swarm.run_id}/{r:08d}/{peers[2]}.pkt" for r in range(rounds)}
+    assert withheld <= keys, sorted(keys)
+    assert s3_store.check.num_denied == 0
+    print(f"mirror: {len(keys)} objects in the bucket after {rounds} rounds of 3 nodes")
