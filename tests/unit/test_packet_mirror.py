@@ -281,3 +281,13 @@ async def test_a_missing_object_is_asked_again_until_it_is_uploaded(s3_store):
 async def test_without_a_mirror_copy_a_packet_nobody_serves_is_left_out():
     fetcher, store, _ = _fetcher()
     assert await fetcher.fetch(1, {PEER: "ab" * 32}, timeout_s=0.3) == {}
+
+
+def test_the_sample_run_config_s_mirror_loads_once_uncommented(tmp_path):
+    from protocol.run_config import load_run_config
+
+    text = (REPO_ROOT / "deploy" / "run.toml").read_text()
+    assert "\n# mirror = {" in text
+    (tmp_path / "run.toml").write_text(text.replace("\n# mirror = {", "\nmirror = {"))
+    section = load_run_config(tmp_path / "run.toml").exchange.mirror
+    assert section is not None and section.bucket == "my-locoswarm-packets" and section.prefix == "packets/"
