@@ -291,3 +291,20 @@ def test_the_sample_run_config_s_mirror_loads_once_uncommented(tmp_path):
     (tmp_path / "run.toml").write_text(text.replace("\n# mirror = {", "\nmirror = {"))
     section = load_run_config(tmp_path / "run.toml").exchange.mirror
     assert section is not None and section.bucket == "my-locoswarm-packets" and section.prefix == "packets/"
+
+
+@in_loop
+async def test_the_memory_exchange_takes_a_withheld_packet_from_its_mirror():
+    from tests.doubles.memory_exchange import MemorySwarm
+
+    swarm = MemorySwarm()
+    publisher, fetcher = swarm.exchange("a"), swarm.exchange("b")
+    data = b"packet" * 10
+    digest = (await publisher.publish(0, "a", data)).digest
+    swarm.withhold(0, "a")
+    assert await fetcher.fetch(0, {"a": digest}, timeout_s=0.01) == {}
+    swarm.mirrored["http://store/a"] = data
+    wrong_size = {"a": MirrorCopy("http://store/a", len(data) + 1)}
+    assert await fetcher.fetch(0, {"a": digest}, timeout_s=0.01, mirrors=wrong_size) == {}
+    got = await fetcher.fetch(0, {"a": digest}, timeout_s=0.01, mirrors={"a": MirrorCopy("http://store/a", len(data))})
+    assert got == {"a": data} and "b" in {h.holder for h in await fetcher.holders(0, "a")}
