@@ -57,7 +57,8 @@ class ExchangeConfig:
     request_timeout_s: float = 5.0  # a server waits this long for a request
     holder_refresh_s: float = 1.0  # with every holder failed, re-read the DHT for new holders this often
     # with a packet mirror (the run's exchange.mirror): ask the store for a packet the peers have not
-    # delivered within this; its bytes are checked as a peer's (fetch.py)
+    # delivered within this (sooner once every holder asked failed); its bytes are checked as a
+    # peer's (fetch.py)
     mirror_after_s: float = 3.0
     holder_batch_s: float = 0.05  # verified copies are announced together after this pause
     startup_timeout_s: float = 30.0  # p2pd start-up

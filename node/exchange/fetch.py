@@ -29,7 +29,8 @@ fetchers spread their load over it.
 
 The packet mirror (`mirrors`: a presigned GET URL and the manifest's size per packet, from the
 coordinator) is one more holder, raced against the peer search once that has not delivered
-within `mirror_after_s`. Its bytes are as hostile as a peer's: a Content-Length other than the
+within `mirror_after_s`, or sooner once a pass asked holders and every one failed (a publisher
+nobody can dial). Its bytes are as hostile as a peer's: a Content-Length other than the
 manifest's size (or the announcement's, or over `max_packet_bytes`) is refused before any body
 is read, the body is hashed as it arrives and never buffered past that size, and a short body,
 an HTTP error or a lost connection (the publisher's upload may not be there yet) is tried again
@@ -102,6 +103,8 @@ class FetchState:
     banned: set[str] = field(default_factory=set)  # holders that sent bad bytes
     sink: SnapshotSink | None = None  # a snapshot's receiver (its layout sizes the stream)
     refused: set[str] = field(default_factory=set)  # holders that answered they do not hold it
+    # with a mirror copy: set once a pass asked holders and every one failed (the mirror need not wait)
+    peers_failed: asyncio.Event | None = None
 
 
 class SnapshotGone(Exception):
@@ -172,6 +175,7 @@ class PacketFetcher:
             )
             search = self._fetch_one(state, hints, lookup, deadline, parent)
             if (mirror := (mirrors or {}).get(publisher)) is not None:
+                state.peers_failed = asyncio.Event()
                 search = self._with_mirror(state, search, mirror, deadline)
             try:
                 data = await asyncio.wait_for(search, timeout=max(0.0, deadline - loop.time()))
@@ -259,12 +263,18 @@ class PacketFetcher:
 
     async def _with_mirror(self, state: FetchState, search, mirror: MirrorCopy, deadline: float) -> bytes:
         """The peer `search`'s packet, or the mirror's if the peers have not delivered within
-        `mirror_after_s` and the mirror's copy verifies first (see the module docstring)."""
+        `mirror_after_s` (or every holder asked failed) and the mirror's copy verifies first (see
+        the module docstring)."""
         loop = asyncio.get_running_loop()
         peers = asyncio.ensure_future(search)
+        failed = asyncio.ensure_future(state.peers_failed.wait()) if state.peers_failed is not None else None
         fallback: asyncio.Future | None = None
         try:
-            await asyncio.wait({peers}, timeout=max(0.0, min(self.config.mirror_after_s, deadline - loop.time())))
+            await asyncio.wait(
+                {peers} | ({failed} if failed is not None else set()),
+                timeout=max(0.0, min(self.config.mirror_after_s, deadline - loop.time())),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             if peers.done():
                 return peers.result()
             fallback = asyncio.ensure_future(self._from_mirror(state, mirror, deadline))
@@ -276,7 +286,7 @@ class PacketFetcher:
                 if fallback in done and (data := fallback.result()) is not None:
                     return data
         finally:
-            for task in (peers, fallback):
+            for task in (peers, failed, fallback):
                 if task is not None and not task.done():
                     task.cancel()
 
@@ -421,6 +431,8 @@ class PacketFetcher:
                 await asyncio.sleep(min(busy_pause_s * (0.5 + self.rng.random()), max(0.0, deadline - loop.time())))
                 busy_pause_s = min(busy_pause_s * 2, 8 * self.config.busy_pause_s)
                 continue
+            if tried and state.peers_failed is not None:
+                state.peers_failed.set()  # the mirror, if any, is asked beside the further search
             if not looked_up:
                 continue  # the hinted holders failed: wait for the DHT's
             if state.sink is not None and passes >= 2 and tried and tried <= state.refused:

@@ -184,7 +184,12 @@ async def test_upload_puts_the_packet_and_a_refusal_is_logged_once(s3_store, cap
 
 
 class _Host:
+    """A host that dials nobody: every peer holder fails at once."""
+
     holder_id = "12D3KooWSelf"
+
+    async def connect(self, peer, maddrs):
+        raise ConnectionRefusedError("no peer is reachable here")
 
 
 class _Announcer:
@@ -207,7 +212,7 @@ class _Announcer:
 
 
 def _fetcher(**config) -> tuple[PacketFetcher, PacketStore, _Announcer]:
-    cfg = ExchangeConfig(run_id=RUN, mirror_after_s=0.05, holder_refresh_s=0.1, **config)
+    cfg = ExchangeConfig(run_id=RUN, **({"mirror_after_s": 0.05, "holder_refresh_s": 0.1} | config))
     store, announcer = PacketStore(Spool(None)), _Announcer()
     return PacketFetcher(cfg, _Host(), store, announcer, random.Random(0)), store, announcer
 
@@ -227,6 +232,27 @@ async def test_fetch_takes_a_packet_no_peer_serves_from_the_mirror(s3_store):
     assert bytes(store.held[(4, PEER)].data) == data  # kept, and served from now on
     assert announcer.announced == [(4, PEER, digest, len(data))]  # announced as a holder
     assert store.traffic(4).num_fetched == 1 and store.traffic(4).downloaded_bytes == len(data)
+
+
+@in_loop
+async def test_the_mirror_is_asked_at_once_when_every_peer_holder_failed(s3_store):
+    """mirror_after_s is 30 s, but the only holder named (the publisher) cannot be dialled."""
+    bucket = s3_store.create_bucket()
+    mirror = Mirror(s3_store.section(bucket))
+    data = b"behind NAT" * 100
+    s3_store.client.put_object(Bucket=bucket, Key=mirror.key(RUN, 8, PEER), Body=data)
+    fetcher, _, _ = _fetcher(mirror_after_s=30.0)
+    publisher = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJYTQz2gw1w1kbgDtvpK5pB8WSEZV3ti4Ko1PsJ8jWYDu"
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    got = await fetcher.fetch(
+        8,
+        {PEER: hashlib.sha256(data).hexdigest()},
+        {PEER: [publisher]},
+        timeout_s=20,
+        mirrors={PEER: MirrorCopy(mirror.get_url(RUN, 8, PEER), len(data))},
+    )
+    assert bytes(got[PEER]) == data and loop.time() - started < 10
 
 
 @pytest.mark.parametrize("fault", ["short", "long", "digest", "oversized"])
