@@ -31,7 +31,7 @@ from botocore.config import Config
 from protocol.run_config import MirrorSection
 
 REUSE_FRACTION = 0.5  # a signed URL is handed out until it is this share of its lifetime old
-MAX_CACHED = 100_000  # signed URLs kept for reuse; beyond it, the expired ones are dropped
+MAX_CACHED = 20_000  # signed URLs kept for reuse (about 1 KB each); beyond it, those past reuse are dropped
 
 
 class MirrorUnavailable(Exception):

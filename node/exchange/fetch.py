@@ -294,6 +294,7 @@ class PacketFetcher:
         """The mirror's verified copy, asked again every `holder_refresh_s` after a failure; None
         once it sent bad bytes (banned for this packet)."""
         loop = asyncio.get_running_loop()
+        failures = 0
         while MIRROR not in state.banned:
             started = loop.time()
             try:
@@ -304,7 +305,14 @@ class PacketFetcher:
                 log.warning("round %d: the mirror's copy of %s's packet banned: %s", state.round, state.publisher, e)
                 return None
             except (httpx.HTTPError, asyncio.TimeoutError, asyncio.IncompleteReadError, OSError) as e:
-                log.info("round %d: the mirror's copy of %s's packet failed: %r", state.round, state.publisher, e)
+                failures += 1  # logged once: it is asked again every holder_refresh_s
+                log.log(
+                    logging.INFO if failures == 1 else logging.DEBUG,
+                    "round %d: the mirror's copy of %s's packet failed (asked again): %r",
+                    state.round,
+                    state.publisher,
+                    e,
+                )
                 await asyncio.sleep(max(0.0, min(self.config.holder_refresh_s, deadline - loop.time())))
                 continue
             self._store.traffic(state.round).num_fetched += 1
