@@ -123,13 +123,15 @@ A node's loop, in JSON (digests shortened)::
       -> {"run_state": "running", "current_round": 8, "round_state": "open", "deadline": 1.7e9}
     POST rounds/8/submit {"packet_digest": sha256 hex, "packet_size_bytes": 812345,
                           "train_loss": 3.21, "compute_s": 41.0, "encode_s": 0.8}
-      -> {"run_id": .., "round": 8, "peer_id": .., "num_submitted": 5, "deadline": 1.7e9}
+      -> {"run_id": .., "round": 8, "peer_id": .., "num_submitted": 5, "deadline": 1.7e9,
+          "mirror_put_url": null}      (a presigned PUT for exactly 812345 bytes with exchange.mirror)
          (a repeat with the same digest answers the same; another digest: 409)
     GET rounds/8?wait_s=30
       -> {"run_id": .., "round": 8, "state": "closed", "opened_at": .., "deadline": ..,
           "closed_at": .., "num_submitted": 6, "majority_digest": null,
           "manifest": [{"peer_id": .., "packet_digest": .., "packet_size_bytes": ..,
-                        "multiaddrs": [..]}, ...]}      (manifest is [] until closed)
+                        "multiaddrs": [..], "mirror_url": null}, ...]}   (manifest is [] until closed;
+                                                mirror_url: a presigned GET with exchange.mirror)
     POST rounds/8/applied {"params_digest": hex, "refused": {"p9e..": "BadSignature: .."},
                            "manifest_version": 1, "val_loss": 3.05}     (default 1; val_loss: optional)
       -> {"round": 8, "majority_digest": hex, "agrees": true, "num_reports": 4, "manifest_version": 1,
