@@ -38,6 +38,7 @@ from pydantic import BaseModel, BeforeValidator
 from coordinator import errors, metrics, page
 from coordinator.auth import Authenticator
 from coordinator.db_worker import DatabaseWorker, SharedReads
+from coordinator.reachability import dial_back
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
 from coordinator.views import HISTORY_LIMIT, Views
@@ -315,7 +316,8 @@ def peers_router(service: CoordinatorService, auth: Authenticator, worker: Datab
         signer = await _signer(auth, request, public_key=bytes.fromhex(body.public_key))
         # The direct peer's address: behind a proxy every join shares the proxy's (set its own limits).
         source = request.client.host if request.client else None
-        return await worker.run(lambda: _json(service.join(run_id, signer(), body, source=source)))
+        reachable = None if body.reachable is False else await dial_back(source, body.listen_multiaddrs)
+        return await worker.run(lambda: _json(service.join(run_id, signer(), body, source=source, reachable=reachable)))
 
     @router.post("/heartbeat", response_model=HeartbeatResponse, responses=ERROR_RESPONSES)
     async def heartbeat(run_id: RunIdPath, body: HeartbeatRequest, request: Request) -> Response:

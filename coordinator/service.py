@@ -172,13 +172,21 @@ class CoordinatorService:
 
     # -- membership ---------------------------------------------------------------------------
 
-    def join(self, run_id: str, signer_id: str, request: JoinRequest, source: str | None = None) -> JoinResponse:
-        """Join or rejoin; `source` is the caller's address, for the rate limit of new keys."""
+    def join(
+        self,
+        run_id: str,
+        signer_id: str,
+        request: JoinRequest,
+        source: str | None = None,
+        reachable: bool | None = None,
+    ) -> JoinResponse:
+        """Join or rejoin; `source` is the caller's address, for the rate limit of new keys;
+        `reachable`, whether the route's dial-back to it connected (coordinator/reachability.py)."""
         peer_id = peer_id_from_public_key(bytes.fromhex(request.public_key))
         if signer_id != peer_id:
             raise errors.PeerMismatch("the join must be signed by the key it registers")
         with self._write(run_id) as (run, now):
-            membership.join(self.ctx, run, peer_id, request, source, self.join_guard, now)
+            membership.join(self.ctx, run, peer_id, request, source, self.join_guard, now, reachable)
             rounds.advance(self.ctx, self.ctx.run(run_id), now)  # enough peers may open round 0
             return self.views.join_response(self.ctx.run(run_id), peer_id)
 

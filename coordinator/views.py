@@ -217,6 +217,7 @@ class Views:
             dht_bootstrap=list(config.exchange.dht_bootstrap),
             # Four beats per timeout: one lost request never costs a peer its membership.
             heartbeat_interval_s=config.membership.heartbeat_timeout_s / 4,
+            reachable=None if peer.reachable is None else bool(peer.reachable),
         )
 
     # -- status -------------------------------------------------------------------------------
@@ -310,6 +311,7 @@ class Views:
                     device=peer.device,
                     bandwidth_mbps=peer.bandwidth_mbps,
                     uplink_mbps=peer.uplink_mbps,
+                    reachable=None if peer.reachable is None else bool(peer.reachable),
                     last_loss=peer.last_loss,
                     last_seen_at=peer.last_seen_at,
                     lag_rounds=(

@@ -148,6 +148,11 @@ class NetworkSection(Section):
     announce_maddrs: Multiaddrs = Field((), description="Addresses to advertise instead (port forwarding).")
     initial_peers: Multiaddrs = Field((), description="DHT bootstrap; unset: the run's exchange.dht_bootstrap.")
     client_mode: bool = Field(False, description="Join the DHT without serving it (behind NAT).")
+    behind_nat: bool = Field(
+        False,
+        description="Peers elsewhere cannot dial this node (a NAT or firewall, no port forwarded): it pushes its"
+        " packets to reachable peers. Unset: the coordinator dials back at join to find out.",
+    )
     use_auto_relay: bool = Field(
         False, json_schema_extra={"flag": "--auto-relay"}, description="Behind NAT: be reachable through a relay."
     )

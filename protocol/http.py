@@ -259,6 +259,11 @@ class JoinRequest(RequestModel):
     )
     # 2**53: the largest integer every JSON reader holds exactly (a JavaScript number, a float).
     pow_nonce: int | None = Field(None, ge=0, le=2**53, description="The nonce that solves that challenge.")
+    reachable: Literal[False] | None = Field(
+        None,
+        description="false: the node's operator says peers elsewhere cannot dial it (the coordinator then does not"
+        " dial back); null: the coordinator dials back to find out (coordinator/reachability.py).",
+    )
 
 
 class PeerAddress(ResponseModel):
@@ -284,6 +289,11 @@ class JoinResponse(ResponseModel):
     params: ParamsSource
     dht_bootstrap: list[str]
     heartbeat_interval_s: float = Field(description="Suggested heartbeat period.")
+    reachable: bool | None = Field(
+        None,
+        description="Whether the coordinator's dial-back to the node's listen ports from the address its join"
+        " came from connected (null: it could not tell); false: peers elsewhere cannot dial it.",
+    )
 
 
 class JoinChallenge(ResponseModel):
@@ -606,6 +616,9 @@ class PeerView(ResponseModel):
     device: str
     bandwidth_mbps: float | None = Field(description="Measured on its last round's packet downloads.")
     uplink_mbps: float | None = Field(None, description="Its upload rate, as its operator stated it at join.")
+    reachable: bool | None = Field(
+        None, description="Whether peers elsewhere can dial it, as its latest join found (null: not known)."
+    )
     last_loss: float | None
     last_seen_at: float
     lag_rounds: int | None = Field(description="Current round minus the peer's latest round.")

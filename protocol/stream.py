@@ -30,6 +30,17 @@ that fails upstream ends the stream short rather than with bad bytes. A fetcher 
 that differs from the announced size (or exceeds its packet limit) before reading the body, and
 the sha256 of the bytes must equal the digest asked for (`DigestMismatch` otherwise).
 
+Pushes, protocol "locoswarm.push.v1": a node nobody can dial hands its packet to a reachable peer
+over a stream it opens itself (node/exchange/push.py), which then holds and serves it as any holder:
+
+    offer     the request layout above with the map {"run", "round", "peer" (publisher peer id),
+              "digest", "size": int (the packet's length)}
+    answer    a response header: status 0 with N = 0 ("send it"), or an error frame (refused: the
+              reason, e.g. "full" or "not submitted")
+    body      after status 0, the pusher sends exactly `size` bytes
+    verdict   a response header: status 0 with N = 0 once the bytes hashed to the digest and are
+              held, or an error frame
+
 Parameter snapshots (publisher "params") use the same stream; their bytes are laid out and
 checked as protocol/snapshot.py says: the fetcher knows their exact length from its own model
 (no packet limit applies), checks them chunk by chunk against a hash tree, and resumes a broken
@@ -53,6 +64,7 @@ import msgpack
 from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, TruncatedPacket
 
 PROTOCOL_NAME = "locoswarm.packet.v1"
+PUSH_PROTOCOL_NAME = "locoswarm.push.v1"
 REQUEST_PREFIX = struct.Struct(">I")
 RESPONSE_HEADER = struct.Struct(">BQ")
 STATUS_OK, STATUS_ERROR, STATUS_BUSY = 0, 1, 2
@@ -64,6 +76,7 @@ MAX_BUSY_NAMES = 8  # peers named in a busy answer
 MAX_PEER_ID_CHARS = 128  # a base58 libp2p id is about 52 characters
 REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
 OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child", "offset"})
+OFFER_KEYS = frozenset({"run", "round", "peer", "digest", "size"})
 # What hivemind 1.1.12's PeerID.from_base58 (base58.b58decode) accepts: the bitcoin alphabet,
 # after trailing whitespace is stripped. The same test here keeps this module free of hivemind.
 _BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]*")
@@ -126,12 +139,12 @@ def request_body_length(prefix: bytes) -> int:
     return length
 
 
-def decode_request(body: bytes) -> PacketRequest:
-    """The request in a body read after its prefix; which run it names is for the caller to check."""
+def _unpack_frame(body: bytes, what: str):
+    """The msgpack value of a request or offer body, parsed with limits (a map of short strings and ints)."""
     if len(body) > MAX_REQUEST_BYTES:
-        raise OversizedPacket(f"request of {len(body)} bytes")
+        raise OversizedPacket(f"{what} of {len(body)} bytes")
     try:
-        request = msgpack.unpackb(
+        return msgpack.unpackb(
             body,
             raw=False,
             strict_map_key=True,
@@ -141,7 +154,16 @@ def decode_request(body: bytes) -> PacketRequest:
             max_map_len=8,
         )
     except Exception as e:  # msgpack raises a zoo of types on bad input
-        raise MalformedPacket(f"request does not parse: {type(e).__name__}") from None
+        raise MalformedPacket(f"{what} does not parse: {type(e).__name__}") from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def decode_request(body: bytes) -> PacketRequest:
+    """The request in a body read after its prefix; which run it names is for the caller to check."""
+    request = _unpack_frame(body, "request")
     if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | OPTIONAL_REQUEST_KEYS:
         raise MalformedPacket("request is not a map with run, round, peer, digest (and optionally wait, child, offset)")
     run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
@@ -163,6 +185,40 @@ def decode_request(body: bytes) -> PacketRequest:
     return PacketRequest(
         run=run, round=round, publisher=publisher, digest=digest, wait=wait, child=child, offset=offset
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushOffer:
+    """A pusher's offer of one packet to a holder (PUSH_PROTOCOL_NAME)."""
+
+    run: str
+    round: int
+    publisher: str  # the publisher's peer id (wire key "peer")
+    digest: str  # sha256 hex of the packet
+    size: int  # its length in bytes
+
+
+def encode_offer(offer: PushOffer) -> bytes:
+    body = msgpack.packb(
+        {"run": offer.run, "round": offer.round, "peer": offer.publisher, "digest": offer.digest, "size": offer.size}
+    )
+    return REQUEST_PREFIX.pack(len(body)) + body
+
+
+def decode_offer(body: bytes, max_packet_bytes: int) -> PushOffer:
+    """The offer in a body read after its prefix (`request_body_length`); a size over the
+    holder's packet limit, or not positive, is refused here."""
+    offer = _unpack_frame(body, "offer")
+    if not isinstance(offer, dict) or set(offer) != OFFER_KEYS:
+        raise MalformedPacket("offer is not a map with run, round, peer, digest, size")
+    run, round, publisher, digest, size = (offer[k] for k in ("run", "round", "peer", "digest", "size"))
+    if not (isinstance(run, str) and isinstance(publisher, str) and isinstance(digest, str)):
+        raise MalformedPacket("offer fields have the wrong types")
+    if not (_is_int(round) and _is_int(size)) or round < 0:
+        raise MalformedPacket("offer round and size must be integers, the round not negative")
+    if not 0 < size <= max_packet_bytes:
+        raise OversizedPacket(f"offer of {size} bytes; the limit is {max_packet_bytes}")
+    return PushOffer(run=run, round=round, publisher=publisher, digest=digest, size=size)
 
 
 def encode_response_header(status: int, length: int) -> bytes:

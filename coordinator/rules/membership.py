@@ -45,10 +45,20 @@ from protocol.run_config import RunConfig
 
 
 def join(
-    ctx: Context, run: RunRow, peer_id: str, request: JoinRequest, source: str | None, guard: JoinGuard, now: float
+    ctx: Context,
+    run: RunRow,
+    peer_id: str,
+    request: JoinRequest,
+    source: str | None,
+    guard: JoinGuard,
+    now: float,
+    reachable: bool | None = None,
 ) -> None:
     """Admit `peer_id` to `run` as a new member, or take a member back; `source` is the caller's
-    address, for the rate limit of new keys."""
+    address, for the rate limit of new keys; `reachable`, what the dial-back to it found
+    (coordinator/reachability.py), unless the node says nobody can dial it."""
+    if request.reachable is False:
+        reachable = False
     run_id = run.run_id
     if run.state not in ACTIVE_STATES:
         raise errors.RunClosed(f"run {run_id} is {run.state}")
@@ -92,6 +102,7 @@ def join(
                 uplink_mbps=request.uplink_mbps,
                 state_round=request.state_round,
                 state_digest=request.state_digest,
+                reachable=reachable,
             )
         )
         return
@@ -110,6 +121,7 @@ def join(
         member_since_round=first_round if rejoining else existing.member_since_round,
         state_round=request.state_round,
         state_digest=request.state_digest,
+        reachable=reachable,
     )
 
 

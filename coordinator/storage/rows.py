@@ -55,6 +55,7 @@ class PeerRow:
     excluded_round: int | None = None  # while an exclusion is in force: the round whose verdict decided it
     detail: str | None = None  # what its last heartbeat said it is stuck on (None: nothing)
     credit: int = 0  # its standing's credit (protocol/scoring.py, rule 5): its weight as judge and voter
+    reachable: bool | None = None  # can peers elsewhere dial it (its latest join's dial-back; None: not known)
 
 
 @dataclass(slots=True)

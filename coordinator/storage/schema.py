@@ -250,6 +250,12 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
                               WHERE d.run_id = s.run_id AND d.round = s.round AND d.peer_id = s.peer_id)""",
         ),
     ),
+    (
+        15,
+        # Whether peers elsewhere can dial a member (coordinator/reachability.py: 1 yes, 0 no; NULL:
+        # not known), as its latest join found.
+        ("ALTER TABLE peers ADD COLUMN reachable BIGINT",),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

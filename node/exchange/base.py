@@ -134,6 +134,18 @@ class Exchange(Protocol):
         """This node's transfers for `round` so far (a live object: it grows while packets move)."""
         ...
 
+    async def push(self, round: int, publisher: str, targets: list[list[str]], timeout_s: float = 30.0) -> str | None:
+        """Hand the packet this node published for `round` to the first of `targets` (each a
+        peer's multiaddrs ending in /p2p/<libp2p id>, in order) that takes and verifies it, over a
+        stream this node opens (node/exchange/push.py); the libp2p id of that holder, or None
+        when every one refused or failed. For a node nobody can dial."""
+        ...
+
+    def accept_pushes(self, accept) -> None:
+        """Take packets other nodes push, when `accept(round, publisher, digest)` (async) confirms
+        the digest is the one the publisher submitted; None refuses every push."""
+        ...
+
     async def publish_params(self, round: int, snapshot: Snapshot) -> Announcement:
         """Serve and announce a snapshot of the parameters that start `round` (replacing any
         other this node served for `round`); announced under `snapshot.digest`."""

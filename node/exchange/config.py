@@ -43,6 +43,8 @@ class ExchangeConfig:
     # snapshot streams served at once, on slots of their own: a snapshot (the model's size) never
     # holds an upload slot that the round's packets wait for
     max_snapshot_uploads: int = 1
+    max_push_streams: int = 4  # packets pushed to this node at once by nodes nobody can dial (node/exchange/push.py)
+    max_push_bytes: int = 256 << 20  # pushed packets held at most, in bytes; further pushes are refused "full"
     busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.4 s)
     chunk_bytes: int = 512 << 10  # stream write size
     # refuse larger packets before buffering them (a snapshot's size is its model's: protocol/snapshot.py)
@@ -79,14 +81,16 @@ class ExchangeConfig:
                 self.max_parallel_fetches,
                 self.max_uploads,
                 self.max_snapshot_uploads,
+                self.max_push_streams,
+                self.max_push_bytes,
                 self.chunk_bytes,
                 self.max_packet_bytes,
             )
             < 1
         ):
             raise ValueError(
-                "max_parallel_fetches, max_uploads, max_snapshot_uploads, chunk_bytes and "
-                "max_packet_bytes must be positive"
+                "max_parallel_fetches, max_uploads, max_snapshot_uploads, max_push_streams, max_push_bytes,"
+                " chunk_bytes and max_packet_bytes must be positive"
             )
         if (
             min(

@@ -177,11 +177,20 @@ class PacketFetcher:
             if (mirror := (mirrors or {}).get(publisher)) is not None:
                 state.peers_failed = asyncio.Event()
                 search = self._with_mirror(state, search, mirror, deadline)
+            # A packet its publisher pushes here (node/exchange/push.py) ends the search too.
+            searching = asyncio.ensure_future(search)
+            pushed = asyncio.ensure_future(self._store.pushed_copy(round, publisher, digest))
             try:
-                data = await asyncio.wait_for(search, timeout=max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait(
+                    {searching, pushed}, timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                searching.cancel()
+                pushed.cancel()
+            if not done:
                 log.warning("round %d: no holder served %s's packet within %.1f s", round, publisher, timeout_s)
                 return None
+            data = (searching if searching in done else pushed).result()
             self._store.traffic(round).fetch_spans.append((started, loop.time()))
             return data
 

@@ -124,17 +124,19 @@ class Host:
         """The multiaddrs (with /p2p/<id>) p2pd says others can dial; `latest` asks it again."""
         return [str(m) for m in await self.p2p.get_visible_maddrs(latest=latest)]
 
-    async def serve(self, handler: StreamHandler) -> None:
-        """Answer packet streams (PROTOCOL_NAME) with `handler(stream_info, reader, writer)`."""
-        await self.p2p.add_binary_stream_handler(PROTOCOL_NAME, handler)
+    async def serve(self, handler: StreamHandler, protocol: str = PROTOCOL_NAME) -> None:
+        """Answer streams of `protocol` (packet streams by default) with `handler(stream_info, reader, writer)`."""
+        await self.p2p.add_binary_stream_handler(protocol, handler)
 
     async def connect(self, peer: PeerID, maddrs: list[Multiaddr]) -> None:
         """Tell p2pd where `peer` listens. P2P has no public connect(); the daemon client's does it."""
         await self.p2p._client.connect(peer, maddrs)
 
-    async def open_stream(self, peer: PeerID) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A packet stream to `peer` (p2pd dials it if needed)."""
-        _, reader, writer = await self.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
+    async def open_stream(
+        self, peer: PeerID, protocol: str = PROTOCOL_NAME
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream of `protocol` (a packet stream by default) to `peer` (p2pd dials it if needed)."""
+        _, reader, writer = await self.p2p.call_binary_stream_handler(peer, protocol)
         return reader, writer
 
     @property

@@ -14,9 +14,10 @@ the caller's asyncio loop:
     announce.py      DHT records: announcing copies (batched) and looking holders up
     serve.py         the stream handler: upload slots, seed and child streams, queues, cut-through
     fetch.py         holder search with bans and busy queues, the download with its stall and rate checks
+    push.py          a node nobody can dial hands its packet to a reachable holder; taking such pushes
     reachability.py  whether others can dial the addresses this node announces
 
-The packet stream's wire format is protocol/stream.py, the DHT records' protocol/dht_records.py.
+The packet and push streams' wire formats are protocol/stream.py, the DHT records' protocol/dht_records.py.
 A publisher serves its packet at once and announces it in the background; a fetcher that verified
 a copy serves and announces it too, so a packet spreads as a tree of copies (serve.py, fetch.py).
 
@@ -41,12 +42,14 @@ from node.exchange.base import MirrorCopy, Traffic
 from node.exchange.config import ExchangeConfig
 from node.exchange.fetch import PacketFetcher
 from node.exchange.host import Host
-from node.exchange.reachability import Reachability, assess_reachability
+from node.exchange.push import AcceptPush, PushReceiver, push_packet
+from node.exchange.reachability import Reachability, addresses_by_holder, assess_reachability
 from node.exchange.serve import PacketServer
 from node.exchange.spool import Spool
 from node.exchange.store import Held, HeldSnapshot, PacketStore
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
 from protocol.packet import packet_digest
+from protocol.stream import PUSH_PROTOCOL_NAME, PushOffer
 
 if TYPE_CHECKING:
     from node.training.snapshot import Snapshot, SnapshotSink
@@ -70,6 +73,7 @@ class P2PExchange:
         self._announcer = Announcer(host.dht, config, host.holder_id, maddrs, self._spawn)
         self._server = PacketServer(config, self._store, rng, self._payload_for)
         self._fetcher = PacketFetcher(config, host, self._store, self._announcer, rng)
+        self._pushes = PushReceiver(config, self._store, self._announcer)
 
     @classmethod
     async def create(cls, config: ExchangeConfig) -> "P2PExchange":
@@ -78,6 +82,7 @@ class P2PExchange:
             maddrs = await host.visible_maddrs()
             self = cls(config, host, maddrs)
             await host.serve(self._serve)
+            await host.serve(self._pushes.handle, PUSH_PROTOCOL_NAME)
         except BaseException:
             await host.shutdown()
             raise
@@ -149,6 +154,27 @@ class P2PExchange:
         have not delivered within `mirror_after_s`.
         """
         return await self._fetcher.fetch(round, wanted, holders_hint, timeout_s, parents, mirrors)
+
+    # -- pushing (node/exchange/push.py) -----------------------------------------------------
+
+    async def push(self, round: int, publisher: str, targets: list[list[str]], timeout_s: float = 30.0) -> str | None:
+        held = self._store.held.get((round, publisher))
+        if not isinstance(held, Held):
+            raise KeyError(f"no packet of {publisher} for round {round} published here")
+        holders = [
+            (holder, addrs)
+            for maddrs in targets
+            for holder, addrs in addresses_by_holder(maddrs).items()
+            if holder != self.holder_id
+        ]
+        offer = PushOffer(
+            run=self.config.run_id, round=round, publisher=publisher, digest=held.digest, size=len(held.data)
+        )
+        data = self._payload_for(round, publisher, bytes(held.data))
+        return await push_packet(self._host, self.config, self.traffic(round), offer, data, holders, timeout_s)
+
+    def accept_pushes(self, accept: AcceptPush | None) -> None:
+        self._pushes.accept = accept
 
     # -- serving ------------------------------------------------------------------------------
 
@@ -239,6 +265,7 @@ class P2PExchange:
 
     async def forget_before(self, round: int) -> None:
         self._store.forget_before(round)
+        self._pushes.min_round = max(self._pushes.min_round, round)
 
     async def reachability_check(self) -> Reachability:
         maddrs = await self._host.visible_maddrs(latest=True)

@@ -44,6 +44,7 @@ class Held:
     sent_to: list[str] = field(default_factory=list)  # libp2p ids of peers that confirmed all of it
     receiving: list[str] = field(default_factory=list)  # libp2p ids of peers being sent it now
     own: bool = False  # published by this node
+    pushed: bool = False  # pushed here by its publisher (node/exchange/push.py)
 
 
 @dataclass(slots=True)
@@ -137,6 +138,15 @@ class PacketStore:
                 await asyncio.wait_for(self._copy_added.wait(), until - loop.time())
             except asyncio.TimeoutError:
                 pass
+
+    async def pushed_copy(self, round: int, publisher: str, digest: str) -> bytes:
+        """The bytes of the packet once its publisher pushed it here and they verified (waits as
+        long as the caller lets it: a fetch races its search against this)."""
+        while True:
+            held = self.held.get((round, publisher))
+            if isinstance(held, Held) and held.pushed and held.digest == digest:
+                return held.data
+            await self._copy_added.wait()
 
     def hold_snapshot(self, key: tuple[int, str], snapshot: HeldSnapshot) -> None:
         """Serve `snapshot` under `key` from now on, in place of any other there; a durable one

@@ -24,6 +24,7 @@ def tree_parent(
     members: Iterable[str],
     fanout: int = 2,
     uplinks: Mapping[str, float | None] | None = None,
+    reachable: Mapping[str, bool | None] | None = None,
 ) -> str | None:
     """Whom `peer` should fetch `publisher`'s round-`round` packet from: its parent in a tree of
     the round's members rooted at the publisher (None: `peer` is the publisher or not a member).
@@ -44,17 +45,54 @@ def tree_parent(
     class share the forwarding evenly. A publisher slower than the fastest of the others sends
     one copy, to the first of them, which roots the rest of the tree: its uplink carries the
     packet once, at its full rate, instead of `fanout` times at a fraction of it.
+
+    With `reachable` (False: peers cannot dial that member, coordinator/reachability.py), members
+    nobody can dial sit at the leaves of every tree, behind the others: nobody could ask them for
+    a copy. A publisher nobody can dial sends one copy, by pushing it (node/exchange/push.py) to
+    the first member of its tree (`push_targets`), which roots the rest.
     """
+    heap = _heap(round, publisher, members, uplinks, reachable)
     if fanout < 1:
         raise ValueError("fanout must be at least 1")
-    ring = sorted(set(members) | {publisher}, key=lambda m: hashlib.sha256(f"{round}/{m}".encode()).digest())
-    if peer == publisher or peer not in ring:
+    if peer == publisher or peer not in heap:
         return None
-    start = ring.index(publisher)
-    heap = ring[start:] + ring[:start]  # the publisher first, then the members after it
-    if uplinks:
-        heap[1:] = sorted(heap[1:], key=lambda m: -uplink_class(uplinks.get(m)))  # stable: ring order within
     position = heap.index(peer)
-    if uplinks and len(heap) > 2 and uplink_class(uplinks.get(publisher)) < uplink_class(uplinks.get(heap[1])):
+    one_copy = not _dialable(reachable, publisher) or (
+        uplinks and uplink_class(uplinks.get(publisher)) < uplink_class(uplinks.get(heap[1]))
+    )
+    if one_copy and len(heap) > 2:
         return publisher if position == 1 else heap[1 + (position - 2) // fanout]  # heap[1] roots the rest
     return heap[(position - 1) // fanout]
+
+
+def push_targets(
+    round: int,
+    publisher: str,
+    members: Iterable[str],
+    uplinks: Mapping[str, float | None] | None = None,
+    reachable: Mapping[str, bool | None] | None = None,
+) -> list[str]:
+    """The members a publisher nobody can dial pushes its packet to, in order: the first roots its
+    tree (`tree_parent`), the others are asked when it refuses; only members peers can dial."""
+    heap = _heap(round, publisher, members, uplinks, reachable)
+    return [m for m in heap[1:] if _dialable(reachable, m)]
+
+
+def _dialable(reachable: Mapping[str, bool | None] | None, member: str) -> bool:
+    return reachable is None or reachable.get(member) is not False
+
+
+def _heap(
+    round: int,
+    publisher: str,
+    members: Iterable[str],
+    uplinks: Mapping[str, float | None] | None,
+    reachable: Mapping[str, bool | None] | None,
+) -> list[str]:
+    """The publisher, then the members in the order its tree lays them out (see `tree_parent`)."""
+    ring = sorted(set(members) | {publisher}, key=lambda m: hashlib.sha256(f"{round}/{m}".encode()).digest())
+    start = ring.index(publisher)
+    heap = ring[start:] + ring[:start]  # the publisher first, then the members after it
+    if uplinks or reachable:  # stable: ring order within a class
+        heap[1:] = sorted(heap[1:], key=lambda m: (not _dialable(reachable, m), -uplink_class((uplinks or {}).get(m))))
+    return heap

@@ -262,8 +262,10 @@ class CoordinatorClient:
         bandwidth_mbps: float | None = None,
         uplink_mbps: float | None = None,
         state: tuple[int, str] | None = None,
+        reachable: bool | None = None,
     ) -> JoinResponse:
-        """Join (or rejoin) the run; `state`: (round, digest) of the round start this node holds.
+        """Join (or rejoin) the run; `state`: (round, digest) of the round start this node holds;
+        `reachable` False: its operator says peers cannot dial it (None: the coordinator dials back).
         A new key solves the run's proof of work first when it asks for one."""
         request = JoinRequest(
             public_key=self.key.public_hex,
@@ -274,6 +276,7 @@ class CoordinatorClient:
             uplink_mbps=uplink_mbps,
             state_round=state[0] if state else None,
             state_digest=state[1] if state else None,
+            reachable=False if reachable is False else None,
         )
         proof_needed = run_id not in self._member_of
         for attempt in range(3):

@@ -23,6 +23,7 @@ round the parameters start and what the node is doing is the session's `RoundSta
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable
@@ -37,6 +38,7 @@ from node.round.coordinator_client import CoordinatorCallFailed, CoordinatorClie
 from node.round.overlap import Pipeline
 from node.round.own_packets import KEPT_ROUNDS, HeldPacket, OwnPackets
 from node.round.prefetch import Prefetch
+from node.round.push import accept_push
 from node.round.refusals import Action
 from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
@@ -139,6 +141,7 @@ class Node:
                     multiaddrs=exchange.visible_maddrs,
                     uplink_mbps=cfg.network.uplink_mbps,
                     state=self._held_state(run_id),
+                    reachable=False if cfg.network.behind_nat else None,
                 )
 
             joined = await rejoin()
@@ -156,6 +159,15 @@ class Node:
             await serve_kept_packets(exchange, own_packets, joined)
             s = self.session = await self._start_session_beating(client, exchange, key, joined, rejoin)
             s.own_packets = own_packets
+            s.reachable = joined.reachable
+            if joined.reachable is False:
+                log.warning(
+                    "peers cannot dial this node (%s): it pushes its packets to reachable peers",
+                    "network.behind_nat"
+                    if cfg.network.behind_nat
+                    else "the coordinator's dial-back found no open port",
+                )
+            exchange.accept_pushes(functools.partial(accept_push, s))
             heartbeat = asyncio.create_task(self._heartbeats(s, joined.heartbeat_interval_s))
             # Nodes restarted together each start a DHT of their own: merge them (node/round/rejoin.py).
             mender = start_mending(s, joined.config.membership.heartbeat_timeout_s)

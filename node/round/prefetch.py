@@ -44,15 +44,25 @@ class Prefetch:
 async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyncio.Task]) -> RoundView:
     """Fetch each of the round's packets as soon as it is submitted, into `early`, until the
     round closes; returns the closed round's view."""
-    members, uplinks = await live_members(s)
+    members = await live_members(s)
     view = await s.client.round(round, wait_s=30, submitted_gt=0)
     while True:
         # A closed round lists its packets in the manifest only: the last submission is seen
         # there, and its fetch starts here too, beside those still running.
         for e in view.manifest if view.state == "closed" else view.submitted:
             if e.peer_id != s.peer_id and (e.peer_id, e.packet_digest) not in early:
-                parent = tree_parent(round, e.peer_id, s.peer_id, members, s.run.exchange.tree_fanout, uplinks)
-                parent_maddrs = e.multiaddrs if parent == e.peer_id else members.get(parent, [])
+                parent = tree_parent(
+                    round,
+                    e.peer_id,
+                    s.peer_id,
+                    members.addresses,
+                    s.run.exchange.tree_fanout,
+                    members.uplinks,
+                    members.reachable,
+                )
+                parent_maddrs = e.multiaddrs if parent == e.peer_id else members.addresses.get(parent, [])
+                if parent == e.peer_id and members.reachable.get(parent) is False:
+                    parent_maddrs = []  # nobody can dial it: it pushes the packet here (node/round/push.py)
                 early[e.peer_id, e.packet_digest] = asyncio.create_task(
                     _fetch_early(s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None)
                 )
@@ -84,16 +94,27 @@ async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents) ->
     return got
 
 
-async def live_members(s: Session) -> tuple[dict[str, list[str]], dict[str, float | None]]:
-    """The run's live peers (this node included): their addresses and their stated uplink rates,
-    by peer id; ({}, {}) if the coordinator does not answer (packets are then fetched without
-    a tree)."""
+@dataclass(frozen=True, slots=True)
+class Members:
+    """The run's live peers by peer id (this node included), as the trees need them."""
+
+    addresses: dict[str, list[str]]
+    uplinks: dict[str, float | None]  # stated at join
+    reachable: dict[str, bool | None]  # can peers dial it (coordinator/reachability.py)
+
+
+async def live_members(s: Session) -> Members:
+    """The run's live peers; none if the coordinator does not answer (packets are then fetched
+    without a tree)."""
     try:
         status = await s.client.status(history=0)  # the members only: no round history
     except Exception as e:  # the tree is an optimisation; fetching works without it
         log.debug("reading the run's members failed: %r", e)
-        return {}, {}
+        return Members({}, {}, {})
     live = [p for p in status.peers if p.status == "live"]
-    members = {p.peer_id: p.listen_multiaddrs for p in live}
-    uplinks = {p.peer_id: p.uplink_mbps for p in live}
-    return members | {s.peer_id: members.get(s.peer_id, [])}, uplinks
+    addresses = {p.peer_id: p.listen_multiaddrs for p in live}
+    return Members(
+        addresses | {s.peer_id: addresses.get(s.peer_id, [])},
+        {p.peer_id: p.uplink_mbps for p in live},
+        {p.peer_id: p.reachable for p in live} | {s.peer_id: s.reachable},
+    )

@@ -34,6 +34,7 @@ class RoundReport:
     kept_packet: bool = False  # its packet was the one kept on disk before a restart (not trained again)
     caught_up: bool = False  # the node caught up (node/round/catchup.py) just before this round
     packet_bytes: int = 0
+    pushed_to: str | None = None  # the libp2p id of the peer that took its packet by push (nobody can dial it)
     downloaded_bytes: int = 0  # stream bytes this node fetched for the round it applied
     fetching_s: float = 0.0  # wall time with one of that round's fetches in progress (early ones included)
     uploaded_bytes: int = 0  # stream bytes it served to others for its own round

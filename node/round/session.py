@@ -52,6 +52,7 @@ class Session:
     training: Training
     rejoin: Callable[[], Awaitable[JoinResponse]]  # join again with the same key (keeps id and shard)
     stopping: asyncio.Event
+    reachable: bool | None = None  # can peers dial this node (its join's answer; False: it pushes its packets)
     state: RoundState = field(default_factory=RoundState)
     reports: list[RoundReport] = field(default_factory=list)  # the rounds this node trained (Node.reports)
     decoded: EarlyDecodes = field(default_factory=EarlyDecodes)  # packets decoded as they arrived

@@ -212,7 +212,9 @@ async def send(
     if not opened:  # trained ahead of the round's opening (overlap): submit once it opens
         await wait_open(s, round)
     from node.round.coordinator_client import Refused
+    from node.round.push import push_own, push_plan
 
+    targets = await push_plan(s, round)  # nobody can dial this node: its packet is fetched from targets[0]
     try:
         answer = await s.signed(
             s.client.submit,
@@ -222,7 +224,7 @@ async def send(
             train_loss=report.train_loss,
             compute_s=report.times.compute_s,
             encode_s=encode_s,
-            multiaddrs=announcement.multiaddrs,
+            multiaddrs=targets[0] if targets else announcement.multiaddrs,
         )
         if answer.mirror_put_url is not None:  # the run's packet mirror: one more holder, for peers behind NAT
             s.spawn(
@@ -233,6 +235,8 @@ async def send(
                     label=f"round {round}: this node's packet",
                 )
             )
+        if targets:
+            s.spawn(push_own(s, round, targets, report))
     except Refused as e:
         if e.action not in SUBMISSION_GOES_ON:
             raise

@@ -42,6 +42,7 @@ class MemorySwarm:
 
     packets: dict[tuple[int, str], dict[str, tuple[bytes, set[str]]]] = field(default_factory=dict)
     withheld: set[tuple[int, str]] = field(default_factory=set)
+    accepting: set[str] = field(default_factory=set)  # holders that take pushed packets
     snapshots: dict[int, dict[str, Snapshot]] = field(default_factory=dict)  # round -> holder -> its snapshot
     mirrored: dict[str, bytes] = field(default_factory=dict)  # the packet mirror: bytes by URL
 
@@ -151,6 +152,24 @@ class MemoryExchange:
         await asyncio.sleep(0)
         self.traffic(round).fetch_spans.append((start, time.monotonic()))
         return got
+
+    async def push(self, round: int, publisher: str, targets: list[list[str]], timeout_s: float = 30.0) -> str | None:
+        """The first target ("/memory/<holder>") holds a copy, served as a fetched one would be."""
+        copies = self.swarm.packets.get((round, publisher), {})
+        own = [digest for digest, (_, holders) in copies.items() if self.holder in holders]
+        if not own:
+            raise KeyError(f"no packet of {publisher} for round {round} published here")
+        for maddrs in targets:
+            for maddr in maddrs:
+                holder = maddr.removeprefix("/memory/")
+                if holder != self.holder and holder in self.swarm.accepting:
+                    copies[own[0]][1].add(holder)
+                    self.traffic(round).uploaded_bytes += len(copies[own[0]][0])
+                    return holder
+        return None
+
+    def accept_pushes(self, accept) -> None:
+        (self.swarm.accepting.add if accept is not None else self.swarm.accepting.discard)(self.holder)
 
     async def publish_params(self, round: int, snapshot: Snapshot) -> Announcement:
         self.swarm.snapshots.setdefault(round, {})[self.holder] = snapshot

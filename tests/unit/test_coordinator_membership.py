@@ -271,3 +271,24 @@ def test_the_client_solves_the_proof_of_work_before_joining(tmp_path):
         await client.close()
 
     in_app(tmp_path, scenario)
+
+
+def test_reachability_is_what_the_dial_back_found_unless_the_node_says_nobody_can_dial_it(coordinator):
+    """coordinator/reachability.py: the route's dial-back answer is stored with the member and
+    sent back; a node that says it is behind NAT is unreachable whatever the dial-back found; a
+    rejoin takes the new answer."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3})
+    keys = [PeerKey.generate() for _ in range(3)]
+    ids = [peer_id_from_public_key(k.public_bytes) for k in keys]
+    answers = [
+        c.service.join(run_id, ids[0], JoinRequest(public_key=keys[0].public_hex), reachable=True),
+        c.service.join(run_id, ids[1], JoinRequest(public_key=keys[1].public_hex, reachable=False), reachable=True),
+        c.service.join(run_id, ids[2], JoinRequest(public_key=keys[2].public_hex)),
+    ]
+    assert [a.reachable for a in answers] == [True, False, None]
+    assert {p.peer_id: p.reachable for p in c.status(run_id).peers} == dict(zip(ids, [True, False, None]))
+    again = c.service.join(run_id, ids[0], JoinRequest(public_key=keys[0].public_hex), reachable=False)
+    assert again.reachable is False and c.storage.get_peer(run_id, ids[0]).reachable == 0
+    with pytest.raises(ValueError):
+        JoinRequest(public_key=keys[0].public_hex, reachable=True)  # a node can only say "not reachable"

@@ -19,12 +19,15 @@ from protocol.stream import (
     STATUS_ERROR,
     STATUS_OK,
     PacketRequest,
+    PushOffer,
     decode_busy,
     decode_error,
+    decode_offer,
     decode_request,
     decode_response_header,
     encode_busy,
     encode_error,
+    encode_offer,
     encode_request,
     encode_response_header,
     is_peer_id,
@@ -199,3 +202,29 @@ def test_protocol_stream_imports_neither_node_nor_hivemind():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_push_offers_round_trip_and_hostile_ones_are_refused_typed():
+    offer = PushOffer(run="r1", round=3, publisher="peer-a", digest=DIGEST, size=5000)
+    body = split(encode_offer(offer))
+    assert msgpack.unpackb(body) == {"run": "r1", "round": 3, "peer": "peer-a", "digest": DIGEST, "size": 5000}
+    assert decode_offer(body, max_packet_bytes=5000) == offer
+    with pytest.raises(OversizedPacket):
+        decode_offer(body, max_packet_bytes=4999)  # over the holder's packet limit: refused before any byte
+    fields = {"run": "r1", "round": 3, "peer": "peer-a", "digest": DIGEST, "size": 5000}
+    for bad in (
+        {**fields, "size": 0},
+        {**fields, "size": -1},
+        {**fields, "size": True},
+        {**fields, "round": -1},
+        {**fields, "round": "3"},
+        {**fields, "wait": True},
+        {k: v for k, v in fields.items() if k != "size"},
+        [1, 2],
+    ):
+        with pytest.raises(ProtocolError):
+            decode_offer(msgpack.packb(bad), max_packet_bytes=1 << 20)
+    with pytest.raises(MalformedPacket):
+        decode_offer(b"\xc1garbage", max_packet_bytes=1 << 20)
+    with pytest.raises(OversizedPacket):
+        decode_offer(b"\x00" * (MAX_REQUEST_BYTES + 1), max_packet_bytes=1 << 20)

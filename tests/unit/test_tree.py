@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from node.exchange.topology import tree_parent
+from node.exchange.topology import push_targets, tree_parent
 
 MEMBERS = [f"peer-{i}" for i in range(8)]
 
@@ -91,3 +91,29 @@ def test_stated_uplinks_put_the_slow_links_at_the_leaves_and_the_fast_ones_share
         for m in MEMBERS
         if m != p
     )
+
+
+def test_members_nobody_can_dial_are_leaves_and_push_their_packet_to_the_first_reachable_one():
+    """Two members behind NAT among eight: in every tree they forward nothing; a NAT'd publisher
+    sends one copy, to the first member of `push_targets`, which roots the rest of its tree; and
+    `push_targets` names reachable members only, that one first."""
+    behind = {"peer-2", "peer-5"}
+    reachable = {m: m not in behind for m in MEMBERS}
+    for round in range(4):
+        for publisher in MEMBERS:
+            tree = {m: tree_parent(round, publisher, m, MEMBERS, 2, None, reachable) for m in MEMBERS if m != publisher}
+            assert not (set(tree.values()) - {publisher}) & behind, "nobody asks a NAT'd member for a copy"
+            targets = push_targets(round, publisher, MEMBERS, None, reachable)
+            assert not set(targets) & behind and len(targets) == 6 - (publisher not in behind)
+            if publisher in behind:
+                assert [m for m, p in tree.items() if p == publisher] == [targets[0]], "one copy, pushed"
+                for member in tree:  # every other member's path leads through that one
+                    node = member
+                    while tree[node] != publisher:
+                        node = tree[node]
+                    assert node == targets[0]
+    # Unknown reachability (None) counts as reachable: the trees are the plain ones.
+    unknown = {m: None for m in MEMBERS}
+    assert parents(1, "peer-0", MEMBERS, 2) == {
+        m: tree_parent(1, "peer-0", m, MEMBERS, 2, None, unknown) for m in MEMBERS[1:]
+    }

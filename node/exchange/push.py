@@ -1,0 +1,242 @@
+"""Pushing packets to reachable holders: how a node nobody can dial gets its packet served.
+
+    receiver = PushReceiver(config, store, announcer)     # P2PExchange answers PUSH_PROTOCOL_NAME with it
+    receiver.accept = check                               # (round, publisher, digest) -> was it submitted so?
+    holder = await push_packet(host, config, traffic, offer, data, targets)   # the first target that took it
+
+A node behind a NAT can open streams but nobody can open one to it, so a fetcher that dials it
+waits out its dial time-out and its packet spreads only over connections it happened to open.
+Such a node (the coordinator's dial-back at join says so, or its operator: coordinator/
+reachability.py) hands its packet to a reachable peer over a stream it opens itself, the first of
+`targets` that takes it (node/exchange/topology.py `push_targets`: the first reachable member of
+the packet's tree, which all peers compute alike, then the others in tree order). That peer
+holds, serves and announces the copy as one it fetched, so every other peer fetches from it.
+
+The receiver treats an offer as hostile (protocol/stream.py, "Pushes"): it refuses a packet of
+another run or an old round, one over its packet limit, one it holds already, more than
+`max_push_streams` at once, more than `max_push_bytes` of pushed packets held, and any packet
+whose digest `accept` does not confirm (the node asks the coordinator whether the publisher
+submitted that digest: pushed bytes are only ever a submitted packet). The body must be exactly
+the offered size and hash to the offered digest; reads stall out after `stall_timeout_s`. While
+it arrives the copy is a `Partial`, served onward cut-through like a fetched one, so a fetcher that
+asks meanwhile waits for it rather than looking elsewhere. The handler never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from hivemind.p2p import PeerID
+
+from node.exchange.announce import Announcer
+from node.exchange.base import Traffic
+from node.exchange.config import ExchangeConfig
+from node.exchange.host import Host, dial_addresses
+from node.exchange.store import Held, PacketStore, Partial
+from protocol.errors import ProtocolError
+from protocol.stream import (
+    MAX_ERROR_BYTES,
+    PUSH_PROTOCOL_NAME,
+    RESPONSE_HEADER,
+    STATUS_ERROR,
+    STATUS_OK,
+    DigestMismatch,
+    HolderRefused,
+    PushOffer,
+    decode_error,
+    decode_offer,
+    decode_response_header,
+    encode_error,
+    encode_offer,
+    encode_response_header,
+    request_body_length,
+)
+
+log = logging.getLogger(__name__)
+
+AcceptPush = Callable[[int, str, str], Awaitable[bool]]  # (round, publisher, digest) -> submitted so?
+
+
+class PushReceiver:
+    """Takes packets pushed by nodes nobody can dial, within its limits (see the module docstring)."""
+
+    def __init__(self, config: ExchangeConfig, store: PacketStore, announcer: Announcer):
+        self.config = config
+        self._store, self._announcer = store, announcer
+        self.accept: AcceptPush | None = None  # None: every push is refused
+        self.min_round = 0  # offers for older rounds are refused (the exchange's forget_before)
+        self._pushed: dict[tuple[int, str], int] = {}  # (round, publisher) -> bytes, of pushes taken
+        self._num_streams = 0
+
+    def held_bytes(self) -> int:
+        """Bytes of pushed packets this node still holds or is receiving."""
+        store = self._store
+        live = {k: n for k, n in self._pushed.items() if k in store.held or k in store.partial}
+        self._pushed = live
+        return sum(live.values())
+
+    async def handle(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        cfg = self.config
+        self._num_streams += 1
+        try:
+            length = request_body_length(await asyncio.wait_for(reader.readexactly(4), cfg.request_timeout_s))
+            body = await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s)
+            offer = decode_offer(body, cfg.max_packet_bytes)
+            refusal = await self._refusal(offer)
+            if refusal is not None:
+                log.info(
+                    "round %d: refused a push of %s's packet from %s: %s",
+                    offer.round,
+                    offer.publisher,
+                    stream_info.peer_id,
+                    refusal,
+                )
+                writer.write(encode_error(refusal))
+                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+                return
+            writer.write(encode_response_header(STATUS_OK, 0))
+            await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+            await self._receive(reader, offer)
+            writer.write(encode_response_header(STATUS_OK, 0))
+            await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+            log.info("round %d: holding %s's packet, pushed by %s", offer.round, offer.publisher, stream_info.peer_id)
+        except (ProtocolError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            log.info("push from %s failed: %r", stream_info.peer_id, e)
+            try:
+                writer.write(encode_error(str(e) or type(e).__name__))
+                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+            except (asyncio.TimeoutError, ConnectionError, OSError):
+                pass
+        finally:
+            self._num_streams -= 1
+            writer.close()
+
+    async def _refusal(self, offer: PushOffer) -> str | None:
+        """Why this offer is refused (None: it is taken)."""
+        cfg, key = self.config, (offer.round, offer.publisher)
+        if offer.run != cfg.run_id:
+            return f"not in run {offer.run}"
+        if offer.round < self.min_round:
+            return f"round {offer.round} is over here"
+        if key in self._store.held or key in self._store.partial:
+            return "already held"
+        if self._num_streams > cfg.max_push_streams:  # this stream counts itself
+            return "busy: too many pushes at once"
+        if self.held_bytes() + offer.size > cfg.max_push_bytes:
+            return "full: pushed packets held reach max_push_bytes"
+        if self.accept is None:
+            return "this node takes no pushes"
+        try:
+            submitted = await asyncio.wait_for(self.accept(offer.round, offer.publisher, offer.digest), 10.0)
+        except Exception as e:  # the coordinator's answer is advice: no answer refuses the push
+            log.debug("checking a push of %s's packet failed: %r", offer.publisher, e)
+            return "cannot check the submission now"
+        if not submitted:
+            return "not the digest the publisher submitted"
+        if key in self._store.held or key in self._store.partial:  # arrived while we asked
+            return "already held"
+        return None
+
+    async def _receive(self, reader: asyncio.StreamReader, offer: PushOffer) -> None:
+        cfg, key = self.config, (offer.round, offer.publisher)
+        partial = Partial(offer.digest, offer.size)
+        self._store.partial[key] = partial
+        self._pushed[key] = offer.size
+        self._store.notify_copy()
+        hasher, traffic = hashlib.sha256(), self._store.traffic(offer.round)
+        try:
+            while len(partial.buffer) < offer.size:
+                piece = await asyncio.wait_for(
+                    reader.read(min(cfg.chunk_bytes << 1, offer.size - len(partial.buffer))), cfg.stall_timeout_s
+                )
+                if not piece:
+                    raise asyncio.IncompleteReadError(b"", offer.size)
+                partial.buffer += piece
+                hasher.update(piece)
+                traffic.downloaded_bytes += len(piece)
+                partial.notify()
+            if hasher.hexdigest() != offer.digest:
+                raise DigestMismatch(
+                    f"pushed bytes hash to {hasher.hexdigest()[:16]}..., offered {offer.digest[:16]}..."
+                )
+            data = await asyncio.to_thread(self._store.spool.keep, partial.buffer)
+            self._store.held[key] = Held(offer.digest, data, partial.sent_to, partial.receiving, pushed=True)
+            partial.verified = True
+        except BaseException:
+            partial.failed = True
+            self._pushed.pop(key, None)
+            raise
+        finally:
+            partial.notify()
+            if self._store.partial.get(key) is partial:
+                del self._store.partial[key]
+            self._store.notify_copy()
+        traffic.num_fetched += 1
+        self._announcer.announce_holder(offer.round, offer.publisher, offer.digest, offer.size)
+
+
+async def push_packet(
+    host: Host,
+    config: ExchangeConfig,
+    traffic: Traffic,
+    offer: PushOffer,
+    data: bytes,
+    targets: list[tuple[str, list[str]]],
+    timeout_s: float,
+) -> str | None:
+    """Push `data` to the first of `targets` ((libp2p id, multiaddrs), in order) that takes it and
+    verifies it; returns that holder's id, or None when every target refused or failed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    for holder, maddrs in targets:
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        try:
+            await asyncio.wait_for(_push_one(host, config, traffic, offer, data, holder, maddrs), left)
+            log.info("round %d: pushed this node's packet to %s", offer.round, holder)
+            return holder
+        except HolderRefused as e:
+            log.info("round %d: %s refused this node's packet: %s", offer.round, holder, e)
+        except (ProtocolError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            log.info("round %d: pushing this node's packet to %s failed: %r", offer.round, holder, e)
+        except Exception as e:  # p2pd control errors (dial failures) come as several private types
+            log.info("round %d: %s unreachable for a push: %r", offer.round, holder, e)
+    return None
+
+
+async def _push_one(
+    host: Host, config: ExchangeConfig, traffic: Traffic, offer: PushOffer, data: bytes, holder: str, maddrs: list[str]
+) -> None:
+    peer = PeerID.from_base58(holder)
+    if maddrs:
+        await asyncio.wait_for(host.connect(peer, dial_addresses(holder, maddrs)), config.connect_timeout_s)
+    reader, writer = await asyncio.wait_for(host.open_stream(peer, PUSH_PROTOCOL_NAME), config.connect_timeout_s)
+    try:
+        writer.write(encode_offer(offer))
+        await writer.drain()
+        await _answer(reader, config.request_timeout_s + 10.0)  # the holder may ask the coordinator first
+        view = memoryview(data)
+        for start in range(0, len(view), config.chunk_bytes):
+            piece = view[start : start + config.chunk_bytes]
+            writer.write(piece)
+            await asyncio.wait_for(writer.drain(), config.stall_timeout_s)
+            traffic.uploaded_bytes += len(piece)
+        await _answer(reader, config.stall_timeout_s)
+    finally:
+        writer.close()
+
+
+async def _answer(reader: asyncio.StreamReader, timeout_s: float) -> None:
+    """The holder's go-ahead or verdict: returns on status 0; a refusal raises HolderRefused."""
+    status, length = decode_response_header(
+        await asyncio.wait_for(reader.readexactly(RESPONSE_HEADER.size), timeout_s), max_packet_bytes=0
+    )
+    if status == STATUS_ERROR:
+        message = await asyncio.wait_for(reader.read(min(length, MAX_ERROR_BYTES)), timeout_s)
+        raise HolderRefused(decode_error(message))
+    if status != STATUS_OK or length:
+        raise HolderRefused(f"unexpected answer: status {status}, {length} bytes")

@@ -1,0 +1,117 @@
+"""Pushing packets to reachable holders (node/exchange/push.py) on real p2pd daemons, 127.0.0.1, port 0.
+
+The pusher stands for a node nobody can dial: a subclass that answers no packet stream, so its
+packet reaches others only through the holder it pushed it to. The holders' `accept` stands for
+the coordinator's "was this digest submitted" (node/round/push.py asks the coordinator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from node.exchange.p2p import P2PExchange
+from node.exchange.push import push_packet
+from protocol.stream import PushOffer
+from tests.integration.test_p2p_exchange import RUN_ID, packet, poll, sha, swarm
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
+
+SIZE = 1 << 20
+
+
+class Undialable(P2PExchange):
+    """Serves no packet stream (closes each at once): fetchers can get its packets only elsewhere."""
+
+    async def _serve(self, _info, _reader, writer):
+        writer.close()
+
+
+def accepting(digests: set[str], asked: list | None = None):
+    async def accept(round: int, publisher: str, digest: str) -> bool:
+        if asked is not None:
+            asked.append((round, publisher, digest))
+        return digest in digests
+
+    return accept
+
+
+def test_a_pushed_packet_is_held_verified_and_served_by_the_holder():
+    """The pusher's packet reaches a third peer that was told only the holder's address, and the
+    holder's own fetch, started before the push, ends when the push lands."""
+
+    async def scenario():
+        async with swarm(Undialable, P2PExchange, P2PExchange) as (nat, holder, fetcher):
+            data = packet(1, SIZE)
+            asked: list = []
+            holder.accept_pushes(accepting({sha(data)}, asked))
+            await nat.publish(0, "nat", data)
+            waiting = asyncio.create_task(holder.fetch(0, {"nat": sha(data)}, timeout_s=30))
+            await asyncio.sleep(0.5)  # the holder searches: nobody serves it yet
+            assert not waiting.done()
+
+            taken = await nat.push(0, "nat", [holder.visible_maddrs], timeout_s=20)
+            assert taken == holder.holder_id and asked == [(0, "nat", sha(data))]
+            assert await asyncio.wait_for(waiting, 10) == {"nat": data}
+
+            got = await fetcher.fetch(0, {"nat": sha(data)}, {"nat": holder.visible_maddrs}, timeout_s=20)
+            assert got == {"nat": data}
+            assert nat.traffic(0).uploaded_bytes == SIZE, "the pusher sent it once"
+            assert holder.traffic(0).downloaded_bytes == SIZE and holder.traffic(0).uploaded_bytes == SIZE
+            await holder.wait_background()
+            holders = await poll(lambda: fetcher.holders(0, "nat"), what="the holder's announcement")
+            assert holder.holder_id in {h.holder for h in holders}
+
+    asyncio.run(scenario())
+
+
+def test_refused_pushes_go_to_the_next_target_and_nothing_unconfirmed_is_held():
+    """A holder refuses a digest the publisher did not submit, and a push beyond max_push_bytes
+    ("full"); the pusher hands it to the next target. With every target refusing, push gives None."""
+
+    async def scenario():
+        async with swarm(Undialable, P2PExchange, P2PExchange, max_push_bytes=SIZE) as (nat, first, second):
+            a, b, c = packet(2, SIZE), packet(3, SIZE), packet(4, SIZE)
+            first.accept_pushes(accepting({sha(a), sha(b)}))
+            second.accept_pushes(accepting({sha(b)}))
+            targets = [first.visible_maddrs, second.visible_maddrs]
+            await nat.publish(0, "nat-a", a)
+            await nat.publish(0, "nat-b", b)
+            await nat.publish(0, "nat-c", c)
+            assert await nat.push(0, "nat-a", targets, timeout_s=20) == first.holder_id
+            # first holds a pushed SIZE bytes already: full; second takes it
+            assert await nat.push(0, "nat-b", targets, timeout_s=20) == second.holder_id
+            # c was submitted to nobody: both refuse, nothing is held
+            assert await nat.push(0, "nat-c", targets, timeout_s=20) is None
+            assert (0, "nat-c") not in first._store.held and (0, "nat-c") not in second._store.held
+            with pytest.raises(KeyError):
+                await nat.push(0, "never-published", targets)
+
+    asyncio.run(scenario())
+
+
+def test_bytes_that_do_not_hash_to_the_offer_or_another_run_are_refused():
+    """A hostile pusher offers a confirmed digest and sends other bytes: refused at the verdict, not
+    held, not announced; an offer for another run or an old round is refused before any byte."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange) as (pusher, holder):
+            good, bad = packet(5, SIZE), packet(6, SIZE)
+            holder.accept_pushes(accepting({sha(good)}))
+            target = [(holder.holder_id, holder.visible_maddrs)]
+            offer = PushOffer(run=RUN_ID, round=0, publisher="liar", digest=sha(good), size=SIZE)
+            traffic = pusher.traffic(0)
+            assert await push_packet(pusher._host, pusher.config, traffic, offer, bad, target, 20) is None
+            assert (0, "liar") not in holder._store.held and not holder._store.partial
+            other_run = PushOffer(run="other", round=0, publisher="x", digest=sha(good), size=SIZE)
+            assert await push_packet(pusher._host, pusher.config, traffic, other_run, good, target, 20) is None
+            await holder.forget_before(3)
+            old = PushOffer(run=RUN_ID, round=2, publisher="x", digest=sha(good), size=SIZE)
+            assert await push_packet(pusher._host, pusher.config, traffic, old, good, target, 20) is None
+            assert not holder._store.held
+            # the holder still takes an honest push afterwards
+            honest = PushOffer(run=RUN_ID, round=3, publisher="x", digest=sha(good), size=SIZE)
+            assert await push_packet(pusher._host, pusher.config, traffic, honest, good, target, 20) == holder.holder_id
+
+    asyncio.run(scenario())
