@@ -67,6 +67,9 @@ copy            round, wait_s=30                       publishes and submits, in
                                                        peer announces (within wait_s), its header's
                                                        peer rewritten and signed with its own key:
                                                        a Sybil that sends others' work as its own.
+undialable      (none)                                 serves no packet stream (closes each at once),
+                                                       as a node behind NAT on loopback: its packets
+                                                       reach peers only by push (--behind-nat).
 ==============  =====================================  ===========================================
 """
 
@@ -107,6 +110,7 @@ class Fault(enum.Enum):
     SLOW_COMPUTE = "slow-compute"
     LIE = "lie"
     COPY = "copy"
+    UNDIALABLE = "undialable"
 
 
 class Phase(enum.Enum):
@@ -152,6 +156,7 @@ class FaultSpec:
             Fault.WITHHOLD: ("round",),
             Fault.LIE: ("from_round",),
             Fault.COPY: ("round", "wait_s"),
+            Fault.UNDIALABLE: (),
         }[self.fault]
         values = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         args = ",".join(f"{k}={v.value if isinstance(v, Phase) else v}" for k, v in values.items())
@@ -168,6 +173,7 @@ _KEYS = {
     Fault.WITHHOLD: {"round"},
     Fault.LIE: {"from_round"},
     Fault.COPY: {"round", "wait_s"},
+    Fault.UNDIALABLE: set(),
 }
 
 
@@ -456,7 +462,16 @@ class FaultInjector:
         return FaultyClient(client)
 
     def exchange_class(self, base: type) -> type:
-        """slow-upload: a subclass of the exchange whose stream handler stalls before answering."""
+        """slow-upload: a subclass of the exchange whose stream handler stalls before answering.
+        undialable: one whose handler closes every packet stream at once, as if nobody could dial
+        this node (it still dials out, fetches and pushes; run it with --behind-nat)."""
+        if any(s.fault is Fault.UNDIALABLE for s in self.specs):
+
+            class UndialableExchange(base):
+                async def _serve(self, stream_info, reader, writer):
+                    writer.close()
+
+            base = UndialableExchange
         slow = [s for s in self.specs if s.fault is Fault.SLOW_UPLOAD]
         if not slow:
             return base
