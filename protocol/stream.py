@@ -36,7 +36,8 @@ over a stream it opens itself (node/exchange/push.py), which then holds and serv
     offer     the request layout above with the map {"run", "round", "peer" (publisher peer id),
               "digest", "size": int (the packet's length)}
     answer    a response header: status 0 with N = 0 ("send it"), or an error frame (refused: the
-              reason, e.g. "full" or "not submitted")
+              reason, e.g. "full" or "not submitted"; exactly ALREADY_HELD: the holder has a
+              verified copy with that digest already, which is as good as a push)
     body      after status 0, the pusher sends exactly `size` bytes
     verdict   a response header: status 0 with N = 0 once the bytes hashed to the digest and are
               held, or an error frame
@@ -65,6 +66,7 @@ from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, Tru
 
 PROTOCOL_NAME = "locoswarm.packet.v1"
 PUSH_PROTOCOL_NAME = "locoswarm.push.v1"
+ALREADY_HELD = "already held"  # a push answer: the holder has that packet, with that digest, already
 REQUEST_PREFIX = struct.Struct(">I")
 RESPONSE_HEADER = struct.Struct(">BQ")
 STATUS_OK, STATUS_ERROR, STATUS_BUSY = 0, 1, 2

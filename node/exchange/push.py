@@ -38,6 +38,7 @@ from node.exchange.host import Host, dial_addresses
 from node.exchange.store import Held, PacketStore, Partial
 from protocol.errors import ProtocolError
 from protocol.stream import (
+    ALREADY_HELD,
     MAX_ERROR_BYTES,
     PUSH_PROTOCOL_NAME,
     RESPONSE_HEADER,
@@ -116,13 +117,13 @@ class PushReceiver:
 
     async def _refusal(self, offer: PushOffer) -> str | None:
         """Why this offer is refused (None: it is taken)."""
-        cfg, key = self.config, (offer.round, offer.publisher)
+        cfg = self.config
         if offer.run != cfg.run_id:
             return f"not in run {offer.run}"
         if offer.round < self.min_round:
             return f"round {offer.round} is over here"
-        if key in self._store.held or key in self._store.partial:
-            return "already held"
+        if (refusal := self._held_refusal(offer)) is not None:
+            return refusal
         if self._num_streams > cfg.max_push_streams:  # this stream counts itself
             return "busy: too many pushes at once"
         if self.held_bytes() + offer.size > cfg.max_push_bytes:
@@ -136,9 +137,16 @@ class PushReceiver:
             return "cannot check the submission now"
         if not submitted:
             return "not the digest the publisher submitted"
-        if key in self._store.held or key in self._store.partial:  # arrived while we asked
-            return "already held"
-        return None
+        return self._held_refusal(offer)  # it may have arrived while we asked
+
+    def _held_refusal(self, offer: PushOffer) -> str | None:
+        """ALREADY_HELD when this node holds (or receives) that packet with that digest; a refusal
+        when it holds another packet of that publisher and round; None when it holds none."""
+        key = (offer.round, offer.publisher)
+        copy = self._store.held.get(key) or self._store.partial.get(key)
+        if copy is None:
+            return None
+        return ALREADY_HELD if copy.digest == offer.digest else "holds another packet of that publisher and round"
 
     async def _receive(self, reader: asyncio.StreamReader, offer: PushOffer) -> None:
         cfg, key = self.config, (offer.round, offer.publisher)
@@ -200,6 +208,9 @@ async def push_packet(
             log.info("round %d: pushed this node's packet to %s", offer.round, holder)
             return holder
         except HolderRefused as e:
+            if str(e) == ALREADY_HELD:  # a verified copy is there already (fetched over our own connection)
+                log.info("round %d: %s holds this node's packet already", offer.round, holder)
+                return holder
             log.info("round %d: %s refused this node's packet: %s", offer.round, holder, e)
         except (ProtocolError, asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             log.info("round %d: pushing this node's packet to %s failed: %r", offer.round, holder, e)

@@ -87,6 +87,11 @@ def test_a_peer_behind_nat_is_unreachable_and_reported(tmp_path):
     for peer in peers:
         assert peer["peer_id"], peer
         assert peer["rounds"] == len(result["per_round"]) and 0 <= peer["rounds_in_manifest"] <= peer["rounds"]
+    # The coordinator's dial-back finds h3 unreachable; h3 pushes each packet to a reachable peer,
+    # and each is in its round's manifest (node/round/push.py).
+    assert [p["reachable"] for p in peers] == [True, True, False], peers
+    nat = peers[2]
+    assert nat["rounds_in_manifest"] == nat["rounds"] == nat["rounds_pushed"] > 0, nat
     assert "tcp_alltoall" not in result and result["tcp_alltoall_skipped"]
 
     assert left_behind(prefix) == []

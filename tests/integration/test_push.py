@@ -53,6 +53,9 @@ def test_a_pushed_packet_is_held_verified_and_served_by_the_holder():
 
             taken = await nat.push(0, "nat", [holder.visible_maddrs], timeout_s=20)
             assert taken == holder.holder_id and asked == [(0, "nat", sha(data))]
+            # Pushed again: the holder has it (ALREADY_HELD), which counts as delivered; no bytes move.
+            assert await nat.push(0, "nat", [holder.visible_maddrs], timeout_s=20) == holder.holder_id
+            assert nat.traffic(0).uploaded_bytes == SIZE
             assert await asyncio.wait_for(waiting, 10) == {"nat": data}
 
             got = await fetcher.fetch(0, {"nat": sha(data)}, {"nat": holder.visible_maddrs}, timeout_s=20)

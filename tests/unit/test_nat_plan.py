@@ -110,8 +110,11 @@ def test_per_peer_rows_count_the_final_manifests_that_hold_each_peers_packet():
         2: _view(2, ["pa"]),
         3: _view(3, [], state="open"),
     }  # an open round is not counted
-    reports = [{"rounds": [{}, {}, {}]}, {"rounds": [{}, {}]}, {"peer_id": None, "rounds": []}]
-    peers = [{"peer_id": "pa", "standing": "contributor"}, {"peer_id": "pc", "standing": "not_waited"}]
+    reports = [{"rounds": [{}, {}, {}]}, {"rounds": [{}, {}]}, {"peer_id": None, "rounds": [{"pushed_to": "12D3"}]}]
+    peers = [
+        {"peer_id": "pa", "standing": "contributor", "reachable": True},
+        {"peer_id": "pc", "standing": "not_waited", "reachable": False},
+    ]
     rows = peer_rows(["pa", "pb", "pc"], [False, False, True], rounds, reports, peers)
     assert [(r["host"], r["behind_nat"], r["rounds_in_manifest"], r["rounds"]) for r in rows] == [
         ("h1", False, 3, 3),
@@ -119,13 +122,16 @@ def test_per_peer_rows_count_the_final_manifests_that_hold_each_peers_packet():
         ("h3", True, 1, 3),
     ]
     assert [r["rounds_dropped"] for r in rows] == [0, 0, 1]
-    assert [r["rounds_applied"] for r in rows] == [3, 2, 0]
+    assert [r["rounds_applied"] for r in rows] == [3, 2, 1]
     assert [r["standing"] for r in rows] == ["contributor", None, "not_waited"]
+    assert [(r["reachable"], r["rounds_pushed"]) for r in rows] == [(True, 0), (None, 0), (False, 1)]
     unknown = peer_rows([None], [True], rounds, [{"rounds": []}])[0]
     assert (unknown["peer_id"], unknown["rounds_in_manifest"], unknown["rounds"]) == (None, 0, 3)
     with pytest.raises(ValueError):
         peer_rows(["pa"], [False, True], rounds, reports[:1])
 
     table = format_peers(rows).splitlines()
-    assert table[0].split() == ["host", "peer", "NAT", "in", "manifest", "dropped", "applied", "standing"]
-    assert table[3].split() == ["h3", "pc", "yes", "1/3", "1", "0", "not_waited"]
+    assert table[0].split() == [
+        "host", "peer", "NAT", "reachable", "in", "manifest", "pushed", "dropped", "applied", "standing"
+    ]  # fmt: skip
+    assert table[3].split() == ["h3", "pc", "yes", "no", "1/3", "1", "1", "1", "not_waited"]

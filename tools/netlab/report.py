@@ -192,11 +192,12 @@ def peer_rows(
     """One row per node host h1..hN (in order): `peer_ids` its node's peer id (None: unknown),
     `rounds` the coordinator's view of each closed round (RoundView: its final `manifest` and the
     entries `dropped` from it), `reports` the nodes' --report objects, `peers` the run status's
-    peer list (for each peer's standing)."""
+    peer list (for each peer's standing, and whether the coordinator's dial-back reached it)."""
     if not len(peer_ids) == len(behind_nat) == len(reports):
         raise ValueError(f"{len(peer_ids)} peer ids, {len(behind_nat)} NAT flags, {len(reports)} reports")
     closed = [view for _, view in sorted(rounds.items()) if view["state"] == "closed"]
     standing = {p["peer_id"]: p.get("standing") for p in peers}
+    reachable = {p["peer_id"]: p.get("reachable") for p in peers}
     rows = []
     for i, (peer_id, nat, report) in enumerate(zip(peer_ids, behind_nat, reports), start=1):
         rows.append(
@@ -209,6 +210,8 @@ def peer_rows(
                 "rounds_dropped": sum(peer_id in view.get("dropped", {}) for view in closed),
                 "rounds_applied": len(report.get("rounds", [])),
                 "standing": standing.get(peer_id),
+                "reachable": reachable.get(peer_id),  # the coordinator's dial-back at join (None: unknown)
+                "rounds_pushed": sum(bool(r.get("pushed_to")) for r in report.get("rounds", [])),
             }
         )
     return rows
@@ -216,13 +219,15 @@ def peer_rows(
 
 def format_peers(rows: list[dict]) -> str:
     """The per-peer rows as a plain-text table."""
-    headings = ("host", "peer", "NAT", "in manifest", "dropped", "applied", "standing")
+    headings = ("host", "peer", "NAT", "reachable", "in manifest", "pushed", "dropped", "applied", "standing")
     cells = [
         [
             row["host"],
             row["peer_id"] or "-",
             "yes" if row["behind_nat"] else "no",
+            {True: "yes", False: "no"}.get(row.get("reachable"), "-"),
             f"{row['rounds_in_manifest']}/{row['rounds']}",
+            str(row.get("rounds_pushed", 0)),
             str(row["rounds_dropped"]),
             str(row["rounds_applied"]),
             row["standing"] or "-",
