@@ -118,3 +118,25 @@ def test_bytes_that_do_not_hash_to_the_offer_or_another_run_are_refused():
             assert await push_packet(pusher._host, pusher.config, traffic, honest, good, target, 20) == holder.holder_id
 
     asyncio.run(scenario())
+
+
+def test_a_target_that_dies_mid_push_costs_only_the_time_and_the_next_one_takes_it():
+    """The first target's p2pd is shut down while it takes the push (after accepting it): the
+    pusher's stream breaks, and the second target takes and verifies the packet."""
+
+    async def scenario():
+        async with swarm(Undialable, P2PExchange, P2PExchange) as (nat, dying, second):
+            data = packet(7, 4 * SIZE)
+
+            async def accept_then_die(round: int, publisher: str, digest: str) -> bool:
+                asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(dying.shutdown()))
+                return True
+
+            dying.accept_pushes(accept_then_die)
+            second.accept_pushes(accepting({sha(data)}))
+            await nat.publish(0, "nat", data)
+            taken = await nat.push(0, "nat", [dying.visible_maddrs, second.visible_maddrs], timeout_s=40)
+            assert taken == second.holder_id
+            assert await second.fetch(0, {"nat": sha(data)}, timeout_s=5) == {"nat": data}
+
+    asyncio.run(scenario())
