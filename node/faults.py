@@ -117,7 +117,7 @@ class Phase(enum.Enum):
     """Where in a round a crash fires, in the round's order."""
 
     TRAINING = "training"  # as the inner steps begin
-    PUBLISHED = "published"  # the packet kept on disk and announced, not submitted yet
+    PUBLISHED = "published"  # the packet kept on disk and served, not submitted (nor announced) yet
     SUBMITTED = "submitted"  # the coordinator accepted (or refused) the submission
     TRANSFER = "transfer"  # the manifest's packets fetched (see wait_s), before the outer step
     APPLIED = "applied"  # after the outer step, before the applied report
@@ -361,7 +361,11 @@ class FaultInjector:
                 rest = {p: d for p, d in wanted.items() if p not in own}
                 return own | (await self._inner.fetch(round, rest, *args, **kwargs) if rest else {})
 
-            async def publish(self, round: int, peer_id: str, data: bytes):
+            async def announce(self, round: int, peer_id: str) -> None:
+                if (round, peer_id) not in self._withheld:  # a withheld packet is announced by nobody
+                    await self._inner.announce(round, peer_id)
+
+            async def publish(self, round: int, peer_id: str, data: bytes, announce: bool = True):
                 for spec in injector._firing(Fault.COPY, round):
                     data = await injector._copy_of_another(self._inner, round, peer_id, data, spec.wait_s)
                 if injector._firing(Fault.CORRUPT_PACKET, round):
@@ -383,7 +387,7 @@ class FaultInjector:
                         multiaddrs=list(self._inner.visible_maddrs),
                         holder=getattr(self._inner, "holder_id", ""),
                     )
-                return await self._inner.publish(round, peer_id, data)
+                return await self._inner.publish(round, peer_id, data, announce)
 
         return FaultyExchange(exchange)
 

@@ -100,8 +100,17 @@ class Exchange(Protocol):
         """Multiaddrs (with /p2p/<id>) others dial: sent to the coordinator when joining."""
         ...
 
-    async def publish(self, round: int, peer_id: str, data: bytes) -> Announcement:
-        """Keep `data` locally, serve it, and announce it for `round` under `peer_id` (in the background)."""
+    async def publish(self, round: int, peer_id: str, data: bytes, announce: bool = True) -> Announcement:
+        """Keep `data` locally, serve it, and announce it for `round` under `peer_id` (in the
+        background); with `announce` False, not yet: `announce` does it later."""
+        ...
+
+    async def announce(self, round: int, peer_id: str) -> None:
+        """Announce the packet published here for `round` under `peer_id` (in the background).
+        The round loop announces its own packet only once the coordinator accepted its digest, so
+        a key that copies packets (node/faults.py, `copy`) learns of one only after its original
+        was submitted: copy detection judges the later of two submissions the copy
+        (protocol/scoring.py), and a copier is then always the later."""
         ...
 
     async def announcements(self, round: int) -> dict[str, Announcement]:

@@ -109,22 +109,29 @@ class P2PExchange:
 
     # -- publishing ---------------------------------------------------------------------------
 
-    async def publish(self, round: int, peer_id: str, data: bytes) -> Announcement:
+    async def publish(self, round: int, peer_id: str, data: bytes, announce: bool = True) -> Announcement:
         data = bytes(data)
         if not 0 < len(data) <= self.config.max_packet_bytes:
             raise ValueError(f"packet of {len(data)} bytes is empty or exceeds {self.config.max_packet_bytes}")
         digest = packet_digest(data)
-        key = packets_key(self.config.run_id, round)
+        packets_key(self.config.run_id, round)
         holders_key(self.config.run_id, round, peer_id)  # fetchers must be able to announce copies under it
         self._store.held[(round, peer_id)] = Held(
             digest, await asyncio.to_thread(self._store.spool.keep, data), own=True
         )
         self._store.notify_copy()
-        record = self._announcer.record(digest, len(data))
+        if announce:
+            await self.announce(round, peer_id)
+        return self._announcer.announcement(peer_id, round, digest, len(data))
+
+    async def announce(self, round: int, peer_id: str) -> None:
+        held = self._store.held.get((round, peer_id))
+        if not isinstance(held, Held):
+            raise KeyError(f"no packet of {peer_id} for round {round} published here")
+        record = self._announcer.record(held.digest, len(held.data))
         # Announced beside the round, not before it: fetchers start from the addresses in the
         # coordinator's manifest and need the DHT only for other holders, or without a manifest.
-        self._spawn(self._announcer.announce_packet(key, record, peer_id, round))
-        return self._announcer.announcement(peer_id, round, digest, len(data))
+        self._spawn(self._announcer.announce_packet(packets_key(self.config.run_id, round), record, peer_id, round))
 
     async def announcements(self, round: int) -> dict[str, Announcement]:
         return await self._announcer.announcements(round)

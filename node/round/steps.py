@@ -200,7 +200,8 @@ async def send(
     else:
         payload = held.payload
         log.info("round %d: sending the packet kept on disk before this node restarted (%s)", round, held.digest[:12])
-    announcement = await s.exchange.publish(round, s.peer_id, payload)
+    # Announced in the DHT only once submitted (Exchange.announce): a copier learns of it too late.
+    announcement = await s.exchange.publish(round, s.peer_id, payload, announce=False)
     await s.faults.at_phase(Phase.PUBLISHED, round)
     encode_s = time.perf_counter() - start
     if foreground:
@@ -247,6 +248,8 @@ async def send(
             e.code,
             f": {e.detail}" if e.code is Code.EXCLUDED else "",
         )
+    finally:
+        await s.exchange.announce(round, s.peer_id)  # after the submission, whatever its answer
     await s.faults.at_phase(Phase.SUBMITTED, round)
 
 

@@ -43,6 +43,7 @@ class MemorySwarm:
     packets: dict[tuple[int, str], dict[str, tuple[bytes, set[str]]]] = field(default_factory=dict)
     withheld: set[tuple[int, str]] = field(default_factory=set)
     accepting: set[str] = field(default_factory=set)  # holders that take pushed packets
+    unannounced: set[tuple[int, str]] = field(default_factory=set)  # published, not announced yet
     snapshots: dict[int, dict[str, Snapshot]] = field(default_factory=dict)  # round -> holder -> its snapshot
     mirrored: dict[str, bytes] = field(default_factory=dict)  # the packet mirror: bytes by URL
 
@@ -106,14 +107,24 @@ class MemoryExchange:
     def traffic(self, round: int) -> Traffic:
         return self._traffic.setdefault(round, Traffic())
 
-    async def publish(self, round: int, peer_id: str, data: bytes) -> Announcement:
+    async def publish(self, round: int, peer_id: str, data: bytes, announce: bool = True) -> Announcement:
+        if not announce:
+            self.swarm.unannounced.add((round, peer_id))
         return self.swarm._store(round, peer_id, data, self.holder)
+
+    async def announce(self, round: int, peer_id: str) -> None:
+        if not any(self.holder in h for _, h in self.swarm.packets.get((round, peer_id), {}).values()):
+            raise KeyError(f"no packet of {peer_id} for round {round} published here")
+        self.swarm.unannounced.discard((round, peer_id))
 
     async def announcements(self, round: int) -> dict[str, Announcement]:
         return {
             publisher: holders[0]
             for (r, publisher) in self.swarm.packets
-            if r == round and publisher != PARAMS_ID and (holders := self.swarm._holders(r, publisher))
+            if r == round
+            and publisher != PARAMS_ID
+            and (r, publisher) not in self.swarm.unannounced
+            and (holders := self.swarm._holders(r, publisher))
         }
 
     async def holders(self, round: int, publisher: str) -> list[Announcement]:

@@ -121,15 +121,15 @@ def test_bytes_that_do_not_hash_to_the_offer_or_another_run_are_refused():
 
 
 def test_a_target_that_dies_mid_push_costs_only_the_time_and_the_next_one_takes_it():
-    """The first target's p2pd is shut down while it takes the push (after accepting it): the
-    pusher's stream breaks, and the second target takes and verifies the packet."""
+    """The first target's p2pd is shut down while it takes the push (after reading the offer,
+    before its answer): the pusher's stream breaks, and the second target takes and verifies it."""
 
     async def scenario():
         async with swarm(Undialable, P2PExchange, P2PExchange) as (nat, dying, second):
             data = packet(7, 4 * SIZE)
 
             async def accept_then_die(round: int, publisher: str, digest: str) -> bool:
-                asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(dying.shutdown()))
+                await dying.shutdown()
                 return True
 
             dying.accept_pushes(accept_then_die)
@@ -140,3 +140,29 @@ def test_a_target_that_dies_mid_push_costs_only_the_time_and_the_next_one_takes_
             assert await second.fetch(0, {"nat": sha(data)}, timeout_s=5) == {"nat": data}
 
     asyncio.run(scenario())
+
+
+def test_a_packet_published_unannounced_is_served_but_found_in_the_dht_only_once_announced():
+    """node/round/steps.py publishes its packet with announce=False and announces it once its
+    submission is answered, so a key that copies what it sees announced sees it only then."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange) as (publisher, other):
+            data = packet(8, SIZE)
+            await publisher.publish(0, "quiet", data, announce=False)
+            await publisher.wait_background()
+            await asyncio.sleep(1.0)  # time a background announcement would have had
+            assert "quiet" not in await other.announcements(0)
+            got = await other.fetch(0, {"quiet": sha(data)}, {"quiet": publisher.visible_maddrs}, timeout_s=20)
+            assert got == {"quiet": data}, "it is served before it is announced"
+            await publisher.announce(0, "quiet")
+            found = await poll(lambda: _announced(other, "quiet"), what="the announcement")
+            assert found.digest == sha(data)
+            with pytest.raises(KeyError):
+                await publisher.announce(0, "never-published")
+
+    asyncio.run(scenario())
+
+
+async def _announced(exchange: P2PExchange, publisher: str):
+    return (await exchange.announcements(0)).get(publisher)

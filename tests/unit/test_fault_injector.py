@@ -112,7 +112,7 @@ class _Exchange:
     def __init__(self):
         self.published = []
 
-    async def publish(self, round, peer_id, data):
+    async def publish(self, round, peer_id, data, announce=True):
         self.published.append((round, peer_id, data))
         return "announcement"
 
