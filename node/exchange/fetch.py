@@ -67,7 +67,7 @@ from node.exchange.base import MirrorCopy
 from node.exchange.config import ExchangeConfig
 from node.exchange.host import Host, dial_addresses
 from node.exchange.reachability import addresses_by_holder
-from node.exchange.store import Held, PacketStore, Partial
+from node.exchange.store import Held, PacketStore
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
 from protocol.errors import MalformedPacket, OversizedPacket, ShapeMismatch, TruncatedPacket
 from protocol.stream import (
@@ -572,53 +572,31 @@ class PacketFetcher:
         length: int,
         budget: Callable[[float], float],
     ) -> bytes:
-        """The `length` bytes of a packet body, verified against its digest and held from then on;
-        `budget(limit_s)` caps each read's time-out by what is left of the fetch.
-
-        Grown as bytes arrive, not allocated from the claimed length: a hostile holder announcing
-        256 MB costs us only what it actually sends before it is dropped. Peers may be served from
-        it while it grows (a `Partial`), unless another download of the same packet already
-        offers that.
-        """
+        """The `length` bytes of a packet body, verified and held from then on (`PacketStore.receive`);
+        `budget(limit_s)` caps each read's time-out by what is left of the fetch, and a holder that
+        trickles while no other download runs is dropped (`_rate_floor`)."""
         loop = asyncio.get_running_loop()
         cfg = self.config
-        key = (state.round, state.publisher)
-        partial = Partial(state.digest, length)
-        if key not in self._store.partial:
-            self._store.partial[key] = partial
-            self._store.notify_copy()
-        hasher, traffic = hashlib.sha256(), self._store.traffic(state.round)
         alone: tuple[float, int] | None = None  # since when (and from how many bytes) no other download ran
+
+        def rate_floor(received: int) -> None:
+            nonlocal alone
+            alone = self._rate_floor(alone, loop.time(), received, length)
+
         self._num_downloads += 1
         try:
-            while len(partial.buffer) < length:
-                piece = await asyncio.wait_for(
-                    reader.read(min(cfg.chunk_bytes << 1, length - len(partial.buffer))), budget(cfg.stall_timeout_s)
-                )
-                if not piece:
-                    raise asyncio.IncompleteReadError(b"", length)
-                partial.buffer += piece
-                hasher.update(piece)
-                traffic.downloaded_bytes += len(piece)
-                partial.notify()
-                alone = self._rate_floor(alone, loop.time(), len(partial.buffer), length)
-            if hasher.hexdigest() != state.digest:
-                raise DigestMismatch(
-                    f"bytes from {holder.holder} hash to {hasher.hexdigest()[:16]}..., wanted {state.digest[:16]}..."
-                )
-            data = await asyncio.to_thread(self._store.spool.keep, partial.buffer)
-            if (held := self._store.held.get(key)) is None or held.digest != state.digest:
-                self._store.held[key] = Held(state.digest, data, partial.sent_to, partial.receiving)
-            partial.verified = True
-        except BaseException:
-            partial.failed = True
-            raise
+            return await self._store.receive(
+                (state.round, state.publisher),
+                state.digest,
+                length,
+                reader,
+                piece_bytes=cfg.chunk_bytes << 1,
+                read_timeout_s=lambda: budget(cfg.stall_timeout_s),
+                source=holder.holder,
+                on_piece=rate_floor,
+            )
         finally:
             self._num_downloads -= 1
-            partial.notify()
-            if self._store.partial.get(key) is partial:
-                del self._store.partial[key]
-        return data
 
     def _rate_floor(
         self, alone: tuple[float, int] | None, now: float, got: int, length: int

@@ -25,7 +25,6 @@ asks meanwhile waits for it rather than looking elsewhere. The handler never rai
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -35,7 +34,7 @@ from node.exchange.announce import Announcer
 from node.exchange.base import Traffic
 from node.exchange.config import ExchangeConfig
 from node.exchange.host import Host, dial_addresses
-from node.exchange.store import Held, PacketStore, Partial
+from node.exchange.store import PacketStore
 from protocol.errors import ProtocolError
 from protocol.stream import (
     ALREADY_HELD,
@@ -44,7 +43,6 @@ from protocol.stream import (
     RESPONSE_HEADER,
     STATUS_ERROR,
     STATUS_OK,
-    DigestMismatch,
     HolderRefused,
     PushOffer,
     decode_error,
@@ -100,7 +98,7 @@ class PushReceiver:
                 return
             writer.write(encode_response_header(STATUS_OK, 0))
             await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
-            await self._receive(reader, offer)
+            await self._receive(reader, offer, str(stream_info.peer_id))
             writer.write(encode_response_header(STATUS_OK, 0))
             await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
             log.info("round %d: holding %s's packet, pushed by %s", offer.round, offer.publisher, stream_info.peer_id)
@@ -148,41 +146,24 @@ class PushReceiver:
             return None
         return ALREADY_HELD if copy.digest == offer.digest else "holds another packet of that publisher and round"
 
-    async def _receive(self, reader: asyncio.StreamReader, offer: PushOffer) -> None:
+    async def _receive(self, reader: asyncio.StreamReader, offer: PushOffer, source: str) -> None:
         cfg, key = self.config, (offer.round, offer.publisher)
-        partial = Partial(offer.digest, offer.size)
-        self._store.partial[key] = partial
         self._pushed[key] = offer.size
-        self._store.notify_copy()
-        hasher, traffic = hashlib.sha256(), self._store.traffic(offer.round)
         try:
-            while len(partial.buffer) < offer.size:
-                piece = await asyncio.wait_for(
-                    reader.read(min(cfg.chunk_bytes << 1, offer.size - len(partial.buffer))), cfg.stall_timeout_s
-                )
-                if not piece:
-                    raise asyncio.IncompleteReadError(b"", offer.size)
-                partial.buffer += piece
-                hasher.update(piece)
-                traffic.downloaded_bytes += len(piece)
-                partial.notify()
-            if hasher.hexdigest() != offer.digest:
-                raise DigestMismatch(
-                    f"pushed bytes hash to {hasher.hexdigest()[:16]}..., offered {offer.digest[:16]}..."
-                )
-            data = await asyncio.to_thread(self._store.spool.keep, partial.buffer)
-            self._store.held[key] = Held(offer.digest, data, partial.sent_to, partial.receiving, pushed=True)
-            partial.verified = True
+            await self._store.receive(
+                key,
+                offer.digest,
+                offer.size,
+                reader,
+                piece_bytes=cfg.chunk_bytes << 1,
+                read_timeout_s=lambda: cfg.stall_timeout_s,
+                source=source,
+                pushed=True,
+            )
         except BaseException:
-            partial.failed = True
             self._pushed.pop(key, None)
             raise
-        finally:
-            partial.notify()
-            if self._store.partial.get(key) is partial:
-                del self._store.partial[key]
-            self._store.notify_copy()
-        traffic.num_fetched += 1
+        self._store.traffic(offer.round).num_fetched += 1
         self._announcer.announce_holder(offer.round, offer.publisher, offer.digest, offer.size)
 
 

@@ -5,6 +5,7 @@ parameter snapshots, traffic.
     store.notify_copy()                                             # wakes requests waiting for it
     copy = await store.copy_for(round, publisher, digest, wait_s)   # what a request is served from
     with store.wanting(round, publisher, digest): ...               # while this node fetches it
+    data = await store.receive((round, publisher), digest, length, reader, ...)  # a fetched or pushed body
 
 A copy is either `Held` (whole, verified, served from memory) or `Partial` (arriving now, served
 onward piece by piece as it arrives: cut-through). Both keep who confirmed a verified copy
@@ -23,13 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from node.exchange.base import Traffic
 from node.exchange.spool import Spool
+from protocol.stream import DigestMismatch
 
 if TYPE_CHECKING:
     from node.training.snapshot import Snapshot
@@ -138,6 +141,64 @@ class PacketStore:
                 await asyncio.wait_for(self._copy_added.wait(), until - loop.time())
             except asyncio.TimeoutError:
                 pass
+
+    async def receive(
+        self,
+        key: tuple[int, str],
+        digest: str,
+        length: int,
+        reader: asyncio.StreamReader,
+        *,
+        piece_bytes: int,
+        read_timeout_s: Callable[[], float],
+        source: str,
+        pushed: bool = False,
+        on_piece: Callable[[int], None] | None = None,
+    ) -> bytes:
+        """The `length` bytes of a packet body from `reader`, verified against `digest` and held
+        from then on; the fetcher's download and a push's body alike (fetch.py, push.py).
+
+        Grown as bytes arrive, not allocated from the claimed length: a hostile sender announcing
+        256 MB costs us only what it actually sends before it is dropped. Peers may be served from
+        it while it grows (a `Partial`), unless another copy of the same packet already arriving
+        offers that. Each read waits `read_timeout_s()`; `on_piece(bytes so far)` may raise to
+        drop a sender (the fetcher's rate floor). `source` names the sender in a DigestMismatch."""
+        partial = Partial(digest, length)
+        if key not in self.partial:
+            self.partial[key] = partial
+            self.notify_copy()
+        hasher, traffic = hashlib.sha256(), self.traffic(key[0])
+        try:
+            while len(partial.buffer) < length:
+                piece = await asyncio.wait_for(
+                    reader.read(min(piece_bytes, length - len(partial.buffer))), read_timeout_s()
+                )
+                if not piece:
+                    raise asyncio.IncompleteReadError(b"", length)
+                partial.buffer += piece
+                hasher.update(piece)
+                traffic.downloaded_bytes += len(piece)
+                partial.notify()
+                if on_piece is not None:
+                    on_piece(len(partial.buffer))
+            if hasher.hexdigest() != digest:
+                raise DigestMismatch(
+                    f"bytes from {source} hash to {hasher.hexdigest()[:16]}..., wanted {digest[:16]}..."
+                )
+            data = await asyncio.to_thread(self.spool.keep, partial.buffer)
+            if (held := self.held.get(key)) is None or held.digest != digest:
+                self.held[key] = Held(digest, data, partial.sent_to, partial.receiving, pushed=pushed)
+            partial.verified = True
+        except BaseException:
+            partial.failed = True
+            raise
+        finally:
+            partial.notify()
+            if self.partial.get(key) is partial:
+                del self.partial[key]
+            if pushed:
+                self.notify_copy()  # a fetch waiting in `pushed_copy`
+        return data
 
     async def pushed_copy(self, round: int, publisher: str, digest: str) -> bytes:
         """The bytes of the packet once its publisher pushed it here and they verified (waits as

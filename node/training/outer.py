@@ -263,13 +263,7 @@ class SparseLoCoOuter(OuterStepBase):
         return {"error_buffers": self.error_buffers}
 
     def load_state_dict(self, state: OuterState) -> None:
-        saved = state.get("error_buffers", {})
-        with torch.no_grad():
-            for name, buffer in self.error_buffers.items():
-                if name in saved:
-                    buffer.copy_(saved[name])
-                else:
-                    buffer.zero_()
+        _copy_or_zero(self.error_buffers, state.get("error_buffers", {}))
 
     def make_payload(
         self,
@@ -405,13 +399,7 @@ class DiLoCoOuter(OuterStepBase):
         return {"outer_momentum": self.momentum}
 
     def load_state_dict(self, state: OuterState) -> None:
-        saved = state.get("outer_momentum", {})
-        with torch.no_grad():
-            for name, momentum in self.momentum.items():
-                if name in saved:
-                    momentum.copy_(saved[name])
-                else:
-                    momentum.zero_()
+        _copy_or_zero(self.momentum, state.get("outer_momentum", {}))
 
     def keep_start(self, prepared: Prepared) -> RoundStart:
         """A dense copy of the global model and the momentum (the step moves every coordinate)."""
@@ -509,3 +497,14 @@ def make_outer(
         raise ValueError("the ddp baseline has no outer step: it syncs every inner step, in the simulator only")
     outer = {"sparseloco": SparseLoCoOuter, "diloco": DiLoCoOuter}[cfg.strategy]
     return outer(params, cfg, max_packet_bytes=max_packet_bytes, state_placement=state_placement)
+
+
+def _copy_or_zero(tensors: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> None:
+    """Each of `tensors` takes its saved value in place, or zero where `saved` lacks it
+    (`OuterStep.load_state_dict`: what a checkpoint lacks starts at zero)."""
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if name in saved:
+                tensor.copy_(saved[name])
+            else:
+                tensor.zero_()
