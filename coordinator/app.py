@@ -50,6 +50,7 @@ from coordinator.auth import Authenticator
 from coordinator.body_limit import BodyLimitMiddleware, max_json_bytes
 from coordinator.db_worker import DatabaseWorker, SharedReads
 from coordinator.routes import ReadSide, RunEvents, ops_router, peers_router, rounds_router, runs_router
+from coordinator.rules.retention import DEFAULT_KEEP_ROUNDS
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
 
@@ -205,17 +206,19 @@ def create_app(
     rate_per_s: float = 20.0,
     rate_burst: float = 60.0,
     tune_gc: bool = False,
+    keep_rounds: int = DEFAULT_KEEP_ROUNDS,
 ) -> FastAPI:
     """The coordinator app. `tick_s=None` runs no background task (rules then apply on writes,
     and when the caller calls ``app.state.service.tick()``), which keeps unit tests deterministic. `tune_gc`: the
     process serves only this app (`coordinator serve`): see `tune_gc_for_serving`, applied once
-    the app has started."""
+    the app has started. `keep_rounds`: rounds behind the current one whose per-peer rows are kept
+    (coordinator/rules/retention.py; 0: all)."""
     events = RunEvents()
     worker = DatabaseWorker()
     reads = SharedReads(worker)
     read = ReadSide(storage)
     # The service commits on the database thread; `notify` hands the wake-up to the event loop.
-    service = CoordinatorService(storage, clock=clock, on_change=events.notify)
+    service = CoordinatorService(storage, clock=clock, on_change=events.notify, keep_rounds=keep_rounds)
     auth = Authenticator(service, admin_token, rate_per_s=rate_per_s, burst=rate_burst)
     response_counts: Counter[int] = Counter()
 

@@ -118,7 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
     bound_port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{bound_port}"
-    app = create_app(storage, token, tune_gc=True)  # this process serves only the app
+    app = create_app(storage, token, tune_gc=True, keep_rounds=args.keep_rounds)  # this process serves only the app
     _configure_logging(args.verbose)
     config = uvicorn.Config(
         app,
@@ -285,6 +285,13 @@ def _add_admin_token_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     coordinator = subparsers.add_parser("coordinator", help="run the coordinator service")
     coordinator_sub = coordinator.add_subparsers(dest="coordinator_command", metavar="COMMAND")
@@ -299,6 +306,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--admin-token-file",
         help=f"file holding the admin token (else ${ADMIN_TOKEN_ENV}, else one is generated next to the database)",
+    )
+    serve.add_argument(
+        "--keep-rounds",
+        type=_non_negative_int,
+        default=1000,
+        metavar="N",
+        help="keep per-peer rows (submissions outside manifests, reports, scores) of the newest N rounds;"
+        " older rounds keep their agreed digest and manifest (0: keep everything; default %(default)s)",
     )
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--access-log", action="store_true", help="log every request")

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 from coordinator import errors
 from coordinator.join_guard import JoinGuard
-from coordinator.rules import amendments, membership, nonces, rounds, runs, votes
+from coordinator.rules import amendments, membership, nonces, retention, rounds, runs, votes
 from coordinator.rules.context import Context
 from coordinator.storage import RunRow, Storage
 from coordinator.views import Views
@@ -61,8 +61,10 @@ class CoordinatorService:
         storage: Storage,
         clock: Clock = time.time,
         on_change: Callable[[str], None] | None = None,
+        keep_rounds: int = retention.DEFAULT_KEEP_ROUNDS,
     ):
         self.storage = storage
+        self.keep_rounds = keep_rounds  # rounds whose per-peer rows the tick keeps (rules/retention.py)
         self.views = Views(storage)
         self.clock = clock
         self.on_change = on_change or (lambda run_id: None)
@@ -71,6 +73,7 @@ class CoordinatorService:
         self.join_guard = JoinGuard()  # rate limits of new keys, in memory (rules/membership.py)
         self._failures_seen = storage.num_failures
         self._nonces_pruned_at = 0.0
+        self._rounds_pruned_at = 0.0
 
     @property
     def resumed_at(self) -> float:
@@ -127,7 +130,7 @@ class CoordinatorService:
 
     def tick(self) -> None:
         """Apply deadlines and liveness to every active run, and due amendments to every run;
-        forget nonces past the window."""
+        forget nonces past the window and old rounds' per-peer rows."""
         now = self.clock()
         for run_id in self.storage.active_run_ids():
             with self._tx():
@@ -141,6 +144,11 @@ class CoordinatorService:
             with self._tx():
                 nonces.prune(self.storage, now)
             self._nonces_pruned_at = now
+        if now - self._rounds_pruned_at > retention.PRUNE_INTERVAL_S:
+            for run in self.storage.list_runs():
+                with self._tx():
+                    retention.prune(self.ctx, run.run_id, self.keep_rounds)
+            self._rounds_pruned_at = now
 
     def advance(self, run_id: str) -> None:
         """What `tick` does, for one run: its deadlines and liveness, then its amendments due."""
@@ -187,6 +195,7 @@ class CoordinatorService:
             raise errors.PeerMismatch("the join must be signed by the key it registers")
         with self._write(run_id) as (run, now):
             membership.join(self.ctx, run, peer_id, request, source, self.join_guard, now, reachable)
+            membership.tell_period(self.ctx, run_id, peer_id, self.ctx.config(run))
             rounds.advance(self.ctx, self.ctx.run(run_id), now)  # enough peers may open round 0
             return self.views.join_response(self.ctx.run(run_id), peer_id)
 

@@ -215,8 +215,7 @@ class Views:
             current_round=run.current_round,
             params=self._params_source(run.run_id),
             dht_bootstrap=list(config.exchange.dht_bootstrap),
-            # Four beats per timeout: one lost request never costs a peer its membership.
-            heartbeat_interval_s=config.membership.heartbeat_timeout_s / 4,
+            heartbeat_interval_s=peer.heartbeat_period_s or config.membership.heartbeat_timeout_s / 4,
             reachable=None if peer.reachable is None else bool(peer.reachable),
         )
 
@@ -314,6 +313,7 @@ class Views:
                     reachable=None if peer.reachable is None else bool(peer.reachable),
                     last_loss=peer.last_loss,
                     last_seen_at=peer.last_seen_at,
+                    heartbeat_interval_s=peer.heartbeat_period_s,
                     lag_rounds=(
                         None if peer.progress_round is None else max(0, run.current_round - peer.progress_round)
                     ),

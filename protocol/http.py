@@ -328,6 +328,11 @@ class HeartbeatResponse(ResponseModel):
     current_round: int
     round_state: RoundState
     deadline: float | None
+    heartbeat_interval_s: float | None = Field(
+        None,
+        description="Seconds until the next heartbeat: longer in a bigger swarm, so the coordinator's load"
+        " stays bounded (null: keep the period told at join).",
+    )
 
 
 class LeaveRequest(RequestModel):
@@ -621,6 +626,9 @@ class PeerView(ResponseModel):
     )
     last_loss: float | None
     last_seen_at: float
+    heartbeat_interval_s: float | None = Field(
+        None, description="The heartbeat period it was last told (null: none yet): expect a sign of life that often."
+    )
     lag_rounds: int | None = Field(description="Current round minus the peer's latest round.")
     inner_step: int | None = Field(
         None, description="Inner steps done in the round it last reported working on (null: not reported)."

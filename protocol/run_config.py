@@ -238,7 +238,18 @@ class MembershipSection(RequestModel):
 
     min_peers: int = Field(1, ge=1, le=100_000, description="Peers needed before round 0 opens.")
     heartbeat_timeout_s: float = Field(
-        60.0, ge=1.0, le=86400.0, description="Silence after which a peer is marked gone."
+        60.0,
+        ge=1.0,
+        le=86400.0,
+        description="Silence after which a peer is marked gone (longer in a swarm big enough that"
+        " max_heartbeats_per_s stretches the heartbeat period: four periods).",
+    )
+    max_heartbeats_per_s: float = Field(
+        100.0,
+        gt=0.0,
+        le=1e6,
+        description="The most heartbeats per second the run asks of all its peers together: with N live peers"
+        " each beats every max(heartbeat_timeout_s / 4, N / max_heartbeats_per_s) seconds.",
     )
     state_wait_s: float = Field(
         300.0,

@@ -11,12 +11,18 @@
   checkpoint: ``state_round`` and ``state_digest``). Peer ids derive from keys; a new key gets the
   next peer index, and its data shard follows from it.
 - Liveness. Any signed call counts as a sign of life (`require_live_member`). A live peer silent
-  for longer than ``membership.heartbeat_timeout_s`` is marked gone, with the reason; its silence
-  counts from max(its last sign of life, the service's ``resumed_at``: coordinator/rules/
-  rounds.py, "Restart grace"). A gone or departed peer rejoins with its key and keeps its id,
-  index and data shard; it is expected from the next round on.
+  for longer than its silence limit is marked gone, with the reason; its silence counts from
+  max(its last sign of life, the service's ``resumed_at``: coordinator/rules/rounds.py, "Restart
+  grace"). A gone or departed peer rejoins with its key and keeps its id, index and data shard; it
+  is expected from the next round on.
+- Heartbeat period. Requests per second stay bounded however big the swarm: with N live peers the
+  period is max(``heartbeat_timeout_s`` / 4, N / ``membership.max_heartbeats_per_s``), told at join
+  and in every heartbeat answer, and stored per peer. A peer's silence limit is the longer of
+  ``heartbeat_timeout_s`` and four of the periods it was last told, so a swarm that shrinks (and
+  tells shorter periods) never marks gone a peer still beating at the longer period it was told.
 - Heartbeats say what a peer is doing (its activity, round, inner step, loss, bandwidth, addresses,
-  what it is stuck on) and are answered with the run's state and the open round's deadline.
+  what it is stuck on) and are answered with the run's state, the open round's deadline and the
+  period until its next heartbeat.
 - Leaving marks the peer ``left``; the round may then close early (every peer it still waits for
   submitted), which the service applies after the leave.
 """
@@ -177,8 +183,29 @@ def require_live_member(ctx: Context, run_id: str, peer_id: str, now: float) -> 
     return peer
 
 
+def heartbeat_period_s(config: RunConfig, num_live: int) -> float:
+    """Seconds between a peer's heartbeats in a run of `num_live` live peers: four beats per
+    timeout (one lost request never costs a peer its membership), stretched so that all of them
+    together send at most ``max_heartbeats_per_s``."""
+    membership = config.membership
+    return max(membership.heartbeat_timeout_s / 4, num_live / membership.max_heartbeats_per_s)
+
+
+def silence_limit_s(config: RunConfig, peer: PeerRow) -> float:
+    """How long `peer` may be silent before it is marked gone: the timeout, or four of the
+    heartbeat periods it was last told, whichever is longer."""
+    return max(config.membership.heartbeat_timeout_s, 4 * (peer.heartbeat_period_s or 0.0))
+
+
+def tell_period(ctx: Context, run_id: str, peer_id: str, config: RunConfig) -> float:
+    """The heartbeat period for `peer_id` now, stored as the one it was told."""
+    period_s = heartbeat_period_s(config, ctx.storage.count_live_peers(run_id))
+    ctx.storage.update_peer(run_id, peer_id, heartbeat_period_s=period_s)
+    return period_s
+
+
 def mark_silent_gone(ctx: Context, run: RunRow, config: RunConfig, now: float) -> None:
-    """Mark gone the live peers silent past the heartbeat timeout, counted from `ctx.resumed_at` at
+    """Mark gone the live peers silent past their silence limit, counted from `ctx.resumed_at` at
     the earliest."""
     timeout_s = config.membership.heartbeat_timeout_s
     # Every request runs this: only the candidates are read, not every peer of the run (a
@@ -186,15 +213,14 @@ def mark_silent_gone(ctx: Context, run: RunRow, config: RunConfig, now: float) -
     cutoff = now - timeout_s + 1e-3
     if ctx.resumed_at >= cutoff:
         return
-    for peer in ctx.storage.silent_live_peers(run.run_id, cutoff):
+    for peer in ctx.storage.silent_live_peers(run.run_id, cutoff, now + 1e-3):
         silent_s = now - max(peer.last_seen_at, ctx.resumed_at)
-        if peer.status == "live" and silent_s > timeout_s:
+        limit_s = silence_limit_s(config, peer)
+        if peer.status == "live" and silent_s > limit_s:
             since = " since the coordinator resumed" if peer.last_seen_at < ctx.resumed_at else ""
+            limit = f"timeout {timeout_s:g} s" if limit_s == timeout_s else f"4 heartbeat periods: {limit_s:g} s"
             ctx.storage.update_peer(
-                run.run_id,
-                peer.peer_id,
-                status="gone",
-                reason=f"no heartbeat for {silent_s:.0f} s{since} (timeout {timeout_s:g} s)",
+                run.run_id, peer.peer_id, status="gone", reason=f"no heartbeat for {silent_s:.0f} s{since} ({limit})"
             )
 
 
@@ -223,6 +249,7 @@ def heartbeat(ctx: Context, run_id: str, peer_id: str, request: HeartbeatRequest
         current_round=run.current_round,
         round_state=round_state,
         deadline=round_row.deadline if round_row else None,
+        heartbeat_interval_s=tell_period(ctx, run_id, peer_id, ctx.config(run)),
     )
 
 

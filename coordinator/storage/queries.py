@@ -95,13 +95,15 @@ class Storage:
     def list_peers(self, run_id: str) -> list[PeerRow]:
         return self.db.many(PeerRow, "SELECT * FROM peers WHERE run_id = ? ORDER BY peer_index", (run_id,))
 
-    def silent_live_peers(self, run_id: str, seen_before: float) -> list[PeerRow]:
-        """Live peers last seen before `seen_before`: the heartbeat timeout's candidates, found by
-        the database rather than by reading every peer on every request."""
+    def silent_live_peers(self, run_id: str, seen_before: float, now: float) -> list[PeerRow]:
+        """Live peers last seen before `seen_before` and more than four of their told heartbeat
+        periods before `now`: the heartbeat timeout's candidates, found by the database rather than
+        by reading every peer on every request."""
         return self.db.many(
             PeerRow,
-            "SELECT * FROM peers WHERE run_id = ? AND status = 'live' AND last_seen_at < ? ORDER BY peer_index",
-            (run_id, seen_before),
+            "SELECT * FROM peers WHERE run_id = ? AND status = 'live' AND last_seen_at < ?"
+            " AND last_seen_at + 4 * COALESCE(heartbeat_period_s, 0) < ? ORDER BY peer_index",
+            (run_id, seen_before, now),
         )
 
     def count_live_peers(self, run_id: str) -> int:
@@ -214,6 +216,20 @@ class Storage:
         """Forget rounds >= first_round and everything recorded for them (a rewind, recovery.py)."""
         for table in ("dropped_entries", "missing_reports", "applied", "submissions", "rounds"):
             self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND round >= ?", (run_id, first_round))
+
+    def prune_rounds(self, run_id: str, first_round: int, end_round: int) -> None:
+        """Delete the per-peer rows of rounds first_round <= r < end_round, keeping their round rows
+        and manifests (coordinator/rules/retention.py): first the submissions no manifest holds,
+        then the dropped entries (which the manifest view no longer needs), reports and votes."""
+        span = (run_id, first_round, end_round)
+        self.db.execute(
+            "DELETE FROM submissions WHERE run_id = ? AND round >= ? AND round < ? AND NOT EXISTS"
+            " (SELECT 1 FROM manifest_entries m WHERE m.run_id = submissions.run_id"
+            " AND m.round = submissions.round AND m.peer_id = submissions.peer_id)",
+            span,
+        )
+        for table in ("dropped_entries", "missing_reports", "applied"):
+            self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND round >= ? AND round < ?", span)
 
     def update_round(self, run_id: str, round_index: int, **fields: Any) -> None:
         self.db.update("rounds", RoundRow, {"run_id": run_id, "round": round_index}, fields)

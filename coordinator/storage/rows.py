@@ -26,6 +26,7 @@ class RunRow:
     state_wait_since: float | None = None  # while paused: when the first peer came back
     rewinds: str | None = None  # JSON list of {at, from_round, to_round, reason}
     join_secret: str = ""  # hex; the join proof-of-work salts derive from it ('' until first needed)
+    pruned_before: int = 0  # rounds before it keep only their round row and manifest (rules/retention.py)
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class PeerRow:
     detail: str | None = None  # what its last heartbeat said it is stuck on (None: nothing)
     credit: int = 0  # its standing's credit (protocol/scoring.py, rule 5): its weight as judge and voter
     reachable: bool | None = None  # can peers elsewhere dial it (its latest join's dial-back; None: not known)
+    heartbeat_period_s: float | None = None  # the heartbeat period it was last told (None: none yet)
 
 
 @dataclass(slots=True)

@@ -256,6 +256,17 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         # not known), as its latest join found.
         ("ALTER TABLE peers ADD COLUMN reachable BIGINT",),
     ),
+    (
+        16,
+        # The heartbeat period a member was last told (coordinator/rules/membership.py, "Heartbeat
+        # period"): it is gone after four of them, or the run's heartbeat timeout, whichever is
+        # longer (NULL: told none yet; the timeout alone). The round before which a run's per-peer
+        # rows were pruned (coordinator/rules/retention.py).
+        (
+            "ALTER TABLE peers ADD COLUMN heartbeat_period_s DOUBLE PRECISION",
+            "ALTER TABLE runs ADD COLUMN pruned_before BIGINT NOT NULL DEFAULT 0",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -168,7 +168,7 @@ class Node:
                     else "the coordinator's dial-back found no open port",
                 )
             exchange.accept_pushes(functools.partial(accept_push, s))
-            heartbeat = asyncio.create_task(self._heartbeats(s, joined.heartbeat_interval_s))
+            heartbeat = asyncio.create_task(self._heartbeats(s))
             # Nodes restarted together each start a DHT of their own: merge them (node/round/rejoin.py).
             mender = start_mending(s, joined.config.membership.heartbeat_timeout_s)
             try:
@@ -293,6 +293,7 @@ class Node:
             training=self.faults.wrap_training(training),
             rejoin=rejoin,
             stopping=self._stopping,
+            heartbeat_interval_s=joined.heartbeat_interval_s,
             state=RoundState.at_join(swarm_has_params=joined.params.digest is not None),
             reports=self.reports,
         )
@@ -307,9 +308,9 @@ class Node:
             raise CannotStart(f"{len(runs)} open runs ({names}): pass --run ID; {listing}")
         return runs[0].run_id
 
-    async def _heartbeats(self, s: Session, interval_s: float) -> None:
+    async def _heartbeats(self, s: Session) -> None:
         while True:
-            await asyncio.sleep(max(0.5, interval_s))
+            await asyncio.sleep(max(0.5, s.heartbeat_interval_s))
             try:
                 await s.heartbeat()
             except CoordinatorCallFailed as e:  # an outage is logged once a minute by the client

@@ -41,11 +41,14 @@ MAX_REJOIN_PEERS = 16  # members dialled in one pass (random ones when more are 
 
 def live_member_addresses(status: RunStatus, *, exclude_peer: str | None, fresh_s: float) -> list[str]:
     """The multiaddrs of the run's live members other than `exclude_peer` that the coordinator heard
-    from within `fresh_s` of its `now` (the others may be dead peers kept live by a restart grace)."""
+    from within `fresh_s` (or two of the member's heartbeat periods, in a swarm big enough to
+    stretch them) of its `now`; the others may be dead peers kept live by a restart grace."""
     return [
         m
         for p in status.peers
-        if p.status == "live" and p.peer_id != exclude_peer and status.now - p.last_seen_at <= fresh_s
+        if p.status == "live"
+        and p.peer_id != exclude_peer
+        and status.now - p.last_seen_at <= max(fresh_s, 2 * (p.heartbeat_interval_s or 0.0))
         for m in p.listen_multiaddrs
     ]
 

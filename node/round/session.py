@@ -53,6 +53,7 @@ class Session:
     rejoin: Callable[[], Awaitable[JoinResponse]]  # join again with the same key (keeps id and shard)
     stopping: asyncio.Event
     reachable: bool | None = None  # can peers dial this node (its join's answer; False: it pushes its packets)
+    heartbeat_interval_s: float = 15.0  # as the coordinator last told: longer in a bigger swarm
     state: RoundState = field(default_factory=RoundState)
     reports: list[RoundReport] = field(default_factory=list)  # the rounds this node trained (Node.reports)
     decoded: EarlyDecodes = field(default_factory=EarlyDecodes)  # packets decoded as they arrived
@@ -80,13 +81,13 @@ class Session:
             if e.action is not Action.REJOIN:  # peer_gone: rejoin with the same key
                 raise
             log.warning("the coordinator dropped this node (%s); rejoining", e.detail)
-            await self.rejoin()
+            self.heartbeat_interval_s = (await self.rejoin()).heartbeat_interval_s
             return await call(*args, **kwargs)
 
     async def heartbeat(self) -> None:
         """One heartbeat saying what `state.activity` says now (signed: rejoins if dropped)."""
         a = self.state.activity
-        await self.signed(
+        answer = await self.signed(
             self.client.heartbeat,
             a.round,
             a.state,
@@ -95,6 +96,8 @@ class Session:
             inner_step=a.inner_step,
             detail=a.detail,
         )
+        if answer.heartbeat_interval_s is not None:
+            self.heartbeat_interval_s = answer.heartbeat_interval_s
 
     def spawn(self, coro) -> asyncio.Task:
         """A background task the session keeps a reference to until it ends."""

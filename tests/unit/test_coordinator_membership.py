@@ -15,7 +15,7 @@ import pytest
 from coordinator import errors
 from coordinator.join_guard import salt_of
 from node.round.coordinator_client import CoordinatorClient
-from protocol.http import HeartbeatRequest, JoinRequest, peer_id_from_public_key, sign_request
+from protocol.http import HeartbeatRequest, JoinRequest, LeaveRequest, peer_id_from_public_key, sign_request
 from protocol.join_pow import JOIN_POW_PERIOD_S, meets, solve
 from protocol.signing import PeerKey
 from tests.fixtures.coordinator import ADMIN_HEADERS, ADMIN_TOKEN, run_config
@@ -292,3 +292,41 @@ def test_reachability_is_what_the_dial_back_found_unless_the_node_says_nobody_ca
     assert again.reachable is False and c.storage.get_peer(run_id, ids[0]).reachable == 0
     with pytest.raises(ValueError):
         JoinRequest(public_key=keys[0].public_hex, reachable=True)  # a node can only say "not reachable"
+
+
+def test_the_heartbeat_period_stretches_with_the_swarm_and_silence_is_judged_by_the_period_told(
+    coordinator, fake_clock
+):
+    """N / max_heartbeats_per_s past a quarter of the timeout: 12 peers at 2 beats/s beat every 6 s,
+    and a peer told 6 s is gone after 24 s of silence, not the 8 s timeout, even once the swarm
+    shrank and newer answers tell 2 s."""
+    c = coordinator
+    run_id = c.create_run(
+        **{
+            "membership.min_peers": 1,
+            "membership.heartbeat_timeout_s": 8.0,
+            "membership.max_heartbeats_per_s": 2.0,
+            "membership.join_burst_per_address": 100,
+        }
+    )
+    (first,) = c.join(run_id)
+    assert c.rejoin(run_id, first).heartbeat_interval_s == 2.0  # a quarter of the timeout
+    others = c.join(run_id, 11)
+    answer = c.service.heartbeat(run_id, first, HeartbeatRequest(round=0, state="training"))
+    assert answer.heartbeat_interval_s == 12 / 2.0
+    assert {p.peer_id: p.heartbeat_interval_s for p in c.status(run_id).peers}[first] == 6.0
+
+    for peer_id in others:  # the swarm shrinks to one beating peer
+        c.service.leave(run_id, peer_id, LeaveRequest(reason="done"))
+    (beater,) = c.join(run_id)
+    for _ in range(11):
+        fake_clock.advance(2.0)
+        answer = c.service.heartbeat(run_id, beater, HeartbeatRequest(round=0, state="training"))
+        assert answer.heartbeat_interval_s == 2.0  # 2 live peers: a quarter of the timeout again
+        peers = {p.peer_id: p for p in c.status(run_id).peers}
+        assert peers[first].status == "live", f"gone after {fake_clock() - peers[first].last_seen_at:.0f} s"
+    fake_clock.advance(2.5)  # past 24 s of silence: four periods of 6 s
+    c.service.heartbeat(run_id, beater, HeartbeatRequest(round=0, state="training"))
+    peers = {p.peer_id: p for p in c.status(run_id).peers}
+    assert peers[first].status == "gone" and "(4 heartbeat periods: 24 s)" in peers[first].reason
+    assert peers[beater].status == "live"
