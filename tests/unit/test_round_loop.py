@@ -115,9 +115,12 @@ async def run_all(*nodes: Node) -> None:
 
 @in_swarm
 async def test_normal_rounds_agree(swarm):
-    await swarm.create_run()
+    """Three nodes, three rounds; in a swarm the coordinator sizes at 0.5 heartbeats a second the
+    nodes beat every 3 / 0.5 = 6 s, as its heartbeat answers tell them, not every 8 / 4 = 2 s."""
+    await swarm.create_run(membership={"heartbeat_timeout_s": 8.0, "max_heartbeats_per_s": 0.5})
     nodes = [swarm.node(name)[0] for name in "abc"]
     await run_all(*nodes)
+    assert [node.session.heartbeat_interval_s for node in nodes] == [6.0] * 3
     status = await swarm.status()
     agreed = {h.round: h.majority_digest for h in status.history}
     assert sorted(agreed) == [0, 1, 2]
