@@ -12,10 +12,19 @@ packet under the addresses of the first member of the packet's tree (node/exchan
 fetcher asks that member, and pushes the packet there over a stream it opens itself
 (node/exchange/push.py); a member that refuses (full, busy) hands the push to the next, which
 announces its copy in the DHT, where fetchers look next.
+
+A pass where every target refused or failed is tried again, after 2 s, then twice as long each
+time up to 30 s, for as long as the packet can still matter: until this node applied the round
+after it (the swarm agreed on it, so its peers have this round's packets), the session stops, or
+`PUSH_PATIENCE_S` passed. A holder checks each push with the coordinator, so while the
+coordinator is unreachable every push is refused; the retries carry the packet over an outage of
+minutes, and the round cannot close before the coordinator is back anyway.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from node.exchange.topology import push_targets
@@ -26,6 +35,9 @@ from node.round.session import Session
 log = logging.getLogger("locoswarm.node")
 
 MAX_TARGETS = 4  # members a push is offered to, in order
+PUSH_RETRY_FIRST_S = 2.0  # pause after the first pass nobody took the packet in; doubles
+PUSH_RETRY_MAX_S = 30.0
+PUSH_PATIENCE_S = 900.0  # the longest a packet is pushed for (a coordinator outage of minutes)
 
 
 async def push_plan(s: Session, round: int) -> list[list[str]]:
@@ -39,19 +51,42 @@ async def push_plan(s: Session, round: int) -> list[list[str]]:
 
 
 async def push_own(s: Session, round: int, targets: list[list[str]], report: RoundReport) -> None:
-    """Push this node's packet of `round` to the first target that takes it (logged either way)."""
-    try:
-        holder = await s.exchange.push(round, s.peer_id, targets, timeout_s=s.config.network.fetch_timeout_s)
-    except KeyError:  # nothing held to push (a withheld packet: node/faults.py)
-        return
-    report.pushed_to = holder
-    if holder is None:
-        log.warning(
-            "round %d: no reachable peer took this node's packet (%d asked); peers fetch it only over"
-            " connections this node opened",
-            round,
-            len(targets),
-        )
+    """Push this node's packet of `round` to the first target that takes it, pass after pass while
+    the packet can still matter (logged either way)."""
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + PUSH_PATIENCE_S
+    pause_s = PUSH_RETRY_FIRST_S
+    while True:
+        try:
+            holder = await s.exchange.push(round, s.peer_id, targets, timeout_s=s.config.network.fetch_timeout_s)
+        except KeyError:  # nothing held to push (a withheld packet: node/faults.py)
+            return
+        if holder is not None:
+            report.pushed_to = holder
+            return
+        if not _still_needed(s, round) or loop.time() + pause_s > give_up_at:
+            log.warning(
+                "round %d: no reachable peer took this node's packet (%d asked); peers fetch it only over"
+                " connections this node opened",
+                round,
+                len(targets),
+            )
+            return
+        log.info("round %d: no reachable peer took this node's packet; pushing again in %.0f s", round, pause_s)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(s.stopping.wait(), pause_s)
+        if not _still_needed(s, round):
+            return
+        pause_s = min(2 * pause_s, PUSH_RETRY_MAX_S)
+        with contextlib.suppress(Exception):  # the members may have changed; the coordinator may be away
+            targets = await push_plan(s, round) or targets
+
+
+def _still_needed(s: Session, round: int) -> bool:
+    """Whether peers may still fetch this node's packet of `round`: until this node applied the
+    round after it (the swarm agreed on round + 1, which starts from round's packets)."""
+    params_round = s.state.params_round
+    return not s.stopping.is_set() and (params_round is None or params_round <= round + 1)
 
 
 async def accept_push(s: Session, round: int, publisher: str, digest: str) -> bool:
