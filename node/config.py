@@ -153,6 +153,12 @@ class NetworkSection(Section):
         description="Peers elsewhere cannot dial this node (a NAT or firewall, no port forwarded): it pushes its"
         " packets to reachable peers. Unset: the coordinator dials back at join to find out.",
     )
+    push_packets: bool = Field(
+        True,
+        json_schema_extra={"flag": "--push"},
+        description="Behind NAT: push this node's packets to reachable peers (--no-push: peers fetch them only over"
+        " connections this node opened, or from the run's packet mirror).",
+    )
     use_auto_relay: bool = Field(
         False, json_schema_extra={"flag": "--auto-relay"}, description="Behind NAT: be reachable through a relay."
     )

@@ -42,8 +42,9 @@ PUSH_PATIENCE_S = 900.0  # the longest a packet is pushed for (a coordinator out
 
 async def push_plan(s: Session, round: int) -> list[list[str]]:
     """The multiaddrs of the members this node pushes its packet of `round` to, in order; [] when
-    peers can dial it (or no reachable member is known)."""
-    if s.reachable is not False:
+    peers can dial it, its operator turned pushing off (`--no-push`), or no reachable member is
+    known."""
+    if s.reachable is not False or not s.config.network.push_packets:
         return []
     members = await live_members(s)
     order = push_targets(round, s.peer_id, members.addresses, members.uplinks, members.reachable)

@@ -45,6 +45,7 @@ from node.cli.demo import progress_line
 from node.cli.processes import stop_processes
 from protocol.http import peer_id_from_public_key
 from protocol.signing import PeerKey
+from tools.netlab import store
 from tools.netlab.nat import firewall_available, nat_hosts
 from tools.netlab.report import format_peers, format_table, peer_rows, summarize
 from tools.netlab.topology import (
@@ -80,6 +81,8 @@ class LabSwarm:
         tree_fanout: int = 2,
         state_uplinks: bool = True,
         nat_client_mode: bool = True,
+        nat_push: bool = True,
+        mirror: bool = False,
     ):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
         self.preset, self.inner_steps, self.top_k = preset, inner_steps, top_k
@@ -88,6 +91,10 @@ class LabSwarm:
         self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
         self.state_uplinks = state_uplinks  # each node states its host's link rate at join (--uplink-mbps)
         self.nat_client_mode = nat_client_mode  # nodes behind NAT join with --client-mode (the README's advice)
+        self.nat_push = nat_push  # nodes behind NAT push their packets to reachable peers (off: --no-push)
+        self.mirror = mirror  # a packet mirror: an S3 store in host 0 (tools/netlab/store.py)
+        self.store: subprocess.Popen | None = None
+        self.store_url = ""
         self.num_peers = len(topology.hosts) - 1
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
@@ -98,20 +105,29 @@ class LabSwarm:
         self.stragglers: list[dict] = []
 
     def _env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy") and not k.startswith("AWS_")}
         return env | {"LOCOSWARM_ADMIN_TOKEN": self.admin_token, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
-    def _spawn(self, host: int, args: list[str], log_name: str, stdout=None) -> subprocess.Popen:
+    def _spawn(
+        self, host: int, args: list[str], log_name: str, stdout=None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         log = open(self.workdir / log_name, "ab")
         # A session of its own: Ctrl+C reaches only the lab, which then stops its children in order.
         return subprocess.Popen(
             [*self.topology.exec_args(host), sys.executable, "-m", *args],
             stdout=stdout or log,
             stderr=log,
-            env=self._env(),
+            env=self._env() | (env or {}),
             cwd=REPO_ROOT,
             start_new_session=True,
         )
+
+    def start_store(self, timeout_s: float = 60.0) -> None:
+        """The packet mirror's S3 store, in host 0 beside the coordinator."""
+        self.store = self._spawn(
+            0, ["tools.netlab.store", self.topology.hosts[0].ip, "netlab"], "store.log", stdout=subprocess.PIPE
+        )
+        self.store_url = read_line(self.store.stdout, timeout_s, "store listening on ").split()[-1]
 
     def start_coordinator(self, timeout_s: float = 90.0) -> None:
         h0 = self.topology.hosts[0]
@@ -130,6 +146,7 @@ class LabSwarm:
             ],
             "coordinator.log",
             stdout=subprocess.PIPE,
+            env=store.CREDENTIALS if self.mirror else None,  # only the coordinator holds the store's keys
         )
         stdout = self.coordinator.stdout
         self.url = read_line(stdout, timeout_s, "coordinator listening on ").split()[-1]
@@ -183,7 +200,10 @@ class LabSwarm:
                 "total_steps": H * self.rounds,
             },
             "outer": {"strategy": "sparseloco", "top_k": self.top_k, "overlap": self.overlap},
-            "exchange": {"tree_fanout": self.tree_fanout},
+            "exchange": {
+                "tree_fanout": self.tree_fanout,
+                **({"mirror": {"endpoint_url": self.store_url, "bucket": "netlab"}} if self.mirror else {}),
+            },
             "membership": {"min_peers": self.num_peers, "heartbeat_timeout_s": 60.0},
             "deadline": {"kind": "fixed", "round_timeout_s": 300.0},
         }
@@ -193,7 +213,11 @@ class LabSwarm:
     def start_node(self, host: int) -> None:
         ip, rate = self.topology.hosts[host].ip, self.topology.rates_mbps[host]
         uplink = ["--uplink-mbps", f"{rate:g}"] if self.state_uplinks and rate > 0 else []
-        behind_nat = ["--client-mode"] if host in self.topology.nat and self.nat_client_mode else []
+        behind_nat = (
+            (["--client-mode"] if self.nat_client_mode else []) + ([] if self.nat_push else ["--no-push"])
+            if host in self.topology.nat
+            else []
+        )
         # The lab makes the key, so that it knows the node's peer id even if the node never reports.
         key_path = self.workdir / f"node{host}.key"
         self.peer_ids[host] = peer_id_from_public_key(PeerKey.load_or_create(key_path).public_bytes)
@@ -249,6 +273,8 @@ class LabSwarm:
     def run(self, timeout_s: float) -> tuple[list[dict], dict]:
         """Start everything, wait for the last round; return the nodes' reports and the final status."""
         deadline = time.monotonic() + timeout_s
+        if self.mirror:
+            self.start_store()
         self.start_coordinator()
         self.create_run()
         self.say(f"coordinator {self.url} in {self.topology.hosts[0].namespace}; run {self.run_id}")
@@ -311,7 +337,7 @@ class LabSwarm:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop every process this swarm started, nodes first, and what they left running (p2pd)."""
-        stop_processes([*self.nodes, *([self.coordinator] if self.coordinator else [])], grace_s)
+        stop_processes([*self.nodes, *(p for p in (self.coordinator, self.store) if p is not None)], grace_s)
 
 
 def _check_nat(topology: Topology, say) -> list[dict]:
@@ -398,6 +424,8 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         tree_fanout=args.tree_fanout,
         state_uplinks=args.state_uplinks,
         nat_client_mode=args.nat_client_mode,
+        nat_push=args.nat_push,
+        mirror=args.mirror,
     )
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
@@ -418,7 +446,10 @@ def run_lab(args: argparse.Namespace, say) -> dict:
                 f"behind NAT: {', '.join(f'h{i}' for i in behind_nat)}, each behind its own router "
                 f"({topology.prefix}nat<i>); their nodes join "
                 + ("with --client-mode" if args.nat_client_mode else "with the defaults (--no-nat-client-mode)")
+                + ("" if args.nat_push else " and --no-push")
             )
+        if args.mirror:
+            say("packet mirror: an S3 store (moto) in h0, named in the run config's exchange.mirror")
         if topology.relay is not None:
             say(f"relay host reserved: {topology.relay.namespace} {topology.relay.ip} (nothing runs there yet)")
         # The probe's receiver has to be dialable: h2, else the first public node host, else h0.
@@ -500,6 +531,8 @@ def run_lab(args: argparse.Namespace, say) -> dict:
                 for i, r in topology.nat.items()
             },
         },
+        "mirror": args.mirror,
+        "nat_push": args.nat_push,
         "relay_host": {"namespace": topology.relay.namespace, "ip": topology.relay.ip} if topology.relay else None,
         "link": {
             "rate_mbps": args.rate_mbps[0] if len(args.rate_mbps) == 1 else args.rate_mbps,
@@ -597,6 +630,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="nodes behind NAT join with --client-mode, the README's advice for a volunteer nobody "
         "can dial (default on); off: with the defaults",
+    )
+    parser.add_argument(
+        "--nat-push",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nodes behind NAT push their packets to reachable peers (default on); off: they join with --no-push",
+    )
+    parser.add_argument(
+        "--mirror",
+        action="store_true",
+        help="give the run a packet mirror: an S3 store (moto, from the test extra) in h0 beside the coordinator",
     )
     parser.add_argument(
         "--relay-host",
