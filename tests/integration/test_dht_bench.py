@@ -43,4 +43,4 @@ def test_tiny_lab_counts_rpcs_per_operation(capsys):
     assert report["holders_key"]["records"] >= 1
     assert 100 < report["packets_key"]["bytes"] / PUBLISHERS < 1000  # a record: digest, size, maddrs, holder
     (sweep,) = report["sizes"]
-    assert sweep["stored"] == sweep["read_records"] == 16 and sweep["error"] is None
+    assert sweep["stored"] == sweep["read_records"] == 16 and sweep["complete"] and sweep["error"] is None

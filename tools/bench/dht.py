@@ -30,10 +30,12 @@ most `--concurrency` operations in flight, on a shared CPU: it is the lab's time
 Record size: after each round one node reads the packets key and one holders key and the merged
 dictionary a lookup returns is serialized as hivemind sends it (MSGPackSerializer); its bytes per
 record give where a key crosses 16 KB (values past ~16 KB crash the `hivemind.DHT` wrapper's pipe;
-the node runs `DHTNode` in its own loop and does not use it) and hivemind's unary RPC limit
-(`MAX_UNARY_PAYLOAD_SIZE`, 2 MiB, which a find response must fit). `--sizes` stores that many
-records under one key (in batches of 256) and reads them back from another node, to find where a
-read fails.
+the node runs `DHTNode` in its own loop and does not use it) and 4 MiB, the message limit of the
+p2pd control connection that a find response must fit (`MAX_MSG_BYTES`). `--sizes` stores that
+many records under one key (in batches of 256) and reads them back from another node, to find where
+a read fails: past the limit the serving node's answer fails inside hivemind (a ValueError it
+logs), and the reader gets, after its RPC time-outs, no error but a partial dictionary or none
+(`complete` false).
 
 Baseline, measured in the same run before the rounds: one `call_ping` between two idle nodes of the
 lab (median of 20); the table gives each operation's median in pings.
@@ -59,7 +61,9 @@ from dataclasses import dataclass, field
 
 RPC_NAMES = ("rpc_ping", "rpc_store", "rpc_find")
 PHASES = ("announce", "lookup", "hold")
-UNARY_LIMIT_BYTES = 2 * 1024**2  # hivemind.p2p MAX_UNARY_PAYLOAD_SIZE: a find response must fit
+# p2pd's control-connection message limit (hivemind DEFAULT_MAX_MSG_SIZE): a find response must fit.
+# Measured with --sizes: a 4.09 MB dictionary reads back whole, a 4.36 MB one does not.
+MAX_MSG_BYTES = 4 * 1024**2
 WRAPPER_LIMIT_BYTES = 16 * 1024  # values past this crash the hivemind.DHT wrapper's pipe
 SIZE_BATCH = 256  # records per store_many in the --sizes sweep (one store request must fit too)
 RUN_ID = "bench-dht"
@@ -305,6 +309,7 @@ async def size_sweep(lab: Lab, sizes: list[int]) -> list[dict]:
                 "stored": stored,
                 "read_records": records,
                 "bytes": size,
+                "complete": records == n,
                 "read_ms": 1e3 * (time.perf_counter() - start),
                 "error": error,
             }
@@ -394,12 +399,13 @@ def print_table(report: dict) -> None:
     if per_record:
         print(
             f"{per_record:.0f} bytes per record: 16 KB at {WRAPPER_LIMIT_BYTES / per_record:.0f} records, "
-            f"2 MiB (unary RPC limit) at {UNARY_LIMIT_BYTES / per_record:.0f}"
+            f"4 MiB (the largest find response) at {MAX_MSG_BYTES / per_record:.0f}"
         )
     for s in report["sizes"]:
         print(
             f"sizes: {s['records']:>6} stored {s['stored']:>6} read {s['read_records']:>6} records, "
-            f"{s['bytes']:>9} bytes, {s['read_ms']:>8.1f} ms{'  ' + s['error'] if s['error'] else ''}"
+            f"{s['bytes']:>9} bytes, {s['read_ms']:>8.1f} ms{'' if s['complete'] else '  INCOMPLETE'}"
+            f"{'  ' + s['error'] if s['error'] else ''}"
         )
 
 
