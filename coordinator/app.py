@@ -13,6 +13,11 @@ or closes a round or accepts a submission, never by polling the database. A back
 the database thread call `service.tick()`, the coordinator's own clock: deadlines and heartbeat
 timeouts take effect with nobody asking, and no read ever writes.
 
+Replicas: several processes may serve one PostgreSQL database (`coordinator.storage.cluster`).
+Their writes are serialised by the database's write lock, only the leader's background task
+ticks, and each replica's long-polls also wake on the changes the others announce. One process on
+SQLite is the leader of a cluster of one.
+
 Every refusal is ``{"error": code, "detail": text}`` with a 4xx status: typed service errors,
 validation errors (422, or 400 for malformed JSON), bodies over `max_body_bytes` (413, checked
 before any parsing), unknown routes and methods (405 with ``Allow``). Each is a
@@ -53,6 +58,7 @@ from coordinator.routes import ReadSide, RunEvents, ops_router, peers_router, ro
 from coordinator.rules.retention import DEFAULT_KEEP_ROUNDS
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
+from coordinator.storage.cluster import Cluster, open_cluster
 
 log = logging.getLogger("locoswarm.coordinator")
 
@@ -213,10 +219,11 @@ def create_app(
     process serves only this app (`coordinator serve`): see `tune_gc_for_serving`, applied once
     the app has started. `keep_rounds`: rounds behind the current one whose per-peer rows are kept
     (coordinator/rules/retention.py; 0: all)."""
-    events = RunEvents()
     worker = DatabaseWorker()
     reads = SharedReads(worker)
     read = ReadSide(storage)
+    events = RunEvents(before_wake=lambda: (reads.detach(), read.reads.detach()))
+    cluster = open_cluster(storage.db, on_change=events.notify, on_missed=events.notify_all)
     # The service commits on the database thread; `notify` hands the wake-up to the event loop.
     service = CoordinatorService(storage, clock=clock, on_change=events.notify, keep_rounds=keep_rounds)
     auth = Authenticator(service, admin_token, rate_per_s=rate_per_s, burst=rate_burst)
@@ -225,8 +232,9 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         events.bind(asyncio.get_running_loop())
+        await asyncio.to_thread(cluster.start)
         await worker.run(service.resume)
-        ticker = asyncio.create_task(_tick_forever(worker, service, tick_s)) if tick_s else None
+        ticker = asyncio.create_task(_tick_forever(worker, service, cluster, tick_s)) if tick_s else None
         if tune_gc:
             tune_gc_for_serving()
         try:
@@ -238,6 +246,7 @@ def create_app(
                     await ticker
             worker.stop()
             read.close()
+            await asyncio.to_thread(cluster.stop)
 
     app = FastAPI(
         title="locoswarm coordinator",
@@ -247,6 +256,7 @@ def create_app(
     )
     app.state.service = service
     app.state.events = events
+    app.state.cluster = cluster
     app.state.worker = worker
     app.state.reads = reads
     app.state.read = read
@@ -260,18 +270,23 @@ def create_app(
     )
     _install_error_handlers(app)
 
-    app.include_router(ops_router(storage, service, worker, read, response_counts))
+    app.include_router(ops_router(storage, service, worker, read, response_counts, cluster, events))
     app.include_router(runs_router(service, auth, worker, reads, read))
     app.include_router(peers_router(service, auth, worker))
     app.include_router(rounds_router(service, auth, events, worker, reads, read))
     return app
 
 
-async def _tick_forever(worker: DatabaseWorker, service: CoordinatorService, tick_s: float) -> None:
+async def _tick_forever(worker: DatabaseWorker, service: CoordinatorService, cluster: Cluster, tick_s: float) -> None:
+    """The coordinator's clock: `service.tick` every `tick_s`, on the leading replica only."""
     failing_since: float | None = None  # monotonic time of the first failed tick of an outage
     while True:
+        if not cluster.is_leader:
+            await asyncio.sleep(tick_s)
+            continue
         try:
             await worker.run(service.tick)
+            cluster.ticked(service.clock())
             if failing_since is not None:
                 log.warning(
                     "database usable again after %.0f s; deadlines and timeouts apply", time.monotonic() - failing_since

@@ -96,6 +96,12 @@ class SharedReads:
         # One waiter going away (its client hung up) must not cancel the others' answer.
         return await asyncio.shield(call.future)
 
+    def detach(self) -> None:
+        """Later requests start calls of their own: the unfinished ones may have begun before a
+        change committed elsewhere (another replica) that those requests must see. Their own
+        waiters still get their answers."""
+        self._calls.clear()
+
     def _forget(self, key: Hashable, call: _Call, future: asyncio.Future) -> None:
         if self._calls.get(key) is call:
             del self._calls[key]

@@ -5,7 +5,8 @@ status views the page uses (`coordinator.views`), so the two never disagree. Per
 emitted for runs that are still active, which keeps the series count bounded on a long-lived
 coordinator.
 
-Per round, of the last closed one: mean train loss, time, contributors, tokens trained, packet
+Per replica: the long-polls parked on it, whether it leads (coordinator/storage/cluster.py), since when, and when its first
+tick as leader finished. Per round, of the last closed one: mean train loss, time, contributors, tokens trained, packet
 bytes and the compression against sending the updates dense. The validation loss is that of the
 latest round peers evaluated (they do every few rounds, `eval_every_rounds`), with its round
 beside it; rounds are looked for up to VAL_LOSS_LOOKBACK_ROUNDS back.
@@ -17,12 +18,17 @@ from collections import Counter
 
 from coordinator.rules.runs import ACTIVE_STATES
 from coordinator.storage import Storage
+from coordinator.storage.cluster import Cluster
 from coordinator.views import Views
 
 VAL_LOSS_LOOKBACK_ROUNDS = 100
 
 _HELP = {
     "locoswarm_http_responses_total": ("counter", "HTTP responses sent, by status code."),
+    "locoswarm_coordinator_leader": ("gauge", "1 if this replica leads (runs deadlines and timeouts), else 0."),
+    "locoswarm_coordinator_leader_since_seconds": ("gauge", "Unix time this replica took the lead."),
+    "locoswarm_coordinator_first_tick_seconds": ("gauge", "Unix time of this leader's first tick."),
+    "locoswarm_long_polls_waiting": ("gauge", "Round long-polls parked on this replica now."),
     "locoswarm_runs": ("gauge", "Runs known to the coordinator, by state."),
     "locoswarm_run_current_round": ("gauge", "The open round, or the next to open."),
     "locoswarm_run_peers": ("gauge", "Peers of a run, by membership status."),
@@ -71,10 +77,18 @@ class _Exposition:
         return "\n".join(lines) + "\n"
 
 
-def render(storage: Storage, views: Views, now: float, response_counts: Counter[int]) -> str:
+def render(
+    storage: Storage, views: Views, now: float, response_counts: Counter[int], cluster: Cluster, num_long_polls: int
+) -> str:
     out = _Exposition()
     for code, count in sorted(response_counts.items()):
         out.add("locoswarm_http_responses_total", count, code=str(code))
+    out.add("locoswarm_coordinator_leader", int(cluster.is_leader))
+    if cluster.leader_since is not None:
+        out.add("locoswarm_coordinator_leader_since_seconds", cluster.leader_since)
+    if cluster.first_tick_at is not None:
+        out.add("locoswarm_coordinator_first_tick_seconds", cluster.first_tick_at)
+    out.add("locoswarm_long_polls_waiting", num_long_polls)
     runs = storage.list_runs()
     for state, count in sorted(Counter(run.state for run in runs).items()):
         out.add("locoswarm_runs", count, state=state)

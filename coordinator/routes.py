@@ -10,7 +10,7 @@ its manifest, the metrics - run on a second thread with a read-only connection o
 (`ReadSide`), so that a heartbeat never waits behind a status of hundreds of peers. Each factory is handed what its routes use:
 
 - `ops_router`: ``/healthz`` (the process answers), ``/readyz`` (its database reads and writes),
-  ``/metrics`` and the status page ``/`` (public).
+  ``/metrics`` (with whether this replica leads) and the status page ``/`` (public).
 - `runs_router`: create, list, read, close a run, and its status JSON (admin or public).
 - `peers_router`: join, heartbeat and leave (signed by the peer).
 - `rounds_router`: submit, the round long-poll, the applied report and the missing-packet
@@ -41,6 +41,7 @@ from coordinator.db_worker import DatabaseWorker, SharedReads
 from coordinator.reachability import dial_back
 from coordinator.service import CoordinatorService
 from coordinator.storage import Storage
+from coordinator.storage.cluster import Cluster
 from coordinator.views import HISTORY_LIMIT, Views
 from protocol.fields import ResponseModel
 from protocol.http import (
@@ -124,11 +125,17 @@ class RunEvents:
     """One `asyncio.Event` per run, replaced each time it fires: a waiter takes the current event
     *before* reading state, so a change committed after the read still wakes it. The events live
     on the event loop; `notify` may be called from any thread (the service commits on the
-    database thread) and hands the wake-up to the loop."""
+    database thread, another replica's change is heard on the link's thread) and hands the
+    wake-up to the loop, where `before_wake` runs first. `notify_all` wakes every run's.
 
-    def __init__(self) -> None:
+    A change committed by another replica may land while a shared read that began before it is
+    still running here, and a waiter woken by it would join that read and miss the change:
+    `before_wake` detaches the shared reads (`SharedReads.detach`), so the re-check starts afresh."""
+
+    def __init__(self, before_wake: Callable[[], None] = lambda: None) -> None:
         self._events: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.before_wake = before_wake
         self.num_waiting = 0  # long-polls parked right now (tests wait on it, metrics show it)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -147,6 +154,12 @@ class RunEvents:
             self.num_waiting -= 1
 
     def notify(self, run_id: str) -> None:
+        self._on_loop(self._wake, run_id)
+
+    def notify_all(self) -> None:
+        self._on_loop(self._wake_all)
+
+    def _on_loop(self, wake: Callable[..., None], *args: str) -> None:
         loop = self._loop
         if loop is None:
             return  # nobody ever waited: nothing to wake
@@ -155,14 +168,21 @@ class RunEvents:
         except RuntimeError:
             on_loop = False
         if on_loop:
-            self._wake(run_id)
+            wake(*args)
         else:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is left to wake
-                loop.call_soon_threadsafe(self._wake, run_id)
+                loop.call_soon_threadsafe(wake, *args)
 
     def _wake(self, run_id: str) -> None:
         event = self._events.pop(run_id, None)
         if event is not None:
+            self.before_wake()
+            event.set()
+
+    def _wake_all(self) -> None:
+        events, self._events = self._events, {}
+        self.before_wake()
+        for event in events.values():
             event.set()
 
 
@@ -221,6 +241,8 @@ def ops_router(
     worker: DatabaseWorker,
     read: ReadSide,
     response_counts: Counter[int],
+    cluster: Cluster,
+    events: RunEvents,
 ) -> APIRouter:
     router = APIRouter(tags=["ops"], route_class=JsonSchemaRoute)
 
@@ -248,7 +270,12 @@ def ops_router(
     async def get_metrics() -> PlainTextResponse:
         counts = Counter(response_counts)  # a copy: the loop goes on counting meanwhile
         now = service.clock()
-        text = await read.reads.worker.run(lambda: metrics.render(read.storage, read.views, now, counts))
+        waiting = events.num_waiting
+
+        def text_now() -> str:
+            return metrics.render(read.storage, read.views, now, counts, cluster, waiting)
+
+        text = await read.reads.worker.run(text_now)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @router.get("/", response_class=HTMLResponse)

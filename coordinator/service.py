@@ -13,7 +13,8 @@ on writes and on the coordinator's own clock, `tick`, which the app calls a few 
 so a deadline that passes with nobody writing still closes the round.
 
 `on_change(run_id)` is called after a commit that opened or closed a round, accepted a submission
-or amended a manifest; the HTTP layer uses it to wake long-polls. What is read back (status, round
+or amended a manifest; the HTTP layer uses it to wake long-polls. The same commit announces the
+change to the other replicas on the database (`Storage.announce`: coordinator/storage/cluster.py). What is read back (status, round
 views, the join answer) is `coordinator.views.Views`, held as ``service.views``.
 """
 
@@ -89,6 +90,8 @@ class CoordinatorService:
         try:
             with self.storage.transaction():
                 yield
+                for run_id in sorted(self.ctx.changed):
+                    self.storage.announce(run_id)  # the other replicas' long-polls, on commit
         except BaseException:
             self.ctx.changed.clear()  # rolled back: nothing changed
             raise

@@ -20,11 +20,21 @@ database does; a lost PostgreSQL connection is replaced between transactions. Er
 to notice an outage: coordinator/rules/rounds.py, "Restart grace"). `probe` is the readiness
 check behind ``/readyz``. Opening a writable connection applies the missing migrations
 (coordinator/storage/schema.py).
+
+Several `coordinator serve` processes (replicas) may share one PostgreSQL database. Every write
+transaction there begins by taking the transaction-scoped advisory lock `WRITE_LOCK`, so the
+replicas' transactions run one at a time, as one process's do on its database thread: each sees
+every commit before it, and the round rules need no other locking. `announce(run_id)` tells the
+other replicas, on commit, that a run's long-polls should wake (``NOTIFY`` on `channel`). The lock
+keys and the channel are scoped to the connection's schema, so replicas of different
+coordinators, or tests, sharing one server never contend. SQLite serves one process: there the
+lock is its ``BEGIN IMMEDIATE`` and there is nobody to tell (coordinator/storage/cluster.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import secrets
 import sqlite3
@@ -61,6 +71,10 @@ SQLITE_UNAVAILABLE_CODES = frozenset(
 )
 # Characters the readiness probe writes and rolls back: a few pages, so it needs room to grow.
 PROBE_PADDING_CHARS = 8192
+# PostgreSQL advisory locks, in the two-key form (schema key, purpose): every write transaction
+# holds WRITE_LOCK until it ends; the leading replica holds LEADER_LOCK for its session.
+WRITE_LOCK = 1
+LEADER_LOCK = 2
 
 
 class _RollBackProbe(Exception):
@@ -86,6 +100,10 @@ class Database:
         except StorageUnavailable as e:
             self._conn.close()
             raise StorageError(f"cannot prepare the database: {e.detail}") from e
+
+    def announce(self, run_id: str) -> None:
+        """Inside a write transaction: once it commits, wake the long-polls of `run_id` on every
+        other process serving this database. A no-op where one process serves it (SQLite)."""
 
     def replica(self) -> "Database":
         """A second, read-only connection to the same database, for a thread of its own. It sees
@@ -170,7 +188,7 @@ class Database:
                 finally:
                     self._depth -= 1
                 return
-            self.execute(self._begin_sql)
+            self._begin()
             self._depth = 1
             try:
                 yield
@@ -180,6 +198,9 @@ class Database:
                 raise
             finally:
                 self._depth = 0
+
+    def _begin(self) -> None:
+        self.execute(self._begin_sql)
 
     def _rollback(self) -> None:
         # SQLite may already have rolled back (it does on some full-disk and I/O errors), and a
@@ -292,11 +313,44 @@ class SqliteDatabase(Database):
 
 
 class PostgresDatabase(Database):
-    """PostgreSQL through psycopg 3; the same SQL with %s placeholders."""
+    """PostgreSQL through psycopg 3; the same SQL with %s placeholders. A writable one takes
+    `WRITE_LOCK` at the start of every transaction (the module docstring: replicas)."""
 
     def __init__(self, url: str, read_only: bool = False):
         self.url = url
+        self.schema = ""  # the connection's current schema, read as it connects
         super().__init__(read_only)
+
+    def lock_key(self, purpose: int) -> tuple[int, int]:
+        """The advisory lock (schema key, purpose) of this schema: two signed 32-bit keys."""
+        return _int32(self.schema), purpose
+
+    @property
+    def channel(self) -> str:
+        """The ``NOTIFY`` channel of this schema's changes (an identifier of at most 63 bytes)."""
+        return f"locoswarm_changes_{hashlib.sha256(self.schema.encode()).hexdigest()[:16]}"
+
+    @property
+    def backend_pid(self) -> int | None:
+        """The server process of this connection, the sender of its notifications (None while
+        the connection is lost)."""
+        conn = self._conn
+        return None if conn.closed else conn.info.backend_pid
+
+    def _begin(self) -> None:
+        self.execute("BEGIN")
+        if self.read_only:
+            return
+        self._depth = 1  # inside the transaction now: a lost connection must not be replaced
+        try:
+            self.execute("SELECT pg_advisory_xact_lock(?, ?)", self.lock_key(WRITE_LOCK))
+        except BaseException:
+            self._rollback()
+            self._depth = 0
+            raise
+
+    def announce(self, run_id: str) -> None:
+        self.execute("SELECT pg_notify(?, ?)", (self.channel, run_id))
 
     def replica(self) -> "PostgresDatabase":
         return PostgresDatabase(self.url, read_only=True)
@@ -309,6 +363,7 @@ class PostgresDatabase(Database):
             raise StorageError("PostgreSQL needs psycopg: pip install 'psycopg[binary]'") from e
         try:
             conn = psycopg.connect(self.url, autocommit=True, row_factory=dict_row, connect_timeout=10)
+            self.schema = conn.execute("SELECT current_schema() AS s").fetchone()["s"] or ""
             if self.read_only:
                 conn.execute("SET default_transaction_read_only = on")
             return conn
@@ -354,6 +409,11 @@ class PostgresDatabase(Database):
         from psycopg.pq import TransactionStatus
 
         return not self._conn.closed and self._conn.info.transaction_status != TransactionStatus.IDLE
+
+
+def _int32(text: str) -> int:
+    """A stable signed 32-bit key for `text` (advisory lock keys are int4)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big", signed=True)
 
 
 def open_database(url: str) -> Database:

@@ -53,6 +53,11 @@ class Storage:
         """The readiness check behind ``/readyz`` (`Database.probe`)."""
         self.db.probe(now)
 
+    def announce(self, run_id: str) -> None:
+        """Inside a write transaction: wake `run_id`'s long-polls on the other replicas once it
+        commits (`Database.announce`)."""
+        self.db.announce(run_id)
+
     def replica(self) -> "Storage":
         """The same questions over a second, read-only connection (`Database.replica`): the app
         reads its heavy views there, on a thread of its own."""

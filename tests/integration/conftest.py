@@ -2,7 +2,8 @@
 
 - `postgres_url`: a real PostgreSQL server started for the session from Debian's binaries, as the
   ``postgres`` OS user when we are root, on a unix socket in a temp dir; skipped with the reason
-  when the binaries or the user are missing. `storage_url` gives each test its own schema.
+  when the binaries or the user are missing. `storage_url` gives each test its own schema (and a
+  SQLite file); `postgres_schema_url`, its own PostgreSQL schema only.
 - `start_coordinator`: real ``locoswarm coordinator serve`` processes on port 0
   (tests/integration/coordinator_process.py), each stopped by its own handle after the test.
 
@@ -81,18 +82,27 @@ def postgres_url() -> Iterator[str]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _new_schema_url(base_url: str) -> str:
+    import psycopg
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(base_url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    return f"{base_url}&options=-csearch_path%3D{schema}"
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def storage_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty database for each backend: a file, or a new PostgreSQL schema."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'coordinator.db'}"
-    import psycopg
+    return _new_schema_url(request.getfixturevalue("postgres_url"))
 
-    base_url = request.getfixturevalue("postgres_url")
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(base_url, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    return f"{base_url}&options=-csearch_path%3D{schema}"
+
+@pytest.fixture
+def postgres_schema_url(postgres_url: str) -> str:
+    """A fresh, empty PostgreSQL schema of its own (several coordinator replicas share it)."""
+    return _new_schema_url(postgres_url)
 
 
 @pytest.fixture
