@@ -16,6 +16,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -48,25 +49,57 @@ def compose() -> dict:
     return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
 
 
+def locoswarm_services(spec: dict) -> dict:
+    """The services that run our image (the others: the database and the balancer)."""
+    return {name: s for name, s in spec["services"].items() if s.get("image") == "locoswarm:latest"}
+
+
 def test_compose_commands_parse_with_the_real_cli():
-    services = compose()["services"]
-    assert "coordinator" in services
+    services = locoswarm_services(compose())
     nodes = {name: s for name, s in services.items() if s["command"][:2] == ["node", "join"]}
     assert len(nodes) >= 2, "the compose file brings up several nodes"
     for name, service in services.items():
         assert isinstance(service["command"], list), f"{name}: use the exec (list) form"
         parses(service["command"])
-    serve = parses(services["coordinator"]["command"])
-    assert serve.db.startswith("sqlite:////data/") and serve.host == "0.0.0.0"
-    assert any(v.endswith(":/data") for v in services["coordinator"]["volumes"]), "the database is on a volume"
     keys = set()
     for name, service in nodes.items():
         args = parses(service["command"])
-        assert args.coordinator == f"http://coordinator:{serve.port}", name
+        assert args.coordinator == "http://coordinator:8000", f"{name}: nodes talk to the balancer"
         assert any(v.endswith(":/keys") for v in service["volumes"]), f"{name}: keys on a volume"
         assert args.key_path.startswith("/keys/"), name
         keys.add(args.key_path)
     assert len(keys) == len(nodes), "every node has its own key file"
+
+
+def test_compose_runs_coordinator_replicas_on_postgres_behind_a_balancer():
+    spec = compose()
+    services = spec["services"]
+    replicas = {n: s for n, s in locoswarm_services(spec).items() if s["command"][:2] == ["coordinator", "serve"]}
+    assert len(replicas) >= 2, "at least two coordinator replicas"
+    serves = [parses(s["command"]) for s in replicas.values()]
+    assert len({a.db for a in serves}) == 1, "every replica serves the same database"
+    database = urlsplit(serves[0].db)
+    assert database.scheme == "postgresql" and database.hostname in services, "the replicas share PostgreSQL"
+    assert database.password is None, "the password comes from PGPASSWORD, not the command line"
+    assert services[database.hostname]["image"].startswith("postgres:")
+    assert any(v.endswith(":/var/lib/postgresql/data") for v in services[database.hostname]["volumes"])
+    for name, service in replicas.items():
+        assert {"LOCOSWARM_ADMIN_TOKEN", "PGPASSWORD"} <= set(service["environment"]), name
+        assert database.hostname in service["depends_on"], name
+        assert "/readyz" in " ".join(service["healthcheck"]["test"]), f"{name}: healthy means its database works"
+    assert all(a.host == "0.0.0.0" and a.port == 8000 for a in serves)
+    # The balancer is `coordinator`, the name the nodes use; its upstream lists every replica.
+    balancer = services["coordinator"]
+    assert balancer["image"].startswith("nginx:") and set(balancer["depends_on"]) == set(replicas)
+    config_file = next(v.split(":")[0] for v in balancer["volumes"] if v.endswith("default.conf:ro"))
+    upstream = re.findall(r"^\s*server\s+([\w.-]+:[0-9]+)", (DEPLOY / config_file).read_text(), re.M)
+    assert sorted(upstream) == sorted(f"{name}:8000" for name in replicas)
+    assert re.search(r"listen\s+8000;", (DEPLOY / config_file).read_text())
+    # The database is on a network of its own, which the nodes (strangers' code) are not on.
+    db_network = set(services[database.hostname]["networks"])
+    for name, service in locoswarm_services(spec).items():
+        if name not in replicas:
+            assert not db_network & set(service.get("networks", [])), f"{name} can reach the database"
 
 
 def test_compose_references_are_declared():
