@@ -375,15 +375,21 @@ class PostgresDatabase(Database):
         # The shared SQL contains no literal '?' or '%', so this rewrite is exact.
         return sql.replace("?", "%s")
 
+    @staticmethod
+    def _params(params: tuple) -> tuple:
+        # The shared schema stores flags as BIGINT 0/1 (SQLite has no boolean); psycopg would send
+        # a Python bool as a PostgreSQL boolean, which a BIGINT column refuses.
+        return tuple(int(p) if isinstance(p, bool) else p for p in params)
+
     def rows(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
         with self._lock, self._failures():
             self._reconnect_if_lost()
-            return list(self._conn.execute(self._sql(sql), params).fetchall())
+            return list(self._conn.execute(self._sql(sql), self._params(params)).fetchall())
 
     def execute(self, sql: str, params: tuple = ()) -> int:
         with self._lock, self._failures():
             self._reconnect_if_lost()
-            return self._conn.execute(self._sql(sql), params).rowcount
+            return self._conn.execute(self._sql(sql), self._params(params)).rowcount
 
     def _reconnect_if_lost(self) -> None:
         """Between transactions, replace a connection the server dropped (a restart, a failover);

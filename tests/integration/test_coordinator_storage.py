@@ -6,6 +6,8 @@ run on both, which is what keeps the shared SQL honest.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coordinator.errors import StorageError
@@ -77,6 +79,19 @@ def test_rows_round_trip_and_update(storage_url):
     assert storage.active_run_ids() == ["run-1"]
     with pytest.raises(ValueError):
         storage.update_peer("run-1", "pa", no_such_column=1)
+    storage.close()
+
+
+def test_flags_written_as_python_bools_read_back(storage_url):
+    """A join's dial-back verdict is a bool; the shared schema keeps flags as BIGINT 0/1, which
+    PostgreSQL refused a boolean for (every join with listen addresses failed there)."""
+    storage = open_storage(storage_url)
+    with storage.transaction():
+        storage.insert_run(a_run())
+        storage.insert_peer(dataclasses.replace(a_peer("pa", 0), reachable=True))
+        storage.insert_peer(dataclasses.replace(a_peer("pb", 1), reachable=False))
+    storage.update_peer("run-1", "pb", reachable=True)
+    assert [bool(p.reachable) for p in storage.list_peers("run-1")] == [True, True]
     storage.close()
 
 

@@ -1,12 +1,15 @@
 """Coordinator load benchmark: N signed peers heartbeating against a real coordinator process.
 
     python -m tools.bench.load --peers 500 [--duration-s 30] [--json]
+    python -m tools.bench.load --peers 500 --replicas 2 --db postgresql://...
     locoswarm bench load --peers 500 ...
 
 It starts ``coordinator serve`` (uvicorn on 127.0.0.1 port 0, a temporary SQLite file) in a
-subprocess, creates a run (round deadlines every `--round-timeout-s`, so rounds close and open
-under the load) and joins N peers, each with its own Ed25519 key and the signed-request scheme of
-`protocol.http` that nodes use. Then, in the same run:
+subprocess, or with `--db postgresql://...` `--replicas` of them on a fresh schema of that server
+(dropped after; tools/bench/postgres.py starts a throwaway server), creates a run (round
+deadlines every `--round-timeout-s`, so rounds close and open under the load) and joins N peers, each with its own Ed25519 key and the signed-request scheme of
+`protocol.http` that nodes use; peer i talks to replica i mod R, as a balancer would spread them,
+and so do the status readers and round watchers. Then, in the same run:
 
 1. one at a time: each endpoint alone, `--idle-samples` requests in a row, nothing else running;
    this is the baseline the loaded figures are divided by;
@@ -14,7 +17,7 @@ under the load) and joins N peers, each with its own Ed25519 key and the signed-
    does under the default ``heartbeat_timeout_s`` 20 s), the peers' phases spread evenly;
    `--readers` status readers each read ``status?history=0`` (the member list, as nodes read it
    each round) every `--reader-interval-s`, the first of them the full status; ``/healthz`` is
-   probed four times a second and ``/readyz`` once a second. With `--round-watchers W`, W peers
+   probed four times a second and ``/readyz`` once a second, on every replica. With `--round-watchers W`, W peers
    also do what a node does each round: read the member list, then long-poll the round until it
    closes (``round_wake``: how long after the close their answer came).
 
@@ -23,22 +26,25 @@ The table gives, per endpoint, the one-at-a-time p50, the loaded p50 and p99, an
 The load generator shares the machine with the server, so it is built to cost little: one asyncio
 process, one keep-alive connection per peer (as real peers have), a minimal HTTP/1.1 client on
 asyncio streams, and every heartbeat rendered and signed before the load starts (nonces are the
-planned send times). Its CPU use, the server's, and how late its own event loop wakes a short sleep
-(``loop lag``: large means the generator, not the server, was the bottleneck) are printed beside
-the figures, with the machine's load average: on a shared machine, other work slows both sides.
+planned send times). Its CPU use, each replica's (and which one led), and how late its own event
+loop wakes a short sleep (``loop lag``: large means the generator, not the server, was the
+bottleneck) are printed beside the figures, with the machine's load average: on a shared machine,
+other work slows both sides.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from coordinator.process import launch_coordinator
@@ -78,8 +84,8 @@ def quantile(values: list[float], q: float) -> float | None:
 class Server:
     """`coordinator serve` in a subprocess (coordinator/process.py); `url` once it listens."""
 
-    def __init__(self, db_path: Path, log_path: Path, timeout_s: float = 60.0):
-        self._coordinator = launch_coordinator(f"sqlite:///{db_path}", log_path, ADMIN_TOKEN, timeout_s)
+    def __init__(self, db_url: str, log_path: Path, timeout_s: float = 60.0):
+        self._coordinator = launch_coordinator(db_url, log_path, ADMIN_TOKEN, timeout_s)
         self.process, self.url, self.log_path = self._coordinator.process, self._coordinator.url, log_path
 
     def cpu_s(self) -> float:
@@ -245,7 +251,7 @@ async def _one_at_a_time(
 
 
 async def _under_load(
-    url: str,
+    urls: list[str],
     run_id: str,
     peers: list[Peer],
     args: argparse.Namespace,
@@ -268,7 +274,7 @@ async def _under_load(
                 return
             await _timed(peer.connection, endpoints["heartbeat"], request)
 
-    async def every(interval_s: float, offset_s: float, name: str, path: str) -> None:
+    async def every(url: str, interval_s: float, offset_s: float, name: str, path: str) -> None:
         connection = Connection(url, args.request_timeout_s)
         request = connection.render("GET", path)
         send_at = start_at + offset_s
@@ -280,7 +286,7 @@ async def _under_load(
             send_at = max(send_at + interval_s, time.monotonic())
         connection.close()
 
-    async def watch_rounds(round_index: int) -> None:
+    async def watch_rounds(url: str, round_index: int) -> None:
         connection = Connection(url, args.request_timeout_s + 30.0)
         members = connection.render("GET", status + "?history=0")
         while (left_s := stop_at - time.monotonic()) > 0:
@@ -309,19 +315,31 @@ async def _under_load(
 
     tasks = [beat(peer) for peer in peers]
     if args.round_watchers:
-        info = Connection(url, args.request_timeout_s)
+        info = Connection(urls[0], args.request_timeout_s)
         _, body = await info.send(info.render("GET", f"/v1/runs/{run_id}"))
         info.close()
-        tasks += [watch_rounds(json.loads(body)["current_round"]) for _ in range(args.round_watchers)]
+        current_round = json.loads(body)["current_round"]
+        tasks += [watch_rounds(urls[w % len(urls)], current_round) for w in range(args.round_watchers)]
     for r in range(args.readers):
         name, path = ("status_full", status) if r == 0 else ("status_members", status + "?history=0")
-        tasks.append(every(args.reader_interval_s, args.reader_interval_s * r / max(1, args.readers), name, path))
-    tasks += [every(0.25, 0.0, "healthz", "/healthz"), every(1.0, 0.5, "readyz", "/readyz"), loop_lag()]
+        offset_s = args.reader_interval_s * r / max(1, args.readers)
+        tasks.append(every(urls[r % len(urls)], args.reader_interval_s, offset_s, name, path))
+    for url in urls:
+        tasks += [every(url, 0.25, 0.0, "healthz", "/healthz"), every(url, 1.0, 0.5, "readyz", "/readyz")]
+    tasks.append(loop_lag())
     await asyncio.gather(*tasks)
 
 
-async def _bench(args: argparse.Namespace, server: Server) -> dict[str, Any]:
-    admin = Connection(server.url, args.request_timeout_s)
+async def _leads(url: str, timeout_s: float) -> bool:
+    """Whether the replica at `url` says it leads (its /metrics)."""
+    connection = Connection(url, timeout_s)
+    _, body = await connection.send(connection.render("GET", "/metrics"))
+    connection.close()
+    return re.search(rb"^locoswarm_coordinator_leader 1", body, re.MULTILINE) is not None
+
+
+async def _bench(args: argparse.Namespace, servers: list[Server]) -> dict[str, Any]:
+    admin = Connection(servers[0].url, args.request_timeout_s)
     config = {
         "name": "bench-load",
         "model": {"preset": "tiny"},
@@ -348,22 +366,29 @@ async def _bench(args: argparse.Namespace, server: Server) -> dict[str, Any]:
     peers = []
     for i in range(args.peers):
         key = PeerKey.from_seed(f"bench-load-{args.seed}-{i}".encode())
-        peers.append(Peer(key, Connection(server.url, args.request_timeout_s), f"/v1/runs/{run_id}/heartbeat"))
+        url = servers[i % len(servers)].url
+        peers.append(Peer(key, Connection(url, args.request_timeout_s), f"/v1/runs/{run_id}/heartbeat"))
     joined_at = time.perf_counter()
     await _join_all(run_id, peers, args.join_concurrency)
     join_s = time.perf_counter() - joined_at
 
     alone = {name: Latencies() for name in ENDPOINTS}
-    await _one_at_a_time(server.url, run_id, peers, args.idle_samples, args.request_timeout_s, alone)
+    # Alone: the first replica and the peers that talk to it.
+    await _one_at_a_time(
+        servers[0].url, run_id, peers[:: len(servers)], args.idle_samples, args.request_timeout_s, alone
+    )
 
     start_at = time.monotonic() + 1.0  # room to sign the plan
     _plan_heartbeats(peers, start_at, time.time() - time.monotonic(), args.duration_s, args.interval_s)
     loaded = {name: Latencies() for name in ENDPOINTS}
     loop_lag_s: list[float] = []
-    cpu_at, server_cpu_at, wall_at = time.process_time(), server.cpu_s(), time.monotonic()
-    await _under_load(server.url, run_id, peers, args, max(start_at, time.monotonic()), loaded, loop_lag_s)
+    cpu_at, servers_cpu_at, wall_at = time.process_time(), [s.cpu_s() for s in servers], time.monotonic()
+    urls = [s.url for s in servers]
+    await _under_load(urls, run_id, peers, args, max(start_at, time.monotonic()), loaded, loop_lag_s)
     wall_s = time.monotonic() - wall_at
-    generator_cpu_s, server_cpu_s = time.process_time() - cpu_at, server.cpu_s() - server_cpu_at
+    generator_cpu_s = time.process_time() - cpu_at
+    servers_cpu_s = [s.cpu_s() - at for s, at in zip(servers, servers_cpu_at)]
+    leaders = [await _leads(url, args.request_timeout_s) for url in urls]
     _, body = await admin.send(admin.render("GET", f"/v1/runs/{run_id}/status?history=0"))
     final = json.loads(body)
     admin.close()
@@ -397,7 +422,12 @@ async def _bench(args: argparse.Namespace, server: Server) -> dict[str, Any]:
         "requests_per_s": round(sum(len(v.seconds) for v in loaded.values()) / wall_s, 1),
         "generator_loop_lag_p99_ms": _ms(quantile(loop_lag_s, 0.99)),
         "generator_cpu_pct": round(100 * generator_cpu_s / wall_s, 1),
-        "server_cpu_pct": round(100 * server_cpu_s / wall_s, 1),
+        "server_cpu_pct": round(100 * sum(servers_cpu_s) / wall_s, 1),
+        "database": "postgresql" if args.db and args.db.startswith("postgres") else "sqlite",
+        "replicas": [
+            {"cpu_pct": round(100 * cpu_s / wall_s, 1), "leader": leader}
+            for cpu_s, leader in zip(servers_cpu_s, leaders)
+        ],
         "cpu_count": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "live_peers_after": sum(p["status"] == "live" for p in final["peers"]),
@@ -436,9 +466,13 @@ def _print_table(result: dict[str, Any]) -> None:
         )
         if row["failures"]:
             print(f"{'':<16}failures: {row['failures']}")
+    replicas = ", ".join(
+        f"{i}{' (leader)' if r['leader'] else ''} {r['cpu_pct']:g} %" for i, r in enumerate(result["replicas"])
+    )
     print(
         f"load generator: {result['generator_cpu_pct']:g} % of a core, its loop lag p99 "
-        f"{result['generator_loop_lag_p99_ms']:g} ms; server: {result['server_cpu_pct']:g} % of a core; "
+        f"{result['generator_loop_lag_p99_ms']:g} ms; server ({len(result['replicas'])} on {result['database']}): "
+        f"{result['server_cpu_pct']:g} % of a core, per replica {replicas}; "
         f"{result['cpu_count']} CPUs, load average {result['load_average_1m']}"
     )
     print(
@@ -464,19 +498,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join-concurrency", type=int, default=16, help="joins in flight at once")
     parser.add_argument("--request-timeout-s", type=float, default=30.0, help="a request unanswered by then fails")
     parser.add_argument("--seed", type=int, default=0, help="peer keys derive from it")
+    parser.add_argument(
+        "--db",
+        default=None,
+        help="postgresql://... : the replicas serve a fresh schema of that server (default: a temporary SQLite file)",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="coordinator processes on the database (>1: PostgreSQL)"
+    )
     parser.add_argument("--keep-log", type=Path, default=None, help="copy the server's log here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
+@contextlib.contextmanager
+def _database(db: str | None, work: Path) -> Iterator[str]:
+    """The URL the replicas serve: a SQLite file in `work`, or a fresh schema of `db`'s server."""
+    if db is None:
+        yield f"sqlite:///{work / 'coordinator.db'}"
+        return
+    from tools.bench.postgres import drop_schema, new_schema
+
+    schema, url = new_schema(db, prefix="bench")
+    try:
+        yield url
+    finally:
+        drop_schema(db, schema)
+
+
 def run_cli(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="locoswarm-bench-load-") as work:
-        server = Server(Path(work) / "coordinator.db", Path(work) / "serve.log")
+    if args.replicas < 1:
+        raise SystemExit("--replicas must be at least 1")
+    if args.replicas > 1 and not (args.db or "").startswith(("postgresql://", "postgres://")):
+        raise SystemExit("--replicas above 1 needs --db postgresql://...: SQLite serves one process")
+    with tempfile.TemporaryDirectory(prefix="locoswarm-bench-load-") as work, _database(args.db, Path(work)) as db_url:
+        servers: list[Server] = []
         try:
-            result = asyncio.run(_bench(args, server))
+            for i in range(args.replicas):  # one after the other: the first leads
+                servers.append(Server(db_url, Path(work) / f"serve-{i}.log"))
+            result = asyncio.run(_bench(args, servers))
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
             if args.keep_log is not None:
-                args.keep_log.write_bytes(server.log_path.read_bytes())
+                args.keep_log.write_bytes(b"".join(server.log_path.read_bytes() for server in servers))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
