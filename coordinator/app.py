@@ -233,7 +233,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         events.bind(asyncio.get_running_loop())
         await asyncio.to_thread(cluster.start)
-        await worker.run(service.resume)
+        await worker.run(service.resume, cluster.serving_since)
         ticker = asyncio.create_task(_tick_forever(worker, service, cluster, tick_s)) if tick_s else None
         if tune_gc:
             tune_gc_for_serving()

@@ -161,11 +161,13 @@ class CoordinatorService:
             for _, round_index in amendments.pending_rounds(self.ctx, run_id):
                 amendments.amend(self.ctx, run_id, round_index, now)
 
-    def resume(self) -> None:
-        """On start: the restart grace counts from now, and the rules are applied once, so
-        extended deadlines are in the database before anyone asks. A database that fails here does
-        not stop the start: the grace is applied when it comes back."""
-        self.ctx.resumed_at = self.clock()
+    def resume(self, serving_since: float | None = None) -> None:
+        """On start: the restart grace counts from now, or from `serving_since` when other
+        replicas on the database have served since then (coordinator/storage/cluster.py), and the
+        rules are applied once, so extended deadlines are in the database before anyone asks. A
+        database that fails here does not stop the start: the grace is applied when it comes back."""
+        now = self.clock()
+        self.ctx.resumed_at = now if serving_since is None else min(now, serving_since)
         self._failures_seen = self.storage.num_failures
         try:
             self.tick()

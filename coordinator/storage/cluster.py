@@ -21,6 +21,13 @@ The link is one dedicated connection per replica, on a thread of its own (`Postg
 the leader's lock lives exactly as long as its listening does. SQLite serves one process, which
 always leads and hears nothing (`SoloCluster`). `first_tick_at` is when the leader's first tick of
 its current lead finished (`ticked`), for /metrics and the failover test.
+
+*Joining a serving cluster is no restart.* The restart grace (coordinator/rules/rounds.py) counts
+from when the coordinator came back; a replica started while another leads is not that moment:
+peers could reach the others all along. `start` finds out: `serving_since` is then when the
+leader's link connected (PostgreSQL's ``backend_start`` of the session holding the leader lock),
+and the service resumes from that (`CoordinatorService.resume`). Replicas started together after
+an outage thus share the first one's grace; one added later extends no deadline.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class Cluster(Protocol):
     is_leader: bool
     leader_since: float | None  # Unix time this replica took the lead; None while it follows
     first_tick_at: float | None
+    serving_since: float | None  # found at start: since when another replica leads (None: none did)
 
     def start(self) -> None: ...
 
@@ -56,6 +64,7 @@ class SoloCluster:
         self.is_leader = True
         self.leader_since: float | None = time.time()
         self.first_tick_at: float | None = None
+        self.serving_since: float | None = None
 
     def start(self) -> None:
         pass
@@ -86,6 +95,7 @@ class PostgresCluster:
         self.is_leader = False
         self.leader_since: float | None = None
         self.first_tick_at: float | None = None
+        self.serving_since: float | None = None
         self._conn: Any = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,6 +132,7 @@ class PostgresCluster:
             if not self.is_leader:
                 self._try_lead()
             if first:
+                self.serving_since = None if self.is_leader else self._leader_linked_at()
                 return
             own_pid = self.db.backend_pid
             for notify in self._conn.notifies(timeout=self.retry_s):
@@ -145,6 +156,18 @@ class PostgresCluster:
         if row[0]:
             self.is_leader, self.leader_since, self.first_tick_at = True, time.time(), None
             log.warning("this replica leads: it applies deadlines and timeouts")
+
+    def _leader_linked_at(self) -> float | None:
+        """When the leading replica's link connected, or None when nobody leads (or the server
+        does not show it to this role)."""
+        schema_key, purpose = self.db.lock_key(LEADER_LOCK)
+        row = self._conn.execute(
+            "SELECT extract(epoch FROM a.backend_start) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
+            " AND l.classid::bigint = %s AND l.objid::bigint = %s",
+            (schema_key & 0xFFFFFFFF, purpose),  # the keys are shown as unsigned oids
+        ).fetchone()
+        return None if row is None or row[0] is None else float(row[0])
 
     def _lost(self, why: str) -> None:
         if self.is_leader:

@@ -4,6 +4,7 @@ killed by SIGKILL the other takes over the deadlines with no round lost or close
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import time
@@ -22,13 +23,15 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 @pytest.fixture
 def replicas(postgres_schema_url: str, tmp_path: Path) -> Iterator[Callable[[], CoordinatorProcess]]:
-    """A factory of replicas on one schema, started one after the other; each stopped after."""
+    """A factory of replicas on one schema (safe to call from several threads at once); each is
+    stopped after the test."""
     started: list[CoordinatorProcess] = []
+    numbers = itertools.count()
 
     def start() -> CoordinatorProcess:
-        log_path = tmp_path / f"replica-{len(started)}.log"
-        started.append(launch_coordinator(postgres_schema_url, log_path, ADMIN_TOKEN))
-        return started[-1]
+        replica = launch_coordinator(postgres_schema_url, tmp_path / f"replica-{next(numbers)}.log", ADMIN_TOKEN)
+        started.append(replica)
+        return replica
 
     yield start
     for replica in started:
@@ -50,7 +53,8 @@ def wait_until(predicate: Callable[[], object], timeout_s: float, what: str) -> 
 
 
 def test_a_long_poll_on_one_replica_wakes_on_a_submission_to_the_other(replicas):
-    a, b = replicas(), replicas()
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both at once: their migrations take turns
+        a, b = pool.map(lambda _: replicas(), range(2))
     with httpx.Client(base_url=a.url, timeout=10) as to_a, httpx.Client(base_url=b.url, timeout=60) as to_b:
         run_id = create_run(to_a, {"membership.min_peers": 2, "deadline": {"kind": "fixed", "round_timeout_s": 600.0}})
         first, second = SignedPeer(to_a), SignedPeer(to_a)
@@ -199,3 +203,26 @@ def test_the_leader_lock_passes_on_when_its_holder_goes(postgres_schema_url):
             cluster.stop()
         for db in databases:
             db.close()
+
+
+def test_a_replica_added_to_a_serving_one_extends_no_deadline(replicas):
+    """A replica started while another leads is no restart (coordinator/storage/cluster.py): the
+    open round keeps its deadline, where a restart would move it to the start plus the heartbeat
+    timeout (the restart grace)."""
+    a = replicas()
+    with httpx.Client(base_url=a.url, timeout=10) as to_a:
+        run_id = create_run(
+            to_a,
+            {
+                "membership.min_peers": 1,
+                "membership.heartbeat_timeout_s": 300.0,
+                "deadline": {"kind": "fixed", "round_timeout_s": 120.0},
+            },
+        )
+        assert SignedPeer(to_a).join(run_id).status_code == 200
+        before = to_a.get(f"/v1/runs/{run_id}/rounds/0").json()
+        b = replicas()  # its start applies the rules once, with its own idea of the restart grace
+        with httpx.Client(base_url=b.url, timeout=10) as to_b:
+            after = to_b.get(f"/v1/runs/{run_id}/rounds/0").json()
+    assert before["state"] == after["state"] == "open"
+    assert after["deadline"] == before["deadline"], "B's start extended the open round's deadline"
