@@ -9,7 +9,8 @@ requests, park long-polls and answer /healthz.
 One thread, not a pool: the service's rules (round closes, nonces, the restart grace, the
 runs changed and ``resumed_at`` it holds in memory) were written for calls that never overlap, and a
 single connection in one thread keeps that true with no locking and no "database is locked"
-retries, on SQLite and PostgreSQL alike. Each call is a short transaction or a few reads, so the
+retries, on SQLite and PostgreSQL alike. (Several processes on one PostgreSQL database keep it
+true across them with the database's write lock: coordinator/storage/database.py.) Each call is a short transaction or a few reads, so the
 thread's queue, not the loop, is where requests wait under load; `queue_depth` says how deep it is.
 A call cancelled before it starts (its client went away) never runs; one that started finishes.
 
@@ -77,7 +78,9 @@ class SharedReads:
     """Identical reads share one call on the worker: a request joins the call of its key that has
     not finished yet, queued or running. Its answer is never older than the request: the worker
     runs one call at a time, so any write that completed before the request arrived completed
-    before that unfinished call began. Only reads go through here: they write nothing."""
+    before that unfinished call began. Only reads go through here: they write nothing. A write
+    of another replica on the database is not ordered with this thread's calls: a long-poll woken
+    by one detaches the unfinished calls (`detach`) so that its re-check sees it."""
 
     def __init__(self, worker: DatabaseWorker):
         self.worker = worker
