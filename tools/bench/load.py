@@ -90,14 +90,33 @@ class Server:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds the server process used so far (Linux /proc)."""
-        try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return float("nan")
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_S
+        return _cpu_s(self.process.pid)
 
     def stop(self) -> None:
         self._coordinator.stop(timeout_s=15)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` used so far (Linux /proc; NaN once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_S
+
+
+def _database_backends(db_url: str) -> list[int]:
+    """The PostgreSQL server processes of the other sessions on `db_url`'s database (the
+    replicas' connections), when the server runs on this machine; [] on SQLite."""
+    if not db_url.startswith(("postgresql://", "postgres://")):
+        return []
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        ).fetchall()
+    return [pid for (pid,) in rows if Path(f"/proc/{pid}").exists()]
 
 
 # -- a minimal HTTP/1.1 client -------------------------------------------------------------------
@@ -338,7 +357,7 @@ async def _leads(url: str, timeout_s: float) -> bool:
     return re.search(rb"^locoswarm_coordinator_leader 1", body, re.MULTILINE) is not None
 
 
-async def _bench(args: argparse.Namespace, servers: list[Server]) -> dict[str, Any]:
+async def _bench(args: argparse.Namespace, servers: list[Server], db_url: str) -> dict[str, Any]:
     admin = Connection(servers[0].url, args.request_timeout_s)
     config = {
         "name": "bench-load",
@@ -382,12 +401,15 @@ async def _bench(args: argparse.Namespace, servers: list[Server]) -> dict[str, A
     _plan_heartbeats(peers, start_at, time.time() - time.monotonic(), args.duration_s, args.interval_s)
     loaded = {name: Latencies() for name in ENDPOINTS}
     loop_lag_s: list[float] = []
+    backends = _database_backends(db_url)  # the replicas' sessions live as long as they do
+    backends_cpu_at = [_cpu_s(pid) for pid in backends]
     cpu_at, servers_cpu_at, wall_at = time.process_time(), [s.cpu_s() for s in servers], time.monotonic()
     urls = [s.url for s in servers]
     await _under_load(urls, run_id, peers, args, max(start_at, time.monotonic()), loaded, loop_lag_s)
     wall_s = time.monotonic() - wall_at
     generator_cpu_s = time.process_time() - cpu_at
     servers_cpu_s = [s.cpu_s() - at for s, at in zip(servers, servers_cpu_at)]
+    database_cpu_s = sum(_cpu_s(pid) - at for pid, at in zip(backends, backends_cpu_at))
     leaders = [await _leads(url, args.request_timeout_s) for url in urls]
     _, body = await admin.send(admin.render("GET", f"/v1/runs/{run_id}/status?history=0"))
     final = json.loads(body)
@@ -423,7 +445,9 @@ async def _bench(args: argparse.Namespace, servers: list[Server]) -> dict[str, A
         "generator_loop_lag_p99_ms": _ms(quantile(loop_lag_s, 0.99)),
         "generator_cpu_pct": round(100 * generator_cpu_s / wall_s, 1),
         "server_cpu_pct": round(100 * sum(servers_cpu_s) / wall_s, 1),
-        "database": "postgresql" if args.db and args.db.startswith("postgres") else "sqlite",
+        "database": "postgresql" if backends else "sqlite",
+        # PostgreSQL's own processes serving the replicas (SQLite runs inside the replica).
+        "database_cpu_pct": round(100 * database_cpu_s / wall_s, 1) if backends else None,
         "replicas": [
             {"cpu_pct": round(100 * cpu_s / wall_s, 1), "leader": leader}
             for cpu_s, leader in zip(servers_cpu_s, leaders)
@@ -472,8 +496,13 @@ def _print_table(result: dict[str, Any]) -> None:
     print(
         f"load generator: {result['generator_cpu_pct']:g} % of a core, its loop lag p99 "
         f"{result['generator_loop_lag_p99_ms']:g} ms; server ({len(result['replicas'])} on {result['database']}): "
-        f"{result['server_cpu_pct']:g} % of a core, per replica {replicas}; "
-        f"{result['cpu_count']} CPUs, load average {result['load_average_1m']}"
+        f"{result['server_cpu_pct']:g} % of a core, per replica {replicas}"
+        + (
+            f"; PostgreSQL's backends {result['database_cpu_pct']:g} %"
+            if result["database_cpu_pct"] is not None
+            else ""
+        )
+        + f"; {result['cpu_count']} CPUs, load average {result['load_average_1m']}"
     )
     print(
         f"after the load: {result['live_peers_after']} of {result['peers']} peers live, run at round "
@@ -535,7 +564,7 @@ def run_cli(args: argparse.Namespace) -> int:
         try:
             for i in range(args.replicas):  # one after the other: the first leads
                 servers.append(Server(db_url, Path(work) / f"serve-{i}.log"))
-            result = asyncio.run(_bench(args, servers))
+            result = asyncio.run(_bench(args, servers, db_url))
         finally:
             for server in servers:
                 server.stop()
