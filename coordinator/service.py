@@ -81,14 +81,15 @@ class CoordinatorService:
         return self.ctx.resumed_at
 
     @contextmanager
-    def _tx(self) -> Iterator[None]:
-        """A transaction whose change notifications go out only after it commits."""
+    def _tx(self, serialised: bool = True) -> Iterator[None]:
+        """A transaction whose change notifications go out only after it commits (`serialised`:
+        `Database.transaction`)."""
         if self.storage.num_failures != self._failures_seen:
             # The database failed since our last transaction: resume counting from now.
             self._failures_seen = self.storage.num_failures
             self.ctx.resumed_at = self.clock()
         try:
-            with self.storage.transaction():
+            with self.storage.transaction(serialised):
                 yield
                 for run_id in sorted(self.ctx.changed):
                     self.storage.announce(run_id)  # the other replicas' long-polls, on commit
@@ -180,7 +181,7 @@ class CoordinatorService:
         """Refuse a nonce outside the time window or already used by this peer (rules/nonces.py)."""
         now = self.clock()
         nonces.check_window(nonce, now)
-        with self._tx():
+        with self._tx(serialised=False):  # the primary key refuses a replay, on any replica
             nonces.record(self.storage, peer_id, nonce, now)
 
     # -- membership ---------------------------------------------------------------------------

@@ -24,7 +24,8 @@ check behind ``/readyz``. Opening a writable connection applies the missing migr
 Several `coordinator serve` processes (replicas) may share one PostgreSQL database. Every write
 transaction there begins by taking the transaction-scoped advisory lock `WRITE_LOCK`, so the
 replicas' transactions run one at a time, as one process's do on its database thread: each sees
-every commit before it, and the round rules need no other locking. `announce(run_id)` tells the
+every commit before it, and the round rules need no other locking. (Save those that need no turn:
+`transaction(serialised=False)`.) `announce(run_id)` tells the
 other replicas, on commit, that a run's long-polls should wake (``NOTIFY`` on `channel`). The lock
 keys and the channel are scoped to the connection's schema, so replicas of different
 coordinators, or tests, sharing one server never contend. SQLite serves one process: there the
@@ -89,6 +90,7 @@ class Database:
     def __init__(self, read_only: bool = False) -> None:
         self._lock = threading.RLock()
         self._depth = 0
+        self._serialised = False  # the open transaction holds the write lock (PostgreSQL)
         self._closed = False
         self.read_only = read_only  # a `replica`: its connection refuses writes, and it migrates nothing
         self.num_failures = 0  # operations the database failed so far
@@ -177,20 +179,29 @@ class Database:
     # -- transactions and schema --------------------------------------------------------------
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
+    def transaction(self, serialised: bool = True) -> Iterator[None]:
         """All statements inside commit together or not at all; nesting joins the outer one. A
-        failure anywhere, COMMIT included, rolls the whole transaction back and propagates."""
+        failure anywhere, COMMIT included, rolls the whole transaction back and propagates.
+
+        `serialised=False` is for a transaction whose every statement is atomic on its own and
+        decides nothing from what it read (a nonce's insert, where the primary key decides; the
+        readiness probe): on PostgreSQL it does not wait for the write lock (the module
+        docstring), which a nested serialised one takes."""
         with self._lock:
             if self._depth:
                 self._depth += 1
                 try:
+                    if serialised:
+                        self._serialise()
                     yield
                 finally:
                     self._depth -= 1
                 return
-            self._begin()
-            self._depth = 1
+            self.execute(self._begin_sql)
+            self._depth = 1  # from here on a lost connection is not replaced: it held our statements
             try:
+                if serialised:
+                    self._serialise()
                 yield
                 self.execute("COMMIT")
             except BaseException:
@@ -198,9 +209,10 @@ class Database:
                 raise
             finally:
                 self._depth = 0
+                self._serialised = False
 
-    def _begin(self) -> None:
-        self.execute(self._begin_sql)
+    def _serialise(self) -> None:
+        """Take turns with the other processes' write transactions (SQLite: BEGIN IMMEDIATE did)."""
 
     def _rollback(self) -> None:
         # SQLite may already have rolled back (it does on some full-disk and I/O errors), and a
@@ -224,13 +236,13 @@ class Database:
             if self._depth:
                 raise RuntimeError("the readiness probe cannot run inside a transaction")
             self.schema_version()
-            with contextlib.suppress(_RollBackProbe), self.transaction():
+            with contextlib.suppress(_RollBackProbe), self.transaction(serialised=False):
                 self.execute(
                     "INSERT INTO readiness_probe (id, probed_at, payload) VALUES (?, ?, ?)",
                     (1, now, "x" * PROBE_PADDING_CHARS),
                 )
                 raise _RollBackProbe
-            with self.transaction():
+            with self.transaction(serialised=False):
                 self.execute(
                     "UPDATE readiness_probe SET probed_at = ?, payload = ? WHERE id = 0",
                     (now, secrets.token_hex(8)),
@@ -337,17 +349,10 @@ class PostgresDatabase(Database):
         conn = self._conn
         return None if conn.closed else conn.info.backend_pid
 
-    def _begin(self) -> None:
-        self.execute("BEGIN")
-        if self.read_only:
-            return
-        self._depth = 1  # inside the transaction now: a lost connection must not be replaced
-        try:
+    def _serialise(self) -> None:
+        if not self.read_only and not self._serialised:
             self.execute("SELECT pg_advisory_xact_lock(?, ?)", self.lock_key(WRITE_LOCK))
-        except BaseException:
-            self._rollback()
-            self._depth = 0
-            raise
+            self._serialised = True
 
     def announce(self, run_id: str) -> None:
         self.execute("SELECT pg_notify(?, ?)", (self.channel, run_id))

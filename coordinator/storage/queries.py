@@ -46,8 +46,8 @@ class Storage:
         """Operations the database failed so far (the service notices outages by it)."""
         return self.db.num_failures
 
-    def transaction(self) -> AbstractContextManager[None]:
-        return self.db.transaction()
+    def transaction(self, serialised: bool = True) -> AbstractContextManager[None]:
+        return self.db.transaction(serialised)
 
     def probe(self, now: float) -> None:
         """The readiness check behind ``/readyz`` (`Database.probe`)."""

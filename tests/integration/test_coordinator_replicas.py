@@ -226,3 +226,21 @@ def test_a_replica_added_to_a_serving_one_extends_no_deadline(replicas):
             after = to_b.get(f"/v1/runs/{run_id}/rounds/0").json()
     assert before["state"] == after["state"] == "open"
     assert after["deadline"] == before["deadline"], "B's start extended the open round's deadline"
+
+
+def test_a_nonce_takes_no_turn_and_is_still_used_once_across_replicas(postgres_schema_url):
+    """A nonce's transaction is not serialised (`transaction(serialised=False)`): it goes through
+    while another replica holds the write lock, and the primary key alone refuses its replay."""
+    from coordinator.storage import PostgresDatabase, Storage
+
+    first, second = Storage(PostgresDatabase(postgres_schema_url)), Storage(PostgresDatabase(postgres_schema_url))
+    try:
+        with first.transaction():  # holds the write lock throughout
+            with second.transaction(serialised=False):
+                assert second.add_nonce("p0123456789abcdef", 7, 1.0)
+            with second.transaction(serialised=False):
+                assert not second.add_nonce("p0123456789abcdef", 7, 2.0)
+            assert not first.add_nonce("p0123456789abcdef", 7, 3.0)
+    finally:
+        first.close()
+        second.close()

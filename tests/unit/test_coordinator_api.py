@@ -208,6 +208,9 @@ def test_status_metrics_health_and_page(coordinator_client, fake_clock):
     assert f'locoswarm_run_current_round{{run="{run_id}"}} 1.0' in metrics.text
     assert f'locoswarm_last_round_mean_loss{{run="{run_id}"}} 4.25' in metrics.text
     assert "# TYPE locoswarm_http_responses_total counter" in metrics.text
+    # One process on SQLite leads its cluster of one; nobody is parked on a round.
+    assert "\nlocoswarm_coordinator_leader 1.0\n" in metrics.text
+    assert "\nlocoswarm_long_polls_waiting 0.0\n" in metrics.text
     page = client.get("/")
     assert page.headers["content-type"].startswith("text/html")
     assert json.dumps(run_id) in page.text and 'id="plot-loss"' in page.text and 'id="run-picker"' in page.text

@@ -159,6 +159,28 @@ def test_a_waiter_that_goes_away_does_not_cancel_the_shared_call():
         worker.stop()
 
 
+def test_a_read_after_detach_does_not_join_the_unfinished_call():
+    """What a long-poll woken by another replica's change needs (routes.RunEvents): the call that
+    began before that change still answers its own waiters, and the re-check runs anew."""
+    worker = DatabaseWorker()
+    reads = SharedReads(worker)
+    release = threading.Event()
+
+    async def scenario() -> tuple[str, str]:
+        before = asyncio.ensure_future(reads.run("k", lambda: release.wait(10) and "before the change"))
+        await asyncio.sleep(0.01)
+        reads.detach()
+        after = asyncio.ensure_future(reads.run("k", lambda: "after the change"))
+        await asyncio.sleep(0.01)
+        release.set()
+        return await before, await after
+
+    try:
+        assert asyncio.run(scenario()) == ("before the change", "after the change")
+    finally:
+        worker.stop()
+
+
 def test_tune_gc_applies_to_the_serving_process_only(tmp_path):
     """`tune_gc=True` changes the garbage collector of the process it starts in: checked in a
     process of its own, and a default app leaves this one's alone."""

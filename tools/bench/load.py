@@ -365,7 +365,10 @@ async def _bench(args: argparse.Namespace, servers: list[Server], db_url: str) -
         # New keys are rate-limited per run and per address; here they all come from 127.0.0.1 at once.
         "membership": {
             "min_peers": 1,
-            "heartbeat_timeout_s": args.interval_s * 4,
+            # Longer than a node's 4 intervals: the joins and the one-at-a-time phase leave the
+            # first peers silent for as long as they take (tens of seconds on a busy machine), and
+            # a peer marked gone would be refused for the whole load (409 peer_gone).
+            "heartbeat_timeout_s": max(args.interval_s * 4, 120.0),
             "join_burst": args.peers,
             "join_burst_per_address": args.peers,
         },
