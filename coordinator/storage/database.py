@@ -24,11 +24,11 @@ check behind ``/readyz``. Opening a writable connection applies the missing migr
 Several `coordinator serve` processes (replicas) may share one PostgreSQL database. Every write
 transaction there begins by taking the transaction-scoped advisory lock `WRITE_LOCK`, so the
 replicas' transactions run one at a time, as one process's do on its database thread: each sees
-every commit before it, and the round rules need no other locking. (Save those that need no turn:
-`transaction(serialised=False)`.) `announce(run_id)` tells the
-other replicas, on commit, that a run's long-polls should wake (``NOTIFY`` on `channel`). The lock
-keys and the channel are scoped to the connection's schema, so replicas of different
-coordinators, or tests, sharing one server never contend. SQLite serves one process: there the
+every commit before it, and the round rules need no other locking (those that need no turn say
+so: `transaction(serialised=False)`). `announce(run_id)` tells the other replicas, on commit,
+that a run's long-polls should wake (``NOTIFY`` on `channel`). The lock keys and the channel are
+scoped to the connection's schema, so replicas of different coordinators, or tests, sharing one
+server never contend. SQLite serves one process: there the
 lock is its ``BEGIN IMMEDIATE`` and there is nobody to tell (coordinator/storage/cluster.py).
 """
 
@@ -326,7 +326,7 @@ class SqliteDatabase(Database):
 
 class PostgresDatabase(Database):
     """PostgreSQL through psycopg 3; the same SQL with %s placeholders. A writable one takes
-    `WRITE_LOCK` at the start of every transaction (the module docstring: replicas)."""
+    `WRITE_LOCK` at the start of every serialised transaction (the module docstring: replicas)."""
 
     def __init__(self, url: str, read_only: bool = False):
         self.url = url
