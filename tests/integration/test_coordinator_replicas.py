@@ -244,3 +244,51 @@ def test_a_nonce_takes_no_turn_and_is_still_used_once_across_replicas(postgres_s
     finally:
         first.close()
         second.close()
+
+
+def test_two_replicas_ticking_at_once_close_a_due_round_once(postgres_schema_url):
+    """Two services on two connections (two replicas' worth) apply the rules to the same due round
+    at the same instant, round after round. Under the write lock one closes it and the other finds
+    it closed; without it both would close it, and the second's next round would collide."""
+    from coordinator.service import CoordinatorService
+    from coordinator.storage import open_storage
+    from protocol.http import JoinRequest, peer_id_from_public_key
+    from protocol.run_config import RunConfig
+    from protocol.signing import PeerKey
+    from tests.fixtures.coordinator import FakeClock
+
+    clock, num_rounds, round_timeout_s = FakeClock(), 20, 10.0
+    storages = [open_storage(postgres_schema_url) for _ in range(2)]
+    services = [CoordinatorService(storage, clock=clock) for storage in storages]
+    try:
+        config = RunConfig(
+            name="ticks",
+            model={"preset": "tiny"},
+            membership={"min_peers": 1, "heartbeat_timeout_s": 3600.0},
+            deadline={"kind": "fixed", "round_timeout_s": round_timeout_s},
+        )
+        run_id = services[0].create_run(config)
+        key = PeerKey.generate()
+        services[1].join(run_id, peer_id_from_public_key(key.public_bytes), JoinRequest(public_key=key.public_hex))
+        failures: list[BaseException] = []
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for _ in range(num_rounds):
+                clock.advance(round_timeout_s + 1.0)  # the open round is due
+                go = threading.Barrier(2)
+
+                def tick(service: CoordinatorService, go: threading.Barrier = go) -> None:
+                    go.wait(timeout=30)
+                    try:
+                        service.tick()
+                    except Exception as e:  # collected: the assertion below names them
+                        failures.append(e)
+
+                list(pool.map(tick, services))
+        rounds = storages[0].closed_rounds(run_id, limit=num_rounds + 10)
+        current = storages[0].get_run(run_id).current_round
+    finally:
+        for storage in storages:
+            storage.close()
+    assert failures == []
+    assert current == num_rounds
+    assert sorted(r.round for r in rounds) == list(range(num_rounds))
