@@ -13,8 +13,11 @@ and so do the status readers and round watchers. Then, in the same run:
 
 1. one at a time: each endpoint alone, `--idle-samples` requests in a row, nothing else running;
    this is the baseline the loaded figures are divided by;
-2. under load for `--duration-s`: every peer heartbeats every `--interval-s` (5 s: what a node
-   does under the default ``heartbeat_timeout_s`` 20 s), the peers' phases spread evenly;
+2. under load for `--duration-s`: every peer heartbeats every `--interval-s`, by default the period
+   the coordinator tells in its heartbeat answers, as a node beats (one heartbeat of every peer,
+   before the load, reads it: it grows with the swarm, max(heartbeat_timeout_s / 4, N /
+   ``membership.max_heartbeats_per_s``), so the heartbeat rate stays bounded), the peers' phases
+   spread evenly;
    `--readers` status readers each read ``status?history=0`` (the member list, as nodes read it
    each round) every `--reader-interval-s`, the first of them the full status; ``/healthz`` is
    probed four times a second and ``/readyz`` once a second, on every replica. With `--round-watchers W`, W peers
@@ -213,6 +216,22 @@ def _signed(connection: Connection, key: PeerKey, path: str, payload: dict, nonc
     return connection.render("POST", path, body, headers)
 
 
+async def _told_interval(peers: list[Peer], concurrency: int) -> float:
+    """One heartbeat from every peer, as a node sends after joining: the longest period the
+    coordinator's answers tell (coordinator/rules/membership.py: it grows with the swarm)."""
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def beat(peer: Peer) -> float:
+        payload = {"round": 0, "state": "training"}
+        async with semaphore:
+            status, body = await peer.connection.send(_signed(peer.connection, peer.key, peer.heartbeat_path, payload))
+        if status != 200:
+            raise RuntimeError(f"heartbeat refused: {status} {body[:300]!r}")
+        return float(json.loads(body)["heartbeat_interval_s"])
+
+    return max(await asyncio.gather(*(beat(peer) for peer in peers)))
+
+
 async def _join_all(run_id: str, peers: list[Peer], concurrency: int) -> None:
     semaphore = asyncio.Semaphore(concurrency)
 
@@ -368,7 +387,8 @@ async def _bench(args: argparse.Namespace, servers: list[Server], db_url: str) -
             # Longer than a node's 4 intervals: the joins and the one-at-a-time phase leave the
             # first peers silent for as long as they take (tens of seconds on a busy machine), and
             # a peer marked gone would be refused for the whole load (409 peer_gone).
-            "heartbeat_timeout_s": max(args.interval_s * 4, 120.0),
+            "heartbeat_timeout_s": max((args.interval_s or 0.0) * 4, 120.0),
+            "max_heartbeats_per_s": args.max_heartbeats_per_s,
             "join_burst": args.peers,
             "join_burst_per_address": args.peers,
         },
@@ -400,8 +420,11 @@ async def _bench(args: argparse.Namespace, servers: list[Server], db_url: str) -
         servers[0].url, run_id, peers[:: len(servers)], args.idle_samples, args.request_timeout_s, alone
     )
 
+    interval_s = args.interval_s or await _told_interval(peers, args.join_concurrency)
+    # Two heartbeats of every peer at least: a told period may be longer than the default phase.
+    args.duration_s = args.duration_s or max(30.0, 2 * interval_s)
     start_at = time.monotonic() + 1.0  # room to sign the plan
-    _plan_heartbeats(peers, start_at, time.time() - time.monotonic(), args.duration_s, args.interval_s)
+    _plan_heartbeats(peers, start_at, time.time() - time.monotonic(), args.duration_s, interval_s)
     loaded = {name: Latencies() for name in ENDPOINTS}
     loop_lag_s: list[float] = []
     backends = _database_backends(db_url)  # the replicas' sessions live as long as they do
@@ -414,6 +437,8 @@ async def _bench(args: argparse.Namespace, servers: list[Server], db_url: str) -
     servers_cpu_s = [s.cpu_s() - at for s, at in zip(servers, servers_cpu_at)]
     database_cpu_s = sum(_cpu_s(pid) - at for pid, at in zip(backends, backends_cpu_at))
     leaders = [await _leads(url, args.request_timeout_s) for url in urls]
+    admin.close()  # idle through the load: the server may have closed it
+    admin = Connection(servers[0].url, args.request_timeout_s)
     _, body = await admin.send(admin.render("GET", f"/v1/runs/{run_id}/status?history=0"))
     final = json.loads(body)
     admin.close()
@@ -438,7 +463,8 @@ async def _bench(args: argparse.Namespace, servers: list[Server], db_url: str) -
     return {
         "peers": args.peers,
         "duration_s": args.duration_s,
-        "interval_s": args.interval_s,
+        "interval_s": interval_s,
+        "interval_told": args.interval_s is None,
         "readers": args.readers,
         "round_watchers": args.round_watchers,
         "join_all_s": round(join_s, 2),
@@ -515,8 +541,22 @@ def _print_table(result: dict[str, Any]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", type=int, default=500, help="signed peers that join and heartbeat")
-    parser.add_argument("--duration-s", type=float, default=30.0, help="length of the loaded phase")
-    parser.add_argument("--interval-s", type=float, default=5.0, help="each peer's heartbeat period")
+    parser.add_argument(
+        "--duration-s", type=float, default=None, help="length of the loaded phase (default: 30 s, or two periods)"
+    )
+    parser.add_argument(
+        "--interval-s",
+        type=float,
+        default=None,
+        help="each peer's heartbeat period (default: the one the coordinator's heartbeat answers tell,"
+        " which grows with the swarm: max(heartbeat_timeout_s / 4, peers / --max-heartbeats-per-s))",
+    )
+    parser.add_argument(
+        "--max-heartbeats-per-s",
+        type=float,
+        default=100.0,
+        help="the run's membership.max_heartbeats_per_s (default: the run config's default)",
+    )
     parser.add_argument("--readers", type=int, default=4, help="status readers (the first reads the full status)")
     parser.add_argument("--reader-interval-s", type=float, default=1.0, help="each reader's period")
     parser.add_argument(
