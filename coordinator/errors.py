@@ -166,6 +166,12 @@ class UnknownManifestVersion(Conflict):
     code = "unknown_manifest_version"
 
 
+class NoSnapshotUrl(Conflict):
+    """A snapshot upload report the coordinator handed no URL for (that round, that size)."""
+
+    code = "no_snapshot_url"
+
+
 class PeerGone(Conflict):
     code = "peer_gone"
 

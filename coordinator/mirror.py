@@ -3,11 +3,17 @@
     mirror = Mirror(config.exchange.mirror)                 # MirrorUnavailable: no credentials here
     mirror.put_url(run_id, round, peer_id, size_bytes)      # for the publisher, once its submission is accepted
     mirror.get_url(run_id, round, peer_id)                  # for every fetcher, in round views
+    mirror.snapshot_put_url(run_id, round, digest, size)    # for a voter of round - 1 (rules/snapshots.py)
+    mirror.snapshot_get_url(run_id, round, digest)          # for joiners and peers catching up
 
 Only the coordinator holds credentials (the AWS environment variables, or anything else boto3's
 credential chain finds); peers get presigned URLs and nothing else. A PUT URL signs the
 Content-Length the peer submitted, so the store refuses a body of any other size; a GET URL reads
-one object. Each object's key is `object_key`: ``{prefix}{run_id}/{round:08d}/{peer_id}.pkt``.
+one object. Each packet's key is `object_key`: ``{prefix}{run_id}/{round:08d}/{peer_id}.pkt``;
+each snapshot's `snapshot_key`: ``{prefix}{run_id}/snapshots/{round:08d}-{params_digest}.snap``
+for the parameters that start `round` (the digest in the key keeps an upload of a digest that
+lost the vote from overwriting the agreed one). A snapshot is one PUT, so at most
+`MAX_SNAPSHOT_BYTES` (S3's limit for a single PUT); a larger model's snapshots stay off the store.
 
 Signing is computation (HMAC over the request), no network: the store is never contacted here.
 URLs are signed for `url_ttl_s` and handed out while younger than half of it (`REUSE_FRACTION`),
@@ -31,6 +37,7 @@ from botocore.config import Config
 from protocol.run_config import MirrorSection
 
 REUSE_FRACTION = 0.5  # a signed URL is handed out until it is this share of its lifetime old
+MAX_SNAPSHOT_BYTES = 5 * 2**30  # S3 takes at most 5 GiB in one PUT
 MAX_CACHED = 20_000  # signed URLs kept for reuse (about 1 KB each); beyond it, those past reuse are dropped
 
 
@@ -41,6 +48,11 @@ class MirrorUnavailable(Exception):
 def object_key(prefix: str, run_id: str, round: int, peer_id: str) -> str:
     """The object that holds `peer_id`'s packet of round `round` of run `run_id`."""
     return f"{prefix}{run_id}/{round:08d}/{peer_id}.pkt"
+
+
+def snapshot_key(prefix: str, run_id: str, round: int, params_digest: str) -> str:
+    """The object that holds the snapshot of the parameters `params_digest` that start `round`."""
+    return f"{prefix}{run_id}/snapshots/{round:08d}-{params_digest}.snap"
 
 
 class Mirror:
@@ -77,6 +89,17 @@ class Mirror:
     def get_url(self, run_id: str, round: int, peer_id: str) -> str:
         """A URL to GET the packet's object."""
         return self._url("get_object", self.key(run_id, round, peer_id), None)
+
+    def snapshot_put_url(self, run_id: str, round: int, params_digest: str, size_bytes: int) -> str:
+        """A URL to PUT exactly `size_bytes` bytes of a snapshot of round `round`'s start."""
+        if not 1 <= size_bytes <= MAX_SNAPSHOT_BYTES:
+            raise ValueError(f"a snapshot PUT takes 1 to {MAX_SNAPSHOT_BYTES} bytes, not {size_bytes}")
+        key = snapshot_key(self.section.prefix, run_id, round, params_digest)
+        return self._url("put_object", key, size_bytes)
+
+    def snapshot_get_url(self, run_id: str, round: int, params_digest: str) -> str:
+        """A URL to GET the snapshot of round `round`'s start with parameters `params_digest`."""
+        return self._url("get_object", snapshot_key(self.section.prefix, run_id, round, params_digest), None)
 
     def _url(self, method: str, key: str, size_bytes: int | None) -> str:
         now = self._clock()

@@ -65,6 +65,8 @@ from protocol.http import (
     RunInfo,
     RunList,
     RunStatus,
+    SnapshotRecorded,
+    SnapshotUploaded,
     SubmitRequest,
     SubmitResponse,
 )
@@ -423,5 +425,12 @@ def rounds_router(
         coordinator amends the manifest when they are due (protocol.http, "Amended manifests")."""
         signer = await _signer(auth, request)
         return await worker.run(lambda: _json(service.report_missing(run_id, round_index, signer(), body)))
+
+    @router.post("/{round_index}/snapshot", response_model=SnapshotRecorded, responses=ERROR_RESPONSES)
+    async def snapshot(run_id: RunIdPath, round_index: RoundPath, body: SnapshotUploaded, request: Request) -> Response:
+        """Report the snapshot of round r+1's start put into the packet mirror at the URL the answer
+        to this peer's applied report of round r handed it (protocol.http, "Snapshots in the packet mirror")."""
+        signer = await _signer(auth, request)
+        return await worker.run(lambda: _json(service.snapshot_uploaded(run_id, round_index, signer(), body)))
 
     return router

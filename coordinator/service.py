@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 from coordinator import errors
 from coordinator.join_guard import JoinGuard
-from coordinator.rules import amendments, membership, nonces, retention, rounds, runs, votes
+from coordinator.rules import amendments, membership, nonces, retention, rounds, runs, snapshots, votes
 from coordinator.rules.context import Context
 from coordinator.storage import RunRow, Storage
 from coordinator.views import Views
@@ -43,6 +43,8 @@ from protocol.http import (
     LeaveResponse,
     MissingRequest,
     MissingResponse,
+    SnapshotRecorded,
+    SnapshotUploaded,
     SubmitRequest,
     SubmitResponse,
     peer_id_from_public_key,
@@ -242,6 +244,15 @@ class CoordinatorService:
             if voted:  # on the latest manifest: its flagged publishers got their packets through
                 amendments.clear_withheld(self.ctx, run_id, round_index, peer_id)
             return response
+
+    def snapshot_uploaded(
+        self, run_id: str, round_index: int, peer_id: str, request: SnapshotUploaded
+    ) -> SnapshotRecorded:
+        """Record that `peer_id` put the snapshot of round r+1's start into the packet mirror
+        (rules/snapshots.py)."""
+        with self._write(run_id) as (run, now):
+            peer = membership.require_live_member(self.ctx, run_id, peer_id, now)
+            return snapshots.record_uploaded(self.ctx, run, round_index, peer, request)
 
     def report_missing(
         self, run_id: str, round_index: int, reporter_id: str, request: MissingRequest

@@ -23,6 +23,7 @@ from protocol.http import (
     DisputeSide,
     JoinResponse,
     ManifestEntry,
+    MirroredSnapshot,
     ParamsSource,
     PeerAddress,
     PeerScoreView,
@@ -198,7 +199,26 @@ class Views:
             and a.manifest_version == agreed.manifest_version
             and a.peer_id in live
         ]
-        return ParamsSource(round=agreed.round + 1, digest=agreed.agreed_digest, holders=holders)
+        return ParamsSource(
+            round=agreed.round + 1,
+            digest=agreed.agreed_digest,
+            holders=holders,
+            mirror=self.mirrored_snapshot(self.require_run(run_id)),
+        )
+
+    def mirrored_snapshot(self, run: RunRow) -> MirroredSnapshot | None:
+        """The newest agreed snapshot in the run's packet mirror, with a GET URL (coordinator/rules/snapshots.py)."""
+        mirror = self.mirror_of(run)
+        row = self.storage.newest_mirrored_snapshot(run.run_id) if mirror is not None else None
+        if row is None:
+            return None
+        return MirroredSnapshot(
+            round=row.round + 1,
+            params_digest=row.params_digest,
+            snapshot_digest=row.snapshot_digest,
+            size_bytes=row.snapshot_bytes,
+            url=mirror.snapshot_get_url(run.run_id, row.round + 1, row.params_digest),
+        )
 
     def join_response(self, run: RunRow, peer_id: str) -> JoinResponse:
         config = self.config_of(run)
@@ -234,6 +254,7 @@ class Views:
             rewinds=recovery.rewinds(run),
             stuck=_stuck(peers),
             sample=self._sample(run_id),
+            snapshot_mirror=self.mirrored_snapshot(run),
         )
 
     def _sample(self, run_id: str) -> Sample | None:

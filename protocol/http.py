@@ -20,6 +20,7 @@ POST /v1/runs/{run_id}/rounds/{r}/submit    S     SubmitRequest        SubmitRes
 GET  /v1/runs/{run_id}/rounds/{r}?wait_s=W  -                          RoundView
 POST /v1/runs/{run_id}/rounds/{r}/applied   S     AppliedRequest       AppliedResponse
 POST /v1/runs/{run_id}/rounds/{r}/missing   S     MissingRequest       MissingResponse
+POST /v1/runs/{run_id}/rounds/{r}/snapshot  S     SnapshotUploaded     SnapshotRecorded
 GET  /v1/runs/{run_id}/status?history=N     -                          RunStatus
 GET  /healthz, GET /readyz                  -                          (JSON; see below)
 GET  /metrics, GET /?run=ID                 -     (Prometheus text, HTML page)
@@ -140,6 +141,17 @@ A node's loop, in JSON (digests shortened)::
       -> {"round": 8, "manifest_version": 2, "dropped": {"p7c..": "reported missing by .."},
           "pending": []}
 
+Snapshots in the packet mirror (``exchange.mirror.snapshot_every_rounds`` N > 0): in a round r with
+r % N == 0, an applied report carries ``snapshot_bytes``, the size of the snapshot of round r+1's
+start its node serves (protocol/snapshot.py). The answer to each of the first ``SNAPSHOT_UPLOADERS``
+new votes of the latest manifest version that name the round's majority digest carries
+``snapshot_put_url``, a presigned PUT of exactly that size; once the store took the snapshot its
+node reports it (``POST rounds/{r}/snapshot`` with the snapshot digest and size; refused
+``no_snapshot_url`` unless the answer to that peer's report handed it a URL of that size). The
+newest such snapshot whose parameters are the round's agreed digest is offered to joiners and
+peers catching up as ``MirroredSnapshot`` (``RunStatus.snapshot_mirror``,
+``JoinResponse.params.mirror``), with a fresh presigned GET.
+
 Contribution scores: an applied report may carry ``scores`` (peer id -> loss_delta, cosine; at
 most ``MAX_SCORES``) of the updates in the manifest it applied. Once a round's votes are in (every
 contributor reported, or the next round closed) the coordinator judges each contributor from its
@@ -197,6 +209,7 @@ MAX_ABS_LOSS_DELTA = 1e6  # a reported score's loss delta at most, either sign (
 # model in fp32); a larger model's nodes send none, and its disputes name no chunk.
 MAX_TREE_LEAVES = 4096
 MAX_TREE_HEADER_BYTES = 1 << 16
+SNAPSHOT_UPLOADERS = 2  # votes per round handed a snapshot PUT URL (one that dies leaves the other)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,6 +288,19 @@ class ParamsSource(ResponseModel):
     round: int = Field(description="The round these parameters start.")
     digest: str | None = Field(description="Agreed digest (never a provisional one); null: seeded initialisation.")
     holders: list[PeerAddress] = Field(description="Live peers that reported this digest.")
+    mirror: MirroredSnapshot | None = Field(
+        None, description="The newest agreed snapshot in the packet mirror (any round); null: none."
+    )
+
+
+class MirroredSnapshot(ResponseModel):
+    """The newest agreed snapshot the packet mirror holds (see "Snapshots in the packet mirror")."""
+
+    round: int = Field(description="The round whose start it is (it was uploaded after round - 1 was applied).")
+    params_digest: str = Field(description="Its parameters' digest: round - 1's agreed digest.")
+    snapshot_digest: str = Field(description="The snapshot digest its uploader reported (protocol/snapshot.py).")
+    size_bytes: int = Field(description="Its length in bytes, as the PUT URL signed it.")
+    url: str = Field(description="A presigned GET, valid at least half of mirror.url_ttl_s from when it was served.")
 
 
 class JoinResponse(ResponseModel):
@@ -518,6 +544,13 @@ class AppliedRequest(RequestModel):
         description="The hash tree of `params_digest` (it must hash to it): when reports differ, the "
         "coordinator names the chunks they differ in. Null for a model over MAX_TREE_LEAVES chunks.",
     )
+    snapshot_bytes: int | None = Field(
+        None,
+        ge=1,
+        le=2**44,
+        description="In a round whose snapshot goes to the packet mirror: the size of the snapshot of the next"
+        " round's start this peer serves, which a `snapshot_put_url` would sign; null: none.",
+    )
 
     @model_validator(mode="after")
     def _tree_hashes_to_digest(self) -> "AppliedRequest":
@@ -553,6 +586,11 @@ class AppliedResponse(ResponseModel):
         description="Rounds up to MISSING_REPORT_ROUNDS + 1 back from the open one whose manifest was amended,"
         " round -> latest version: a node that applied an older version of one of them recomputes or catches up.",
     )
+    snapshot_put_url: str | None = Field(
+        None,
+        description="A presigned URL to PUT exactly the report's snapshot_bytes of the snapshot of round + 1's"
+        " start into the packet mirror, then report it (POST rounds/{r}/snapshot); null: not this peer's to upload.",
+    )
 
 
 class MissingRequest(RequestModel):
@@ -573,6 +611,18 @@ class MissingRequest(RequestModel):
         if not self.peer_ids and not self.lost_own:
             raise ValueError("name at least one entry in peer_ids, or set lost_own")
         return self
+
+
+class SnapshotUploaded(RequestModel):
+    """The snapshot of round r+1's start this peer PUT to the `snapshot_put_url` its round-r report got."""
+
+    snapshot_digest: Sha256Hex = Field(description="Its snapshot digest (protocol/snapshot.py), hex.")
+    size_bytes: int = Field(ge=1, le=2**44, description="Its length: the report's snapshot_bytes.")
+
+
+class SnapshotRecorded(ResponseModel):
+    round: int
+    recorded: bool = Field(description="True: recorded now or before (a repeat changes nothing).")
 
 
 class MissingResponse(ResponseModel):
@@ -771,6 +821,9 @@ class RunStatus(ResponseModel):
     sample: Sample | None = Field(
         None, description="The newest text sample a peer sent with its validation loss; null: none yet."
     )
+    snapshot_mirror: MirroredSnapshot | None = Field(
+        None, description="The newest agreed snapshot in the packet mirror; null: none (or no mirror)."
+    )
     stuck: str | None = Field(
         None,
         description="'stuck: <peer id>: <its detail>' for the first live peer (by id) whose last heartbeat "
@@ -839,6 +892,8 @@ ErrorCode = Literal[
     # manifest. Stops: a bug.
     "round_too_old",  # a missing report for a round closed over MISSING_REPORT_ROUNDS ago. The node catches up.
     "unknown_manifest_version",  # an applied report names a version the round never had. Stops: a bug.
+    "no_snapshot_url",  # a snapshot upload report from a peer handed no snapshot URL for that round, or of
+    # another size. The node logs it (the mirror only helps); a bug.
     "peer_gone",  # the peer was marked gone (silent past the timeout) or left. The node rejoins, retries.
     "run_closed",  # the run is finished or closed: no joins or submissions. A node waiting for a round stops.
     # 413

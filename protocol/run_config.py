@@ -190,7 +190,9 @@ class MirrorSection(RequestModel):
         description="Bucket the packets are written to (it must exist)."
     )
     prefix: Annotated[str, StringConstraints(max_length=512, pattern=r"^[A-Za-z0-9!_.*'()/-]*$")] = Field(
-        "", description="Key prefix of every packet object, e.g. 'packets/'; a lifecycle rule on it expires them."
+        "",
+        description="Key prefix of every packet and snapshot object, e.g. 'packets/'; lifecycle rules on it"
+        ' expire them (docs/DESIGN.md, "The packet mirror").',
     )
     region: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")] = Field(
         "us-east-1", description="The store's region (signatures name it)."
@@ -202,6 +204,18 @@ class MirrorSection(RequestModel):
         description="Lifetime of the presigned URLs handed to peers; a URL is never handed out older than half"
         " of it. S3 allows at most 7 days.",
     )
+    snapshot_every_rounds: int = Field(
+        10,
+        ge=0,
+        le=1_000_000,
+        description="After each round r with r % N == 0 the agreed parameters that start round r + 1 are"
+        " written to the store too (by up to two of the peers that voted for them), so a joiner loads them"
+        " when no peer serves them; 0: no snapshots in the store.",
+    )
+
+    def snapshot_after(self, round: int) -> bool:
+        """Whether the snapshot of round `round` + 1's start goes to the store."""
+        return self.snapshot_every_rounds > 0 and round % self.snapshot_every_rounds == 0
 
 
 class ExchangeSection(RequestModel):

@@ -6,7 +6,8 @@ one report per peer, round and version, immutable (the same again is answered as
 another digest is refused ``conflicting_report``; a version the round never had,
 ``unknown_manifest_version``). Reports of an older version are kept but do not vote. The answer
 carries the round's latest version and the recent rounds that were amended, so a node that applied
-an older version recomputes or catches up.
+an older version recomputes or catches up; with snapshots in the packet mirror, the first votes of
+a due round are handed a snapshot PUT URL (rules/snapshots.py).
 
 Votes. A report is a vote when its peer's packet is in that version of the manifest (and, with
 ``membership.vote_after_rounds`` K > 0, in K earlier rounds' manifests), and void (`forked`) when
@@ -54,6 +55,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from coordinator import disputes, errors, recovery, scoring
+from coordinator.rules import snapshots
 from coordinator.rules.context import Context
 from coordinator.storage import AppliedRow, PeerRow, RoundRow, RunRow
 from protocol.http import MISSING_REPORT_ROUNDS, AppliedRequest, AppliedResponse
@@ -126,7 +128,10 @@ def record_applied(
     if (peer.progress_round or 0) <= round_index:
         fields |= {"activity": "applied", "inner_step": None}
     ctx.storage.update_peer(run_id, peer_id, **fields)
-    return _applied_response(ctx, run_id, round_row, report), counted
+    response = _applied_response(ctx, run_id, round_row, report)
+    if counted and (url := snapshots.put_url_for(ctx, run, round_row, report, request.snapshot_bytes)):
+        response = response.model_copy(update={"snapshot_put_url": url})
+    return response, counted
 
 
 def _applied_response(ctx: Context, run_id: str, round_row: RoundRow, report: AppliedRow) -> AppliedResponse:

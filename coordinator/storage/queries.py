@@ -338,6 +338,30 @@ class Storage:
             (run_id, round_index),
         )
 
+    def update_applied(self, row: AppliedRow, **fields: Any) -> None:
+        keys = {"run_id": row.run_id, "round": row.round, "peer_id": row.peer_id}
+        self.db.update("applied", AppliedRow, keys | {"manifest_version": row.manifest_version}, fields)
+
+    def count_snapshot_uploaders(self, run_id: str, round_index: int, manifest_version: int) -> int:
+        """Reports of that round and version whose answers carried a snapshot PUT URL."""
+        rows = self.db.rows(
+            "SELECT COUNT(*) AS n FROM applied WHERE run_id = ? AND round = ? AND manifest_version = ?"
+            " AND snapshot_bytes IS NOT NULL",
+            (run_id, round_index, manifest_version),
+        )
+        return int(rows[0]["n"])
+
+    def newest_mirrored_snapshot(self, run_id: str) -> AppliedRow | None:
+        """The report, of the latest round that has one, of a snapshot uploaded to the packet mirror
+        whose parameters are its round's agreed digest (of the latest manifest version)."""
+        return self.db.one(
+            AppliedRow,
+            "SELECT a.* FROM applied a JOIN rounds r ON a.run_id = r.run_id AND a.round = r.round"
+            " WHERE a.run_id = ? AND a.snapshot_digest IS NOT NULL AND a.params_digest = r.agreed_digest"
+            " AND a.manifest_version = r.manifest_version ORDER BY a.round DESC, a.reported_at LIMIT 1",
+            (run_id,),
+        )
+
     def latest_applied_by_peer(self, run_id: str) -> dict[str, AppliedRow]:
         """Each peer's report of its latest round (of that round's newest version it reported)."""
         rows = self.db.many(

@@ -103,6 +103,8 @@ class AppliedRow:
     scores: str | None = None  # JSON {peer id: [loss_delta, cosine]}: its contribution scores (None: none)
     sample: str | None = None  # a text the model wrote after the round, sent with val_loss (None: none)
     leaves: str | None = None  # hex leaf hashes of params_digest's tree (None: sent none)
+    snapshot_bytes: int | None = None  # the size its answer signed a snapshot PUT URL for (None: none)
+    snapshot_digest: str | None = None  # the snapshot its peer reported uploading there (None: not yet)
 
 
 @dataclass(slots=True)

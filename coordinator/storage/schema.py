@@ -267,6 +267,16 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
             "ALTER TABLE runs ADD COLUMN pruned_before BIGINT NOT NULL DEFAULT 0",
         ),
     ),
+    (
+        17,
+        # Snapshots in the packet mirror (coordinator/rules/snapshots.py): the size a report's answer
+        # signed a snapshot PUT URL for (NULL: it was handed none), and the snapshot digest its peer
+        # reported once the store took it (NULL: not reported).
+        (
+            "ALTER TABLE applied ADD COLUMN snapshot_bytes BIGINT",
+            "ALTER TABLE applied ADD COLUMN snapshot_digest TEXT",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -24,6 +24,11 @@ manifest version (coordinator/service.py, "Amended manifests") and the replay go
 Meanwhile the node's heartbeats say "stuck" with one line naming the round, what it waits for and
 from whom (the status page shows it as the run's "stuck: ..."), logged once per change.
 
+The packet mirror (the run's exchange.mirror) keeps the agreed snapshot every few rounds
+(`RunStatus.snapshot_mirror`): its round is a candidate like the agreed rounds peers may hold,
+and `load_snapshot` reads it from the store when no peer serves that snapshot (none announce
+it, or every one failed), so a swarm whose every node died still has a start to replay from.
+
 Only a snapshot newer than the parameters held is loaded: when the round after a loaded snapshot
 cannot be replayed yet (its packets gone, its successor's digest not agreed yet), loading the same
 snapshot again changes nothing, and the node waits instead, polling the coordinator at growing
@@ -38,13 +43,14 @@ import logging
 import time
 from collections import Counter
 
+from node.exchange import mirror
 from node.round.coordinator_client import Refused
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
 from node.round.snapshots import serve_snapshot
 from node.round.state import Doing
 from node.round.steps import CatchUpNeeded, PacketsGone, ToApply, apply_manifest
-from protocol.http import MAX_DETAIL_CHARS, MAX_REFUSED, RoundView, RunStatus
+from protocol.http import MAX_DETAIL_CHARS, MAX_REFUSED, MirroredSnapshot, RoundView, RunStatus
 from protocol.snapshot import PARAMS_SECTION
 
 log = logging.getLogger("locoswarm.node")
@@ -52,6 +58,7 @@ log = logging.getLogger("locoswarm.node")
 SNAPSHOT_ROUNDS_TRIED = 3  # the newest agreed snapshots tried, newest first
 HOLDERS_LOOKUP_S = 10.0  # at most this long (or the fetch time-out) to learn who holds a round's packets
 IDLE_FIRST_S, IDLE_MAX_S = 1.0, 4.0  # with nothing to replay or load, poll again after this, doubling
+MIRROR = object()  # the packet mirror among a snapshot's sources, after the peers' digests
 
 
 async def catch_up(s: Session) -> CatchUpReport:
@@ -95,8 +102,19 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
         params_round = s.state.params_round
         held = params_round if params_round is not None and params_round <= current else -1
         newer = sorted((r for r in agreed if held < r <= current), reverse=True)[:SNAPSHOT_ROUNDS_TRIED]
+        stored = status.snapshot_mirror
+        if (
+            stored is not None
+            and held < stored.round <= current
+            and agreed.get(stored.round) in (None, stored.params_digest)
+        ):
+            agreed.setdefault(stored.round, stored.params_digest)  # agreed, if older than the history read
+            newer = sorted({*newer, stored.round}, reverse=True)
+        else:
+            stored = None
         for start_round in newer:
-            if await load_snapshot(s, start_round, agreed[start_round]):
+            mirrored = stored if stored is not None and stored.round == start_round else None
+            if await load_snapshot(s, start_round, agreed[start_round], mirrored):
                 loaded = True
                 break
         else:
@@ -146,7 +164,11 @@ async def packets_gone(s: Session, round: int, view: RoundView) -> list[str]:
 
     async def lookup() -> list[str]:
         announced = await s.exchange.announcements(round)
-        unsure = [e for e in view.manifest if (a := announced.get(e.peer_id)) is None or a.digest != e.packet_digest]
+        unsure = [  # a packet with a copy in the packet mirror is not gone: the fetch asks the store
+            e
+            for e in view.manifest
+            if not e.mirror_url and ((a := announced.get(e.peer_id)) is None or a.digest != e.packet_digest)
+        ]
         holders = await asyncio.gather(*(s.exchange.holders(round, e.peer_id) for e in unsure))
         return [e.peer_id for e, found in zip(unsure, holders) if not any(h.digest == e.packet_digest for h in found)]
 
@@ -157,14 +179,16 @@ async def packets_gone(s: Session, round: int, view: RoundView) -> list[str]:
         return []
 
 
-async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
+async def load_snapshot(s: Session, round: int, params_digest: str, mirrored: MirroredSnapshot | None = None) -> bool:
     """Fetch peers' snapshot of the parameters that start `round` straight into the model (and the
     outer state), each unit checked against a hash tree whose root must be `params_digest` before
     it is written (node/training/snapshot.py); host memory holds one 4 MiB chunk, whatever the
     model's size. A holder that fails midway is followed by the next from the first chunk not yet
     verified; a snapshot is given up after a fetch time-out without progress, or at once when every
-    holder has moved on from it (the caller then looks for a newer one). Once bytes were
-    written and no snapshot completed, the parameters are unknown (`RoundState.params_unknown`)."""
+    holder has moved on from it (the caller then looks for a newer one). `mirrored`: the packet
+    mirror's copy of this snapshot, read when no peer delivered one (node/exchange/mirror.py). Once
+    bytes were written and no snapshot completed, the parameters are unknown
+    (`RoundState.params_unknown`)."""
     from node.training.params import flat_named_params
     from node.training.snapshot import SnapshotSink
 
@@ -172,12 +196,27 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
     # On the CPU the outer state's tensors are the live ones (written in place); elsewhere host copies.
     state = s.outer.snapshot_state()
     sink = SnapshotSink(flat_named_params(s.training.model), state, params_digest)
-    for digest, _ in Counter(h.digest for h in holders).most_common():
-        while True:
-            before = sink.offset if sink.digest == digest else 0
-            done = await s.exchange.fetch_params(round, digest, sink, timeout_s=s.config.network.fetch_timeout_s)
-            if done or sink.offset <= before:
-                break
+    sources = [digest for digest, _ in Counter(h.digest for h in holders).most_common()]
+    if mirrored is not None:
+        sources.append(MIRROR)
+    for source in sources:
+        if source is MIRROR:
+            digest = mirrored.snapshot_digest
+            sink.expect(digest)  # from the first byte unless the peers got some of this one
+            done = await mirror.download_snapshot(
+                mirrored.url,
+                mirrored.size_bytes,
+                sink,
+                timeout_s=s.config.network.fetch_timeout_s,
+                label=f"round {round}: snapshot {digest[:12]}",
+            )
+        else:
+            digest = source
+            while True:
+                before = sink.offset if sink.digest == digest else 0
+                done = await s.exchange.fetch_params(round, digest, sink, timeout_s=s.config.network.fetch_timeout_s)
+                if done or sink.offset <= before:
+                    break
         if sink.written_bytes:
             s.state.params_unknown()  # part of the model may now be this snapshot's
         if not done:
@@ -192,7 +231,13 @@ async def load_snapshot(s: Session, round: int, params_digest: str) -> bool:
         await asyncio.to_thread(_load_outer_state, s, state)
         s.sent.clear()  # the error buffers restarted at zero: nothing sent from them can go back
         s.state.loaded(round, params_digest, sink.trees[PARAMS_SECTION])
-        log.info("round %d: loaded parameters %s from peers (%d bytes)", round, params_digest[:12], sink.total_bytes)
+        log.info(
+            "round %d: loaded parameters %s from %s (%d bytes)",
+            round,
+            params_digest[:12],
+            "the packet mirror" if source is MIRROR else "peers",
+            sink.total_bytes,
+        )
         await serve_snapshot(s, round, *sink.trees)  # a holder now too
         return True
     return False

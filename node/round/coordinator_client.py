@@ -59,6 +59,8 @@ from protocol.http import (
     RunInfo,
     RunList,
     RunStatus,
+    SnapshotRecorded,
+    SnapshotUploaded,
     SubmitRequest,
     SubmitResponse,
     sign_request,
@@ -347,6 +349,7 @@ class CoordinatorClient:
         scores: dict[str, PeerScoreReport] | None = None,
         sample: str | None = None,
         tree: Tree | None = None,
+        snapshot_bytes: int | None = None,
     ) -> AppliedResponse:
         """Report the digest after applying `manifest_version` of round `round`'s manifest. `tree`: the
         hash tree this node holds; it goes with the report when it hashes to `params_digest` and fits
@@ -360,6 +363,7 @@ class CoordinatorClient:
             scores=scores or {},
             sample=sample,
             tree=wire,
+            snapshot_bytes=snapshot_bytes,
         )
         return AppliedResponse.model_validate(
             await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/applied", request)
@@ -371,6 +375,14 @@ class CoordinatorClient:
         request = MissingRequest(peer_ids=peer_ids, lost_own=lost_own)
         return MissingResponse.model_validate(
             await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/missing", request)
+        )
+
+    async def snapshot_uploaded(self, round: int, snapshot_digest: str, size_bytes: int) -> SnapshotRecorded:
+        """Report the snapshot of round `round` + 1's start put into the packet mirror at the URL the
+        answer to this node's applied report of `round` handed it."""
+        request = SnapshotUploaded(snapshot_digest=snapshot_digest, size_bytes=size_bytes)
+        return SnapshotRecorded.model_validate(
+            await self._call("POST", f"/runs/{self.run_id}/rounds/{round}/snapshot", request)
         )
 
     async def leave(self, reason: str = "left") -> None:

@@ -74,6 +74,7 @@ class Code(str, enum.Enum):
     NOT_IN_MANIFEST = "not_in_manifest"
     ROUND_TOO_OLD = "round_too_old"
     UNKNOWN_MANIFEST_VERSION = "unknown_manifest_version"
+    NO_SNAPSHOT_URL = "no_snapshot_url"
     PEER_GONE = "peer_gone"
     RUN_CLOSED = "run_closed"
     BODY_TOO_LARGE = "body_too_large"
@@ -135,6 +136,7 @@ ACTIONS: dict[Code, Action] = {
     Code.NOT_IN_MANIFEST: Action.STOP,
     Code.ROUND_TOO_OLD: Action.CATCH_UP,
     Code.UNKNOWN_MANIFEST_VERSION: Action.STOP,
+    Code.NO_SNAPSHOT_URL: Action.STOP,  # its only caller (snapshots.py) logs it: the mirror only helps
     Code.PEER_GONE: Action.REJOIN,
     Code.RUN_CLOSED: Action.RUN_OVER,
     # 413, 422: a body the coordinator will not take

@@ -22,7 +22,9 @@ Decisions at the boundaries, each logged:
 - a packet that fails to verify or decode is left out (deterministically, by every honest peer);
 - with a packet mirror (the run's exchange.mirror), an accepted submission's answer carries a URL
   the packet is uploaded to in the background (node/exchange/mirror.py); an upload that fails is
-  logged and the round goes on, and fetches ask the mirror as one more holder (fetch.py);
+  logged and the round goes on, and fetches ask the mirror as one more holder (fetch.py); in
+  rounds whose snapshot goes to the mirror, the applied report's answer may hand this node a URL
+  its snapshot is uploaded to, the same way (node/round/snapshots.py);
 - a submission refused "excluded" (contribution scoring judged this peer's updates harmful,
   protocol/scoring.py): as a late one, the node applies the round without its packet and trains on.
 
@@ -51,7 +53,7 @@ from node.round.prefetch import Prefetch
 from node.round.refusals import Action, Code
 from node.round.reports import RoundReport, RoundTimes
 from node.round.session import Session
-from node.round.snapshots import serve_snapshot
+from node.round.snapshots import mirror_snapshot_bytes, serve_snapshot
 from node.round.state import Doing
 from node.training.base import ApplyResult, Prepared
 from node.training.params import param_tree
@@ -408,7 +410,7 @@ async def apply_manifest(s: Session, job: ToApply, times: RoundTimes) -> Applied
         )
     if resume.due(s, round):
         await asyncio.to_thread(resume.save, s, round, s.faults.checkpoint_hook(round))
-    await serve_snapshot(s, round + 1, tree)
+    await serve_snapshot(s, round + 1, tree, mirror_put_url=response.snapshot_put_url)
     return Applied(applied, scores)
 
 
@@ -419,6 +421,7 @@ async def _report(
     left out, and why, goes on its status page; so does the validation loss, in rounds it is due,
     and the contribution scores."""
     refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
+    snapshot_bytes = await asyncio.to_thread(mirror_snapshot_bytes, s, round)
     val_loss = await _validation_loss(s, round)
     sample = await asyncio.to_thread(text_sample, s, round) if val_loss is not None else None
     reports = {
@@ -438,6 +441,7 @@ async def _report(
             scores=reports,
             sample=sample,
             tree=s.state.tree,
+            snapshot_bytes=snapshot_bytes,
         )
     except Refused as e:
         if e.action is not Action.CATCH_UP:
@@ -557,8 +561,8 @@ async def _recompute_if_amended(s: Session, latest: RoundView | None = None):
             f"round {kept.round}: its manifest was amended to version {latest.manifest_version} "
             f"after this node applied version {kept.manifest_version} (with overlap)"
         )
-    await _report(s, kept.round, applied, latest.manifest_version)
-    await serve_snapshot(s, kept.round + 1)
+    response = await _report(s, kept.round, applied, latest.manifest_version)
+    await serve_snapshot(s, kept.round + 1, mirror_put_url=response.snapshot_put_url)
     return applied
 
 

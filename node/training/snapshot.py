@@ -227,9 +227,7 @@ class SnapshotSink:
     ):
         groups = [named_tensors(params), named_tensors(state or {})]
         self._targets = [_byte_views(named) for named in groups]
-        self.layout = SnapshotLayout(
-            [SectionLayout(tensor_header(named), sum(map(tensor_nbytes, named.values()))) for named in groups]
-        )
+        self.layout = _layout(groups)
         self.params_digest = params_digest  # the agreed digest the parameters must hash to
         self.digest: str | None = None  # the snapshot asked for
         self.trees: list[Tree] | None = None  # from the prologue, once it verified
@@ -286,6 +284,17 @@ class SnapshotSink:
                     view[lo - base : hi - base].copy_(source[lo - start : hi - start])
                     self.written_bytes += hi - lo
                 base += len(view)
+
+
+def snapshot_size(params: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None) -> int:
+    """The length of a snapshot of these tensors (its layout's: names, dtypes and shapes only)."""
+    return _layout([named_tensors(params), named_tensors(state or {})]).total_bytes
+
+
+def _layout(groups: list[Mapping[str, torch.Tensor]]) -> SnapshotLayout:
+    return SnapshotLayout(
+        [SectionLayout(tensor_header(named), sum(map(tensor_nbytes, named.values()))) for named in groups]
+    )
 
 
 def _byte_views(named: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

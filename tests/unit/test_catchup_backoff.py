@@ -58,6 +58,7 @@ class ScriptedCoordinator:
             run=SimpleNamespace(current_round=self.current),
             history=history,
             peers=[],
+            snapshot_mirror=None,
         )
 
     async def missing(self, round: int, peer_ids: list[str], lost_own: bool = False):

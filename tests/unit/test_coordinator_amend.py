@@ -124,6 +124,7 @@ def test_majority_counts_only_the_latest_version(coordinator_client, fake_clock)
         "provisional": True,
         "num_votes": 1,
         "vote": True,
+        "snapshot_put_url": None,
     }
     stale = applied(w, run_id, 0, full).json()  # a version-1 report again: kept, not counted
     assert stale["agrees"] is False and stale["manifest_version"] == 2 and stale["num_reports"] == 1

@@ -75,7 +75,7 @@ def test_join_open_run_gives_identity_shard_and_params(coordinator_client, fake_
     assert body["peer_id"] == first.peer_id and body["peer_id"].startswith("p")
     assert (body["peer_index"], body["data_shard"], body["num_shards"]) == (0, 0, 3)
     assert body["run_state"] == "waiting" and body["current_round"] == 0
-    assert body["params"] == {"round": 0, "digest": None, "holders": []}
+    assert body["params"] == {"round": 0, "digest": None, "holders": [], "mirror": None}
     assert body["dht_bootstrap"] == ["/ip4/127.0.0.1/tcp/4001/p2p/QmBootstrap"]
     assert body["config"]["name"] == "test-run" and body["heartbeat_interval_s"] == 5.0
     # The node parses answers with the shared models; the strict RunConfig must accept them.
