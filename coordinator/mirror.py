@@ -10,8 +10,8 @@ Only the coordinator holds credentials (the AWS environment variables, or anythi
 credential chain finds); peers get presigned URLs and nothing else. A PUT URL signs the
 Content-Length the peer submitted, so the store refuses a body of any other size; a GET URL reads
 one object. Each packet's key is `object_key`: ``{prefix}{run_id}/{round:08d}/{peer_id}.pkt``;
-each snapshot's `snapshot_key`: ``{prefix}{run_id}/snapshots/{round:08d}-{params_digest}.snap``
-for the parameters that start `round` (the digest in the key keeps an upload of a digest that
+each snapshot's `snapshot_key`: ``{snapshot_prefix}{run_id}/{round:08d}-{params_digest}.snap``
+for the parameters that start `round` (a prefix of its own, so a lifecycle rule of its own) (the digest in the key keeps an upload of a digest that
 lost the vote from overwriting the agreed one). A snapshot is one PUT, so at most
 `MAX_SNAPSHOT_BYTES` (S3's limit for a single PUT); a larger model's snapshots stay off the store.
 
@@ -50,9 +50,9 @@ def object_key(prefix: str, run_id: str, round: int, peer_id: str) -> str:
     return f"{prefix}{run_id}/{round:08d}/{peer_id}.pkt"
 
 
-def snapshot_key(prefix: str, run_id: str, round: int, params_digest: str) -> str:
+def snapshot_key(snapshot_prefix: str, run_id: str, round: int, params_digest: str) -> str:
     """The object that holds the snapshot of the parameters `params_digest` that start `round`."""
-    return f"{prefix}{run_id}/snapshots/{round:08d}-{params_digest}.snap"
+    return f"{snapshot_prefix}{run_id}/{round:08d}-{params_digest}.snap"
 
 
 class Mirror:
@@ -94,12 +94,12 @@ class Mirror:
         """A URL to PUT exactly `size_bytes` bytes of a snapshot of round `round`'s start."""
         if not 1 <= size_bytes <= MAX_SNAPSHOT_BYTES:
             raise ValueError(f"a snapshot PUT takes 1 to {MAX_SNAPSHOT_BYTES} bytes, not {size_bytes}")
-        key = snapshot_key(self.section.prefix, run_id, round, params_digest)
+        key = snapshot_key(self.section.snapshot_prefix, run_id, round, params_digest)
         return self._url("put_object", key, size_bytes)
 
     def snapshot_get_url(self, run_id: str, round: int, params_digest: str) -> str:
         """A URL to GET the snapshot of round `round`'s start with parameters `params_digest`."""
-        return self._url("get_object", snapshot_key(self.section.prefix, run_id, round, params_digest), None)
+        return self._url("get_object", snapshot_key(self.section.snapshot_prefix, run_id, round, params_digest), None)
 
     def _url(self, method: str, key: str, size_bytes: int | None) -> str:
         now = self._clock()

@@ -12,6 +12,7 @@ TOML file:
     [outer]             the outer step: algorithm, SGD settings, compression, overlap
     [exchange]          moving packets: their size bound, distribution trees, DHT bootstrap,
                         and [exchange.mirror], an object store that keeps a copy of each
+                        packet and, every few rounds, of the agreed parameters
     [membership]        who may join, how many before round 0, when a silent peer is gone
     [deadline]          when a round closes: a tagged policy, "fixed" or "adaptive"
     [scoring]           contribution scores, and when a peer whose updates hurt is excluded
@@ -178,8 +179,8 @@ class OuterSection(RequestModel):
 
 
 class MirrorSection(RequestModel):
-    """An S3-compatible object store that keeps a copy of every packet (docs/DESIGN.md, "The
-    packet mirror"). Public facts only: the coordinator signs with credentials from its own
+    """An S3-compatible object store that keeps a copy of every packet, and every few rounds of the
+    agreed parameters (docs/DESIGN.md, "The packet mirror"). Public facts only: the coordinator signs with credentials from its own
     environment (the AWS variables or boto3's credential chain), never from here, and hands
     peers presigned URLs."""
 
@@ -190,9 +191,12 @@ class MirrorSection(RequestModel):
         description="Bucket the packets are written to (it must exist)."
     )
     prefix: Annotated[str, StringConstraints(max_length=512, pattern=r"^[A-Za-z0-9!_.*'()/-]*$")] = Field(
-        "",
-        description="Key prefix of every packet and snapshot object, e.g. 'packets/'; lifecycle rules on it"
-        ' expire them (docs/DESIGN.md, "The packet mirror").',
+        "", description="Key prefix of every packet object, e.g. 'packets/'; a lifecycle rule on it expires them."
+    )
+    snapshot_prefix: Annotated[str, StringConstraints(max_length=512, pattern=r"^[A-Za-z0-9!_.*'()/-]*$")] = Field(
+        "snapshots/",
+        description="Key prefix of every snapshot object (snapshot_every_rounds), apart from the packets' so that"
+        " a lifecycle rule of its own keeps them longer.",
     )
     region: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$")] = Field(
         "us-east-1", description="The store's region (signatures name it)."

@@ -8,7 +8,8 @@ coordinator would amend every round's manifest without it
 (test_faults.py::test_a_packet_nobody_serves_is_dropped_from_the_manifest); with one, nodes 0
 and 1 take node 2's packet from the store once the peers have not delivered it within
 mirror_after_s, so every round keeps its first manifest, with all three packets, and every node
-applies each round with one parameter digest.
+applies each round with one parameter digest. The agreed snapshots go to the store as well
+(snapshot_every_rounds), uploaded by the nodes the coordinator chose and offered in the status.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def test_a_packet_only_the_mirror_serves_is_applied_every_round(tmp_path, s3_sto
         start_swarm(
             swarm,
             {
-                "exchange.mirror": {"endpoint_url": s3_store.endpoint_url, "bucket": bucket, "prefix": "pk/"},
+                "exchange.mirror": {
+                    "endpoint_url": s3_store.endpoint_url,
+                    "bucket": bucket,
+                    "prefix": "pk/",
+                    "snapshot_every_rounds": 2,
+                },
                 "exchange.missing_grace_s": 10.0,
                 "deadline": {"kind": "fixed", "round_timeout_s": 60.0},
             },
@@ -65,5 +71,12 @@ def test_a_packet_only_the_mirror_serves_is_applied_every_round(tmp_path, s3_sto
     keys = set(s3_store.keys(bucket))
     withheld = {f"pk/{swarm.run_id}/{r:08d}/{peers[2]}.pkt" for r in range(rounds)}
     assert withheld <= keys, sorted(keys)
+    # The agreed start of round 1 (snapshot_every_rounds 2: after rounds 0 and 2) went up too, and
+    # is offered; the run's last round settles only when the run ends, so it may not be.
+    offered = status["snapshot_mirror"]
+    agreed = {h["round"] + 1: h["agreed_digest"] for h in status["history"]}
+    assert offered is not None and offered["round"] in (1, 3) and offered["params_digest"] == agreed[offered["round"]]
+    snapshots = {k for k in keys if k.startswith("snapshots/")}
+    assert f"snapshots/{swarm.run_id}/00000001-{agreed[1]}.snap" in snapshots, sorted(snapshots)
     assert s3_store.check.num_denied == 0
     print(f"mirror: {len(keys)} objects in the bucket after {rounds} rounds of 3 nodes")

@@ -82,7 +82,7 @@ def test_the_first_votes_of_a_due_round_upload_and_the_agreed_upload_is_offered(
     answers = [_applied(p, run_id, 0, DIGEST, snapshot_bytes=size) for p in peers]
     urls = [a["snapshot_put_url"] for a in answers]
     assert SNAPSHOT_UPLOADERS == 2 and urls[2] is None and all(urls[:2]), urls
-    assert f"/{bucket}/{snapshot_key('', run_id, 1, DIGEST)}?" in urls[0]
+    assert f"/{bucket}/{snapshot_key('snapshots/', run_id, 1, DIGEST)}?" in urls[0]
     assert answers[2]["agreed_digest"] == DIGEST
     status = client.get(f"/v1/runs/{run_id}/status").json()
     assert status["snapshot_mirror"] is None  # nothing reported uploaded yet
@@ -113,7 +113,7 @@ def test_the_first_votes_of_a_due_round_upload_and_the_agreed_upload_is_offered(
     _close_round(run_id, peers, 1)
     assert all(_applied(p, run_id, 1, "c" * 64, snapshot_bytes=size)["snapshot_put_url"] is None for p in peers)
     assert error_of(_uploaded(peers[0], run_id, 1, "e" * 64, size)) == "no_snapshot_url"
-    assert s3_store.keys(bucket) == [snapshot_key("", run_id, 1, DIGEST)]
+    assert s3_store.keys(bucket) == [snapshot_key("snapshots/", run_id, 1, DIGEST)]
 
 
 def test_an_upload_of_a_digest_that_lost_the_vote_is_never_offered(s3_store, coordinator_client, fake_clock):
@@ -174,7 +174,7 @@ def test_a_snapshot_goes_up_and_comes_back_unit_by_unit(s3_store):
 def test_a_download_resumes_from_the_sink_s_offset_with_a_range_get(s3_store):
     async def main():
         mirror, bucket, snapshot = _stored_snapshot(s3_store)
-        key = snapshot_key("", RUN, 5, snapshot.params_digest)
+        key = snapshot_key("snapshots/", RUN, 5, snapshot.params_digest)
         s3_store.client.put_object(Bucket=bucket, Key=key, Body=b"".join(_stream(snapshot)))
         target = _zeros_like(_params(1))
         sink = SnapshotSink(target, None, snapshot.params_digest)
@@ -210,7 +210,7 @@ def test_a_corrupted_snapshot_in_the_store_is_refused_and_nothing_wrong_is_writt
         else:  # a whole, valid snapshot of other parameters: its prologue does not name the agreed digest
             body = bytearray(b"".join(_stream(Snapshot.from_tensors(_params(2)))))
         s3_store.client.put_object(
-            Bucket=bucket, Key=snapshot_key("", RUN, 5, snapshot.params_digest), Body=bytes(body)
+            Bucket=bucket, Key=snapshot_key("snapshots/", RUN, 5, snapshot.params_digest), Body=bytes(body)
         )
         target = _zeros_like(_params(1))
         sink = SnapshotSink(target, None, snapshot.params_digest)
@@ -310,7 +310,7 @@ def test_a_joiner_whose_peers_serve_nothing_loads_the_agreed_state_from_the_stor
         body = bytearray(b"".join(_stream(snapshot)))
         if corrupt:
             body[-1] ^= 1
-        key = snapshot_key("", RUN, 3, agreed)
+        key = snapshot_key("snapshots/", RUN, 3, agreed)
         s3_store.client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
         offered = MirroredSnapshot(
             round=3,
