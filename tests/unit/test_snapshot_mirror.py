@@ -189,6 +189,65 @@ def test_a_download_resumes_from_the_sink_s_offset_with_a_range_get(s3_store):
     asyncio.run(main())
 
 
+class _BreakingStore:
+    """A store on 127.0.0.1 (port 0) that serves one object and breaks the first GET's connection
+    after `break_at` bytes of the body; it records each request's Range header."""
+
+    def __init__(self, body: bytes, break_at: int):
+        import http.server
+        import threading
+
+        store = self
+        self.ranges: list[str | None] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                header = self.headers.get("Range")
+                store.ranges.append(header)
+                start = int(header.removeprefix("bytes=").rstrip("-")) if header else 0
+                self.send_response(206 if header else 200)
+                self.send_header("Content-Length", str(len(body) - start))
+                self.end_headers()
+                if len(store.ranges) == 1:
+                    self.wfile.write(body[start:break_at])
+                    self.wfile.flush()
+                    self.connection.shutdown(2)  # the body ends early: a broken connection
+                    return
+                self.wfile.write(body[start:])
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/snapshot"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_a_body_that_breaks_off_midway_resumes_from_the_first_unverified_byte():
+    async def main():
+        snapshot = Snapshot.from_tensors(_params(1))
+        body = b"".join(_stream(snapshot))
+        store = _BreakingStore(body, break_at=snapshot.layout.prologue_bytes + CHUNK_BYTES + 100)
+        try:
+            target = _zeros_like(_params(1))
+            sink = SnapshotSink(target, None, snapshot.params_digest)
+            sink.expect(snapshot.digest)
+            assert await node_mirror.download_snapshot(store.url, snapshot.size_bytes, sink, timeout_s=20)
+        finally:
+            store.close()
+        resumed_at = snapshot.layout.prologue_bytes + CHUNK_BYTES  # the prologue and chunk 0 verified
+        assert store.ranges == [None, f"bytes={resumed_at}-"]
+        assert sink.done and all(torch.equal(target[n], t) for n, t in _params(1).items())
+
+    asyncio.run(main())
+
+
 def _stream(snapshot: Snapshot) -> list[bytes]:
     out, offset = [], 0
     while offset < snapshot.size_bytes:
