@@ -21,10 +21,11 @@ import to hold exactly its codes, and `ACTIONS` names, for every code, what the 
                  detail): a set-up to fix (join_refused, stale_nonce, run_not_found), a version
                  mismatch or a bug (invalid_request, not_member, ...)
 
-A code this node does not know (a newer coordinator's) is a STOP. Two calls decide alone, on any
+A code this node does not know (a newer coordinator's) is a STOP. Three calls decide alone, on any
 refusal: a report of packets it could not fetch that is refused leaves the node catching up
-(amend.py, catchup.py), and a join challenge answered `not_found` comes from a coordinator older
-than proofs of work, which asks for none (coordinator_client.py).
+(amend.py, catchup.py), a join challenge answered `not_found` comes from a coordinator older
+than proofs of work, which asks for none (coordinator_client.py), and a refused report of a
+snapshot uploaded to the packet mirror is logged (snapshots.py: the mirror only helps).
 """
 
 from __future__ import annotations
