@@ -23,6 +23,13 @@ finish a run nobody trained. Instead:
   0 is chosen only when no round was ever agreed (nothing agreed is lost). While live peers hold
   no agreed state at all, the run keeps waiting, and the status says which peers last applied the
   state it needs (whoever holds their disks can bring it back).
+- **The packet mirror holds state too.** With snapshots in the packet mirror
+  (coordinator/rules/snapshots.py), the newest agreed snapshot there counts as a held state like a
+  live peer's (`STORE` among the holders), once any peer is live to load it: when it is the open
+  round's start the run resumes at once and waits for every live peer (each loads it from the
+  store); when it is older, the peers load it and replay the rounds since from the packets in the
+  store, and the first that reports applying the last closed round resumes the run, before
+  ``state_wait_s`` sends it back to that older start.
 
 `hold` is called from `coordinator.rules.rounds.advance` inside the service's transaction, for a
 running run, after the liveness sweep; it returns True while the run is paused, and the caller
@@ -41,6 +48,8 @@ from protocol.http import MISSING_REPORT_ROUNDS, HeldState, Recovery, Rewind
 from protocol.run_config import RunConfig
 
 log = logging.getLogger("locoswarm.coordinator")
+
+STORE = "the packet mirror"  # among a plan's holders: the newest agreed snapshot in the run's store
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +127,9 @@ def _plan(storage: Storage, run: RunRow, live: list[PeerRow]) -> _Plan | None:
     for peer in live:
         if holds(storage, run.run_id, peer) and peer.state_round <= run.current_round:
             held.setdefault(peer.state_round, []).append(peer.peer_id)
+    stored = storage.newest_mirrored_snapshot(run.run_id)
+    if stored is not None and stored.round + 1 <= run.current_round:
+        held.setdefault(stored.round + 1, []).append(STORE)
     if held:
         newest = max(held)
         return _Plan(newest, sorted(held[newest]))
@@ -162,7 +174,7 @@ def _reopen(
     # by snapshot and are expected from the next round. The deadline bounds the wait either way.
     for peer in live:
         replays = holds(storage, run.run_id, peer) and plan.round - peer.state_round <= MISSING_REPORT_ROUNDS
-        expected = peer.peer_id in plan.holders or replays
+        expected = peer.peer_id in plan.holders or replays or STORE in plan.holders  # the store: all load it
         storage.update_peer(run.run_id, peer.peer_id, member_since_round=plan.round + (0 if expected else 1))
 
 

@@ -392,3 +392,42 @@ def test_a_joiner_whose_peers_serve_nothing_loads_the_agreed_state_from_the_stor
             task.cancel()
 
     asyncio.run(main())
+
+
+# -- a whole swarm gone: the store holds the state ----------------------------------------------
+
+
+def test_a_paused_run_resumes_at_once_when_the_store_holds_the_open_round_s_start(s3_store, tmp_path, fake_clock):
+    """Every peer went silent after round 0; its agreed start of round 1 is in the store. A fresh
+    peer (no checkpoint) returns: the run resumes round 1 at once and waits for it (it loads the
+    state from the store), where without the store it would wait for a peer holding that state."""
+    from tests.fixtures.coordinator import coordinator_on
+    from tests.unit.test_coordinator_rounds import tick
+
+    timeout_s = 10.0
+    with coordinator_on(tmp_path / "coordinator.db", fake_clock) as (client, _):
+        bucket = s3_store.create_bucket()
+        mirror = {"endpoint_url": s3_store.endpoint_url, "bucket": bucket, "snapshot_every_rounds": 1}
+        run_id = create_run(
+            client,
+            {"exchange.mirror": mirror, "membership.min_peers": 3, "membership.heartbeat_timeout_s": timeout_s},
+        )
+        peers = [SignedPeer(client, clock=fake_clock) for _ in range(3)]
+        for peer in peers:
+            assert peer.join(run_id).status_code == 200
+        _close_round(run_id, peers, 0)
+        answers = [_applied(p, run_id, 0, DIGEST, snapshot_bytes=10) for p in peers]
+        assert httpx.put(answers[0]["snapshot_put_url"], content=b"s" * 10, trust_env=False).status_code == 200
+        assert _uploaded(peers[0], run_id, 0, "e" * 64, 10).status_code == 200
+
+        fake_clock.advance(timeout_s + 3600)
+        tick(client)
+        paused = client.get(f"/v1/runs/{run_id}/status").json()
+        assert paused["recovery"] is not None and paused["current_round"]["round"] == 1
+        fresh = SignedPeer(client, clock=fake_clock)
+        joined = fresh.join(run_id).json()
+        assert joined["params"]["mirror"]["round"] == 1
+        body = client.get(f"/v1/runs/{run_id}/status").json()
+        assert body["recovery"] is None and body["rewinds"] == []
+        assert body["current_round"]["round"] == 1 and body["current_round"]["opened_at"] == fake_clock()
+        assert body["current_round"]["num_expected"] == 1  # the fresh peer, once it loaded the state
