@@ -10,9 +10,17 @@ and 1 take node 2's packet from the store once the peers have not delivered it w
 mirror_after_s, so every round keeps its first manifest, with all three packets, and every node
 applies each round with one parameter digest. The agreed snapshots go to the store as well
 (snapshot_every_rounds), uploaded by the nodes the coordinator chose and offered in the status.
+
+Then the whole swarm dies, disks included: every node SIGKILLed in round 2, and one node that
+never ran (a new key, no checkpoint) joins the paused run. The store holds round 2's agreed start,
+so the run resumes at once (coordinator/recovery.py), the new node loads that start from the
+store (no peer serves it), and trains the run to its end alone with no round lost.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import httpx
 import pytest
@@ -20,11 +28,15 @@ import pytest
 from tests.integration.test_faults import (
     assert_history_complete,
     assert_identical_digests,
+    node_log,
     peer_id_of,
+    report_of,
     rounds_of,
     start_swarm,
     swarm_for,
+    tail,
     wait_exit,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.slow]
@@ -81,3 +93,47 @@ def test_a_packet_only_the_mirror_serves_is_applied_every_round(tmp_path, s3_sto
     assert {k.rsplit("/", 1)[1][:8] for k in snapshots} <= {"00000001", "00000003"}  # due rounds only
     assert s3_store.check.num_denied == 0
     print(f"mirror: {len(keys)} objects in the bucket after {rounds} rounds of 3 nodes")
+
+
+@pytest.mark.timeout(240)
+def test_a_swarm_whose_every_node_died_goes_on_from_the_store(tmp_path, s3_store):
+    rounds, timeout_s = 4, 5.0
+    bucket = s3_store.create_bucket()
+    slow = ("--inject", "slow-compute@min_s=3")  # a window to kill the swarm in round 2
+    with swarm_for(tmp_path, 3, rounds, {i: slow for i in range(3)}) as swarm:
+        start_swarm(
+            swarm,
+            {
+                "exchange.mirror": {
+                    "endpoint_url": s3_store.endpoint_url,
+                    "bucket": bucket,
+                    "snapshot_every_rounds": 1,
+                },
+                "membership.heartbeat_timeout_s": timeout_s,
+                "deadline": {"kind": "fixed", "round_timeout_s": 60.0},
+            },
+        )
+        before = wait_until(
+            swarm,
+            lambda s: (s["current_round"] or {}).get("round") == 2 and (s["snapshot_mirror"] or {}).get("round") == 2,
+            "round 2 open and its start in the store",
+        )
+        for node in swarm.nodes:
+            os.killpg(node.pid, signal.SIGKILL)
+        assert [node.wait(timeout=30) for node in swarm.nodes] == [-signal.SIGKILL] * 3
+        wait_until(swarm, lambda s: s["recovery"] is not None, "the run paused", timeout_s=60, may_die=(0, 1, 2))
+
+        swarm.start_node(3)  # a node that never ran: a new key, nothing on disk
+        codes = wait_exit(swarm, (3,), timeout_s=150)
+        status = swarm.status()
+        log = node_log(swarm, 3)
+    assert codes == [0], tail(swarm.workdir / "node3.log")
+    history = status["history"]
+    assert_history_complete(history, rounds)
+    assert status["rewinds"] == [] and status["recovery"] is None
+    assert all(history[r]["agreed_digest"] == before["history"][r]["agreed_digest"] for r in (0, 1))
+    report = report_of(swarm, 3)
+    assert [c["method"] for c in report["catch_ups"]] == ["snapshot"], report["catch_ups"]
+    assert "from the packet mirror" in log
+    assert [r["round"] for r in report["rounds"]] == [2, 3]
+    print(f"whole swarm dead in round 2: a new node went on from the store; rounds 2-{rounds - 1} closed, none lost")
