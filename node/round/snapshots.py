@@ -45,7 +45,7 @@ async def serve_snapshot(
         s.spawn(_mirror_snapshot(s, round, snapshot, mirror_put_url))
 
 
-def mirror_snapshot_bytes(s: Session, applied_round: int) -> int | None:
+async def mirror_snapshot_bytes(s: Session, applied_round: int) -> int | None:
     """The size of the snapshot of round `applied_round` + 1's start, for the applied report of
     `applied_round` when that snapshot goes to the packet mirror; None otherwise."""
     section = s.run.exchange.mirror
@@ -54,7 +54,7 @@ def mirror_snapshot_bytes(s: Session, applied_round: int) -> int | None:
     from node.training.params import flat_named_params
     from node.training.snapshot import snapshot_size
 
-    return snapshot_size(flat_named_params(s.training.model), s.outer.snapshot_state())
+    return await asyncio.to_thread(lambda: snapshot_size(flat_named_params(s.training.model), s.outer.snapshot_state()))
 
 
 async def _mirror_snapshot(s: Session, round: int, snapshot, url: str) -> None:

@@ -421,7 +421,7 @@ async def _report(
     left out, and why, goes on its status page; so does the validation loss, in rounds it is due,
     and the contribution scores."""
     refused = {peer: reason[:MAX_REASON_CHARS] for peer, reason in sorted(applied.refused.items())[:MAX_REFUSED]}
-    snapshot_bytes = await asyncio.to_thread(mirror_snapshot_bytes, s, round)
+    snapshot_bytes = await mirror_snapshot_bytes(s, round)
     val_loss = await _validation_loss(s, round)
     sample = await asyncio.to_thread(text_sample, s, round) if val_loss is not None else None
     reports = {

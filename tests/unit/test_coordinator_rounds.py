@@ -159,6 +159,7 @@ def test_applied_digests_majority_and_flags(coordinator_client, fake_clock, tmp_
         "provisional": True,
         "num_votes": 1,
         "vote": True,
+        "snapshot_put_url": None,
     }
     assert c.applied(run_id, 0, bad).json()["agrees"] is False, "a tie keeps the majority"
     last = b.applied(run_id, 0, good).json()
