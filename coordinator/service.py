@@ -203,7 +203,7 @@ class CoordinatorService:
             raise errors.PeerMismatch("the join must be signed by the key it registers")
         with self._write(run_id) as (run, now):
             membership.join(self.ctx, run, peer_id, request, source, self.join_guard, now, reachable)
-            membership.tell_period(self.ctx, run_id, peer_id, self.ctx.config(run))
+            membership.tell_period(self.ctx, run_id, peer_id, self.ctx.config(run), now)
             rounds.advance(self.ctx, self.ctx.run(run_id), now)  # enough peers may open round 0
             return self.views.join_response(self.ctx.run(run_id), peer_id)
 

@@ -4,7 +4,10 @@ the views it reads runs and configs through, when the service resumed, and the r
 `CoordinatorService` (coordinator/service.py) holds one `Context` and opens the transaction; the
 rule modules beside this one take it as their first argument and never commit, so each request's
 rules commit together or not at all. `changed` collects the runs whose long-polls wake once the
-transaction commits (the service empties it either way).
+transaction commits (the service empties it either way). `live_peers` is a count of a run's live
+members, taken again after a membership change here and at most `LIVE_COUNT_MAX_AGE_S` old (other
+replicas' changes), for what needs only the swarm's size (the heartbeat period), so that a
+heartbeat does not count every member.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from coordinator.storage import RoundRow, RunRow, Storage
 from coordinator.views import Views
 from protocol.run_config import RunConfig
 
+LIVE_COUNT_MAX_AGE_S = 5.0
+
 
 @dataclass(slots=True)
 class Context:
@@ -23,6 +28,19 @@ class Context:
     views: Views
     resumed_at: float  # see coordinator/rules/rounds.py, "Restart grace"
     changed: set[str] = field(default_factory=set)  # run ids whose change wakes long-polls on commit
+    _live_counts: dict[str, tuple[float, int]] = field(default_factory=dict)  # run id -> (counted at, count)
+
+    def live_peers(self, run_id: str, now: float) -> int:
+        """How many live members `run_id` has, as counted at most `LIVE_COUNT_MAX_AGE_S` ago."""
+        counted = self._live_counts.get(run_id)
+        if counted is None or not 0 <= now - counted[0] <= LIVE_COUNT_MAX_AGE_S:
+            counted = (now, self.storage.count_live_peers(run_id))
+            self._live_counts[run_id] = counted
+        return counted[1]
+
+    def members_changed(self, run_id: str) -> None:
+        """A member of `run_id` joined, left or was marked gone here: count afresh next time."""
+        self._live_counts.pop(run_id, None)
 
     def run(self, run_id: str) -> RunRow:
         """The run as stored now, or `RunNotFound`."""

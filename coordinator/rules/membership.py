@@ -111,6 +111,7 @@ def join(
                 reachable=reachable,
             )
         )
+        ctx.members_changed(run_id)
         return
     rejoining = existing.status != "live"
     ctx.storage.update_peer(
@@ -129,6 +130,7 @@ def join(
         state_digest=request.state_digest,
         reachable=reachable,
     )
+    ctx.members_changed(run_id)
 
 
 def join_challenge(ctx: Context, run: RunRow, now: float) -> JoinChallenge:
@@ -197,9 +199,9 @@ def silence_limit_s(config: RunConfig, peer: PeerRow) -> float:
     return max(config.membership.heartbeat_timeout_s, 4 * (peer.heartbeat_period_s or 0.0))
 
 
-def tell_period(ctx: Context, run_id: str, peer_id: str, config: RunConfig) -> float:
+def tell_period(ctx: Context, run_id: str, peer_id: str, config: RunConfig, now: float) -> float:
     """The heartbeat period for `peer_id` now, stored as the one it was told."""
-    period_s = heartbeat_period_s(config, ctx.storage.count_live_peers(run_id))
+    period_s = heartbeat_period_s(config, ctx.live_peers(run_id, now))
     ctx.storage.update_peer(run_id, peer_id, heartbeat_period_s=period_s)
     return period_s
 
@@ -222,13 +224,18 @@ def mark_silent_gone(ctx: Context, run: RunRow, config: RunConfig, now: float) -
             ctx.storage.update_peer(
                 run.run_id, peer.peer_id, status="gone", reason=f"no heartbeat for {silent_s:.0f} s{since} ({limit})"
             )
+            ctx.members_changed(run.run_id)
 
 
 def heartbeat(ctx: Context, run_id: str, peer_id: str, request: HeartbeatRequest, now: float) -> HeartbeatResponse:
-    """Record what a live member says it is doing; answer with the run's state and open round."""
+    """Record what a live member says it is doing; answer with the run's state, the open round and
+    its heartbeat period (stored with the rest, in one write)."""
     require_live_member(ctx, run_id, peer_id, now)
+    run = ctx.run(run_id)
+    period_s = heartbeat_period_s(ctx.config(run), ctx.live_peers(run_id, now))
     # inner_step always: a step count left from an older round would read as progress in this one.
     fields: dict = {
+        "heartbeat_period_s": period_s,
         "activity": request.state,
         "progress_round": request.round,
         "inner_step": request.inner_step,
@@ -241,7 +248,6 @@ def heartbeat(ctx: Context, run_id: str, peer_id: str, request: HeartbeatRequest
     if request.listen_multiaddrs is not None:
         fields["listen_multiaddrs"] = json.dumps(request.listen_multiaddrs)
     ctx.storage.update_peer(run_id, peer_id, **fields)
-    run = ctx.run(run_id)
     round_row = ctx.storage.get_round(run_id, run.current_round)
     round_state = "pending" if round_row is None else ("closed" if round_row.closed_at is not None else "open")
     return HeartbeatResponse(
@@ -249,11 +255,12 @@ def heartbeat(ctx: Context, run_id: str, peer_id: str, request: HeartbeatRequest
         current_round=run.current_round,
         round_state=round_state,
         deadline=round_row.deadline if round_row else None,
-        heartbeat_interval_s=tell_period(ctx, run_id, peer_id, ctx.config(run)),
+        heartbeat_interval_s=period_s,
     )
 
 
 def leave(ctx: Context, run_id: str, peer_id: str, request: LeaveRequest, now: float) -> LeaveResponse:
     require_live_member(ctx, run_id, peer_id, now)
     ctx.storage.update_peer(run_id, peer_id, status="left", reason=f"left: {request.reason}", activity="left")
+    ctx.members_changed(run_id)
     return LeaveResponse(peer_id=peer_id, status="left")
