@@ -8,7 +8,9 @@ coordinator sees the address a join came from: it opens a TCP connection to that
 TCP port the node listens on (at most MAX_PORTS, DIAL_TIMEOUT_S each, all at once). One that
 connects means peers elsewhere can dial the node there; none means they cannot. It dials only the
 caller's own address, so a join cannot aim the coordinator at anyone else. None: no address seen
-(a test client), or no TCP port named. The answer is stored with the member (PeerView.reachable)
+(a test client), or no TCP port named: a node that names only relayed addresses (`/p2p-circuit`,
+reachable through a libp2p relay: node/exchange/host.py) is not dialled, as the relay's port is
+not its own, and counts as dialable. The answer is stored with the member (PeerView.reachable)
 and sent back in the join's answer; nodes keep members nobody can dial out of the inside of their
 packets' trees, and such a node pushes its packet to a reachable one (node/exchange/push.py).
 """
@@ -27,9 +29,12 @@ DIAL_TIMEOUT_S = 2.0
 
 
 def tcp_ports(maddrs: Iterable[str]) -> list[int]:
-    """The TCP ports named in multiaddrs ("/ip4/x/tcp/PORT/..."), first seen first, at most MAX_PORTS."""
+    """The TCP ports named in multiaddrs ("/ip4/x/tcp/PORT/..."), first seen first, at most MAX_PORTS;
+    relayed addresses left out."""
     ports: list[int] = []
     for maddr in maddrs:
+        if "/p2p-circuit" in maddr:  # the TCP port there is the relay's
+            continue
         parts = maddr.split("/")
         for i, part in enumerate(parts[:-1]):
             if part == "tcp" and parts[i + 1].isdigit() and 0 < int(parts[i + 1]) < 65536:

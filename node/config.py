@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from protocol.config_file import ConfigError, read_config_file, validate_config, with_overrides
 
@@ -162,6 +162,17 @@ class NetworkSection(Section):
     use_auto_relay: bool = Field(
         False, json_schema_extra={"flag": "--auto-relay"}, description="Behind NAT: be reachable through a relay."
     )
+    relay: bool = Field(
+        False,
+        description="Offer libp2p circuit relay service to nodes behind NAT (a node peers can dial; "
+        "`locoswarm node relay` runs one that does not train).",
+    )
+    relay_via: Multiaddrs = Field(
+        (),
+        json_schema_extra={"flag_repeats": True, "metavar": "MULTIADDR"},
+        description="Behind NAT: be reachable through this relay (its full multiaddr, ending in /p2p/<id>; "
+        "repeatable): the node keeps a connection to it and announces the address through it.",
+    )
     uplink_mbps: float | None = Field(
         None,
         gt=0.0,
@@ -184,13 +195,31 @@ class NetworkSection(Section):
     )
     packets_in_memory: bool = Field(False, description="Keep held packets in the heap instead (no spool).")
 
-    @field_validator("host_maddrs", "announce_maddrs", "initial_peers")
+    @field_validator("host_maddrs", "announce_maddrs", "initial_peers", "relay_via")
     @classmethod
     def _are_multiaddrs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         bad = [m for m in value if not m.startswith("/") or " " in m]
         if bad:
             raise ValueError(f"not multiaddrs (like /ip4/0.0.0.0/tcp/31337): {bad}")
         return value
+
+    @field_validator("relay_via", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        """`--relay-via A,B` as well as `--relay-via A --relay-via B` (a multiaddr has no comma)."""
+        if isinstance(value, str):
+            value = (value,)
+        if isinstance(value, list | tuple):
+            return tuple(part for item in value for part in str(item).split(",") if part)
+        return value
+
+    @model_validator(mode="after")
+    def _relay_roles(self) -> NetworkSection:
+        if self.relay and self.relay_via:
+            raise ValueError("relay (offer relay service) and relay_via (use a relay) exclude each other")
+        if bad := [m for m in self.relay_via if "/p2p/" not in m or "/p2p-circuit" in m]:
+            raise ValueError(f"relay_via: a relay's address ends in /p2p/<its libp2p id>, not relayed itself: {bad}")
+        return self
 
 
 class CheckpointsSection(Section):

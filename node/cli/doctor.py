@@ -371,6 +371,8 @@ def check_reachability(network: NetworkSection) -> Check:
             f"listen address in use: {', '.join(busy)}",
             "stop whatever holds the port (another node?) or pick another in --host-maddrs",
         )
+    if network.relay_via:
+        return Check("reachability", OK, f"reachable through the relays {', '.join(network.relay_via)}")
     maddrs = list(network.announce_maddrs) or [_with_outbound_ip(m) for m in network.host_maddrs]
     reach = assess_reachability(maddrs)
     if network.use_auto_relay and not reach.reachable:

@@ -30,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
+from node.cli import relay
 from node.cli.config_flags import add_config_flags, config_overrides
 from node.config import NodeConfig
 from node.errors import CannotStart
@@ -66,6 +67,7 @@ def register(subparsers) -> None:
         help="also the libraries' log lines (every HTTP request, hivemind), and a traceback with each refusal",
     )
     join.set_defaults(func=_join)
+    relay.register(node_sub)
 
 
 def _join(args: argparse.Namespace) -> int:

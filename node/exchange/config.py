@@ -35,6 +35,12 @@ class ExchangeConfig:
     initial_peers: tuple[str, ...] = ()  # bootstrap multiaddrs with /p2p/<id>; empty starts a new swarm
     use_relay: bool = True  # may reach peers through libp2p circuit relays
     use_auto_relay: bool = False  # behind NAT: find a relay and become reachable through it
+    # offer relay service with p2pd's limits (4 GiB, 30 min per relayed connection) rather than
+    # libp2p's default (128 KiB, 2 min): forces public reachability (node/exchange/host.py)
+    relay: bool = False
+    # behind NAT: be reachable through these relays (multiaddrs ending in /p2p/<relay id>): keep a
+    # connection and a reservation at each, and announce only the addresses through them
+    relay_via: tuple[str, ...] = ()
     client_mode: bool = False  # join the DHT without serving DHT requests
     nat_port_map: bool | None = None  # UPnP/NAT-PMP; None = on unless every host address is loopback
     announce_ttl_s: float = 600.0  # DHT records expire this long after publication (a few rounds)
@@ -103,6 +109,10 @@ class ExchangeConfig:
             <= 0
         ):
             raise ValueError("time-outs and the announcement lifetime must be positive")
+        if self.relay and self.relay_via:
+            raise ValueError("a node offers relay service (relay) or uses relays (relay_via), not both")
+        if bad := [m for m in self.relay_via if "/p2p/" not in m or "/p2p-circuit" in m]:
+            raise ValueError(f"a relay's address ends in /p2p/<its libp2p id> and is not relayed itself: {bad}")
         if self.mirror_after_s < 0:
             raise ValueError("mirror_after_s must be >= 0 (0: ask the mirror at once)")
         if self.min_rate_bytes_per_s < 0:

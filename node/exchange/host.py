@@ -15,8 +15,23 @@ values above ~16 KB; in-loop, nothing is pickled and the daemon is a child of th
 Things hivemind 1.1.12 does not do for us, and how this module copes:
 
 - `P2P` has no public `connect()`: the daemon client's is used, once per holder, to hand p2pd the
-  holder's announced addresses; p2pd refuses addresses that still end in /p2p/<id> (the error
-  reads "length greater than remaining number of bytes in buffer"), so that suffix is stripped.
+  holder's announced addresses, without their /p2p/<id> suffix (p2pd takes the id apart). hivemind
+  encodes a /p2p/ part as a CID, which p2pd refuses ("length greater than remaining number of
+  bytes in buffer"); a relayed address keeps its relay's /p2p/<id>, so addresses are encoded by
+  `reachability.p2pd_multiaddr`.
+- Circuit relays (libp2p circuit relay v2; p2pd 0.5.0.hivemind1). Every p2pd started with relay
+  enabled serves relay v2 with libp2p's default resources: each relayed connection carries at most
+  128 KiB each way and lives at most 2 minutes (a packet does not fit). The service that p2pd's
+  -relayDataLimit/-relayTimeLimit configure (4 GiB, 30 min by default) starts only once the node
+  finds itself publicly reachable, and then answers instead; so a node with `relay` forces public
+  reachability (tests/integration/test_relay.py moves 1 MiB over one relayed connection). A node
+  behind NAT becomes dialable through a relay only once it holds a reservation there, which p2pd
+  makes through autorelay: with `relay_via` the daemon starts with autorelay, these relays as its
+  static relays, relay discovery off (with it on, p2pd waits out libp2p's boot delay, minutes,
+  before it reserves a slot at a single relay) and private reachability forced, and the host keeps
+  a connection to each relay open (`RELAY_CHECK_S`). p2pd does not list the circuit address it is
+  reachable at among its own addresses, so the host writes it (`reachability.circuit_address`)
+  and announces only those: a node behind NAT has no address of its own that others can dial.
 - `P2P.create` turns UPnP/NAT-PMP on by default, which multicasts on the LAN; it is left off when
   every listen address is loopback (tests, local swarms).
 - hivemind's msgpack serializer writes tuples as an extension type a plain msgpack reader does
@@ -59,25 +74,41 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from node.exchange.config import ExchangeConfig
-from node.exchange.reachability import is_loopback
+from node.exchange.reachability import circuit_address, is_loopback, p2pd_multiaddr
 from protocol.stream import PROTOCOL_NAME
 
 log = logging.getLogger(__name__)
 
 StreamHandler = Callable[..., Awaitable[None]]  # (stream_info, reader, writer)
 SHUTDOWN_TIMEOUT_S = 5.0  # each of the DHT node's and p2pd's shutdown, before what is left is killed
+RELAY_CHECK_S = 5.0  # a node reachable through relays checks its connections to them this often
 
 
 class Host:
     """One p2pd daemon (through `hivemind.P2P`) and one `DHTNode` on it; start with `Host.start`."""
 
-    def __init__(self, p2p: P2P, dht: DHTNode):
+    def __init__(self, p2p: P2P, dht: DHTNode, relay_via: tuple[str, ...] = ()):
         self.p2p, self.dht = p2p, dht
+        self.relay_via = relay_via  # relays (multiaddrs with /p2p/<id>) this node is reachable through
+        self._relay_keeper: asyncio.Task | None = None
 
     @classmethod
     async def start(cls, config: ExchangeConfig) -> Host:
-        """p2pd, then the DHT node, joined through the initial peers that answer (or alone)."""
-        p2p = await _start_daemon(config)
+        """p2pd, then the DHT node, joined through the initial peers that answer (or alone); with
+        `relay_via`, connected to those relays, and kept connected until shutdown."""
+        host = await cls._start(config)
+        if host.relay_via:
+            reached = await _dial_initial_peers(host.p2p, host.relay_via, config.bootstrap_timeout_s, what="relay")
+            if not reached:
+                log.warning(
+                    "relay: none of %s answered yet; retrying every %g s", ", ".join(host.relay_via), RELAY_CHECK_S
+                )
+            host._relay_keeper = asyncio.create_task(host._keep_relays(config.bootstrap_timeout_s))
+        return host
+
+    @classmethod
+    async def _start(cls, config: ExchangeConfig) -> Host:
+        p2p = await start_daemon(config)
         try:
             answered = await _dial_initial_peers(p2p, config.initial_peers, config.bootstrap_timeout_s)
             dht = await _start_dht(p2p, config, answered) if answered or not config.initial_peers else None
@@ -85,10 +116,10 @@ class Host:
             await p2p.shutdown()
             raise
         if dht is not None:
-            return cls(p2p, dht)
+            return cls(p2p, dht, config.relay_via)
         if answered:  # the failed DHTNode's RPC handlers stay registered on this daemon: start afresh
             await p2p.shutdown()
-            p2p = await _start_daemon(config)
+            p2p = await start_daemon(config)
         try:
             dht = await _start_dht(p2p, config, [])
             maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
@@ -107,7 +138,7 @@ class Host:
             why,
             ", ".join(maddrs),
         )
-        return cls(p2p, dht)
+        return cls(p2p, dht, config.relay_via)
 
     @property
     def holder_id(self) -> str:
@@ -121,8 +152,26 @@ class Host:
         return child.pid if child is not None else None
 
     async def visible_maddrs(self, latest: bool = False) -> list[str]:
-        """The multiaddrs (with /p2p/<id>) p2pd says others can dial; `latest` asks it again."""
+        """The multiaddrs (with /p2p/<id>) others can dial: through the relays with `relay_via`,
+        else those p2pd lists (`latest` asks it again)."""
+        if self.relay_via:
+            return [circuit_address(relay, self.holder_id) for relay in self.relay_via]
         return [str(m) for m in await self.p2p.get_visible_maddrs(latest=latest)]
+
+    async def _keep_relays(self, timeout_s: float) -> None:
+        """Redial each relay this node has no connection to, every RELAY_CHECK_S (autorelay renews
+        the reservation on a live connection, but does not redial a relay that restarted)."""
+        relay_ids = {maddr.rpartition("/p2p/")[2]: maddr for maddr in self.relay_via}
+        while True:
+            await asyncio.sleep(RELAY_CHECK_S)
+            try:
+                connected = {info.peer_id.to_base58() for info in await self.p2p._client.list_peers()}
+            except Exception as e:  # the daemon's control socket: try again next time
+                log.debug("relay: listing connections failed: %r", e)
+                continue
+            lost = tuple(maddr for relay_id, maddr in relay_ids.items() if relay_id not in connected)
+            if lost and await _dial_initial_peers(self.p2p, lost, timeout_s, what="relay"):
+                log.info("relay: reconnected to %s", ", ".join(lost))
 
     async def serve(self, handler: StreamHandler, protocol: str = PROTOCOL_NAME) -> None:
         """Answer streams of `protocol` (packet streams by default) with `handler(stream_info, reader, writer)`."""
@@ -169,6 +218,8 @@ class Host:
         """Stop the DHT node, then p2pd, each within `timeout_s`; a p2pd that died under the node
         is not waited for, and one that does not exit in time is killed."""
         child = getattr(self.p2p, "_child", None)
+        if self._relay_keeper is not None:
+            self._relay_keeper.cancel()
         try:
             # A daemon that exits meanwhile (killed under us) ends the wait: its handlers went with it.
             stopping = asyncio.ensure_future(self.dht.shutdown())
@@ -200,21 +251,41 @@ def dial_addresses(holder_id: str, maddrs: list[str]) -> list[Multiaddr]:
     """A holder's announced multiaddrs as p2pd takes them: it takes the peer id separately and
     refuses addresses that still end in /p2p/<id>."""
     suffix = f"/p2p/{holder_id}"
-    return [Multiaddr(m.removesuffix(suffix)) for m in maddrs]
+    return [p2pd_multiaddr(m.removesuffix(suffix)) for m in maddrs]
 
 
-async def _start_daemon(config: ExchangeConfig) -> P2P:
-    """p2pd, without bootstrap peers (Host.start dials them itself)."""
+class _P2PWithFlags(P2P):
+    """`P2P` that hands p2pd flags `P2P.create` has no parameter for (`DAEMON_FLAGS`, set on a
+    subclass made per start by `_daemon_class`)."""
+
+    DAEMON_FLAGS: dict[str, bool] = {}
+
+    def _make_process_args(self, *args, **kwargs) -> list[str]:  # P2P.create calls it on the new instance
+        return P2P._make_process_args(*args, **kwargs | self.DAEMON_FLAGS)
+
+
+def _daemon_class(flags: dict[str, bool]) -> type[P2P]:
+    return type("P2P", (_P2PWithFlags,), {"DAEMON_FLAGS": flags}) if flags else P2P
+
+
+async def start_daemon(config: ExchangeConfig, idle_timeout_s: float = 30.0) -> P2P:
+    """p2pd, without bootstrap peers (Host.start dials them itself); a relay client with `relay_via`.
+    `idle_timeout_s`: p2pd exits when no client holds a persistent connection to it this long (0:
+    never; a relay alone, node/cli/relay.py, holds none)."""
     loopback_only = all(is_loopback(Multiaddr(m)) for m in config.host_maddrs)
     nat_port_map = (not loopback_only) if config.nat_port_map is None else config.nat_port_map
-    return await P2P.create(
+    relayed = bool(config.relay_via)
+    return await _daemon_class({"relayDiscovery": False} if relayed else {}).create(
         host_maddrs=list(config.host_maddrs),
         announce_maddrs=list(config.announce_maddrs) or None,
-        use_relay=config.use_relay,
-        use_auto_relay=config.use_auto_relay,
+        use_relay=config.use_relay or relayed,
+        use_auto_relay=config.use_auto_relay or relayed,
+        trusted_relays=list(config.relay_via) or None,
+        force_reachability="private" if relayed else "public" if config.relay else None,
         dht_mode="client" if config.client_mode else "server",
         nat_port_map=nat_port_map,
         startup_timeout=config.startup_timeout_s,
+        idle_timeout=idle_timeout_s,
     )
 
 

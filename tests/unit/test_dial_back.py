@@ -43,3 +43,10 @@ def test_a_listening_port_is_reachable_a_closed_one_is_not_and_no_address_cannot
             closed.close()
 
     asyncio.run(scenario())
+
+
+def test_relayed_addresses_name_no_port_of_the_node():
+    relay = "/ip4/203.0.113.7/tcp/31338/p2p/12D3KooWHxfHibqyUtoLwvQhv38QzStimHAZdv5U78HQArRC4BXh"
+    circuit = f"{relay}/p2p-circuit/p2p/12D3KooWQ1Eahu9pBAf7gxxKBLVcogzPn6tqj4K8M1pBG1hWb7x6"
+    assert tcp_ports([circuit]) == []
+    assert tcp_ports([circuit, "/ip4/10.0.0.2/tcp/4001"]) == [4001]

@@ -22,7 +22,15 @@ def test_every_network_field_is_the_exchanges_or_named_here():
 
     shared = set(NetworkSection.model_fields) & {f.name for f in fields(ExchangeConfig)}
     assert shared == set(NetworkSection.model_fields) - NOT_THE_EXCHANGES
-    assert shared == {"host_maddrs", "announce_maddrs", "initial_peers", "client_mode", "use_auto_relay"}
+    assert shared == {
+        "host_maddrs",
+        "announce_maddrs",
+        "initial_peers",
+        "client_mode",
+        "use_auto_relay",
+        "relay",
+        "relay_via",
+    }
 
 
 def test_from_network_takes_the_section_and_the_run(tmp_path):
@@ -88,3 +96,19 @@ def test_the_exchange_modules_import_each_other_one_way():
         assert ready, f"a cycle among {sorted(set(graph) - set(order))}"
         order += ready
     assert not graph["node.exchange.config"], "the config imports none of the exchange's parts"
+
+
+def test_relay_roles_exclude_each_other_and_relays_are_named_by_id():
+    import pytest
+    from pydantic import ValidationError
+
+    from node.config import NetworkSection
+
+    relay = "/ip4/203.0.113.7/tcp/31338/p2p/12D3KooWHxfHibqyUtoLwvQhv38QzStimHAZdv5U78HQArRC4BXh"
+    assert NetworkSection(relay_via=[f"{relay},{relay}"]).relay_via == (relay, relay)  # a comma list, as the flag takes
+    with pytest.raises(ValidationError, match="exclude each other"):
+        NetworkSection(relay=True, relay_via=[relay])
+    with pytest.raises(ValidationError, match="/p2p/<its libp2p id>"):
+        NetworkSection(relay_via=["/ip4/203.0.113.7/tcp/31338"])
+    with pytest.raises(ValueError, match="not both"):
+        ExchangeConfig(run_id="r", relay=True, relay_via=(relay,))

@@ -185,3 +185,32 @@ def test_exchange_base_imports_no_transport():
         "bad = [m for m in sys.modules if m.split('.')[0] == 'hivemind']; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_relayed_address_is_encoded_as_p2pd_reads_it():
+    """go-multiaddr reads /p2p/<id> as a length-prefixed multihash; hivemind writes a CID there."""
+    import base58
+
+    from node.exchange.reachability import circuit_address, is_relayed, p2pd_multiaddr
+
+    relay_id = "12D3KooWHxfHibqyUtoLwvQhv38QzStimHAZdv5U78HQArRC4BXh"
+    holder_id = "12D3KooWQ1Eahu9pBAf7gxxKBLVcogzPn6tqj4K8M1pBG1hWb7x6"
+    relay = f"/ip4/127.0.0.1/tcp/1/p2p/{relay_id}"
+    circuit = circuit_address(relay, holder_id)
+    assert circuit == f"{relay}/p2p-circuit/p2p/{holder_id}" and is_relayed(circuit) and not is_relayed(relay)
+    digest = base58.b58decode(relay_id)
+    encoded = p2pd_multiaddr(circuit.removesuffix(f"/p2p/{holder_id}")).to_bytes()
+    # ip4 127.0.0.1, tcp 1, p2p (0x01a5 as a varint) + length + multihash, p2p-circuit (0x0122 as a varint)
+    assert encoded == bytes.fromhex("047f000001060001") + b"\xa5\x03" + bytes([len(digest)]) + digest + b"\xa2\x02"
+    assert p2pd_multiaddr("/ip4/127.0.0.1/tcp/1").to_bytes() == bytes.fromhex("047f000001060001")
+    with pytest.raises(ValueError, match="not relayed itself"):
+        circuit_address(circuit, holder_id)
+
+
+def test_a_relayed_address_is_the_holders_not_the_relays():
+    from node.exchange.reachability import addresses_by_holder
+
+    relay = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWHxfHibqyUtoLwvQhv38QzStimHAZdv5U78HQArRC4BXh"
+    holder = "12D3KooWQ1Eahu9pBAf7gxxKBLVcogzPn6tqj4K8M1pBG1hWb7x6"
+    circuit = f"{relay}/p2p-circuit/p2p/{holder}"
+    assert addresses_by_holder([circuit, f"{relay}/p2p-circuit", "/ip4/1.2.3.4/tcp/5"]) == {holder: [circuit]}
