@@ -43,11 +43,12 @@ from pathlib import Path
 
 from node.cli.demo import progress_line
 from node.cli.processes import stop_processes
+from node.cli.relay import LISTENING as RELAY_LISTENING
 from protocol.http import peer_id_from_public_key
 from protocol.signing import PeerKey
 from tools.netlab import store
 from tools.netlab.nat import firewall_available, nat_hosts
-from tools.netlab.report import format_peers, format_table, peer_rows, summarize
+from tools.netlab.report import format_peers, format_table, peer_rows, summarize, summarize_peers
 from tools.netlab.topology import (
     REPO_ROOT,
     SHAPERS,
@@ -83,6 +84,7 @@ class LabSwarm:
         nat_client_mode: bool = True,
         nat_push: bool = True,
         mirror: bool = False,
+        relay: bool = False,
     ):
         self.topology, self.workdir, self.rounds, self.say = topology, workdir, rounds, say
         self.preset, self.inner_steps, self.top_k = preset, inner_steps, top_k
@@ -95,6 +97,9 @@ class LabSwarm:
         self.mirror = mirror  # a packet mirror: an S3 store in host 0 (tools/netlab/store.py)
         self.store: subprocess.Popen | None = None
         self.store_url = ""
+        self.relay = relay  # a relay runs in the relay host; nodes behind NAT join with --relay-via it
+        self.relay_process: subprocess.Popen | None = None
+        self.relay_maddr = ""
         self.num_peers = len(topology.hosts) - 1
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
@@ -109,12 +114,19 @@ class LabSwarm:
         return env | {"LOCOSWARM_ADMIN_TOKEN": self.admin_token, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
     def _spawn(
-        self, host: int, args: list[str], log_name: str, stdout=None, env: dict[str, str] | None = None
+        self,
+        host: int,
+        args: list[str],
+        log_name: str,
+        stdout=None,
+        env: dict[str, str] | None = None,
+        namespace: str | None = None,
     ) -> subprocess.Popen:
         log = open(self.workdir / log_name, "ab")
+        where = ["ip", "netns", "exec", namespace] if namespace else self.topology.exec_args(host)
         # A session of its own: Ctrl+C reaches only the lab, which then stops its children in order.
         return subprocess.Popen(
-            [*self.topology.exec_args(host), sys.executable, "-m", *args],
+            [*where, sys.executable, "-m", *args],
             stdout=stdout or log,
             stderr=log,
             env=self._env() | (env or {}),
@@ -157,6 +169,19 @@ class LabSwarm:
                     out.write(chunk)
 
         threading.Thread(target=drain, daemon=True).start()
+
+    def start_relay(self, timeout_s: float = 60.0) -> None:
+        """`locoswarm node relay` in the relay host; its printed address is what NAT'd nodes relay through."""
+        relay = self.topology.relay
+        self.relay_process = self._spawn(
+            0,
+            ["locoswarm", "node", "relay", "--host-maddrs", f"/ip4/{relay.ip}/tcp/0"],
+            "relay.log",
+            stdout=subprocess.PIPE,
+            namespace=relay.namespace,
+        )
+        line = read_line(self.relay_process.stdout, timeout_s, RELAY_LISTENING)
+        self.relay_maddr = line.removeprefix(RELAY_LISTENING).strip()
 
     def http(self, method: str, path: str, body: dict | None = None, timeout_s: float = 45.0) -> dict:
         """One request to the coordinator, made from inside h0; returns the parsed JSON body."""
@@ -214,7 +239,14 @@ class LabSwarm:
         ip, rate = self.topology.hosts[host].ip, self.topology.rates_mbps[host]
         uplink = ["--uplink-mbps", f"{rate:g}"] if self.state_uplinks and rate > 0 else []
         behind_nat = (
-            (["--client-mode"] if self.nat_client_mode else []) + ([] if self.nat_push else ["--no-push"])
+            (
+                ["--relay-via", self.relay_maddr]  # served through the relay: not a client, which serves nobody
+                if self.relay
+                else ["--client-mode"]
+                if self.nat_client_mode
+                else []
+            )
+            + ([] if self.nat_push else ["--no-push"])
             if host in self.topology.nat
             else []
         )
@@ -278,6 +310,9 @@ class LabSwarm:
         self.start_coordinator()
         self.create_run()
         self.say(f"coordinator {self.url} in {self.topology.hosts[0].namespace}; run {self.run_id}")
+        if self.relay:
+            self.start_relay()
+            self.say(f"relay {self.relay_maddr} in {self.topology.relay.namespace}")
         # The first node founds the DHT; the others enter it through the live members' addresses.
         self.start_node(1)
         while not any(p["status"] == "live" for p in self.status()["peers"]):
@@ -337,7 +372,8 @@ class LabSwarm:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop every process this swarm started, nodes first, and what they left running (p2pd)."""
-        stop_processes([*self.nodes, *(p for p in (self.coordinator, self.store) if p is not None)], grace_s)
+        others = [p for p in (self.coordinator, self.store, self.relay_process) if p is not None]
+        stop_processes([*self.nodes, *others], grace_s)
 
 
 def _check_nat(topology: Topology, say) -> list[dict]:
@@ -405,7 +441,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         sysctls=args.sysctl,
         rates_mbps=rates,
         nat_hosts=behind_nat,
-        relay=args.relay_host,
+        relay=args.relay_host or args.relay,
     )
     rate_text = _rates_text(args.rate_mbps)
     swarm = LabSwarm(
@@ -426,6 +462,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         nat_client_mode=args.nat_client_mode,
         nat_push=args.nat_push,
         mirror=args.mirror,
+        relay=args.relay,
     )
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
@@ -450,8 +487,8 @@ def run_lab(args: argparse.Namespace, say) -> dict:
             )
         if args.mirror:
             say("packet mirror: an S3 store (moto) in h0, named in the run config's exchange.mirror")
-        if topology.relay is not None:
-            say(f"relay host reserved: {topology.relay.namespace} {topology.relay.ip} (nothing runs there yet)")
+        if topology.relay is not None and not args.relay:
+            say(f"relay host reserved: {topology.relay.namespace} {topology.relay.ip} (nothing runs there)")
         # The probe's receiver has to be dialable: h2, else the first public node host, else h0.
         receiver = next((i for i in range(2, args.peers + 1) if i not in topology.nat), 0)
         link_check = topology.probe_rate(sender=1, receiver=receiver)
@@ -462,17 +499,22 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         link_check |= {"sender": "h1", "receiver": f"h{receiver}"}
         if behind_nat:
             link_check["nat"] = _check_nat(topology, say)
-        bytes_before = topology.interface_bytes()
+        relay_hosts = [topology.relay] if topology.relay is not None else []
+        bytes_before, relay_before = topology.interface_bytes(), topology.interface_bytes(relay_hosts)
         reports, status = swarm.run(args.timeout)
-        bytes_after = topology.interface_bytes()
+        bytes_after, relay_after = topology.interface_bytes(), topology.interface_bytes(relay_hosts)
         result |= summarize(reports, status.get("history", []), rate_mbps=rates[1:])
+        per_peer_means = summarize_peers(reports, status.get("history", []), rate_mbps=rates[1:])
         result["per_peer"] = peer_rows(
             [swarm.peer_ids.get(i) for i in range(1, args.peers + 1)],
             [i in topology.nat for i in range(1, args.peers + 1)],
             swarm.closed_rounds(status),
             reports,
             status.get("peers", []),
+            relayed=[i in topology.nat and args.relay for i in range(1, args.peers + 1)],
         )
+        for row, means in zip(result["per_peer"], per_peer_means):
+            row |= means
         node_rx = [a["rx_bytes"] - b["rx_bytes"] for a, b in zip(bytes_after[1:], bytes_before[1:])]
         result["summary"]["interface_rx_bytes_per_peer_round"] = sum(node_rx) / len(node_rx) / args.rounds
         if behind_nat:
@@ -496,7 +538,9 @@ def run_lab(args: argparse.Namespace, say) -> dict:
                     "rx_bytes": a["rx_bytes"] - b["rx_bytes"],
                     "tx_bytes": a["tx_bytes"] - b["tx_bytes"],
                 }
-                for h, a, b in zip(topology.hosts, bytes_after, bytes_before)
+                for h, a, b in zip(
+                    [*topology.hosts, *relay_hosts], bytes_after + relay_after, bytes_before + relay_before
+                )
             ],
         }
     finally:
@@ -534,6 +578,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         "mirror": args.mirror,
         "nat_push": args.nat_push,
         "relay_host": {"namespace": topology.relay.namespace, "ip": topology.relay.ip} if topology.relay else None,
+        "relay": {"maddr": swarm.relay_maddr, "relayed_hosts": [f"h{i}" for i in behind_nat]} if args.relay else None,
         "link": {
             "rate_mbps": args.rate_mbps[0] if len(args.rate_mbps) == 1 else args.rate_mbps,
             "host_rates_mbps": rates,
@@ -646,6 +691,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--relay-host",
         action="store_true",
         help="add one more public host, <prefix>relay, reserved for a relay (nothing runs there yet)",
+    )
+    parser.add_argument(
+        "--relay",
+        action="store_true",
+        help="run a relay (`locoswarm node relay`) in the relay host (implies --relay-host); nodes behind "
+        "NAT join with --relay-via it instead of --client-mode, and peers fetch their packets through it",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole swarm run")
     parser.add_argument(

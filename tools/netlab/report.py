@@ -93,6 +93,31 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float | li
     return {"per_round": rows, "summary": summary}
 
 
+PEER_KEYS = ("fetching_s", "ideal_transfer_s", "transfer_over_ideal", "round_s", "compute_utilization")
+
+
+def summarize_peers(reports: list[dict], history: list[dict], *, rate_mbps: float | list[float]) -> list[dict]:
+    """Each node's own steady-state means of PEER_KEYS (rounds 1.. when there are several), in
+    the order of `reports`; ideals are computed over every peer of each round, as in `summarize`."""
+    rates = list(rate_mbps) if isinstance(rate_mbps, (list, tuple)) else [rate_mbps] * len(reports)
+    node_rounds = [
+        [r | {"rate_mbps": rate, "node": i} for r in _with_next_start(report["rounds"])]
+        for i, (report, rate) in enumerate(zip(reports, rates))
+    ]
+    rounds = sorted({r["round"] for per_node in node_rounds for r in per_node})
+    closed_at = {h["round"]: h["closed_at"] for h in history}
+    steady = rounds[1:] if len(rounds) > 1 else rounds
+    means = []
+    for i in range(len(reports)):
+        rows = []
+        for k in steady:
+            per_peer = [r for per_node in node_rounds for r in per_node if r["round"] == k]
+            if any(r["node"] == i for r in per_peer):
+                rows.append(_round_row(k, per_peer, closed_at, only=lambda r: r["node"] == i))  # noqa: B023
+        means.append({name: _mean(row[name] for row in rows) for name in PEER_KEYS})
+    return means
+
+
 def _means(rows: list[dict], *extra: str) -> dict:
     return {name: _mean(row[name] for row in rows) for name in (*SUMMARY_KEYS, *extra)}
 
@@ -188,18 +213,24 @@ def peer_rows(
     rounds: dict[int, dict],
     reports: list[dict],
     peers: list[dict] = (),
+    relayed: list[bool] | None = None,
 ) -> list[dict]:
     """One row per node host h1..hN (in order): `peer_ids` its node's peer id (None: unknown),
     `rounds` the coordinator's view of each closed round (RoundView: its final `manifest` and the
     entries `dropped` from it), `reports` the nodes' --report objects, `peers` the run status's
-    peer list (for each peer's standing, and whether the coordinator's dial-back reached it)."""
+    peer list (for each peer's standing, and whether the coordinator's dial-back reached it);
+    `relayed`: which hosts' nodes were reachable through a relay (--relay-via). `path` says how a
+    node's packet left it: "relay" (fetched through the relay), "push" (it pushed it to a reachable
+    peer in some round), or "direct" (peers dialled it)."""
     if not len(peer_ids) == len(behind_nat) == len(reports):
         raise ValueError(f"{len(peer_ids)} peer ids, {len(behind_nat)} NAT flags, {len(reports)} reports")
     closed = [view for _, view in sorted(rounds.items()) if view["state"] == "closed"]
     standing = {p["peer_id"]: p.get("standing") for p in peers}
     reachable = {p["peer_id"]: p.get("reachable") for p in peers}
     rows = []
-    for i, (peer_id, nat, report) in enumerate(zip(peer_ids, behind_nat, reports), start=1):
+    relayed = relayed or [False] * len(peer_ids)
+    for i, (peer_id, nat, report, via_relay) in enumerate(zip(peer_ids, behind_nat, reports, relayed), start=1):
+        pushed = sum(bool(r.get("pushed_to")) for r in report.get("rounds", []))
         rows.append(
             {
                 "host": f"h{i}",
@@ -211,7 +242,8 @@ def peer_rows(
                 "rounds_applied": len(report.get("rounds", [])),
                 "standing": standing.get(peer_id),
                 "reachable": reachable.get(peer_id),  # the coordinator's dial-back at join (None: unknown)
-                "rounds_pushed": sum(bool(r.get("pushed_to")) for r in report.get("rounds", [])),
+                "rounds_pushed": pushed,
+                "path": "relay" if via_relay else "push" if pushed else "direct",
             }
         )
     return rows
@@ -219,18 +251,34 @@ def peer_rows(
 
 def format_peers(rows: list[dict]) -> str:
     """The per-peer rows as a plain-text table."""
-    headings = ("host", "peer", "NAT", "reachable", "in manifest", "pushed", "dropped", "applied", "standing")
+    headings = (
+        "host",
+        "peer",
+        "NAT",
+        "reachable",
+        "path",
+        "in manifest",
+        "pushed",
+        "dropped",
+        "applied",
+        "standing",
+        "xfer/ideal",
+        "util",
+    )
     cells = [
         [
             row["host"],
             row["peer_id"] or "-",
             "yes" if row["behind_nat"] else "no",
             {True: "yes", False: "no"}.get(row.get("reachable"), "-"),
+            row.get("path", "-"),
             f"{row['rounds_in_manifest']}/{row['rounds']}",
             str(row.get("rounds_pushed", 0)),
             str(row["rounds_dropped"]),
             str(row["rounds_applied"]),
             row["standing"] or "-",
+            f"{row['transfer_over_ideal']:.1f}x" if row.get("transfer_over_ideal") is not None else "-",
+            f"{row['compute_utilization']:.0%}" if row.get("compute_utilization") is not None else "-",
         ]
         for row in rows
     ]

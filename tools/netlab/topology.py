@@ -404,10 +404,11 @@ class Topology:
         self.delay_applied = True
         return True
 
-    def interface_bytes(self) -> list[dict[str, int]]:
-        """Bytes received and sent so far by each host's eth0 (IP and TCP headers included)."""
+    def interface_bytes(self, hosts: list[Host] | None = None) -> list[dict[str, int]]:
+        """Bytes received and sent so far by each host's eth0 (IP and TCP headers included); `hosts`:
+        these (the relay host), else h0..hN."""
         counts = []
-        for host in self.hosts:
+        for host in self.hosts if hosts is None else hosts:
             out = _run(["ip", "-j", "-s", "-n", host.namespace, "link", "show", "dev", "eth0"]).stdout
             stats = json.loads(out)[0]["stats64"]
             counts.append({"rx_bytes": stats["rx"]["bytes"], "tx_bytes": stats["tx"]["bytes"]})
