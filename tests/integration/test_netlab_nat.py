@@ -99,6 +99,32 @@ def test_a_peer_behind_nat_is_unreachable_and_reported(tmp_path):
     assert root_rules() == rules_before
 
 
+def test_a_peer_behind_nat_is_fetched_through_the_labs_relay(tmp_path):
+    """With --relay, h3 joins with --relay-via the relay host's `locoswarm node relay`: the
+    coordinator's dial-back cannot tell (it does not dial relayed addresses), h3 pushes nothing, and
+    its packet is in every round's manifest, fetched through the relay, whose link carried it."""
+    args = [*LAB_ARGS, "--relay", "--no-nat-client-mode"]
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.netlab", *args, "--json", "--workdir", str(tmp_path), "--timeout", "80"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=110,
+    )
+    assert done.stdout, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["teardown_errors"] == [], result["teardown_errors"]
+    assert result["relay"]["relayed_hosts"] == ["h3"] and "/p2p/" in result["relay"]["maddr"]
+    nat = result["per_peer"][2]
+    assert (nat["host"], nat["path"], nat["reachable"], nat["rounds_pushed"]) == ("h3", "relay", None, 0), nat
+    assert nat["rounds_in_manifest"] == nat["rounds"] == len(result["per_round"]) > 0, nat
+    assert result["summary"]["digests_agree_every_round"]
+    relay_bytes = next(b for b in result["interface_bytes"] if b["host"] == "relay")
+    packets = nat["rounds"] * result["summary"]["packet_bytes"]
+    assert relay_bytes["rx_bytes"] > packets and relay_bytes["tx_bytes"] > packets, relay_bytes
+    assert left_behind(result["namespace_prefix"]) == []
+
+
 def test_ctrl_c_once_the_nat_is_up_tears_everything_down(tmp_path):
     links_before, rules_before = root_links(), root_rules()
     lab = subprocess.Popen(
