@@ -110,3 +110,26 @@ def test_links_of_several_rates_bound_each_peer_by_its_downlink_or_the_slowest_u
     assert "by_rate" not in summarize(reports, [], rate_mbps=8.0)["summary"]
     with pytest.raises(ValueError, match="2 rates for 3 reports"):
         summarize(reports, [], rate_mbps=[8.0, 80.0])
+
+
+def test_each_peers_own_steady_means_and_how_its_packet_left_it():
+    from tools.netlab.report import peer_rows, summarize_peers
+
+    reports = [
+        {
+            "rounds": [
+                _round(0, compute=5.0, transfer=9.0, packet_bytes=1_000_000),
+                _round(1, compute=3.0, transfer=transfer, packet_bytes=1_000_000),
+            ]
+        }
+        for transfer in (1.5, 3.0)
+    ]
+    reports[1]["rounds"][1]["pushed_to"] = "holder"
+    history = [{"round": 0, "closed_at": 100.0}, {"round": 1, "closed_at": 105.5}]
+    means = summarize_peers(reports, history, rate_mbps=8.0)
+    # Round 0 (start-up) left out; each peer's ideal is the other's 1 MB at 1 MB/s.
+    assert [m["transfer_over_ideal"] for m in means] == [pytest.approx(1.5), pytest.approx(3.0)]
+    assert means[0]["compute_utilization"] == pytest.approx(3.0 / (3.0 + 0.1 + 0.5 + 1.5 + 0.2))
+    rounds = {k: {"state": "closed", "manifest": [{"peer_id": "a"}, {"peer_id": "b"}]} for k in (0, 1)}
+    rows = peer_rows(["a", "b"], [True, True], rounds, reports, relayed=[True, False])
+    assert [(r["path"], r["rounds_in_manifest"], r["rounds_pushed"]) for r in rows] == [("relay", 2, 0), ("push", 2, 1)]
