@@ -8,17 +8,31 @@ One p2pd with relay service and public reachability forced (node/exchange/host.p
 p2pd's relay allows), no DHT node and no run: a relay needs a public address and nothing else.
 It prints each address it can be dialled at, one line each, then runs until Ctrl+C or SIGTERM,
 when it stops its p2pd. A node that trains can relay as well (`node join --relay`).
+
+p2pd 0.5.0.hivemind1 starts two relay services, its configured one (4 GiB, 30 min per relayed
+connection) and one with libp2p's defaults (128 KiB, 2 min), and whichever registers last
+answers: a race, lost in about one start in six without p2pd's DHT, one in two with it (on
+loopback). So the relay checks itself before it prints its address: a probe host reserves a slot
+through it and a second one sends it PROBE_BYTES, more than the default allows; a relay that cuts
+them is restarted, up to MAX_STARTS times (then it runs with what it has, and says so).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 
+log = logging.getLogger("locoswarm.node")
+
 EXIT_REFUSED = 2
 LISTENING = "relay listening on "  # the line's prefix that scripts (tools/netlab) read the address from
+PROBE_PROTOCOL = "/locoswarm/relay-probe/1"
+PROBE_BYTES = 256 << 10  # twice libp2p's default allowance per relayed connection
+MAX_STARTS = 6
+PROBE_TIMEOUT_S = 30.0  # the probe host's reservation, then the transfer
 
 
 def register(node_sub) -> None:
@@ -62,7 +76,20 @@ async def serve_relay(host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, 
     from node.exchange.host import start_daemon
 
     config = ExchangeConfig(run_id="relay", host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, relay=True)
-    p2p = await start_daemon(config, idle_timeout_s=0)
+    for start in range(1, MAX_STARTS + 1):
+        p2p = await start_daemon(config, idle_timeout_s=0)
+        try:
+            carried = await probe(p2p)
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        if carried:
+            break
+        log.warning("relay: start %d relays at most libp2p's default 128 KiB per connection", start)
+        if start < MAX_STARTS:
+            await p2p.shutdown()
+    else:
+        log.warning("relay: running with libp2p's default limits after %d starts: packets over 128 KiB", MAX_STARTS)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -74,3 +101,59 @@ async def serve_relay(host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, 
     finally:
         await p2p.shutdown()
     return 0
+
+
+async def probe(relay) -> bool:
+    """Whether PROBE_BYTES pass through `relay` (a started P2P) on one relayed connection: a host
+    reachable only through it (`relay_via`) counts what a second host sends it there."""
+    from node.exchange.config import ExchangeConfig
+    from node.exchange.host import start_daemon
+
+    relay_maddr = str((await relay.get_visible_maddrs())[0])
+    listen = relay_maddr.split("/tcp/")[0] + "/tcp/0"  # beside the relay: the probe needs no other network
+    relayed = await start_daemon(ExchangeConfig(run_id="relay", host_maddrs=(listen,), relay_via=(relay_maddr,)))
+    try:
+        sender = await start_daemon(ExchangeConfig(run_id="relay", host_maddrs=(listen,)))
+        try:
+            return await asyncio.wait_for(_carried(relay_maddr, relayed, sender), PROBE_TIMEOUT_S)
+        except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+            return False
+        finally:
+            await sender.shutdown()
+    finally:
+        await relayed.shutdown()
+
+
+async def _carried(relay_maddr: str, relayed, sender) -> bool:
+    from hivemind.p2p import PeerID
+
+    from node.exchange.host import dial_addresses
+    from node.exchange.reachability import circuit_address
+
+    async def count(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got = 0
+        while got < PROBE_BYTES and (chunk := await reader.read(1 << 16)):
+            got += len(chunk)
+        writer.write(got.to_bytes(8, "big"))
+        await writer.drain()
+        writer.close()
+
+    await relayed.add_binary_stream_handler(PROBE_PROTOCOL, count)
+    relay_id = relay_maddr.rpartition("/p2p/")[2]
+    await relayed._client.connect(PeerID.from_base58(relay_id), dial_addresses(relay_id, [relay_maddr]))
+    holder = relayed.peer_id.to_base58()
+    while True:  # NO_RESERVATION until the relayed host's p2pd reserved a slot (seconds)
+        try:
+            await sender._client.connect(
+                relayed.peer_id, dial_addresses(holder, [circuit_address(relay_maddr, holder)])
+            )
+            break
+        except Exception:  # p2pd's ControlFailure: the circuit was refused
+            await asyncio.sleep(0.5)
+    _, reader, writer = await sender.call_binary_stream_handler(relayed.peer_id, PROBE_PROTOCOL)
+    try:
+        writer.write(bytes(PROBE_BYTES))
+        await writer.drain()
+        return int.from_bytes(await reader.readexactly(8), "big") == PROBE_BYTES
+    finally:
+        writer.close()

