@@ -14,7 +14,14 @@ from node.exchange.config import ExchangeConfig
 REPO = Path(__file__).resolve().parents[2]
 # NetworkSection's fields the exchange does not take: the join's (uplink, behind NAT), the round loop's, and the two
 # that `from_network` resolves into `spool_dir`.
-NOT_THE_EXCHANGES = {"uplink_mbps", "behind_nat", "fetch_timeout_s", "packet_spool_dir", "packets_in_memory"}
+NOT_THE_EXCHANGES = {
+    "uplink_mbps",
+    "behind_nat",
+    "push_packets",
+    "fetch_timeout_s",
+    "packet_spool_dir",
+    "packets_in_memory",
+}
 
 
 def test_every_network_field_is_the_exchanges_or_named_here():
