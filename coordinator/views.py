@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from coordinator import disputes, errors, recovery
 from coordinator.rules import standing
-from coordinator.storage import PeerRow, RoundRow, RoundStats, RunRow, Storage
+from coordinator.storage import PeerRow, RoundRow, RoundStats, RunRow, SelectionRow, Storage
+from protocol import selection
 from protocol.http import (
     CurrentRound,
     Dispute,
@@ -28,6 +29,7 @@ from protocol.http import (
     PeerAddress,
     PeerScoreView,
     PeerView,
+    Pick,
     RoundSummary,
     RoundView,
     RunInfo,
@@ -166,6 +168,8 @@ class Views:
             agreed_digest=round_row.agreed_digest,
             provisional=round_row.majority_digest is not None and round_row.agreed_digest is None,
             num_votes=round_row.num_votes,
+            picks={row.peer_id: _pick(row) for row in self.storage.list_selections(run_id, round_index)},
+            seed_round=round_row.seed_round,
         )
 
     def manifest_version(self, run_id: str, round_index: int) -> int | None:
@@ -489,3 +493,23 @@ def _compression_ratio(model, stat: RoundStats | None) -> float | None:
         return None
     dense = dense_bytes(model, stat.num_contributors)
     return None if dense is None else dense / stat.packet_bytes
+
+
+def _pick(row: SelectionRow) -> Pick:
+    """A stored pick of a bounded round, with the rule's words for why (protocol/selection.py)."""
+    ranked = selection.Ranked(
+        selection.Candidate(row.peer_id, bool(row.proven), row.waited_rounds),
+        row.rank,
+        row.tier_size,
+        row.tier_places,
+        bool(row.picked),
+    )
+    return Pick(
+        picked=ranked.picked,
+        proven=ranked.candidate.proven,
+        waited_rounds=row.waited_rounds,
+        rank=row.rank,
+        tier_size=row.tier_size,
+        tier_places=row.tier_places,
+        reason=ranked.reason(),
+    )

@@ -412,6 +412,18 @@ class ManifestEntry(ResponseModel):
     )
 
 
+class Pick(ResponseModel):
+    """A submission to a bounded round as protocol/selection.py ranked it at the close."""
+
+    picked: bool = Field(description="In the manifest.")
+    proven: bool = Field(description="A packet in an earlier manifest, and credit once judged: the proven tier.")
+    waited_rounds: int = Field(description="Rounds since its packet was last in a manifest (never: since it joined).")
+    rank: int = Field(description="Its place in its tier, 1 first: waited longest, then the seeded hash.")
+    tier_size: int = Field(description="Submissions in its tier.")
+    tier_places: int = Field(description="Places the tier took in the manifest.")
+    reason: str = Field(description='For a person: "not picked: proven rank 37 of 60, waited 2 rounds, ...".')
+
+
 class RoundView(ResponseModel):
     run_id: str
     round: int
@@ -443,6 +455,16 @@ class RoundView(ResponseModel):
     )
     provisional: bool = Field(False, description="A digest leads the votes (majority_digest) but is not agreed yet.")
     num_votes: int = Field(0, description="Votes cast on the latest manifest version.")
+    picks: dict[str, Pick] = Field(
+        default_factory=dict,
+        description="Bounded rounds (outer.max_contributors): each submission, peer id -> its rank and"
+        " whether the manifest took it; empty while open, and in an unbounded run.",
+    )
+    seed_round: int | None = Field(
+        None,
+        description="Bounded rounds: the round whose agreed digest seeded the pick (protocol/selection.py"
+        " round_seed); null: none was agreed yet.",
+    )
 
 
 class PeerScoreReport(RequestModel):

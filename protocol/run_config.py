@@ -156,6 +156,16 @@ class OuterSection(RequestModel):
     overlap: bool = Field(
         False, description="One-round-delayed outer step: train round r+1 while round r's packets move."
     )
+    max_contributors: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="M, bounded rounds: a round's manifest takes at most M packets, picked by"
+        " protocol/selection.py (proven members in rotation, a few places for newcomers), and the round"
+        " may close once its picks are settled; a peer left out keeps its packet's values in its error"
+        " buffer. Each node then receives at most M packets a round, however many peers there are."
+        " 0: unbounded, every submission is in the manifest.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -7,6 +7,10 @@
   deadline (``deadline``: fixed, or adaptive from recent submission times); the run finishes once
   ``max_rounds`` rounds have closed. A run every peer has left is paused instead
   (coordinator/recovery.py).
+- Bounded rounds (``outer.max_contributors`` M > 0, coordinator/rules/picks.py): closing also
+  picks at most M of the submissions by protocol/selection.py, and the manifest holds only those;
+  the others were accepted and are shown as not picked, with why. Such a round also closes early
+  once its picks are settled: no waited-for peer that has not submitted could still take a place.
 - Submissions go to the open round before its deadline, once per peer (the same digest again is
   answered as the first time; another is ``conflicting_submission``), at most
   ``exchange.max_packet_bytes``, never from an excluded peer (coordinator/scoring.py). A
@@ -40,7 +44,7 @@ import dataclasses
 import json
 
 from coordinator import errors, recovery, scoring
-from coordinator.rules import membership, standing, votes
+from coordinator.rules import membership, picks, standing, votes
 from coordinator.rules.context import Context
 from coordinator.rules.runs import ACTIVE_STATES
 from coordinator.storage import PeerRow, RoundRow, RunRow, SubmissionRow
@@ -92,14 +96,20 @@ def advance(ctx: Context, run: RunRow, now: float) -> None:
 
 
 def _all_waited_submitted(ctx: Context, run_id: str, round_index: int, config: RunConfig) -> bool:
-    """Whether every peer the round waits for submitted."""
+    """Whether every peer the round waits for submitted, or, in a bounded round, whether its picks
+    are settled (coordinator/rules/picks.py)."""
     if not ctx.storage.count_submissions(run_id, round_index):
         # Most of a round, while its peers train: with nothing submitted nobody waited for has,
         # and every heartbeat asks, so the question needs no pass over the run's peers.
         return False
     window, forming = config.membership.max_missed_rounds, config.membership.min_peers
     waited = standing.waited_for(ctx.storage, run_id, round_index, window, forming)
-    return bool(waited) and all(waited.values())
+    if not waited:
+        return False
+    if all(waited.values()):
+        return True
+    bound = config.outer.max_contributors
+    return picks.bounded(bound) and picks.settled(ctx.storage, run_id, round_index, bound, waited)
 
 
 def _newcomers_in_step(ctx: Context, run_id: str, open_round: RoundRow, config: RunConfig, now: float) -> bool:
@@ -151,6 +161,7 @@ def _round_timeout_s(ctx: Context, run_id: str, round_index: int, config: RunCon
 
 def _close_round(ctx: Context, run: RunRow, open_round: RoundRow, now: float, config: RunConfig) -> None:
     ctx.storage.update_round(run.run_id, open_round.round, closed_at=now)
+    picks.pick(ctx.storage, run.run_id, open_round.round, config.outer.max_contributors)
     ctx.storage.mark_contributors(run.run_id, open_round.round)
     votes.agree_empty_from(ctx, run.run_id, open_round.round)
     settled = open_round.round - votes.settle_lag(config)  # settled now

@@ -16,7 +16,7 @@ import json
 import secrets
 
 from coordinator import errors
-from coordinator.rules import votes
+from coordinator.rules import picks, votes
 from coordinator.rules.context import Context
 from coordinator.storage import RunRow
 from protocol.run_config import RunConfig
@@ -58,6 +58,7 @@ def close_run(ctx: Context, run: RunRow, now: float) -> None:
         return
     if run.state == "running":
         ctx.storage.update_round(run.run_id, run.current_round, closed_at=now)
+        picks.pick(ctx.storage, run.run_id, run.current_round, ctx.config(run).outer.max_contributors)
         ctx.storage.mark_contributors(run.run_id, run.current_round)
         if run.current_round > 0:
             votes.count_votes(ctx, run.run_id, run.current_round - 1, settled=True)

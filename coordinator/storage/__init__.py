@@ -22,6 +22,7 @@ from coordinator.storage.rows import (
     RoundRow,
     RoundStats,
     RunRow,
+    SelectionRow,
     SubmissionRow,
 )
 
@@ -36,6 +37,7 @@ __all__ = [
     "RoundRow",
     "RoundStats",
     "RunRow",
+    "SelectionRow",
     "SqliteDatabase",
     "Storage",
     "SubmissionRow",

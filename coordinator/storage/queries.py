@@ -30,6 +30,7 @@ from coordinator.storage.rows import (
     RoundRow,
     RoundStats,
     RunRow,
+    SelectionRow,
     SubmissionRow,
 )
 
@@ -219,7 +220,7 @@ class Storage:
 
     def delete_rounds_from(self, run_id: str, first_round: int) -> None:
         """Forget rounds >= first_round and everything recorded for them (a rewind, recovery.py)."""
-        for table in ("dropped_entries", "missing_reports", "applied", "submissions", "rounds"):
+        for table in ("dropped_entries", "missing_reports", "applied", "selections", "submissions", "rounds"):
             self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND round >= ?", (run_id, first_round))
 
     def prune_rounds(self, run_id: str, first_round: int, end_round: int) -> None:
@@ -271,6 +272,19 @@ class Storage:
         return self.db.many(
             SubmissionRow,
             "SELECT * FROM manifest_entries WHERE run_id = ? AND round = ? ORDER BY peer_id",
+            (run_id, round_index),
+        )
+
+    def insert_selections(self, rows: list[SelectionRow]) -> None:
+        """A bounded round's pick, written as it closes: one row per submission."""
+        for row in rows:
+            self.db.insert("selections", row)
+
+    def list_selections(self, run_id: str, round_index: int) -> list[SelectionRow]:
+        """A bounded round's pick (empty: unbounded, or still open), by peer id."""
+        return self.db.many(
+            SelectionRow,
+            "SELECT * FROM selections WHERE run_id = ? AND round = ? ORDER BY peer_id",
             (run_id, round_index),
         )
 

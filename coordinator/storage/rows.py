@@ -73,6 +73,7 @@ class RoundRow:
     num_votes: int = 0  # votes on the latest manifest version
     scored: int = 0  # 1: its contribution verdicts were taken (protocol/scoring.py)
     dispute: str | None = None  # JSON of the dispute over its digest, as decided (None: none)
+    seed_round: int | None = None  # bounded: the round whose agreed digest seeded its pick (None: none)
 
 
 @dataclass(slots=True)
@@ -128,6 +129,21 @@ class DroppedRow:
     reason: str
     manifest_version: int
     dropped_at: float
+
+
+@dataclass(slots=True)
+class SelectionRow:
+    """A submission to a bounded round, as protocol/selection.py ranked it when the round closed."""
+
+    run_id: str
+    round: int
+    peer_id: str
+    proven: int  # 1: a packet in an earlier manifest, and credit once judged
+    waited_rounds: int  # rounds since its packet was last in a manifest (never: since it joined)
+    rank: int  # in its tier, 1 first
+    tier_size: int
+    tier_places: int
+    picked: int  # 1: in the manifest
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ released migration is never edited: a change is a new entry appended to `MIGRATI
 
 A round row with ``closed_at`` NULL is the run's open round. A round's latest manifest is its rows
 in ``submissions`` (refused once the round closes) less its rows in ``dropped_entries``
-(amendments; ``rounds.manifest_version`` counts them): the view ``manifest_entries``, the one place
-that rule is written. A migration that adds a column to ``submissions`` recreates the view
+(amendments; ``rounds.manifest_version`` counts them) and less those a bounded round did not pick
+(``selections.picked`` 0): the view ``manifest_entries``, the one place that rule is written. A migration that adds a column to ``submissions`` recreates the view
 (PostgreSQL fixes a view's columns when it is created).
 """
 
@@ -275,6 +275,39 @@ MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = (
         (
             "ALTER TABLE applied ADD COLUMN snapshot_bytes BIGINT",
             "ALTER TABLE applied ADD COLUMN snapshot_digest TEXT",
+        ),
+    ),
+    (
+        18,
+        # Bounded rounds (protocol/selection.py, coordinator/rules/rounds.py): a bounded round's pick
+        # at its close, one row per submission with the rule's inputs and its rank (columns in the
+        # order of coordinator.storage.rows.SelectionRow), and the round whose agreed digest seeded
+        # it (NULL: none agreed yet, or unbounded). A submission with ``picked`` 0 is not in the
+        # manifest: the view leaves it out, like a dropped entry.
+        (
+            """CREATE TABLE selections (
+                run_id TEXT NOT NULL,
+                round BIGINT NOT NULL,
+                peer_id TEXT NOT NULL,
+                proven BIGINT NOT NULL,
+                waited_rounds BIGINT NOT NULL,
+                rank BIGINT NOT NULL,
+                tier_size BIGINT NOT NULL,
+                tier_places BIGINT NOT NULL,
+                picked BIGINT NOT NULL,
+                PRIMARY KEY (run_id, round, peer_id)
+            )""",
+            "ALTER TABLE rounds ADD COLUMN seed_round BIGINT",
+            "DROP VIEW manifest_entries",
+            """CREATE VIEW manifest_entries AS
+            SELECT s.run_id, s.round, s.peer_id, s.packet_digest, s.packet_size_bytes, s.train_loss,
+                   s.compute_s, s.encode_s, s.multiaddrs, s.submitted_at
+            FROM submissions s
+            WHERE NOT EXISTS (SELECT 1 FROM dropped_entries d
+                              WHERE d.run_id = s.run_id AND d.round = s.round AND d.peer_id = s.peer_id)
+            AND NOT EXISTS (SELECT 1 FROM selections x
+                            WHERE x.run_id = s.run_id AND x.round = s.round AND x.peer_id = s.peer_id
+                            AND x.picked = 0)""",
         ),
     ),
 )

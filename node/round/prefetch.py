@@ -6,6 +6,10 @@ spreads down its own tree of the run's live members (node/exchange/topology.py):
 its parent there first. Each packet that arrives is handed to the session's `EarlyDecodes`
 (node/training/decode.py, which owns decoding and its workers), off the round's critical path;
 the round's `prepare` (node/round/steps.py) takes those results.
+
+In a bounded round (``outer.max_contributors`` M > 0, protocol/selection.py) the submissions are not
+fetched while the round is open: which of them the manifest takes is known only at the close, and
+fetching only the manifest's packets is what bounds the bytes a node receives to M packets a round.
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
     """Fetch each of the round's packets as soon as it is submitted, into `early`, until the
     round closes; returns the closed round's view."""
     members = await live_members(s)
+    bounded = s.run.outer.max_contributors > 0
     view = await s.client.round(round, wait_s=30, submitted_gt=0)
     while True:
         # A closed round lists its packets in the manifest only: the last submission is seen
-        # there, and its fetch starts here too, beside those still running.
-        for e in view.manifest if view.state == "closed" else view.submitted:
+        # there, and its fetch starts here too, beside those still running. A bounded round's
+        # submissions are not fetched before the pick: a node receives the manifest's M only.
+        for e in view.manifest if view.state == "closed" else [] if bounded else view.submitted:
             if e.peer_id != s.peer_id and (e.peer_id, e.packet_digest) not in early:
                 parent = tree_parent(
                     round,

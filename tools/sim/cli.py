@@ -71,6 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="token ids the model embeds (default: the preset's, or what prepared shards record)",
     )
+    parser.add_argument(
+        "--max-contributors",
+        default=",".join(map(str, d.max_contributors)),
+        help="bounded rounds (outer.max_contributors): comma-separated M, one sparseloco run each; 0: unbounded",
+    )
+    parser.add_argument(
+        "--decode-once",
+        action="store_true",
+        help="decode and aggregate each round once for every peer (many peers, few cores; needs --no-scoring)",
+    )
     parser.add_argument("--threads", type=int, default=d.threads)
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--out", default="runs/sim", help="where summary.json and (without --plot) val_loss.png go")
@@ -126,9 +136,18 @@ def _sim_config(args: argparse.Namespace, algos: tuple[str, ...]) -> SimConfig:
         vocab_size=args.vocab_size,
         poison=args.poison,
         scoring=args.scoring,
+        max_contributors=_bounds(args.max_contributors),
+        decode_once=args.decode_once,
         threads=args.threads,
         device=args.device,
     )
+
+
+def _bounds(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"error: --max-contributors {text!r}: give comma-separated integers, e.g. 8,16,32") from None
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -224,20 +243,31 @@ def _draw(summary: dict, figure: Path, required: bool) -> bool:
     return True
 
 
+# What the table and --json give per strategy (a saved run of an older version may lack the last ones).
+SUMMARY_KEYS = (
+    "final_val_loss",
+    "tokens",
+    "bytes_sent_per_peer_per_round",
+    "wall_s",
+    "bytes_received_per_peer_per_round",
+    "max_contributors",
+    "longest_wait_rounds",
+)
+
+
 def _print_results(summary: dict, as_json: bool) -> None:
     """The table of the strategies' results, or one JSON object of them."""
-    per_strategy = {
-        algo: {k: r[k] for k in ("final_val_loss", "tokens", "bytes_sent_per_peer_per_round", "wall_s")}
-        for algo, r in summary["strategies"].items()
-    }
+    per_strategy = {algo: {k: r[k] for k in SUMMARY_KEYS if k in r} for algo, r in summary["strategies"].items()}
     if as_json:
         print(json.dumps(per_strategy))
         return
-    print(f"{'strategy':<12} {'val loss':>9} {'tokens':>11} {'bytes/peer/round':>17} {'wall s':>8}")
+    print(
+        f"{'strategy':<15} {'val loss':>9} {'tokens':>11} {'sent/peer/round':>16} {'recv/peer/round':>16} {'wall s':>8}"
+    )
     for algo, r in per_strategy.items():
         print(
-            f"{algo:<12} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>17,.0f} "
-            f"{r['wall_s']:>8.1f}"
+            f"{algo:<15} {r['final_val_loss']:>9.4f} {r['tokens']:>11,} {r['bytes_sent_per_peer_per_round']:>16,.0f}"
+            f" {r.get('bytes_received_per_peer_per_round', float('nan')):>16,.0f} {r['wall_s']:>8.1f}"
         )
     for algo, r in summary["strategies"].items():
         for peer_id, first_round in r.get("excluded", {}).items():

@@ -1,6 +1,7 @@
 """The multi-peer simulator: R peers in one process, through the real codec and packet bytes.
 
     locoswarm sim --algos sparseloco,diloco,ddp [--json] [--peers 4 --inner-steps 15 --rounds 20]
+    locoswarm sim --peers 64 --max-contributors 8,16,32,64   # bounded rounds: one sparseloco run per M
     (the command line is tools/sim/cli.py)
 
 Each strategy trains R identical models (same seed) on R disjoint shards of the corpus:
@@ -25,6 +26,24 @@ result lists the exclusions (`excluded`: peer -> first round left out) and the f
 `simulate` returns the summary; `locoswarm sim` (tools/sim/cli.py) writes it to --out with its
 figure (tools/sim/plot.py) and prints a table, or one JSON object with --json.
 
+Bounded rounds (`max_contributors`, the run config's `outer.max_contributors` M): sparseloco runs
+once per value of M (results `sparseloco_m8`...; 0: `sparseloco`, every packet applied). Each round
+the manifest is protocol/selection.py's pick among the submitted packets, seeded by the digest the
+round started from, as the coordinator builds it; a peer left out puts its packet back into its
+error buffer (`OuterStep.return_unsent`) at once, as a node does when the manifest lacks it, and
+every peer applies the picked packets only. diloco and ddp always take every peer. `picks` counts
+each peer's rounds in a manifest and `longest_wait_rounds` is the most rounds any peer went
+unpicked in a row.
+
+`decode_once`: each round's packets are decoded and aggregated once and the result handed to every
+peer's outer step (the aggregate is a function of the packets alone), instead of once per peer; for
+many peers on few cores. Every peer still commits, and the digests are still compared (this checks
+the commits agree, not the decoders; scoring needs each peer's own pass and turns it off).
+
+Bytes received per peer per round: the sizes of the round's applied payloads other than the peer's
+own, averaged over peers: what fetching the manifest costs a node (nodes fetch manifest packets
+only).
+
 Bytes sent per peer per round: the packet for sparseloco; the fp32 delta for diloco; for ddp,
 what a ring all-reduce of fp32 gradients sends per peer over H steps, 2 (R-1)/R * 4 * numel * H.
 """
@@ -36,10 +55,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES
 from protocol.run_config import RunConfig
+from protocol.selection import Candidate, round_seed, select
 
 ALGOS = ("sparseloco", "diloco", "ddp")
 
@@ -84,6 +104,15 @@ class SimConfig(BaseModel):
         " the vocabulary tagged shards record (`locoswarm data prepare`).",
     )
     tokenizer_id: str | None = Field(None, description="The data's tokenizer; None: the one tagged shards record.")
+    max_contributors: tuple[int, ...] = Field(
+        (0,),
+        min_length=1,
+        description="Bounded rounds (outer.max_contributors M): one sparseloco run per value; 0: unbounded.",
+    )
+    decode_once: bool = Field(
+        False,
+        description="Decode and aggregate each round once for every peer (many peers, few cores); needs scoring off.",
+    )
     threads: int = Field(2, ge=1, description="Torch CPU threads.")
     device: str = Field("cpu", description="Torch device.")
 
@@ -91,7 +120,15 @@ class SimConfig(BaseModel):
     def total_steps(self) -> int:
         return self.num_rounds * self.inner_steps
 
-    def run_config(self, algo: str) -> RunConfig:
+    @model_validator(mode="after")
+    def _decode_once_without_scoring(self) -> "SimConfig":
+        if self.decode_once and self.scoring:
+            raise ValueError("decode_once needs scoring off: every judge scores from its own decode")
+        if any(m < 0 for m in self.max_contributors):
+            raise ValueError("max_contributors: give values >= 0 (0: unbounded)")
+        return self
+
+    def run_config(self, algo: str, max_contributors: int = 0) -> RunConfig:
         """The run a node would be given for `algo`: the simulator builds its peers from it."""
         lr = {"sparseloco": self.sparseloco_inner_lr, "diloco": self.diloco_inner_lr, "ddp": self.ddp_lr}[algo]
         outer = (
@@ -118,7 +155,7 @@ class SimConfig(BaseModel):
                     "batch_size": self.batch_size,
                     "seq_len": self.seq_len,
                 },
-                "outer": outer | {"overlap": self.overlap},
+                "outer": outer | {"overlap": self.overlap, "max_contributors": max_contributors},
                 "exchange": {"max_packet_bytes": DEFAULT_MAX_PACKET_BYTES},
                 "membership": {"min_peers": self.num_peers},
                 "scoring": {"enabled": self.scoring},
@@ -132,6 +169,10 @@ class StrategyResult:
     tokens: int
     bytes_sent_per_peer_per_round: float
     wall_s: float
+    bytes_received_per_peer_per_round: float = 0.0
+    max_contributors: int = 0  # 0: every packet applied
+    picks: dict[str, int] = field(default_factory=dict)  # peer id -> rounds its packet was applied
+    longest_wait_rounds: int = 0  # most rounds in a row any peer's packet was not applied
     curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, val loss)
     digests_identical_every_round: bool = True
     refused: dict[str, list[int]] = field(default_factory=dict)  # peer id -> rounds its payload was refused
@@ -147,7 +188,7 @@ def _evaluate(model, corpus, cfg: SimConfig) -> float:
     )
 
 
-def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyResult:
+def run_local_updates(algo: str, cfg: SimConfig, corpus, progress, max_contributors: int = 0) -> StrategyResult:
     """sparseloco or diloco: H local steps, exchange payload bytes, every peer applies the outer step.
 
     Each peer is built and trained as a node's is (node.training.peer.PeerTraining, from the run
@@ -162,7 +203,7 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     from node.training.peer import PeerTraining
     from protocol.signing import PeerKey
 
-    run = cfg.run_config(algo)
+    run = cfg.run_config(algo, max_contributors)
     peer_ids = _peer_ids(cfg)
     keys = {p: PeerKey.from_seed(p.encode()) for p in peer_ids}
     public = {p: k.public_bytes for p, k in keys.items()}
@@ -170,8 +211,15 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     if cfg.poison is not None:
         peers[-1] = FaultInjector.parse([cfg.poison]).wrap_training(peers[-1])
     outers = [peer.outer for peer in peers]
-    result = StrategyResult(final_val_loss=float("nan"), tokens=0, bytes_sent_per_peer_per_round=0.0, wall_s=0.0)
+    result = StrategyResult(
+        final_val_loss=float("nan"),
+        tokens=0,
+        bytes_sent_per_peer_per_round=0.0,
+        wall_s=0.0,
+        max_contributors=max_contributors,
+    )
     scorer = _Scorer(run, peer_ids, peers, result) if run.scoring.enabled else None
+    selector = _Selector(peer_ids, max_contributors, result, scorer)
     eval_model = build_model(model_config(run), cfg.seed).to(cfg.device)  # holds the global model for evaluation
 
     def evaluate_global() -> float:
@@ -181,7 +229,7 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
         return _evaluate(eval_model, corpus, cfg)
 
     result.curve.append((0, evaluate_global()))
-    start, bytes_sent = time.perf_counter(), 0
+    start, bytes_sent, bytes_received = time.perf_counter(), 0, 0
     digest = param_digest(peers[0].model)
     pipeline: Pipeline[dict[str, bytes]] = Pipeline(cfg.overlap)
     for r in range(cfg.num_rounds):
@@ -196,6 +244,13 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
             bytes_sent += len(payloads[peer_id])
         if scorer is not None:  # as the coordinator refuses an excluded peer's submission
             payloads = {p: payload for p, payload in payloads.items() if not scorer.excluded(p, r)}
+        picked = selector.pick(payloads, round_seed("sim", r, digest), r)
+        for index, peer_id in enumerate(peer_ids):
+            if peer_id in payloads and peer_id not in picked:  # left out: its values go back, as on a node
+                outers[index].return_unsent(payloads[peer_id], public[peer_id], peer_id=peer_id, run_id="sim", round=r)
+        payloads = {p: payload for p, payload in payloads.items() if p in picked}
+        manifest_bytes = sum(len(payload) for payload in payloads.values())
+        bytes_received += sum(manifest_bytes - len(payloads.get(p, b"")) for p in peer_ids)
         if (landed := pipeline.land(r, payloads)) is not None:
             applied_round, to_apply = landed
             digest = _apply_everywhere(outers, to_apply, public, applied_round, result, cfg, scorer)
@@ -208,11 +263,52 @@ def run_local_updates(algo: str, cfg: SimConfig, corpus, progress) -> StrategyRe
     result.wall_s = time.perf_counter() - start
     result.final_val_loss = result.curve[-1][1]
     result.bytes_sent_per_peer_per_round = bytes_sent / (cfg.num_peers * cfg.num_rounds)
+    result.bytes_received_per_peer_per_round = bytes_received / (cfg.num_peers * cfg.num_rounds)
+    selector.finish(cfg.num_rounds)
     return result
 
 
 def _peer_ids(cfg: SimConfig) -> list[str]:
     return [f"p{i:02d}" for i in range(cfg.num_peers)]
+
+
+class _Selector:
+    """Bounded rounds in the simulator: each round's manifest by protocol/selection.py, from what
+    the coordinator would know (who was picked when, who is proven), and the picks' statistics."""
+
+    def __init__(self, peer_ids: list[str], max_contributors: int, result: StrategyResult, scorer: "_Scorer | None"):
+        self.peer_ids, self.max_contributors, self.result, self.scorer = peer_ids, max_contributors, result, scorer
+        self.last_picked: dict[str, int | None] = {p: None for p in peer_ids}
+        result.picks = {p: 0 for p in peer_ids}
+
+    def pick(self, payloads: dict[str, bytes], seed: bytes, round: int) -> set[str]:
+        candidates = [Candidate(p, self._proven(p), self._waited(p, round)) for p in self.peer_ids]
+        picked = set(select(candidates, payloads.keys(), self.max_contributors, seed).picked)
+        for p in picked:
+            self._waited_out(p, round)
+            self.last_picked[p] = round
+            self.result.picks[p] += 1
+        return picked
+
+    def finish(self, num_rounds: int) -> None:
+        for p in self.peer_ids:
+            self._waited_out(p, num_rounds)
+
+    def _proven(self, peer_id: str) -> bool:
+        if self.last_picked[peer_id] is None:
+            return False
+        if self.scorer is None:
+            return True
+        standing = self.scorer.standings[peer_id]
+        return standing.num_rounds == 0 or standing.credit > 0
+
+    def _waited(self, peer_id: str, round: int) -> int:
+        last = self.last_picked[peer_id]
+        return round if last is None else round - 1 - last  # every peer is a member from round 0
+
+    def _waited_out(self, peer_id: str, round: int) -> None:
+        """Record the run of rounds `peer_id` went unpicked before `round`."""
+        self.result.longest_wait_rounds = max(self.result.longest_wait_rounds, self._waited(peer_id, round))
 
 
 class _Scorer:
@@ -270,8 +366,9 @@ def _apply_everywhere(
 
     poisoned = _peer_ids(cfg)[-1] if cfg.poison is not None else None
     reports = {}
+    shared = outers[0].prepare(payloads, public.__getitem__, run_id="sim", round=round) if cfg.decode_once else None
     for index, outer in enumerate(outers):
-        prepared = outer.prepare(payloads, public.__getitem__, run_id="sim", round=round)
+        prepared = shared or outer.prepare(payloads, public.__getitem__, run_id="sim", round=round)
         if scorer is not None:
             reports[scorer.peer_ids[index]] = scorer.score(index, outer, prepared, round)
         applied = outer.commit(prepared)
@@ -347,16 +444,22 @@ def simulate(cfg: SimConfig, show_progress: bool = True) -> dict:
     for data in (corpus.train, corpus.val):  # DataMismatch before any training, with what to do
         check_vocabulary(data, model.vocab_size, model.tokenizer_id)
     results = {}
-    for algo in cfg.algos:
+    for algo, bound in _runs(cfg):
+        name = algo if not bound else f"{algo}_m{bound}"
         with tqdm(
-            total=cfg.num_peers * cfg.total_steps, desc=algo, unit="step", disable=not show_progress, leave=False
+            total=cfg.num_peers * cfg.total_steps, desc=name, unit="step", disable=not show_progress, leave=False
         ) as progress:
             if algo == "ddp":
-                results[algo] = run_ddp(cfg, corpus, progress)
+                results[name] = run_ddp(cfg, corpus, progress)
             else:
-                results[algo] = run_local_updates(algo, cfg, corpus, progress)
+                results[name] = run_local_updates(algo, cfg, corpus, progress, bound)
     return {
         "config": cfg.model_dump(mode="json"),
         "corpus": corpus.description,
         "strategies": {a: asdict(r) for a, r in results.items()},
     }
+
+
+def _runs(cfg: SimConfig) -> list[tuple[str, int]]:
+    """(strategy, M) per run: sparseloco once per bound, the others once with every peer."""
+    return [(algo, m) for algo in cfg.algos for m in (cfg.max_contributors if algo == "sparseloco" else (0,))]
