@@ -9,7 +9,8 @@ why dropped, standing unless a contributor, contribution score and exclusion), t
 the validation loss of the model after the round, joined across the rounds between evaluations;
 round time in seconds), and the latest rounds with their losses, tokens, packet bytes, how many
 times smaller the packets were than the updates sent dense, the agreed digest (or the provisional
-majority, marked so), and the packets peers refused.
+majority, marked so), and the packets peers refused; a bounded round shows how many submissions
+its manifest picked, with why the others were left out on hover.
 Nothing is loaded from elsewhere (no CDN, no fonts): a coordinator often runs where the browser
 has no internet, and the page must not leak who watches it. With no run given, the server picks
 the newest run still waiting or running, else the newest (`coordinator.views.Views.latest_run_id`).
@@ -402,7 +403,12 @@ function render(s) {
   for (const h of s.history.slice(-15).reverse()) {
     const row = document.createElement("tr");
     row.className = "round-row";
-    cell(row, h.round); cell(row, h.num_contributors); cell(row, text(h.mean_loss, 4));
+    cell(row, h.round);
+    // A bounded round (outer.max_contributors): picked of submitted, and why the rest were left out.
+    const picks = cell(row, h.num_picked === null || h.num_picked === undefined ? h.num_contributors
+      : h.num_picked + " of " + h.num_contributors + " picked");
+    picks.title = Object.entries(h.not_picked || {}).map(([p, why]) => p + ": " + why).join("\\n");
+    cell(row, text(h.mean_loss, 4));
     cell(row, text(h.val_loss, 4));
     cell(row, h.round_time_s.toFixed(h.round_time_s < 10 ? 2 : 1) + " s");
     cell(row, scaled(h.tokens, ["", "k", "M", "G", "T"]));

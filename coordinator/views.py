@@ -367,6 +367,7 @@ class Views:
         applied = self.storage.applied_counts(run_id, first, last)
         refusals = self.storage.refusals(run_id, first, last)
         val_losses = self.storage.val_losses(run_id, first, last)
+        picks = self.storage.selections_between(run_id, first, last)
         config = self.config_of(self.require_run(run_id))
         inner = config.inner
         tokens_per_contributor = inner.steps * inner.batch_size * inner.seq_len
@@ -393,6 +394,7 @@ class Views:
                     packet_bytes=stat.packet_bytes if stat else 0,
                     val_loss=val_losses.get(round_row.round),
                     compression_ratio=_compression_ratio(config.model, stat),
+                    **_pick_fields(picks.get(round_row.round)),
                 )
             )
         return history
@@ -513,3 +515,13 @@ def _pick(row: SelectionRow) -> Pick:
         tier_places=row.tier_places,
         reason=ranked.reason(),
     )
+
+
+def _pick_fields(rows: list[SelectionRow] | None) -> dict:
+    """A history row's picks: how many submissions the manifest took, and why the rest were left out."""
+    if rows is None:
+        return {}
+    return {
+        "num_picked": sum(row.picked for row in rows),
+        "not_picked": {row.peer_id: _pick(row).reason for row in rows if not row.picked},
+    }

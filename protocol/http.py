@@ -792,6 +792,15 @@ class RoundSummary(ResponseModel):
         description="How many times smaller the round's packets were than its updates sent dense: "
         "4 bytes x the model's parameters (protocol/model_sizes.py) x packets, over packet_bytes; null: no packet.",
     )
+    num_picked: int | None = Field(
+        None,
+        description="Bounded rounds (outer.max_contributors): the submissions its manifest took"
+        " (num_contributors counts them all); null: unbounded.",
+    )
+    not_picked: dict[str, str] = Field(
+        default_factory=dict,
+        description="Bounded rounds: the submissions left out, peer id -> why (RoundView.picks has them all).",
+    )
 
 
 class HeldState(ResponseModel):

@@ -17,19 +17,21 @@ rounds it has waited.
 
 The rule (`select`): each tier is ordered by waited, longest first, then by the seeded hash
 H(seed || peer id) (`tie_break`). Of the submissions, the unproven tier gets
-``u = min(unproven submitted, max(M // NEWCOMER_SHARE, M - proven submitted))`` places, taken in
-its order, and the proven tier the other M - u, in its order. So:
+``u = min(unproven submitted, max(F, M - proven submitted))`` places, taken in its order, and the
+proven tier the other M - u, in its order; F (`newcomer_floor`) is M // 4, at least 1 for M >= 2.
+So:
 
 1. *Rotation.* With P proven members that submit every round, the proven tier takes at least
-   M - M // 4 of them per round, the longest-waiting first: round robin, so each is picked at least
-   once every ceil(P / (M - M // 4)) rounds; once no newcomer submits, every ceil(P / M) rounds.
+   M - F of them per round, the longest-waiting first: round robin, so each is picked at least
+   once every ceil(P / (M - F)) rounds; once no newcomer submits, every ceil(P / M) rounds.
 2. *A Sybil flood cannot crowd honest peers out.* Fresh keys are unproven, so however many there
-   are they compete only for the newcomer places, M // 4 of them while proven members fill the
-   rest: the proven members' rotation is untouched. Among newcomers, waiting orders the queue, so a
+   are they compete only for the newcomer places, F of them while proven members fill the rest:
+   the proven members' rotation is untouched. Among newcomers, waiting orders the queue, so a
    flood that joins later queues behind the honest newcomers already waiting; a key that gets in
    and sends nothing useful earns no credit and stays unproven, at the back of the queue again.
-3. *Newcomers get in.* With M >= NEWCOMER_SHARE, at least M // 4 places a round go to newcomers
-   while any submits; below that, newcomers fill only the places proven members leave.
+3. *Newcomers get in.* At least F places a round go to newcomers while any submits (with M = 1,
+   only when no proven member submits), so an honest newcomer becomes proven after a wait of about
+   its place in the newcomer queue over F rounds.
 4. *Unbounded is the identity.* M = 0, or M at least the number of submissions, picks them all.
 5. *Nobody can steer it.* The seed is an agreed digest, unknown before the round before ended, so
    no key can be made in advance to win the hash; the hash only breaks ties in waiting anyway.
@@ -53,7 +55,7 @@ import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-# The newcomer places of a bounded round: M // NEWCOMER_SHARE (see the module docstring, 2. and 3.).
+# The newcomer places of a bounded round: M // NEWCOMER_SHARE, at least 1 (`newcomer_floor`).
 NEWCOMER_SHARE = 4
 SEED_DOMAIN = b"locoswarm.selection.v1"
 
@@ -111,9 +113,15 @@ def priority(candidates: Sequence[Candidate], seed: bytes) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (-c.waited_rounds, tie_break(seed, c.peer_id), c.peer_id))
 
 
+def newcomer_floor(max_contributors: int) -> int:
+    """The places newcomers get a round while any submits: M // 4, and 1 for 2 <= M < 8 (with
+    M = 1 the one place is the proven members' whenever one submits)."""
+    return max(1, max_contributors // NEWCOMER_SHARE) if max_contributors > 1 else 0
+
+
 def newcomer_places(max_contributors: int, proven_submitted: int, unproven_submitted: int) -> int:
     """How many of M places the unproven tier takes (rule in the module docstring)."""
-    floor = max(max_contributors // NEWCOMER_SHARE, max_contributors - proven_submitted)
+    floor = max(newcomer_floor(max_contributors), max_contributors - proven_submitted)
     return min(unproven_submitted, floor)
 
 

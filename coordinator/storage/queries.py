@@ -288,6 +288,18 @@ class Storage:
             (run_id, round_index),
         )
 
+    def selections_between(self, run_id: str, first_round: int, last_round: int) -> dict[int, list[SelectionRow]]:
+        """The picks of the bounded rounds in [first, last], by round (status history)."""
+        rows = self.db.many(
+            SelectionRow,
+            "SELECT * FROM selections WHERE run_id = ? AND round BETWEEN ? AND ? ORDER BY round, peer_id",
+            (run_id, first_round, last_round),
+        )
+        by_round: dict[int, list[SelectionRow]] = {}
+        for row in rows:
+            by_round.setdefault(row.round, []).append(row)
+        return by_round
+
     def manifest_peers(self, run_id: str, round_index: int, version: int | None = None) -> set[str]:
         """The publishers in version `version` of round r's manifest (None: its latest). An older
         version also holds the entries dropped after it."""

@@ -74,6 +74,10 @@ def test_a_bounded_round_closes_once_its_pick_is_settled_and_keeps_at_most_m(coo
         tier = "proven" if pick.proven else "newcomer"
         assert pick.reason.startswith(("picked: " if pick.picked else "not picked: ") + f"{tier} rank {pick.rank} of")
     assert {e.peer_id for e in closed.manifest} == recomputed(client, run_id, closed, 4)
+    history = {h["round"]: h for h in client.get(f"/v1/runs/{run_id}/status").json()["history"]}
+    assert history[1]["num_picked"] == 4 and history[1]["num_contributors"] == 6
+    assert history[1]["not_picked"] == {p: pick.reason for p, pick in closed.picks.items() if not pick.picked}
+    assert "picked" in client.get(f"/?run={run_id}").text
 
 
 def test_bounded_rounds_rotate_the_members_through_the_manifest(coordinator_client, fake_clock):
@@ -109,3 +113,5 @@ def test_an_unbounded_run_has_no_picks(coordinator_client, fake_clock):
     closed = view(client, run_id, 0)
     assert closed.state == "closed" and len(closed.manifest) == 3
     assert closed.picks == {} and closed.seed_round is None
+    [summary] = client.get(f"/v1/runs/{run_id}/status").json()["history"]
+    assert summary["num_picked"] is None and summary["not_picked"] == {}

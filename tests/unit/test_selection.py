@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from protocol.selection import NEWCOMER_SHARE, Candidate, round_seed, select, settled
+from protocol.selection import Candidate, newcomer_floor, round_seed, select, settled
 
 SEED = round_seed("run", 5, "ab" * 32)
 
@@ -76,7 +76,7 @@ def test_never_more_than_m_and_never_a_peer_that_did_not_submit():
 @pytest.mark.parametrize("num_peers,bound", [(64, 8), (64, 16), (20, 6), (33, 32)])
 def test_every_member_gets_in_within_ceil_n_over_m_rounds_once_all_are_proven(num_peers, bound):
     swarm = Swarm(num_peers)
-    onboarding = math.ceil(num_peers / max(1, bound // NEWCOMER_SHARE)) + 1
+    onboarding = math.ceil(num_peers / newcomer_floor(bound)) + 1
     for r in range(onboarding + 4 * math.ceil(num_peers / bound)):
         swarm.round(r, bound)
     assert all(swarm.last[p] is not None for p in swarm.ids), "every newcomer got in"
@@ -95,10 +95,10 @@ def test_a_sybil_flood_of_fresh_keys_does_not_displace_proven_members():
     for r in range(12, 40):
         picked = flooded.round(r, bound)
         per_round_proven.append(sum(p not in flooded.junk for p in picked))
-        assert sum(p in flooded.junk for p in picked) <= bound // NEWCOMER_SHARE
-    assert min(per_round_proven) >= bound - bound // NEWCOMER_SHARE
+        assert sum(p in flooded.junk for p in picked) <= newcomer_floor(bound)
+    assert min(per_round_proven) >= bound - newcomer_floor(bound)
     gaps = [g for p in flooded.ids if p not in flooded.junk for g in flooded.gaps[p]]
-    assert max(gaps) <= math.ceil(honest / (bound - bound // NEWCOMER_SHARE))  # the rotation holds
+    assert max(gaps) <= math.ceil(honest / (bound - newcomer_floor(bound)))  # the rotation holds
 
 
 def test_newcomers_queue_ahead_of_a_later_flood():
