@@ -129,7 +129,16 @@ def test_a_saved_run_is_shown_and_drawn_without_simulating(tiny_run, tmp_path, c
     capsys.readouterr()
     assert locoswarm(["sim", "--from-out", str(out), "--plot", str(tmp_path / "saved.png")]) == 0
     printed = capsys.readouterr().out
-    assert printed.splitlines()[0].split() == ["strategy", "val", "loss", "tokens", "bytes/peer/round", "wall", "s"]
+    assert printed.splitlines()[0].split() == [
+        "strategy",
+        "val",
+        "loss",
+        "tokens",
+        "sent/peer/round",
+        "recv/peer/round",
+        "wall",
+        "s",
+    ]
     assert f"wrote {tmp_path / 'saved.png'}" in printed
     assert _png_size(tmp_path / "saved.png") == _png_size(tiny_run[1])
 

@@ -45,7 +45,8 @@ own, averaged over peers: what fetching the manifest costs a node (nodes fetch m
 only).
 
 Bytes sent per peer per round: the packet for sparseloco; the fp32 delta for diloco; for ddp,
-what a ring all-reduce of fp32 gradients sends per peer over H steps, 2 (R-1)/R * 4 * numel * H.
+what a ring all-reduce of fp32 gradients sends per peer over H steps, 2 (R-1)/R * 4 * numel * H
+(and receives as much).
 """
 
 from __future__ import annotations
@@ -422,6 +423,7 @@ def run_ddp(cfg: SimConfig, corpus, progress) -> StrategyResult:
     result.final_val_loss = result.curve[-1][1]
     ring = 2 * (cfg.num_peers - 1) / cfg.num_peers
     result.bytes_sent_per_peer_per_round = ring * 4 * num_parameters(model) * cfg.inner_steps
+    result.bytes_received_per_peer_per_round = result.bytes_sent_per_peer_per_round  # a ring receives what it sends
     return result
 
 
