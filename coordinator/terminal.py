@@ -139,7 +139,9 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
                 [
                     [
                         str(h["round"]),
-                        str(h["num_contributors"]),
+                        str(h["num_contributors"])
+                        if h.get("num_picked") is None
+                        else f"{h['num_picked']} of {h['num_contributors']} picked",
                         _fmt(h["mean_loss"], 4),
                         f"{h['round_time_s']:.1f} s",
                         str(h["num_applied"]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.terminal import render_status
 from protocol.http import RoundView
 from protocol.selection import Candidate, round_seed, select, tie_break
 from tests.fixtures.coordinator import SignedPeer, create_run, error_of
@@ -78,6 +79,7 @@ def test_a_bounded_round_closes_once_its_pick_is_settled_and_keeps_at_most_m(coo
     assert history[1]["num_picked"] == 4 and history[1]["num_contributors"] == 6
     assert history[1]["not_picked"] == {p: pick.reason for p, pick in closed.picks.items() if not pick.picked}
     assert "picked" in client.get(f"/?run={run_id}").text
+    assert "4 of 6 picked" in render_status(client.get(f"/v1/runs/{run_id}/status").json())
 
 
 def test_bounded_rounds_rotate_the_members_through_the_manifest(coordinator_client, fake_clock):
