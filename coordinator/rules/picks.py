@@ -11,12 +11,13 @@ the public facts and writes down what it decided.
   out, so everything that reads manifests (votes, standing, round views, amendments) sees the
   pick. Nothing is refused: a submission that is not picked was accepted and is shown with why.
 - Early close (`settled`): a bounded round closes once `protocol.selection.settled` holds for its
-  submissions and the peers it waits for (coordinator/rules/standing.py), besides the unbounded
-  rule (every waited-for peer submitted), which it implies.
+  submissions, the peers it waits for (coordinator/rules/standing.py) and the proven members whose
+  turn it is (`due`), besides the unbounded rule (every waited-for peer submitted).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 from coordinator.storage import PeerRow, SelectionRow, Storage
@@ -49,13 +50,41 @@ def seed(storage: Storage, run_id: str, round_index: int) -> tuple[bytes, int | 
     return selection.round_seed(run_id, round_index, None), None
 
 
-def settled(storage: Storage, run_id: str, round_index: int, max_contributors: int, waited: dict[str, bool]) -> bool:
-    """Whether the bounded round's picks can no longer change by a submission it waits for."""
+def settled(
+    storage: Storage, run_id: str, round_index: int, max_contributors: int, window_rounds: int, waited: dict[str, bool]
+) -> bool:
+    """Whether the bounded round's picks can no longer change by a submission it waits for: the
+    waited-for peers, and the proven members whose turn it is (`due`)."""
     submitted = {s.peer_id for s in storage.list_submissions(run_id, round_index)}
-    pending = [p for p, done in waited.items() if not done]
-    pool = candidates(storage, run_id, round_index, submitted | set(pending))
+    members = {
+        p.peer_id: candidate(p, round_index)
+        for p in storage.list_peers(run_id)
+        if p.status == "live"
+        and p.member_since_round <= round_index
+        and p.excluded_round is None
+        and p.withheld_round is None
+        or p.peer_id in submitted
+    }
+    pending = {p for p, done in waited.items() if not done} | (
+        due(members.values(), max_contributors, window_rounds) - submitted
+    )
+    pool = [members[p] for p in submitted | pending if p in members]
     round_seed, _ = seed(storage, run_id, round_index)
     return selection.settled(pool, submitted, pending, max_contributors, round_seed)
+
+
+def due(members: Collection[Candidate], max_contributors: int, window_rounds: int) -> set[str]:
+    """The proven members a bounded round waits for besides its contributors: those left out by the
+    rotation rather than by missing rounds. The standing rule waits for a packet in the last
+    ``max_missed_rounds`` (K) manifests, but a member the pick left out has none there through no
+    fault of its own, and it is first in line: closing on the others' packets would leave it out
+    again. So a proven member is due while it has waited fewer rounds than the rotation takes
+    (ceil(P / (M - F)), P the proven members) plus K: one that then still does not submit has
+    missed K turns, and no round waits for it any more, as in an unbounded run."""
+    proven = [c for c in members if c.proven]
+    places = max(1, max_contributors - selection.newcomer_floor(max_contributors))
+    rotation = math.ceil(len(proven) / places)
+    return {c.peer_id for c in proven if c.waited_rounds < rotation + window_rounds}
 
 
 def pick(storage: Storage, run_id: str, round_index: int, max_contributors: int) -> None:

@@ -9,8 +9,9 @@
   (coordinator/recovery.py).
 - Bounded rounds (``outer.max_contributors`` M > 0, coordinator/rules/picks.py): closing also
   picks at most M of the submissions by protocol/selection.py, and the manifest holds only those;
-  the others were accepted and are shown as not picked, with why. Such a round also closes early
-  once its picks are settled: no waited-for peer that has not submitted could still take a place.
+  the others were accepted and are shown as not picked, with why. Such a round closes early once
+  its picks are settled: no waited-for peer, nor proven member whose turn it is, that has not
+  submitted could still take a place.
 - Submissions go to the open round before its deadline, once per peer (the same digest again is
   answered as the first time; another is ``conflicting_submission``), at most
   ``exchange.max_packet_bytes``, never from an excluded peer (coordinator/scoring.py). A
@@ -106,10 +107,10 @@ def _all_waited_submitted(ctx: Context, run_id: str, round_index: int, config: R
     waited = standing.waited_for(ctx.storage, run_id, round_index, window, forming)
     if not waited:
         return False
-    if all(waited.values()):
-        return True
     bound = config.outer.max_contributors
-    return picks.bounded(bound) and picks.settled(ctx.storage, run_id, round_index, bound, waited)
+    if picks.bounded(bound):  # also waits for the proven members whose turn it is
+        return picks.settled(ctx.storage, run_id, round_index, bound, window, waited)
+    return all(waited.values())
 
 
 def _newcomers_in_step(ctx: Context, run_id: str, open_round: RoundRow, config: RunConfig, now: float) -> bool:

@@ -117,3 +117,28 @@ def test_an_unbounded_run_has_no_picks(coordinator_client, fake_clock):
     assert closed.picks == {} and closed.seed_round is None
     [summary] = client.get(f"/v1/runs/{run_id}/status").json()["history"]
     assert summary["num_picked"] is None and summary["not_picked"] == {}
+
+
+def test_a_proven_member_whose_turn_it_is_holds_the_early_close(coordinator_client, fake_clock):
+    """With max_missed_rounds 1 the round waits only for last round's picks; the proven members left
+    out last round are first in line now, and the round must not close on the others' packets
+    before theirs are in (their turn, not a miss). Each round the left-out ones submit last."""
+    client = coordinator_client
+    run_id = create_run(
+        client, {"membership.min_peers": 4, "membership.max_missed_rounds": 1, "outer.max_contributors": 4}
+    )
+    peers = join(client, fake_clock, run_id, 6)
+    manifests: list[set[str]] = []
+    for r in range(8):
+        last = manifests[-1] if manifests else set()
+        ever = set().union(*manifests)
+        # Newcomers first (a newcomer slower than the contributors is not waited for, picked or
+        # not: "Newcomers in step" covers that), then last round's picks, then the proven left out.
+        for peer in sorted(peers, key=lambda p: (p.peer_id in ever, p.peer_id not in last)):
+            response = peer.submit(run_id, r)
+            assert response.status_code == 200 or error_of(response) == "stale_round"
+        manifests.append({e.peer_id for e in view(client, run_id, r).manifest})
+    everyone = {p.peer_id for p in peers}
+    assert set().union(*manifests[:4]) == everyone, "every newcomer got in"
+    for r in range(5, 8):
+        assert manifests[r - 1] | manifests[r] == everyone, (r, manifests)
