@@ -59,11 +59,7 @@ def settled(
     members = {
         p.peer_id: candidate(p, round_index)
         for p in storage.list_peers(run_id)
-        if p.status == "live"
-        and p.member_since_round <= round_index
-        and p.excluded_round is None
-        and p.withheld_round is None
-        or p.peer_id in submitted
+        if p.peer_id in submitted or _may_be_waited_for(p, round_index)
     }
     pending = {p for p, done in waited.items() if not done} | (
         due(members.values(), max_contributors, window_rounds) - submitted
@@ -71,6 +67,16 @@ def settled(
     pool = [members[p] for p in submitted | pending if p in members]
     round_seed, _ = seed(storage, run_id, round_index)
     return selection.settled(pool, submitted, pending, max_contributors, round_seed)
+
+
+def _may_be_waited_for(peer: PeerRow, round_index: int) -> bool:
+    """A live member of round r that is neither excluded nor flagged (coordinator/rules/standing.py)."""
+    return (
+        peer.status == "live"
+        and peer.member_since_round <= round_index
+        and peer.excluded_round is None
+        and peer.withheld_round is None
+    )
 
 
 def due(members: Collection[Candidate], max_contributors: int, window_rounds: int) -> set[str]:
