@@ -226,7 +226,8 @@ class Storage:
     def prune_rounds(self, run_id: str, first_round: int, end_round: int) -> None:
         """Delete the per-peer rows of rounds first_round <= r < end_round, keeping their round rows
         and manifests (coordinator/rules/retention.py): first the submissions no manifest holds,
-        then the dropped entries (which the manifest view no longer needs), reports and votes."""
+        then the dropped entries and picks (which the manifest view no longer needs), reports and
+        votes."""
         span = (run_id, first_round, end_round)
         self.db.execute(
             "DELETE FROM submissions WHERE run_id = ? AND round >= ? AND round < ? AND NOT EXISTS"
@@ -234,7 +235,7 @@ class Storage:
             " AND m.round = submissions.round AND m.peer_id = submissions.peer_id)",
             span,
         )
-        for table in ("dropped_entries", "missing_reports", "applied"):
+        for table in ("dropped_entries", "selections", "missing_reports", "applied"):
             self.db.execute(f"DELETE FROM {table} WHERE run_id = ? AND round >= ? AND round < ?", span)
 
     def update_round(self, run_id: str, round_index: int, **fields: Any) -> None:
