@@ -50,7 +50,8 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
     round closes; returns the closed round's view."""
     members = await live_members(s)
     bounded = s.run.outer.max_contributors > 0
-    view = await s.client.round(round, wait_s=30, submitted_gt=0)
+    # A bounded round is only waited on until it closes: its submissions wake nobody here.
+    view = await s.client.round(round, wait_s=30, submitted_gt=None if bounded else 0)
     while True:
         # A closed round lists its packets in the manifest only: the last submission is seen
         # there, and its fetch starts here too, beside those still running. A bounded round's
@@ -74,7 +75,7 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
                 )
         if view.state == "closed":
             return view
-        view = await s.client.round(round, wait_s=30, submitted_gt=view.num_submitted)
+        view = await s.client.round(round, wait_s=30, submitted_gt=None if bounded else view.num_submitted)
 
 
 async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents) -> dict[str, bytes]:
