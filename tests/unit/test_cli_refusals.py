@@ -144,7 +144,7 @@ def test_misspelt_keys_get_the_closest_known_one(tmp_path, capsys):
         (
             "[outer]\nspeed = 1\n",
             "outer.speed: unknown key (known keys: strategy, lr, momentum, nesterov, top_k, "
-            "chunk_size, error_decay, aggregation, max_abs_value, overlap)",
+            "chunk_size, error_decay, aggregation, max_abs_value, overlap, max_contributors)",
         ),
     ]:
         head, _, section = text.partition("[")

@@ -132,6 +132,7 @@ def test_per_peer_rows_count_the_final_manifests_that_hold_each_peers_packet():
 
     table = format_peers(rows).splitlines()
     assert table[0].split() == [
-        "host", "peer", "NAT", "reachable", "in", "manifest", "pushed", "dropped", "applied", "standing"
+        "host", "peer", "NAT", "reachable", "path", "in", "manifest", "pushed", "dropped", "applied", "standing",
+        "xfer/ideal", "util",
     ]  # fmt: skip
-    assert table[3].split() == ["h3", "pc", "yes", "no", "1/3", "1", "1", "1", "not_waited"]
+    assert table[3].split() == ["h3", "pc", "yes", "no", "push", "1/3", "1", "1", "1", "not_waited", "-", "-"]
