@@ -135,14 +135,17 @@ async def test_normal_rounds_agree(swarm):
 @in_swarm
 async def test_a_bounded_round_takes_m_packets_and_every_node_applies_it(swarm):
     """Four nodes, outer.max_contributors 2: each manifest holds two packets, every node applies
-    every round from those two (the others' values go back to their error buffers), and all agree."""
+    every round from those two (the others' values go back to their error buffers), and all agree.
+    A round may close before every node submitted, once the pick cannot change (protocol/selection.py,
+    early close): those submitted and not picked are the rest."""
     await swarm.create_run(outer={"max_contributors": 2})
     nodes = [swarm.node(name)[0] for name in "abcd"]
     await run_all(*nodes)
     status = await swarm.status()
     agreed = {h.round: h.majority_digest for h in status.history}
     assert sorted(agreed) == [0, 1, 2]
-    assert [(h.num_contributors, h.num_picked, len(h.not_picked)) for h in status.history] == [(4, 2, 2)] * 3
+    assert [h.num_picked for h in status.history] == [2, 2, 2]
+    assert all(h.num_contributors - 2 == len(h.not_picked) for h in status.history), status.history
     for node in nodes:
         assert [r.round for r in node.reports] == [0, 1, 2]
         assert all(r.num_packets == 2 for r in node.reports), [r.num_packets for r in node.reports]
