@@ -115,13 +115,16 @@ async def run_all(*nodes: Node) -> None:
 
 @in_swarm
 async def test_normal_rounds_agree(swarm):
-    """Three nodes, three rounds; in a swarm the coordinator sizes at 0.5 heartbeats a second the
-    nodes beat every 3 / 0.5 = 6 s, as its heartbeat answers tell them, not every 8 / 4 = 2 s."""
+    """Three nodes, three rounds; in a swarm the coordinator sizes at 0.5 heartbeats a second, each
+    node beats at the period the coordinator last told it: max(8 / 4, N / 0.5) s with N live peers
+    when it was told."""
     await swarm.create_run(membership={"heartbeat_timeout_s": 8.0, "max_heartbeats_per_s": 0.5})
-    nodes = [swarm.node(name)[0] for name in "abc"]
+    nodes, peer_ids = zip(*(swarm.node(name) for name in "abc"))
     await run_all(*nodes)
-    assert [node.session.heartbeat_interval_s for node in nodes] == [6.0] * 3
     status = await swarm.status()
+    told = {p.peer_id: p.heartbeat_interval_s for p in status.peers}
+    assert [node.session.heartbeat_interval_s for node in nodes] == [told[p] for p in peer_ids]
+    assert set(told.values()) <= {2.0, 4.0, 6.0}, told  # max(8 / 4, N / 0.5) for N = 1, 2, 3
     agreed = {h.round: h.majority_digest for h in status.history}
     assert sorted(agreed) == [0, 1, 2]
     for node in nodes:
