@@ -39,6 +39,7 @@ class RoundReport:
     fetching_s: float = 0.0  # wall time with one of that round's fetches in progress (early ones included)
     uploaded_bytes: int = 0  # stream bytes it served to others for its own round
     started_at: float = 0.0  # unix time the round's inner steps began
+    submitted_at: float = 0.0  # unix time the coordinator accepted its packet (0: not submitted)
     ended_at: float = 0.0  # unix time its outer step (or, with overlap, the previous round's) was applied
     applied_round: int = -1  # the round whose aggregate this report's digest follows (r, or r-1 with overlap)
     manifest_version: int = 1  # of applied_round's manifest; above 1 when it was amended and applied again

@@ -229,6 +229,7 @@ async def send(
             encode_s=encode_s,
             multiaddrs=targets[0] if targets else announcement.multiaddrs,
         )
+        report.submitted_at = s.clock()
         if answer.mirror_put_url is not None:  # the run's packet mirror: one more holder, for peers behind NAT
             s.spawn(
                 mirror.upload(

@@ -133,3 +133,45 @@ def test_each_peers_own_steady_means_and_how_its_packet_left_it():
     rounds = {k: {"state": "closed", "manifest": [{"peer_id": "a"}, {"peer_id": "b"}]} for k in (0, 1)}
     rows = peer_rows(["a", "b"], [True, True], rounds, reports, relayed=[True, False])
     assert [(r["path"], r["rounds_in_manifest"], r["rounds_pushed"]) for r in rows] == [("relay", 2, 0), ("push", 2, 1)]
+
+
+MB = 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("packets", "downlink", "busy_s"),
+    [
+        ([(0.0, MB, 1e12), (0.0, MB, 1e12)], MB, 2.0),  # ready together: the downlink carries both
+        ([(0.0, MB, 1e12), (0.5, MB, 1e12)], MB, 2.0),  # the second while the first still arrives
+        ([(0.0, MB, MB), (5.0, MB, MB)], 10 * MB, 2.0),  # apart, each at its 1 MB/s uplink: 1 s each
+        ([(0.0, MB, MB), (0.0, 4 * MB, 1e12)], 2 * MB, 2.5),  # max-min: 1 + 1 MB/s for 1 s, then 2 MB/s
+        ([], MB, 0.0),
+    ],
+)
+def test_the_fluid_ideal_is_the_downlinks_busy_time_given_the_submissions(packets, downlink, busy_s):
+    from tools.netlab.report import _fluid_busy_s
+
+    assert _fluid_busy_s(packets, downlink) == pytest.approx(busy_s)
+
+
+def test_submission_times_give_the_ideal_a_spread_swarm_can_reach():
+    """Three peers with 1 MB packets submitted 10 s apart. On 80 Mbps (10 MB/s) each packet takes
+    0.1 s alone: 0.2 s for two, as with every packet ready at once. With h1 on 8 Mbps, a fast peer
+    takes h1's packet in 1 s and the other's in 0.1 s, apart: 1.1 s, where at once 1 s would do."""
+    reports = [
+        {
+            "rounds": [
+                _round(k, compute=4.0, transfer=0.5, packet_bytes=MB)
+                | {"submitted_at": 100.0 * k + 10.0 * i, "fetching_s": 0.3}
+                for k in (0, 1)
+            ]
+        }
+        for i in range(3)
+    ]
+    row = summarize(reports, [], rate_mbps=80.0)["per_round"][1]
+    assert row["ideal_transfer_s"] == pytest.approx(0.2) and row["ideal_all_ready_s"] == pytest.approx(0.2)
+    assert row["transfer_over_ideal"] == pytest.approx(1.5)
+    result = summarize(reports, [], rate_mbps=[8.0, 80.0, 80.0])
+    fast = result["summary"]["by_rate"][1]
+    assert fast["ideal_transfer_s"] == pytest.approx(1.1) and fast["ideal_all_ready_s"] == pytest.approx(1.0)
+    assert fast["transfer_over_all_ready"] > fast["transfer_over_ideal"]

@@ -522,7 +522,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         elif args.peers >= 2 and result["summary"]["packet_bytes"]:
             # The baseline, measured in the same lab: the round's bytes over plain TCP, all at once.
             baseline = topology.probe_alltoall(list(range(1, args.peers + 1)), int(result["summary"]["packet_bytes"]))
-            ideal_s = result["summary"]["ideal_transfer_s"]
+            ideal_s = result["summary"]["ideal_all_ready_s"]  # every packet ready at once, as here
             baseline["over_ideal"] = baseline["mean_s"] / ideal_s if ideal_s else None
             result["tcp_alltoall"] = baseline
             result["summary"]["tcp_alltoall_over_ideal"] = baseline["over_ideal"]

@@ -19,10 +19,16 @@ Per round, averaged over the peers that report it (every peer times its own roun
 - idle_s = round_s - compute_s - encode_s - aggregate_s: time the node's CPU waits on the network
   and on the other peers;
 - download_bytes: what one peer must fetch, the packets of every other peer in the round (its own
-  is local); ideal_transfer_s: the least time the links allow, download_bytes * 8 / the peer's link
-  rate, or, where a slower uplink binds, the slowest other publisher's packet over its uplink (its
-  first copy has to leave it); transfer_over_ideal, per peer then averaged; 1.0 is a link kept
-  full whenever a fetch was in progress (fetching_s; transfer_s for reports that lack it);
+  is local); ideal_transfer_s: the least time the links allow, given when each packet was
+  submitted (the nodes' `submitted_at`): each packet leaves its publisher from its submission at
+  that uplink's full rate, the peer's downlink is shared fairly between those arriving, and the
+  time it has work is the ideal (`_fluid_busy_s`); transfer_over_ideal = fetching_s / ideal, per
+  peer then averaged; 1.0 is a link kept full whenever a fetch was in progress, as fast as the
+  publishers' uplinks allow. ideal_all_ready_s is the bound with every packet ready at once (and
+  the ideal for reports without submission times): download_bytes * 8 / the peer's link rate, or,
+  where a slower uplink binds, the slowest other publisher's packet over its uplink; a swarm whose
+  submissions spread out cannot reach it (a packet submitted alone leaves its publisher no faster
+  than that publisher's uplink), so it only bounds; transfer_over_all_ready = fetching_s / it;
   after_close_over_ideal = transfer_s / ideal: the part left after the round closed (0 with
   overlap, where it runs behind compute);
 - compute_utilization = compute_s / round_s, per peer then averaged;
@@ -55,6 +61,8 @@ SUMMARY_KEYS = (
     "download_bytes",
     "ideal_transfer_s",
     "transfer_over_ideal",
+    "ideal_all_ready_s",
+    "transfer_over_all_ready",
     "after_close_over_ideal",
     "compute_utilization",
 )
@@ -93,7 +101,14 @@ def summarize(reports: list[dict], history: list[dict], *, rate_mbps: float | li
     return {"per_round": rows, "summary": summary}
 
 
-PEER_KEYS = ("fetching_s", "ideal_transfer_s", "transfer_over_ideal", "round_s", "compute_utilization")
+PEER_KEYS = (
+    "fetching_s",
+    "ideal_transfer_s",
+    "transfer_over_ideal",
+    "transfer_over_all_ready",
+    "round_s",
+    "compute_utilization",
+)
 
 
 def summarize_peers(reports: list[dict], history: list[dict], *, rate_mbps: float | list[float]) -> list[dict]:
@@ -143,8 +158,22 @@ def _fetching_s(r: dict) -> float | None:
 
 
 def _ideal_s(per_peer: list[dict]) -> list[float | None]:
-    """Each peer's least transfer time: its own downlink carrying every other packet, or the
-    slowest other publisher's uplink sending its packet once (None for an unshaped peer)."""
+    """Each peer's least transfer time (None for an unshaped peer): with every publisher's
+    submission time known, the busy time of `_fluid_busy_s`; otherwise `_all_ready_s`."""
+    if not all(r.get("submitted_at") for r in per_peer):
+        return _all_ready_s(per_peer)
+    ideal = []
+    for r in per_peer:
+        others = [o for o in per_peer if o is not r]
+        packets = [(o["submitted_at"], o["packet_bytes"], _bytes_per_s(o["rate_mbps"])) for o in others]
+        ideal.append(_fluid_busy_s(packets, _bytes_per_s(r["rate_mbps"])) if r["rate_mbps"] > 0 else None)
+    return ideal
+
+
+def _all_ready_s(per_peer: list[dict]) -> list[float | None]:
+    """Each peer's least transfer time with every packet ready at once: its own downlink carrying
+    every other packet, or the slowest other publisher's uplink sending its packet once (None for
+    an unshaped peer)."""
     ideal = []
     for r in per_peer:
         others = [o for o in per_peer if o is not r]
@@ -155,16 +184,50 @@ def _ideal_s(per_peer: list[dict]) -> list[float | None]:
     return ideal
 
 
+def _bytes_per_s(rate_mbps: float) -> float:
+    return rate_mbps * 1e6 / 8 if rate_mbps > 0 else float("inf")
+
+
+def _fluid_busy_s(packets: list[tuple[float, int, float]], downlink: float) -> float:
+    """The time a downlink of `downlink` bytes/s has work, when each packet (ready at, bytes, its
+    publisher's uplink in bytes/s) leaves its publisher as it is submitted at that uplink's full
+    rate and the downlink is shared fairly (max-min) between the packets arriving: the least time
+    the links allow given when the packets were submitted. Gaps with nothing left to receive do
+    not count, as they do not in the nodes' `fetching_s`."""
+    pending = sorted(packets)
+    active: list[list[float]] = []  # [bytes left, uplink]
+    now, busy, i = pending[0][0] if pending else 0.0, 0.0, 0
+    while i < len(pending) or active:
+        while i < len(pending) and pending[i][0] <= now:
+            active.append([float(pending[i][1]), pending[i][2]])
+            i += 1
+        if not active:
+            now = pending[i][0]
+            continue
+        rates, left = {}, downlink
+        for n, packet in enumerate(sorted(active, key=lambda p: p[1])):  # water-filling, smallest cap first
+            rates[id(packet)] = min(packet[1], left / (len(active) - n))
+            left -= rates[id(packet)]
+        step = min(p[0] / rates[id(p)] for p in active)
+        if i < len(pending):
+            step = min(step, pending[i][0] - now)
+        for packet in active:
+            packet[0] -= rates[id(packet)] * step
+        active = [p for p in active if p[0] > 1e-6]
+        now, busy = now + step, busy + step
+    return busy
+
+
 def _round_row(k: int, per_peer: list[dict], closed_at: dict[int, float], only=None) -> dict:
     """Round k's means over the peers (`only`: over those it selects; ideals use everyone)."""
     # Each peer downloads every other peer's packet: the round's total less its own.
     total_bytes = sum(r["packet_bytes"] for r in per_peer)
     download_bytes = [total_bytes - r["packet_bytes"] for r in per_peer]
-    ideal_s = _ideal_s(per_peer)
+    ideal_s, all_ready_s = _ideal_s(per_peer), _all_ready_s(per_peer)
     if only is not None:
         chosen = [only(r) for r in per_peer]
-        per_peer, download_bytes, ideal_s = (
-            [x for x, c in zip(xs, chosen) if c] for xs in (per_peer, download_bytes, ideal_s)
+        per_peer, download_bytes, ideal_s, all_ready_s = (
+            [x for x, c in zip(xs, chosen) if c] for xs in (per_peer, download_bytes, ideal_s, all_ready_s)
         )
     times = [r["times"] for r in per_peer]
     # A peer's round: wall clock from the start of its inner steps to the end of its outer step
@@ -193,6 +256,8 @@ def _round_row(k: int, per_peer: list[dict], closed_at: dict[int, float], only=N
         "measured_download_bytes": _mean(measured) if measured else None,
         "ideal_transfer_s": _mean(ideal_s),
         "transfer_over_ideal": _mean(f / s for r, s in zip(per_peer, ideal_s) if s and (f := _fetching_s(r))),
+        "ideal_all_ready_s": _mean(all_ready_s),
+        "transfer_over_all_ready": _mean(f / s for r, s in zip(per_peer, all_ready_s) if s and (f := _fetching_s(r))),
         "after_close_over_ideal": _mean(t["transfer_s"] / s for t, s in zip(times, ideal_s) if s),
         "compute_utilization": _mean(t["compute_s"] / total for t, total in zip(times, round_s) if total > 0),
         "swarm_cycle_s": closed_at[k] - closed_at[k - 1] if k in closed_at and k - 1 in closed_at else None,
