@@ -7,6 +7,7 @@ computes the same trees without talking (the cost model is in `tree_parent`'s do
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from collections.abc import Iterable, Mapping
 
@@ -39,30 +40,27 @@ def tree_parent(
     computes other trees: it may ask a peer that does not expect it, which costs time, never
     correctness (any holder serves any verified copy).
 
-    With `uplinks` (the members' stated upload rates in Mbps, as the coordinator lists them), each
-    tree takes the publisher's successors by `uplink_class`, fastest first, ring order within a
-    class: the slow links sit at the leaves, where they forward nothing, and the members of each
-    class share the forwarding evenly. A publisher slower than the fastest of the others sends
-    one copy, to the first of them, which roots the rest of the tree: its uplink carries the
-    packet once, at its full rate, instead of `fanout` times at a fraction of it.
+    With `uplinks` (the members' stated upload rates in Mbps, as the coordinator lists them), only
+    the members of the fastest `uplink_class` forward: they make the heap (ring order), and every
+    slower member is a leaf, hung on the forwarder that offers it the most (uplink over its
+    children plus one; ties to the shallower). A slow uplink forwarding splits its few Mbps
+    between its children and its own packet's first copy, which every peer waits for; a fast one
+    barely notices a slow child (TCP leaves it the rest). Where the fastest are too few, so that
+    the best offer falls under a leaf's own uplink over the fan-out, that leaf forwards too (the
+    fastest leftovers first). A publisher slower than the forwarders sends one copy, to the first
+    of them, which roots the rest of the tree: its uplink carries the packet once, at its full
+    rate, instead of `fanout` times at a fraction of it.
 
     With `reachable` (False: peers cannot dial that member, coordinator/reachability.py), members
-    nobody can dial sit at the leaves of every tree, behind the others: nobody could ask them for
-    a copy. A publisher nobody can dial sends one copy, by pushing it (node/exchange/push.py) to
-    the first member of its tree (`push_targets`), which roots the rest.
+    nobody can dial never forward, as leaves of every tree: nobody could ask them for a copy. A
+    publisher nobody can dial sends one copy, by pushing it (node/exchange/push.py) to the first
+    member of its tree (`push_targets`), which roots the rest.
     """
-    heap = _heap(round, publisher, members, uplinks, reachable)
     if fanout < 1:
         raise ValueError("fanout must be at least 1")
-    if peer == publisher or peer not in heap:
+    if peer == publisher:
         return None
-    position = heap.index(peer)
-    one_copy = not _dialable(reachable, publisher) or (
-        uplinks and uplink_class(uplinks.get(publisher)) < uplink_class(uplinks.get(heap[1]))
-    )
-    if one_copy and len(heap) > 2:
-        return publisher if position == 1 else heap[1 + (position - 2) // fanout]  # heap[1] roots the rest
-    return heap[(position - 1) // fanout]
+    return _tree(round, publisher, members, fanout, uplinks, reachable).get(peer)
 
 
 def push_targets(
@@ -76,6 +74,61 @@ def push_targets(
     tree (`tree_parent`), the others are asked when it refuses; only members peers can dial."""
     heap = _heap(round, publisher, members, uplinks, reachable)
     return [m for m in heap[1:] if _dialable(reachable, m)]
+
+
+def _tree(
+    round: int,
+    publisher: str,
+    members: Iterable[str],
+    fanout: int,
+    uplinks: Mapping[str, float | None] | None,
+    reachable: Mapping[str, bool | None] | None,
+) -> dict[str, str]:
+    """Every member's parent in `publisher`'s tree (see `tree_parent`)."""
+    heap = _heap(round, publisher, members, uplinks, reachable)
+    rates = uplinks or {}
+    stated = [r for r in rates.values() if r and r > 0]
+    default_rate = max(stated, default=1.0)  # an unstated uplink counts as the fastest
+
+    def rate(m: str) -> float:
+        return r if (r := rates.get(m)) and r > 0 else default_rate
+
+    dialable = [m for m in heap[1:] if _dialable(reachable, m)]
+    top = max((uplink_class(rates.get(m)) for m in dialable), default=None)
+    forwarders = [m for m in dialable if uplink_class(rates.get(m)) == top]
+    leaves = [m for m in heap[1:] if m not in forwarders]
+    one_copy = bool(forwarders) and (
+        not _dialable(reachable, publisher) or uplink_class(rates.get(publisher)) < (top or 0)
+    )
+    parent: dict[str, str] = {}
+    if one_copy:  # the publisher's one copy roots a heap of the forwarders
+        parent[forwarders[0]] = publisher
+        backbone = forwarders
+    else:
+        backbone = [publisher, *forwarders]
+    for i in range(1, len(backbone)):
+        parent[backbone[i]] = backbone[(i - 1) // fanout]
+    # What each forwarder's children ask of its uplink (their own rates), over that uplink: each
+    # leaf goes to the least loaded (the first, shallowest, of equals).
+    load = {m: 0.0 for m in backbone if not (one_copy and m == publisher)}
+    for child, m in parent.items():
+        if m in load:
+            load[m] += rate(child)
+    queue = [(load[m] / rate(m), i, m) for i, m in enumerate(load)]
+    heapq.heapify(queue)
+    leaves.sort(key=lambda m: -uplink_class(rates.get(m)))  # stable: the fastest choose first
+    for i, leaf in enumerate(leaves, start=len(queue)):
+        if not queue:  # nobody forwards: the publisher serves all
+            parent[leaf] = publisher
+            continue
+        _, order, best = heapq.heappop(queue)
+        parent[leaf] = best
+        load[best] += rate(leaf)
+        heapq.heappush(queue, (load[best] / rate(best), order, best))
+        if load[best] / rate(best) > fanout and _dialable(reachable, leaf):
+            load[leaf] = 0.0  # the fast ones are too few: this one forwards too
+            heapq.heappush(queue, (0.0, i, leaf))
+    return parent
 
 
 def _dialable(reachable: Mapping[str, bool | None] | None, member: str) -> bool:

@@ -58,7 +58,7 @@ def test_a_peer_outside_the_member_list_has_no_parent_and_order_of_the_list_does
 def test_stated_uplinks_put_the_slow_links_at_the_leaves_and_the_fast_ones_share_the_forwarding():
     """Two 10 Mbps members among six at 100 and 120 Mbps (one class): the slow ones forward
     nothing but their own packet's first copy, the fast ones share the rest, and every tree is
-    still a tree of fan-out 2 rooted at its publisher."""
+    still a tree of fan-out 2 rooted at its publisher (a slow publisher's one copy adds a hop)."""
     uplinks = {m: 10.0 if m in ("peer-1", "peer-6") else 100.0 + 20 * (i % 2) for i, m in enumerate(MEMBERS)}
     for round in range(4):
         trees = {p: {m: tree_parent(round, p, m, MEMBERS, 2, uplinks) for m in MEMBERS if m != p} for p in MEMBERS}
@@ -69,7 +69,7 @@ def test_stated_uplinks_put_the_slow_links_at_the_leaves_and_the_fast_ones_share
                 hops, node = 0, member
                 while node != publisher:
                     node, hops = tree[node], hops + 1
-                    assert hops <= 3
+                    assert hops <= (4 if uplinks[publisher] == 10.0 else 3)
             forwarders = set(tree.values()) - {publisher}
             assert not forwarders & {"peer-1", "peer-6"}
             if uplinks[publisher] == 10.0:  # a slow publisher sends one copy, to a fast member
@@ -117,3 +117,52 @@ def test_members_nobody_can_dial_are_leaves_and_push_their_packet_to_the_first_r
     assert parents(1, "peer-0", MEMBERS, 2) == {
         m: tree_parent(1, "peer-0", m, MEMBERS, 2, None, unknown) for m in MEMBERS[1:]
     }
+
+
+def _depth(tree: dict[str, str], member: str, publisher: str) -> int:
+    hops = 0
+    while member != publisher:
+        member, hops = tree[member], hops + 1
+        assert hops <= len(tree)
+    return hops
+
+
+def test_only_the_fastest_reachable_forward_and_slow_leaves_go_where_the_load_is_least():
+    """The lab's mix: four members on 10 Mbps (one behind NAT), four on 100 (two behind NAT). In
+    every tree no slow member and no NAT'd one forwards; the fast NAT'd leaves hang on the two
+    fast reachable members, never on a slow one; and those two share the leaves, so neither
+    carries more than its fan-out's worth (2 x 100 Mbps) of children."""
+    slow, behind = {"peer-0", "peer-2", "peer-4", "peer-6"}, {"peer-5", "peer-6", "peer-7"}
+    uplinks = {m: 10.0 if m in slow else 100.0 for m in MEMBERS}
+    reachable = {m: m not in behind for m in MEMBERS}
+    fast_reachable = set(MEMBERS) - slow - behind
+    for round in range(6):
+        for publisher in MEMBERS:
+            tree = {
+                m: tree_parent(round, publisher, m, MEMBERS, 2, uplinks, reachable) for m in MEMBERS if m != publisher
+            }
+            forwarders = set(tree.values()) - {publisher}
+            assert forwarders <= fast_reachable
+            for parent in forwarders:
+                assert sum(uplinks[c] for c, p in tree.items() if p == parent) <= 2 * 100.0
+            if publisher in slow or publisher in behind:  # one copy, to a fast reachable member
+                assert [m for m, p in tree.items() if p == publisher] == [
+                    push_targets(round, publisher, MEMBERS, uplinks, reachable)[0]
+                ]
+            assert all(_depth(tree, m, publisher) <= 3 for m in tree)
+
+
+def test_where_the_fastest_are_too_few_the_next_forward_too():
+    """One member on 100 Mbps among forty on 10: in a slow publisher's tree it takes slow leaves
+    up to its fan-out's worth of its uplink (20 of them), then slow members forward as well, each
+    to at most its fan-out; in its own tree the slow ones make the heap below it."""
+    members = ["fast", *(f"slow-{i}" for i in range(40))]
+    uplinks = {m: 100.0 if m == "fast" else 10.0 for m in members}
+    for publisher in ("fast", "slow-3", "slow-17"):
+        tree = {m: tree_parent(0, publisher, m, members, 2, uplinks) for m in members if m != publisher}
+        children = Counter(tree.values())
+        if publisher != "fast":
+            assert children[publisher] == 1 and tree["fast"] == publisher
+            assert 19 <= children["fast"] <= 21
+        assert max(n for m, n in children.items() if m != "fast") <= 3
+        assert all(_depth(tree, m, publisher) <= 8 for m in tree)

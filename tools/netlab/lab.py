@@ -80,6 +80,7 @@ class LabSwarm:
         linger_s: float = 30.0,
         compute_floor_s: float = 0.0,
         tree_fanout: int = 2,
+        scored_peers: int | None = None,
         state_uplinks: bool = True,
         nat_client_mode: bool = True,
         nat_push: bool = True,
@@ -90,6 +91,7 @@ class LabSwarm:
         self.preset, self.inner_steps, self.top_k = preset, inner_steps, top_k
         self.batch_size, self.seq_len, self.tree_fanout = batch_size, seq_len, tree_fanout
         self.overlap = overlap
+        self.scored_peers = scored_peers  # run option scoring.max_peers_per_round (None: the run's default)
         self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
         self.state_uplinks = state_uplinks  # each node states its host's link rate at join (--uplink-mbps)
         self.nat_client_mode = nat_client_mode  # nodes behind NAT join with --client-mode (the README's advice)
@@ -229,6 +231,7 @@ class LabSwarm:
                 "tree_fanout": self.tree_fanout,
                 **({"mirror": {"endpoint_url": self.store_url, "bucket": "netlab"}} if self.mirror else {}),
             },
+            **({"scoring": {"max_peers_per_round": self.scored_peers}} if self.scored_peers else {}),
             "membership": {"min_peers": self.num_peers, "heartbeat_timeout_s": 60.0},
             "deadline": {"kind": "fixed", "round_timeout_s": 300.0},
         }
@@ -458,6 +461,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         linger_s=args.linger,
         compute_floor_s=args.compute_floor,
         tree_fanout=args.tree_fanout,
+        scored_peers=args.scored_peers,
         state_uplinks=args.state_uplinks,
         nat_client_mode=args.nat_client_mode,
         nat_push=args.nat_push,
@@ -565,6 +569,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         "sysctls": args.sysctl,
         "state_uplinks": args.state_uplinks,
         "tree_fanout": args.tree_fanout,
+        "scored_peers": args.scored_peers,
         "namespace_prefix": topology.prefix,
         "subnet": f"{topology.subnet}.0/24",
         "nat": {
@@ -653,6 +658,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         help="run option exchange.tree_fanout: copies each peer forwards of a packet (1: a chain)",
+    )
+    parser.add_argument(
+        "--scored-peers",
+        type=int,
+        metavar="N",
+        help="run option scoring.max_peers_per_round: each node scores N peers' updates a round (one forward"
+        " pass each, on every host's CPU); default: the run's",
     )
     parser.add_argument(
         "--state-uplinks",
