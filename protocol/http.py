@@ -111,6 +111,14 @@ heartbeats with state ``stuck`` and a one-line ``detail`` (printable ASCII, at m
 peer (``PeerView.detail``) until a heartbeat without one, a submission or an applied report, and
 ``RunStatus.stuck`` shows the first live stuck peer's.
 
+Connection reversal (a snapshot held only by nodes nobody can dial): a node loading a parameter
+snapshot sends heartbeats with state ``loading_snapshot`` (`LOADING_SNAPSHOT`). The answer to a
+heartbeat of a member whose ``reachable`` is false lists in ``dial_peers`` the listen multiaddrs
+of at most ``MAX_DIAL_PEERS`` live members that are loading a snapshot now, not the caller, and
+that nobody found undialable (most recently seen first). That member dials each: a libp2p
+connection carries streams both ways, so the loader's ordinary snapshot fetch then opens its
+stream over the connection the undialable holder opened (node/exchange/fetch.py).
+
 A node's loop, in JSON (digests shortened)::
 
     POST join {"public_key": "9f3a..", "device": "cuda:H100", "listen_multiaddrs": ["/ip4/.."],
@@ -198,6 +206,8 @@ NONCE_WINDOW_S = 300.0
 SIGNING_DOMAIN = b"locoswarm-request-v1\n"
 MAX_LONG_POLL_S = 60.0
 MAX_DETAIL_CHARS = 200  # a heartbeat's `detail` line at most
+LOADING_SNAPSHOT = "loading_snapshot"  # a heartbeat's state: members nobody can dial are asked to dial this one
+MAX_DIAL_PEERS = 4  # peers listed in a heartbeat answer's `dial_peers`, and dialled per answer, at most
 MAX_SAMPLE_CHARS = 280  # an applied report's text sample at most
 # Any text but control characters (newline and tab allowed): the page shows it as text, never markup.
 SampleText = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x08\x0b-\x1f\x7f-\x9f]{1,%d}$" % MAX_SAMPLE_CHARS)]
@@ -358,6 +368,12 @@ class HeartbeatResponse(ResponseModel):
         None,
         description="Seconds until the next heartbeat: longer in a bigger swarm, so the coordinator's load"
         " stays bounded (null: keep the period told at join).",
+    )
+    dial_peers: list[list[Multiaddr]] | None = Field(
+        None,
+        description="Only to a member nobody can dial: the listen multiaddrs (each ending in /p2p/<libp2p id>) of"
+        " members loading a parameter snapshot now, one list per member, at most MAX_DIAL_PEERS. The member dials"
+        " each, so that they can open their snapshot streams over its connection (null: none).",
     )
 
 

@@ -23,6 +23,14 @@
 - Heartbeats say what a peer is doing (its activity, round, inner step, loss, bandwidth, addresses,
   what it is stuck on) and are answered with the run's state, the open round's deadline and the
   period until its next heartbeat.
+- Connection reversal. A member nobody can dial (``reachable`` false) may hold the only copies of
+  a parameter snapshot, which a joiner cannot fetch from it. The answer to such a member's
+  heartbeat lists (``dial_peers``) the listen addresses of at most ``MAX_DIAL_PEERS`` live members
+  whose latest heartbeat, within two of their periods, said ``loading_snapshot`` and that no
+  dial-back found undialable, most recently seen first; it dials them, and their snapshot fetches
+  open streams over its connections. Nothing is stored for it: the activity is the heartbeat's,
+  so any replica answers the same. Two members nobody can dial cannot meet this way (neither can
+  open the connection); a relay (``--relay-via``) or the packet mirror serves them.
 - Leaving marks the peer ``left``; the round may then close early (every peer it still waits for
   submitted), which the service applies after the leave.
 """
@@ -39,6 +47,8 @@ from coordinator.rules.context import Context
 from coordinator.rules.runs import ACTIVE_STATES
 from coordinator.storage import PeerRow, RunRow
 from protocol.http import (
+    LOADING_SNAPSHOT,
+    MAX_DIAL_PEERS,
     HeartbeatRequest,
     HeartbeatResponse,
     JoinChallenge,
@@ -228,9 +238,10 @@ def mark_silent_gone(ctx: Context, run: RunRow, config: RunConfig, now: float) -
 
 
 def heartbeat(ctx: Context, run_id: str, peer_id: str, request: HeartbeatRequest, now: float) -> HeartbeatResponse:
-    """Record what a live member says it is doing; answer with the run's state, the open round and
-    its heartbeat period (stored with the rest, in one write)."""
-    require_live_member(ctx, run_id, peer_id, now)
+    """Record what a live member says it is doing; answer with the run's state, the open round,
+    its heartbeat period (stored with the rest, in one write) and, to a member nobody can dial,
+    the members loading a snapshot that it should dial (`dial_peers`)."""
+    member = require_live_member(ctx, run_id, peer_id, now)
     run = ctx.run(run_id)
     period_s = heartbeat_period_s(ctx.config(run), ctx.live_peers(run_id, now))
     # inner_step always: a step count left from an older round would read as progress in this one.
@@ -256,7 +267,21 @@ def heartbeat(ctx: Context, run_id: str, peer_id: str, request: HeartbeatRequest
         round_state=round_state,
         deadline=round_row.deadline if round_row else None,
         heartbeat_interval_s=period_s,
+        dial_peers=_loaders_to_dial(ctx, run_id, peer_id, now) if _undialable(member) else None,
     )
+
+
+def _undialable(peer: PeerRow) -> bool:
+    """Whether a dial-back found nobody can dial `peer` (stored as 0; None: not known)."""
+    return peer.reachable is not None and not peer.reachable
+
+
+def _loaders_to_dial(ctx: Context, run_id: str, peer_id: str, now: float) -> list[list[str]] | None:
+    """The listen addresses of the dialable members loading a snapshot now (module docstring,
+    "Connection reversal"); None when there are none."""
+    loaders = ctx.storage.dialable_peers_doing(run_id, LOADING_SNAPSHOT, now, peer_id, MAX_DIAL_PEERS)
+    dial = [addrs for addrs in (json.loads(p.listen_multiaddrs) for p in loaders) if addrs]
+    return dial or None
 
 
 def leave(ctx: Context, run_id: str, peer_id: str, request: LeaveRequest, now: float) -> LeaveResponse:

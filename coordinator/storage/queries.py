@@ -112,6 +112,18 @@ class Storage:
             (run_id, seen_before, now),
         )
 
+    def dialable_peers_doing(self, run_id: str, activity: str, now: float, exclude: str, limit: int) -> list[PeerRow]:
+        """Live peers other than `exclude` whose latest heartbeat said `activity`, beat within two
+        of their told periods before `now`, and that no dial-back found undialable (reachable not
+        false); most recently seen first, at most `limit`."""
+        return self.db.many(
+            PeerRow,
+            "SELECT * FROM peers WHERE run_id = ? AND status = 'live' AND activity = ? AND peer_id <> ?"
+            " AND last_seen_at + 2 * COALESCE(heartbeat_period_s, 0) >= ? AND (reachable IS NULL OR reachable <> 0)"
+            " ORDER BY last_seen_at DESC, peer_index LIMIT ?",
+            (run_id, activity, exclude, now, limit),
+        )
+
     def count_live_peers(self, run_id: str) -> int:
         rows = self.db.rows("SELECT COUNT(*) AS n FROM peers WHERE run_id = ? AND status = 'live'", (run_id,))
         return int(rows[0]["n"])

@@ -170,6 +170,13 @@ class Exchange(Protocol):
         leaves the sink where it stopped: its targets may hold part of the snapshot."""
         ...
 
+    async def dial_peers(self, targets: list[list[str]]) -> list[str]:
+        """Open a connection to each of the peers at `targets` (each a peer's multiaddrs ending in
+        /p2p/<libp2p id>), at most `protocol.http.MAX_DIAL_PEERS`, never this node; the ids that
+        answered. For a node nobody can dial whose snapshot they are loading: a connection carries
+        streams both ways, so their fetches reach it over the connection it opened."""
+        ...
+
     async def forget_before(self, round: int) -> None:
         """Stop serving, and drop, packets and traffic counts of rounds before `round`."""
         ...

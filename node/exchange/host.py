@@ -3,7 +3,8 @@
     host = await Host.start(config)                  # p2pd child process + DHTNode, in this loop
     await host.serve(handler)                        # the packet stream (protocol/stream.py)
     await host.connect(peer, dial_addresses(holder_id, maddrs))
-    reader, writer = await host.open_stream(peer)
+    reached = await host.dial(maddrs, timeout_s, what="...")   # several peers at once, with a log
+    reader, writer = await host.open_stream(peer)      # over any connection to peer, whoever opened it
     joined = await host.rejoin(member_maddrs, 5.0)   # enter the DHT of peers not in the routing table
     await host.shutdown()                            # stops the DHT node, then p2pd (bounded)
 
@@ -183,6 +184,12 @@ class Host:
     async def connect(self, peer: PeerID, maddrs: list[Multiaddr]) -> None:
         """Tell p2pd where `peer` listens. P2P has no public connect(); the daemon client's does it."""
         await self.p2p._client.connect(peer, maddrs)
+
+    async def dial(self, maddrs: Iterable[str], timeout_s: float, what: str) -> list[str]:
+        """Connect to the peers at `maddrs` (ending in /p2p/<id>), each within `timeout_s`, all at
+        once; the addresses that answered (those that did not are logged as `what`). A peer already
+        connected answers at once: p2pd dials nobody it has a connection to."""
+        return await _dial_initial_peers(self.p2p, tuple(maddrs), timeout_s, what=what)
 
     async def open_stream(
         self, peer: PeerID, protocol: str = PROTOCOL_NAME

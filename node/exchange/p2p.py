@@ -43,11 +43,12 @@ from node.exchange.config import ExchangeConfig
 from node.exchange.fetch import PacketFetcher
 from node.exchange.host import Host
 from node.exchange.push import AcceptPush, PushReceiver, push_packet
-from node.exchange.reachability import Reachability, addresses_by_holder, assess_reachability
+from node.exchange.reachability import Reachability, addresses_by_holder, assess_reachability, peers_to_dial
 from node.exchange.serve import PacketServer
 from node.exchange.spool import Spool
 from node.exchange.store import Held, HeldSnapshot, PacketStore
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
+from protocol.http import MAX_DIAL_PEERS
 from protocol.packet import packet_digest
 from protocol.stream import PUSH_PROTOCOL_NAME, PushOffer
 
@@ -238,6 +239,24 @@ class P2PExchange:
         """Receive the snapshot for `round` named `digest` into `sink`, from any holders (resuming
         at the next one where one fails); True once all of it verified and is written."""
         return await self._fetcher.fetch_snapshot(round, digest, sink, timeout_s)
+
+    async def dial_peers(self, targets: list[list[str]]) -> list[str]:
+        """Connection reversal: connect to the peers loading a snapshot that the coordinator lists
+        (`targets`, each a peer's multiaddrs), at most `MAX_DIAL_PEERS` of them, never this node;
+        they then open their snapshot streams over these connections. The libp2p ids that answered."""
+        picked = peers_to_dial(targets, self.holder_id, MAX_DIAL_PEERS)
+        if not picked:
+            return []
+        maddrs = [m for addrs in picked.values() for m in addrs]
+        answered = await self._host.dial(maddrs, self.config.bootstrap_timeout_s, what="connection reversal")
+        reached = sorted({m.rpartition("/p2p/")[2] for m in answered})
+        log.info(
+            "connection reversal: dialled %d peer(s) loading a snapshot, %d answered: %s",
+            len(picked),
+            len(reached),
+            ", ".join(reached) or "none",
+        )
+        return reached
 
     # -- the DHT's membership ------------------------------------------------------------------
 

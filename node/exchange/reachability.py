@@ -8,8 +8,9 @@ hivemind) lets this node reach peers through libp2p relays; `use_auto_relay` mak
 NAT reachable through one; `client_mode` joins the DHT without serving DHT requests (for nodes
 nobody can dial). The node's doctor (node/cli/doctor.py) runs the same check before joining.
 Also here: the multiaddr helpers the exchange uses to tell loopback listen addresses, to group
-a hint's addresses by the libp2p id they end in, to write a relayed (circuit) address, and to
-encode an address the way p2pd reads it (`p2pd_multiaddr`).
+a hint's addresses by the libp2p id they end in, to write a relayed (circuit) address, to bound
+what a node nobody can dial dials for connection reversal (`peers_to_dial`), and to encode an
+address the way p2pd reads it (`p2pd_multiaddr`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from node.exchange.base import Reachability
 log = logging.getLogger(__name__)
 
 CIRCUIT = "/p2p-circuit"
+MAX_DIAL_ADDRS = 4  # addresses of one peer dialled for connection reversal, at most
 _P2P_CODE = b"\xa5\x03"  # varint of the multicodec 0x01a5 (p2p)
 
 
@@ -92,6 +94,19 @@ def addresses_by_holder(maddrs: list[str]) -> dict[str, list[str]]:
             continue
         by_holder.setdefault(holder, []).append(text)
     return by_holder
+
+
+def peers_to_dial(
+    targets: list[list[str]], own_id: str, max_peers: int, max_addrs: int = MAX_DIAL_ADDRS
+) -> dict[str, list[str]]:
+    """The peers a node nobody can dial dials for connection reversal, from `targets` (each a peer's
+    multiaddrs ending in /p2p/<libp2p id>, as a heartbeat answer lists them): grouped by id, never
+    `own_id`, at most `max_peers` ids with at most `max_addrs` addresses each. Only the first
+    `max_peers` lists and their first `max_addrs` addresses are read, so however long or hostile
+    the list, at most `max_peers` dials of `max_addrs` addresses follow."""
+    read = [m for maddrs in targets[:max_peers] for m in maddrs[:max_addrs]]
+    picked = [(peer, maddrs[:max_addrs]) for peer, maddrs in addresses_by_holder(read).items() if peer != own_id]
+    return dict(picked[:max_peers])
 
 
 def circuit_address(relay_maddr: str, holder_id: str) -> str:

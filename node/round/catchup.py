@@ -185,7 +185,10 @@ async def load_snapshot(s: Session, round: int, params_digest: str, mirrored: Mi
     it is written (node/training/snapshot.py); host memory holds one 4 MiB chunk, whatever the
     model's size. A holder that fails midway is followed by the next from the first chunk not yet
     verified; a snapshot is given up after a fetch time-out without progress, or at once when every
-    holder has moved on from it (the caller then looks for a newer one). `mirrored`: the packet
+    holder has moved on from it (the caller then looks for a newer one). While it fetches from
+    peers the heartbeats say `loading_snapshot`, and the coordinator asks the holders nobody can
+    dial to dial this node (connection reversal, coordinator/rules/membership.py): their copies
+    then come over the connections they opened. `mirrored`: the packet
     mirror's copy of this snapshot, read when no peer delivered one (node/exchange/mirror.py). Once
     bytes were written and no snapshot completed, the parameters are unknown
     (`RoundState.params_unknown`)."""
@@ -212,11 +215,17 @@ async def load_snapshot(s: Session, round: int, params_digest: str, mirrored: Mi
             )
         else:
             digest = source
-            while True:
-                before = sink.offset if sink.digest == digest else 0
-                done = await s.exchange.fetch_params(round, digest, sink, timeout_s=s.config.network.fetch_timeout_s)
-                if done or sink.offset <= before:
-                    break
+            s.state.doing(Doing.LOADING_SNAPSHOT)  # the heartbeats ask holders nobody can dial to dial this node
+            try:
+                while True:
+                    before = sink.offset if sink.digest == digest else 0
+                    done = await s.exchange.fetch_params(
+                        round, digest, sink, timeout_s=s.config.network.fetch_timeout_s
+                    )
+                    if done or sink.offset <= before:
+                        break
+            finally:
+                s.state.doing(Doing.CATCHING_UP)
         if sink.written_bytes:
             s.state.params_unknown()  # part of the model may now be this snapshot's
         if not done:

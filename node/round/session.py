@@ -53,6 +53,7 @@ class Session:
     rejoin: Callable[[], Awaitable[JoinResponse]]  # join again with the same key (keeps id and shard)
     stopping: asyncio.Event
     reachable: bool | None = None  # can peers dial this node (its join's answer; False: it pushes its packets)
+    dialing: asyncio.Task | None = None  # dialling the peers a heartbeat answer listed (connection reversal)
     heartbeat_interval_s: float = 15.0  # as the coordinator last told: longer in a bigger swarm
     state: RoundState = field(default_factory=RoundState)
     reports: list[RoundReport] = field(default_factory=list)  # the rounds this node trained (Node.reports)
@@ -85,7 +86,8 @@ class Session:
             return await call(*args, **kwargs)
 
     async def heartbeat(self) -> None:
-        """One heartbeat saying what `state.activity` says now (signed: rejoins if dropped)."""
+        """One heartbeat saying what `state.activity` says now (signed: rejoins if dropped); the
+        peers its answer asks this node to dial (it is one nobody can dial) are dialled."""
         a = self.state.activity
         answer = await self.signed(
             self.client.heartbeat,
@@ -98,6 +100,10 @@ class Session:
         )
         if answer.heartbeat_interval_s is not None:
             self.heartbeat_interval_s = answer.heartbeat_interval_s
+        if answer.dial_peers and (self.dialing is None or self.dialing.done()):
+            # Connection reversal: this node nobody can dial may hold the snapshot they are loading.
+            # In the background, one at a time: a dial that hangs delays no heartbeat.
+            self.dialing = self.spawn(self.exchange.dial_peers(answer.dial_peers))
 
     def spawn(self, coro) -> asyncio.Task:
         """A background task the session keeps a reference to until it ends."""

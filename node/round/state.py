@@ -28,7 +28,7 @@ from enum import Enum
 
 from node.training.round_start import RoundStart
 from protocol.digest import Tree
-from protocol.http import MISSING_REPORT_ROUNDS
+from protocol.http import LOADING_SNAPSHOT, MISSING_REPORT_ROUNDS
 
 
 class Doing(str, Enum):
@@ -46,7 +46,9 @@ class Doing(str, Enum):
     TRANSFERRING = "transferring"  # fetching the manifest's packets not in hand yet
     AGGREGATING = "aggregating"  # decoding, aggregating, the outer step and its report
     AWAITING_AMENDMENT = "awaiting_amendment"  # reported packets it cannot fetch; waiting for a manifest without them
-    CATCHING_UP = "catching_up"  # replaying closed rounds, or loading a snapshot
+    CATCHING_UP = "catching_up"  # replaying closed rounds, or between attempts to load a snapshot
+    # fetching a snapshot from peers: the coordinator asks members nobody can dial to dial this node
+    LOADING_SNAPSHOT = LOADING_SNAPSHOT
     STUCK = "stuck"  # catching up, waiting for packets nobody serves (`detail` says which, from whom)
     SERVING = "serving"  # its last round applied: serving its packet until the live peers applied it
 

@@ -99,6 +99,7 @@ class MemoryExchange:
     def __init__(self, swarm: MemorySwarm, holder: str):
         self.swarm, self.holder = swarm, holder
         self._traffic: dict[int, Traffic] = {}
+        self.dial_requests: list[list[list[str]]] = []  # each `dial_peers` call's targets
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -219,6 +220,11 @@ class MemoryExchange:
         for r, by_holder in self.swarm.snapshots.items():
             if r < round:
                 by_holder.pop(self.holder, None)
+
+    async def dial_peers(self, targets: list[list[str]]) -> list[str]:
+        """In memory every exchange reaches every other: nothing to dial; the lists are kept."""
+        self.dial_requests.append(targets)
+        return []
 
     async def reachability_check(self) -> Reachability:
         return Reachability(

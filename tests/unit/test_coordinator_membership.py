@@ -15,7 +15,15 @@ import pytest
 from coordinator import errors
 from coordinator.join_guard import salt_of
 from node.round.coordinator_client import CoordinatorClient
-from protocol.http import HeartbeatRequest, JoinRequest, LeaveRequest, peer_id_from_public_key, sign_request
+from protocol.http import (
+    LOADING_SNAPSHOT,
+    MAX_DIAL_PEERS,
+    HeartbeatRequest,
+    JoinRequest,
+    LeaveRequest,
+    peer_id_from_public_key,
+    sign_request,
+)
 from protocol.join_pow import JOIN_POW_PERIOD_S, meets, solve
 from protocol.signing import PeerKey
 from tests.fixtures.coordinator import ADMIN_HEADERS, ADMIN_TOKEN, run_config
@@ -330,3 +338,50 @@ def test_the_heartbeat_period_stretches_with_the_swarm_and_silence_is_judged_by_
     peers = {p.peer_id: p for p in c.status(run_id).peers}
     assert peers[first].status == "gone" and "(4 heartbeat periods: 24 s)" in peers[first].reason
     assert peers[beater].status == "live"
+
+
+def test_a_member_nobody_can_dial_is_told_the_dialable_peers_loading_a_snapshot(coordinator, fake_clock):
+    """Connection reversal (membership.py): the answer to the heartbeat of a member nobody can dial
+    lists the listen addresses of at most MAX_DIAL_PEERS live members whose latest heartbeat, within
+    two of their periods, said loading_snapshot, newest first; never members nobody can dial, never
+    one that moved on, nor one silent that long; and nothing to members others can dial."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 20, "membership.heartbeat_timeout_s": 8.0})
+
+    def member(reachable: bool | None, says_nat: bool = False) -> tuple[str, list[str]]:
+        key = PeerKey.generate()
+        peer_id = peer_id_from_public_key(key.public_bytes)
+        addrs = [f"/ip4/10.0.0.{len(c.keys) + 1}/tcp/4001/p2p/Qm{peer_id[:10]}"]
+        request = JoinRequest(public_key=key.public_hex, listen_multiaddrs=addrs, reachable=False if says_nat else None)
+        c.service.join(run_id, peer_id, request, reachable=reachable)
+        c.keys[peer_id] = key
+        return peer_id, addrs
+
+    def beat(peer_id: str, state: str = LOADING_SNAPSHOT):
+        return c.service.heartbeat(run_id, peer_id, HeartbeatRequest(round=0, state=state))
+
+    nat, _ = member(True, says_nat=True)
+    other_nat, _ = member(False)
+    dialable, unknown, idle = member(True), member(None), member(True)
+    loaders = [member(True) for _ in range(MAX_DIAL_PEERS)]
+    assert beat(nat, "training").dial_peers is None  # nobody loads a snapshot yet
+
+    beat(other_nat)  # nobody can dial it: no use listing it
+    beat(idle[0], "training")
+    beat(dialable[0])
+    fake_clock.advance(0.5)
+    beat(unknown[0])  # no dial-back answer (a relayed node): dialable as far as anyone knows
+    assert beat(nat, "training").dial_peers == [unknown[1], dialable[1]]
+    assert beat(dialable[0]).dial_peers is None and beat(idle[0], "training").dial_peers is None
+
+    for loader, _ in loaders:  # more loaders than a list holds: the most recently seen
+        fake_clock.advance(0.1)
+        beat(loader)
+    assert beat(nat, "training").dial_peers == [addrs for _, addrs in reversed(loaders)]
+
+    for loader, _ in loaders:
+        beat(loader, "training")  # loaded: moved on
+    beat(dialable[0], "training")
+    assert beat(nat, "training").dial_peers == [unknown[1]]
+    fake_clock.advance(2 * 2.0 + 0.1)  # past two of its 2 s periods without a heartbeat
+    assert beat(nat, "training").dial_peers is None
