@@ -46,7 +46,10 @@ checked and written as it completes. A holder that fails mid-stream costs only t
 progress: the next holder is asked from the first byte not yet verified. A holder keeps only its
 newest snapshot, so once every holder known refuses it ("not held") on two passes with a DHT
 re-read between them, the snapshot is gone from the swarm: the fetch gives up at once rather than
-ask until its time-out, and the caller looks for a newer one.
+ask until its time-out, and the caller looks for a newer one. A holder nobody can dial is reached
+all the same once it dialled this node (connection reversal: the coordinator asks it to while this
+node's heartbeats say `loading_snapshot`, node/round/catchup.py): p2pd answers `connect` for a
+peer it has a connection to at once, and opens the request stream over that connection.
 """
 
 from __future__ import annotations

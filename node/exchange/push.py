@@ -11,6 +11,9 @@ reachability.py) hands its packet to a reachable peer over a stream it opens its
 `targets` that takes it (node/exchange/topology.py `push_targets`: the first reachable member of
 the packet's tree, which all peers compute alike, then the others in tree order). That peer
 holds, serves and announces the copy as one it fetched, so every other peer fetches from it.
+Snapshots are not pushed: such a node dials the peers loading a snapshot that the coordinator
+lists in its heartbeat answers (connection reversal, `P2PExchange.dial_peers`), and they fetch
+the snapshot it serves over that connection like any other (node/exchange/fetch.py).
 
 The receiver treats an offer as hostile (protocol/stream.py, "Pushes"): it refuses a packet of
 another run or an old round, one over its packet limit, one it holds already, more than
