@@ -3,7 +3,7 @@
     host = await Host.start(config)                  # p2pd child process + DHTNode, in this loop
     await host.serve(handler)                        # the packet stream (protocol/stream.py)
     await host.connect(peer, dial_addresses(holder_id, maddrs))
-    reached = await host.dial(maddrs, timeout_s, what="...")   # several peers at once, with a log
+    reached = await host.dial(maddrs, timeout_s, what="connection reversal")   # several peers at once
     reader, writer = await host.open_stream(peer)      # over any connection to peer, whoever opened it
     joined = await host.rejoin(member_maddrs, 5.0)   # enter the DHT of peers not in the routing table
     await host.shutdown()                            # stops the DHT node, then p2pd (bounded)

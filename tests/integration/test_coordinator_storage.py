@@ -95,6 +95,31 @@ def test_flags_written_as_python_bools_read_back(storage_url):
     storage.close()
 
 
+def test_dialable_peers_doing_an_activity(storage_url):
+    """Connection reversal's read (coordinator/rules/membership.py): live, fresh within two told
+    periods, not known undialable, not the caller; newest first, bounded."""
+    storage = open_storage(storage_url)
+    loading = "loading_snapshot"
+    rows = {
+        "pa": dict(reachable=True, last_seen_at=100.0),
+        "pb": dict(reachable=None, last_seen_at=101.0),
+        "pc": dict(reachable=False, last_seen_at=102.0),  # nobody can dial it
+        "pd": dict(reachable=True, last_seen_at=103.0, status="gone"),
+        "pe": dict(reachable=True, last_seen_at=104.0, activity="training"),
+        "pf": dict(reachable=True, last_seen_at=90.0),  # silent for more than two 5 s periods
+        "pg": dict(reachable=True, last_seen_at=105.0),  # the caller
+    }
+    with storage.transaction():
+        storage.insert_run(a_run())
+        for index, (peer_id, fields) in enumerate(rows.items()):
+            row = dataclasses.replace(a_peer(peer_id, index), activity=loading, heartbeat_period_s=5.0)
+            storage.insert_peer(dataclasses.replace(row, **fields))
+    found = storage.dialable_peers_doing("run-1", loading, 105.0, exclude="pg", limit=4)
+    assert [p.peer_id for p in found] == ["pb", "pa"]
+    assert [p.peer_id for p in storage.dialable_peers_doing("run-1", loading, 105.0, "pg", 1)] == ["pb"]
+    storage.close()
+
+
 def test_transactions_roll_back_as_a_whole(storage_url):
     storage = open_storage(storage_url)
     storage.insert_run(a_run())
