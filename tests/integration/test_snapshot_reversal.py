@@ -8,14 +8,23 @@ dial the only holder. Then the joiner's heartbeat says `loading_snapshot`, the h
 heartbeat (the node's own `Session.heartbeat`) is answered with the joiner's addresses, the holder
 dials it, and the joiner's ordinary fetch opens its stream over that connection and loads every
 verified unit. Without connection reversal the second fetch fails as the first did.
+
+The same through a real NAT (tools/netlab, "Hosts behind NAT"; needs root, `ip netns` and nft,
+skipped otherwise): the holder behind a router namespace that masquerades its connections out and
+lets nothing in, the joiner and a bootstrap peer on the lab's segment, each in a process of its
+own (tests/integration/reversal_peer.py); the holder dials the joiner with `dial_peers`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -30,10 +39,13 @@ from node.round.state import Doing
 from node.training.params import param_digest
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
-from tests.fixtures.coordinator import ADMIN_HEADERS, coordinator_in_thread, run_config
+from tests.fixtures.coordinator import ADMIN_HEADERS, REPO_ROOT, coordinator_in_thread, run_config
+from tests.integration.netlab_leftovers import left_behind
 from tests.integration.snapshot_holder import momentum_of, toy_snapshot
 from tests.integration.test_p2p_exchange import p2pd_children, pid_alive
 from tests.integration.test_snapshot_stream import ROUND, announced, assert_loaded, fresh_sink
+from tools.netlab.nat import firewall_available
+from tools.netlab.topology import LinkSpec, Topology, lab_available
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 
@@ -133,3 +145,35 @@ async def reversal(url, run_id, clients, holder: P2PExchange, joiner: P2PExchang
     assert reached == [joiner.holder_id]
     assert_loaded(target, state, source, momentum_of(source, -2.0))
     assert joiner.traffic(ROUND).downloaded_bytes == holder.traffic(ROUND).uploaded_bytes == snapshot.size_bytes
+
+
+def test_through_a_real_nat_the_holder_dials_the_joiner_and_the_snapshot_arrives(tmp_path):
+    for ok, reason in (lab_available(), firewall_available()):
+        if not ok:
+            pytest.skip(reason)
+    lab = Topology(3, LinkSpec(rate_mbps=0), nat_hosts=[2])  # h0 bootstrap, h1 joiner, h2 behind NAT
+    peers: list[subprocess.Popen] = []
+    try:
+        lab.up()
+        probe = lab.probe_nat(2, prober=1)
+        assert probe["inbound_blocked"] and probe["outbound_masqueraded"], probe
+        for host, role in ((0, "bootstrap"), (2, "holder"), (1, "joiner")):
+            command = [sys.executable, "-m", "tests.integration.reversal_peer", role, str(tmp_path), lab.hosts[host].ip]
+            peers.append(subprocess.Popen([*lab.exec_args(host), *command], cwd=REPO_ROOT, start_new_session=True))
+        for peer in peers:
+            peer.wait(timeout=100)
+        assert [p.returncode for p in peers] == [0, 0, 0]
+    finally:
+        (tmp_path / "done").touch()
+        for peer in peers:
+            if peer.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(peer.pid, signal.SIGKILL)  # the peer and its p2pd
+                peer.wait()
+        assert lab.down() == []
+    assert left_behind(lab.prefix) == []
+    result = json.loads((tmp_path / "result").read_text())
+    assert result["before"] == [False, 0], "the joiner dialled the holder behind the NAT"
+    assert result["after"][0] and result["after"][1] == result["after"][2], result
+    assert result["dialed"] == [result["joiner"]]
+    assert result["loaded_digest"] == result["digest"]
