@@ -40,6 +40,7 @@ tests. This module imports no transport.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -129,13 +130,17 @@ class Exchange(Protocol):
         timeout_s: float = 60,
         parents: dict[str, list[str]] | None = None,
         mirrors: dict[str, MirrorCopy] | None = None,
+        pushed_here: Collection[str] = (),
     ) -> dict[str, bytes]:
         """Bytes for each `wanted` peer id whose sha256 equals the wanted digest; missing ones are left out.
 
         `holders_hint` maps a publisher's peer id to holder multiaddrs to try besides the DHT's;
         `parents` maps it to the multiaddrs of this node's parent in the packet's distribution
         tree (node.exchange.topology.tree_parent), asked first; `mirrors` maps it to its copy in
-        the packet mirror, asked when the peers have not delivered within `mirror_after_s`.
+        the packet mirror, asked when the peers have not delivered within `mirror_after_s`;
+        `pushed_here` names publishers nobody can dial that push their packet to this node (the
+        root of its tree): their push is awaited first (`push_grace_s` to start), not raced by a
+        second copy pulled through the same uplink.
         """
         ...
 

@@ -51,6 +51,9 @@ class ExchangeConfig:
     max_snapshot_uploads: int = 1
     max_push_streams: int = 4  # packets pushed to this node at once by nodes nobody can dial (node/exchange/push.py)
     max_push_bytes: int = 256 << 20  # pushed packets held at most, in bytes; further pushes are refused "full"
+    # the root of an undialable publisher's tree waits this long for its push to start before it
+    # fetches the packet as any other (and waits for a push arriving, however long it takes)
+    push_grace_s: float = 2.0
     busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.4 s)
     chunk_bytes: int = 512 << 10  # stream write size
     # refuse larger packets before buffering them (a snapshot's size is its model's: protocol/snapshot.py)

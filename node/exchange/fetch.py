@@ -58,7 +58,7 @@ import asyncio
 import hashlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -137,6 +137,7 @@ class PacketFetcher:
         timeout_s: float = 60,
         parents: dict[str, list[str]] | None = None,
         mirrors: dict[str, MirrorCopy] | None = None,
+        pushed_here: Collection[str] = (),
     ) -> dict[str, bytes]:
         """The wanted packets ({publisher: digest}) that some holder served and that verified."""
         loop = asyncio.get_running_loop()
@@ -169,10 +170,17 @@ class PacketFetcher:
             self._addresses.update(addresses_by_holder(maddrs))
 
         async def one(publisher: str, digest: str) -> bytes | None:
+            started = loop.time()
+            if publisher in pushed_here:
+                # Its publisher, which nobody can dial, pushes it here: a copy pulled from it
+                # meanwhile would halve the rate of both through its uplink.
+                data = await self._store.awaited_push(round, publisher, digest, self.config.push_grace_s)
+                if data is not None:
+                    self._store.traffic(round).fetch_spans.append((started, loop.time()))
+                    return data
             state = FetchState(round, publisher, digest, None)
             hints = hinted_holders((holders_hint or {}).get(publisher, []), state)
             parent = next(iter(hinted_holders((parents or {}).get(publisher, []), state)), None)
-            started = loop.time()
             log.debug(
                 "round %d: fetching %s's packet, parent %s", round, publisher, parent.holder[-8:] if parent else None
             )

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -151,6 +152,7 @@ class P2PExchange:
         timeout_s: float = 60,
         parents: dict[str, list[str]] | None = None,
         mirrors: dict[str, MirrorCopy] | None = None,
+        pushed_here: Collection[str] = (),
     ) -> dict[str, bytes]:
         """The wanted packets ({publisher: digest}) that some holder served and that verified.
 
@@ -159,9 +161,10 @@ class P2PExchange:
         to start arriving (this node's parent in the packet's distribution tree, node.exchange.
         tree_parent); without a parent, or if it fails, the search goes on as without one.
         `mirrors` names a packet's copy in the packet mirror, asked beside the peers once they
-        have not delivered within `mirror_after_s`.
+        have not delivered within `mirror_after_s`. `pushed_here`: publishers whose push to this
+        node is awaited first (`push_grace_s` to start; node/exchange/fetch.py).
         """
-        return await self._fetcher.fetch(round, wanted, holders_hint, timeout_s, parents, mirrors)
+        return await self._fetcher.fetch(round, wanted, holders_hint, timeout_s, parents, mirrors, pushed_here)
 
     # -- pushing (node/exchange/push.py) -----------------------------------------------------
 

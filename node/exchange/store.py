@@ -209,6 +209,30 @@ class PacketStore:
                 return held.data
             await self._copy_added.wait()
 
+    async def awaited_push(self, round: int, publisher: str, digest: str, grace_s: float) -> bytes | None:
+        """The packet, verified, once a push of it here completes: waits while a copy of it
+        arrives and, before one starts, up to `grace_s`; None when none started by then, or the
+        one arriving failed (the caller then fetches it)."""
+        loop = asyncio.get_running_loop()
+        until, key, seen = loop.time() + grace_s, (round, publisher), None
+        while True:
+            held = self.held.get(key)
+            if isinstance(held, Held) and held.digest == digest:
+                return held.data
+            arriving = self.partial.get(key)
+            if (seen is not None and arriving is not seen) or (arriving is None and loop.time() >= until):
+                return None  # the copy that arrived failed, or none started in time
+            seen = arriving
+            wakes = [asyncio.ensure_future(self._copy_added.wait())]
+            if arriving is not None:
+                wakes.append(asyncio.ensure_future(arriving.arrived.wait()))
+            try:
+                timeout = None if arriving is not None else until - loop.time()
+                await asyncio.wait(wakes, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wake in wakes:
+                    wake.cancel()
+
     def hold_snapshot(self, key: tuple[int, str], snapshot: HeldSnapshot) -> None:
         """Serve `snapshot` under `key` from now on, in place of any other there; a durable one
         replaces the previous durable one, which is closed."""

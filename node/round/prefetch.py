@@ -68,18 +68,22 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
                     members.reachable,
                 )
                 parent_maddrs = e.multiaddrs if parent == e.peer_id else members.addresses.get(parent, [])
-                if parent == e.peer_id and members.reachable.get(parent) is False:
+                pushed_here = parent == e.peer_id and members.reachable.get(parent) is False
+                if pushed_here:
                     parent_maddrs = []  # nobody can dial it: it pushes the packet here (node/round/push.py)
                 early[e.peer_id, e.packet_digest] = asyncio.create_task(
-                    _fetch_early(s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None)
+                    _fetch_early(s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None, pushed_here)
                 )
         if view.state == "closed":
             return view
         view = await s.client.round(round, wait_s=30, submitted_gt=None if bounded else view.num_submitted)
 
 
-async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents) -> dict[str, bytes]:
-    """One submitted packet, fetched; its decoding starts at once."""
+async def _fetch_early(
+    s: Session, round: int, entry: ManifestEntry, parents, pushed_here: bool = False
+) -> dict[str, bytes]:
+    """One submitted packet, fetched (`pushed_here`: its publisher pushes it to this node, awaited
+    first); its decoding starts at once."""
     got = await s.exchange.fetch(
         round,
         {entry.peer_id: entry.packet_digest},
@@ -87,6 +91,7 @@ async def _fetch_early(s: Session, round: int, entry: ManifestEntry, parents) ->
         timeout_s=s.config.network.fetch_timeout_s,
         parents=parents,
         mirrors={entry.peer_id: MirrorCopy(entry.mirror_url, entry.packet_size_bytes)} if entry.mirror_url else None,
+        pushed_here=(entry.peer_id,) if pushed_here else (),
     )
     if (payload := got.get(entry.peer_id)) is not None:
         s.decoded.start(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,6 +140,7 @@ class MemoryExchange:
         timeout_s: float = 60,
         parents: dict[str, list[str]] | None = None,
         mirrors: dict[str, MirrorCopy] | None = None,
+        pushed_here: Collection[str] = (),
     ) -> dict[str, bytes]:
         got, start = {}, time.monotonic()
         for publisher, digest in wanted.items():

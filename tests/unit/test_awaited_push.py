@@ -1,0 +1,65 @@
+"""PacketStore.awaited_push: the root of an undialable publisher's tree waits for the push rather
+than pull a second copy through the same uplink, but not for a push that never starts or fails."""
+
+import asyncio
+import hashlib
+
+import pytest
+
+from node.exchange.store import PacketStore
+from protocol.stream import DigestMismatch
+
+pytestmark = pytest.mark.timeout(20)
+
+BODY = bytes(range(256)) * 64  # 16 KiB
+DIGEST = hashlib.sha256(BODY).hexdigest()
+
+
+async def _push(store: PacketStore, reader: asyncio.StreamReader, digest: str = DIGEST) -> bytes:
+    return await store.receive(
+        (3, "pub"), digest, len(BODY), reader, piece_bytes=1024, read_timeout_s=lambda: 5.0, source="pub", pushed=True
+    )
+
+
+def test_no_push_within_the_grace_returns_none_and_a_held_copy_returns_at_once():
+    async def scenario():
+        store = PacketStore()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await store.awaited_push(3, "pub", DIGEST, grace_s=0.2) is None
+        assert loop.time() - started >= 0.2
+        reader = asyncio.StreamReader()
+        reader.feed_data(BODY)
+        await _push(store, reader)
+        assert await store.awaited_push(3, "pub", DIGEST, grace_s=0.0) == BODY
+
+    asyncio.run(scenario())
+
+
+def test_a_push_that_started_is_awaited_past_the_grace_until_it_verifies():
+    async def scenario():
+        store = PacketStore()
+        reader = asyncio.StreamReader()
+        waiting = asyncio.create_task(store.awaited_push(3, "pub", DIGEST, grace_s=0.1))
+        pushing = asyncio.create_task(_push(store, reader))
+        reader.feed_data(BODY[:1000])  # starts within the grace ...
+        await asyncio.sleep(0.4)  # ... and trickles well past it
+        assert not waiting.done()
+        reader.feed_data(BODY[1000:])
+        assert await waiting == BODY and await pushing == BODY
+
+    asyncio.run(scenario())
+
+
+def test_a_push_that_fails_returns_none_so_the_caller_fetches():
+    async def scenario():
+        store = PacketStore()
+        reader = asyncio.StreamReader()
+        waiting = asyncio.create_task(store.awaited_push(3, "pub", DIGEST, grace_s=5.0))
+        pushing = asyncio.create_task(_push(store, reader))
+        reader.feed_data(bytes(len(BODY)))  # the right length, the wrong bytes
+        with pytest.raises(DigestMismatch):
+            await pushing
+        assert await asyncio.wait_for(waiting, 2.0) is None
+
+    asyncio.run(scenario())
