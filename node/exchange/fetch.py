@@ -16,7 +16,12 @@ holder's queue for its next free slot; only a queue that times out sends it into
 (`busy_pause_s`, doubling): a pause after every busy answer would leave the download link idle
 between transfers. A parent that fails sends the fetch on to this search. With every known
 holder failed, it re-reads the DHT for new ones every `holder_refresh_s`, until one serves or the
-caller's time-out.
+caller's time-out. While this node sends its own packet's first copy (the one every peer waits
+for), downloads pause between pieces (`PacketStore.after_first_copies`, at most half the stall
+time-out per download): a download link kept full delays the acknowledgements the upload needs
+(the lab's queues, as a home router's), and the lab's slow publishers sent that copy at a quarter
+of their uplink while they fetched. The root of the tree of a publisher nobody can dial waits for
+its push (`pushed_here`, `push_grace_s` to start) before it searches.
 
 Bytes from holders are hostile. The download refuses a length that differs from the announced size
 (or exceeds `max_packet_bytes`) before buffering, hashes while reading, drops a holder that stalls
@@ -594,6 +599,16 @@ class PacketFetcher:
             nonlocal alone
             alone = self._rate_floor(alone, loop.time(), received, length)
 
+        held_s = 0.0  # this download's reads held back while this node sent its first copy
+
+        async def first_copies_first() -> None:
+            nonlocal held_s, alone
+            # At most half the holder's stall time-out in all, so the holder never drops this stream.
+            waited = await self._store.after_first_copies(cfg.stall_timeout_s / 2 - held_s)
+            held_s += waited
+            if waited and alone is not None:
+                alone = (alone[0] + waited, alone[1])  # not the holder's trickle
+
         self._num_downloads += 1
         try:
             return await self._store.receive(
@@ -605,6 +620,7 @@ class PacketFetcher:
                 read_timeout_s=lambda: budget(cfg.stall_timeout_s),
                 source=holder.holder,
                 on_piece=rate_floor,
+                before_piece=first_copies_first,
             )
         finally:
             self._num_downloads -= 1

@@ -38,6 +38,7 @@ an error frame, and one that does not arrive within `request_timeout_s` just clo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import deque
@@ -186,7 +187,9 @@ class PacketServer:
                     if request.offset > len(payload):
                         raise MalformedPacket(f"offset {request.offset} past the packet's {len(payload)} bytes")
                     writer.write(encode_response_header(STATUS_OK, len(payload) - request.offset))
-                    await self._write(payload[request.offset :], writer, traffic)
+                    first = copy.own and not copy.sent_to  # every peer waits for this one
+                    with self._store.sending_first_copy() if first else contextlib.nullcontext():
+                        await self._write(payload[request.offset :], writer, traffic)
                 else:
                     await self._forward(copy, writer, traffic)
                 traffic.num_served += 1

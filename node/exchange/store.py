@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -97,10 +97,38 @@ class PacketStore:
         self.partial: dict[tuple[int, str], Partial] = {}  # packets arriving now, served as they arrive
         self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched
         self._copy_added = asyncio.Event()  # replaced each time a copy (whole or arriving) is added
+        self.first_copies_sending = 0  # streams sending this node's own packet before any copy of it left
+        self._first_copies_sent = asyncio.Event()  # replaced each time the count falls to 0
         self._traffic: dict[int, Traffic] = {}
 
     def traffic(self, round: int) -> Traffic:
         return self._traffic.setdefault(round, Traffic())
+
+    @contextlib.contextmanager
+    def sending_first_copy(self) -> Iterator[None]:
+        """While this node sends its own packet's first copy (serve.py, a push): downloads hold
+        back meanwhile (`after_first_copies`)."""
+        self.first_copies_sending += 1
+        try:
+            yield
+        finally:
+            self.first_copies_sending -= 1
+            if not self.first_copies_sending:
+                self._first_copies_sent.set()
+                self._first_copies_sent = asyncio.Event()
+
+    async def after_first_copies(self, max_s: float) -> float:
+        """Wait, at most `max_s`, while this node sends its own packet's first copy; the seconds
+        waited. Every peer waits for that copy, and a link whose download side is full delays the
+        acknowledgements its upload needs (a home router's queue, or the lab's): a publisher
+        fetching at full rate sent its first copy at a fifth of its uplink in the lab."""
+        if not self.first_copies_sending or max_s <= 0:
+            return 0.0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._first_copies_sent.wait(), max_s)
+        return loop.time() - started
 
     def notify_copy(self) -> None:
         """Wake the requests waiting in `copy_for`: a copy (whole or arriving) was added."""
@@ -154,6 +182,7 @@ class PacketStore:
         source: str,
         pushed: bool = False,
         on_piece: Callable[[int], None] | None = None,
+        before_piece: Callable[[], Awaitable[object]] | None = None,
     ) -> bytes:
         """The `length` bytes of a packet body from `reader`, verified against `digest` and held
         from then on; the fetcher's download and a push's body alike (fetch.py, push.py).
@@ -162,7 +191,9 @@ class PacketStore:
         256 MB costs us only what it actually sends before it is dropped. Peers may be served from
         it while it grows (a `Partial`), unless another copy of the same packet already arriving
         offers that. Each read waits `read_timeout_s()`; `on_piece(bytes so far)` may raise to
-        drop a sender (the fetcher's rate floor). `source` names the sender in a DigestMismatch."""
+        drop a sender (the fetcher's rate floor); `before_piece()` is awaited before each read (the
+        fetcher's hold while this node sends its first copy). `source` names the sender in a
+        DigestMismatch."""
         partial = Partial(digest, length)
         if key not in self.partial:
             self.partial[key] = partial
@@ -170,6 +201,8 @@ class PacketStore:
         hasher, traffic = hashlib.sha256(), self.traffic(key[0])
         try:
             while len(partial.buffer) < length:
+                if before_piece is not None:
+                    await before_piece()
                 piece = await asyncio.wait_for(
                     reader.read(min(piece_bytes, length - len(partial.buffer))), read_timeout_s()
                 )

@@ -1,5 +1,7 @@
-"""PacketStore.awaited_push: the root of an undialable publisher's tree waits for the push rather
-than pull a second copy through the same uplink, but not for a push that never starts or fails."""
+"""PacketStore's waits. `awaited_push`: the root of an undialable publisher's tree waits for the
+push rather than pull a second copy through the same uplink, but not for a push that never starts
+or fails. `after_first_copies`: downloads hold back while this node sends its own packet's first
+copy, and only that long (at most the caller's bound); each piece read waits on it."""
 
 import asyncio
 import hashlib
@@ -61,5 +63,41 @@ def test_a_push_that_fails_returns_none_so_the_caller_fetches():
         with pytest.raises(DigestMismatch):
             await pushing
         assert await asyncio.wait_for(waiting, 2.0) is None
+
+    asyncio.run(scenario())
+
+
+def test_downloads_hold_back_while_the_first_copy_leaves_and_no_longer():
+    async def scenario():
+        store = PacketStore()
+        loop = asyncio.get_running_loop()
+        assert await store.after_first_copies(5.0) == 0.0  # nothing being sent: no wait
+        reader = asyncio.StreamReader()
+        reader.feed_data(BODY)
+        with store.sending_first_copy():
+            holds = []
+
+            async def hold():
+                holds.append(await store.after_first_copies(5.0))
+
+            receiving = asyncio.create_task(
+                store.receive(
+                    (3, "other"),
+                    DIGEST,
+                    len(BODY),
+                    reader,
+                    piece_bytes=1024,
+                    read_timeout_s=lambda: 5.0,
+                    source="x",
+                    before_piece=hold,
+                )
+            )
+            await asyncio.sleep(0.3)
+            assert not receiving.done() and store.partial[(3, "other")].buffer == b""  # not a byte read
+            started = loop.time()
+        assert await receiving == BODY and loop.time() - started < 1.0
+        assert holds[0] >= 0.3 and all(h == 0.0 for h in holds[1:])
+        with store.sending_first_copy():  # a bound: the caller's, however long the send takes
+            assert 0.1 <= await store.after_first_copies(0.1) < 1.0
 
     asyncio.run(scenario())
