@@ -182,8 +182,12 @@ class P2PExchange:
             run=self.config.run_id, round=round, publisher=publisher, digest=held.digest, size=len(held.data)
         )
         data = self._payload_for(round, publisher, bytes(held.data))
-        with self._store.sending_first_copy():  # downloads hold back meanwhile (PacketStore.after_first_copies)
-            return await push_packet(self._host, self.config, self.traffic(round), offer, data, holders, timeout_s)
+        # Downloads hold back meanwhile (PacketStore.after_first_copies).
+        with self._store.sending_first_copy((round, publisher)):
+            holder = await push_packet(self._host, self.config, self.traffic(round), offer, data, holders, timeout_s)
+            if holder is not None:
+                self._store.first_copy_out((round, publisher))
+            return holder
 
     def accept_pushes(self, accept: AcceptPush | None) -> None:
         self._pushes.accept = accept

@@ -187,9 +187,11 @@ class PacketServer:
                     if request.offset > len(payload):
                         raise MalformedPacket(f"offset {request.offset} past the packet's {len(payload)} bytes")
                     writer.write(encode_response_header(STATUS_OK, len(payload) - request.offset))
-                    first = copy.own and not copy.sent_to  # every peer waits for this one
-                    with self._store.sending_first_copy() if first else contextlib.nullcontext():
+                    first = copy.own and not copy.first_out  # every peer waits for this one
+                    with self._store.sending_first_copy((round, publisher)) if first else contextlib.nullcontext():
                         await self._write(payload[request.offset :], writer, traffic)
+                        if first and not request.offset:
+                            self._store.first_copy_out((round, publisher))
                 else:
                     await self._forward(copy, writer, traffic)
                 traffic.num_served += 1

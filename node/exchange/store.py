@@ -48,6 +48,7 @@ class Held:
     receiving: list[str] = field(default_factory=list)  # libp2p ids of peers being sent it now
     own: bool = False  # published by this node
     pushed: bool = False  # pushed here by its publisher (node/exchange/push.py)
+    first_out: bool = False  # own: one whole copy of it has left this node (served or pushed)
 
 
 @dataclass(slots=True)
@@ -97,37 +98,53 @@ class PacketStore:
         self.partial: dict[tuple[int, str], Partial] = {}  # packets arriving now, served as they arrive
         self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched
         self._copy_added = asyncio.Event()  # replaced each time a copy (whole or arriving) is added
-        self.first_copies_sending = 0  # streams sending this node's own packet before any copy of it left
-        self._first_copies_sent = asyncio.Event()  # replaced each time the count falls to 0
+        self._sending_first: dict[tuple[int, str], int] = {}  # own packets being sent, streams each
+        self._first_copies_sent = asyncio.Event()  # replaced at each change of what is being sent
         self._traffic: dict[int, Traffic] = {}
 
     def traffic(self, round: int) -> Traffic:
         return self._traffic.setdefault(round, Traffic())
 
     @contextlib.contextmanager
-    def sending_first_copy(self) -> Iterator[None]:
-        """While this node sends its own packet's first copy (serve.py, a push): downloads hold
-        back meanwhile (`after_first_copies`)."""
-        self.first_copies_sending += 1
+    def sending_first_copy(self, key: tuple[int, str]) -> Iterator[None]:
+        """While a stream sends this node's own packet `key` (serve.py, a push): until one whole copy
+        of it left (`first_copy_out`), downloads hold back (`after_first_copies`)."""
+        self._sending_first[key] = self._sending_first.get(key, 0) + 1
         try:
             yield
         finally:
-            self.first_copies_sending -= 1
-            if not self.first_copies_sending:
-                self._first_copies_sent.set()
-                self._first_copies_sent = asyncio.Event()
+            if left := self._sending_first[key] - 1:
+                self._sending_first[key] = left
+            else:
+                del self._sending_first[key]
+            self._first_copies_changed()
+
+    def first_copy_out(self, key: tuple[int, str]) -> None:
+        """One whole copy of this node's own packet `key` left it: downloads go on."""
+        if isinstance(held := self.held.get(key), Held):
+            held.first_out = True
+        self._first_copies_changed()
+
+    def _first_copies_changed(self) -> None:
+        self._first_copies_sent.set()
+        self._first_copies_sent = asyncio.Event()
+
+    def _first_copy_pending(self) -> bool:
+        return any(isinstance(h := self.held.get(key), Held) and not h.first_out for key in self._sending_first)
 
     async def after_first_copies(self, max_s: float) -> float:
-        """Wait, at most `max_s`, while this node sends its own packet's first copy; the seconds
-        waited. Every peer waits for that copy, and a link whose download side is full delays the
-        acknowledgements its upload needs (a home router's queue, or the lab's): a publisher
-        fetching at full rate sent its first copy at a fifth of its uplink in the lab."""
-        if not self.first_copies_sending or max_s <= 0:
+        """Wait, at most `max_s`, while this node sends its own packet before one whole copy of it
+        left; the seconds waited. Every peer waits for that copy, and a link whose download side
+        is full delays the acknowledgements its upload needs (a home router's queue, or the
+        lab's): a publisher fetching at full rate sent its first copy at a quarter of its uplink
+        in the lab."""
+        if not self._first_copy_pending():
             return 0.0
         loop = asyncio.get_running_loop()
         started = loop.time()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._first_copies_sent.wait(), max_s)
+        while self._first_copy_pending() and (left := started + max_s - loop.time()) > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._first_copies_sent.wait(), left)
         return loop.time() - started
 
     def notify_copy(self) -> None:

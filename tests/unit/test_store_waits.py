@@ -1,14 +1,14 @@
 """PacketStore's waits. `awaited_push`: the root of an undialable publisher's tree waits for the
 push rather than pull a second copy through the same uplink, but not for a push that never starts
-or fails. `after_first_copies`: downloads hold back while this node sends its own packet's first
-copy, and only that long (at most the caller's bound); each piece read waits on it."""
+or fails. `after_first_copies`: downloads hold back while this node sends its own packet until one
+whole copy of it left, and only that long (at most the caller's bound); each piece read waits."""
 
 import asyncio
 import hashlib
 
 import pytest
 
-from node.exchange.store import PacketStore
+from node.exchange.store import Held, PacketStore
 from protocol.stream import DigestMismatch
 
 pytestmark = pytest.mark.timeout(20)
@@ -67,19 +67,20 @@ def test_a_push_that_fails_returns_none_so_the_caller_fetches():
     asyncio.run(scenario())
 
 
-def test_downloads_hold_back_while_the_first_copy_leaves_and_no_longer():
+def test_downloads_hold_back_until_one_whole_copy_of_the_own_packet_left():
     async def scenario():
         store = PacketStore()
         loop = asyncio.get_running_loop()
+        store.held[(3, "me")] = Held(DIGEST, BODY, own=True)
         assert await store.after_first_copies(5.0) == 0.0  # nothing being sent: no wait
         reader = asyncio.StreamReader()
         reader.feed_data(BODY)
-        with store.sending_first_copy():
-            holds = []
+        holds = []
 
-            async def hold():
-                holds.append(await store.after_first_copies(5.0))
+        async def hold():
+            holds.append(await store.after_first_copies(5.0))
 
+        with store.sending_first_copy((3, "me")):
             receiving = asyncio.create_task(
                 store.receive(
                     (3, "other"),
@@ -95,9 +96,13 @@ def test_downloads_hold_back_while_the_first_copy_leaves_and_no_longer():
             await asyncio.sleep(0.3)
             assert not receiving.done() and store.partial[(3, "other")].buffer == b""  # not a byte read
             started = loop.time()
-        assert await receiving == BODY and loop.time() - started < 1.0
+            # Another stream of it (to a slow peer) goes on, but one whole copy left: downloads go on.
+            with store.sending_first_copy((3, "me")):
+                store.first_copy_out((3, "me"))
+                assert await receiving == BODY and loop.time() - started < 1.0
         assert holds[0] >= 0.3 and all(h == 0.0 for h in holds[1:])
-        with store.sending_first_copy():  # a bound: the caller's, however long the send takes
+        store.held[(4, "me")] = Held(DIGEST, BODY, own=True)
+        with store.sending_first_copy((4, "me")):  # a bound: the caller's, however long the send takes
             assert 0.1 <= await store.after_first_copies(0.1) < 1.0
 
     asyncio.run(scenario())
