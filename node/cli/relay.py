@@ -11,10 +11,11 @@ when it stops its p2pd. A node that trains can relay as well (`node join --relay
 
 p2pd 0.5.0.hivemind1 starts two relay services, its configured one (4 GiB, 30 min per relayed
 connection) and one with libp2p's defaults (128 KiB, 2 min), and whichever registers last
-answers: a race, lost in about one start in six without p2pd's DHT, one in two with it (on
-loopback). So the relay checks itself before it prints its address: a probe host reserves a slot
-through it and a second one sends it PROBE_BYTES, more than the default allows; a relay that cuts
-them is restarted, up to MAX_STARTS times (then it runs with what it has, and says so).
+answers: a race, which the relay's p2pd wins by running its Go code on one thread (node/exchange/
+host.py, "Circuit relays"), though not by construction. So the relay checks itself before it
+prints its address: a probe host reserves a slot through it and a second one sends it
+PROBE_BYTES, more than the default allows; a relay that cuts them is restarted, up to MAX_STARTS
+times (then it runs with what it has, and says so).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ class ExchangeConfig:
     use_relay: bool = True  # may reach peers through libp2p circuit relays
     use_auto_relay: bool = False  # behind NAT: find a relay and become reachable through it
     # offer relay service with p2pd's limits (4 GiB, 30 min per relayed connection) rather than
-    # libp2p's default (128 KiB, 2 min): forces public reachability (node/exchange/host.py)
+    # libp2p's default (128 KiB, 2 min): forces public reachability and runs p2pd's Go code on one
+    # thread (node/exchange/host.py)
     relay: bool = False
     # behind NAT: be reachable through these relays (multiaddrs ending in /p2p/<relay id>): keep a
     # connection and a reservation at each, and announce only the addresses through them

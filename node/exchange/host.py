@@ -20,15 +20,22 @@ Things hivemind 1.1.12 does not do for us, and how this module copes:
   encodes a /p2p/ part as a CID, which p2pd refuses ("length greater than remaining number of
   bytes in buffer"); a relayed address keeps its relay's /p2p/<id>, so addresses are encoded by
   `reachability.p2pd_multiaddr`.
-- Circuit relays (libp2p circuit relay v2; p2pd 0.5.0.hivemind1). Every p2pd started with relay
-  enabled serves relay v2 with libp2p's default resources: each relayed connection carries at most
-  128 KiB each way and lives at most 2 minutes (a packet does not fit). The service that p2pd's
-  -relayDataLimit/-relayTimeLimit configure (4 GiB, 30 min by default) starts only once the node
-  finds itself publicly reachable, and then answers instead if it registers after the default one
-  (a race: node/cli/relay.py checks the relay it starts, and restarts one that lost); so a node
-  with `relay` forces public reachability and starts p2pd without its own DHT (which makes the race
-  lost less often; hivemind's DHT runs over streams, not p2pd's). tests/integration/test_relay.py
-  moves 1 MiB over one relayed connection. A node
+- Circuit relays (libp2p circuit relay v2; p2pd 0.5.0.hivemind1). A p2pd with relay enabled runs
+  two relay v2 services on one protocol, and the one that registers its handler last answers:
+  p2pd's own (`EnableRelayV2`: go-libp2p's `relay.New` with its default resources, 128 KiB each
+  way and 2 minutes per relayed connection: a packet does not fit), registered from p2pd's main
+  goroutine just after the host is built; and go-libp2p's relay manager, which carries
+  -relayDataLimit/-relayTimeLimit (4 GiB, 30 min by default) but builds its relay from a goroutine
+  of its own once autonat says the node is public. No p2pd flag leaves the configured one alone
+  (-relayService=0 drops it, -relay=0 both). So a node with `relay` forces public reachability
+  (autonat says so while the host is built, before the main goroutine registers the default
+  relay), starts p2pd without its own DHT (hivemind's runs over streams, not p2pd's) and with
+  GOMAXPROCS=1 (`RELAY_DAEMON_ENV`): with one thread of Go code, the manager's goroutine runs
+  only when the main one yields, which it rarely does before it registered the default; the
+  configured relay then registers last. Not a guarantee (a preemption or a garbage collection
+  in between can still let the default win), so node/cli/relay.py checks the relay it starts and
+  restarts one that lost; `node join --relay` does not check. The cost: that p2pd runs Go code
+  on one core. tests/integration/test_relay.py moves 1 MiB over one relayed connection. A node
   behind NAT becomes dialable through a relay only once it holds a reservation there, which p2pd
   makes through autorelay: with `relay_via` the daemon starts with autorelay, these relays as its
   static relays, relay discovery off (with it on, p2pd waits out libp2p's boot delay, minutes,
@@ -86,6 +93,9 @@ log = logging.getLogger(__name__)
 StreamHandler = Callable[..., Awaitable[None]]  # (stream_info, reader, writer)
 SHUTDOWN_TIMEOUT_S = 5.0  # each of the DHT node's and p2pd's shutdown, before what is left is killed
 RELAY_CHECK_S = 5.0  # a node reachable through relays checks its connections to them this often
+# one thread of Go code in a relay's p2pd, so that its configured relay registers after its default
+# one (module docstring, "Circuit relays")
+RELAY_DAEMON_ENV = {"GOMAXPROCS": "1"}
 
 
 class Host:
@@ -265,17 +275,24 @@ def dial_addresses(holder_id: str, maddrs: list[str]) -> list[Multiaddr]:
 
 
 class _P2PWithFlags(P2P):
-    """`P2P` that hands p2pd flags `P2P.create` has no parameter for (`DAEMON_FLAGS`, set on a
-    subclass made per start by `_daemon_class`)."""
+    """`P2P` that hands p2pd flags `P2P.create` has no parameter for (`DAEMON_FLAGS`) and
+    environment variables of its own (`DAEMON_ENV`, through `env`, which execs p2pd in its own
+    process: the pid stays p2pd's), both set on a subclass made per start by `_daemon_class`."""
 
     DAEMON_FLAGS: dict[str, bool] = {}
+    DAEMON_ENV: dict[str, str] = {}
 
     def _make_process_args(self, *args, **kwargs) -> list[str]:  # P2P.create calls it on the new instance
-        return P2P._make_process_args(*args, **kwargs | self.DAEMON_FLAGS)
+        p2pd_args = P2P._make_process_args(*args, **kwargs | self.DAEMON_FLAGS)
+        if not self.DAEMON_ENV:
+            return p2pd_args
+        return ["env", *(f"{name}={value}" for name, value in self.DAEMON_ENV.items()), *p2pd_args]
 
 
-def _daemon_class(flags: dict[str, bool]) -> type[P2P]:
-    return type("P2P", (_P2PWithFlags,), {"DAEMON_FLAGS": flags}) if flags else P2P
+def _daemon_class(flags: dict[str, bool], env: dict[str, str]) -> type[P2P]:
+    if not flags and not env:
+        return P2P
+    return type("P2P", (_P2PWithFlags,), {"DAEMON_FLAGS": flags, "DAEMON_ENV": env})
 
 
 async def start_daemon(config: ExchangeConfig, idle_timeout_s: float = 30.0) -> P2P:
@@ -286,7 +303,8 @@ async def start_daemon(config: ExchangeConfig, idle_timeout_s: float = 30.0) -> 
     nat_port_map = (not loopback_only) if config.nat_port_map is None else config.nat_port_map
     relayed = bool(config.relay_via)
     flags = {"relayDiscovery": False} if relayed else {"dhtServer": False} if config.relay else {}
-    return await _daemon_class(flags).create(
+    env = RELAY_DAEMON_ENV if config.relay else {}
+    return await _daemon_class(flags, env).create(
         host_maddrs=list(config.host_maddrs),
         announce_maddrs=list(config.announce_maddrs) or None,
         use_relay=config.use_relay or relayed,

@@ -18,7 +18,7 @@ import pytest
 
 from node.cli.relay import LISTENING
 from node.exchange.config import ExchangeConfig
-from node.exchange.host import Host, dial_addresses
+from node.exchange.host import Host, dial_addresses, start_daemon
 from node.exchange.reachability import is_relayed
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -141,10 +141,24 @@ def test_a_host_behind_a_relay_is_dialled_through_it_and_bytes_move():
     asyncio.run(scenario())
 
 
-@pytest.mark.skip(
-    reason="known defect, issue 30 item 4: on this machine the relay cut 1 MiB in 10 of 14 runs; its self-check"
-    " found libp2p's default 128 KiB limit in every start it made (6 of 6, then it runs with it, and logs so)"
-)
+def test_a_relays_p2pd_runs_go_code_on_one_thread_and_is_the_child_hivemind_holds():
+    """`env` execs p2pd in its own process: the pid hivemind holds (and stops) is p2pd's, and it
+    has GOMAXPROCS=1, which makes its configured relay register after its default one."""
+
+    async def scenario():
+        p2p = await start_daemon(ExchangeConfig(run_id="relay-test", relay=True), idle_timeout_s=0)
+        try:
+            pid = p2p._child.pid
+            assert Path(f"/proc/{pid}/exe").resolve().name == "p2pd"
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"GOMAXPROCS=1" in environ
+        finally:
+            await p2p.shutdown()
+        assert p2p._child.returncode is not None, "hivemind's shutdown stopped p2pd itself"
+
+    asyncio.run(scenario())
+
+
 def test_a_relay_forced_public_carries_more_than_libp2ps_default_128_kib():
     """The relay's own limits (p2pd's -relayDataLimit, 4 GiB) answer, not libp2p's default of 128
     KiB per relayed connection, which a relay that autonat has not found public applies
