@@ -3,7 +3,8 @@ child process), a host reachable only through it (`relay_via`), and a host that 
 
 The relayed host announces a port nobody listens on (besides its circuit address), so that the
 dialler, which learns its addresses from libp2p's identify over the relayed connection, has no
-direct path to upgrade to: every byte goes through the relay, as the tests check.
+direct path to upgrade to: every byte goes through the relay, as the tests check. One test starts
+a relay's p2pd alone, to read its environment from /proc.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def test_a_relays_p2pd_runs_go_code_on_one_thread_and_is_the_child_hivemind_hold
 
 def test_a_relay_forced_public_carries_more_than_libp2ps_default_128_kib():
     """The relay's own limits (p2pd's -relayDataLimit, 4 GiB) answer, not libp2p's default of 128
-    KiB per relayed connection, which a relay that autonat has not found public applies
+    KiB per relayed connection, which p2pd's second relay service applies when it registers last
     (node/exchange/host.py): 1 MiB moves over one relayed connection."""
 
     async def scenario():
