@@ -13,9 +13,10 @@ p2pd 0.5.0.hivemind1 starts two relay services, its configured one (4 GiB, 30 mi
 connection) and one with libp2p's defaults (128 KiB, 2 min), and whichever registers last
 answers: a race, which the relay's p2pd wins by running its Go code on one thread (node/exchange/
 host.py, "Circuit relays"), though not by construction. So the relay checks itself before it
-prints its address: a probe host reserves a slot through it and a second one sends it
-PROBE_BYTES, more than the default allows; a relay that cuts them is restarted, up to MAX_STARTS
-times (then it runs with what it has, and says so).
+prints its address: a probe host reserves a slot through it (at its listen address when it
+announces others: `local_address`) and a second one sends it PROBE_BYTES, more than the default
+allows; a relay that cuts them is restarted, up to MAX_STARTS times (then it runs with what it
+has, and says so).
 """
 
 from __future__ import annotations
@@ -80,10 +81,15 @@ async def serve_relay(host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, 
     for start in range(1, MAX_STARTS + 1):
         p2p = await start_daemon(config, idle_timeout_s=0)
         try:
-            carried = await probe(p2p)
+            local = await local_address(p2p, host_maddrs, announce_maddrs)
+            carried = local is None or await probe(local)
         except BaseException:
             await p2p.shutdown()
             raise
+        if local is None:
+            log.warning(
+                "relay: not checked: it listens on port 0 and announces other addresses, so the check cannot dial it"
+            )
         if carried:
             break
         log.warning("relay: start %d relays at most libp2p's default 128 KiB per connection", start)
@@ -104,13 +110,28 @@ async def serve_relay(host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, 
     return 0
 
 
-async def probe(relay) -> bool:
-    """Whether PROBE_BYTES pass through `relay` (a started P2P) on one relayed connection: a host
-    reachable only through it (`relay_via`) counts what a second host sends it there."""
+async def local_address(relay, host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...]) -> str | None:
+    """An address of `relay` (a started P2P) that this machine can listen beside and dial, with
+    /p2p/<id>: the first it lists, unless it announces others (a public IP behind port forwarding,
+    often no address of this machine); then its first listen address with an explicit port, an
+    unspecified IP read as loopback. None: it listens on port 0 only (p2pd lists no real port)."""
+    if not announce_maddrs:
+        return str((await relay.get_visible_maddrs())[0])
+    for maddr in host_maddrs:
+        _, family, ip, transport, port = (maddr.split("/") + [""] * 5)[:5]
+        if transport == "tcp" and port not in ("", "0"):
+            ip = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(ip, ip)
+            return f"/{family}/{ip}/tcp/{port}/p2p/{relay.peer_id.to_base58()}"
+    return None
+
+
+async def probe(relay_maddr: str) -> bool:
+    """Whether PROBE_BYTES pass through the relay at `relay_maddr` (ending in /p2p/<id>) on one
+    relayed connection: a host reachable only through it (`relay_via`) counts what a second host
+    sends it there."""
     from node.exchange.config import ExchangeConfig
     from node.exchange.host import start_daemon
 
-    relay_maddr = str((await relay.get_visible_maddrs())[0])
     listen = relay_maddr.split("/tcp/")[0] + "/tcp/0"  # beside the relay: the probe needs no other network
     relayed = await start_daemon(ExchangeConfig(run_id="relay", host_maddrs=(listen,), relay_via=(relay_maddr,)))
     try:

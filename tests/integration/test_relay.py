@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -31,16 +32,16 @@ DEFAULT_LIMIT_BYTES = 128 << 10  # libp2p's relay v2 default per relayed connect
 
 
 @contextlib.asynccontextmanager
-async def relay_process():
-    """`locoswarm node relay` on 127.0.0.1, port 0; yields the address it prints, stops it with SIGTERM."""
+async def relay_process(*args: str):
+    """`locoswarm node relay` with `args` (by default on 127.0.0.1, port 0); yields the first
+    address it prints, stops it with SIGTERM."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "locoswarm",
         "node",
         "relay",
-        "--host-maddrs",
-        "/ip4/127.0.0.1/tcp/0",
+        *(args or ("--host-maddrs", "/ip4/127.0.0.1/tcp/0")),
         stdout=asyncio.subprocess.PIPE,
         cwd=REPO_ROOT,
     )
@@ -138,6 +139,22 @@ def test_a_host_behind_a_relay_is_dialled_through_it_and_bytes_move():
             assert await send_through(dialler, relayed, 64 << 10) == 64 << 10
             via = await remote_addresses(dialler, relayed.holder_id)
             assert via and all(is_relayed(a) for a in via), f"a direct connection to the relayed host: {via}"
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_behind_port_forwarding_checks_itself_at_its_listen_address_and_prints_the_announced_one():
+    """A relay that announces an address this machine does not have (a public IP forwarded to it;
+    here TEST-NET-3, which nobody routes) checks itself through its listen address, 127.0.0.1
+    and the port it was given, instead of dying on it: it prints the announced address."""
+    with socket.socket() as s:  # a free port: the relay behind port forwarding listens on a fixed one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    announced = f"/ip4/203.0.113.5/tcp/{port}"
+
+    async def scenario():
+        async with relay_process("--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--announce-maddrs", announced) as m:
+            assert m.startswith(f"{announced}/p2p/"), m
 
     asyncio.run(scenario())
 
