@@ -230,7 +230,10 @@ async def test_late_joiner_catches_up_by_snapshot(swarm):
     agreed = {h.round: h.majority_digest for h in (await swarm.status()).history}
     joined_at = d.reports[0].round
     assert joined_at >= 2 and d.reports[-1].round == 4
-    assert [(u.from_round, u.to_round, u.method) for u in d.catch_ups] == [(None, joined_at, "snapshot")]
+    # A round that closes while the snapshot loads is replayed after it ("snapshot+replay"): timing.
+    [catch_up] = d.catch_ups
+    assert (catch_up.from_round, catch_up.to_round) == (None, joined_at)
+    assert catch_up.method in ("snapshot", "snapshot+replay")
     assert digests_by_round(d) == {r: agreed[r] for r in range(joined_at, 5)}
     assert digests_by_round(a) == digests_by_round(b) == agreed
 
