@@ -187,6 +187,14 @@ class NetworkSection(Section):
         json_schema_extra={"flag": "--fetch-timeout"},
         description="Seconds, per round, to fetch the manifest's packets.",
     )
+    stripes: int = Field(
+        4,
+        ge=1,
+        le=8,
+        description="A packet of a few MB is fetched over up to this many streams side by side: one stream carries "
+        "one yamux window (256 KiB) per round trip until its window grows, 52 Mbps over 40 ms; more for long "
+        "round trips, 1: one stream.",
+    )
     packet_spool_dir: ExpandedPath | None = Field(
         None,
         description="A directory on disk where the packets this node holds and serves are kept, in unnamed "

@@ -11,15 +11,19 @@ project's nodes follows this layout:
                "child": bool (optional; true: the fetcher is the holder's child in the packet's
                               tree, served on a stream of its own beside the upload slots),
                "offset": int (optional, written only when not 0; serve the bytes from this
-                              offset on: a snapshot transfer resuming at another holder)}
+                              offset on: a snapshot transfer resuming at another holder),
+               "stripe": int, "stripes": int (optional, both or neither, never with offset; a
+                              packet in `stripes` parts, 2 to MAX_STRIPES: serve part `stripe`)}
     response  u8 status, u64 big-endian length N, then N bytes:
               status 0: the packet bytes from the offset on (written in pieces as they are
                         available), N = size - offset
+              status 3: striped: N is the packet's size, and the bytes that follow are only
+                        part `stripe` of it, `stripe_bounds(N, stripes)` long
               status 1: a UTF-8 error message (N at most 512), e.g. "not held"
               status 2: busy: every upload slot is taken; N bytes (at most 512) of msgpack list
                         of up to 8 libp2p peer ids (base58) with a copy: those that confirmed a
                         verified one first, then those it is being sent to now
-    receipt   after status 0, the fetcher sends one byte 0x01 once the bytes hash to the digest; the
+    receipt   after status 0 or 3, the fetcher sends one byte 0x01 once the bytes hash to the digest; the
               holder keeps the upload slot until it reads it (or EOF, or its stall time-out)
 
 A holder answers only for a packet it holds (whole, or still arriving) with exactly the requested
@@ -29,6 +33,17 @@ it is still receiving holds back the last byte until its own copy hashed to the 
 that fails upstream ends the stream short rather than with bad bytes. A fetcher refuses a length
 that differs from the announced size (or exceeds its packet limit) before reading the body, and
 the sha256 of the bytes must equal the digest asked for (`DigestMismatch` otherwise).
+
+Stripes: one libp2p stream carries at most one yamux window (256 KiB, fixed by the yamux spec)
+per round trip until its window grows, 52 Mbps over a 40 ms round trip, so a packet of a few
+megabytes is asked for in parts, each on a stream of its own, side by side. Part 0 is the
+request that queues and takes the upload slot (or the child stream) as a whole request would; the
+fetcher asks for the other parts once part 0's answer came, and a holder serves those only while
+it serves part 0 to the same peer, on no slot of their own. `stripe_bounds` cuts a packet into
+at most `stripes` parts of at least MIN_STRIPE_BYTES, so a small packet has one part, and both
+sides compute the same cut from the size. A holder forwarding a copy still arriving holds back
+the last byte of every part until the copy verified. The receipt goes on every part's stream once
+the whole packet hashed to its digest.
 
 Pushes, protocol "locoswarm.push.v1": a node nobody can dial hands its packet to a reachable peer
 over a stream it opens itself (node/exchange/push.py), which then holds and serves it as any holder:
@@ -69,15 +84,17 @@ PUSH_PROTOCOL_NAME = "locoswarm.push.v1"
 ALREADY_HELD = "already held"  # a push answer: the holder has that packet, with that digest, already
 REQUEST_PREFIX = struct.Struct(">I")
 RESPONSE_HEADER = struct.Struct(">BQ")
-STATUS_OK, STATUS_ERROR, STATUS_BUSY = 0, 1, 2
+STATUS_OK, STATUS_ERROR, STATUS_BUSY, STATUS_STRIPED = 0, 1, 2, 3
 RECEIPT = b"\x01"  # the fetcher's "verified" after a packet
 MAX_REQUEST_BYTES = 1024
 MAX_ERROR_BYTES = 512
 MAX_BUSY_BYTES = 512
 MAX_BUSY_NAMES = 8  # peers named in a busy answer
+MAX_STRIPES = 8  # parts a packet may be asked for in
+MIN_STRIPE_BYTES = 256 << 10  # a part smaller than one yamux window gains nothing
 MAX_PEER_ID_CHARS = 128  # a base58 libp2p id is about 52 characters
 REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
-OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child", "offset"})
+OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child", "offset", "stripe", "stripes"})
 OFFER_KEYS = frozenset({"run", "round", "peer", "digest", "size"})
 # What hivemind 1.1.12's PeerID.from_base58 (base58.b58decode) accepts: the bitcoin alphabet,
 # after trailing whitespace is stripped. The same test here keeps this module free of hivemind.
@@ -112,11 +129,20 @@ class PacketRequest:
     wait: bool = False  # queue for an upload slot instead of a busy answer
     child: bool = False  # the fetcher is the holder's child in the packet's tree
     offset: int = 0  # serve the bytes from here on (a snapshot transfer resuming)
+    stripe: int = 0  # with stripes > 1: the part of the packet asked for
+    stripes: int = 1  # the parts the packet is cut in (stripe_bounds); 1: the whole packet
+
+
+def stripe_bounds(size: int, stripes: int) -> list[tuple[int, int]]:
+    """[start, end) of each part of a `size`-byte packet asked for in `stripes` parts: at most
+    that many, each at least MIN_STRIPE_BYTES (one part for a small packet), even in size."""
+    n = max(1, min(stripes, size // MIN_STRIPE_BYTES))
+    return [(size * i // n, size * (i + 1) // n) for i in range(n)]
 
 
 def encode_request(request: PacketRequest) -> bytes:
     """The request frame: length prefix, then the msgpack map (wait and child always written,
-    offset only when not 0)."""
+    offset only when not 0, stripe and stripes only when more than one)."""
     fields = {
         "run": request.run,
         "round": request.round,
@@ -127,6 +153,8 @@ def encode_request(request: PacketRequest) -> bytes:
     }
     if request.offset:
         fields["offset"] = request.offset
+    if request.stripes > 1:
+        fields["stripe"], fields["stripes"] = request.stripe, request.stripes
     body = msgpack.packb(fields)
     return REQUEST_PREFIX.pack(len(body)) + body
 
@@ -153,7 +181,7 @@ def _unpack_frame(body: bytes, what: str):
             max_str_len=MAX_REQUEST_BYTES,
             max_bin_len=0,
             max_array_len=0,
-            max_map_len=8,
+            max_map_len=10,
         )
     except Exception as e:  # msgpack raises a zoo of types on bad input
         raise MalformedPacket(f"{what} does not parse: {type(e).__name__}") from None
@@ -167,9 +195,12 @@ def decode_request(body: bytes) -> PacketRequest:
     """The request in a body read after its prefix; which run it names is for the caller to check."""
     request = _unpack_frame(body, "request")
     if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | OPTIONAL_REQUEST_KEYS:
-        raise MalformedPacket("request is not a map with run, round, peer, digest (and optionally wait, child, offset)")
+        raise MalformedPacket(
+            "request is not a map with run, round, peer, digest (and optionally wait, child, offset, stripe, stripes)"
+        )
     run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
     wait, child, offset = request.get("wait", False), request.get("child", False), request.get("offset", 0)
+    stripe, stripes = request.get("stripe", 0), request.get("stripes", 1)
     if not (
         isinstance(run, str)
         and isinstance(publisher, str)
@@ -178,14 +209,27 @@ def decode_request(body: bytes) -> PacketRequest:
         and not isinstance(round, bool)
         and isinstance(wait, bool)
         and isinstance(child, bool)
-        and isinstance(offset, int)
-        and not isinstance(offset, bool)
+        and _is_int(offset)
+        and _is_int(stripe)
+        and _is_int(stripes)
     ):
         raise MalformedPacket("request fields have the wrong types")
     if offset < 0:
         raise MalformedPacket(f"request offset {offset} is negative")
+    if ("stripe" in request) != ("stripes" in request):
+        raise MalformedPacket("a striped request names both its stripe and the number of stripes")
+    if "stripes" in request and not (2 <= stripes <= MAX_STRIPES and 0 <= stripe < stripes and not offset):
+        raise MalformedPacket(f"stripe {stripe} of {stripes}: 2 to {MAX_STRIPES} stripes, and no offset beside them")
     return PacketRequest(
-        run=run, round=round, publisher=publisher, digest=digest, wait=wait, child=child, offset=offset
+        run=run,
+        round=round,
+        publisher=publisher,
+        digest=digest,
+        wait=wait,
+        child=child,
+        offset=offset,
+        stripe=stripe,
+        stripes=stripes,
     )
 
 
@@ -232,11 +276,11 @@ def decode_response_header(raw: bytes, max_packet_bytes: int) -> tuple[int, int]
     if len(raw) != RESPONSE_HEADER.size:
         raise TruncatedPacket(f"response header of {len(raw)} bytes, not {RESPONSE_HEADER.size}")
     status, length = RESPONSE_HEADER.unpack(raw)
-    if status not in (STATUS_OK, STATUS_ERROR, STATUS_BUSY):
+    if status not in (STATUS_OK, STATUS_ERROR, STATUS_BUSY, STATUS_STRIPED):
         raise MalformedPacket(f"unknown response status {status}")
     if status == STATUS_BUSY and length > MAX_BUSY_BYTES:
         raise OversizedPacket(f"busy answer of {length} bytes")
-    if status == STATUS_OK and length > max_packet_bytes:
+    if status in (STATUS_OK, STATUS_STRIPED) and length > max_packet_bytes:
         raise OversizedPacket(f"holder offers {length} bytes, the limit is {max_packet_bytes}")
     return status, length
 

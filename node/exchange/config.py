@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from protocol.dht_records import packets_key
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES
+from protocol.stream import MAX_STRIPES
 
 if TYPE_CHECKING:
     from node.config import NetworkSection
@@ -57,6 +58,10 @@ class ExchangeConfig:
     push_grace_s: float = 2.0
     busy_pause_s: float = 0.05  # with every known holder busy, ask again after this (doubling to 0.4 s)
     chunk_bytes: int = 512 << 10  # stream write size
+    # a packet of a few MB is fetched in up to this many stripes, one stream each, side by side: a
+    # stream carries one yamux window (256 KiB) per round trip until its window grows
+    # (protocol/stream.py); 1: one stream
+    stripes: int = 4
     # refuse larger packets before buffering them (a snapshot's size is its model's: protocol/snapshot.py)
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES
     connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
@@ -117,6 +122,8 @@ class ExchangeConfig:
             raise ValueError("a node offers relay service (relay) or uses relays (relay_via), not both")
         if bad := [m for m in self.relay_via if "/p2p/" not in m or "/p2p-circuit" in m]:
             raise ValueError(f"a relay's address ends in /p2p/<its libp2p id> and is not relayed itself: {bad}")
+        if not 1 <= self.stripes <= MAX_STRIPES:
+            raise ValueError(f"stripes must be 1 to {MAX_STRIPES}, not {self.stripes}")
         if self.mirror_after_s < 0:
             raise ValueError("mirror_after_s must be >= 0 (0: ask the mirror at once)")
         if self.min_rate_bytes_per_s < 0:

@@ -31,6 +31,12 @@ bytes moved on (the tensors after the next outer step) ends the stream short and
 served: the fetcher resumes elsewhere without blaming this node. A held packet is also served from an offset; a copy
 still arriving only from 0.
 
+Stripes (protocol/stream.py): a request for stripe 0 of a packet takes a slot (or a child stream)
+as a whole request would; the fetcher's requests for its other stripes ride on it, no slot of
+their own, and are refused unless that peer is being sent the packet here now (at most `stripes`
+streams each). A copy still arriving is forwarded stripe by stripe as each one's bytes arrive,
+the last byte of every stripe held back until the copy verified.
+
 The handler never raises: a malformed request, one for another run, or for a packet not held gets
 an error frame, and one that does not arrive within `request_timeout_s` just closes the stream.
 """
@@ -54,6 +60,7 @@ from protocol.stream import (
     RECEIPT,
     REQUEST_PREFIX,
     STATUS_OK,
+    STATUS_STRIPED,
     HolderRefused,
     PacketRequest,
     decode_request,
@@ -61,6 +68,7 @@ from protocol.stream import (
     encode_error,
     encode_response_header,
     request_body_length,
+    stripe_bounds,
 )
 
 log = logging.getLogger(__name__)
@@ -159,7 +167,15 @@ class PacketServer:
                 raise HolderRefused("not held")
             if request.offset and isinstance(copy, Partial):
                 raise HolderRefused("a copy still arriving is served from its start only")
-            if request.child and self.num_child_uploads < MAX_CHILD_STREAMS and not isinstance(copy, HeldSnapshot):
+            striped = request.stripes > 1
+            if striped and isinstance(copy, HeldSnapshot):
+                raise MalformedPacket("a snapshot is served whole, from an offset, not in stripes")
+            requester = stream_info.peer_id.to_base58()
+            if striped and request.stripe:
+                # A further stripe rides on the stream serving stripe 0 to the same peer: no slot.
+                if not 0 < copy.receiving.count(requester) < request.stripes:
+                    raise HolderRefused("a stripe is served beside its packet's stripe 0 only")
+            elif request.child and self.num_child_uploads < MAX_CHILD_STREAMS and not isinstance(copy, HeldSnapshot):
                 # The packet's tree bounds these (a few children per packet), so no slot is taken.
                 self.num_child_uploads += 1
                 child = True
@@ -168,33 +184,25 @@ class PacketServer:
                 # request if it asks to wait or there is nobody to name. A packet only its
                 # publisher has yet starts its tree at once, beside the other uploads.
                 can_name = bool(copy.sent_to or copy.receiving)  # what a busy answer would list
-                seed = isinstance(copy, Held) and copy.own and not copy.sent_to and len(copy.receiving) < SEED_STREAMS
+                seed = (
+                    isinstance(copy, Held) and copy.own and not copy.sent_to and len(set(copy.receiving)) < SEED_STREAMS
+                )
                 wait_s = cfg.request_timeout_s if request.wait or not can_name else 0.0
                 slots = self.snapshot_uploads if isinstance(copy, HeldSnapshot) else self.uploads
                 slot = slots if await slots.take(wait_s, SEED_STREAMS if seed else 0) else None
-            if slot is None and not child:
-                writer.write(encode_busy(self._copy_holders(copy)))
-                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
-                return
-            requester = stream_info.peer_id.to_base58()
+                if slot is None:
+                    writer.write(encode_busy(self._copy_holders(copy)))
+                    await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+                    return
             copy.receiving.append(requester)
             try:
                 traffic = self._store.traffic(round)
                 if isinstance(copy, HeldSnapshot):
                     await self._send_snapshot(round, copy, request.offset, writer, traffic)
-                elif isinstance(copy, Held):
-                    payload = memoryview(self._payload_for(round, publisher, copy.data))
-                    if request.offset > len(payload):
-                        raise MalformedPacket(f"offset {request.offset} past the packet's {len(payload)} bytes")
-                    writer.write(encode_response_header(STATUS_OK, len(payload) - request.offset))
-                    first = copy.own and not copy.first_out  # every peer waits for this one
-                    with self._store.sending_first_copy((round, publisher)) if first else contextlib.nullcontext():
-                        await self._write(payload[request.offset :], writer, traffic)
-                        if first and not request.offset:
-                            self._store.first_copy_out((round, publisher))
                 else:
-                    await self._forward(copy, writer, traffic)
-                traffic.num_served += 1
+                    await self._send_packet(round, publisher, copy, request, writer, traffic)
+                if not request.stripe:
+                    traffic.num_served += 1
                 # The slot is held until the fetcher says it has the verified bytes (or gives up).
                 receipt = await asyncio.wait_for(reader.read(len(RECEIPT)), cfg.stall_timeout_s)
                 if receipt == RECEIPT and requester not in copy.sent_to:
@@ -257,16 +265,56 @@ class PacketServer:
             del payload  # one unit in memory per stream: gone before the next is read
             offset = end
 
-    async def _forward(self, partial: Partial, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
-        """Send a packet that is still arriving, each piece as it comes, the last byte once verified."""
-        writer.write(encode_response_header(STATUS_OK, partial.length))
-        sent = 0
-        while sent < partial.length:
+    async def _send_packet(
+        self,
+        round: int,
+        publisher: str,
+        copy: Held | Partial,
+        request: PacketRequest,
+        writer: asyncio.StreamWriter,
+        traffic: Traffic,
+    ) -> None:
+        """The packet from the request's offset on, or its stripe; a copy still arriving as it arrives."""
+        key = (round, publisher)
+        if isinstance(copy, Held):
+            payload = memoryview(self._payload_for(round, publisher, copy.data))
+            size = len(payload)
+        else:
+            size = copy.length
+        if request.stripes > 1:
+            bounds = stripe_bounds(size, request.stripes)
+            if request.stripe >= len(bounds):
+                raise MalformedPacket(f"stripe {request.stripe} of a packet cut in {len(bounds)}")
+            start, end = bounds[request.stripe]
+            writer.write(encode_response_header(STATUS_STRIPED, size))
+        else:
+            if request.offset > size:
+                raise MalformedPacket(f"offset {request.offset} past the packet's {size} bytes")
+            start, end = request.offset, size
+            writer.write(encode_response_header(STATUS_OK, size - start))
+        if isinstance(copy, Partial):
+            await self._forward(copy, start, end, writer, traffic)
+            return
+        # Every peer waits for the first copy of this node's own packet: downloads hold back
+        # meanwhile. Its stripes go side by side, so stripe 0's end stands for the copy's.
+        first = copy.own and not copy.first_out
+        with self._store.sending_first_copy(key) if first else contextlib.nullcontext():
+            await self._write(payload[start:end], writer, traffic)
+            if first and start == 0:
+                self._store.first_copy_out(key)
+
+    async def _forward(
+        self, partial: Partial, start: int, end: int, writer: asyncio.StreamWriter, traffic: Traffic
+    ) -> None:
+        """Send bytes [start, end) of a packet that is still arriving, each piece as it comes, the
+        last one once the packet verified."""
+        sent = start
+        while sent < end:
             if partial.failed:
                 raise ConnectionError("the copy being forwarded failed upstream")
-            upto = partial.servable()
+            upto = partial.servable(sent, end)
             if upto > sent:
-                piece = bytes(partial.buffer[sent:upto])
+                piece = partial.read(sent, upto)
                 writer.write(piece)
                 await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
                 traffic.uploaded_bytes += len(piece)

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,26 +63,69 @@ class HeldSnapshot:
 
 
 @dataclass(slots=True)
+class Part:
+    """Bytes [start, end) of a packet, received from `start` on (a stripe, or the whole packet)."""
+
+    start: int
+    end: int
+    data: bytearray = field(default_factory=bytearray)  # grown as bytes arrive
+
+    @property
+    def received_to(self) -> int:
+        return self.start + len(self.data)
+
+
+@dataclass(slots=True)
 class Partial:
     """A packet still arriving, served onward as it arrives (cut-through).
 
-    Its last byte is held back from every onward stream until the whole packet hashed to its
-    digest, so a copy that fails here ends those streams short (the receivers try another
-    holder) instead of handing them bad bytes that would get this honest peer banned.
+    It arrives as one part, or as stripes side by side (protocol/stream.py), each received from
+    its start: `received_to(pos)` is how far the bytes from `pos` on arrived without a gap. The
+    last byte of every range served onward is held back until the whole packet hashed to its
+    digest, so a copy that fails here ends those streams short (the receivers try another holder)
+    instead of handing them bad bytes that would get this honest peer banned.
     """
 
     digest: str
     length: int
-    buffer: bytearray = field(default_factory=bytearray)
+    parts: list[Part] = field(default_factory=list)  # adjacent, in order, covering [0, length)
     sent_to: list[str] = field(default_factory=list)  # shared with the Held that replaces it
     receiving: list[str] = field(default_factory=list)
     verified: bool = False
     failed: bool = False
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # replaced at every notify
 
-    def servable(self) -> int:
-        """Bytes that may go onward now."""
-        return len(self.buffer) if self.verified else min(len(self.buffer), self.length - 1)
+    def __post_init__(self) -> None:
+        if not self.parts:
+            self.parts = [Part(0, self.length)]
+
+    @property
+    def num_received(self) -> int:
+        return sum(len(part.data) for part in self.parts)
+
+    def received_to(self, pos: int) -> int:
+        """The end of the bytes from `pos` on that arrived without a gap."""
+        for part in self.parts:
+            if pos >= part.end:
+                continue
+            if part.received_to < part.end:
+                return max(pos, part.received_to)
+            pos = part.end
+        return pos
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes [start, end), which must have arrived."""
+        return b"".join(
+            part.data[max(start, part.start) - part.start : min(end, part.end) - part.start]
+            for part in self.parts
+            if part.start < end and start < part.end
+        )
+
+    def servable(self, start: int = 0, end: int | None = None) -> int:
+        """How far the range [start, end) may go onward now (the whole packet by default)."""
+        end = self.length if end is None else end
+        upto = min(self.received_to(start), end)
+        return upto if self.verified or upto < end else end - 1
 
     def notify(self) -> None:
         self.arrived.set()
@@ -200,42 +243,59 @@ class PacketStore:
         pushed: bool = False,
         on_piece: Callable[[int], None] | None = None,
         before_piece: Callable[[], Awaitable[object]] | None = None,
+        stripes: Sequence[tuple[int, int]] = (),
+        open_stripe: Callable[[int], Awaitable[asyncio.StreamReader]] | None = None,
     ) -> bytes:
-        """The `length` bytes of a packet body from `reader`, verified against `digest` and held
-        from then on; the fetcher's download and a push's body alike (fetch.py, push.py).
+        """The `length` bytes of a packet body, verified against `digest` and held from then on;
+        the fetcher's download and a push's body alike (fetch.py, push.py).
 
+        The body comes from `reader`, or in `stripes` (their [start, end) bounds, adjacent and in
+        order) side by side: `reader` carries the first, and `open_stripe(i)` gives the reader of
+        stripe i. The sha256 runs over the bytes from the start as they arrive without a gap.
         Grown as bytes arrive, not allocated from the claimed length: a hostile sender announcing
         256 MB costs us only what it actually sends before it is dropped. Peers may be served from
         it while it grows (a `Partial`), unless another copy of the same packet already arriving
         offers that. Each read waits `read_timeout_s()`; `on_piece(bytes so far)` may raise to
         drop a sender (the fetcher's rate floor); `before_piece()` is awaited before each read (the
         fetcher's hold while this node sends its first copy). `source` names the sender in a
-        DigestMismatch."""
-        partial = Partial(digest, length)
+        DigestMismatch. The first stripe to fail ends the others."""
+        partial = Partial(digest, length, [Part(start, end) for start, end in stripes])
         if key not in self.partial:
             self.partial[key] = partial
             self.notify_copy()
-        hasher, traffic = hashlib.sha256(), self.traffic(key[0])
-        try:
-            while len(partial.buffer) < length:
+        hasher, hashed, traffic = hashlib.sha256(), 0, self.traffic(key[0])
+
+        async def read_part(i: int, part: Part, stream: asyncio.StreamReader | None) -> None:
+            nonlocal hashed
+            if stream is None:
+                stream = await open_stripe(i)
+            while part.received_to < part.end:
                 if before_piece is not None:
                     await before_piece()
                 piece = await asyncio.wait_for(
-                    reader.read(min(piece_bytes, length - len(partial.buffer))), read_timeout_s()
+                    stream.read(min(piece_bytes, part.end - part.received_to)), read_timeout_s()
                 )
                 if not piece:
-                    raise asyncio.IncompleteReadError(b"", length)
-                partial.buffer += piece
-                hasher.update(piece)
+                    raise asyncio.IncompleteReadError(b"", part.end - part.start)
+                part.data += piece
                 traffic.downloaded_bytes += len(piece)
+                if (upto := partial.received_to(hashed)) > hashed:
+                    hasher.update(partial.read(hashed, upto))
+                    hashed = upto
                 partial.notify()
                 if on_piece is not None:
-                    on_piece(len(partial.buffer))
+                    on_piece(partial.num_received)
+
+        try:
+            await _all_or_first_error(
+                [read_part(i, part, reader if i == 0 else None) for i, part in enumerate(partial.parts)]
+            )
             if hasher.hexdigest() != digest:
                 raise DigestMismatch(
                     f"bytes from {source} hash to {hasher.hexdigest()[:16]}..., wanted {digest[:16]}..."
                 )
-            data = await asyncio.to_thread(self.spool.keep, partial.buffer)
+            whole = partial.parts[0].data if len(partial.parts) == 1 else partial.read(0, length)
+            data = await asyncio.to_thread(self.spool.keep, whole)
             if (held := self.held.get(key)) is None or held.digest != digest:
                 self.held[key] = Held(digest, data, partial.sent_to, partial.receiving, pushed=pushed)
             partial.verified = True
@@ -313,3 +373,20 @@ class PacketStore:
     def clear(self) -> None:
         for key in list(self.held):
             self.drop(key)
+
+
+async def _all_or_first_error(coros: list[Coroutine]) -> None:
+    """Run `coros` side by side until all finished; the first to raise cancels the others, and
+    its exception is raised."""
+    if len(coros) == 1:
+        return await coros[0]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task in done and task.exception() is not None:
+                raise task.exception()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

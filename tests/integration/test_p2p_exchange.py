@@ -33,6 +33,7 @@ from protocol.stream import (
     STATUS_OK,
     decode_request,
     request_body_length,
+    stripe_bounds,
 )
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
@@ -87,6 +88,17 @@ class TricklingExchange(P2PExchange):
             pass
         finally:
             writer.close()
+
+
+class ShiftyExchange(P2PExchange):
+    """Verifies what it fetches, then serves it one byte longer on every stream after its first:
+    stripe 0 matches the announcement, the others name another size."""
+
+    served = 0
+
+    def _payload_for(self, round, publisher, data):
+        self.served += 1
+        return data if self.served == 1 else data + b"\0"
 
 
 class PausingExchange(P2PExchange):
@@ -424,6 +436,58 @@ def test_bad_copy_is_refused_and_fetched_from_an_honest_holder(faulty):
     asyncio.run(scenario())
 
 
+def test_a_packet_comes_in_stripes_side_by_side_on_one_upload_slot():
+    """A 3 MiB packet is asked for in 4 stripes of 768 KiB, each on a stream of its own: stripe 0
+    takes the holder's only upload slot, the others ride on it, and one copy is served."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, max_uploads=1) as (publisher, fetcher):
+            data = packet(21)
+            ann = await publisher.publish(0, "pub", data)
+            asked = []  # (stripe, stripes, upload slots taken) as each request arrives
+            parse = publisher._server.parse_request
+
+            def recording(raw):
+                request = parse(raw)
+                asked.append((request.stripe, request.stripes, publisher._server.num_uploads))
+                return request
+
+            publisher._server.parse_request = recording
+            assert await fetcher.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
+            assert sorted(asked) == [(0, 4, 0), (1, 4, 1), (2, 4, 1), (3, 4, 1)]
+            assert asked[0][0] == 0  # the others are asked once stripe 0 was answered
+            traffic = publisher.traffic(0)
+            assert (traffic.num_served, traffic.uploaded_bytes) == (1, len(data))
+            assert fetcher.traffic(0).downloaded_bytes == len(data)
+            await poll(lambda: publisher._server.num_uploads == 0, what="the slot freed by the receipt")
+            assert publisher._store.held[(0, "pub")].sent_to == [fetcher.holder_id]
+
+            # A stripe asked for without its stripe 0 streaming is refused: it would take no slot.
+            _, reader, writer = await fetcher._host.p2p.call_binary_stream_handler(
+                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME
+            )
+            fields = {"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest, "stripe": 2, "stripes": 4}
+            writer.write(_request(fields))
+            status, length = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10))
+            assert status == STATUS_ERROR and b"stripe 0" in await reader.readexactly(length)
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_holder_whose_stripes_disagree_on_the_size_is_banned(caplog):
+    async def scenario():
+        async with swarm(P2PExchange, ShiftyExchange, P2PExchange) as (publisher, shifty, fetcher):
+            data, digest = await _held_by(publisher, shifty, fetcher, seed=22)
+            assert await fetcher.fetch(0, {"pub": digest}, timeout_s=20) == {"pub": data}
+            return shifty.holder_id
+
+    with caplog.at_level("INFO", logger="node.exchange"):
+        shifty_id = asyncio.run(scenario())
+    banned = [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
+    assert [m.split()[3] for m in banned] == [shifty_id]  # its stripe 1 named another size
+
+
 async def _held_by(publisher: P2PExchange, holder: P2PExchange, fetcher: P2PExchange, seed: int):
     """A packet the publisher published and `holder` fetched and announced; the fetcher, which has
     seen that holder's record, will try it first. Returns (data, digest)."""
@@ -485,16 +549,25 @@ async def _forwarding_half(
     )
     await poll(lambda: middle.traffic(0).downloaded_bytes == len(data) // 2, what="half the packet")
     second = asyncio.create_task(fetcher.fetch(0, {"pub": ann.digest}, {"pub": middle.visible_maddrs}, timeout_s=30))
-    await poll(lambda: fetcher.traffic(0).downloaded_bytes == len(data) // 2, what="the half forwarded")
+    await poll(lambda: fetcher.traffic(0).downloaded_bytes == forwardable(fetcher, data), what="the half forwarded")
     return first, second
 
 
-def test_a_packet_still_arriving_is_forwarded_as_it_arrives_but_its_last_byte_only_once_verified():
+def forwardable(fetcher: P2PExchange, data: bytes) -> int:
+    """What of the first half of `data` a forwarder sends the fetcher before its copy verified:
+    each stripe the fetcher asks for up to that half, less the stripe's last byte if it ends there."""
+    half = len(data) // 2
+    stripes = stripe_bounds(len(data), fetcher.config.stripes)
+    return sum(min(end, half) - start - (min(end, half) == end) for start, end in stripes if start < half)
+
+
+@pytest.mark.parametrize("stripes", [1, 4])
+def test_a_packet_still_arriving_is_forwarded_as_it_arrives_but_its_last_byte_only_once_verified(stripes):
     """Cut-through: a peer asked for a packet it is still receiving sends what it has at once,
-    holding back the last byte until the whole packet hashed to its digest."""
+    holding back the last byte (of each stripe asked for) until the whole packet hashed to its digest."""
 
     async def scenario():
-        async with swarm(PausingExchange, P2PExchange, P2PExchange) as (publisher, middle, fetcher):
+        async with swarm(PausingExchange, P2PExchange, P2PExchange, stripes=stripes) as (publisher, middle, fetcher):
             data = packet(13)
             first, second = await _forwarding_half(publisher, middle, fetcher, data, middle_timeout_s=30)
             assert not first.done() and not second.done()
@@ -506,20 +579,20 @@ def test_a_packet_still_arriving_is_forwarded_as_it_arrives_but_its_last_byte_on
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("mode", ["cut", "corrupt"])
-def test_a_forwarded_copy_that_fails_upstream_ends_short_and_the_forwarder_is_not_blamed(mode, caplog):
+@pytest.mark.parametrize("mode, stripes", [("cut", 1), ("corrupt", 1), ("cut", 4), ("corrupt", 4)])
+def test_a_forwarded_copy_that_fails_upstream_ends_short_and_the_forwarder_is_not_blamed(mode, stripes, caplog):
     """When the copy being forwarded is cut off or fails its digest check, the onward stream ends
     without its last byte: the fetcher tries another holder and bans nobody for it."""
 
     async def scenario():
-        async with swarm(PausingExchange, P2PExchange, P2PExchange) as (publisher, middle, fetcher):
+        async with swarm(PausingExchange, P2PExchange, P2PExchange, stripes=stripes) as (publisher, middle, fetcher):
             publisher.mode = mode
             data = packet(14)
             first, second = await _forwarding_half(publisher, middle, fetcher, data, middle_timeout_s=5)
             publisher.release.set()
             assert await second == {"pub": data}
-            # What the middle had (never the last byte), then a whole copy from the publisher.
-            assert len(data) // 2 + len(data) <= fetcher.traffic(0).downloaded_bytes < 2 * len(data)
+            # What the middle had (never a stripe's last byte), then a whole copy from the publisher.
+            assert forwardable(fetcher, data) + len(data) <= fetcher.traffic(0).downloaded_bytes < 2 * len(data)
             await first
             return publisher.holder_id
 
@@ -591,6 +664,8 @@ def test_bad_requests_get_an_error_frame_and_the_server_keeps_serving():
                 _request({"run": RUN_ID, "round": 5, "peer": "pub", "digest": ann.digest}),
                 _request({"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest, "x": 1}),
                 _request({"run": RUN_ID, "round": True, "peer": "pub", "digest": ann.digest}),
+                # a stripe past the last of a packet too small to cut, and one asked with no stripe 0 beside it
+                _request({"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest, "stripe": 0, "stripes": 9}),
             ]
             for raw in requests:
                 _, reader, writer = await p2p.call_binary_stream_handler(server._host.p2p.peer_id, PROTOCOL_NAME)

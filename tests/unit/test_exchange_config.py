@@ -37,6 +37,7 @@ def test_every_network_field_is_the_exchanges_or_named_here():
         "use_auto_relay",
         "relay",
         "relay_via",
+        "stripes",
     }
 
 
@@ -50,6 +51,7 @@ def test_from_network_takes_the_section_and_the_run(tmp_path):
             "network.client_mode": True,
             "network.use_auto_relay": True,
             "network.initial_peers": ["/ip4/1.2.3.4/tcp/1/p2p/Qm"],
+            "network.stripes": 2,
         },
     )
     config = ExchangeConfig.from_network(
@@ -65,6 +67,7 @@ def test_from_network_takes_the_section_and_the_run(tmp_path):
         announce_maddrs=("/ip4/8.8.8.8/tcp/31337",),
         client_mode=True,
         use_auto_relay=True,
+        stripes=2,
         initial_peers=("/ip4/5.6.7.8/tcp/1/p2p/Qm",),
         max_packet_bytes=4096,
         spool_dir=str(tmp_path / "spool"),

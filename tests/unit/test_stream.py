@@ -13,11 +13,14 @@ from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, Tru
 from protocol.stream import (
     MAX_ERROR_BYTES,
     MAX_REQUEST_BYTES,
+    MAX_STRIPES,
+    MIN_STRIPE_BYTES,
     REQUEST_PREFIX,
     RESPONSE_HEADER,
     STATUS_BUSY,
     STATUS_ERROR,
     STATUS_OK,
+    STATUS_STRIPED,
     PacketRequest,
     PushOffer,
     decode_busy,
@@ -32,6 +35,7 @@ from protocol.stream import (
     encode_response_header,
     is_peer_id,
     request_body_length,
+    stripe_bounds,
 )
 
 DIGEST = "ab" * 32
@@ -50,6 +54,28 @@ def split(frame: bytes) -> bytes:
 def test_request_round_trips(wait, child):
     request = PacketRequest(run="r1", round=12, publisher="peer-a", digest=DIGEST, wait=wait, child=child)
     assert decode_request(split(encode_request(request))) == request
+
+
+@pytest.mark.parametrize("stripe, stripes", [(0, 2), (1, 2), (0, MAX_STRIPES), (MAX_STRIPES - 1, MAX_STRIPES)])
+def test_striped_requests_round_trip(stripe, stripes):
+    request = PacketRequest(
+        run="r1", round=12, publisher="p", digest=DIGEST, child=True, stripe=stripe, stripes=stripes
+    )
+    assert decode_request(split(encode_request(request))) == request
+
+
+@pytest.mark.parametrize(
+    "size, stripes",
+    [(0, 4), (1, 4), (MIN_STRIPE_BYTES - 1, 4), (MIN_STRIPE_BYTES * 2, 4), (1_570_000, 4), (10**9 + 7, 8), (10**6, 1)],
+)
+def test_stripe_bounds_cover_the_packet_in_even_parts_of_at_least_the_minimum(size, stripes):
+    bounds = stripe_bounds(size, stripes)
+    assert bounds[0][0] == 0 and bounds[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # adjacent, in order
+    assert len(bounds) == max(1, min(stripes, size // MIN_STRIPE_BYTES))
+    if len(bounds) > 1:
+        lengths = [end - start for start, end in bounds]
+        assert min(lengths) >= MIN_STRIPE_BYTES and max(lengths) - min(lengths) <= 1
 
 
 def test_request_bytes_are_the_documented_layout():
@@ -97,7 +123,16 @@ BAD_REQUESTS = [
     msgpack.packb(GOOD | {"wait": 1}),
     msgpack.packb(GOOD | {"child": "yes"}),
     msgpack.packb({1: "r1", "round": 3, "peer": "p", "digest": DIGEST}),  # a non-string key
-    msgpack.packb({**GOOD, **{f"k{i}": 0 for i in range(5)}}),  # more entries than any request has
+    msgpack.packb({**GOOD, **{f"k{i}": 0 for i in range(7)}}),  # more entries than any request has
+    msgpack.packb(GOOD | {"stripe": 1}),  # a stripe without the number of stripes
+    msgpack.packb(GOOD | {"stripes": 4}),  # ...and the other way round
+    msgpack.packb(GOOD | {"stripe": 4, "stripes": 4}),  # past the last stripe
+    msgpack.packb(GOOD | {"stripe": -1, "stripes": 4}),
+    msgpack.packb(GOOD | {"stripe": 0, "stripes": 1}),  # one stripe is a plain request
+    msgpack.packb(GOOD | {"stripe": 0, "stripes": MAX_STRIPES + 1}),
+    msgpack.packb(GOOD | {"stripe": 0, "stripes": 1 << 40}),
+    msgpack.packb(GOOD | {"stripe": True, "stripes": 4}),
+    msgpack.packb(GOOD | {"stripe": 1, "stripes": 4, "offset": 10}),  # an offset and a stripe
     msgpack.packb(GOOD | {"run": ["r1"]}),  # a nested list
 ]
 
@@ -114,14 +149,21 @@ def test_a_request_body_over_the_limit_is_refused_before_parsing():
 
 
 def test_response_header_round_trips_and_refuses_hostile_values():
-    for status, length in [(STATUS_OK, 0), (STATUS_OK, 1000), (STATUS_ERROR, 1 << 40), (STATUS_BUSY, 512)]:
+    for status, length in [
+        (STATUS_OK, 0),
+        (STATUS_OK, 1000),
+        (STATUS_ERROR, 1 << 40),
+        (STATUS_BUSY, 512),
+        (STATUS_STRIPED, 1000),
+    ]:
         assert decode_response_header(encode_response_header(status, length), 1000) == (status, length)
-    with pytest.raises(OversizedPacket):
-        decode_response_header(encode_response_header(STATUS_OK, 1001), 1000)
+    for status in (STATUS_OK, STATUS_STRIPED):
+        with pytest.raises(OversizedPacket):
+            decode_response_header(encode_response_header(status, 1001), 1000)
     with pytest.raises(OversizedPacket):
         decode_response_header(encode_response_header(STATUS_BUSY, 513), 1000)
     with pytest.raises(MalformedPacket):
-        decode_response_header(encode_response_header(3, 0), 1000)
+        decode_response_header(encode_response_header(4, 0), 1000)
     with pytest.raises(TruncatedPacket):
         decode_response_header(encode_response_header(STATUS_OK, 1)[:-1], 1000)
 

@@ -81,6 +81,7 @@ class LabSwarm:
         compute_floor_s: float = 0.0,
         tree_fanout: int = 2,
         scored_peers: int | None = None,
+        stripes: int | None = None,
         state_uplinks: bool = True,
         nat_client_mode: bool = True,
         nat_push: bool = True,
@@ -92,6 +93,7 @@ class LabSwarm:
         self.batch_size, self.seq_len, self.tree_fanout = batch_size, seq_len, tree_fanout
         self.overlap = overlap
         self.scored_peers = scored_peers  # run option scoring.max_peers_per_round (None: the run's default)
+        self.stripes = stripes  # node option network.stripes (None: the node's default)
         self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
         self.state_uplinks = state_uplinks  # each node states its host's link rate at join (--uplink-mbps)
         self.nat_client_mode = nat_client_mode  # nodes behind NAT join with --client-mode (the README's advice)
@@ -280,6 +282,7 @@ class LabSwarm:
                     "--report",
                     str(self.report_path(host)),
                     *uplink,
+                    *(["--stripes", str(self.stripes)] if self.stripes else []),
                     *(["--inject", f"slow-compute@min_s={self.compute_floor_s}"] if self.compute_floor_s > 0 else []),
                 ],
                 f"node{host}.log",
@@ -462,6 +465,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         compute_floor_s=args.compute_floor,
         tree_fanout=args.tree_fanout,
         scored_peers=args.scored_peers,
+        stripes=args.stripes,
         state_uplinks=args.state_uplinks,
         nat_client_mode=args.nat_client_mode,
         nat_push=args.nat_push,
@@ -570,6 +574,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         "state_uplinks": args.state_uplinks,
         "tree_fanout": args.tree_fanout,
         "scored_peers": args.scored_peers,
+        "stripes": args.stripes,
         "namespace_prefix": topology.prefix,
         "subnet": f"{topology.subnet}.0/24",
         "nat": {
@@ -665,6 +670,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run option scoring.max_peers_per_round: each node scores N peers' updates a round (one forward"
         " pass each, on every host's CPU); default: the run's",
+    )
+    parser.add_argument(
+        "--stripes",
+        type=int,
+        metavar="N",
+        help="node option network.stripes: a packet of a few MB is fetched over up to N streams side by side"
+        " (1: one stream); default: the node's",
     )
     parser.add_argument(
         "--state-uplinks",
