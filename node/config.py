@@ -193,7 +193,7 @@ class NetworkSection(Section):
         le=8,
         description="A packet of a few MB is fetched over up to this many streams side by side: one stream carries "
         "one yamux window (256 KiB) per round trip until its window grows, 52 Mbps over 40 ms; more for long "
-        "round trips, 1: one stream.",
+        "round trips, 1: one stream (a node that states an uplink_mbps under 20 uses one).",
     )
     packet_spool_dir: ExpandedPath | None = Field(
         None,

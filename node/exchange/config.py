@@ -22,6 +22,8 @@ from protocol.dht_records import packets_key
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES
 from protocol.stream import MAX_STRIPES
 
+STRIPED_LINK_MBPS = 20.0  # a stated uplink under this fetches over one stream
+
 if TYPE_CHECKING:
     from node.config import NetworkSection
 
@@ -60,8 +62,10 @@ class ExchangeConfig:
     chunk_bytes: int = 512 << 10  # stream write size
     # a packet of a few MB is fetched in up to this many stripes, one stream each, side by side: a
     # stream carries one yamux window (256 KiB) per round trip until its window grows
-    # (protocol/stream.py); 1: one stream
+    # (protocol/stream.py); 1: one stream. A node that stated an uplink under STRIPED_LINK_MBPS
+    # fetches over one stream (`fetch_stripes`).
     stripes: int = 4
+    uplink_mbps: float | None = None  # this node's link as its operator stated it (None: fast)
     # refuse larger packets before buffering them (a snapshot's size is its model's: protocol/snapshot.py)
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES
     connect_timeout_s: float = 10.0  # dial, open the stream and receive the response header
@@ -128,6 +132,14 @@ class ExchangeConfig:
             raise ValueError("mirror_after_s must be >= 0 (0: ask the mirror at once)")
         if self.min_rate_bytes_per_s < 0:
             raise ValueError("min_rate_bytes_per_s must be >= 0 (0: no floor)")
+
+    @property
+    def fetch_stripes(self) -> int:
+        """The stripes this node asks for: one on a link under STRIPED_LINK_MBPS, which one
+        stream's window per round trip fills up to a 100 ms round trip (tools/netlab/stripes.py: 4
+        stripes took as long as one at 10 Mbps), where more streams would only add bytes in flight
+        to the download queue that the requests for this node's own packet cross."""
+        return 1 if self.uplink_mbps is not None and self.uplink_mbps < STRIPED_LINK_MBPS else self.stripes
 
     @classmethod
     def from_network(

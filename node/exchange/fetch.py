@@ -541,7 +541,7 @@ class PacketFetcher:
             self._dialed.add(holder.holder)
         reader, writer = await asyncio.wait_for(self._host.open_stream(peer), budget(cfg.connect_timeout_s))
         writers = [writer]  # the streams of this download: stripe 0's first
-        striped = state.sink is None and cfg.stripes > 1
+        stripes = cfg.fetch_stripes if state.sink is None else 1
         request = PacketRequest(
             run=cfg.run_id,
             round=state.round,
@@ -550,14 +550,14 @@ class PacketFetcher:
             wait=wait,
             child=child,
             offset=state.sink.offset if state.sink is not None else 0,
-            stripes=cfg.stripes if striped else 1,
+            stripes=stripes,
         )
         try:
             answered, status, length = await self._ask(reader, writer, request, state, budget)
             if state.sink is not None:
                 data = await self._receive_snapshot(reader, state, length, budget)
             else:
-                bounds = stripe_bounds(length, cfg.stripes) if status == STATUS_STRIPED else [(0, length)]
+                bounds = stripe_bounds(length, stripes) if status == STATUS_STRIPED else [(0, length)]
 
                 async def open_stripe(i: int) -> asyncio.StreamReader:
                     """Stripe i's stream, answered; it rides on stripe 0's slot at the holder."""

@@ -8,14 +8,16 @@ import ast
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
+
 from node.config import load_node_config
-from node.exchange.config import ExchangeConfig
+from node.exchange.config import STRIPED_LINK_MBPS, ExchangeConfig
+from protocol.stream import MAX_STRIPES
 
 REPO = Path(__file__).resolve().parents[2]
 # NetworkSection's fields the exchange does not take: the join's (uplink, behind NAT), the round loop's, and the two
 # that `from_network` resolves into `spool_dir`.
 NOT_THE_EXCHANGES = {
-    "uplink_mbps",
     "behind_nat",
     "push_packets",
     "fetch_timeout_s",
@@ -38,6 +40,7 @@ def test_every_network_field_is_the_exchanges_or_named_here():
         "relay",
         "relay_via",
         "stripes",
+        "uplink_mbps",
     }
 
 
@@ -122,3 +125,12 @@ def test_relay_roles_exclude_each_other_and_relays_are_named_by_id():
         NetworkSection(relay_via=["/ip4/203.0.113.7/tcp/31338"])
     with pytest.raises(ValueError, match="not both"):
         ExchangeConfig(run_id="r", relay=True, relay_via=(relay,))
+
+
+def test_a_slow_stated_link_fetches_over_one_stream():
+    assert ExchangeConfig(run_id="r").fetch_stripes == 4  # unstated: fast
+    assert ExchangeConfig(run_id="r", uplink_mbps=100.0, stripes=6).fetch_stripes == 6
+    assert ExchangeConfig(run_id="r", uplink_mbps=STRIPED_LINK_MBPS - 1).fetch_stripes == 1
+    for stripes in (0, MAX_STRIPES + 1):
+        with pytest.raises(ValueError, match="stripes"):
+            ExchangeConfig(run_id="r", stripes=stripes)
