@@ -30,12 +30,14 @@ Things hivemind 1.1.12 does not do for us, and how this module copes:
   (-relayService=0 drops it, -relay=0 both). So a node with `relay` forces public reachability
   (autonat says so while the host is built, before the main goroutine registers the default
   relay), starts p2pd without its own DHT (hivemind's runs over streams, not p2pd's) and with
-  GOMAXPROCS=1 (`RELAY_DAEMON_ENV`): with one thread of Go code, the manager's goroutine runs
-  only when the main one yields, which it rarely does before it registered the default; the
-  configured relay then registers last. Not a guarantee (a preemption or a garbage collection
-  in between can still let the default win), so node/cli/relay.py checks the relay it starts and
-  restarts one that lost; `node join --relay` does not check. The cost: that p2pd runs Go code
-  on one core. tests/integration/test_relay.py moves 1 MiB over one relayed connection. A node
+  Go settings that keep its main goroutine running until it registered the default
+  (`RELAY_DAEMON_ENV`): GOMAXPROCS=1, one thread of Go code, so the manager's goroutine runs only
+  when the main one yields; and no garbage collection before the heap nears 512 MiB (GOGC=off,
+  GOMEMLIMIT=512MiB), since a collection during start-up is such a yield. The configured relay
+  then registers last. In the network lab's relay host, GOMAXPROCS=1 alone won 10 of 22 starts,
+  both won 26 of 26. Still not a guarantee by construction, so node/cli/relay.py checks the
+  relay it starts and restarts one that lost; `node join --relay` does not check. The cost: that
+  p2pd runs Go code on one core, and holds up to 512 MiB of garbage before it collects. tests/integration/test_relay.py moves 1 MiB over one relayed connection. A node
   behind NAT becomes dialable through a relay only once it holds a reservation there, which p2pd
   makes through autorelay: with `relay_via` the daemon starts with autorelay, these relays as its
   static relays, relay discovery off (with it on, p2pd waits out libp2p's boot delay, minutes,
@@ -95,7 +97,7 @@ SHUTDOWN_TIMEOUT_S = 5.0  # each of the DHT node's and p2pd's shutdown, before w
 RELAY_CHECK_S = 5.0  # a node reachable through relays checks its connections to them this often
 # one thread of Go code in a relay's p2pd, so that its configured relay registers after its default
 # one (module docstring, "Circuit relays")
-RELAY_DAEMON_ENV = {"GOMAXPROCS": "1"}
+RELAY_DAEMON_ENV = {"GOMAXPROCS": "1", "GOGC": "off", "GOMEMLIMIT": "512MiB"}
 
 
 class Host:

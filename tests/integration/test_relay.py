@@ -161,7 +161,8 @@ def test_a_relay_behind_port_forwarding_checks_itself_at_its_listen_address_and_
 
 def test_a_relays_p2pd_runs_go_code_on_one_thread_and_is_the_child_hivemind_holds():
     """`env` execs p2pd in its own process: the pid hivemind holds (and stops) is p2pd's, and it
-    has GOMAXPROCS=1, which makes its configured relay register after its default one."""
+    has GOMAXPROCS=1 and no garbage collection at start-up, which make its configured relay
+    register after its default one."""
 
     async def scenario():
         p2p = await start_daemon(ExchangeConfig(run_id="relay-test", relay=True), idle_timeout_s=0)
@@ -169,7 +170,7 @@ def test_a_relays_p2pd_runs_go_code_on_one_thread_and_is_the_child_hivemind_hold
             pid = p2p._child.pid
             assert Path(f"/proc/{pid}/exe").resolve().name == "p2pd"
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            assert b"GOMAXPROCS=1" in environ
+            assert {b"GOMAXPROCS=1", b"GOGC=off", b"GOMEMLIMIT=512MiB"} <= set(environ)
         finally:
             await p2p.shutdown()
         assert p2p._child.returncode is not None, "hivemind's shutdown stopped p2pd itself"
