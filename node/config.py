@@ -180,6 +180,14 @@ class NetworkSection(Section):
         description="This link's upload rate in Mbps (a speed test's figure), stated at join: faster uplinks "
         "forward more of each packet's copies; unset: counted as fast.",
     )
+    downlink_mbps: float | None = Field(
+        None,
+        gt=0.0,
+        le=1e7,
+        description="This link's download rate in Mbps (a speed test's figure): packet downloads together take at "
+        "most nine tenths of it, so that the download queue stays short (the requests for this node's own packet and the "
+        "acknowledgements its uploads need cross it); unset: not paced.",
+    )
     fetch_timeout_s: float = Field(
         60.0,
         gt=0.0,

@@ -20,8 +20,14 @@ caller's time-out. While this node sends its own packet's first copy (the one ev
 for), downloads pause between pieces (`PacketStore.after_first_copies`, at most half the stall
 time-out per download): a download link kept full delays the acknowledgements the upload needs
 (the lab's queues, as a home router's), and the lab's slow publishers sent that copy at a quarter
-of their uplink while they fetched. The root of the tree of a publisher nobody can dial waits for
-its push (`pushed_here`, `push_grace_s` to start) before it searches.
+of their uplink while they fetched. With the link's download rate stated (`downlink_mbps`),
+packet downloads together take at most nine tenths of it (`Pacer`, between pieces of 64 KiB; the
+streams' flow control passes the pace on to the senders), so that the link's download queue
+stays short: the first request for this node's own packet, and the acknowledgements of the copy
+it then sends, cross that queue. In the lab, 10 Mbps publishers answered that request after up to
+2 s while their downloads filled the link, and after at most 0.35 s paced. The root of the tree
+of a publisher nobody can dial waits for its push (`pushed_here`, `push_grace_s` to start)
+before it searches.
 
 A packet of a few MB comes in stripes (`stripes`, protocol/stream.py): stripe 0 is the request
 above, and once its answer came the other stripes are asked of the same holder, each on a stream
@@ -70,6 +76,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
@@ -110,6 +117,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIRROR = "mirror"  # the packet mirror's name among a fetch's holders (its bans, its logs)
+PACED_SHARE = 0.9  # of a stated downlink, what packet downloads may take together
+PACED_PIECE_BYTES = 64 << 10  # reads of a paced download
+
+
+class Pacer:
+    """Reads of every download together at `rate` bytes/s at most, over bursts of `burst_s`: each
+    read's bytes are owed (`spent`), and the next read waits until they are paid (`wait`). The
+    readers' flow control (yamux windows) passes the pace on to the senders, so the link's
+    download queue stays short: requests for this node's own packet, and the acknowledgements
+    its uploads need, cross that queue."""
+
+    def __init__(self, rate: float, burst_s: float = 0.05, clock: Callable[[], float] | None = None):
+        self.rate, self.burst_s = rate, burst_s
+        self._clock = clock or (lambda: asyncio.get_running_loop().time())
+        self._paid_until = -math.inf  # when what was read so far is paid for
+
+    def spent(self, num_bytes: int) -> None:
+        self._paid_until = max(self._paid_until, self._clock() - self.burst_s) + num_bytes / self.rate
+
+    async def wait(self) -> float:
+        """Wait until what was read is paid for; the seconds waited."""
+        delay = self._paid_until - self._clock()
+        if delay <= 0:
+            return 0.0
+        await asyncio.sleep(delay)
+        return delay
 
 
 @dataclass(slots=True)
@@ -143,6 +176,8 @@ class PacketFetcher:
         self._dialed: set[str] = set()  # holders p2pd has addresses for (dialing costs a daemon round trip)
         self._num_downloads = 0  # packet bodies being read now
         self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
+        # packet downloads together, at most PACED_SHARE of the stated downlink (`Pacer`)
+        self._pacer = Pacer(config.downlink_mbps * 1e6 / 8 * PACED_SHARE) if config.downlink_mbps else None
 
     async def fetch(
         self,
@@ -641,8 +676,13 @@ class PacketFetcher:
         cfg = self.config
         alone: tuple[float, int] | None = None  # since when (and from how many bytes) no other download ran
 
+        counted = 0  # bytes of this download the pacer was told of
+
         def rate_floor(received: int) -> None:
-            nonlocal alone
+            nonlocal alone, counted
+            if self._pacer is not None:
+                self._pacer.spent(received - counted)
+                counted = received
             alone = self._rate_floor(alone, loop.time(), received, length)
 
         held_s = 0.0  # this download's reads held back while this node sent its first copy
@@ -652,6 +692,8 @@ class PacketFetcher:
             # At most half the holder's stall time-out in all, so the holder never drops this stream.
             waited = await self._store.after_first_copies(cfg.stall_timeout_s / 2 - held_s)
             held_s += waited
+            if self._pacer is not None:
+                waited += await self._pacer.wait()
             if waited and alone is not None:
                 alone = (alone[0] + waited, alone[1])  # not the holder's trickle
 
@@ -662,7 +704,7 @@ class PacketFetcher:
                 state.digest,
                 length,
                 reader,
-                piece_bytes=cfg.chunk_bytes << 1,
+                piece_bytes=PACED_PIECE_BYTES if self._pacer is not None else cfg.chunk_bytes << 1,
                 read_timeout_s=lambda: budget(cfg.stall_timeout_s),
                 source=holder.holder,
                 on_piece=rate_floor,

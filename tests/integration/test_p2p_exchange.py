@@ -475,6 +475,26 @@ def test_a_packet_comes_in_stripes_side_by_side_on_one_upload_slot():
     asyncio.run(scenario())
 
 
+def test_downloads_are_paced_to_nine_tenths_of_a_stated_downlink():
+    """A fetcher that stated a 16 Mbps downlink takes a 3 MiB packet in no less than the time
+    nine tenths of it allow (loopback alone would take a fraction of that); the holder is not
+    dropped as a trickle for it."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, downlink_mbps=16.0) as (publisher, fetcher):
+            data = packet(23)
+            ann = await publisher.publish(0, "pub", data)
+            started = time.monotonic()
+            got = await fetcher.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=30)
+            elapsed = time.monotonic() - started
+            assert got == {"pub": data}
+            paced_s = len(data) / (16e6 / 8 * 0.9)
+            assert elapsed >= paced_s - 0.1, f"{elapsed:.2f} s, paced {paced_s:.2f} s"
+            assert fetcher.traffic(0).downloaded_bytes == len(data)
+
+    asyncio.run(scenario())
+
+
 def test_a_holder_whose_stripes_disagree_on_the_size_is_banned(caplog):
     async def scenario():
         async with swarm(P2PExchange, ShiftyExchange, P2PExchange) as (publisher, shifty, fetcher):

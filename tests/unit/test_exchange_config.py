@@ -41,6 +41,7 @@ def test_every_network_field_is_the_exchanges_or_named_here():
         "relay_via",
         "stripes",
         "uplink_mbps",
+        "downlink_mbps",
     }
 
 

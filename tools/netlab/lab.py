@@ -83,6 +83,7 @@ class LabSwarm:
         scored_peers: int | None = None,
         stripes: int | None = None,
         state_uplinks: bool = True,
+        state_downlinks: bool = True,
         nat_client_mode: bool = True,
         nat_push: bool = True,
         mirror: bool = False,
@@ -96,6 +97,7 @@ class LabSwarm:
         self.stripes = stripes  # node option network.stripes (None: the node's default)
         self.compute_floor_s = compute_floor_s  # emulated accelerator time per round (slow-compute fault)
         self.state_uplinks = state_uplinks  # each node states its host's link rate at join (--uplink-mbps)
+        self.state_downlinks = state_downlinks  # ...and paces its downloads by it (--downlink-mbps)
         self.nat_client_mode = nat_client_mode  # nodes behind NAT join with --client-mode (the README's advice)
         self.nat_push = nat_push  # nodes behind NAT push their packets to reachable peers (off: --no-push)
         self.mirror = mirror  # a packet mirror: an S3 store in host 0 (tools/netlab/store.py)
@@ -243,6 +245,7 @@ class LabSwarm:
     def start_node(self, host: int) -> None:
         ip, rate = self.topology.hosts[host].ip, self.topology.rates_mbps[host]
         uplink = ["--uplink-mbps", f"{rate:g}"] if self.state_uplinks and rate > 0 else []
+        downlink = ["--downlink-mbps", f"{rate:g}"] if self.state_downlinks and rate > 0 else []
         behind_nat = (
             (
                 ["--relay-via", self.relay_maddr]  # served through the relay: not a client, which serves nobody
@@ -282,6 +285,7 @@ class LabSwarm:
                     "--report",
                     str(self.report_path(host)),
                     *uplink,
+                    *downlink,
                     *(["--stripes", str(self.stripes)] if self.stripes else []),
                     *(["--inject", f"slow-compute@min_s={self.compute_floor_s}"] if self.compute_floor_s > 0 else []),
                 ],
@@ -467,6 +471,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         scored_peers=args.scored_peers,
         stripes=args.stripes,
         state_uplinks=args.state_uplinks,
+        state_downlinks=args.state_downlinks,
         nat_client_mode=args.nat_client_mode,
         nat_push=args.nat_push,
         mirror=args.mirror,
@@ -572,6 +577,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
         "compute_floor_s": args.compute_floor,
         "sysctls": args.sysctl,
         "state_uplinks": args.state_uplinks,
+        "state_downlinks": args.state_downlinks,
         "tree_fanout": args.tree_fanout,
         "scored_peers": args.scored_peers,
         "stripes": args.stripes,
@@ -677,6 +683,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="node option network.stripes: a packet of a few MB is fetched over up to N streams side by side"
         " (1: one stream); default: the node's",
+    )
+    parser.add_argument(
+        "--state-downlinks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each node states its link's rate as its download rate too (node option downlink_mbps), and takes"
+        " at most nine tenths of it for packet downloads (default on)",
     )
     parser.add_argument(
         "--state-uplinks",
