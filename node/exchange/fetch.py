@@ -679,7 +679,8 @@ class PacketFetcher:
 
         counted = 0  # bytes of this download the pacer was told of
 
-        def rate_floor(received: int) -> None:
+        def after_piece(received: int) -> None:
+            """Charge the pacer for the new bytes; drop a holder under the rate floor."""
             nonlocal alone, counted
             if self._pacer is not None:
                 self._pacer.spent(received - counted)
@@ -688,7 +689,8 @@ class PacketFetcher:
 
         held_s = 0.0  # this download's reads held back while this node sent its first copy
 
-        async def first_copies_first() -> None:
+        async def before_piece() -> None:
+            """Hold while this node sends its first copy, then wait for the pacer."""
             nonlocal held_s, alone
             # At most half the holder's stall time-out in all, so the holder never drops this stream.
             waited = await self._store.after_first_copies(cfg.stall_timeout_s / 2 - held_s)
@@ -708,8 +710,8 @@ class PacketFetcher:
                 piece_bytes=PACED_PIECE_BYTES if self._pacer is not None else cfg.chunk_bytes << 1,
                 read_timeout_s=lambda: budget(cfg.stall_timeout_s),
                 source=holder.holder,
-                on_piece=rate_floor,
-                before_piece=first_copies_first,
+                on_piece=after_piece,
+                before_piece=before_piece,
                 stripes=bounds,
                 open_stripe=open_stripe,
             )
