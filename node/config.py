@@ -185,8 +185,8 @@ class NetworkSection(Section):
         gt=0.0,
         le=1e7,
         description="This link's download rate in Mbps (a speed test's figure): packet downloads together take at "
-        "most nine tenths of it, so that the download queue stays short (the requests for this node's own packet and the "
-        "acknowledgements its uploads need cross it); unset: not paced.",
+        "most nine tenths of it, each holder sending at its share, so that the download queue stays empty (the requests "
+        "for this node's own packet and the acknowledgements its uploads need cross it); unset: not paced.",
     )
     fetch_timeout_s: float = Field(
         60.0,

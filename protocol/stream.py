@@ -13,7 +13,9 @@ project's nodes follows this layout:
                "offset": int (optional, written only when not 0; serve the bytes from this
                               offset on: a snapshot transfer resuming at another holder),
                "stripe": int, "stripes": int (optional, both or neither, never with offset; a
-                              packet in `stripes` parts, 2 to MAX_STRIPES: serve part `stripe`)}
+                              packet in `stripes` parts, 2 to MAX_STRIPES: serve part `stripe`),
+               "rate": int (optional, MIN_RATE to MAX_RATE bytes/s: send this stream's bytes no
+                              faster; the fetcher's rate frames change it later)}
     response  u8 status, u64 big-endian length N, then N bytes:
               status 0: the packet bytes from the offset on (written in pieces as they are
                         available), N = size - offset
@@ -25,6 +27,9 @@ project's nodes follows this layout:
                         verified one first, then those it is being sent to now
     receipt   after status 0 or 3, the fetcher sends one byte 0x01 once the bytes hash to the digest; the
               holder keeps the upload slot until it reads it (or EOF, or its stall time-out)
+    rate      after a request with "rate", and before its receipt, the fetcher may send rate frames:
+              u8 0x02, u32 big-endian bytes/s (MIN_RATE to MAX_RATE), the stream's new rate; a
+              holder that reads anything else there, or a rate out of bounds, ends the stream
 
 A holder answers only for a packet it holds (whole, or still arriving) with exactly the requested
 digest; a request that is malformed, for another run, or for a packet not held gets an error
@@ -44,6 +49,14 @@ at most `stripes` parts of at least MIN_STRIPE_BYTES, so a small packet has one 
 sides compute the same cut from the size. A holder forwarding a copy still arriving holds back
 the last byte of every part until the copy verified. The receipt goes on every part's stream once
 the whole packet hashed to its digest.
+
+Rates: a fetcher on a slow link that states its download rate asks each holder to send at its
+share of nine tenths of it (node/exchange/pace.py), and tells every stream its new share whenever
+a download starts or ends. The holder writes the stream in small pieces at that rate. Pacing the
+reads instead cannot work: p2pd and the kernel take hundreds of kB of every stream before flow
+control reaches the sender, so a few downloads keep the link's download queue full; packets
+queued there are dropped at its tail, among them the requests for the node's own packet and the
+acknowledgements of its uploads, which then wait on TCP's retransmission time-outs.
 
 Pushes, protocol "locoswarm.push.v1": a node nobody can dial hands its packet to a reachable peer
 over a stream it opens itself (node/exchange/push.py), which then holds and serves it as any holder:
@@ -86,6 +99,10 @@ REQUEST_PREFIX = struct.Struct(">I")
 RESPONSE_HEADER = struct.Struct(">BQ")
 STATUS_OK, STATUS_ERROR, STATUS_BUSY, STATUS_STRIPED = 0, 1, 2, 3
 RECEIPT = b"\x01"  # the fetcher's "verified" after a packet
+RATE = b"\x02"  # a rate frame's tag: the stream's new rate follows
+RATE_FRAME = struct.Struct(">cI")
+MIN_RATE = 32 << 10  # bytes/s: under this a packet of a few MB would outlast the holder's patience
+MAX_RATE = (1 << 32) - 1
 MAX_REQUEST_BYTES = 1024
 MAX_ERROR_BYTES = 512
 MAX_BUSY_BYTES = 512
@@ -94,7 +111,7 @@ MAX_STRIPES = 8  # parts a packet may be asked for in
 MIN_STRIPE_BYTES = 256 << 10  # a part smaller than one yamux window gains nothing
 MAX_PEER_ID_CHARS = 128  # a base58 libp2p id is about 52 characters
 REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
-OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child", "offset", "stripe", "stripes"})
+OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child", "offset", "stripe", "stripes", "rate"})
 OFFER_KEYS = frozenset({"run", "round", "peer", "digest", "size"})
 # What hivemind 1.1.12's PeerID.from_base58 (base58.b58decode) accepts: the bitcoin alphabet,
 # after trailing whitespace is stripped. The same test here keeps this module free of hivemind.
@@ -131,6 +148,7 @@ class PacketRequest:
     offset: int = 0  # serve the bytes from here on (a snapshot transfer resuming)
     stripe: int = 0  # with stripes > 1: the part of the packet asked for
     stripes: int = 1  # the parts the packet is cut in (stripe_bounds); 1: the whole packet
+    rate: int = 0  # bytes/s the holder sends this stream at, at most (rate frames change it); 0: unpaced
 
 
 def stripe_bounds(size: int, stripes: int) -> list[tuple[int, int]]:
@@ -142,7 +160,7 @@ def stripe_bounds(size: int, stripes: int) -> list[tuple[int, int]]:
 
 def encode_request(request: PacketRequest) -> bytes:
     """The request frame: length prefix, then the msgpack map (wait and child always written,
-    offset only when not 0, stripe and stripes only when more than one)."""
+    offset only when not 0, stripe and stripes only when more than one, rate only when paced)."""
     fields = {
         "run": request.run,
         "round": request.round,
@@ -155,6 +173,8 @@ def encode_request(request: PacketRequest) -> bytes:
         fields["offset"] = request.offset
     if request.stripes > 1:
         fields["stripe"], fields["stripes"] = request.stripe, request.stripes
+    if request.rate:
+        fields["rate"] = check_rate(request.rate)
     body = msgpack.packb(fields)
     return REQUEST_PREFIX.pack(len(body)) + body
 
@@ -196,11 +216,12 @@ def decode_request(body: bytes) -> PacketRequest:
     request = _unpack_frame(body, "request")
     if not isinstance(request, dict) or not REQUEST_KEYS <= set(request) <= REQUEST_KEYS | OPTIONAL_REQUEST_KEYS:
         raise MalformedPacket(
-            "request is not a map with run, round, peer, digest (and optionally wait, child, offset, stripe, stripes)"
+            "request is not a map with run, round, peer, digest"
+            " (and optionally wait, child, offset, stripe, stripes, rate)"
         )
     run, round, publisher, digest = (request[k] for k in ("run", "round", "peer", "digest"))
     wait, child, offset = request.get("wait", False), request.get("child", False), request.get("offset", 0)
-    stripe, stripes = request.get("stripe", 0), request.get("stripes", 1)
+    stripe, stripes, rate = request.get("stripe", 0), request.get("stripes", 1), request.get("rate", 0)
     if not (
         isinstance(run, str)
         and isinstance(publisher, str)
@@ -212,6 +233,7 @@ def decode_request(body: bytes) -> PacketRequest:
         and _is_int(offset)
         and _is_int(stripe)
         and _is_int(stripes)
+        and _is_int(rate)
     ):
         raise MalformedPacket("request fields have the wrong types")
     if offset < 0:
@@ -220,6 +242,8 @@ def decode_request(body: bytes) -> PacketRequest:
         raise MalformedPacket("a striped request names both its stripe and the number of stripes")
     if "stripes" in request and not (2 <= stripes <= MAX_STRIPES and 0 <= stripe < stripes and not offset):
         raise MalformedPacket(f"stripe {stripe} of {stripes}: 2 to {MAX_STRIPES} stripes, and no offset beside them")
+    if "rate" in request:
+        check_rate(rate)
     return PacketRequest(
         run=run,
         round=round,
@@ -230,7 +254,20 @@ def decode_request(body: bytes) -> PacketRequest:
         offset=offset,
         stripe=stripe,
         stripes=stripes,
+        rate=rate,
     )
+
+
+def check_rate(rate: int) -> int:
+    """A stream's rate (bytes/s) as a request or rate frame names it, refused out of bounds."""
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise MalformedPacket(f"rate {rate} bytes/s is not within {MIN_RATE} to {MAX_RATE}")
+    return rate
+
+
+def encode_rate(rate: int) -> bytes:
+    """A rate frame: the stream's new rate, in bytes/s."""
+    return RATE_FRAME.pack(RATE, check_rate(rate))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

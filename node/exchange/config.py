@@ -67,7 +67,7 @@ class ExchangeConfig:
     stripes: int = 4
     uplink_mbps: float | None = None  # this node's link as its operator stated it (None: fast)
     # this link's download rate as its operator stated it: packet downloads together take at most
-    # 90 % of it (node/exchange/fetch.py `Pacer`); None: not paced
+    # 90 % of it, each holder sending at its share (node/exchange/pace.py); None: not paced
     downlink_mbps: float | None = None
     # refuse larger packets before buffering them (a snapshot's size is its model's: protocol/snapshot.py)
     max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES

@@ -21,12 +21,11 @@ for), downloads pause between pieces (`PacketStore.after_first_copies`, at most 
 time-out per download): a download link kept full delays the acknowledgements the upload needs
 (the lab's queues, as a home router's), and the lab's slow publishers sent that copy at a quarter
 of their uplink while they fetched. With the link's download rate stated (`downlink_mbps`),
-packet downloads together take at most nine tenths of it (`Pacer`, between pieces of 64 KiB; the
-streams' flow control passes the pace on to the senders), so that the link's download queue
-stays short: the first request for this node's own packet, and the acknowledgements of the copy
-it then sends, cross that queue. In the lab, 10 Mbps publishers answered that request after up to
-2.1 s while their downloads filled the link, and up to 1.4 s paced (0.35 s in one run of two); the
-swarm's transfer time moved less than the lab's spread between runs. The root of the tree
+packet downloads together take at most nine tenths of it: each request asks its holder to send
+at its share of that, and every stream receiving is told its new share whenever a download
+starts or ends (node/exchange/pace.py `Shares`; the reads keep to the total as well, `Pacer`).
+The link's download queue then stays empty: the first request for this node's own packet, and
+the acknowledgements of the copy it then sends, cross that queue. The root of the tree
 of a publisher nobody can dial waits for its push (`pushed_here`, `push_grace_s` to start)
 before it searches.
 
@@ -77,7 +76,6 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import math
 import random
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
@@ -90,6 +88,7 @@ from node.exchange.announce import Announcer
 from node.exchange.base import MirrorCopy
 from node.exchange.config import ExchangeConfig
 from node.exchange.host import Host, dial_addresses
+from node.exchange.pace import PACED_PIECE_BYTES, PACED_SHARE, Pacer, Shares
 from node.exchange.reachability import addresses_by_holder
 from node.exchange.store import Held, PacketStore
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
@@ -118,32 +117,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIRROR = "mirror"  # the packet mirror's name among a fetch's holders (its bans, its logs)
-PACED_SHARE = 0.9  # of a stated downlink, what packet downloads may take together
-PACED_PIECE_BYTES = 64 << 10  # reads of a paced download
-
-
-class Pacer:
-    """Reads of every download together at `rate` bytes/s at most, over bursts of `burst_s`: each
-    read's bytes are owed (`spent`), and the next read waits until they are paid (`wait`). The
-    readers' flow control (yamux windows) passes the pace on to the senders, so the link's
-    download queue stays short: requests for this node's own packet, and the acknowledgements
-    its uploads need, cross that queue."""
-
-    def __init__(self, rate: float, burst_s: float = 0.05, clock: Callable[[], float] | None = None):
-        self.rate, self.burst_s = rate, burst_s
-        self._clock = clock or (lambda: asyncio.get_running_loop().time())
-        self._paid_until = -math.inf  # when what was read so far is paid for
-
-    def spent(self, num_bytes: int) -> None:
-        self._paid_until = max(self._paid_until, self._clock() - self.burst_s) + num_bytes / self.rate
-
-    async def wait(self) -> float:
-        """Wait until what was read is paid for; the seconds waited."""
-        delay = self._paid_until - self._clock()
-        if delay <= 0:
-            return 0.0
-        await asyncio.sleep(delay)
-        return delay
 
 
 @dataclass(slots=True)
@@ -177,8 +150,11 @@ class PacketFetcher:
         self._dialed: set[str] = set()  # holders p2pd has addresses for (dialing costs a daemon round trip)
         self._num_downloads = 0  # packet bodies being read now
         self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
-        # packet downloads together, at most PACED_SHARE of the stated downlink (`Pacer`)
-        self._pacer = Pacer(config.downlink_mbps * 1e6 / 8 * PACED_SHARE) if config.downlink_mbps else None
+        # packet downloads together, at most PACED_SHARE of the stated downlink: the holders send at
+        # the shares they are told (`Shares`), and the reads keep to it too (`Pacer`)
+        paced = config.downlink_mbps * 1e6 / 8 * PACED_SHARE if config.downlink_mbps else None
+        self._pacer = Pacer(paced) if paced else None
+        self._shares = Shares(paced) if paced else None
 
     async def fetch(
         self,
@@ -587,6 +563,7 @@ class PacketFetcher:
             child=child,
             offset=state.sink.offset if state.sink is not None else 0,
             stripes=stripes,
+            rate=self._shares.next_share() if self._shares is not None and state.sink is None else 0,
         )
         try:
             answered, status, length = await self._ask(reader, writer, request, state, budget)
@@ -601,8 +578,9 @@ class PacketFetcher:
                         self._host.open_stream(peer), budget(cfg.connect_timeout_s)
                     )
                     writers.append(stripe_writer)
+                    rate = self._shares.next_share() if request.rate and self._shares is not None else 0
                     _, stripe_status, size = await self._ask(
-                        stripe_reader, stripe_writer, dataclasses.replace(request, stripe=i), state, budget
+                        stripe_reader, stripe_writer, dataclasses.replace(request, stripe=i, rate=rate), state, budget
                     )
                     if stripe_status != STATUS_STRIPED or size != length:
                         raise MalformedPacket(f"stripe {i} answered as a {size}-byte packet, stripe 0 as {length}")
@@ -626,6 +604,8 @@ class PacketFetcher:
             return data
         finally:
             for stream in writers:
+                if self._shares is not None:
+                    self._shares.leave(stream)
                 stream.close()
 
     async def _ask(
@@ -657,6 +637,8 @@ class PacketFetcher:
             raise MalformedPacket("a striped answer to a request for the whole packet")
         if expected is not None and length != expected:
             raise MalformedPacket(f"holder offers {length} bytes, the announcement says {expected}")
+        if request.rate and self._shares is not None:
+            self._shares.join(writer, request.rate)  # its bytes come now: the streams' shares change
         return asyncio.get_running_loop().time(), status, length
 
     async def _receive(

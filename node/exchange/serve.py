@@ -37,6 +37,11 @@ their own, and are refused unless that peer is being sent the packet here now (a
 streams each). A copy still arriving is forwarded stripe by stripe as each one's bytes arrive,
 the last byte of every stripe held back until the copy verified.
 
+Rates (protocol/stream.py, node/exchange/pace.py): a request with a "rate" is written in pieces
+of PACED_WRITE_BYTES at that rate, its own and its cut-through bytes alike, and the fetcher's
+rate frames, read beside the bytes going out, change it; its receipt comes after them. A rate out
+of bounds ends the stream.
+
 The handler never raises: a malformed request, one for another run, or for a packet not held gets
 an error frame, and one that does not arrive within `request_timeout_s` just closes the stream.
 """
@@ -52,17 +57,21 @@ from collections.abc import Callable
 
 from node.exchange.base import Traffic
 from node.exchange.config import ExchangeConfig
+from node.exchange.pace import PACED_WRITE_BYTES, Pacer
 from node.exchange.store import Held, HeldSnapshot, PacketStore, Partial
 from protocol.dht_records import PARAMS_ID
 from protocol.errors import MalformedPacket, ProtocolError, WrongRound
 from protocol.stream import (
     MAX_BUSY_NAMES,
+    RATE,
+    RATE_FRAME,
     RECEIPT,
     REQUEST_PREFIX,
     STATUS_OK,
     STATUS_STRIPED,
     HolderRefused,
     PacketRequest,
+    check_rate,
     decode_request,
     encode_busy,
     encode_error,
@@ -154,6 +163,8 @@ class PacketServer:
         cfg = self.config
         slot: UploadSlots | None = None  # the slots this stream holds one of (none: a child stream)
         child = False  # served as a tree child, beside the slots
+        loop = asyncio.get_running_loop()
+        opened = loop.time()
         try:
             length = request_body_length(
                 await asyncio.wait_for(reader.readexactly(REQUEST_PREFIX.size), cfg.request_timeout_s)
@@ -163,6 +174,7 @@ class PacketServer:
             # A snapshot is never on its way here: only a packet's copy is worth waiting for.
             wait_s = 0.0 if publisher == PARAMS_ID else cfg.request_timeout_s
             copy = await self._store.copy_for(round, publisher, request.digest, wait_s)
+            found = loop.time()
             if copy is None:
                 raise HolderRefused("not held")
             if request.offset and isinstance(copy, Partial):
@@ -195,20 +207,41 @@ class PacketServer:
                     await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
                     return
             copy.receiving.append(requester)
+            # A paced stream (the fetcher's "rate"): its bytes go at that rate, which the fetcher's
+            # rate frames change while they come; its receipt follows them.
+            pacer = Pacer(request.rate) if request.rate else None
+            frames = asyncio.create_task(self._fetcher_frames(reader, writer, pacer)) if pacer is not None else None
             try:
                 traffic = self._store.traffic(round)
+                started = loop.time()
                 if isinstance(copy, HeldSnapshot):
-                    await self._send_snapshot(round, copy, request.offset, writer, traffic)
+                    await self._send_snapshot(round, copy, request.offset, writer, traffic, pacer)
                 else:
-                    await self._send_packet(round, publisher, copy, request, writer, traffic)
+                    await self._send_packet(round, publisher, copy, request, writer, traffic, pacer)
                 if not request.stripe:
                     traffic.num_served += 1
+                written = loop.time()
                 # The slot is held until the fetcher says it has the verified bytes (or gives up).
-                receipt = await asyncio.wait_for(reader.read(len(RECEIPT)), cfg.stall_timeout_s)
+                receipt = await asyncio.wait_for(frames or reader.read(len(RECEIPT)), cfg.stall_timeout_s)
+                log.debug(
+                    "round %d: served %s's packet to %s%s%s: a copy after %.3f s, started after %.3f s, written in "
+                    "%.3f s, receipt after %.3f s",
+                    round,
+                    publisher,
+                    requester[-8:],
+                    f" (stripe {request.stripe} of {request.stripes})" if request.stripes > 1 else "",
+                    " as a child" if child else "",
+                    found - opened,
+                    started - found,
+                    written - started,
+                    loop.time() - written,
+                )
                 if receipt == RECEIPT and requester not in copy.sent_to:
                     copy.sent_to.append(requester)
             finally:
                 copy.receiving.remove(requester)
+                if frames is not None:
+                    frames.cancel()
         except ProtocolError as e:
             try:
                 writer.write(encode_error(str(e)))
@@ -232,15 +265,45 @@ class PacketServer:
         arriving = [p for p in dict.fromkeys(copy.receiving) if p not in confirmed]
         return confirmed + self._rng.sample(arriving, min(MAX_BUSY_NAMES - len(confirmed), len(arriving)))
 
-    async def _write(self, payload: memoryview, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
-        for offset in range(0, len(payload), self.config.chunk_bytes):
-            piece = payload[offset : offset + self.config.chunk_bytes]
+    async def _write(
+        self, payload: memoryview, writer: asyncio.StreamWriter, traffic: Traffic, pacer: Pacer | None = None
+    ) -> None:
+        """`payload` to the stream, in pieces of `chunk_bytes`, or paced ones of PACED_WRITE_BYTES."""
+        step = self.config.chunk_bytes if pacer is None else PACED_WRITE_BYTES
+        for offset in range(0, len(payload), step):
+            piece = payload[offset : offset + step]
+            if pacer is not None:
+                await pacer.wait()
             writer.write(piece)
             await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
+            if pacer is not None:
+                pacer.spent(len(piece))
             traffic.uploaded_bytes += len(piece)
 
+    async def _fetcher_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pacer: Pacer) -> bytes:
+        """What the fetcher of a paced stream sends while its bytes go: rate frames, each setting
+        the pacer's rate, then its receipt (returned; b"" at EOF, anything else is no receipt).
+        A rate out of bounds ends the stream."""
+        while True:
+            tag = await reader.read(1)
+            if tag != RATE:
+                return tag
+            _, rate = RATE_FRAME.unpack(RATE + await reader.readexactly(RATE_FRAME.size - 1))
+            try:
+                pacer.rate = check_rate(rate)
+            except ProtocolError as e:
+                log.debug("paced stream ended: %s", e)
+                writer.close()
+                return b""
+
     async def _send_snapshot(
-        self, round: int, copy: HeldSnapshot, offset: int, writer: asyncio.StreamWriter, traffic: Traffic
+        self,
+        round: int,
+        copy: HeldSnapshot,
+        offset: int,
+        writer: asyncio.StreamWriter,
+        traffic: Traffic,
+        pacer: Pacer | None = None,
     ) -> None:
         """The snapshot's bytes from `offset` on, a verified unit at a time (one unit in memory)."""
         from node.training.snapshot import StaleSnapshot
@@ -261,7 +324,7 @@ class PacketServer:
             end = start + len(unit)
             payload = memoryview(self._payload_for(round, PARAMS_ID, unit))
             del unit
-            await self._write(payload[offset - start :], writer, traffic)
+            await self._write(payload[offset - start :], writer, traffic, pacer)
             del payload  # one unit in memory per stream: gone before the next is read
             offset = end
 
@@ -273,6 +336,7 @@ class PacketServer:
         request: PacketRequest,
         writer: asyncio.StreamWriter,
         traffic: Traffic,
+        pacer: Pacer | None = None,
     ) -> None:
         """The packet from the request's offset on, or its stripe; a copy still arriving as it arrives."""
         key = (round, publisher)
@@ -293,18 +357,24 @@ class PacketServer:
             start, end = request.offset, size
             writer.write(encode_response_header(STATUS_OK, size - start))
         if isinstance(copy, Partial):
-            await self._forward(copy, start, end, writer, traffic)
+            await self._forward(copy, start, end, writer, traffic, pacer)
             return
         # Every peer waits for the first copy of this node's own packet: downloads hold back
         # meanwhile. Its stripes go side by side, so stripe 0's end stands for the copy's.
         first = copy.own and not copy.first_out
         with self._store.sending_first_copy(key) if first else contextlib.nullcontext():
-            await self._write(payload[start:end], writer, traffic)
+            await self._write(payload[start:end], writer, traffic, pacer)
             if first and start == 0:
                 self._store.first_copy_out(key)
 
     async def _forward(
-        self, partial: Partial, start: int, end: int, writer: asyncio.StreamWriter, traffic: Traffic
+        self,
+        partial: Partial,
+        start: int,
+        end: int,
+        writer: asyncio.StreamWriter,
+        traffic: Traffic,
+        pacer: Pacer | None = None,
     ) -> None:
         """Send bytes [start, end) of a packet that is still arriving, each piece as it comes, the
         last one once the packet verified."""
@@ -314,10 +384,7 @@ class PacketServer:
                 raise ConnectionError("the copy being forwarded failed upstream")
             upto = partial.servable(sent, end)
             if upto > sent:
-                piece = partial.read(sent, upto)
-                writer.write(piece)
-                await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
-                traffic.uploaded_bytes += len(piece)
+                await self._write(memoryview(partial.read(sent, upto)), writer, traffic, pacer)
                 sent = upto
             else:
                 await asyncio.wait_for(partial.arrived.wait(), self.config.stall_timeout_s)

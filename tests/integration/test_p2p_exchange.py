@@ -22,17 +22,21 @@ import pytest
 from hivemind.p2p import PeerID
 
 from node.exchange.config import ExchangeConfig
-from node.exchange.fetch import PACED_PIECE_BYTES, PACED_SHARE
 from node.exchange.p2p import P2PExchange
+from node.exchange.pace import PACED_PIECE_BYTES, PACED_SHARE
 from protocol.dht_records import packets_key
 from protocol.stream import (
+    MIN_RATE,
     PROTOCOL_NAME,
+    RATE_FRAME,
+    RECEIPT,
     REQUEST_PREFIX,
     RESPONSE_HEADER,
     STATUS_BUSY,
     STATUS_ERROR,
     STATUS_OK,
     decode_request,
+    encode_rate,
     request_body_length,
     stripe_bounds,
 )
@@ -495,6 +499,70 @@ def test_downloads_are_paced_to_nine_tenths_of_a_stated_downlink():
             paced_s = len(data) / rate
             assert elapsed >= paced_s - unpaid_s, f"{elapsed:.2f} s, paced {paced_s:.2f} s less {unpaid_s:.2f} s"
             assert fetcher.traffic(0).downloaded_bytes == len(data)
+
+    asyncio.run(scenario())
+
+
+def test_a_holder_sends_a_paced_stream_at_the_rate_asked_and_the_rate_frames_change_it():
+    """A request with a rate of 128 KiB/s gets its first 256 KiB no faster than that; a rate frame
+    lifts the rate and the rest comes at once; the receipt follows the frames. A rate frame out of
+    bounds ends its stream, and the holder serves on."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange) as (holder, client):
+            data = packet(41, 1 << 20)
+            ann = await holder.publish(0, "pub", data)
+            peer = PeerID.from_base58(holder.holder_id)
+            fields = {"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest, "rate": 4 * MIN_RATE}
+            _, reader, writer = await client._host.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
+            writer.write(_request(fields))
+            assert RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10)) == (STATUS_OK, len(data))
+            started = time.monotonic()
+            head = await asyncio.wait_for(reader.readexactly(256 << 10), 30)
+            paced_s = time.monotonic() - started
+            writer.write(encode_rate(1 << 30))
+            started = time.monotonic()
+            rest = await asyncio.wait_for(reader.readexactly(len(data) - len(head)), 30)
+            lifted_s = time.monotonic() - started
+            # 256 KiB at 128 KiB/s is 2 s, less the pacer's burst and the first write ahead of it;
+            # the other 768 KiB at that rate would take 6 s.
+            assert head + rest == data and paced_s > 1.5 and lifted_s < 3.0, (paced_s, lifted_s)
+            writer.write(RECEIPT)
+            await poll(lambda: holder._store.held[(0, "pub")].sent_to == [client.holder_id], what="the receipt")
+            writer.close()
+
+            _, reader, writer = await client._host.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
+            writer.write(_request(fields))
+            assert RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10)) == (STATUS_OK, len(data))
+            writer.write(RATE_FRAME.pack(b"\x02", 1))  # one byte a second
+            got = await asyncio.wait_for(reader.read(len(data)), 10)
+            while chunk := await asyncio.wait_for(reader.read(len(data)), 10):
+                got += chunk
+            assert len(got) < len(data)  # ended short, at EOF
+            writer.close()
+            assert await client.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
+
+    asyncio.run(scenario())
+
+
+def test_downloads_side_by_side_share_a_stated_downlink():
+    """A fetcher that stated 16 Mbps fetches two 3 MiB packets from two holders at once: each
+    holder sends its stream at the share it is told, together nine tenths of the link at most."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, P2PExchange, downlink_mbps=16.0) as (one, two, fetcher):
+            first, second = packet(42), packet(43)
+            a, b = await one.publish(0, "a", first), await two.publish(0, "b", second)
+            started = time.monotonic()
+            got = await fetcher.fetch(
+                0, {"a": a.digest, "b": b.digest}, {"a": a.multiaddrs, "b": b.multiaddrs}, timeout_s=40
+            )
+            elapsed = time.monotonic() - started
+            assert got == {"a": first, "b": second}
+            rate = 16e6 / 8 * PACED_SHARE
+            paced_s = (len(first) + len(second)) / rate
+            # Each stream's pieces, like the reads, may run a burst and a piece ahead of the pace.
+            assert elapsed >= paced_s - 2 * fetcher.config.stripes * PACED_PIECE_BYTES / rate - 0.2, elapsed
 
     asyncio.run(scenario())
 

@@ -12,9 +12,13 @@ import pytest
 from protocol.errors import MalformedPacket, OversizedPacket, ProtocolError, TruncatedPacket
 from protocol.stream import (
     MAX_ERROR_BYTES,
+    MAX_RATE,
     MAX_REQUEST_BYTES,
     MAX_STRIPES,
+    MIN_RATE,
     MIN_STRIPE_BYTES,
+    RATE,
+    RATE_FRAME,
     REQUEST_PREFIX,
     RESPONSE_HEADER,
     STATUS_BUSY,
@@ -31,6 +35,7 @@ from protocol.stream import (
     encode_busy,
     encode_error,
     encode_offer,
+    encode_rate,
     encode_request,
     encode_response_header,
     is_peer_id,
@@ -62,6 +67,23 @@ def test_striped_requests_round_trip(stripe, stripes):
         run="r1", round=12, publisher="p", digest=DIGEST, child=True, stripe=stripe, stripes=stripes
     )
     assert decode_request(split(encode_request(request))) == request
+
+
+@pytest.mark.parametrize("rate", [MIN_RATE, 1_125_000, MAX_RATE])
+def test_paced_requests_and_rate_frames_round_trip(rate):
+    request = PacketRequest(run="r1", round=12, publisher="p", digest=DIGEST, stripe=1, stripes=4, rate=rate)
+    assert decode_request(split(encode_request(request))) == request
+    assert RATE_FRAME.unpack(encode_rate(rate)) == (RATE, rate) and len(encode_rate(rate)) == 5
+
+
+@pytest.mark.parametrize("rate", [-1, MIN_RATE - 1, MAX_RATE + 1])
+def test_a_rate_out_of_bounds_is_never_written(rate):
+    with pytest.raises(MalformedPacket):
+        encode_rate(rate)
+    with pytest.raises(MalformedPacket):
+        encode_request(PacketRequest(run="r1", round=1, publisher="p", digest=DIGEST, rate=rate))
+    with pytest.raises(MalformedPacket):
+        encode_rate(0)  # a stream is never told to stop: its fetcher reads it or hangs up
 
 
 @pytest.mark.parametrize(
@@ -134,6 +156,12 @@ BAD_REQUESTS = [
     msgpack.packb(GOOD | {"stripe": True, "stripes": 4}),
     msgpack.packb(GOOD | {"stripe": 1, "stripes": 4, "offset": 10}),  # an offset and a stripe
     msgpack.packb(GOOD | {"run": ["r1"]}),  # a nested list
+    msgpack.packb(GOOD | {"rate": 0}),  # a rate is written only when paced, and is never 0
+    msgpack.packb(GOOD | {"rate": MIN_RATE - 1}),  # under the floor: a packet would outlast a stall
+    msgpack.packb(GOOD | {"rate": MAX_RATE + 1}),
+    msgpack.packb(GOOD | {"rate": -MIN_RATE}),
+    msgpack.packb(GOOD | {"rate": True}),
+    msgpack.packb(GOOD | {"rate": 1e6}),
 ]
 
 
