@@ -29,7 +29,8 @@ project's nodes follows this layout:
               holder keeps the upload slot until it reads it (or EOF, or its stall time-out)
     rate      after a request with "rate", and before its receipt, the fetcher may send rate frames:
               u8 0x02, u32 big-endian bytes/s (MIN_RATE to MAX_RATE), the stream's new rate; a
-              holder that reads anything else there, or a rate out of bounds, ends the stream
+              holder that reads anything else there, a rate out of bounds, or more than
+              MAX_RATE_FRAMES frames, ends the stream
 
 A holder answers only for a packet it holds (whole, or still arriving) with exactly the requested
 digest; a request that is malformed, for another run, or for a packet not held gets an error
@@ -103,6 +104,7 @@ RATE = b"\x02"  # a rate frame's tag: the stream's new rate follows
 RATE_FRAME = struct.Struct(">cI")
 MIN_RATE = 32 << 10  # bytes/s: under this a packet of a few MB would outlast the holder's patience
 MAX_RATE = (1 << 32) - 1
+MAX_RATE_FRAMES = 1024  # per stream: an honest fetcher sends one each time one of its downloads starts or ends
 MAX_REQUEST_BYTES = 1024
 MAX_ERROR_BYTES = 512
 MAX_BUSY_BYTES = 512

@@ -63,6 +63,7 @@ from protocol.dht_records import PARAMS_ID
 from protocol.errors import MalformedPacket, ProtocolError, WrongRound
 from protocol.stream import (
     MAX_BUSY_NAMES,
+    MAX_RATE_FRAMES,
     RATE,
     RATE_FRAME,
     RECEIPT,
@@ -282,19 +283,25 @@ class PacketServer:
 
     async def _fetcher_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pacer: Pacer) -> bytes:
         """What the fetcher of a paced stream sends while its bytes go: rate frames, each setting
-        the pacer's rate, then its receipt (returned; b"" at EOF, anything else is no receipt).
-        A rate out of bounds ends the stream."""
-        while True:
+        the pacer's rate, then its receipt (returned; b"" at EOF). Anything else, a rate out of
+        bounds, or more than MAX_RATE_FRAMES frames, ends the stream (b"": no receipt)."""
+        for _ in range(MAX_RATE_FRAMES + 1):
             tag = await reader.read(1)
-            if tag != RATE:
+            if tag in (RECEIPT, b""):
                 return tag
+            if tag != RATE:
+                log.debug("paced stream ended: %r where a rate frame or the receipt goes", tag)
+                break
             _, rate = RATE_FRAME.unpack(RATE + await reader.readexactly(RATE_FRAME.size - 1))
             try:
                 pacer.rate = check_rate(rate)
             except ProtocolError as e:
                 log.debug("paced stream ended: %s", e)
-                writer.close()
-                return b""
+                break
+        else:
+            log.debug("paced stream ended: more than %d rate frames", MAX_RATE_FRAMES)
+        writer.close()
+        return b""
 
     async def _send_snapshot(
         self,

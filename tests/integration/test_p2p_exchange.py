@@ -26,6 +26,7 @@ from node.exchange.p2p import P2PExchange
 from node.exchange.pace import PACED_PIECE_BYTES, PACED_SHARE
 from protocol.dht_records import packets_key
 from protocol.stream import (
+    MAX_RATE_FRAMES,
     MIN_RATE,
     PROTOCOL_NAME,
     RATE_FRAME,
@@ -506,7 +507,8 @@ def test_downloads_are_paced_to_nine_tenths_of_a_stated_downlink():
 def test_a_holder_sends_a_paced_stream_at_the_rate_asked_and_the_rate_frames_change_it():
     """A request with a rate of 128 KiB/s gets its first 256 KiB no faster than that; a rate frame
     lifts the rate and the rest comes at once; the receipt follows the frames. A rate frame out of
-    bounds ends its stream, and the holder serves on."""
+    bounds, a flood of frames or a byte that is neither a frame nor the receipt ends its stream,
+    and the holder serves on."""
 
     async def scenario():
         async with swarm(P2PExchange, P2PExchange) as (holder, client):
@@ -531,15 +533,23 @@ def test_a_holder_sends_a_paced_stream_at_the_rate_asked_and_the_rate_frames_cha
             await poll(lambda: holder._store.held[(0, "pub")].sent_to == [client.holder_id], what="the receipt")
             writer.close()
 
-            _, reader, writer = await client._host.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
-            writer.write(_request(fields))
-            assert RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10)) == (STATUS_OK, len(data))
-            writer.write(RATE_FRAME.pack(b"\x02", 1))  # one byte a second
-            got = await asyncio.wait_for(reader.read(len(data)), 10)
-            while chunk := await asyncio.wait_for(reader.read(len(data)), 10):
-                got += chunk
-            assert len(got) < len(data)  # ended short, at EOF
-            writer.close()
+            hostile = [
+                RATE_FRAME.pack(b"\x02", 1),  # one byte a second
+                encode_rate(4 * MIN_RATE) * (MAX_RATE_FRAMES + 1),  # a flood of valid frames
+                b"\x07",  # neither a rate frame nor the receipt
+            ]
+            for frames in hostile:
+                _, reader, writer = await client._host.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
+                writer.write(_request(fields))
+                header = await asyncio.wait_for(reader.readexactly(9), 10)
+                assert RESPONSE_HEADER.unpack(header) == (STATUS_OK, len(data))
+                writer.write(frames)
+                got = b""
+                while chunk := await asyncio.wait_for(reader.read(len(data)), 10):
+                    got += chunk
+                assert len(got) < len(data), frames[:5]  # ended short, at EOF, at 128 KiB/s
+                writer.close()
+                await poll(lambda: holder._server.num_uploads == 0, 3.0, "the hostile stream's slot freed at once")
             assert await client.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
 
     asyncio.run(scenario())
