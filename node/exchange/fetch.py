@@ -603,9 +603,9 @@ class PacketFetcher:
             )
             return data
         finally:
+            if self._shares is not None:
+                self._shares.leave(*writers)
             for stream in writers:
-                if self._shares is not None:
-                    self._shares.leave(stream)
                 stream.close()
 
     async def _ask(

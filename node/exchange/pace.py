@@ -2,8 +2,8 @@
 
     shares = Shares(downlink_bytes_per_s * PACED_SHARE)
     request = dataclasses.replace(request, rate=shares.next_share())   # asked for at its share
-    shares.join(writer)      # once its bytes come: every stream receiving is told its new share
-    shares.leave(writer)     # once they stopped
+    shares.join(writer, request.rate)   # once its bytes come: every stream receiving is told its new share
+    shares.leave(*writers)              # once a download's streams stopped: told once, not per stream
     pacer = Pacer(request.rate)              # the holder's side (serve.py): before each piece,
     await pacer.wait(); pacer.spent(len(piece))
 
@@ -71,8 +71,10 @@ class Shares:
         self._told[writer] = told
         self._tell()
 
-    def leave(self, writer: asyncio.StreamWriter) -> None:
-        if self._told.pop(writer, None) is not None:
+    def leave(self, *writers: asyncio.StreamWriter) -> None:
+        """These streams receive no more (a download's, together): the others are told their new
+        share once, not once per stream that left."""
+        if [w for w in writers if self._told.pop(w, None) is not None]:
             self._tell()
 
     def _share(self, num_streams: int) -> int:

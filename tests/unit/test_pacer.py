@@ -91,6 +91,22 @@ def test_shares_split_the_rate_evenly_and_each_stream_is_told_its_new_share():
     asyncio.run(scenario())
 
 
+def test_a_download_that_ends_leaves_with_all_its_streams_and_the_others_are_told_once():
+    async def scenario():
+        shares = Shares(900_000.0)
+        streams = [await _stream() for _ in range(4)]
+        for writer, _ in streams:
+            shares.join(writer, shares.next_share())
+        told = [await _told(reader) for _, reader in streams]
+        assert told[-1] == [] and all(rates[-1] == 225_000 for rates in told[:-1])
+        shares.leave(*(writer for writer, _ in streams[:3]))  # one download's three stripes
+        assert [await _told(reader) for _, reader in streams] == [[], [], [], [900_000]]
+        for writer, _ in streams:
+            writer.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("rate", [1.0, MIN_RATE * 2.5])
 def test_a_share_never_falls_under_the_protocols_floor(rate):
     async def scenario():
