@@ -35,7 +35,7 @@ Things hivemind 1.1.12 does not do for us, and how this module copes:
   when the main one yields; and no garbage collection before the heap nears 512 MiB (GOGC=off,
   GOMEMLIMIT=512MiB), since a collection during start-up is such a yield. The configured relay
   then registers last. In the network lab's relay host, GOMAXPROCS=1 alone won 10 of 22 starts,
-  both won 26 of 26. Still not a guarantee by construction, so node/cli/relay.py checks the
+  both won 36 of 36. Still not a guarantee by construction, so node/cli/relay.py checks the
   relay it starts and restarts one that lost; `node join --relay` does not check. The cost: that
   p2pd runs Go code on one core, and holds up to 512 MiB of garbage before it collects. tests/integration/test_relay.py moves 1 MiB over one relayed connection. A node
   behind NAT becomes dialable through a relay only once it holds a reservation there, which p2pd
