@@ -22,7 +22,7 @@ from protocol.dht_records import packets_key
 from protocol.packet import DEFAULT_MAX_PACKET_BYTES
 from protocol.stream import MAX_STRIPES
 
-STRIPED_LINK_MBPS = 20.0  # a stated uplink under this fetches over one stream
+STRIPED_LINK_MBPS = 20.0  # a stated uplink or downlink under this fetches over one stream
 
 if TYPE_CHECKING:
     from node.config import NetworkSection
@@ -62,8 +62,8 @@ class ExchangeConfig:
     chunk_bytes: int = 512 << 10  # stream write size
     # a packet of a few MB is fetched in up to this many stripes, one stream each, side by side: a
     # stream carries one yamux window (256 KiB) per round trip until its window grows
-    # (protocol/stream.py); 1: one stream. A node that stated an uplink under STRIPED_LINK_MBPS
-    # fetches over one stream (`fetch_stripes`).
+    # (protocol/stream.py); 1: one stream. A node that stated an uplink or a downlink under
+    # STRIPED_LINK_MBPS fetches over one stream (`fetch_stripes`).
     stripes: int = 4
     uplink_mbps: float | None = None  # this node's link as its operator stated it (None: fast)
     # this link's download rate as its operator stated it: packet downloads together take at most
@@ -138,11 +138,14 @@ class ExchangeConfig:
 
     @property
     def fetch_stripes(self) -> int:
-        """The stripes this node asks for: one on a link under STRIPED_LINK_MBPS, which one
-        stream's window per round trip fills up to a 100 ms round trip (tools/netlab/stripes.py: 4
-        stripes took as long as one at 10 Mbps), where more streams would only add bytes in flight
-        to the download queue that the requests for this node's own packet cross."""
-        return 1 if self.uplink_mbps is not None and self.uplink_mbps < STRIPED_LINK_MBPS else self.stripes
+        """The stripes this node asks for: one where either stated rate of its link is under
+        STRIPED_LINK_MBPS, which one stream's window per round trip fills up to a 100 ms round trip
+        (tools/netlab/stripes.py: 4 stripes took as long as one at 10 Mbps), where more streams
+        would only add bytes in flight to the download queue that the requests for this node's own
+        packet cross (and, paced, hold more streams at the protocol's floor rate than the link's
+        share pays for: 12 streams at `MIN_RATE` ask 393 kB/s of a 2 Mbps link)."""
+        stated = [r for r in (self.uplink_mbps, self.downlink_mbps) if r is not None]
+        return 1 if stated and min(stated) < STRIPED_LINK_MBPS else self.stripes
 
     @classmethod
     def from_network(

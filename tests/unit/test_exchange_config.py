@@ -132,6 +132,10 @@ def test_a_slow_stated_link_fetches_over_one_stream():
     assert ExchangeConfig(run_id="r").fetch_stripes == 4  # unstated: fast
     assert ExchangeConfig(run_id="r", uplink_mbps=100.0, stripes=6).fetch_stripes == 6
     assert ExchangeConfig(run_id="r", uplink_mbps=STRIPED_LINK_MBPS - 1).fetch_stripes == 1
+    # either rate: a slow downlink stated alone, paced, would hold each stripe at the floor rate
+    assert ExchangeConfig(run_id="r", downlink_mbps=STRIPED_LINK_MBPS - 1).fetch_stripes == 1
+    assert ExchangeConfig(run_id="r", uplink_mbps=100.0, downlink_mbps=2.0).fetch_stripes == 1
+    assert ExchangeConfig(run_id="r", uplink_mbps=100.0, downlink_mbps=STRIPED_LINK_MBPS).fetch_stripes == 4
     for stripes in (0, MAX_STRIPES + 1):
         with pytest.raises(ValueError, match="stripes"):
             ExchangeConfig(run_id="r", stripes=stripes)
