@@ -23,7 +23,8 @@ time-out per download): a download link kept full delays the acknowledgements th
 of their uplink while they fetched. With the link's download rate stated (`downlink_mbps`),
 packet downloads together take at most nine tenths of it: each request asks its holder to send
 at its share of that, and every stream receiving is told its new share whenever a download
-starts or ends (node/exchange/pace.py `Shares`; the reads keep to the total as well, `Pacer`).
+starts or ends, or a holder's measured rate leaves part of its share to the others
+(node/exchange/pace.py `Shares`, max-min fair; the reads keep to the total as well, `Pacer`).
 The link's download queue then stays empty: the first request for this node's own packet, and
 the acknowledgements of the copy it then sends, cross that queue. The root of the tree
 of a publisher nobody can dial waits for its push (`pushed_here`, `push_grace_s` to start)
@@ -553,6 +554,7 @@ class PacketFetcher:
             self._dialed.add(holder.holder)
         reader, writer = await asyncio.wait_for(self._host.open_stream(peer), budget(cfg.connect_timeout_s))
         writers = [writer]  # the streams of this download: stripe 0's first
+        download = object()  # its key in the shares of the downlink
         stripes = cfg.fetch_stripes if state.sink is None else 1
         request = PacketRequest(
             run=cfg.run_id,
@@ -563,10 +565,10 @@ class PacketFetcher:
             child=child,
             offset=state.sink.offset if state.sink is not None else 0,
             stripes=stripes,
-            rate=self._shares.next_share() if self._shares is not None and state.sink is None else 0,
+            rate=self._shares.next_share(download) if self._shares is not None and state.sink is None else 0,
         )
         try:
-            answered, status, length = await self._ask(reader, writer, request, state, budget)
+            answered, status, length = await self._ask(reader, writer, request, state, budget, download)
             if state.sink is not None:
                 data = await self._receive_snapshot(reader, state, length, budget)
             else:
@@ -578,15 +580,16 @@ class PacketFetcher:
                         self._host.open_stream(peer), budget(cfg.connect_timeout_s)
                     )
                     writers.append(stripe_writer)
-                    rate = self._shares.next_share() if request.rate and self._shares is not None else 0
+                    rate = self._shares.next_share(download) if request.rate and self._shares is not None else 0
+                    stripe_request = dataclasses.replace(request, stripe=i, rate=rate)
                     _, stripe_status, size = await self._ask(
-                        stripe_reader, stripe_writer, dataclasses.replace(request, stripe=i, rate=rate), state, budget
+                        stripe_reader, stripe_writer, stripe_request, state, budget, download
                     )
                     if stripe_status != STATUS_STRIPED or size != length:
                         raise MalformedPacket(f"stripe {i} answered as a {size}-byte packet, stripe 0 as {length}")
                     return stripe_reader
 
-                data = await self._receive(reader, holder, state, length, budget, bounds, open_stripe)
+                data = await self._receive(reader, holder, state, length, budget, bounds, open_stripe, download)
             for stream in writers:
                 stream.write(RECEIPT)  # frees the holder's upload slot; a lost receipt only delays that
             done = loop.time()
@@ -604,7 +607,7 @@ class PacketFetcher:
             return data
         finally:
             if self._shares is not None:
-                self._shares.leave(*writers)
+                self._shares.leave(download)
             for stream in writers:
                 stream.close()
 
@@ -615,6 +618,7 @@ class PacketFetcher:
         request: PacketRequest,
         state: FetchState,
         budget: Callable[[float], float],
+        download: object,
     ) -> tuple[float, int, int]:
         """Send `request` and read the answer's header: (when it came, its status, its length) for
         the bytes that follow; an error or a busy answer is raised (HolderRefused, HolderBusy), and
@@ -638,7 +642,7 @@ class PacketFetcher:
         if expected is not None and length != expected:
             raise MalformedPacket(f"holder offers {length} bytes, the announcement says {expected}")
         if request.rate and self._shares is not None:
-            self._shares.join(writer, request.rate)  # its bytes come now: the streams' shares change
+            self._shares.join(download, writer, request.rate)  # its bytes come now: the shares change
         return asyncio.get_running_loop().time(), status, length
 
     async def _receive(
@@ -650,6 +654,7 @@ class PacketFetcher:
         budget: Callable[[float], float],
         bounds: list[tuple[int, int]],
         open_stripe: Callable[[int], Awaitable[asyncio.StreamReader]],
+        download: object,
     ) -> bytes:
         """The `length` bytes of a packet body, in stripes `bounds` (the first from `reader`, the
         others from `open_stripe(i)`), verified and held from then on (`PacketStore.receive`);
@@ -667,6 +672,8 @@ class PacketFetcher:
             if self._pacer is not None:
                 self._pacer.spent(received - counted)
                 counted = received
+            if self._shares is not None:
+                self._shares.received(download, received)
             alone = self._rate_floor(alone, loop.time(), received, length)
 
         held_s = 0.0  # this download's reads held back while this node sent its first copy

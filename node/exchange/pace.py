@@ -1,10 +1,12 @@
 """Packet bytes at a rate: a node's downloads together under nine tenths of its stated downlink.
 
     shares = Shares(downlink_bytes_per_s * PACED_SHARE)
-    request = dataclasses.replace(request, rate=shares.next_share())   # asked for at its share
-    shares.join(writer, request.rate)   # once its bytes come: every stream receiving is told its new share
-    shares.leave(*writers)              # once a download's streams stopped: told once, not per stream
-    pacer = Pacer(request.rate)              # the holder's side (serve.py): before each piece,
+    download = object()                       # one download's key, over all its streams
+    request = dataclasses.replace(request, rate=shares.next_share(download))  # asked for at its share
+    shares.join(download, writer, request.rate)  # once its bytes come: every stream told its new share
+    shares.received(download, num_bytes)      # after each piece: the split follows the rates measured
+    shares.leave(download)                    # once its streams stopped: the others told once
+    pacer = Pacer(request.rate)               # the holder's side (serve.py): before each piece,
     await pacer.wait(); pacer.spent(len(piece))
 
 The holder sends each stream at the rate its fetcher asked for (protocol/stream.py, "Rates"), so
@@ -14,14 +16,18 @@ that paces its reads instead (`Pacer` on the fetcher's side, kept for holders th
 slows the sender only once p2pd's and the kernel's buffers for the stream are full, hundreds of
 kB later: longer than a few-MB packet's transfer.
 
-Shares are even between the streams receiving now. A holder slower than its share leaves part of
-the link unused until a stream starts or ends; the packet trees give a slow fetcher fast parents
-(node/exchange/topology.py), so that is the exception.
+Shares are max-min fair between the downloads receiving now. A fast fetcher's downloads come from
+holders of every speed: a slow publisher's first copy, a parent forwarding a copy while it
+arrives, a fast peer's own packet. An even split left a slow holder's unused part of the link
+idle (the lab's 100 Mbps peers took their fast peers' packets at 26-38 Mbps, a third of 90 % of
+the link each, while one of their three downloads came at 10 Mbps); `Shares` measures each
+download and gives what a slow one leaves to the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -55,34 +61,111 @@ class Pacer:
 
 
 class Shares:
-    """A downlink's paced rate (bytes/s) split evenly between the streams receiving now; each is
-    told its share in a rate frame whenever the split changes."""
+    """A downlink's paced rate (bytes/s) split max-min fairly between the downloads receiving now,
+    and each download's share evenly between its streams; a stream is told its share in a rate
+    frame whenever it changes by more than `TELL_CHANGE`.
 
-    def __init__(self, rate: float):
-        self.rate = rate
-        self._told: dict[asyncio.StreamWriter, int] = {}  # stream -> the share it was last told
+    A download whose holder sends under `BOUND_FRACTION` of its share over a whole `window_s`
+    (a slow publisher, or a parent still receiving the copy it forwards) is bound by its holder:
+    the others split what it leaves unused, and it is told twice what it measured (at most an even
+    share), so a holder that speeds up grows into its share within a few windows. A bound
+    download that speeds up past its measure costs the link at most that measure for one window,
+    until the next split. Downloads not yet measured count as unbound."""
 
-    def next_share(self) -> int:
-        """The share of a stream that starts now (asked for in its request)."""
-        return self._share(len(self._told) + 1)
+    def __init__(self, rate: float, window_s: float = 0.25, clock: Callable[[], float] | None = None):
+        self.rate, self.window_s = rate, window_s
+        self._clock = clock or (lambda: asyncio.get_running_loop().time())
+        self._downloads: dict[object, _Download] = {}
 
-    def join(self, writer: asyncio.StreamWriter, told: int) -> None:
-        """`writer`'s stream receives from now on, asked for at `told` bytes/s."""
-        self._told[writer] = told
+    def next_share(self, download: object) -> int:
+        """The share a stream of `download` that starts now asks for in its request."""
+        known = self._downloads.get(download)
+        share = self._split({download: known or _Download(self._clock())})[download]
+        return _per_stream(share, len(known.told) + 1 if known else 1)
+
+    def join(self, download: object, writer: asyncio.StreamWriter, told: int) -> None:
+        """`writer`, a stream of `download`, receives from now on, asked for at `told` bytes/s."""
+        self._downloads.setdefault(download, _Download(self._clock())).told[writer] = told
         self._tell()
 
-    def leave(self, *writers: asyncio.StreamWriter) -> None:
-        """These streams receive no more (a download's, together): the others are told their new
-        share once, not once per stream that left."""
-        if [w for w in writers if self._told.pop(w, None) is not None]:
+    def received(self, download: object, num_bytes: int) -> None:
+        """`download` has `num_bytes` in all so far. Once its window is whole, its rate is measured
+        and the split made again; so are those of the others that read nothing for two windows
+        (stalled: a download is measured at its own reads, where its count is exact)."""
+        if (known := self._downloads.get(download)) is None:
+            return
+        known.num_bytes = num_bytes
+        now = self._clock()
+        stalled = [d for d in self._downloads.values() if now - d.window_start >= 2 * self.window_s]
+        if now - known.window_start >= self.window_s or stalled:
+            for d in {id(d): d for d in (known, *stalled)}.values():
+                d.measure(now, self.window_s)
             self._tell()
 
-    def _share(self, num_streams: int) -> int:
-        return int(min(MAX_RATE, max(MIN_RATE, self.rate / num_streams)))
+    def leave(self, download: object) -> None:
+        """`download`'s streams receive no more: the others are told their new shares once."""
+        if self._downloads.pop(download, None) is not None:
+            self._tell()
+
+    def _split(self, extra: dict[object, _Download] | None = None) -> dict[object, float]:
+        """Each download's share, bytes/s (with `extra`, a download about to start, counted)."""
+        downloads = {**self._downloads, **(extra or {})}
+        # Water-filling: the downloads bound under what an even split of the rest would give them
+        # keep what they measured; the others share what is left evenly.
+        bound = sorted((k for k, d in downloads.items() if d.bound), key=lambda k: downloads[k].measured)
+        left, free = self.rate, len(downloads)
+        held: dict[object, float] = {}
+        for key in bound:
+            if (measured := downloads[key].measured) >= left / free:
+                break
+            held[key] = measured
+            left, free = left - measured, free - 1
+        if not free:  # all held by their holders: nobody to leave the rest to
+            return {k: self.rate / len(downloads) for k in downloads}
+        return {k: min(2 * held[k], self.rate / len(downloads)) if k in held else left / free for k in downloads}
 
     def _tell(self) -> None:
-        share = self._share(max(1, len(self._told)))
-        for writer, told in self._told.items():
-            if told != share and not writer.is_closing():
-                writer.write(encode_rate(share))  # five bytes: no drain, the stream's buffer takes them
-                self._told[writer] = share
+        for key, share in self._split().items():
+            download = self._downloads[key]
+            per_stream = _per_stream(share, len(download.told))
+            for writer, told in download.told.items():
+                if abs(per_stream - told) > told * TELL_CHANGE and not writer.is_closing():
+                    writer.write(encode_rate(per_stream))  # five bytes: no drain, the stream's buffer takes them
+                    download.told[writer] = per_stream
+            download.told_in_window = min(download.told_in_window, sum(download.told.values()))
+
+
+TELL_CHANGE = 1 / 16  # a stream is told a new share that differs from its last by more than this
+BOUND_FRACTION = 0.8  # a download measured under this part of its share is bound by its holder
+
+
+@dataclasses.dataclass
+class _Download:
+    """One download's streams (each with the share it was last told), and its rate measured over
+    the last whole window (None: not yet measured)."""
+
+    window_start: float
+    told: dict[asyncio.StreamWriter, int] = dataclasses.field(default_factory=dict)
+    num_bytes: int = 0
+    window_bytes: int = 0  # `num_bytes` at the window's start
+    told_in_window: float = math.inf  # the least share its streams held together in this window
+    measured: float | None = None  # over the last whole window
+    measured_against: float = math.inf  # the least share held in that window
+
+    @property
+    def bound(self) -> bool:
+        """Measured under BOUND_FRACTION of the least share it held while measured."""
+        return self.measured is not None and self.measured < BOUND_FRACTION * self.measured_against
+
+    def measure(self, now: float, window_s: float) -> None:
+        """Close the window if it is whole: its rate, and the share it was measured against."""
+        if now - self.window_start < window_s:
+            return
+        self.measured = (self.num_bytes - self.window_bytes) / (now - self.window_start)
+        self.measured_against = min(self.told_in_window, sum(self.told.values()))
+        self.window_start, self.window_bytes = now, self.num_bytes
+        self.told_in_window = sum(self.told.values())
+
+
+def _per_stream(share: float, num_streams: int) -> int:
+    return int(min(MAX_RATE, max(MIN_RATE, share / max(1, num_streams))))

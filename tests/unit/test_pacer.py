@@ -1,6 +1,7 @@
 """Pacing (node/exchange/pace.py): `Pacer` keeps bytes to its rate with a burst allowance, on a
-clock the test sets; `Shares` splits a downlink's rate between the streams receiving and writes
-each its new share as a rate frame, read here from the far end of real socket pairs."""
+clock the test sets; `Shares` splits a downlink's rate max-min fairly between the downloads
+receiving (on a clock the test sets) and writes each stream its new share as a rate frame, read
+here from the far end of real socket pairs."""
 
 import asyncio
 import socket
@@ -73,17 +74,18 @@ def test_shares_split_the_rate_evenly_and_each_stream_is_told_its_new_share():
     async def scenario():
         shares = Shares(900_000.0)
         (w0, r0), (w1, r1), (w2, r2) = [await _stream() for _ in range(3)]
-        assert shares.next_share() == 900_000
-        shares.join(w0, shares.next_share())  # asked for what it is given: nothing to tell
+        d0, d1, d2 = "d0", "d1", "d2"  # three downloads, one stream each
+        assert shares.next_share(d0) == 900_000
+        shares.join(d0, w0, shares.next_share(d0))  # asked for what it is given: nothing to tell
         assert await _told(r0) == []
-        shares.join(w1, shares.next_share())
-        shares.join(w2, shares.next_share())
+        shares.join(d1, w1, shares.next_share(d1))
+        shares.join(d2, w2, shares.next_share(d2))
         assert (await _told(r0), await _told(r1), await _told(r2)) == ([450_000, 300_000], [300_000], [])
-        shares.leave(w1)
-        shares.leave(w1)  # twice: nothing more
+        shares.leave(d1)
+        shares.leave(d1)  # twice: nothing more
         assert (await _told(r0), await _told(r1), await _told(r2)) == ([450_000], [], [450_000])
         w2.close()
-        shares.leave(w0)
+        shares.leave(d0)
         assert await _told(r2) == []  # a closed stream is not written to
         for writer in (w0, w1):
             writer.close()
@@ -91,16 +93,76 @@ def test_shares_split_the_rate_evenly_and_each_stream_is_told_its_new_share():
     asyncio.run(scenario())
 
 
-def test_a_download_that_ends_leaves_with_all_its_streams_and_the_others_are_told_once():
+def test_a_downloads_share_is_split_between_its_stripes_and_the_others_are_told_once_when_it_ends():
     async def scenario():
         shares = Shares(900_000.0)
         streams = [await _stream() for _ in range(4)]
-        for writer, _ in streams:
-            shares.join(writer, shares.next_share())
+        for writer, _ in streams[:3]:  # one download's three stripes
+            shares.join("striped", writer, shares.next_share("striped"))
+        assert shares.next_share("striped") == 225_000  # a fourth stripe's
+        assert shares.next_share("other") == 450_000
+        shares.join("other", streams[3][0], 450_000)
         told = [await _told(reader) for _, reader in streams]
-        assert told[-1] == [] and all(rates[-1] == 225_000 for rates in told[:-1])
-        shares.leave(*(writer for writer, _ in streams[:3]))  # one download's three stripes
+        assert told == [[450_000, 300_000, 150_000], [300_000, 150_000], [150_000], []]
+        shares.leave("striped")
         assert [await _told(reader) for _, reader in streams] == [[], [], [], [900_000]]
+        for writer, _ in streams:
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_download_its_holder_keeps_under_its_share_leaves_the_rest_to_the_others():
+    """Max-min: a holder sending under 4/5 of its share over a whole window is held at what it
+    measured (told twice that, at most an even share), the others split the rest; once it keeps
+    up, the split is even again, and a new download asks for an even part of what is free."""
+
+    async def scenario():
+        now = [0.0]
+        shares = Shares(900_000.0, window_s=0.25, clock=lambda: now[0])
+        (ws, rs), (wf, rf) = await _stream(), await _stream()
+        shares.join("slow", ws, shares.next_share("slow"))
+        shares.join("fast", wf, shares.next_share("fast"))
+        assert (await _told(rs), await _told(rf)) == ([450_000], [])
+        now[0] = 0.1
+        shares.received("slow", 10_000)  # no whole window yet: nothing measured, nothing told
+        assert (await _told(rs), await _told(rf)) == ([], [])
+        now[0] = 0.25
+        shares.received("fast", 112_500)  # 450 kB/s: its share
+        shares.received("slow", 25_000)  # 100 kB/s of 450
+        assert (await _told(rs), await _told(rf)) == ([200_000], [800_000])
+        assert shares.next_share("new") == 400_000  # (900 - 100) / 2
+        now[0] = 0.5
+        shares.received("fast", 312_500)
+        shares.received("slow", 75_000)  # 200 kB/s: it keeps up with what it was told
+        assert (await _told(rs), await _told(rf)) == ([450_000], [450_000])
+        now[0] = 0.75
+        shares.received("slow", 75_000)  # stalled (a parent waiting for its copy): the floor
+        assert (await _told(rs), await _told(rf)) == ([MIN_RATE], [900_000])
+        shares.leave("fast")
+        assert await _told(rs) == [900_000]  # alone: not held at a rate measured with others
+        for writer in (ws, wf):
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_small_changes_of_a_share_are_not_told():
+    async def scenario():
+        now = [0.0]
+        shares = Shares(900_000.0, window_s=0.25, clock=lambda: now[0])
+        streams = [await _stream() for _ in range(3)]
+        for i, (writer, _) in enumerate(streams):
+            shares.join(i, writer, shares.next_share(i))
+        [await _told(reader) for _, reader in streams]
+        now[0] = 0.25
+        shares.received(0, 15_000)  # 60 kB/s of 300: held
+        shares.received(1, 75_000)
+        shares.received(2, 75_000)
+        assert [await _told(reader) for _, reader in streams] == [[120_000], [420_000], [420_000]]
+        now[0] = 0.5
+        shares.received(0, 29_500)  # 58 kB/s: 116 kB/s for it, 421 for the others, within 1/16
+        assert [await _told(reader) for _, reader in streams] == [[], [], []]
         for writer, _ in streams:
             writer.close()
 
@@ -113,10 +175,10 @@ def test_a_share_never_falls_under_the_protocols_floor(rate):
         shares = Shares(rate)
         streams = [await _stream() for _ in range(4)]
         asked = []
-        for writer, _ in streams:
-            asked.append(shares.next_share())
-            shares.join(writer, asked[-1])
-        assert shares.next_share() == MIN_RATE and min(asked) == MIN_RATE
+        for i, (writer, _) in enumerate(streams):
+            asked.append(shares.next_share(i))
+            shares.join(i, writer, asked[-1])
+        assert shares.next_share("next") == MIN_RATE and min(asked) == MIN_RATE
         told = [await _told(reader) for _, reader in streams]
         assert all(rate >= MIN_RATE for rates in told for rate in rates)
         assert all((rates or [ask])[-1] == MIN_RATE for rates, ask in zip(told, asked))
