@@ -67,9 +67,11 @@ over a stream it opens itself (node/exchange/push.py), which then holds and serv
     answer    a response header: status 0 with N = 0 ("send it"), or an error frame (refused: the
               reason, e.g. "full" or "not submitted"; exactly ALREADY_HELD: the holder has a
               verified copy with that digest already, which is as good as a push)
-    body      after status 0, the pusher sends exactly `size` bytes
-    verdict   a response header: status 0 with N = 0 once the bytes hashed to the digest and are
-              held, or an error frame
+    body      after status 0, the pusher sends exactly `size` bytes; the holder asks the
+              coordinator whether the publisher submitted that digest while they come
+    verdict   a response header: status 0 with N = 0 once the bytes hashed to the digest, the
+              submission was confirmed and the copy is held, or an error frame (a refused
+              submission may end the stream before the body does)
 
 Parameter snapshots (publisher "params") use the same stream; their bytes are laid out and
 checked as protocol/snapshot.py says: the fetcher knows their exact length from its own model

@@ -18,10 +18,10 @@ kB later: longer than a few-MB packet's transfer.
 
 Shares are max-min fair between the downloads receiving now. A fast fetcher's downloads come from
 holders of every speed: a slow publisher's first copy, a parent forwarding a copy while it
-arrives, a fast peer's own packet. An even split left a slow holder's unused part of the link
-idle (the lab's 100 Mbps peers took their fast peers' packets at 26-38 Mbps, a third of 90 % of
-the link each, while one of their three downloads came at 10 Mbps); `Shares` measures each
-download and gives what a slow one leaves to the others.
+arrives, a fast peer's own packet. An even split would leave a slow holder's unused part of the
+link idle; `Shares` measures each download and gives what a slow one leaves to the others. (In
+the network lab this did not move the transfer figure beyond the runs' spread: there the fast
+peers' packets are bound by their forwarders' uplinks, tools/netlab/README.md.)
 """
 
 from __future__ import annotations

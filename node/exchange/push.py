@@ -19,7 +19,9 @@ The receiver treats an offer as hostile (protocol/stream.py, "Pushes"): it refus
 another run or an old round, one over its packet limit, one it holds already, more than
 `max_push_streams` at once, more than `max_push_bytes` of pushed packets held, and any packet
 whose digest `accept` does not confirm (the node asks the coordinator whether the publisher
-submitted that digest: pushed bytes are only ever a submitted packet). The body must be exactly
+submitted that digest: pushed bytes are only ever a submitted packet). It asks while the body
+comes, so the coordinator's answer is off the path of the packet every peer waits for; a body it
+refuses is dropped, whole or not, and never announced. The body must be exactly
 the offered size and hash to the offered digest; reads stall out after `stall_timeout_s`. While
 it arrives the copy is a `Partial`, served onward cut-through like a fetched one, so a fetcher that
 asks meanwhile waits for it rather than looking elsewhere. The handler never raises.
@@ -87,7 +89,11 @@ class PushReceiver:
             length = request_body_length(await asyncio.wait_for(reader.readexactly(4), cfg.request_timeout_s))
             body = await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s)
             offer = decode_offer(body, cfg.max_packet_bytes)
-            refusal = await self._refusal(offer)
+            if (refusal := self._refusal(offer)) is None:
+                # The body comes while the coordinator is asked: its answer is off the push's path.
+                writer.write(encode_response_header(STATUS_OK, 0))
+                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+                refusal = await self._receive_checked(reader, offer, str(stream_info.peer_id))
             if refusal is not None:
                 log.info(
                     "round %d: refused a push of %s's packet from %s: %s",
@@ -99,9 +105,7 @@ class PushReceiver:
                 writer.write(encode_error(refusal))
                 await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
                 return
-            writer.write(encode_response_header(STATUS_OK, 0))
-            await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
-            await self._receive(reader, offer, str(stream_info.peer_id))
+            self._announcer.announce_holder(offer.round, offer.publisher, offer.digest, offer.size)
             writer.write(encode_response_header(STATUS_OK, 0))
             await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
             log.info("round %d: holding %s's packet, pushed by %s", offer.round, offer.publisher, stream_info.peer_id)
@@ -116,8 +120,9 @@ class PushReceiver:
             self._num_streams -= 1
             writer.close()
 
-    async def _refusal(self, offer: PushOffer) -> str | None:
-        """Why this offer is refused (None: it is taken)."""
+    def _refusal(self, offer: PushOffer) -> str | None:
+        """Why this offer is refused before its body comes (None: the body may come; the
+        submission's check runs beside it, `_receive_checked`)."""
         cfg = self.config
         if offer.run != cfg.run_id:
             return f"not in run {offer.run}"
@@ -131,14 +136,37 @@ class PushReceiver:
             return "full: pushed packets held reach max_push_bytes"
         if self.accept is None:
             return "this node takes no pushes"
+        return None
+
+    async def _submission_refusal(self, offer: PushOffer) -> str | None:
+        """Why the publisher's submission refuses this offer (None: it submitted that digest)."""
+        assert self.accept is not None
         try:
             submitted = await asyncio.wait_for(self.accept(offer.round, offer.publisher, offer.digest), 10.0)
         except Exception as e:  # the coordinator's answer is advice: no answer refuses the push
             log.debug("checking a push of %s's packet failed: %r", offer.publisher, e)
             return "cannot check the submission now"
-        if not submitted:
-            return "not the digest the publisher submitted"
-        return self._held_refusal(offer)  # it may have arrived while we asked
+        return None if submitted else "not the digest the publisher submitted"
+
+    async def _receive_checked(self, reader: asyncio.StreamReader, offer: PushOffer, source: str) -> str | None:
+        """Receive the body while the submission is checked; None once both passed. A refused
+        submission ends the body's receipt and drops what arrived, whole or not: an unconfirmed
+        push costs at most the bytes of one coordinator round trip, and is never announced. Until
+        then a copy arriving may be served onward, but only to fetchers asking for its digest,
+        which they had from a submission (protocol/stream.py, "Pushes")."""
+        checking = asyncio.ensure_future(self._submission_refusal(offer))
+        receiving = asyncio.ensure_future(self._receive(reader, offer, source))
+        try:
+            if (refusal := await checking) is not None:
+                receiving.cancel()
+                await asyncio.gather(receiving, return_exceptions=True)
+                self._drop(offer)
+                return refusal
+            await receiving
+            return None
+        finally:
+            for task in (checking, receiving):
+                task.cancel()
 
     def _held_refusal(self, offer: PushOffer) -> str | None:
         """ALREADY_HELD when this node holds (or receives) that packet with that digest; a refusal
@@ -167,7 +195,14 @@ class PushReceiver:
             self._pushed.pop(key, None)
             raise
         self._store.traffic(offer.round).num_fetched += 1
-        self._announcer.announce_holder(offer.round, offer.publisher, offer.digest, offer.size)
+
+    def _drop(self, offer: PushOffer) -> None:
+        """Forget a refused push's copy, if it arrived whole before the refusal."""
+        key = (offer.round, offer.publisher)
+        held = self._store.held.get(key)
+        if held is not None and held.pushed and held.digest == offer.digest:
+            del self._store.held[key]
+        self._pushed.pop(key, None)
 
 
 async def push_packet(
@@ -206,21 +241,37 @@ async def push_packet(
 async def _push_one(
     host: Host, config: ExchangeConfig, traffic: Traffic, offer: PushOffer, data: bytes, holder: str, maddrs: list[str]
 ) -> None:
+    clock = asyncio.get_running_loop().time
+    started = clock()
     peer = PeerID.from_base58(holder)
     if maddrs:
         await asyncio.wait_for(host.connect(peer, dial_addresses(holder, maddrs)), config.connect_timeout_s)
     reader, writer = await asyncio.wait_for(host.open_stream(peer, PUSH_PROTOCOL_NAME), config.connect_timeout_s)
     try:
+        opened = clock()
         writer.write(encode_offer(offer))
         await writer.drain()
-        await _answer(reader, config.request_timeout_s + 10.0)  # the holder may ask the coordinator first
+        await _answer(reader, config.request_timeout_s + 10.0)  # an older holder asks the coordinator first
+        answered = clock()
         view = memoryview(data)
         for start in range(0, len(view), config.chunk_bytes):
             piece = view[start : start + config.chunk_bytes]
             writer.write(piece)
             await asyncio.wait_for(writer.drain(), config.stall_timeout_s)
             traffic.uploaded_bytes += len(piece)
+        written = clock()
         await _answer(reader, config.stall_timeout_s)
+        log.debug(
+            "round %d: pushed %d bytes to %s: stream open after %.3f s, go-ahead after %.3f s, written in %.3f s,"
+            " verdict after %.3f s",
+            offer.round,
+            len(data),
+            holder[-8:],
+            opened - started,
+            answered - opened,
+            written - answered,
+            clock() - written,
+        )
     finally:
         writer.close()
 

@@ -94,6 +94,46 @@ def test_refused_pushes_go_to_the_next_target_and_nothing_unconfirmed_is_held():
     asyncio.run(scenario())
 
 
+def test_the_body_comes_while_the_submission_is_checked_and_a_refused_one_is_dropped_unannounced():
+    """The holder asks whether the digest was submitted while the bytes come: with a check that
+    takes a second, the whole body is there when it answers. A check that refuses after the body
+    arrived drops the copy, announces nothing, and the pusher hears the refusal."""
+
+    async def scenario():
+        async with swarm(Undialable, P2PExchange, P2PExchange) as (nat, slow, refusing):
+            data = packet(9, SIZE)
+            arrived_during_check = []
+
+            def checking(holder: P2PExchange, verdict: bool):
+                async def accept(round: int, publisher: str, digest: str) -> bool:
+                    await asyncio.sleep(1.0)
+                    arrived_during_check.append(holder.traffic(0).downloaded_bytes)
+                    return verdict
+
+                return accept
+
+            slow.accept_pushes(checking(slow, True))
+            refusing.accept_pushes(checking(refusing, False))
+            await nat.publish(0, "nat", data)
+            assert await nat.push(0, "nat", [refusing.visible_maddrs], timeout_s=20) is None
+            assert arrived_during_check == [SIZE], "the body came while the submission was checked"
+            assert (0, "nat") not in refusing._store.held and not refusing._store.partial
+            assert refusing._pushes.held_bytes() == 0
+            assert await nat.push(0, "nat", [slow.visible_maddrs], timeout_s=20) == slow.holder_id
+            assert arrived_during_check == [SIZE, SIZE]
+            await refusing.wait_background()
+            await slow.wait_background()
+
+            async def announced() -> set[str] | None:
+                ids = {h.holder for h in await nat.holders(0, "nat")}
+                return ids if slow.holder_id in ids else None
+
+            ids = await poll(announced, what="the holder's announcement")
+            assert refusing.holder_id not in ids, "the refused copy was never announced"
+
+    asyncio.run(scenario())
+
+
 def test_bytes_that_do_not_hash_to_the_offer_or_another_run_are_refused():
     """A hostile pusher offers a confirmed digest and sends other bytes: refused at the verdict, not
     held, not announced; an offer for another run or an old round is refused before any byte."""
