@@ -177,16 +177,20 @@ class NetworkSection(Section):
         None,
         gt=0.0,
         le=1e7,
+        allow_inf_nan=False,
         description="This link's upload rate in Mbps (a speed test's figure), stated at join: faster uplinks "
         "forward more of each packet's copies; unset: counted as fast.",
     )
     downlink_mbps: float | None = Field(
         None,
-        gt=0.0,
+        ge=1.0,
         le=1e7,
+        allow_inf_nan=False,
         description="This link's download rate in Mbps (a speed test's figure): packet downloads together take at "
         "most nine tenths of it, each holder sending at its share, so that the download queue stays empty (the requests "
-        "for this node's own packet and the acknowledgements its uploads need cross it); unset: not paced.",
+        "for this node's own packet and the acknowledgements its uploads need cross it); unset: not paced. At least 1: "
+        "a node would fetch no faster than stated, and a round's packets at under 1 Mbps take minutes (a figure in "
+        "Gbps, or kB/s, given as Mbps is the likely mistake).",
     )
     fetch_timeout_s: float = Field(
         60.0,
@@ -201,7 +205,7 @@ class NetworkSection(Section):
         le=8,
         description="A packet of a few MB is fetched over up to this many streams side by side: one stream carries "
         "one yamux window (256 KiB) per round trip until its window grows, 52 Mbps over 40 ms; more for long "
-        "round trips, 1: one stream (a node that states an uplink_mbps under 20 uses one).",
+        "round trips, 1: one stream (a node that states an uplink_mbps or downlink_mbps under 20 uses one).",
     )
     packet_spool_dir: ExpandedPath | None = Field(
         None,

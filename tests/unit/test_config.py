@@ -187,6 +187,10 @@ def test_node_config_defaults_bounds_and_descriptions():
     for key, value, message in [
         ("training.threads", 1025, "training.threads: Input should be less than or equal to 1024"),
         ("network.uplink_mbps", 0.0, "network.uplink_mbps: Input should be greater than 0"),
+        ("network.uplink_mbps", float("nan"), "network.uplink_mbps: Input should be a finite number"),
+        # a node fetches no faster than it states: 0.1 is a 100 Mbps link given in Gbps
+        ("network.downlink_mbps", 0.1, "network.downlink_mbps: Input should be greater than or equal to 1"),
+        ("network.downlink_mbps", float("inf"), "network.downlink_mbps: Input should be a finite number"),
         ("network.fetch_timeout_s", 86_401.0, "network.fetch_timeout_s: Input should be less than or equal to 86400"),
         ("training.device", "cuda:x", "training.device: must be auto, cpu, mps, cuda or cuda:N, got 'cuda:x'"),
         ("run_id", "a/b", "run_id: String should match pattern"),

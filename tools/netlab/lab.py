@@ -245,7 +245,8 @@ class LabSwarm:
     def start_node(self, host: int) -> None:
         ip, rate = self.topology.hosts[host].ip, self.topology.rates_mbps[host]
         uplink = ["--uplink-mbps", f"{rate:g}"] if self.state_uplinks and rate > 0 else []
-        downlink = ["--downlink-mbps", f"{rate:g}"] if self.state_downlinks and rate > 0 else []
+        # a node refuses a stated downlink under 1 Mbps (node/config.py): such a link goes unpaced
+        downlink = ["--downlink-mbps", f"{rate:g}"] if self.state_downlinks and rate >= 1 else []
         behind_nat = (
             (
                 ["--relay-via", self.relay_maddr]  # served through the relay: not a client, which serves nobody
