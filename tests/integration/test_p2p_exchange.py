@@ -24,6 +24,7 @@ from hivemind.p2p import PeerID
 from node.exchange.config import ExchangeConfig
 from node.exchange.p2p import P2PExchange
 from node.exchange.pace import PACED_PIECE_BYTES, PACED_SHARE
+from node.exchange.serve import MAX_CHILD_STREAMS
 from protocol.dht_records import packets_key
 from protocol.stream import (
     MAX_RATE_FRAMES,
@@ -551,6 +552,49 @@ def test_a_holder_sends_a_paced_stream_at_the_rate_asked_and_the_rate_frames_cha
                 writer.close()
                 await poll(lambda: holder._server.num_uploads == 0, 3.0, "the hostile stream's slot freed at once")
             assert await client.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
+
+    asyncio.run(scenario())
+
+
+def test_a_forwarder_serves_its_tree_children_beside_its_upload_slots_up_to_the_bound():
+    """Every packet of a round is in flight at once, and where few members can forward, each has
+    many children (the lab's two forwarders of eight peers held 17-18 child streams, slow leaves
+    among them for seconds): MAX_CHILD_STREAMS children and the upload slots are served at once,
+    one request more is answered busy, and the holder serves on once they close."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange) as (holder, client):
+            data = packet(46, 1 << 20)
+            ann = await holder.publish(0, "pub", data)
+            # One whole copy out first: a packet only its publisher has takes extra seed streams.
+            assert await client.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
+            peer = PeerID.from_base58(holder.holder_id)
+            # At the protocol's floor rate, each stream stays open for the whole test.
+            fields = {"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest, "rate": MIN_RATE}
+            writers = []
+
+            async def ask(child: bool) -> int:
+                _, reader, writer = await client._host.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
+                writers.append(writer)
+                writer.write(_request(fields | {"child": child}))
+                status, _ = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10))
+                return status
+
+            # The lab's forwarders held up to 20 at once with the bound raised from 16: room to spare.
+            assert MAX_CHILD_STREAMS >= 40
+            try:
+                children = await asyncio.gather(*(ask(True) for _ in range(MAX_CHILD_STREAMS)))
+                assert children == [STATUS_OK] * MAX_CHILD_STREAMS
+                assert holder._server.num_child_uploads == MAX_CHILD_STREAMS
+                slots = [await ask(False) for _ in range(holder.config.max_uploads)]
+                assert slots == [STATUS_OK] * holder.config.max_uploads
+                assert await ask(True) == STATUS_BUSY  # no child stream and no slot left
+            finally:
+                for writer in writers:
+                    writer.close()
+            await poll(lambda: holder._server.num_child_uploads == 0, what="the child streams closed")
+            assert await ask(True) == STATUS_OK  # served on
+            writers[-1].close()
 
     asyncio.run(scenario())
 
