@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import PeerID
@@ -62,6 +63,7 @@ from protocol.stream import (
 log = logging.getLogger(__name__)
 
 AcceptPush = Callable[[int, str, str], Awaitable[bool]]  # (round, publisher, digest) -> submitted so?
+UNANSWERED_S = 60.0  # after a check the coordinator did not answer, offers ask before their body this long
 
 
 class PushReceiver:
@@ -74,6 +76,7 @@ class PushReceiver:
         self.min_round = 0  # offers for older rounds are refused (the exchange's forget_before)
         self._pushed: dict[tuple[int, str], int] = {}  # (round, publisher) -> bytes, of pushes taken
         self._num_streams = 0
+        self._unanswered_until = -math.inf  # a check went unanswered: ask before the body until then
 
     def held_bytes(self) -> int:
         """Bytes of pushed packets this node still holds or is receiving."""
@@ -89,11 +92,21 @@ class PushReceiver:
             length = request_body_length(await asyncio.wait_for(reader.readexactly(4), cfg.request_timeout_s))
             body = await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s)
             offer = decode_offer(body, cfg.max_packet_bytes)
+            asked_first = False
             if (refusal := self._refusal(offer)) is None:
                 # The body comes while the coordinator is asked: its answer is off the push's path.
+                # While it does not answer, the body would only be dropped: ask first then.
+                asked_first = asyncio.get_running_loop().time() < self._unanswered_until
+                if asked_first:
+                    refusal = await self._submission_refusal(offer)
+            if refusal is None:
                 writer.write(encode_response_header(STATUS_OK, 0))
                 await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
-                refusal = await self._receive_checked(reader, offer, str(stream_info.peer_id))
+                source = str(stream_info.peer_id)
+                if asked_first:
+                    await self._receive(reader, offer, source)
+                else:
+                    refusal = await self._receive_checked(reader, offer, source)
             if refusal is not None:
                 log.info(
                     "round %d: refused a push of %s's packet from %s: %s",
@@ -145,15 +158,19 @@ class PushReceiver:
             submitted = await asyncio.wait_for(self.accept(offer.round, offer.publisher, offer.digest), 10.0)
         except Exception as e:  # the coordinator's answer is advice: no answer refuses the push
             log.debug("checking a push of %s's packet failed: %r", offer.publisher, e)
+            self._unanswered_until = asyncio.get_running_loop().time() + UNANSWERED_S
             return "cannot check the submission now"
+        self._unanswered_until = -math.inf  # it answers: bodies come beside the check again
         return None if submitted else "not the digest the publisher submitted"
 
     async def _receive_checked(self, reader: asyncio.StreamReader, offer: PushOffer, source: str) -> str | None:
         """Receive the body while the submission is checked; None once both passed. A refused
-        submission ends the body's receipt and drops what arrived, whole or not: an unconfirmed
-        push costs at most the bytes of one coordinator round trip, and is never announced. Until
-        then a copy arriving may be served onward, but only to fetchers asking for its digest,
-        which they had from a submission (protocol/stream.py, "Pushes")."""
+        submission ends the body's receipt and drops what arrived, whole or not, never announced:
+        a hostile push costs the bytes that arrive within the coordinator's answer. Until then a
+        copy arriving may be served onward, but only to fetchers asking for its digest, which they
+        had from a submission (protocol/stream.py, "Pushes"). A check the coordinator does not
+        answer makes the next UNANSWERED_S of offers ask before their body: through an outage a
+        pusher retries, and would send its whole packet each time for nothing."""
         checking = asyncio.ensure_future(self._submission_refusal(offer))
         receiving = asyncio.ensure_future(self._receive(reader, offer, source))
         try:
@@ -251,7 +268,7 @@ async def _push_one(
         opened = clock()
         writer.write(encode_offer(offer))
         await writer.drain()
-        await _answer(reader, config.request_timeout_s + 10.0)  # an older holder asks the coordinator first
+        await _answer(reader, config.request_timeout_s + 10.0)  # the holder may ask the coordinator first
         answered = clock()
         view = memoryview(data)
         for start in range(0, len(view), config.chunk_bytes):

@@ -134,6 +134,38 @@ def test_the_body_comes_while_the_submission_is_checked_and_a_refused_one_is_dro
     asyncio.run(scenario())
 
 
+def test_while_the_coordinator_does_not_answer_a_push_is_refused_before_its_body():
+    """A check the coordinator does not answer refuses the push ("cannot check"), its body sent
+    for nothing; the next offers are checked before their body, so a pusher retrying through an
+    outage sends no more bytes; once the coordinator answers, the push is taken."""
+
+    async def scenario():
+        async with swarm(Undialable, P2PExchange) as (nat, holder):
+            data = packet(10, SIZE)
+            answers: list = []
+
+            async def coordinator_away_then_back(round: int, publisher: str, digest: str) -> bool:
+                answers.append(len(answers))
+                if len(answers) <= 2:
+                    await asyncio.sleep(0.5)  # a call that times out; the body is there by then
+                    raise ConnectionError("the coordinator is away")
+                return digest == sha(data)
+
+            holder.accept_pushes(coordinator_away_then_back)
+            await nat.publish(0, "nat", data)
+            target = [holder.visible_maddrs]
+            assert await nat.push(0, "nat", target, timeout_s=20) is None
+            sent = nat.traffic(0).uploaded_bytes
+            assert sent == SIZE, "the first body came beside the check"
+            assert await nat.push(0, "nat", target, timeout_s=20) is None
+            assert nat.traffic(0).uploaded_bytes == sent, "refused before its body"
+            assert await nat.push(0, "nat", target, timeout_s=20) == holder.holder_id
+            assert nat.traffic(0).uploaded_bytes == 2 * SIZE and len(answers) == 3
+            assert holder._store.held[(0, "nat")].digest == sha(data)
+
+    asyncio.run(scenario())
+
+
 def test_bytes_that_do_not_hash_to_the_offer_or_another_run_are_refused():
     """A hostile pusher offers a confirmed digest and sends other bytes: refused at the verdict, not
     held, not announced; an offer for another run or an old round is refused before any byte."""
