@@ -17,15 +17,15 @@ written in `chunk_bytes` pieces (512 KiB by default).
 Trees: a fetcher that is this node's child in a packet's distribution tree says so ("child") and
 is served on one of MAX_CHILD_STREAMS streams beside the upload slots: the tree already bounds
 them (a few children per packet, but every packet of a round at once, and where few members can
-forward each has many: in the network lab the two forwarders of eight peers reached the old bound
-of 16 in every run, and held 19-20 at once without it, slow leaves' streams among them for 5 s
-each). A child turned away there falls back to the upload slots' queue, where a fast backbone
-child once waited 3.7 s, and its whole subtree with it. A request for a packet this node does
-not have yet waits for
-its copy to start arriving (`PacketStore.copy_for`). The tree is cut-through: a copy still
-arriving is sent on as each piece arrives, holding back the last byte until the whole packet
-hashed to its digest; if the copy fails, the onward stream ends short. So a hop costs a piece's
-latency, not a whole packet's transfer time.
+forward each has many: in the network lab one or both of the two forwarders of eight peers
+reached the old bound of 16 in every run, and they held 19-20 at once without it, slow leaves'
+streams among them for 5 s each). A child turned away there falls back to the upload slots'
+queue, where a fast backbone child once waited 3.7 s, and its whole subtree with it. A request
+for a packet this node does not have yet waits for its copy to start arriving
+(`PacketStore.copy_for`). The tree is cut-through: a copy still arriving is sent on as each
+piece arrives, holding back the last byte until the whole packet hashed to its digest; if the
+copy fails, the onward stream ends short. So a hop costs a piece's latency, not a whole packet's
+transfer time.
 
 Snapshots: a `HeldSnapshot` is served unit by unit from its source (a checkpoint file or the
 round-start tensors), each unit read in a worker thread and checked against the snapshot's hash
