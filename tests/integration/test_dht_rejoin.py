@@ -59,7 +59,13 @@ def test_islands_merge_through_rejoin_and_a_snapshot_held_on_one_is_found_from_a
                 fresh.rejoin_dht([*holder.visible_maddrs, *other.visible_maddrs]),
                 holder.rejoin_dht(fresh.visible_maddrs),
             )
-            assert set(joined[0]) == {holder.holder_id, other.holder_id}
+            # Two nodes dialling each other at the same moment can lose one side's dial or ping (a
+            # clean-clone CI run saw fresh's pass join only `other`): a pass skips what did not
+            # answer, and the rejoin task's next pass tries again, as here.
+            again = await fresh.rejoin_dht([*holder.visible_maddrs, *other.visible_maddrs])
+            assert other.holder_id in joined[0]
+            assert holder.holder_id in {*joined[0], *again} or fresh.holder_id in joined[1]
+            assert holder.holder_id in fresh.dht_peers
             assert fresh.holder_id in holder.dht_peers and fresh.holder_id in other.dht_peers
             assert await fresh.rejoin_dht(holder.visible_maddrs) == [], "members already known are not dialled"
 
