@@ -105,7 +105,7 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
     round_row = ctx.storage.get_round(run_id, round_index)
     if round_row is None or round_row.closed_at is None:
         return
-    if (latest := ctx.storage.latest_agreed_round(run_id)) is not None and latest.round > round_index:
+    if _agreed_at_or_after(ctx, run_id, round_index + 1):
         # A later round's state, agreed, was built on this manifest: amending it would fork the
         # agreed history. A peer that cannot fetch an entry catches up from a snapshot.
         return

@@ -92,13 +92,12 @@ class PushReceiver:
             length = request_body_length(await asyncio.wait_for(reader.readexactly(4), cfg.request_timeout_s))
             body = await asyncio.wait_for(reader.readexactly(length), cfg.request_timeout_s)
             offer = decode_offer(body, cfg.max_packet_bytes)
-            asked_first = False
-            if (refusal := self._refusal(offer)) is None:
-                # The body comes while the coordinator is asked: its answer is off the push's path.
-                # While it does not answer, the body would only be dropped: ask first then.
-                asked_first = asyncio.get_running_loop().time() < self._unanswered_until
-                if asked_first:
-                    refusal = await self._submission_refusal(offer)
+            refusal = self._refusal(offer)
+            # The body comes while the coordinator is asked: its answer is off the push's path.
+            # While it does not answer, the body would only be dropped: ask first then.
+            asked_first = refusal is None and asyncio.get_running_loop().time() < self._unanswered_until
+            if asked_first:
+                refusal = await self._submission_refusal(offer)
             if refusal is None:
                 writer.write(encode_response_header(STATUS_OK, 0))
                 await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
@@ -218,7 +217,7 @@ class PushReceiver:
         key = (offer.round, offer.publisher)
         held = self._store.held.get(key)
         if held is not None and held.pushed and held.digest == offer.digest:
-            del self._store.held[key]
+            self._store.drop(key)
         self._pushed.pop(key, None)
 
 
