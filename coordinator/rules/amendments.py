@@ -21,11 +21,6 @@ a stranger's applied report is not believed. A reported entry is dropped:
    fault is the reporters' links, and they catch up from a snapshot rather than take the packet
    from everyone (one peer that can fetch nothing must not empty every manifest).
 
-A round is never amended once a later round's digest is agreed: that state was computed from its
-manifest, and dropping an entry would fork the agreed history under it (a peer back late reported
-a packet whose author had finished the run and left, and rule 1 rewrote a round the next two were
-agreed on). Such a report is taken and drops nothing; the reporter catches up from a snapshot.
-
 An entry still undecided when its round falls out of the report window stays. A round older than
 the window whose state nobody agreed since (no agreed digest at or after it: the swarm was down
 for more rounds than the window) still takes reports: amending it is the only way on. Entries due
@@ -104,10 +99,6 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
     run = ctx.run(run_id)
     round_row = ctx.storage.get_round(run_id, round_index)
     if round_row is None or round_row.closed_at is None:
-        return
-    if _agreed_at_or_after(ctx, run_id, round_index + 1):
-        # A later round's state, agreed, was built on this manifest: amending it would fork the
-        # agreed history. A peer that cannot fetch an entry catches up from a snapshot.
         return
     grace_s = ctx.config(run).exchange.missing_grace_s
     submitters = {s.peer_id for s in ctx.storage.list_submissions(run_id, round_index)}
