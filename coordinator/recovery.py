@@ -23,6 +23,13 @@ finish a run nobody trained. Instead:
   0 is chosen only when no round was ever agreed (nothing agreed is lost). While live peers hold
   no agreed state at all, the run keeps waiting, and the status says which peers last applied the
   state it needs (whoever holds their disks can bring it back).
+- **Regrouping.** A round reopened by a resume or a rewind closes early only once every
+  peer of the last closed round's manifest is back (live; then the usual rules say whether the
+  round waits for it); else at its deadline (a round's time-out and a heartbeat time-out from
+  the reopening). The peers of a swarm that stopped come back one by one: the first one back
+  would otherwise close a round alone every few seconds while the others still load, finish a
+  bounded run before they return, and leave with the only copies of its packets. One round's
+  deadline is what a peer that never returns costs.
 - **The packet mirror holds state too.** With snapshots in the packet mirror
   (coordinator/rules/snapshots.py), the newest agreed snapshot there counts as a held state like a
   live peer's (`STORE` among the holders), once any peer is live to load it: when it is the open
@@ -117,6 +124,17 @@ def hold(
     if run.state_wait_since is None:
         storage.update_run(run.run_id, state_wait_since=now)
     return True
+
+
+def regrouping(storage: Storage, run_id: str, open_round: RoundRow) -> bool:
+    """Whether open round r, reopened by a resume or a rewind, still waits for a peer of round
+    r - 1's manifest to come back (see "Regrouping" above). A round the previous one's close
+    opened has that close's time as its opening; a reopened one opened later."""
+    previous = storage.get_round(run_id, open_round.round - 1) if open_round.round > 0 else None
+    if previous is None or previous.closed_at is None or open_round.opened_at <= previous.closed_at:
+        return False
+    live = {p.peer_id for p in storage.list_peers(run_id) if p.status == "live"}
+    return not storage.manifest_peers(run_id, previous.round) <= live
 
 
 def _plan(storage: Storage, run: RunRow, live: list[PeerRow]) -> _Plan | None:

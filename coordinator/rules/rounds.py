@@ -5,8 +5,8 @@
   closes a round early: that would spin through empty rounds). Closing fixes the manifest, settles
   the round ``settle_lag`` before it (coordinator/rules/votes.py) and opens r+1 with a fresh
   deadline (``deadline``: fixed, or adaptive from recent submission times); the run finishes once
-  ``max_rounds`` rounds have closed. A run every peer has left is paused instead
-  (coordinator/recovery.py).
+  ``max_rounds`` rounds have closed. A run every peer has left is paused instead, and the round
+  it reopens also waits for the peers of the last closed round (coordinator/recovery.py).
 - Bounded rounds (``outer.max_contributors`` M > 0, coordinator/rules/picks.py): closing also
   picks at most M of the submissions by protocol/selection.py, and the manifest holds only those;
   the others were accepted and are shown as not picked, with why. Such a round closes early once
@@ -92,6 +92,7 @@ def advance(ctx: Context, run: RunRow, now: float) -> None:
     if now >= open_round.deadline or (
         _all_waited_submitted(ctx, run.run_id, open_round.round, config)
         and not _newcomers_in_step(ctx, run.run_id, open_round, config, now)
+        and not recovery.regrouping(ctx.storage, run.run_id, open_round)
     ):
         _close_round(ctx, run, open_round, now, config)
 

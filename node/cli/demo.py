@@ -123,6 +123,7 @@ class LocalSwarm:
         self.admin_token = os.urandom(16).hex()
         self.coordinator: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen] = []
+        self.node_logs: list[Path] = []  # each process's log, beside it in `nodes` (a restarted node appends)
         self.url = ""
 
     def __enter__(self) -> "LocalSwarm":
@@ -209,7 +210,9 @@ class LocalSwarm:
         return self.run_id
 
     def start_node(self, index: int) -> subprocess.Popen:
-        log = open(self.workdir / f"node{index}.log", "ab")
+        """Start node `index` (its key, report and log by index); its process goes to the end of `nodes`."""
+        log_path = self.workdir / f"node{index}.log"
+        log = open(log_path, "ab")
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -240,6 +243,7 @@ class LocalSwarm:
             start_new_session=True,
         )
         self.nodes.append(process)
+        self.node_logs.append(log_path)
         return process
 
     def status(self) -> dict:
@@ -259,7 +263,7 @@ class LocalSwarm:
     def _check_nodes(self) -> None:
         for i, node in enumerate(self.nodes):
             if node.poll() not in (None, 0):
-                raise RuntimeError(f"node {i} exited with {node.returncode}; see {self.workdir / f'node{i}.log'}")
+                raise RuntimeError(f"node {i} exited with {node.returncode}; see {self.node_logs[i]}")
 
     def run(self, timeout_s: float = 1800.0) -> dict:
         from node.training.data import evaluate, load_corpus

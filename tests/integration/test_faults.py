@@ -62,8 +62,7 @@ def wait_until(swarm: LocalSwarm, predicate, what: str, timeout_s: float = 120, 
         for i, node in enumerate(swarm.nodes):
             if i not in may_die and node.poll() not in (None, 0):
                 pytest.fail(
-                    f"node {i} exited with {node.returncode} while waiting for {what}:\n"
-                    + tail(swarm.workdir / f"node{i}.log")
+                    f"node {i} exited with {node.returncode} while waiting for {what}:\n" + tail(swarm.node_logs[i])
                 )
         try:
             status = swarm.status()
@@ -81,7 +80,7 @@ def wait_exit(swarm: LocalSwarm, indices, timeout_s: float = 180) -> list[int]:
         try:
             codes.append(swarm.nodes[i].wait(timeout=timeout_s))
         except Exception:
-            pytest.fail(f"node {i} did not finish:\n" + tail(swarm.workdir / f"node{i}.log"))
+            pytest.fail(f"node {i} did not finish:\n" + tail(swarm.node_logs[i]))
     return codes
 
 

@@ -90,7 +90,36 @@ def test_a_peer_holding_the_open_rounds_start_resumes_the_run_at_once(swarm, fak
     assert peers[1].join(run_id).status_code == 200
     assert status(client, run_id)["current_round"]["num_expected"] == 1
     assert peers[0].submit(run_id, 4).status_code == 200
-    assert status(client, run_id)["current_round"]["round"] == 5, "closed early on its only expected peer"
+    # Its only expected peer is in, but a peer of round 3 has not come back: it regroups.
+    assert status(client, run_id)["current_round"]["round"] == 4
+    for _ in range(int((30.0 + TIMEOUT_S) / 5)):  # they beat while it waits
+        fake_clock.advance(5)
+        for peer in peers[:2]:
+            assert peer.heartbeat(run_id, 4).status_code == 200
+        tick(client)
+    assert status(client, run_id)["current_round"]["round"] == 5, "closed at its deadline"
+
+
+def test_a_resumed_round_waits_for_the_last_rounds_peers_to_come_back(swarm, fake_clock):
+    """The peers of a stopped swarm come back one by one: the first one back does not close the
+    reopened round alone while the others load (coordinator/recovery.py, "Regrouping")."""
+    client, _, run_id, peers = swarm
+    fake_clock.advance(TIMEOUT_S + 3600)
+    tick(client)
+    for i, peer in enumerate(peers):
+        assert peer.join(run_id, state_round=4, state_digest=digest(4)).status_code == 200
+        assert peer.submit(run_id, 4).status_code == 200
+        fake_clock.advance(5)
+        for returned in peers[: i + 1]:
+            assert returned.heartbeat(run_id, 4).status_code == 200
+        tick(client)
+        expected_round = 5 if i == len(peers) - 1 else 4
+        assert status(client, run_id)["current_round"]["round"] == expected_round, f"after {i + 1} submitted"
+    # Rounds a close opened close on their expected peers as ever.
+    for peer in peers:
+        response = peer.submit(run_id, 5)
+        assert response.status_code == 200, response.text
+    assert status(client, run_id)["current_round"]["round"] == 6
 
 
 def test_the_run_waits_for_the_newest_state_then_goes_back_to_the_newest_held(swarm, fake_clock):
@@ -132,6 +161,12 @@ def test_the_run_waits_for_the_newest_state_then_goes_back_to_the_newest_held(sw
     assert peers[1].submit(run_id, 3).status_code == 200
     assert status(client, run_id)["current_round"]["round"] == 3, "waits for the peer replaying"
     assert peers[0].submit(run_id, 3).status_code == 200
+    assert status(client, run_id)["current_round"]["round"] == 3, "regroups: round 2's third peer may come back"
+    for _ in range(int((30.0 + TIMEOUT_S) / 5)):
+        fake_clock.advance(5)
+        for peer in peers[:2]:
+            assert peer.heartbeat(run_id, 3).status_code == 200
+        tick(client)
     assert status(client, run_id)["current_round"]["round"] == 4
     # A peer coming back later with the old round 4 start holds nothing agreed any more.
     assert storage.get_round(run_id, 3).majority_digest is None
