@@ -108,10 +108,11 @@ class Exchange(Protocol):
 
     async def announce(self, round: int, peer_id: str) -> None:
         """Announce the packet published here for `round` under `peer_id` (in the background).
-        The round loop announces its own packet only once the coordinator accepted its digest, so
-        a key that copies packets (node/faults.py, `copy`) learns of one only after its original
-        was submitted: copy detection judges the later of two submissions the copy
-        (protocol/scoring.py), and a copier is then always the later."""
+        The round loop announces its own packet only once the coordinator accepted its digest (or
+        its answer was lost), so a key that copies packets (node/faults.py, `copy`) learns of one
+        only after its original was submitted: copy detection judges the later of two submissions
+        the copy (protocol/scoring.py), and a copier is then always the later. A refused packet is
+        never announced: judges hold no original to find its copy by."""
         ...
 
     async def announcements(self, round: int) -> dict[str, Announcement]:

@@ -181,6 +181,7 @@ class Node:
                 heartbeat.cancel()
                 if mender is not None:
                     mender.cancel()
+                await s.stop_background()
             try:
                 await client.leave("finished" if not self._stopping.is_set() else "stopped by the volunteer")
             except Exception as e:  # leaving is a courtesy; the coordinator times us out anyway

@@ -111,3 +111,12 @@ class Session:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
         return task
+
+    async def stop_background(self, wait_s: float = 5.0) -> None:
+        """Cancel the background tasks still running and wait for them, at most `wait_s`: the node
+        is leaving (a snapshot still being published, an upload no manifest needs any more)."""
+        tasks = list(self.background)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=wait_s)

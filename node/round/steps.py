@@ -252,7 +252,11 @@ async def send(
             f": {e.detail}" if e.code is Code.EXCLUDED else "",
         )
     finally:
-        await s.exchange.announce(round, s.peer_id)  # after the submission, whatever its answer
+        # After the submission, and only when it counts or its answer was lost: a refused packet is
+        # in no manifest, and announced it would only be offered to a copier, whose copy of a
+        # packet nobody else applies judges cannot tell from its own work (protocol/scoring.py).
+        if report.submitted:
+            await s.exchange.announce(round, s.peer_id)
     await s.faults.at_phase(Phase.SUBMITTED, round)
 
 

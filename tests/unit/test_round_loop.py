@@ -174,13 +174,15 @@ async def test_late_submission_then_catch_up_by_replay(swarm):
     round-1 packet is refused as late, it still applies round 1's manifest, finds round 2 closed,
     replays round 2 from the packets the others still serve, and trains round 3 with them."""
     await swarm.create_run(max_rounds=4, round_timeout_s=6.0)
-    (a, _), (b, _), (c, _) = swarm.node("a"), swarm.node("b"), swarm.node("c", HoldTraining(swarm, 1, until=3))
+    (a, _), (b, _), (c, c_id) = swarm.node("a"), swarm.node("b"), swarm.node("c", HoldTraining(swarm, 1, until=3))
     await run_all(a, b, c)
     status = await swarm.status()
     contributors = {h.round: h.num_contributors for h in status.history}
     assert contributors == {0: 3, 1: 2, 2: 2, 3: 3}
     late = next(r for r in c.reports if r.round == 1)
     assert late.submitted is False and late.num_packets == 2
+    # Refused, it is in no manifest: never announced, so no copier finds it (Exchange.announce).
+    assert (1, c_id) in swarm.network.unannounced and (0, c_id) not in swarm.network.unannounced
     assert [r.round for r in c.reports] == [0, 1, 3]  # round 2 replayed, not trained
     assert [(u.from_round, u.to_round, u.method) for u in c.catch_ups] == [(2, 3, "replay")]
     assert [r.caught_up for r in c.reports] == [False, False, True]
