@@ -110,7 +110,9 @@ def test_a_swarm_whose_every_node_died_goes_on_from_the_store(tmp_path, s3_store
                     "snapshot_every_rounds": 1,
                 },
                 "membership.heartbeat_timeout_s": timeout_s,
-                "deadline": {"kind": "fixed", "round_timeout_s": 60.0},
+                # The round the store resumes waits to its deadline for the dead nodes, who were
+                # round 1's peers (coordinator/recovery.py, "Regrouping"): 25 s + the time-out.
+                "deadline": {"kind": "fixed", "round_timeout_s": 25.0},
             },
         )
         before = wait_until(
