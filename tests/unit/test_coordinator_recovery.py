@@ -35,6 +35,16 @@ def play_rounds(client, run_id, peers, rounds) -> None:
             assert peer.applied(run_id, r, digest(r + 1)).status_code == 200
 
 
+def beat_to_the_deadline(client, fake_clock, run_id, peers, round_index) -> None:
+    """`peers` heartbeat every 5 s, the coordinator ticking, for as long as a reopened round's
+    deadline gives (its 30 s and a heartbeat time-out)."""
+    for _ in range(int((30.0 + TIMEOUT_S) / 5)):
+        fake_clock.advance(5)
+        for peer in peers:
+            assert peer.heartbeat(run_id, round_index).status_code == 200
+        tick(client)
+
+
 @pytest.fixture
 def swarm(tmp_path, fake_clock):
     """A run with three peers that agreed rounds 0-3 (round 4 open), then all went silent."""
@@ -92,11 +102,7 @@ def test_a_peer_holding_the_open_rounds_start_resumes_the_run_at_once(swarm, fak
     assert peers[0].submit(run_id, 4).status_code == 200
     # Its only expected peer is in, but a peer of round 3 has not come back: it regroups.
     assert status(client, run_id)["current_round"]["round"] == 4
-    for _ in range(int((30.0 + TIMEOUT_S) / 5)):  # they beat while it waits
-        fake_clock.advance(5)
-        for peer in peers[:2]:
-            assert peer.heartbeat(run_id, 4).status_code == 200
-        tick(client)
+    beat_to_the_deadline(client, fake_clock, run_id, peers[:2], 4)
     assert status(client, run_id)["current_round"]["round"] == 5, "closed at its deadline"
 
 
@@ -162,11 +168,7 @@ def test_the_run_waits_for_the_newest_state_then_goes_back_to_the_newest_held(sw
     assert status(client, run_id)["current_round"]["round"] == 3, "waits for the peer replaying"
     assert peers[0].submit(run_id, 3).status_code == 200
     assert status(client, run_id)["current_round"]["round"] == 3, "regroups: round 2's third peer may come back"
-    for _ in range(int((30.0 + TIMEOUT_S) / 5)):
-        fake_clock.advance(5)
-        for peer in peers[:2]:
-            assert peer.heartbeat(run_id, 3).status_code == 200
-        tick(client)
+    beat_to_the_deadline(client, fake_clock, run_id, peers[:2], 3)
     assert status(client, run_id)["current_round"]["round"] == 4
     # A peer coming back later with the old round 4 start holds nothing agreed any more.
     assert storage.get_round(run_id, 3).majority_digest is None
