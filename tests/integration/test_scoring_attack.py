@@ -35,7 +35,12 @@ EXCLUDED_WITHIN_ROUNDS = 5
 
 @pytest.mark.timeout(180)
 def test_a_sign_flipping_member_is_excluded_within_five_rounds(tmp_path):
-    with swarm_for(tmp_path, 4, ROUNDS, {3: ("--inject", "poison@factor=1,mode=sign-flip")}) as swarm:
+    # Once judged hurting (credit 0) the attacker is not waited for, and a round closes as soon as
+    # the honest nodes submitted: 2 s of compute for them keeps the attacker ahead (a CI run on the
+    # busy machine saw its round-1 packet come 0.1 s too late, stale).
+    honest_pace = ("--inject", "slow-compute@min_s=2")
+    extra = {0: honest_pace, 1: honest_pace, 2: honest_pace, 3: ("--inject", "poison@factor=1,mode=sign-flip")}
+    with swarm_for(tmp_path, 4, ROUNDS, extra) as swarm:
         start_swarm(
             swarm, {"membership.heartbeat_timeout_s": 30.0, "deadline": {"kind": "fixed", "round_timeout_s": 40.0}}
         )
