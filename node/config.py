@@ -179,7 +179,8 @@ class NetworkSection(Section):
         le=1e7,
         allow_inf_nan=False,
         description="This link's upload rate in Mbps (a speed test's figure), stated at join: faster uplinks "
-        "forward more of each packet's copies; unset: counted as fast.",
+        "forward more of each packet's copies, and one under 20 Mbps carries this node's uploads together at nine "
+        "tenths of it (the requests and acknowledgements of its downloads cross it at once); unset: counted as fast.",
     )
     downlink_mbps: float | None = Field(
         None,

@@ -43,6 +43,7 @@ from node.exchange.base import MirrorCopy, Traffic
 from node.exchange.config import ExchangeConfig
 from node.exchange.fetch import PacketFetcher
 from node.exchange.host import Host
+from node.exchange.pace import Uplink
 from node.exchange.push import AcceptPush, PushReceiver, push_packet
 from node.exchange.reachability import Reachability, addresses_by_holder, assess_reachability, peers_to_dial
 from node.exchange.serve import PacketServer
@@ -73,7 +74,8 @@ class P2PExchange:
         rng = random.Random()  # packet and holder order, and whom a busy answer names
         self._store = PacketStore(Spool(Path(config.spool_dir) if config.spool_dir is not None else None))
         self._announcer = Announcer(host.dht, config, host.holder_id, maddrs, self._spawn)
-        self._server = PacketServer(config, self._store, rng, self._payload_for)
+        self._uplink = Uplink.stated(config.uplink_mbps)  # served, forwarded and pushed bytes, in turn
+        self._server = PacketServer(config, self._store, rng, self._payload_for, self._uplink)
         self._fetcher = PacketFetcher(config, host, self._store, self._announcer, rng)
         self._pushes = PushReceiver(config, self._store, self._announcer)
 
@@ -184,7 +186,9 @@ class P2PExchange:
         data = self._payload_for(round, publisher, bytes(held.data))
         # Downloads hold back meanwhile (PacketStore.after_first_copies).
         with self._store.sending_first_copy((round, publisher)):
-            holder = await push_packet(self._host, self.config, self.traffic(round), offer, data, holders, timeout_s)
+            holder = await push_packet(
+                self._host, self.config, self.traffic(round), offer, data, holders, timeout_s, self._uplink
+            )
             if holder is not None:
                 self._store.first_copy_out((round, publisher))
             return holder

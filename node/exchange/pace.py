@@ -1,4 +1,4 @@
-"""Packet bytes at a rate: a node's downloads together under nine tenths of its stated downlink.
+"""Packet bytes at a rate: a node's downloads, and its uploads, each under nine tenths of its stated link.
 
     shares = Shares(downlink_bytes_per_s * PACED_SHARE)
     download = object()                       # one download's key, over all its streams
@@ -36,6 +36,7 @@ from protocol.stream import MAX_RATE, MIN_RATE, encode_rate
 PACED_SHARE = 0.9  # of a stated downlink, what packet downloads may take together
 PACED_PIECE_BYTES = 64 << 10  # reads of a paced download
 PACED_WRITE_BYTES = 16 << 10  # a holder's writes to a paced stream: a small burst at the fetcher's queue
+PACED_UPLINK_MBPS = 20.0  # a stated uplink under this is paced (`Uplink`); a faster one is not
 
 
 class Pacer:
@@ -58,6 +59,34 @@ class Pacer:
             return 0.0
         await asyncio.sleep(delay)
         return delay
+
+
+class Uplink:
+    """A node's uploads together at `rate` bytes/s (PACED_SHARE of its stated uplink): each piece a
+    served, forwarded or pushed stream writes takes its turn here first, oldest first, so the link's
+    own queue stays short. Unpaced, a slow node's upload filled its queue (100 ms deep in the
+    network lab) and every request and acknowledgement of its downloads waited behind it: a
+    10 Mbps host's download stalled for 0.6 s while it sent its packet (tools/netlab/README.md).
+
+        uplink = Uplink(uplink_bytes_per_s * PACED_SHARE)
+        await uplink.take(len(piece)); writer.write(piece)
+    """
+
+    def __init__(self, rate: float, clock: Callable[[], float] | None = None):
+        self._pacer = Pacer(rate, clock=clock)
+        self._turn = asyncio.Lock()
+
+    @classmethod
+    def stated(cls, uplink_mbps: float | None) -> "Uplink | None":
+        """The pacer for a stated uplink under PACED_UPLINK_MBPS; None (not paced) for a faster one
+        or none stated: at 100 Mbps a piece's turn is 1.5 ms, finer than a busy event loop keeps."""
+        return cls(uplink_mbps * 1e6 / 8 * PACED_SHARE) if uplink_mbps and uplink_mbps < PACED_UPLINK_MBPS else None
+
+    async def take(self, num_bytes: int) -> None:
+        """Wait for this piece's turn on the link; its bytes are owed from now."""
+        async with self._turn:
+            await self._pacer.wait()
+            self._pacer.spent(num_bytes)
 
 
 class Shares:

@@ -40,6 +40,7 @@ from node.exchange.announce import Announcer
 from node.exchange.base import Traffic
 from node.exchange.config import ExchangeConfig
 from node.exchange.host import Host, dial_addresses
+from node.exchange.pace import PACED_WRITE_BYTES, Uplink
 from node.exchange.store import PacketStore
 from protocol.errors import ProtocolError
 from protocol.stream import (
@@ -229,9 +230,11 @@ async def push_packet(
     data: bytes,
     targets: list[tuple[str, list[str]]],
     timeout_s: float,
+    uplink: Uplink | None = None,
 ) -> str | None:
     """Push `data` to the first of `targets` ((libp2p id, multiaddrs), in order) that takes it and
-    verifies it; returns that holder's id, or None when every target refused or failed."""
+    verifies it; returns that holder's id, or None when every target refused or failed. With
+    `uplink`, the body's pieces take their turn on this node's stated uplink (pace.py)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     for holder, maddrs in targets:
@@ -239,7 +242,7 @@ async def push_packet(
         if left <= 0:
             break
         try:
-            await asyncio.wait_for(_push_one(host, config, traffic, offer, data, holder, maddrs), left)
+            await asyncio.wait_for(_push_one(host, config, traffic, offer, data, holder, maddrs, uplink), left)
             log.info("round %d: pushed this node's packet to %s", offer.round, holder)
             return holder
         except HolderRefused as e:
@@ -255,7 +258,14 @@ async def push_packet(
 
 
 async def _push_one(
-    host: Host, config: ExchangeConfig, traffic: Traffic, offer: PushOffer, data: bytes, holder: str, maddrs: list[str]
+    host: Host,
+    config: ExchangeConfig,
+    traffic: Traffic,
+    offer: PushOffer,
+    data: bytes,
+    holder: str,
+    maddrs: list[str],
+    uplink: Uplink | None = None,
 ) -> None:
     clock = asyncio.get_running_loop().time
     started = clock()
@@ -270,8 +280,11 @@ async def _push_one(
         await _answer(reader, config.request_timeout_s + 10.0)  # the holder may ask the coordinator first
         answered = clock()
         view = memoryview(data)
-        for start in range(0, len(view), config.chunk_bytes):
-            piece = view[start : start + config.chunk_bytes]
+        step = config.chunk_bytes if uplink is None else PACED_WRITE_BYTES
+        for start in range(0, len(view), step):
+            piece = view[start : start + step]
+            if uplink is not None:
+                await uplink.take(len(piece))
             writer.write(piece)
             await asyncio.wait_for(writer.drain(), config.stall_timeout_s)
             traffic.uploaded_bytes += len(piece)

@@ -62,7 +62,7 @@ from collections.abc import Callable
 
 from node.exchange.base import Traffic
 from node.exchange.config import ExchangeConfig
-from node.exchange.pace import PACED_WRITE_BYTES, Pacer
+from node.exchange.pace import PACED_WRITE_BYTES, Pacer, Uplink
 from node.exchange.store import Held, HeldSnapshot, PacketStore, Partial
 from protocol.dht_records import PARAMS_ID
 from protocol.errors import MalformedPacket, ProtocolError, WrongRound
@@ -140,8 +140,16 @@ class UploadSlots:
 class PacketServer:
     """Answers packet streams from the store, within the upload, seed, snapshot and child stream limits."""
 
-    def __init__(self, config: ExchangeConfig, store: PacketStore, rng: random.Random, payload_for: PayloadFor):
+    def __init__(
+        self,
+        config: ExchangeConfig,
+        store: PacketStore,
+        rng: random.Random,
+        payload_for: PayloadFor,
+        uplink: Uplink | None = None,
+    ):
         self.config = config
+        self.uplink = uplink  # every stream's pieces take their turn on the stated uplink (pace.py)
         self._store, self._rng = store, rng  # rng: which peers a busy answer names
         self._payload_for = payload_for
         self.uploads = UploadSlots(config.max_uploads)  # packet streams (plus seed streams)
@@ -274,12 +282,15 @@ class PacketServer:
     async def _write(
         self, payload: memoryview, writer: asyncio.StreamWriter, traffic: Traffic, pacer: Pacer | None = None
     ) -> None:
-        """`payload` to the stream, in pieces of `chunk_bytes`, or paced ones of PACED_WRITE_BYTES."""
-        step = self.config.chunk_bytes if pacer is None else PACED_WRITE_BYTES
+        """`payload` to the stream, in pieces of `chunk_bytes`, or paced ones of PACED_WRITE_BYTES
+        (at the fetcher's rate, and in turn on this node's stated uplink)."""
+        step = self.config.chunk_bytes if pacer is None and self.uplink is None else PACED_WRITE_BYTES
         for offset in range(0, len(payload), step):
             piece = payload[offset : offset + step]
             if pacer is not None:
                 await pacer.wait()
+            if self.uplink is not None:
+                await self.uplink.take(len(piece))
             writer.write(piece)
             await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
             if pacer is not None:

@@ -8,10 +8,12 @@ the coordinator's "was this digest submitted" (node/round/push.py asks the coord
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from node.exchange.p2p import P2PExchange
+from node.exchange.pace import PACED_SHARE, PACED_WRITE_BYTES
 from node.exchange.push import push_packet
 from protocol.stream import PushOffer
 from tests.integration.test_p2p_exchange import RUN_ID, packet, poll, sha, swarm
@@ -238,3 +240,30 @@ def test_a_packet_published_unannounced_is_served_but_found_in_the_dht_only_once
 
 async def _announced(exchange: P2PExchange, publisher: str):
     return (await exchange.announcements(0)).get(publisher)
+
+
+def test_a_node_that_stated_its_uplink_serves_and_pushes_together_at_nine_tenths_of_it():
+    """A publisher that stated an 8 Mbps uplink serves its packet to one peer while it pushes it to
+    another: the two copies leave together no faster than nine tenths of that link allow (loopback
+    alone takes a fraction of it), and both arrive whole."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, P2PExchange, uplink_mbps=8.0) as (publisher, fetcher, holder):
+            data = packet(5, SIZE)
+            holder.accept_pushes(accepting({sha(data)}))
+            ann = await publisher.publish(0, "pub", data)
+            started = time.monotonic()
+            got, taken = await asyncio.gather(
+                fetcher.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=30),
+                publisher.push(0, "pub", [holder.visible_maddrs], timeout_s=30),
+            )
+            elapsed = time.monotonic() - started
+            assert got == {"pub": data} and taken == holder.holder_id
+            assert publisher.traffic(0).uploaded_bytes == 2 * SIZE
+            rate = 8e6 / 8 * PACED_SHARE
+            # A burst is free, and each stream's piece in flight is written before it is paid for.
+            unpaid_s = 0.05 + 2 * PACED_WRITE_BYTES / rate
+            paced_s = 2 * SIZE / rate
+            assert elapsed >= paced_s - unpaid_s, f"{elapsed:.2f} s, paced {paced_s:.2f} s less {unpaid_s:.2f} s"
+
+    asyncio.run(scenario())

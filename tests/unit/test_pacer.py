@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from node.exchange.pace import Pacer, Shares
+from node.exchange.pace import PACED_UPLINK_MBPS, Pacer, Shares, Uplink
 from protocol.stream import MIN_RATE, RATE, RATE_FRAME
 
 
@@ -43,6 +43,37 @@ def test_wait_sleeps_for_the_debt():
         assert await pacer.wait() == 0.0
 
     asyncio.run(scenario())
+
+
+def test_an_uplinks_pieces_take_turns_and_together_keep_to_its_rate():
+    """Two streams writing through one `Uplink`: their pieces take turns, oldest first, and all of
+    them take no less than the rate allows after one burst (a lower bound: load only slows it)."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        uplink = Uplink(100_000.0)  # bytes/s
+        order: list[str] = []
+
+        async def stream(name: str) -> None:
+            for _ in range(10):
+                await uplink.take(2_000)
+                order.append(name)
+
+        started = loop.time()
+        await asyncio.gather(stream("a"), stream("b"))
+        elapsed = loop.time() - started
+        # Within the first burst nothing waits; from b's first turn on they alternate until a is done.
+        tail = order[order.index("b") :]
+        assert tail[: 2 * tail.count("a")] == ["b", "a"] * tail.count("a"), order
+        assert elapsed >= (20 * 2_000) / 100_000.0 - 0.05 - 2_000 / 100_000.0, elapsed
+
+    asyncio.run(scenario())
+
+
+def test_only_a_slow_stated_uplink_is_paced():
+    assert Uplink.stated(None) is None and Uplink.stated(0.0) is None
+    assert Uplink.stated(8.0)._pacer.rate == 8e6 / 8 * 0.9
+    assert Uplink.stated(PACED_UPLINK_MBPS) is None and Uplink.stated(100.0) is None
 
 
 _KEPT: list = []  # the ends a test does not use, alive until its loop ends
