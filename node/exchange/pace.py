@@ -31,6 +31,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from node.exchange.base import Traffic
 from protocol.stream import MAX_RATE, MIN_RATE, encode_rate
 
 PACED_SHARE = 0.9  # of a stated downlink, what packet downloads may take together
@@ -87,6 +88,33 @@ class Uplink:
         async with self._turn:
             await self._pacer.wait()
             self._pacer.spent(num_bytes)
+
+
+async def write_pieces(
+    writer: asyncio.StreamWriter,
+    payload: memoryview,
+    traffic: Traffic,
+    *,
+    chunk_bytes: int,
+    stall_timeout_s: float,
+    pacer: Pacer | None = None,
+    uplink: Uplink | None = None,
+) -> None:
+    """`payload` to a stream (served, forwarded or pushed), in pieces of `chunk_bytes`, or paced ones
+    of PACED_WRITE_BYTES: at the fetcher's rate (`pacer`) and in turn on the stated uplink (`uplink`).
+    Each piece counts in `traffic` once it drained."""
+    step = chunk_bytes if pacer is None and uplink is None else PACED_WRITE_BYTES
+    for offset in range(0, len(payload), step):
+        piece = payload[offset : offset + step]
+        if pacer is not None:
+            await pacer.wait()
+        if uplink is not None:
+            await uplink.take(len(piece))
+        writer.write(piece)
+        await asyncio.wait_for(writer.drain(), stall_timeout_s)
+        if pacer is not None:
+            pacer.spent(len(piece))
+        traffic.uploaded_bytes += len(piece)
 
 
 class Shares:

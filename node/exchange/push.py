@@ -40,7 +40,7 @@ from node.exchange.announce import Announcer
 from node.exchange.base import Traffic
 from node.exchange.config import ExchangeConfig
 from node.exchange.host import Host, dial_addresses
-from node.exchange.pace import PACED_WRITE_BYTES, Uplink
+from node.exchange.pace import Uplink, write_pieces
 from node.exchange.store import PacketStore
 from protocol.errors import ProtocolError
 from protocol.stream import (
@@ -279,15 +279,14 @@ async def _push_one(
         await writer.drain()
         await _answer(reader, config.request_timeout_s + 10.0)  # the holder may ask the coordinator first
         answered = clock()
-        view = memoryview(data)
-        step = config.chunk_bytes if uplink is None else PACED_WRITE_BYTES
-        for start in range(0, len(view), step):
-            piece = view[start : start + step]
-            if uplink is not None:
-                await uplink.take(len(piece))
-            writer.write(piece)
-            await asyncio.wait_for(writer.drain(), config.stall_timeout_s)
-            traffic.uploaded_bytes += len(piece)
+        await write_pieces(
+            writer,
+            memoryview(data),
+            traffic,
+            chunk_bytes=config.chunk_bytes,
+            stall_timeout_s=config.stall_timeout_s,
+            uplink=uplink,
+        )
         written = clock()
         await _answer(reader, config.stall_timeout_s)
         log.debug(

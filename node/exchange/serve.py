@@ -62,7 +62,7 @@ from collections.abc import Callable
 
 from node.exchange.base import Traffic
 from node.exchange.config import ExchangeConfig
-from node.exchange.pace import PACED_WRITE_BYTES, Pacer, Uplink
+from node.exchange.pace import Pacer, Uplink, write_pieces
 from node.exchange.store import Held, HeldSnapshot, PacketStore, Partial
 from protocol.dht_records import PARAMS_ID
 from protocol.errors import MalformedPacket, ProtocolError, WrongRound
@@ -282,20 +282,16 @@ class PacketServer:
     async def _write(
         self, payload: memoryview, writer: asyncio.StreamWriter, traffic: Traffic, pacer: Pacer | None = None
     ) -> None:
-        """`payload` to the stream, in pieces of `chunk_bytes`, or paced ones of PACED_WRITE_BYTES
-        (at the fetcher's rate, and in turn on this node's stated uplink)."""
-        step = self.config.chunk_bytes if pacer is None and self.uplink is None else PACED_WRITE_BYTES
-        for offset in range(0, len(payload), step):
-            piece = payload[offset : offset + step]
-            if pacer is not None:
-                await pacer.wait()
-            if self.uplink is not None:
-                await self.uplink.take(len(piece))
-            writer.write(piece)
-            await asyncio.wait_for(writer.drain(), self.config.stall_timeout_s)
-            if pacer is not None:
-                pacer.spent(len(piece))
-            traffic.uploaded_bytes += len(piece)
+        """`payload` to the stream (`write_pieces`), paced at the fetcher's rate and on this node's uplink."""
+        await write_pieces(
+            writer,
+            payload,
+            traffic,
+            chunk_bytes=self.config.chunk_bytes,
+            stall_timeout_s=self.config.stall_timeout_s,
+            pacer=pacer,
+            uplink=self.uplink,
+        )
 
     async def _fetcher_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pacer: Pacer) -> bytes:
         """What the fetcher of a paced stream sends while its bytes go: rate frames, each setting

@@ -262,7 +262,7 @@ def test_a_node_that_stated_its_uplink_serves_and_pushes_together_at_nine_tenths
             assert publisher.traffic(0).uploaded_bytes == 2 * SIZE
             rate = 8e6 / 8 * PACED_SHARE
             # A burst is free, and each stream's piece in flight is written before it is paid for.
-            unpaid_s = 0.05 + 2 * PACED_WRITE_BYTES / rate
+            unpaid_s = publisher._uplink._pacer.burst_s + 2 * PACED_WRITE_BYTES / rate
             paced_s = 2 * SIZE / rate
             assert elapsed >= paced_s - unpaid_s, f"{elapsed:.2f} s, paced {paced_s:.2f} s less {unpaid_s:.2f} s"
 
