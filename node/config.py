@@ -175,12 +175,14 @@ class NetworkSection(Section):
     )
     uplink_mbps: float | None = Field(
         None,
-        gt=0.0,
+        ge=1.0,
         le=1e7,
         allow_inf_nan=False,
         description="This link's upload rate in Mbps (a speed test's figure), stated at join: faster uplinks "
         "forward more of each packet's copies, and one under 20 Mbps carries this node's uploads together at nine "
-        "tenths of it (the requests and acknowledgements of its downloads cross it at once); unset: counted as fast.",
+        "tenths of it (the requests and acknowledgements of its downloads cross it at once); unset: counted as fast. "
+        "At least 1: under 1 Mbps a node would send its packet for minutes (a figure in Gbps given as Mbps is the "
+        "likely mistake).",
     )
     downlink_mbps: float | None = Field(
         None,

@@ -186,7 +186,8 @@ def test_node_config_defaults_bounds_and_descriptions():
     assert auto.training.device in ("cpu", "cuda")
     for key, value, message in [
         ("training.threads", 1025, "training.threads: Input should be less than or equal to 1024"),
-        ("network.uplink_mbps", 0.0, "network.uplink_mbps: Input should be greater than 0"),
+        # a node uploads at nine tenths of what it states: 0.5 is a 500 Mbps link given in Gbps
+        ("network.uplink_mbps", 0.5, "network.uplink_mbps: Input should be greater than or equal to 1"),
         ("network.uplink_mbps", float("nan"), "network.uplink_mbps: Input should be a finite number"),
         # a node fetches no faster than it states: 0.1 is a 100 Mbps link given in Gbps
         ("network.downlink_mbps", 0.1, "network.downlink_mbps: Input should be greater than or equal to 1"),
