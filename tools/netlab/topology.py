@@ -54,7 +54,7 @@ PROBE_SECONDS = 0.5  # the link probe sends this long's worth of bytes at the no
 # dropped without an answer, as the internet drops one for a private address.
 OUTSIDE_GATEWAY = 254
 CONNECT_TIMEOUT_S = 1.5  # the NAT probe's connection attempts: no answer by then is a timeout (round trips < 0.5 s)
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout whose code the lab's processes run (their cwd)
 _lab_counter = 0
 
 
