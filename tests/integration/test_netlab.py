@@ -111,9 +111,12 @@ def test_three_peers_two_rounds_on_shaped_links(tmp_path):
         assert row["download_bytes"] > 1_500_000, row  # packets big enough for the rate to show
         assert row["fetching_s"] >= row["ideal_transfer_s"], row  # the link's time, early fetches included
         assert row["transfer_over_ideal"] >= 1.0, row
-    # The baseline (the same bytes over plain TCP, all hosts at once) cannot beat the links either.
-    assert 1.0 <= result["tcp_alltoall"]["over_ideal"] < 4.0, result["tcp_alltoall"]
-    assert len(result["tcp_alltoall"]["seconds"]) == 3
+    # The reference (each steady round's packets over plain TCP, each sent to every host at its
+    # submission) cannot beat the links either; every host got both others' bytes in each replay.
+    baseline = result["tcp_alltoall"]
+    assert 1.0 <= baseline["over_ideal"] < 6.0, baseline
+    assert [r["round"] for r in baseline["rounds"]] == result["summary"]["rounds_averaged"], baseline
+    assert all(r["received"] == [2, 2, 2] and r["no_path"] == [] for r in baseline["rounds"]), baseline
     # The bytes really went through the lab's interfaces: each node received at least its downloads.
     assert result["summary"]["interface_rx_bytes_per_peer_round"] >= result["summary"]["download_bytes"]
 

@@ -92,7 +92,11 @@ def test_a_peer_behind_nat_is_unreachable_and_reported(tmp_path):
     assert [p["reachable"] for p in peers] == [True, True, False], peers
     nat = peers[2]
     assert nat["rounds_in_manifest"] == nat["rounds"] == nat["rounds_pushed"] > 0, nat
-    assert "tcp_alltoall" not in result and result["tcp_alltoall_skipped"]
+    # The plain-TCP baseline reaches h3 all the same: h3 dials both senders and pulls their bytes,
+    # and pushes its own to them; with one host behind NAT every pair has a path.
+    (replay,) = result["tcp_alltoall"]["rounds"]  # round 1's submissions
+    assert replay["received"] == [2, 2, 2] and replay["no_path"] == [], replay
+    assert all(s > 0 for s in replay["busy_s"]), replay
 
     assert left_behind(prefix) == []
     assert root_links() <= links_before

@@ -2,7 +2,8 @@
 
 import pytest
 
-from tools.netlab.report import format_table, summarize
+from tools.netlab.helpers import _union_s
+from tools.netlab.report import format_table, replay_over_ideal, summarize
 
 
 def _round(k, *, compute, transfer, packet_bytes, digest="d", wait=0.5):
@@ -175,3 +176,21 @@ def test_submission_times_give_the_ideal_a_spread_swarm_can_reach():
     fast = result["summary"]["by_rate"][1]
     assert fast["ideal_transfer_s"] == pytest.approx(1.1) and fast["ideal_all_ready_s"] == pytest.approx(1.0)
     assert fast["transfer_over_all_ready"] > fast["transfer_over_ideal"]
+
+
+def test_a_plain_tcp_replay_is_held_to_the_same_ideal_over_the_senders_it_could_reach():
+    # 8 Mbps = 1 MB/s. h1 and h2 submit 1 MB at 0 s and 1 s, h3 (behind NAT, like h4) 1 MB at 0.5 s.
+    schedule = {1: (0.0, 1_000_000), 2: (1.0, 1_000_000), 3: (0.5, 1_000_000), 4: (0.5, 1_000_000)}
+    rates = {1: 8.0, 2: 8.0, 3: 8.0, 4: 0.0}
+    # h1's packets: h2's, h3's and h4's, overlapping from 0.5 s: 3 MB through 1 MB/s from 0.5 s.
+    ratios = replay_over_ideal(schedule, rates, {1: 6.0, 2: 3.5, 3: 4.0, 4: 1.0}, no_path={(4, 3), (3, 4)})
+    assert ratios[1] == pytest.approx(6.0 / 3.0)
+    # h3 had no path from h4: its ideal counts h1's (from 0 s) and h2's (from 1 s) only, 2 s busy.
+    assert ratios[3] == pytest.approx(4.0 / 2.0)
+    assert ratios[4] is None  # unshaped: no ideal
+    assert replay_over_ideal(schedule, rates, {2: 0.0})[2] is None  # received nothing
+
+
+def test_union_of_the_intervals_a_packet_was_on_its_way():
+    assert _union_s([]) == 0.0
+    assert _union_s([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.2, 3.5)]) == pytest.approx(3.0)

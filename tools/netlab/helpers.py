@@ -5,7 +5,7 @@
     python -m tools.netlab.helpers source HOST PORT NUM_BYTES
     python -m tools.netlab.helpers rtt HOST                            prints {"rtt_ms": median of 5}
     python -m tools.netlab.helpers connect HOST PORT TIMEOUT_S         prints {"result": "connected", ...}
-    python -m tools.netlab.helpers alltoall OWN_IP PORT BYTES START_AT PEER_IP...
+    python -m tools.netlab.helpers alltoall OWN_IP PORT BYTES START_AT DELAY ACCEPT push:IP|pull:IP:DELAY...
 
 The lab's own process stays in the root namespace, where the lab's addresses do not exist, so
 every request to the coordinator and every throughput probe runs as one of these short-lived
@@ -19,10 +19,15 @@ first byte to EOF, so connection set-up and the sender's start-up do not count. 
 connection attempts to a port nobody listens on (the refusal comes back after one round trip).
 `connect` makes one TCP connection attempt and says how it ended: connected, refused, timeout (no
 answer within TIMEOUT_S), unreachable (no route, or an ICMP error) or `error: <errno name>`.
-`alltoall` is one host's part of a plain-TCP exchange among all hosts: it listens on OWN_IP:PORT,
-waits until the unix time START_AT, sends BYTES to each PEER_IP on a fresh connection (all at once)
-and prints {"seconds": s} from START_AT to the last byte received from every peer: the transfer a
-round's packets would take with no protocol at all.
+`alltoall` is one host's part of a plain-TCP exchange among all hosts, as a round's packets would
+go with no protocol at all: it listens on OWN_IP:PORT for ACCEPT connections and, at the unix time
+START_AT + DELAY (when its packet is ready), sends its BYTES to each `push:IP` on a fresh connection
+it dials; at each sender's START_AT + DELAY it dials each `pull:IP:DELAY` (the host is behind NAT
+and the sender is not) and reads that sender's bytes over it. A connection's first byte says which
+way its bytes go: `P` (the dialer sends, the unix time it started in the next 8 bytes), `G` (the
+dialer receives). It prints {"seconds": s, "busy_s": b, "received": n}: from START_AT to the last
+byte of its n peers' packets, and the time at least one of them was on its way (from its sender's
+start to its last byte), as a node's `fetching_s` counts.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import json
 import os
 import socket
 import statistics
+import struct
 import sys
 import time
 import urllib.error
@@ -117,21 +123,32 @@ def rtt(host: str, closed_port: int = 9, tries: int = 5) -> int:
     return 0
 
 
-def alltoall(own_ip: str, port: int, num_bytes: int, start_at: float, peers: list[str]) -> int:
+def alltoall(
+    own_ip: str, port: int, num_bytes: int, start_at: float, delay_s: float, accept: int, targets: list[str]
+) -> int:
     import threading
 
-    received_at: list[float] = []
+    intervals: list[tuple[float, float]] = []  # each packet received: its sender's start, its last byte
     lock = threading.Lock()
+    block = os.urandom(RECV_BYTES)
 
-    def receive(connection: socket.socket) -> None:
-        with connection:
-            while connection.recv(RECV_BYTES):
-                pass
+    def receive(connection: socket.socket, started: float) -> None:
+        while connection.recv(RECV_BYTES):
+            pass
         with lock:
-            received_at.append(time.time())
+            intervals.append((started, time.time()))
 
-    def send(peer: str) -> None:
-        block = os.urandom(RECV_BYTES)
+    def send(connection: socket.socket) -> None:
+        sent = 0
+        while sent < num_bytes:
+            piece = block[: min(len(block), num_bytes - sent)]
+            connection.sendall(piece)
+            sent += len(piece)
+
+    def dial(target: str) -> None:
+        way, peer, *delay = target.split(":")
+        time.sleep(max(0.0, start_at + (float(delay[0]) if delay else delay_s) - time.time()))
+        started = time.time()
         for _ in range(100):  # the peer's listener may not be up yet
             try:
                 connection = socket.create_connection((peer, port), timeout=60)
@@ -141,35 +158,69 @@ def alltoall(own_ip: str, port: int, num_bytes: int, start_at: float, peers: lis
         else:
             raise ConnectionRefusedError(f"{peer}:{port}")
         with connection:
-            sent = 0
-            while sent < num_bytes:
-                piece = block[: min(len(block), num_bytes - sent)]
-                connection.sendall(piece)
-                sent += len(piece)
+            if way == "push":
+                connection.sendall(b"P" + STARTED.pack(started))
+                send(connection)
+            else:
+                connection.sendall(b"G")
+                receive(connection, started)
 
-    with socket.create_server((own_ip, port), backlog=len(peers)) as server:
-        receivers = []
+    def answer(connection: socket.socket) -> None:
+        with connection:
+            if _read_exactly(connection, 1) == b"P":
+                receive(connection, STARTED.unpack(_read_exactly(connection, STARTED.size))[0])
+            else:
+                send(connection)
+
+    with socket.create_server((own_ip, port), backlog=max(1, accept)) as server:
+        answers = []
 
         def accept_all() -> None:
-            for _ in peers:
+            for _ in range(accept):
                 connection, _ = server.accept()
-                thread = threading.Thread(target=receive, args=(connection,))
+                thread = threading.Thread(target=answer, args=(connection,))
                 thread.start()
-                receivers.append(thread)
+                answers.append(thread)
 
         acceptor = threading.Thread(target=accept_all)
         acceptor.start()
-        time.sleep(max(0.0, start_at - time.time()))
-        senders = [threading.Thread(target=send, args=(peer,)) for peer in peers]
-        for thread in senders:
+        dialers = [threading.Thread(target=dial, args=(target,)) for target in targets]
+        for thread in dialers:
             thread.start()
-        for thread in senders:
+        for thread in dialers:
             thread.join()
         acceptor.join()
-        for thread in receivers:
+        for thread in answers:
             thread.join()
-    print(json.dumps({"seconds": max(received_at) - start_at}), flush=True)
+    result = {
+        "seconds": max(end for _, end in intervals) - start_at if intervals else None,
+        "busy_s": _union_s(intervals),
+        "received": len(intervals),
+    }
+    print(json.dumps(result), flush=True)
     return 0
+
+
+STARTED = struct.Struct("!d")
+
+
+def _read_exactly(connection: socket.socket, num_bytes: int) -> bytes:
+    data = b""
+    while len(data) < num_bytes:
+        if not (piece := connection.recv(num_bytes - len(data))):
+            raise ConnectionError(f"closed after {len(data)} of {num_bytes} bytes")
+        data += piece
+    return data
+
+
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
+    total, reach = 0.0, -float("inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def main(argv: list[str]) -> int:
@@ -178,8 +229,8 @@ def main(argv: list[str]) -> int:
         return http(argv[1], argv[2], token_env)
     if len(argv) == 2 and argv[0] == "sink":
         return sink(argv[1])
-    if len(argv) >= 6 and argv[0] == "alltoall":
-        return alltoall(argv[1], int(argv[2]), int(argv[3]), float(argv[4]), argv[5:])
+    if len(argv) >= 7 and argv[0] == "alltoall":
+        return alltoall(argv[1], int(argv[2]), int(argv[3]), float(argv[4]), float(argv[5]), int(argv[6]), argv[7:])
     if len(argv) == 2 and argv[0] == "rtt":
         return rtt(argv[1])
     if len(argv) == 4 and argv[0] == "connect":

@@ -218,6 +218,24 @@ def _fluid_busy_s(packets: list[tuple[float, int, float]], downlink: float) -> f
     return busy
 
 
+def replay_over_ideal(
+    schedule: dict[int, tuple[float, int]], rates_mbps: dict[int, float], busy_s: dict[int, float], no_path=()
+) -> dict[int, float | None]:
+    """Each host's `busy_s` in a replay of a round's schedule (host -> seconds after the first
+    submission, packet bytes) over its ideal for the same schedule (`_fluid_busy_s`), counting the
+    senders it had a path from (`no_path`: (sender, receiver) pairs); None for an unshaped host."""
+    ratios = {}
+    for host, busy in busy_s.items():
+        packets = [
+            (delay_s, num_bytes, _bytes_per_s(rates_mbps[sender]))
+            for sender, (delay_s, num_bytes) in schedule.items()
+            if sender != host and (sender, host) not in no_path
+        ]
+        ideal = _fluid_busy_s(packets, _bytes_per_s(rates_mbps[host])) if packets and rates_mbps[host] > 0 else 0.0
+        ratios[host] = busy / ideal if ideal > 0 and busy else None
+    return ratios
+
+
 def _round_row(k: int, per_peer: list[dict], closed_at: dict[int, float], only=None) -> dict:
     """Round k's means over the peers (`only`: over those it selects; ideals use everyone)."""
     # Each peer downloads every other peer's packet: the round's total less its own.

@@ -448,45 +448,54 @@ class Topology:
         self.emulator = None
         return errors
 
-    def probe_alltoall(self, hosts: list[int], num_bytes: int, timeout_s: float = 120.0) -> dict:
-        """Plain TCP among `hosts`, all at once: each sends `num_bytes` to every other; the seconds
-        until each host had all its bytes (the same exchange as a round's packets, no protocol)."""
+    def probe_alltoall(self, schedule: dict[int, tuple[float, int]], timeout_s: float = 120.0) -> dict:
+        """Plain TCP among the hosts of `schedule` (host -> seconds after the first, its bytes): at
+        its time each sends its bytes to every other, as a round's packets would go with no protocol.
+        Per host: the seconds from the first send to its last byte, the time a packet was on its way
+        to it (`busy_s`), and how many peers' bytes it got. Bytes go over a connection the receiver
+        accepts, or, where the receiver is behind NAT, one it opens to the sender; two hosts both
+        behind NAT have no path (`no_path`)."""
         helper = [sys.executable, "-m", "tools.netlab.helpers", "alltoall"]
         start_at = time.time() + 3.0  # every helper started and listening by then
         port = str(_alltoall_port())
+        dials = {i: [] for i in schedule}  # host -> "push:IP" / "pull:IP:DELAY"
+        accepts = dict.fromkeys(schedule, 0)
+        no_path = []
+        for sender, (delay_s, _) in schedule.items():
+            for receiver in (j for j in schedule if j != sender):
+                if receiver not in self.nat:
+                    dials[sender].append(f"push:{self.hosts[receiver].ip}")
+                    accepts[receiver] += 1
+                elif sender not in self.nat:
+                    dials[receiver].append(f"pull:{self.hosts[sender].ip}:{delay_s:.3f}")
+                    accepts[sender] += 1
+                else:
+                    no_path.append([f"h{sender}", f"h{receiver}"])
         children = []
         try:
-            for i in hosts:
-                peers = [self.hosts[j].ip for j in hosts if j != i]
+            for i, (delay_s, num_bytes) in schedule.items():
                 children.append(
                     subprocess.Popen(
-                        [
-                            *self.exec_args(i),
-                            *helper,
-                            self.hosts[i].ip,
-                            port,
-                            str(num_bytes),
-                            f"{start_at:.3f}",
-                            *peers,
-                        ],
+                        [*self.exec_args(i), *helper, self.hosts[i].ip, port, str(num_bytes), f"{start_at:.3f}"]
+                        + [f"{delay_s:.3f}", str(accepts[i]), *dials[i]],
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         text=True,
                         cwd=REPO_ROOT,
                     )
                 )
-            seconds = []
+            answers = []
             for child in children:
                 out, err = child.communicate(timeout=timeout_s)
                 if child.returncode != 0:
                     raise LabError(f"all-to-all probe failed: {err.strip()[-300:]}")
-                seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+                answers.append(json.loads(out.strip().splitlines()[-1]))
         finally:
             for child in children:
                 if child.poll() is None:
                     child.kill()
                     child.wait()
-        return {"bytes_per_pair": num_bytes, "seconds": seconds, "mean_s": sum(seconds) / len(seconds)}
+        return {"no_path": no_path, **{key: [a[key] for a in answers] for key in ("seconds", "busy_s", "received")}}
 
     def probe_rate(self, sender: int, receiver: int) -> dict:
         """TCP throughput from one host to another through both hosts' shapers, and the round trip."""
