@@ -89,7 +89,7 @@ from node.exchange.announce import Announcer
 from node.exchange.base import MirrorCopy
 from node.exchange.config import ExchangeConfig
 from node.exchange.host import Host, dial_addresses
-from node.exchange.pace import PACED_PIECE_BYTES, PACED_SHARE, Pacer, Shares
+from node.exchange.pace import PACED_PIECE_BYTES, Pacer, Shares, paced_rate
 from node.exchange.reachability import addresses_by_holder
 from node.exchange.store import Held, PacketStore
 from protocol.dht_records import PARAMS_ID, Announcement, holders_key, packets_key
@@ -153,7 +153,7 @@ class PacketFetcher:
         self._addresses: dict[str, list[str]] = {}  # libp2p id -> multiaddrs, from hints and announcements
         # packet downloads together, at most PACED_SHARE of the stated downlink: the holders send at
         # the shares they are told (`Shares`), and the reads keep to it too (`Pacer`)
-        paced = config.downlink_mbps * 1e6 / 8 * PACED_SHARE if config.downlink_mbps else None
+        paced = paced_rate(config.downlink_mbps) if config.downlink_mbps else None
         self._pacer = Pacer(paced) if paced else None
         self._shares = Shares(paced) if paced else None
 

@@ -40,6 +40,11 @@ PACED_WRITE_BYTES = 16 << 10  # a holder's writes to a paced stream: a small bur
 PACED_UPLINK_MBPS = 20.0  # a stated uplink under this is paced (`Uplink`); a faster one is not
 
 
+def paced_rate(link_mbps: float) -> float:
+    """What paced packet bytes may take of a stated link (Mbps), in bytes/s: PACED_SHARE of it."""
+    return link_mbps * 1e6 / 8 * PACED_SHARE
+
+
 class Pacer:
     """Bytes at `rate` per second at most, over bursts of `burst_s`: each piece's bytes are owed
     (`spent`), and the next piece waits until they are paid (`wait`). `rate` may change at any
@@ -81,7 +86,7 @@ class Uplink:
     def stated(cls, uplink_mbps: float | None) -> "Uplink | None":
         """The pacer for a stated uplink under PACED_UPLINK_MBPS; None (not paced) for a faster one
         or none stated: at 100 Mbps a piece's turn is 1.5 ms, finer than a busy event loop keeps."""
-        return cls(uplink_mbps * 1e6 / 8 * PACED_SHARE) if uplink_mbps and uplink_mbps < PACED_UPLINK_MBPS else None
+        return cls(paced_rate(uplink_mbps)) if uplink_mbps and uplink_mbps < PACED_UPLINK_MBPS else None
 
     async def take(self, num_bytes: int) -> None:
         """Wait for this piece's turn on the link; its bytes are owed from now."""
