@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgpack
 import pytest
+from hivemind.p2p import PeerID
 
 from node.exchange.p2p import P2PExchange
 from node.exchange.pace import PACED_SHARE, PACED_WRITE_BYTES
 from node.exchange.push import push_packet
-from protocol.stream import PushOffer
+from protocol.stream import PROTOCOL_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_OK, PushOffer
 from tests.integration.test_p2p_exchange import RUN_ID, packet, poll, sha, swarm
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -265,5 +267,40 @@ def test_a_node_that_stated_its_uplink_serves_and_pushes_together_at_nine_tenths
             unpaid_s = publisher._uplink._pacer.burst_s + 2 * PACED_WRITE_BYTES / rate
             paced_s = 2 * SIZE / rate
             assert elapsed >= paced_s - unpaid_s, f"{elapsed:.2f} s, paced {paced_s:.2f} s less {unpaid_s:.2f} s"
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_that_stalls_holds_no_turn_on_a_paced_uplink():
+    """A peer asks a publisher that stated an 8 Mbps uplink for its packet and never reads: its
+    stream takes turns on the paced uplink only until p2pd's buffers for it are full, then waits
+    in its drain without the turn, so an honest fetcher beside it gets the packet at about the
+    paced rate, long before the stalled stream is dropped (`stall_timeout_s`)."""
+
+    async def scenario():
+        async with swarm(*[P2PExchange] * 3, uplink_mbps=8.0, stall_timeout_s=30.0) as (publisher, fetcher, staller):
+            data = packet(6, SIZE)
+            ann = await publisher.publish(0, "pub", data)
+            _, reader, writer = await staller._host.p2p.call_binary_stream_handler(
+                PeerID.from_base58(publisher.holder_id), PROTOCOL_NAME
+            )
+            request = msgpack.packb({"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest})
+            writer.write(REQUEST_PREFIX.pack(len(request)) + request)
+            await writer.drain()
+            status, _ = RESPONSE_HEADER.unpack(await reader.readexactly(RESPONSE_HEADER.size))
+            assert status == STATUS_OK
+            await poll(
+                lambda: publisher.traffic(0).uploaded_bytes >= 4 * PACED_WRITE_BYTES, what="the staller taking turns"
+            )
+
+            started = time.monotonic()
+            got = await fetcher.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=25)
+            elapsed = time.monotonic() - started
+            assert got == {"pub": data}
+            # Paced, one copy takes SIZE / rate; the staller may still be owed its buffers' worth.
+            paced_s = SIZE / (8e6 / 8 * PACED_SHARE)
+            assert elapsed < 2 * paced_s + 2.0, f"{elapsed:.2f} s beside a stalled reader, paced {paced_s:.2f} s"
+            assert publisher.traffic(0).uploaded_bytes < 2 * SIZE  # the staller never got a whole copy
+            writer.close()
 
     asyncio.run(scenario())
