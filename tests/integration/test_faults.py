@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.slow]
 
 H = 5
 STATUS_POLL_S = 0.3
+PACED_LINKS = ("--uplink-mbps", "5", "--downlink-mbps", "5")  # under 20 Mbps: uploads and downloads paced
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -334,10 +335,11 @@ def test_everything_killed_at_once_resumes_from_checkpoints(tmp_path):
     (3 s each); all started again at once with the same keys, checkpoint folders and database.
     Each node resumes from its own checkpoint (the coordinator agrees with its digest) and trains
     the open round: no agreed round is lost or changed, the loss goes on from where it was, and
-    the run finishes with every digest agreeing."""
+    the run finishes with every digest agreeing. The nodes state 5 Mbps links, so their uploads
+    and downloads go through the pacers (node/exchange/pace.py) before and after the kill."""
     rounds = 6
     ckpt = [tmp_path / f"ckpt{i}" for i in range(3)]
-    extra = {i: ("--checkpoint-dir", str(ckpt[i]), "--inject", "slow-compute@min_s=3") for i in range(3)}
+    extra = {i: ("--checkpoint-dir", str(ckpt[i]), "--inject", "slow-compute@min_s=3", *PACED_LINKS) for i in range(3)}
     with swarm_for(tmp_path, 3, rounds, extra) as swarm:
         start_swarm(
             swarm, {"membership.heartbeat_timeout_s": 5.0, "deadline": {"kind": "fixed", "round_timeout_s": 30.0}}
@@ -391,9 +393,9 @@ def test_coordinator_down_past_the_heartbeat_timeout(tmp_path):
     """The coordinator is SIGKILLed and stays down for three heartbeat timeouts (15 s against 5 s):
     every node keeps its state and waits; once the coordinator is back (same port, same database)
     its members are still members, the open round takes their packets, and the run finishes with
-    every node exiting 0 and every digest agreeing."""
+    every node exiting 0 and every digest agreeing. The nodes state 5 Mbps links (paced)."""
     rounds, down_s = 5, 15.0
-    with swarm_for(tmp_path, 3, rounds) as swarm:
+    with swarm_for(tmp_path, 3, rounds, dict.fromkeys(range(3), PACED_LINKS)) as swarm:
         start_swarm(
             swarm, {"membership.heartbeat_timeout_s": 5.0, "deadline": {"kind": "fixed", "round_timeout_s": 30.0}}
         )
