@@ -21,7 +21,11 @@ a stranger's applied report is not believed. A reported entry is dropped:
    fault is the reporters' links, and they catch up from a snapshot rather than take the packet
    from everyone (one peer that can fetch nothing must not empty every manifest).
 
-An entry still undecided when its round falls out of the report window stays. A round older than
+No entry of round r is dropped once a later round with packets in its manifest was agreed: the
+swarm trained on r's agreed state and went on from it, so a new version of r would rewrite the
+history under that round (its start would no longer be r's result). A report for such a round is
+refused (`round_too_old`: its reporter catches up from a snapshot) and reports already in wait
+for nothing. An entry still undecided when its round falls out of the report window stays. A round older than
 the window whose state nobody agreed since (no agreed digest at or after it: the swarm was down
 for more rounds than the window) still takes reports: amending it is the only way on. Entries due
 together make one new version: ``manifest_version`` + 1, the entries in ``dropped_entries`` with
@@ -61,6 +65,11 @@ def report_missing(
             f"round {round_index} closed over {MISSING_REPORT_ROUNDS} rounds ago (open: {run.current_round});"
             " its packets may be forgotten: catch up from a snapshot"
         )
+    if (later := _built_upon(ctx, run_id, round_index)) is not None:
+        raise errors.RoundTooOld(
+            f"round {later} was agreed on round {round_index}'s manifest as it stands: its entries stay;"
+            " catch up from a snapshot"
+        )
     entries = {s.peer_id for s in ctx.storage.list_submissions(run_id, round_index)}  # version 1
     wanted = sorted(set(request.peer_ids))
     if reporter_id in wanted:
@@ -98,7 +107,7 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
     """Drop the entries of closed round r that are due; all of them in one new version."""
     run = ctx.run(run_id)
     round_row = ctx.storage.get_round(run_id, round_index)
-    if round_row is None or round_row.closed_at is None:
+    if round_row is None or round_row.closed_at is None or _built_upon(ctx, run_id, round_index) is not None:
         return
     grace_s = ctx.config(run).exchange.missing_grace_s
     submitters = {s.peer_id for s in ctx.storage.list_submissions(run_id, round_index)}
@@ -189,6 +198,19 @@ def _agreed_at_or_after(ctx: Context, run_id: str, round_index: int) -> bool:
     missing entries are still taken, however old: amending r is the only way on."""
     latest = ctx.storage.latest_agreed_round(run_id)
     return latest is not None and latest.round >= round_index
+
+
+def _built_upon(ctx: Context, run_id: str, round_index: int) -> int | None:
+    """The first round after r with packets in its manifest and an agreed digest: the swarm went on
+    from r's agreed state (None: no such round, and r may still be amended)."""
+    latest = ctx.storage.latest_agreed_round(run_id)
+    if latest is None or latest.round <= round_index:
+        return None
+    for later in range(round_index + 1, latest.round + 1):
+        row = ctx.storage.get_round(run_id, later)
+        if row is not None and row.agreed_digest is not None and ctx.storage.manifest_peers(run_id, later):
+            return later
+    return None
 
 
 def _status_of(ctx: Context, run_id: str, peer_id: str) -> str:

@@ -396,3 +396,35 @@ def test_a_round_nobody_got_past_takes_reports_however_old(coordinator_client, f
         assert answer.status_code == 200, answer.text
     history = history_of(client, run_id)
     assert all(h["agreed_digest"] == D0 for h in history.values()), "round 1 emptied: every later round keeps D0"
+
+
+def test_a_round_the_swarm_went_on_from_keeps_its_entries(coordinator_client, fake_clock):
+    """Rounds 1 and 2 were applied and agreed by a and b, whose packets they hold; then both left.
+    c, behind, reports b's round-1 packet missing: nobody live serves it, but round 2 was agreed on
+    round 1's state, so dropping it would rewrite the history under round 2. The report is refused
+    (round_too_old: c catches up from a snapshot) and round 1 keeps its manifest and digest."""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    for peer in (a, b):
+        assert peer.applied(run_id, 1, D1).status_code == 200
+    assert a.submit(run_id, 2).status_code == 200 and b.submit(run_id, 2).status_code == 200
+    fake_clock.advance(DEADLINE_S + 1)
+    tick(client)
+    for peer in (a, b):
+        assert peer.applied(run_id, 2, D2).status_code == 200
+    assert round_of(client, run_id, 2)["agreed_digest"] == D2
+    for peer in (a, b):
+        assert peer.post(f"/v1/runs/{run_id}/leave", {"reason": "done"}).status_code == 200
+
+    refused = report_missing(c, run_id, 1, b)
+    assert error_of(refused) == "round_too_old" and "round 2 was agreed" in refused.text, refused.text
+    for _ in range(3):  # past the drop grace (missing_grace_s), c alive throughout
+        fake_clock.advance(DEADLINE_S)
+        assert c.heartbeat(run_id, 1).status_code == 200
+        tick(client)  # the tick applies the drop rules too: nothing is due
+    view = round_of(client, run_id, 1)
+    assert view["manifest_version"] == 1 and view["agreed_digest"] == D1
+    assert [e["peer_id"] for e in view["manifest"]] == sorted([a.peer_id, b.peer_id])
+    # A round the swarm has not gone on from still takes the report: round 2 (nothing after it).
+    answer = report_missing(c, run_id, 2, b)
+    assert answer.status_code == 200, answer.text
