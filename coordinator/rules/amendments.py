@@ -30,7 +30,8 @@ the window whose state nobody agreed since (no agreed digest at or after it: the
 for more rounds than the window) still takes reports: amending it is the only way on. Entries due
 together make one new version: ``manifest_version`` + 1, the entries in ``dropped_entries`` with
 the reason (which rule), and a new vote on the new version (coordinator/rules/votes.py; an emptied
-round takes its start's digest).
+round takes its start's digest). The empty rounds right after it, which had taken its old result
+as theirs, lose that digest and take the new one once it is agreed.
 
 Withheld flags. The publisher of a dropped entry is flagged (``withheld_round``): no round waits
 for it while flagged (coordinator/rules/standing.py); it may still submit. The flag clears once
@@ -159,6 +160,16 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
     ctx.storage.update_round(
         run_id, round_index, manifest_version=version, majority_digest=None, agreed_digest=None, num_votes=0
     )
+    # The empty rounds after it carried its old result as theirs: they take its new one, once agreed.
+    later = round_index + 1
+    while (
+        (row := ctx.storage.get_round(run_id, later)) is not None
+        and row.closed_at is not None
+        and row.agreed_digest is not None
+        and not ctx.storage.manifest_peers(run_id, later)
+    ):
+        ctx.storage.update_round(run_id, later, majority_digest=None, agreed_digest=None)
+        later += 1
     votes.agree_empty_from(ctx, run_id, round_index)
     log.warning(
         "run %s round %d: manifest version %d drops %s",

@@ -428,3 +428,25 @@ def test_a_round_the_swarm_went_on_from_keeps_its_entries(coordinator_client, fa
     # A round the swarm has not gone on from still takes the report: round 2 (nothing after it).
     answer = report_missing(c, run_id, 2, b)
     assert answer.status_code == 200, answer.text
+
+
+def test_empty_rounds_after_an_amended_round_drop_its_old_result(coordinator_client, fake_clock):
+    """Round 1 was agreed (D1) by a and b, round 2 closed empty and took D1 as its own; then a and
+    b left. c's report drops b's round-1 packet (nobody live serves it): round 1 votes again on its
+    new version, and round 2 no longer claims D1, nor does round 3 start from it."""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    for peer in (a, b):
+        assert peer.applied(run_id, 1, D1).status_code == 200
+    fake_clock.advance(DEADLINE_S + 1)  # round 2 closes with no packet
+    assert c.heartbeat(run_id, 1).status_code == 200
+    tick(client)
+    assert round_of(client, run_id, 2)["manifest"] == [] and round_of(client, run_id, 2)["agreed_digest"] == D1
+    for peer in (a, b):
+        assert peer.post(f"/v1/runs/{run_id}/leave", {"reason": "done"}).status_code == 200
+
+    dropped = report_missing(c, run_id, 1, b).json()
+    assert dropped["manifest_version"] == 2 and b.peer_id in dropped["dropped"]
+    assert round_of(client, run_id, 1)["agreed_digest"] is None  # a new vote on version 2
+    assert round_of(client, run_id, 2)["agreed_digest"] is None, "round 2 still claims round 1's old result"
+    assert recovery.agreed_start(storage_of(client), run_id, 3) is None
