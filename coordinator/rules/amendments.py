@@ -160,16 +160,7 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
     ctx.storage.update_round(
         run_id, round_index, manifest_version=version, majority_digest=None, agreed_digest=None, num_votes=0
     )
-    # The empty rounds after it carried its old result as theirs: they take its new one, once agreed.
-    later = round_index + 1
-    while (
-        (row := ctx.storage.get_round(run_id, later)) is not None
-        and row.closed_at is not None
-        and row.agreed_digest is not None
-        and not ctx.storage.manifest_peers(run_id, later)
-    ):
-        ctx.storage.update_round(run_id, later, majority_digest=None, agreed_digest=None)
-        later += 1
+    votes.forget_empty_after(ctx, run_id, round_index)  # they carried its old result as theirs
     votes.agree_empty_from(ctx, run_id, round_index)
     log.warning(
         "run %s round %d: manifest version %d drops %s",

@@ -292,6 +292,18 @@ def agree_empty_from(ctx: Context, run_id: str, round_index: int) -> None:
         r += 1
 
 
+def forget_empty_after(ctx: Context, run_id: str, round_index: int) -> None:
+    """Round r takes a new vote (its manifest was amended): the closed empty rounds right after it,
+    which took its old result as theirs (`agree_empty_from`), lose it and take the new one once
+    r is agreed again."""
+    r = round_index + 1
+    while (row := ctx.storage.get_round(run_id, r)) is not None and row.closed_at is not None:
+        if row.agreed_digest is None or ctx.storage.manifest_peers(run_id, r):
+            return
+        ctx.storage.update_round(run_id, r, majority_digest=None, agreed_digest=None)
+        r += 1
+
+
 def tally(
     votes: Sequence[tuple[str, int]],
     num_contributors: int,

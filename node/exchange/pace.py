@@ -1,6 +1,6 @@
 """Packet bytes at a rate: a node's downloads, and its uploads, each under nine tenths of its stated link.
 
-    shares = Shares(downlink_bytes_per_s * PACED_SHARE)
+    shares = Shares(paced_rate(downlink_mbps))
     download = object()                       # one download's key, over all its streams
     request = dataclasses.replace(request, rate=shares.next_share(download))  # asked for at its share
     shares.join(download, writer, request.rate)  # once its bytes come: every stream told its new share
@@ -74,7 +74,7 @@ class Uplink:
     network lab) and every request and acknowledgement of its downloads waited behind it: a
     10 Mbps host's download stalled for 0.6 s while it sent its packet (tools/netlab/README.md).
 
-        uplink = Uplink(uplink_bytes_per_s * PACED_SHARE)
+        uplink = Uplink.stated(uplink_mbps)   # None for a fast or unstated uplink: not paced
         await uplink.take(len(piece)); writer.write(piece)
     """
 
