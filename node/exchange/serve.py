@@ -231,7 +231,7 @@ class PacketServer:
                 if isinstance(copy, HeldSnapshot):
                     await self._send_snapshot(round, copy, request.offset, writer, traffic, pacer)
                 else:
-                    await self._send_packet(round, publisher, copy, request, writer, traffic, pacer)
+                    await self._send_packet(round, publisher, copy, request, requester, writer, traffic, pacer)
                 if not request.stripe:
                     traffic.num_served += 1
                 written = loop.time()
@@ -353,11 +353,13 @@ class PacketServer:
         publisher: str,
         copy: Held | Partial,
         request: PacketRequest,
+        requester: str,
         writer: asyncio.StreamWriter,
         traffic: Traffic,
         pacer: Pacer | None = None,
     ) -> None:
-        """The packet from the request's offset on, or its stripe; a copy still arriving as it arrives."""
+        """The packet from the request's offset on, or its stripe, to `requester`; a copy still
+        arriving as it arrives."""
         key = (round, publisher)
         if isinstance(copy, Held):
             payload = memoryview(self._payload_for(round, publisher, copy.data))
@@ -378,10 +380,10 @@ class PacketServer:
         if isinstance(copy, Partial):
             await self._forward(copy, start, end, writer, traffic, pacer)
             return
-        # Every peer waits for the first copy of this node's own packet: downloads hold back
-        # meanwhile. Its stripes go side by side, so stripe 0's end stands for the copy's.
+        # Every peer waits for the first copy of this node's own packet: unpaced downloads hold
+        # back meanwhile. Its stripes go side by side, so stripe 0's end stands for the copy's.
         first = copy.own and not copy.first_out
-        with self._store.sending_first_copy(key) if first else contextlib.nullcontext():
+        with self._store.sending_first_copy(key, (requester,)) if first else contextlib.nullcontext():
             await self._write(payload[start:end], writer, traffic, pacer)
             if first and start == 0:
                 self._store.first_copy_out(key)

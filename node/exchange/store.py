@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -141,7 +141,7 @@ class PacketStore:
         self.partial: dict[tuple[int, str], Partial] = {}  # packets arriving now, served as they arrive
         self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched
         self._copy_added = asyncio.Event()  # replaced each time a copy (whole or arriving) is added
-        self._sending_first: dict[tuple[int, str], int] = {}  # own packets being sent, streams each
+        self._sending_first: dict[tuple[int, str], Counter[str]] = {}  # own packets being sent: streams per receiver
         self._first_copies_sent = asyncio.Event()  # replaced at each change of what is being sent
         self._traffic: dict[int, Traffic] = {}
 
@@ -149,16 +149,17 @@ class PacketStore:
         return self._traffic.setdefault(round, Traffic())
 
     @contextlib.contextmanager
-    def sending_first_copy(self, key: tuple[int, str]) -> Iterator[None]:
-        """While a stream sends this node's own packet `key` (serve.py, a push): until one whole copy
-        of it left (`first_copy_out`), downloads hold back (`after_first_copies`)."""
-        self._sending_first[key] = self._sending_first.get(key, 0) + 1
+    def sending_first_copy(self, key: tuple[int, str], to: Collection[str]) -> Iterator[None]:
+        """While a stream sends this node's own packet `key` to one of the holders `to` (serve.py:
+        its requester; a push: its targets): until one whole copy of it left (`first_copy_out`),
+        downloads hold back (`after_first_copies`), except those from `to`."""
+        receivers = self._sending_first.setdefault(key, Counter())
+        receivers.update(to)
         try:
             yield
         finally:
-            if left := self._sending_first[key] - 1:
-                self._sending_first[key] = left
-            else:
+            receivers.subtract(to)
+            if not +receivers and self._sending_first.get(key) is receivers:
                 del self._sending_first[key]
             self._first_copies_changed()
 
@@ -172,20 +173,25 @@ class PacketStore:
         self._first_copies_sent.set()
         self._first_copies_sent = asyncio.Event()
 
-    def _first_copy_pending(self) -> bool:
-        return any(isinstance(h := self.held.get(key), Held) and not h.first_out for key in self._sending_first)
+    def _first_copy_pending(self, source: str | None) -> bool:
+        return any(
+            isinstance(h := self.held.get(key), Held) and not h.first_out and receivers[source] <= 0
+            for key, receivers in self._sending_first.items()
+        )
 
-    async def after_first_copies(self, max_s: float) -> float:
+    async def after_first_copies(self, max_s: float, source: str | None = None) -> float:
         """Wait, at most `max_s`, while this node sends its own packet before one whole copy of it
         left; the seconds waited. Every peer waits for that copy, and a link whose download side
         is full delays the acknowledgements its upload needs (a home router's queue, or the
         lab's): a publisher fetching at full rate sent its first copy at a quarter of its uplink
-        in the lab."""
-        if not self._first_copy_pending():
+        in the lab. A download from `source` never waits on a copy this node sends to `source`:
+        were that peer sending its own first copy here meanwhile, each copy would wait for the
+        other's reads, and both for `max_s`."""
+        if not self._first_copy_pending(source):
             return 0.0
         loop = asyncio.get_running_loop()
         started = loop.time()
-        while self._first_copy_pending() and (left := started + max_s - loop.time()) > 0:
+        while self._first_copy_pending(source) and (left := started + max_s - loop.time()) > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._first_copies_sent.wait(), left)
         return loop.time() - started

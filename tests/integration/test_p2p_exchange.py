@@ -505,6 +505,31 @@ def test_downloads_are_paced_to_nine_tenths_of_a_stated_downlink():
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("downlink_mbps", [None, 8.0], ids=["downloads-unpaced", "downloads-paced"])
+def test_two_publishers_on_paced_uplinks_fetch_each_others_fresh_packet_without_waiting(downlink_mbps):
+    """Two publishers that stated 8 Mbps uplinks fetch each other's fresh 1 MiB packet at once:
+    each sends its first copy to the other while it receives the other's. Both arrive at about the
+    paced rate. When every download held back while a first copy went out, each copy waited for
+    reads the other held, and both stalled for half the stall time-out (20 s here)."""
+
+    async def scenario():
+        links = {"uplink_mbps": 8.0, "downlink_mbps": downlink_mbps, "stall_timeout_s": 40.0}
+        async with swarm(P2PExchange, P2PExchange, **links) as (a, b):
+            data_a, data_b = packet(31, 1 << 20), packet(32, 1 << 20)
+            ann_a, ann_b = await a.publish(0, "a", data_a), await b.publish(0, "b", data_b)
+            started = time.monotonic()
+            got_b, got_a = await asyncio.gather(
+                b.fetch(0, {"a": ann_a.digest}, {"a": ann_a.multiaddrs}, timeout_s=30),
+                a.fetch(0, {"b": ann_b.digest}, {"b": ann_b.multiaddrs}, timeout_s=30),
+            )
+            elapsed = time.monotonic() - started
+            assert got_b == {"a": data_a} and got_a == {"b": data_b}
+            paced_s = len(data_a) / (8e6 / 8 * PACED_SHARE)  # 1.2 s
+            assert elapsed < paced_s + 8.0, f"{elapsed:.2f} s, paced {paced_s:.2f} s: a first copy waited"
+
+    asyncio.run(scenario())
+
+
 def test_a_holder_sends_a_paced_stream_at_the_rate_asked_and_the_rate_frames_change_it():
     """A request with a rate of 128 KiB/s gets its first 256 KiB no faster than that; a rate frame
     lifts the rate and the rest comes at once; the receipt follows the frames. A rate frame out of

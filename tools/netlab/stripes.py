@@ -87,16 +87,29 @@ async def _fetcher(ip: str, stripes: int, initial_peers: list[str]) -> None:
 def _ask(process: subprocess.Popen, line: str) -> dict:
     process.stdin.write(line + "\n")
     process.stdin.flush()
-    return _answer(process)
+    return read_answer(process)
 
 
-def _answer(process: subprocess.Popen) -> dict:
+def read_answer(process: subprocess.Popen) -> dict:
+    """The next JSON line a bench process prints (other lines, its logs, skipped)."""
     while True:
         line = process.stdout.readline()
         if not line:
             raise RuntimeError("a bench process exited")
         if line.startswith("{"):
             return json.loads(line)
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    """Stop the bench processes started here: SIGTERM, then SIGKILL after 30 s."""
+    for process in processes:
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -117,11 +130,11 @@ def run(args: argparse.Namespace) -> dict:
             return process
 
         publisher = spawn(0, "--role", "publisher", "--ip", topology.hosts[0].ip)
-        bootstrap = _answer(publisher)["ready"]
+        bootstrap = read_answer(publisher)["ready"]
         fetcher = spawn(
             1, "--role", "fetcher", "--ip", topology.hosts[1].ip, "--stripes", str(args.stripes), *bootstrap
         )
-        _answer(fetcher)
+        read_answer(fetcher)
         times: dict[int, list[float]] = {1: [], args.stripes: []}
         round = 0
         for trial in range(args.rounds + 1):  # the first: warm-up, not counted
@@ -136,14 +149,7 @@ def run(args: argparse.Namespace) -> dict:
                     times[stripes].append(answer["seconds"])
                 time.sleep(args.pause_s)
     finally:
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(processes)
         topology.down()
     one, striped = statistics.median(times[1]), statistics.median(times[args.stripes])
     ideal = args.packet_bytes * 8 / (args.rate_mbps * 1e6)
