@@ -16,21 +16,20 @@ holder's queue for its next free slot; only a queue that times out sends it into
 (`busy_pause_s`, doubling): a pause after every busy answer would leave the download link idle
 between transfers. A parent that fails sends the fetch on to this search. With every known
 holder failed, it re-reads the DHT for new ones every `holder_refresh_s`, until one serves or the
-caller's time-out. Unpaced (no `downlink_mbps` stated), while this node sends its own packet's
-first copy (the one every peer waits for), downloads pause between pieces
-(`PacketStore.after_first_copies`, at most half the stall time-out per download): a download link
-kept full delays the acknowledgements the upload needs (the lab's queues, as a home router's), and
-the lab's slow publishers sent that copy at a quarter of their uplink while they fetched. A
-download from the peer the copy goes to never pauses: two publishers sending each other their
-first copies would each wait for the other's reads. With the link's download rate stated,
+caller's time-out. While this node sends its own packet's first copy (the one every peer waits
+for), downloads pause between pieces (`PacketStore.after_first_copies`, at most half the stall
+time-out per download): a download link kept full delays the acknowledgements the upload needs
+(the lab's queues, as a home router's), and the lab's slow publishers sent that copy at a quarter
+of their uplink while they fetched. A download from the peer the copy goes to never pauses: two
+publishers sending each other their first copies would each wait for the other's reads (both
+stalled for the bound: 6.4 s where one alone took 1.4 s, tools/netlab/README.md). With the link's
+download rate stated (`downlink_mbps`),
 packet downloads together take at most nine tenths of it: each request asks its holder to send
 at its share of that, and every stream receiving is told its new share whenever a download
 starts or ends, or a holder's measured rate leaves part of its share to the others
 (node/exchange/pace.py `Shares`, max-min fair; the reads keep to the total as well, `Pacer`).
 The link's download queue then stays empty: the first request for this node's own packet, and
-the acknowledgements of the copy it then sends, cross that queue, so these downloads never pause
-(paused, two 10 Mbps lab hosts fetching each other's packet took 6.4 s where one alone took 1.4 s,
-tools/netlab/README.md). The root of the tree
+the acknowledgements of the copy it then sends, cross that queue. The root of the tree
 of a publisher nobody can dial waits for its push (`pushed_here`, `push_grace_s` to start)
 before it searches.
 
@@ -683,14 +682,13 @@ class PacketFetcher:
         held_s = 0.0  # this download's reads held back while this node sent its first copy
 
         async def before_piece() -> None:
-            """Unpaced, hold while this node sends its first copy; paced, wait for the pacer."""
+            """Hold while this node sends its first copy (unless to this holder), then wait for the pacer."""
             nonlocal held_s, alone
-            if self._pacer is None:
-                # At most half the holder's stall time-out in all, so the holder never drops this stream.
-                waited = await self._store.after_first_copies(cfg.stall_timeout_s / 2 - held_s, holder.holder)
-                held_s += waited
-            else:
-                waited = await self._pacer.wait()
+            # At most half the holder's stall time-out in all, so the holder never drops this stream.
+            waited = await self._store.after_first_copies(cfg.stall_timeout_s / 2 - held_s, holder.holder)
+            held_s += waited
+            if self._pacer is not None:
+                waited += await self._pacer.wait()
             if waited and alone is not None:
                 alone = (alone[0] + waited, alone[1])  # not the holder's trickle
 

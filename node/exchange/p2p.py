@@ -184,7 +184,7 @@ class P2PExchange:
             run=self.config.run_id, round=round, publisher=publisher, digest=held.digest, size=len(held.data)
         )
         data = self._payload_for(round, publisher, bytes(held.data))
-        # Unpaced downloads, but those from the targets, hold back meanwhile (PacketStore.after_first_copies).
+        # Downloads, but those from the targets, hold back meanwhile (PacketStore.after_first_copies).
         with self._store.sending_first_copy((round, publisher), [holder for holder, _ in holders]):
             holder = await push_packet(
                 self._host, self.config, self.traffic(round), offer, data, holders, timeout_s, self._uplink

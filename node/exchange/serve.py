@@ -380,8 +380,8 @@ class PacketServer:
         if isinstance(copy, Partial):
             await self._forward(copy, start, end, writer, traffic, pacer)
             return
-        # Every peer waits for the first copy of this node's own packet: unpaced downloads hold
-        # back meanwhile. Its stripes go side by side, so stripe 0's end stands for the copy's.
+        # Every peer waits for the first copy of this node's own packet: downloads hold back
+        # meanwhile. Its stripes go side by side, so stripe 0's end stands for the copy's.
         first = copy.own and not copy.first_out
         with self._store.sending_first_copy(key, (requester,)) if first else contextlib.nullcontext():
             await self._write(payload[start:end], writer, traffic, pacer)
