@@ -96,6 +96,11 @@ def test_three_peers_two_rounds_on_shaped_links(tmp_path):
         counters = link["emulator_counters"]
         assert sorted(counters) == sorted(f"{result['namespace_prefix']}h{i}" for i in range(4))
         assert all(c["packets"] > 0 for c in counters.values())
+        # While the nodes ran: a part of the whole run's counts (the checks and the TCP replay are not in it).
+        nodes = link["emulator_counters_nodes"]
+        assert sorted(nodes) == sorted(counters) and all(c["packets"] > 0 for c in nodes.values())
+        assert all(0 <= nodes[ns][k] <= counters[ns][k] for ns in counters for k in counters[ns])
+        assert sum(c["packets"] for c in nodes.values()) < sum(c["packets"] for c in counters.values())
 
     # Every peer holds the same parameters after every round (read from the nodes' own reports).
     reports = [json.loads(p.read_text())["rounds"] for p in sorted(tmp_path.glob("node*.report.json"))]

@@ -481,6 +481,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
     started = time.monotonic()
     result: dict = {"completed": False, "workdir": str(workdir)}
     teardown_errors: list[str] = []
+    nodes_counters: dict | None = None  # the link emulator's counts while the nodes ran
     try:
         topology.up()
         say(
@@ -515,8 +516,11 @@ def run_lab(args: argparse.Namespace, say) -> dict:
             link_check["nat"] = _check_nat(topology, say)
         relay_hosts = [topology.relay] if topology.relay is not None else []
         bytes_before, relay_before = topology.interface_bytes(), topology.interface_bytes(relay_hosts)
+        counters_before = topology.emulator_snapshot()  # the checks' probes are not the nodes'
         reports, status = swarm.run(args.timeout)
         bytes_after, relay_after = topology.interface_bytes(), topology.interface_bytes(relay_hosts)
+        if counters_before is not None:  # the TCP reference's replay below is not the nodes' either
+            nodes_counters = _counters_between(counters_before, topology.emulator_snapshot())
         result |= summarize(reports, status.get("history", []), rate_mbps=rates[1:])
         per_peer_means = summarize_peers(reports, status.get("history", []), rate_mbps=rates[1:])
         result["per_peer"] = peer_rows(
@@ -603,6 +607,7 @@ def run_lab(args: argparse.Namespace, say) -> dict:
             "shaper": topology.shaper,
             "shaping": SHAPING.get(topology.shaper),
             "emulator_counters": topology.emulator_counters,
+            "emulator_counters_nodes": nodes_counters,
         },
         "overlap": {"requested": args.overlap, "in_run_config": args.overlap and overlap_ok, "reason": overlap_reason},
         "run_id": swarm.run_id,
@@ -617,6 +622,11 @@ SHAPING = {
     "the one-way delay between them",
     "auto": "not built",
 }
+
+
+def _counters_between(before: dict, after: dict) -> dict:
+    """The link emulator's counters (namespace -> name -> count) from `before` to `after`."""
+    return {ns: {k: n - before[ns][k] for k, n in counts.items()} for ns, counts in after.items()}
 
 
 def _tcp_reference(topology: Topology, reports: list[dict], rates_mbps: dict[int, float]) -> dict:
@@ -831,14 +841,15 @@ def main(argv: list[str] | None = None) -> int:
             if not (link["delay_ms"] or link["loss_pct"])
             else f"delay/loss NOT applied ({link['delay_reason']})"
         )
-        if counters := link.get("emulator_counters"):
+        if counters := link.get("emulator_counters_nodes") or link.get("emulator_counters"):
             carried = sum(c["packets"] for c in counters.values())
             up, down, lost, outside = (
                 sum(c[k] for c in counters.values())
                 for k in ("dropped_uplink", "dropped_downlink", "dropped_loss", "dropped_unroutable")
             )
             print(
-                f"link emulator: {carried:,} packets carried; dropped by full queues: {up:,} on uplinks, "
+                f"link emulator{' while the nodes ran' if link.get('emulator_counters_nodes') else ''}: "
+                f"{carried:,} packets carried; dropped by full queues: {up:,} on uplinks, "
                 f"{down:,} on downlinks; {lost:,} lost; {outside:,} unroutable (IPv6, addresses outside the lab)"
             )
         if baseline := result.get("tcp_alltoall"):

@@ -22,7 +22,9 @@ requested the offload stays off and every 1500-byte packet is dropped with the g
 on its own, as netem does.
 
 Runs until SIGTERM or SIGINT, then prints one JSON line of counters (bytes and packets carried
-and dropped per host). It prints `ready` once every device is open. Needs root.
+and dropped per host). On SIGUSR1 it prints the counters so far, as `counters {JSON}`, within half
+a second (the lab reads them around a phase, `Topology.emulator_snapshot`). It prints `ready` once
+every device is open. Needs root.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class LinkEmulator:
         self.events: list[tuple[float, int, int, int, int, bytes]] = []  # (due, seq, kind, host, wire bytes, packet)
         self.seq = 0
         self.running = True
+        self.report_asked = False  # SIGUSR1: print the counters so far
 
     # -- devices ------------------------------------------------------------------------------
 
@@ -222,6 +225,9 @@ class LinkEmulator:
                 ready = poller.poll(min(timeout_ms, 500.0) if timeout_ms is not None else 500.0)
             except InterruptedError:
                 continue
+            if self.report_asked:
+                self.report_asked = False
+                print("counters " + json.dumps(self.counters()), flush=True)
             now = time.monotonic()
             for fd, _ in ready:
                 source = host_of[fd]
@@ -234,6 +240,9 @@ class LinkEmulator:
 
     def stop(self, *_) -> None:
         self.running = False
+
+    def ask_report(self, *_) -> None:
+        self.report_asked = True
 
     def counters(self) -> dict:
         return {h.namespace: asdict(h.counters) for h in self.hosts}
@@ -278,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     emulator = LinkEmulator(hosts, delay_ms=args.delay_ms, loss_pct=args.loss_pct, seed=args.seed, routes=routes)
     signal.signal(signal.SIGTERM, emulator.stop)
     signal.signal(signal.SIGINT, emulator.stop)
+    signal.signal(signal.SIGUSR1, emulator.ask_report)
     # The lab owns this process: if the lab dies (SIGKILL), so does the emulator.
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() == 1:

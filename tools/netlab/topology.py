@@ -427,6 +427,14 @@ class Topology:
         self.created.clear()
         return errors
 
+    def emulator_snapshot(self, timeout_s: float = 10.0) -> dict | None:
+        """The link emulator's counters so far (as `emulator_counters`, by namespace); None without
+        the emulator (tc shaping)."""
+        if self.emulator is None:
+            return None
+        self.emulator.send_signal(signal.SIGUSR1)
+        return json.loads(read_line(self.emulator.stdout, timeout_s, "counters ").removeprefix("counters "))
+
     def _stop_emulator(self) -> list[str]:
         if self.emulator is None:
             return []
