@@ -141,7 +141,8 @@ class PacketStore:
         self.partial: dict[tuple[int, str], Partial] = {}  # packets arriving now, served as they arrive
         self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched
         self._copy_added = asyncio.Event()  # replaced each time a copy (whole or arriving) is added
-        self._sending_first: dict[tuple[int, str], Counter[str]] = {}  # own packets being sent: streams per receiver
+        # Own packets being sent: the receivers of each stream sending one.
+        self._sending_first: dict[tuple[int, str], list[Collection[str]]] = {}
         self._first_copies_sent = asyncio.Event()  # replaced at each change of what is being sent
         self._traffic: dict[int, Traffic] = {}
 
@@ -153,13 +154,13 @@ class PacketStore:
         """While a stream sends this node's own packet `key` to one of the holders `to` (serve.py:
         its requester; a push: its targets): until one whole copy of it left (`first_copy_out`),
         downloads hold back (`after_first_copies`), except those from `to`."""
-        receivers = self._sending_first.setdefault(key, Counter())
-        receivers.update(to)
+        streams = self._sending_first.setdefault(key, [])
+        streams.append(to)
         try:
             yield
         finally:
-            receivers.subtract(to)
-            if not +receivers and self._sending_first.get(key) is receivers:
+            streams.remove(to)
+            if not streams:
                 del self._sending_first[key]
             self._first_copies_changed()
 
@@ -175,8 +176,8 @@ class PacketStore:
 
     def _first_copy_pending(self, source: str | None) -> bool:
         return any(
-            isinstance(h := self.held.get(key), Held) and not h.first_out and receivers[source] <= 0
-            for key, receivers in self._sending_first.items()
+            isinstance(h := self.held.get(key), Held) and not h.first_out and not any(source in to for to in streams)
+            for key, streams in self._sending_first.items()
         )
 
     async def after_first_copies(self, max_s: float, source: str | None = None) -> float:
