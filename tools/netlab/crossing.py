@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 
-from tools.netlab.stripes import read_answer, stop
-from tools.netlab.topology import REPO_ROOT, LinkSpec, Topology
+from tools.netlab.stripes import read_answer, spawn_in, stop
+from tools.netlab.topology import LinkSpec, Topology
 
 RUN_ID = "crossing-bench"
 
@@ -71,24 +71,9 @@ def run(args: argparse.Namespace) -> dict:
 
         def spawn(host: int, *initial_peers: str) -> subprocess.Popen:
             role = ["--role", "peer", "--ip", topology.hosts[host].ip, "--links", args.links]
-            process = subprocess.Popen(
-                [
-                    *topology.exec_args(host),
-                    sys.executable,
-                    "-m",
-                    "tools.netlab.crossing",
-                    *role,
-                    "--rate-mbps",
-                    str(args.rate_mbps),
-                    *initial_peers,
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=REPO_ROOT,
-            )
-            processes.append(process)
-            return process
+            rate = ["--rate-mbps", str(args.rate_mbps)]
+            processes.append(spawn_in(topology, host, "tools.netlab.crossing", *role, *rate, *initial_peers))
+            return processes[-1]
 
         first = spawn(0)
         bootstrap = read_answer(first)["ready"]

@@ -100,6 +100,17 @@ def read_answer(process: subprocess.Popen) -> dict:
             return json.loads(line)
 
 
+def spawn_in(topology: Topology, host: int, module: str, *args: str) -> subprocess.Popen:
+    """`python -m module args` in lab host `host`, stdin and stdout piped (JSON lines, `read_answer`)."""
+    return subprocess.Popen(
+        [*topology.exec_args(host), sys.executable, "-m", module, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
 def stop(processes: list[subprocess.Popen]) -> None:
     """Stop the bench processes started here: SIGTERM, then SIGKILL after 30 s."""
     for process in processes:
@@ -119,15 +130,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
 
         def spawn(host: int, *role: str) -> subprocess.Popen:
-            process = subprocess.Popen(
-                [*topology.exec_args(host), sys.executable, "-m", "tools.netlab.stripes", *role],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=REPO_ROOT,
-            )
-            processes.append(process)
-            return process
+            processes.append(spawn_in(topology, host, "tools.netlab.stripes", *role))
+            return processes[-1]
 
         publisher = spawn(0, "--role", "publisher", "--ip", topology.hosts[0].ip)
         bootstrap = read_answer(publisher)["ready"]
