@@ -45,7 +45,9 @@ per round trip until its window grows, 52 Mbps over a 40 ms round trip, so a pac
 megabytes is asked for in parts, each on a stream of its own, side by side. Part 0 is the
 request that queues and takes the upload slot (or the child stream) as a whole request would; the
 fetcher asks for the other parts once part 0's answer came, and a holder serves those only while
-it serves part 0 to the same peer, on no slot of their own. `stripe_bounds` cuts a packet into
+it serves part 0 to the same peer, on no slot of their own. A holder may answer part 0's request
+with status 0 and the whole packet, and the fetcher then asks for no other part: a node whose
+uplink binds before a stream's window does (a slow one, which paces its uploads) answers so. `stripe_bounds` cuts a packet into
 at most `stripes` parts of at least MIN_STRIPE_BYTES, so a small packet has one part, and both
 sides compute the same cut from the size. A holder forwarding a copy still arriving holds back
 the last byte of every part until the copy verified. The receipt goes on every part's stream once

@@ -35,7 +35,8 @@ before it searches.
 
 A packet of a few MB comes in stripes (`stripes`, protocol/stream.py): stripe 0 is the request
 above, and once its answer came the other stripes are asked of the same holder, each on a stream
-of its own, and read side by side into one copy. A stream carries one yamux window (256 KiB) per
+of its own, and read side by side into one copy; a holder on a slow uplink answers stripe 0 with
+the whole packet instead (node/exchange/serve.py). A stream carries one yamux window (256 KiB) per
 round trip until its window grows, so one stream took a 1.57 MB packet at 44 Mbps over a 100 Mbps
 link with a 40 ms round trip, and four at 70 Mbps (the lab, two hosts). A holder that fails any
 stripe fails the whole download; the next holder is asked for all of it.

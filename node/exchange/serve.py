@@ -39,7 +39,8 @@ still arriving only from 0.
 Stripes (protocol/stream.py): a request for stripe 0 of a packet takes a slot (or a child stream)
 as a whole request would; the fetcher's requests for its other stripes ride on it, no slot of
 their own, and are refused unless that peer is being sent the packet here now (at most `stripes`
-streams each). A copy still arriving is forwarded stripe by stripe as each one's bytes arrive,
+streams each). A node whose uplink is paced (a slow one, node/exchange/pace.py `Uplink`) answers
+stripe 0 with the whole packet instead: there the link binds, not a stream's window. A copy still arriving is forwarded stripe by stripe as each one's bytes arrive,
 the last byte of every stripe held back until the copy verified.
 
 Rates (protocol/stream.py, node/exchange/pace.py): a request with a "rate" is written in pieces
@@ -366,7 +367,11 @@ class PacketServer:
             size = len(payload)
         else:
             size = copy.length
-        if request.stripes > 1:
+        # A paced uplink binds before a stream's window does: its stripes would add nothing, and
+        # the fetcher asks for the others only once part 0's answer came, a round trip or more
+        # (0.06-0.55 s in the lab) during which part 0 alone left at the link's rate and then the
+        # link idled. Part 0's request gets the whole packet then, on its one stream.
+        if request.stripes > 1 and (request.stripe or self.uplink is None):
             bounds = stripe_bounds(size, request.stripes)
             if request.stripe >= len(bounds):
                 raise MalformedPacket(f"stripe {request.stripe} of a packet cut in {len(bounds)}")
@@ -381,12 +386,15 @@ class PacketServer:
             await self._forward(copy, start, end, writer, traffic, pacer)
             return
         # Every peer waits for the first copy of this node's own packet: downloads hold back
-        # meanwhile. Its stripes go side by side, so stripe 0's end stands for the copy's.
+        # meanwhile, until every byte of it was written to one peer (all of its stripes: they may
+        # start a round trip apart, so stripe 0's end is not the copy's).
         first = copy.own and not copy.first_out
         with self._store.sending_first_copy(key, (requester,)) if first else contextlib.nullcontext():
             await self._write(payload[start:end], writer, traffic, pacer)
-            if first and start == 0:
-                self._store.first_copy_out(key)
+            if first:
+                copy.written_to[requester] = written = copy.written_to.get(requester, 0) + end - start
+                if written >= size:
+                    self._store.first_copy_out(key)
 
     async def _forward(
         self,

@@ -49,6 +49,7 @@ class Held:
     own: bool = False  # published by this node
     pushed: bool = False  # pushed here by its publisher (node/exchange/push.py)
     first_out: bool = False  # own: one whole copy of it has left this node (served or pushed)
+    written_to: dict[str, int] = field(default_factory=dict)  # own, before first_out: bytes written to each peer
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from hivemind.p2p import PeerID
 
 from node.exchange.config import ExchangeConfig
 from node.exchange.p2p import P2PExchange
-from node.exchange.pace import PACED_PIECE_BYTES, PACED_SHARE
+from node.exchange.pace import PACED_PIECE_BYTES, PACED_SHARE, Uplink
 from node.exchange.serve import MAX_CHILD_STREAMS
 from protocol.dht_records import packets_key
 from protocol.stream import (
@@ -460,9 +460,18 @@ def test_a_packet_comes_in_stripes_side_by_side_on_one_upload_slot():
                 return request
 
             publisher._server.parse_request = recording
+            first_out = publisher._store.first_copy_out
+            written_when_out = []  # bytes written to the fetcher when the first copy counted as out
+
+            def recording_out(key):
+                written_when_out.append(publisher._store.held[key].written_to[fetcher.holder_id])
+                first_out(key)
+
+            publisher._store.first_copy_out = recording_out
             assert await fetcher.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
             assert sorted(asked) == [(0, 4, 0), (1, 4, 1), (2, 4, 1), (3, 4, 1)]
             assert asked[0][0] == 0  # the others are asked once stripe 0 was answered
+            assert written_when_out == [len(data)]  # every stripe written, not stripe 0's end
             traffic = publisher.traffic(0)
             assert (traffic.num_served, traffic.uploaded_bytes) == (1, len(data))
             assert fetcher.traffic(0).downloaded_bytes == len(data)
@@ -478,6 +487,29 @@ def test_a_packet_comes_in_stripes_side_by_side_on_one_upload_slot():
             status, length = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10))
             assert status == STATUS_ERROR and b"stripe 0" in await reader.readexactly(length)
             writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_holder_on_a_paced_uplink_answers_a_striped_request_with_the_whole_packet_on_one_stream():
+    """A publisher that stated a 16 Mbps uplink (paced: under PACED_UPLINK_MBPS) answers the
+    fetcher's request for stripe 0 of 4 with the whole packet, so the fetcher asks for no other
+    stripe: the link binds there, and a stripe opened a round trip later would leave it idle."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange) as (publisher, fetcher):
+            # The publisher's uplink as a node stating 16 Mbps paces it; the fetcher's link is fast.
+            publisher._server.uplink = Uplink.stated(16.0)
+            assert fetcher.config.fetch_stripes == 4
+            data = packet(22)
+            ann = await publisher.publish(0, "pub", data)
+            asked = []
+            parse = publisher._server.parse_request
+            publisher._server.parse_request = lambda raw: asked.append(request := parse(raw)) or request
+            assert await fetcher.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=30) == {"pub": data}
+            assert [(r.stripe, r.stripes) for r in asked] == [(0, 4)]
+            assert publisher.traffic(0).uploaded_bytes == fetcher.traffic(0).downloaded_bytes == len(data)
+            assert publisher._store.held[(0, "pub")].first_out
 
     asyncio.run(scenario())
 
