@@ -20,14 +20,19 @@ caller's time-out. While this node sends its own packet's first copy (the one ev
 for), downloads pause between pieces (`PacketStore.after_first_copies`, at most half the stall
 time-out per download): a download link kept full delays the acknowledgements the upload needs
 (the lab's queues, as a home router's), and the lab's slow publishers sent that copy at a quarter
-of their uplink while they fetched. A download from the peer the copy goes to never pauses: two
-publishers sending each other their first copies would each wait for the other's reads (both
-stalled for the bound: 6.4 s where one alone took 1.4 s, tools/netlab/README.md). With the link's
+of their uplink while they fetched. A packet's own first copy (from a holder its submission
+names: the publisher, or the peer it pushes to) never pauses: two publishers sending each other
+their first copies would each wait for the other's reads (both stalled for the bound: 6.4 s where
+one alone took 1.4 s, tools/netlab/README.md). Copies forwarded by the peer this node's copy goes
+to pause like any other: they kept its download queue full while its upload went. With the link's
 download rate stated (`downlink_mbps`),
 packet downloads together take at most nine tenths of it: each request asks its holder to send
 at its share of that, and every stream receiving is told its new share whenever a download
 starts or ends, or a holder's measured rate leaves part of its share to the others
-(node/exchange/pace.py `Shares`, max-min fair; the reads keep to the total as well, `Pacer`).
+(node/exchange/pace.py `Shares`, max-min fair; the reads keep to the total as well, `Pacer`);
+while this node's own first copy goes, such downloads are held by their shares rather than their
+reads (half the rate, less what first copies take: `Shares`): their holders slow down within a
+round trip, where paused reads stop the bytes only once a stream's window is full.
 The link's download queue then stays empty: the first request for this node's own packet, and
 the acknowledgements of the copy it then sends, cross that queue. The root of the tree
 of a publisher nobody can dial waits for its push (`pushed_here`, `push_grace_s` to start)
@@ -135,6 +140,9 @@ class FetchState:
     refused: set[str] = field(default_factory=set)  # holders that answered they do not hold it
     # with a mirror copy: set once a pass asked holders and every one failed (the mirror need not wait)
     peers_failed: asyncio.Event | None = None
+    # the holders the submission names (the publisher, or the peer it pushes to): their copy is
+    # the packet's first, which never holds back for this node's own (`PacketStore.after_first_copies`)
+    first_hand: frozenset[str] = frozenset()
 
 
 class SnapshotGone(Exception):
@@ -160,6 +168,17 @@ class PacketFetcher:
         paced = paced_rate(config.downlink_mbps) if config.downlink_mbps else None
         self._pacer = Pacer(paced) if paced else None
         self._shares = Shares(paced) if paced else None
+        if self._shares is not None:
+            # While this node's first copy goes, downloads but packets' first copies are told the
+            # floor rate, for at most half the stall time-out, as their reads pause (`_receive`).
+            hold_s = config.stall_timeout_s / 2
+            self._shares.held = lambda: store.first_copy_pending(hold_s)
+            store.on_first_copies_changed = lambda: self._first_copies_changed(hold_s)
+
+    def _first_copies_changed(self, hold_s: float) -> None:
+        """Tell the downloads their shares now, and again once a hold that began here ran out."""
+        self._shares.refresh()
+        asyncio.get_running_loop().call_later(hold_s, self._shares.refresh)
 
     async def fetch(
         self,
@@ -212,6 +231,7 @@ class PacketFetcher:
                     return data
             state = FetchState(round, publisher, digest, None)
             hints = hinted_holders((holders_hint or {}).get(publisher, []), state)
+            state.first_hand = frozenset(h.holder for h in hints)
             parent = next(iter(hinted_holders((parents or {}).get(publisher, []), state)), None)
             log.debug(
                 "round %d: fetching %s's packet, parent %s", round, publisher, parent.holder[-8:] if parent else None
@@ -559,6 +579,7 @@ class PacketFetcher:
         reader, writer = await asyncio.wait_for(self._host.open_stream(peer), budget(cfg.connect_timeout_s))
         writers = [writer]  # the streams of this download: stripe 0's first
         download = object()  # its key in the shares of the downlink
+        holdable = holder.holder not in state.first_hand  # not the packet's first copy (`Shares`)
         stripes = cfg.fetch_stripes if state.sink is None else 1
         request = PacketRequest(
             run=cfg.run_id,
@@ -569,10 +590,10 @@ class PacketFetcher:
             child=child,
             offset=state.sink.offset if state.sink is not None else 0,
             stripes=stripes,
-            rate=self._shares.next_share(download) if self._shares is not None and state.sink is None else 0,
+            rate=self._shares.next_share(download, holdable) if self._shares is not None and state.sink is None else 0,
         )
         try:
-            answered, status, length = await self._ask(reader, writer, request, state, budget, download)
+            answered, status, length = await self._ask(reader, writer, request, state, budget, download, holdable)
             if state.sink is not None:
                 data = await self._receive_snapshot(reader, state, length, budget)
             else:
@@ -584,10 +605,10 @@ class PacketFetcher:
                         self._host.open_stream(peer), budget(cfg.connect_timeout_s)
                     )
                     writers.append(stripe_writer)
-                    rate = self._shares.next_share(download) if request.rate and self._shares is not None else 0
+                    rate = self._shares.next_share(download, holdable) if request.rate and self._shares else 0
                     stripe_request = dataclasses.replace(request, stripe=i, rate=rate)
                     _, stripe_status, size = await self._ask(
-                        stripe_reader, stripe_writer, stripe_request, state, budget, download
+                        stripe_reader, stripe_writer, stripe_request, state, budget, download, holdable
                     )
                     if stripe_status != STATUS_STRIPED or size != length:
                         raise MalformedPacket(f"stripe {i} answered as a {size}-byte packet, stripe 0 as {length}")
@@ -623,10 +644,12 @@ class PacketFetcher:
         state: FetchState,
         budget: Callable[[float], float],
         download: object,
+        holdable: bool,
     ) -> tuple[float, int, int]:
         """Send `request` and read the answer's header: (when it came, its status, its length) for
         the bytes that follow; an error or a busy answer is raised (HolderRefused, HolderBusy), and
-        a length other than the announced size before any of the bytes is read (MalformedPacket)."""
+        a length other than the announced size before any of the bytes is read (MalformedPacket).
+        `holdable`: the download is no packet's first copy (`Shares`)."""
         cfg = self.config
         writer.write(encode_request(request))
         await asyncio.wait_for(writer.drain(), budget(cfg.connect_timeout_s))
@@ -646,7 +669,7 @@ class PacketFetcher:
         if expected is not None and length != expected:
             raise MalformedPacket(f"holder offers {length} bytes, the announcement says {expected}")
         if request.rate and self._shares is not None:
-            self._shares.join(download, writer, request.rate)  # its bytes come now: the shares change
+            self._shares.join(download, writer, request.rate, holdable)  # its bytes come now: the shares change
         return asyncio.get_running_loop().time(), status, length
 
     async def _receive(
@@ -681,12 +704,14 @@ class PacketFetcher:
             alone = self._rate_floor(alone, loop.time(), received, length)
 
         held_s = 0.0  # this download's reads held back while this node sent its first copy
+        # A packet's first copy is never held; a paced download is held by its share (`Shares`).
+        hold_reads = holder.holder not in state.first_hand and self._shares is None
 
         async def before_piece() -> None:
-            """Hold while this node sends its first copy (unless to this holder), then wait for the pacer."""
+            """Hold while this node sends its first copy (`hold_reads`), then wait for the pacer."""
             nonlocal held_s, alone
             # At most half the holder's stall time-out in all, so the holder never drops this stream.
-            waited = await self._store.after_first_copies(cfg.stall_timeout_s / 2 - held_s, holder.holder)
+            waited = await self._store.after_first_copies(cfg.stall_timeout_s / 2 - held_s) if hold_reads else 0.0
             held_s += waited
             if self._pacer is not None:
                 waited += await self._pacer.wait()

@@ -184,8 +184,8 @@ class P2PExchange:
             run=self.config.run_id, round=round, publisher=publisher, digest=held.digest, size=len(held.data)
         )
         data = self._payload_for(round, publisher, bytes(held.data))
-        # Downloads, but those from the targets, hold back meanwhile (PacketStore.after_first_copies).
-        with self._store.sending_first_copy((round, publisher), [holder for holder, _ in holders]):
+        # Downloads, but packets' first copies, hold back meanwhile (PacketStore.first_copy_pending).
+        with self._store.sending_first_copy((round, publisher)):
             holder = await push_packet(
                 self._host, self.config, self.traffic(round), offer, data, holders, timeout_s, self._uplink
             )

@@ -47,24 +47,42 @@ def paced_rate(link_mbps: float) -> float:
 
 class Pacer:
     """Bytes at `rate` per second at most, over bursts of `burst_s`: each piece's bytes are owed
-    (`spent`), and the next piece waits until they are paid (`wait`). `rate` may change at any
-    time; what is owed is paid at the rate in force when it was spent."""
+    (`spent`), and the next piece waits until they are paid (`wait`). The rate may change at any
+    time (`set_rate`): what is still owed is paid at the new one, so a stream held at the floor
+    rate goes on at once when its share comes back, not a floor-priced piece later."""
 
     def __init__(self, rate: float, burst_s: float = 0.05, clock: Callable[[], float] | None = None):
         self.rate, self.burst_s = rate, burst_s
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self._paid_until = -math.inf  # when what was sent or read so far is paid for
+        self._repriced: asyncio.Event | None = None  # set when the rate changes under a waiting piece
 
     def spent(self, num_bytes: int) -> None:
         self._paid_until = max(self._paid_until, self._clock() - self.burst_s) + num_bytes / self.rate
 
+    def set_rate(self, rate: float) -> None:
+        """Pace at `rate` from now on, what is still owed included."""
+        now = self._clock()
+        if self._paid_until > now:
+            self._paid_until = now + (self._paid_until - now) * self.rate / rate
+        self.rate = rate
+        if self._repriced is not None:
+            self._repriced.set()
+
     async def wait(self) -> float:
         """Wait until what was spent is paid for; the seconds waited."""
-        delay = self._paid_until - self._clock()
-        if delay <= 0:
-            return 0.0
-        await asyncio.sleep(delay)
-        return delay
+        waited = 0.0
+        while (delay := self._paid_until - self._clock()) > 0:
+            self._repriced = repriced = asyncio.Event()
+            started = self._clock()
+            try:
+                await asyncio.wait_for(repriced.wait(), delay)
+            except asyncio.TimeoutError:
+                return waited + delay
+            finally:
+                self._repriced = None
+            waited += self._clock() - started
+        return waited
 
 
 class Uplink:
@@ -127,6 +145,15 @@ class Shares:
     and each download's share evenly between its streams; a stream is told its share in a rate
     frame whenever it changes by more than `TELL_CHANGE`.
 
+    While this node sends its own packet's first copy (`held`: the packet store's
+    `first_copy_pending`), the downloads but those of a packet's first copy from its publisher
+    (`holdable` False) are held: together they take at most HELD_FRACTION of the rate, less what
+    the first copies take, so that the link's download queue stays short for the upload's
+    acknowledgements within a round trip; `refresh` tells the streams when the hold begins or ends.
+    Pausing the reads alone does not quiet the link: a holder goes on sending until the stream's
+    window is full, 256 KiB or 0.2 s of a 10 Mbps link per stream. A first copy is never held: two
+    publishers sending each other theirs would each wait for the other.
+
     A download whose holder sends under `BOUND_FRACTION` of its share over a whole `window_s`
     (a slow publisher, or a parent still receiving the copy it forwards) is bound by its holder:
     the others split what it leaves unused, and it is told twice what it measured (at most an even
@@ -138,16 +165,21 @@ class Shares:
         self.rate, self.window_s = rate, window_s
         self._clock = clock or (lambda: asyncio.get_running_loop().time())
         self._downloads: dict[object, _Download] = {}
+        self.held: Callable[[], bool] = lambda: False  # are the holdable downloads held now?
 
-    def next_share(self, download: object) -> int:
-        """The share a stream of `download` that starts now asks for in its request."""
+    def next_share(self, download: object, holdable: bool = True) -> int:
+        """The share a stream of `download` that starts now asks for (`holdable`: see the class)."""
         known = self._downloads.get(download)
-        share = self._split({download: known or _Download(self._clock())})[download]
+        share = self._split({download: known or _Download(self._clock(), holdable)})[download]
         return _per_stream(share, len(known.told) + 1 if known else 1)
 
-    def join(self, download: object, writer: asyncio.StreamWriter, told: int) -> None:
+    def join(self, download: object, writer: asyncio.StreamWriter, told: int, holdable: bool = True) -> None:
         """`writer`, a stream of `download`, receives from now on, asked for at `told` bytes/s."""
-        self._downloads.setdefault(download, _Download(self._clock())).told[writer] = told
+        self._downloads.setdefault(download, _Download(self._clock(), holdable)).told[writer] = told
+        self._tell()
+
+    def refresh(self) -> None:
+        """What `held` says changed: every stream is told its share again where it changed."""
         self._tell()
 
     def received(self, download: object, num_bytes: int) -> None:
@@ -172,10 +204,20 @@ class Shares:
     def _split(self, extra: dict[object, _Download] | None = None) -> dict[object, float]:
         """Each download's share, bytes/s (with `extra`, a download about to start, counted)."""
         downloads = {**self._downloads, **(extra or {})}
+        if not self.held():
+            return self._water_fill(downloads, self.rate)
+        held = {k: d for k, d in downloads.items() if d.holdable}
+        shares = self._water_fill({k: d for k, d in downloads.items() if k not in held}, self.rate)
+        room = max(0.0, self.rate * HELD_FRACTION - sum(shares.values()))  # 0: each told the floor
+        return shares | self._water_fill(held, room)
+
+    def _water_fill(self, downloads: dict[object, _Download], rate: float) -> dict[object, float]:
+        if not downloads:
+            return {}
         # Water-filling: the downloads bound under what an even split of the rest would give them
         # keep what they measured; the others share what is left evenly.
         bound = sorted((k for k, d in downloads.items() if d.bound), key=lambda k: downloads[k].measured)
-        left, free = self.rate, len(downloads)
+        left, free = rate, len(downloads)
         held: dict[object, float] = {}
         for key in bound:
             if (measured := downloads[key].measured) >= left / free:
@@ -183,8 +225,8 @@ class Shares:
             held[key] = measured
             left, free = left - measured, free - 1
         if not free:  # all held by their holders: nobody to leave the rest to
-            return {k: self.rate / len(downloads) for k in downloads}
-        return {k: min(2 * held[k], self.rate / len(downloads)) if k in held else left / free for k in downloads}
+            return {k: rate / len(downloads) for k in downloads}
+        return {k: min(2 * held[k], rate / len(downloads)) if k in held else left / free for k in downloads}
 
     def _tell(self) -> None:
         for key, share in self._split().items():
@@ -197,6 +239,7 @@ class Shares:
             download.told_in_window = min(download.told_in_window, sum(download.told.values()))
 
 
+HELD_FRACTION = 0.5  # of the paced rate, what held downloads take together while a first copy goes
 TELL_CHANGE = 1 / 16  # a stream is told a new share that differs from its last by more than this
 BOUND_FRACTION = 0.8  # a download measured under this part of its share is bound by its holder
 
@@ -207,6 +250,7 @@ class _Download:
     the last whole window (None: not yet measured)."""
 
     window_start: float
+    holdable: bool = True  # False: a packet's first copy, from its publisher
     told: dict[asyncio.StreamWriter, int] = dataclasses.field(default_factory=dict)
     num_bytes: int = 0
     window_bytes: int = 0  # `num_bytes` at the window's start

@@ -307,7 +307,7 @@ class PacketServer:
                 break
             _, rate = RATE_FRAME.unpack(RATE + await reader.readexactly(RATE_FRAME.size - 1))
             try:
-                pacer.rate = check_rate(rate)
+                pacer.set_rate(check_rate(rate))
             except ProtocolError as e:
                 log.debug("paced stream ended: %s", e)
                 break
@@ -389,7 +389,7 @@ class PacketServer:
         # meanwhile, until every byte of it was written to one peer (all of its stripes: they may
         # start a round trip apart, so stripe 0's end is not the copy's).
         first = copy.own and not copy.first_out
-        with self._store.sending_first_copy(key, (requester,)) if first else contextlib.nullcontext():
+        with self._store.sending_first_copy(key) if first else contextlib.nullcontext():
             await self._write(payload[start:end], writer, traffic, pacer)
             if first:
                 copy.written_to[requester] = written = copy.written_to.get(requester, 0) + end - start

@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -142,27 +143,31 @@ class PacketStore:
         self.partial: dict[tuple[int, str], Partial] = {}  # packets arriving now, served as they arrive
         self._wanted: Counter[tuple[int, str, str]] = Counter()  # (round, publisher, digest) being fetched
         self._copy_added = asyncio.Event()  # replaced each time a copy (whole or arriving) is added
-        # Own packets being sent: the receivers of each stream sending one.
-        self._sending_first: dict[tuple[int, str], list[Collection[str]]] = {}
+        # Own packets whose first copy is going out: how many streams send each, since when.
+        self._sending_first: Counter[tuple[int, str]] = Counter()
+        self._sending_since: dict[tuple[int, str], float] = {}
         self._first_copies_sent = asyncio.Event()  # replaced at each change of what is being sent
+        self.on_first_copies_changed: Callable[[], None] | None = None  # the fetcher's `Shares.refresh`
         self._traffic: dict[int, Traffic] = {}
 
     def traffic(self, round: int) -> Traffic:
         return self._traffic.setdefault(round, Traffic())
 
     @contextlib.contextmanager
-    def sending_first_copy(self, key: tuple[int, str], to: Collection[str]) -> Iterator[None]:
-        """While a stream sends this node's own packet `key` to one of the holders `to` (serve.py:
-        its requester; a push: its targets): until one whole copy of it left (`first_copy_out`),
-        downloads hold back (`after_first_copies`), except those from `to`."""
-        streams = self._sending_first.setdefault(key, [])
-        streams.append(to)
+    def sending_first_copy(self, key: tuple[int, str]) -> Iterator[None]:
+        """While a stream sends this node's own packet `key` (serve.py, or a push): until one whole
+        copy of it left (`first_copy_out`), downloads that are not a packet's first copy hold back
+        (`first_copy_pending`, `after_first_copies`)."""
+        if not self._sending_first[key]:
+            self._sending_since[key] = asyncio.get_running_loop().time()
+        self._sending_first[key] += 1
+        self._first_copies_changed()
         try:
             yield
         finally:
-            streams.remove(to)
-            if not streams:
-                del self._sending_first[key]
+            self._sending_first[key] -= 1
+            if not self._sending_first[key]:
+                del self._sending_first[key], self._sending_since[key]
             self._first_copies_changed()
 
     def first_copy_out(self, key: tuple[int, str]) -> None:
@@ -174,26 +179,31 @@ class PacketStore:
     def _first_copies_changed(self) -> None:
         self._first_copies_sent.set()
         self._first_copies_sent = asyncio.Event()
+        if self.on_first_copies_changed is not None:
+            self.on_first_copies_changed()
 
-    def _first_copy_pending(self, source: str | None) -> bool:
+    def first_copy_pending(self, for_at_most_s: float = math.inf) -> bool:
+        """Whether this node sends its own packet's first copy now, begun less than
+        `for_at_most_s` ago."""
+        now = asyncio.get_running_loop().time() if for_at_most_s < math.inf else 0.0
         return any(
-            isinstance(h := self.held.get(key), Held) and not h.first_out and not any(source in to for to in streams)
-            for key, streams in self._sending_first.items()
+            isinstance(h := self.held.get(key), Held) and not h.first_out and now - since < for_at_most_s
+            for key, since in self._sending_since.items()
         )
 
-    async def after_first_copies(self, max_s: float, source: str | None = None) -> float:
+    async def after_first_copies(self, max_s: float) -> float:
         """Wait, at most `max_s`, while this node sends its own packet before one whole copy of it
         left; the seconds waited. Every peer waits for that copy, and a link whose download side
         is full delays the acknowledgements its upload needs (a home router's queue, or the
         lab's): a publisher fetching at full rate sent its first copy at a quarter of its uplink
-        in the lab. A download from `source` never waits on a copy this node sends to `source`:
-        were that peer sending its own first copy here meanwhile, each copy would wait for the
-        other's reads, and both for `max_s`."""
-        if not self._first_copy_pending(source):
+        in the lab. A download that is itself a packet's first copy (from its publisher) must not
+        call this: were that peer sending its own first copy here meanwhile, each copy would wait
+        for the other's reads, and both for `max_s` (node/exchange/fetch.py)."""
+        if not self.first_copy_pending():
             return 0.0
         loop = asyncio.get_running_loop()
         started = loop.time()
-        while self._first_copy_pending(source) and (left := started + max_s - loop.time()) > 0:
+        while self.first_copy_pending() and (left := started + max_s - loop.time()) > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._first_copies_sent.wait(), left)
         return loop.time() - started

@@ -45,6 +45,24 @@ def test_wait_sleeps_for_the_debt():
     asyncio.run(scenario())
 
 
+def test_a_rate_raised_while_a_piece_waits_reprices_what_is_owed_and_wakes_it():
+    """A holder's stream held at the floor rate owes half a second for one piece; its share comes
+    back 50 ms into the wait, and the piece goes at once at the new rate, not at the old price."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        pacer = Pacer(32_000.0, burst_s=0.0)
+        pacer.spent(16_000)  # 0.5 s at the floor
+        loop.call_later(0.05, pacer.set_rate, 3_200_000.0)  # the rest: 0.45 s at 32 kB/s, 4.5 ms now
+        started = loop.time()
+        waited = await pacer.wait()
+        assert 0.04 < loop.time() - started < 0.2 and abs(waited - (loop.time() - started)) < 0.01
+        pacer.set_rate(32_000.0)  # nothing owed: nothing to reprice
+        assert await pacer.wait() == 0.0
+
+    asyncio.run(scenario())
+
+
 def test_an_uplinks_pieces_take_turns_and_together_keep_to_its_rate():
     """Two streams writing through one `Uplink`: their pieces take turns, oldest first, and all of
     them take no less than the rate allows after one burst (a lower bound: load only slows it)."""
@@ -119,6 +137,35 @@ def test_shares_split_the_rate_evenly_and_each_stream_is_told_its_new_share():
         shares.leave(d0)
         assert await _told(r2) == []  # a closed stream is not written to
         for writer in (w0, w1):
+            writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_held_downloads_share_half_the_rate_less_the_first_copies_while_this_nodes_first_copy_goes():
+    """While this node sends its first copy, the downloads that are no packet's first copy share
+    HELD_FRACTION of the rate less what first copies take; a first copy keeps its share, and the
+    split is as before once the copy is out."""
+
+    async def scenario():
+        shares = Shares(900_000.0)
+        sending = [False]
+        shares.held = lambda: sending[0]
+        (w0, r0), (w1, r1), (w2, r2) = [await _stream() for _ in range(3)]
+        shares.join("a", w0, shares.next_share("a"))
+        shares.join("b", w1, shares.next_share("b"))
+        assert (await _told(r0), await _told(r1)) == ([450_000], [])
+        sending[0] = True
+        shares.refresh()
+        assert (await _told(r0), await _told(r1)) == ([225_000], [225_000])  # half the rate between them
+        assert shares.next_share("another") == 150_000  # a download starting meanwhile: a third of it
+        shares.join("first", w2, shares.next_share("first", holdable=False), holdable=False)
+        # The first copy takes the whole rate (it alone is not held): the held ones the floor.
+        assert (await _told(r0), await _told(r1), await _told(r2)) == ([MIN_RATE], [MIN_RATE], [])
+        sending[0] = False
+        shares.refresh()
+        assert [await _told(r) for r in (r0, r1, r2)] == [[300_000], [300_000], [300_000]]
+        for writer in (w0, w1, w2):
             writer.close()
 
     asyncio.run(scenario())

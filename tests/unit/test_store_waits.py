@@ -80,7 +80,7 @@ def test_downloads_hold_back_until_one_whole_copy_of_the_own_packet_left():
         async def hold():
             holds.append(await store.after_first_copies(5.0))
 
-        with store.sending_first_copy((3, "me"), ["peer"]):
+        with store.sending_first_copy((3, "me")):
             receiving = asyncio.create_task(
                 store.receive(
                     (3, "other"),
@@ -97,31 +97,33 @@ def test_downloads_hold_back_until_one_whole_copy_of_the_own_packet_left():
             assert not receiving.done() and store.partial[(3, "other")].num_received == 0  # not a byte read
             started = loop.time()
             # Another stream of it (to a slow peer) goes on, but one whole copy left: downloads go on.
-            with store.sending_first_copy((3, "me"), ["peer"]):
+            with store.sending_first_copy((3, "me")):
                 store.first_copy_out((3, "me"))
                 assert await receiving == BODY and loop.time() - started < 1.0
         assert holds[0] >= 0.3 and all(h == 0.0 for h in holds[1:])
         store.held[(4, "me")] = Held(DIGEST, BODY, own=True)
-        with store.sending_first_copy((4, "me"), ["peer"]):  # a bound: the caller's, however long the send takes
+        with store.sending_first_copy((4, "me")):  # a bound: the caller's, however long the send takes
             assert 0.1 <= await store.after_first_copies(0.1) < 1.0
 
     asyncio.run(scenario())
 
 
-def test_a_download_from_the_peer_the_first_copy_goes_to_never_holds_back():
-    """Two publishers sending each other their first copies: were each download from the other
-    held, each copy would wait for reads the other holds back. Downloads from the copy's receiver
-    go on; those from anyone else hold back until the copy left, or the bound."""
+def test_a_first_copy_tells_its_watcher_when_it_begins_and_ends_and_holds_for_at_most_the_bound():
+    """The fetcher's shares (node/exchange/pace.py) hear of each change, the hold's beginning
+    included, and ask `first_copy_pending` with a bound: a copy sent for longer holds nothing."""
 
     async def scenario():
         store = PacketStore()
+        changes = []
+        store.on_first_copies_changed = lambda: changes.append(store.first_copy_pending(0.2))
         store.held[(3, "me")] = Held(DIGEST, BODY, own=True)
-        with store.sending_first_copy((3, "me"), ["peer"]):
-            assert await asyncio.wait_for(store.after_first_copies(5.0, "peer"), 1.0) == 0.0
-            assert 0.1 <= await store.after_first_copies(0.1, "other") < 1.0
-            with store.sending_first_copy((3, "me"), ["other"]):  # a second stream, to another peer
-                assert await asyncio.wait_for(store.after_first_copies(5.0, "other"), 1.0) == 0.0
-            assert 0.1 <= await store.after_first_copies(0.1, "other") < 1.0  # that stream ended
-        assert await store.after_first_copies(5.0, "other") == 0.0 and not store._sending_first
+        with store.sending_first_copy((3, "me")):
+            with store.sending_first_copy((3, "me")):  # a second stream: the hold keeps its start
+                assert changes == [True, True]
+            await asyncio.sleep(0.3)
+            assert store.first_copy_pending() and not store.first_copy_pending(0.2)
+            store.first_copy_out((3, "me"))
+            assert changes == [True, True, True, False] and not store.first_copy_pending()
+        assert changes == [True, True, True, False, False] and not store._sending_since
 
     asyncio.run(scenario())
