@@ -40,18 +40,18 @@ that fails upstream ends the stream short rather than with bad bytes. A fetcher 
 that differs from the announced size (or exceeds its packet limit) before reading the body, and
 the sha256 of the bytes must equal the digest asked for (`DigestMismatch` otherwise).
 
-Stripes: one libp2p stream carries at most one yamux window (256 KiB, fixed by the yamux spec)
-per round trip until its window grows, 52 Mbps over a 40 ms round trip, so a packet of a few
-megabytes is asked for in parts, each on a stream of its own, side by side. Part 0 is the
-request that queues and takes the upload slot (or the child stream) as a whole request would; the
-fetcher asks for the other parts once part 0's answer came, and a holder serves those only while
-it serves part 0 to the same peer, on no slot of their own. A holder may answer part 0's request
-with status 0 and the whole packet, and the fetcher then asks for no other part: a node whose
-uplink binds before a stream's window does (a slow one, which paces its uploads) answers so. `stripe_bounds` cuts a packet into
-at most `stripes` parts of at least MIN_STRIPE_BYTES, so a small packet has one part, and both
-sides compute the same cut from the size. A holder forwarding a copy still arriving holds back
-the last byte of every part until the copy verified. The receipt goes on every part's stream once
-the whole packet hashed to its digest.
+Stripes: one libp2p stream carries at most one yamux window (256 KiB, fixed by the yamux spec) per
+round trip until its window grows, 52 Mbps over a 40 ms round trip, so a packet of a few megabytes
+is asked for in parts, each on a stream of its own, side by side. Part 0 is the request that queues
+and takes the upload slot (or the child stream) as a whole request would; the fetcher asks for the
+other parts once part 0's answer came, and a holder serves those only while it serves part 0 to the
+same peer, on no slot of their own. A holder may answer part 0's request with status 0 and the
+whole packet, and the fetcher then asks for no other part: a node whose uplink binds before a
+stream's window does (a slow one, which paces its uploads) answers so. `stripe_bounds` cuts a
+packet into at most `stripes` parts of at least MIN_STRIPE_BYTES, so a small packet has one part,
+and both sides compute the same cut from the size. A holder forwarding a copy still arriving holds
+back the last byte of every part until the copy verified. The receipt goes on every part's stream
+once the whole packet hashed to its digest.
 
 Rates: a fetcher on a slow link that states its download rate asks each holder to send at its
 share of nine tenths of it (node/exchange/pace.py), and tells every stream its new share whenever

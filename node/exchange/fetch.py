@@ -169,16 +169,17 @@ class PacketFetcher:
         self._pacer = Pacer(paced) if paced else None
         self._shares = Shares(paced) if paced else None
         if self._shares is not None:
-            # While this node's first copy goes, downloads but packets' first copies are told the
-            # floor rate, for at most half the stall time-out, as their reads pause (`_receive`).
+            # While this node's first copy goes, downloads but packets' first copies share part of
+            # the rate (`Shares`, HELD_FRACTION), for at most half the stall time-out.
             hold_s = config.stall_timeout_s / 2
             self._shares.held = lambda: store.first_copy_pending(hold_s)
             store.on_first_copies_changed = lambda: self._first_copies_changed(hold_s)
 
     def _first_copies_changed(self, hold_s: float) -> None:
-        """Tell the downloads their shares now, and again once a hold that began here ran out."""
+        """Tell the downloads their shares now, and again once a hold now in force ran out."""
         self._shares.refresh()
-        asyncio.get_running_loop().call_later(hold_s, self._shares.refresh)
+        if self._shares.held():
+            asyncio.get_running_loop().call_later(hold_s, self._shares.refresh)
 
     async def fetch(
         self,
@@ -614,7 +615,9 @@ class PacketFetcher:
                         raise MalformedPacket(f"stripe {i} answered as a {size}-byte packet, stripe 0 as {length}")
                     return stripe_reader
 
-                data = await self._receive(reader, holder, state, length, budget, bounds, open_stripe, download)
+                data = await self._receive(
+                    reader, holder, state, length, budget, bounds, open_stripe, download, holdable
+                )
             for stream in writers:
                 stream.write(RECEIPT)  # frees the holder's upload slot; a lost receipt only delays that
             done = loop.time()
@@ -682,11 +685,13 @@ class PacketFetcher:
         bounds: list[tuple[int, int]],
         open_stripe: Callable[[int], Awaitable[asyncio.StreamReader]],
         download: object,
+        holdable: bool,
     ) -> bytes:
         """The `length` bytes of a packet body, in stripes `bounds` (the first from `reader`, the
         others from `open_stripe(i)`), verified and held from then on (`PacketStore.receive`);
         `budget(limit_s)` caps each read's time-out by what is left of the fetch, and a holder that
-        trickles while no other download runs is dropped (`_rate_floor`)."""
+        trickles while no other download runs is dropped (`_rate_floor`). `holdable`: no packet's
+        first copy, so it holds back while this node's own goes."""
         loop = asyncio.get_running_loop()
         cfg = self.config
         alone: tuple[float, int] | None = None  # since when (and from how many bytes) no other download ran
@@ -704,8 +709,7 @@ class PacketFetcher:
             alone = self._rate_floor(alone, loop.time(), received, length)
 
         held_s = 0.0  # this download's reads held back while this node sent its first copy
-        # A packet's first copy is never held; a paced download is held by its share (`Shares`).
-        hold_reads = holder.holder not in state.first_hand and self._shares is None
+        hold_reads = holdable and self._shares is None  # a paced download is held by its share (`Shares`)
 
         async def before_piece() -> None:
             """Hold while this node sends its first copy (`hold_reads`), then wait for the pacer."""

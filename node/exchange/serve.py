@@ -37,11 +37,12 @@ served: the fetcher resumes elsewhere without blaming this node. A held packet i
 still arriving only from 0.
 
 Stripes (protocol/stream.py): a request for stripe 0 of a packet takes a slot (or a child stream)
-as a whole request would; the fetcher's requests for its other stripes ride on it, no slot of
-their own, and are refused unless that peer is being sent the packet here now (at most `stripes`
-streams each). A node whose uplink is paced (a slow one, node/exchange/pace.py `Uplink`) answers
-stripe 0 with the whole packet instead: there the link binds, not a stream's window. A copy still arriving is forwarded stripe by stripe as each one's bytes arrive,
-the last byte of every stripe held back until the copy verified.
+as a whole request would; the fetcher's requests for its other stripes ride on it, no slot of their
+own, and are refused unless that peer is being sent the packet here now (at most `stripes` streams
+each). A node whose uplink is paced (a slow one, node/exchange/pace.py `Uplink`) answers stripe 0
+with the whole packet instead: there the link binds, not a stream's window. A copy still arriving
+is forwarded stripe by stripe as each one's bytes arrive, the last byte of every stripe held back
+until the copy verified.
 
 Rates (protocol/stream.py, node/exchange/pace.py): a request with a "rate" is written in pieces
 of PACED_WRITE_BYTES at that rate, its own and its cut-through bytes alike, and the fetcher's

@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 
-from tools.netlab.stripes import read_answer, spawn_in, stop
-from tools.netlab.topology import LinkSpec, Topology
+from tools.netlab.stripes import read_answer, two_hosts
+from tools.netlab.topology import LinkSpec
 
 RUN_ID = "crossing-bench"
 
@@ -64,16 +64,12 @@ def _send(process: subprocess.Popen, request: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    topology = Topology(2, LinkSpec(rate_mbps=args.rate_mbps, delay_ms=args.delay_ms))
-    processes: list[subprocess.Popen] = []
-    topology.up()
-    try:
+    link = LinkSpec(rate_mbps=args.rate_mbps, delay_ms=args.delay_ms)
+    with two_hosts(link, "tools.netlab.crossing") as (topology, spawn_module):
 
         def spawn(host: int, *initial_peers: str) -> subprocess.Popen:
             role = ["--role", "peer", "--ip", topology.hosts[host].ip, "--links", args.links]
-            rate = ["--rate-mbps", str(args.rate_mbps)]
-            processes.append(spawn_in(topology, host, "tools.netlab.crossing", *role, *rate, *initial_peers))
-            return processes[-1]
+            return spawn_module(host, *role, "--rate-mbps", str(args.rate_mbps), *initial_peers)
 
         first = spawn(0)
         bootstrap = read_answer(first)["ready"]
@@ -98,9 +94,6 @@ def run(args: argparse.Namespace) -> dict:
                 if trial:
                     times[kind].append(max(a["seconds"] for a in answers))
                 time.sleep(args.pause_s)
-    finally:
-        stop(processes)
-        topology.down()
     alone, crossing = statistics.median(times["alone"]), statistics.median(times["crossing"])
     return {
         "rate_mbps": args.rate_mbps,

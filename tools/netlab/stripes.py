@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 from tools.netlab.topology import REPO_ROOT, LinkSpec, Topology
 
@@ -123,16 +125,28 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-def run(args: argparse.Namespace) -> dict:
-    topology = Topology(2, LinkSpec(rate_mbps=args.rate_mbps, delay_ms=args.delay_ms))
+@contextlib.contextmanager
+def two_hosts(link: LinkSpec, module: str) -> Iterator[tuple[Topology, Callable[..., subprocess.Popen]]]:
+    """Two lab hosts on `link`, and `spawn(host, *args)`: `python -m module args` in one of them
+    (`spawn_in`). On exit every process spawned is stopped and the hosts are removed."""
+    topology = Topology(2, link)
     processes: list[subprocess.Popen] = []
     topology.up()
     try:
 
-        def spawn(host: int, *role: str) -> subprocess.Popen:
-            processes.append(spawn_in(topology, host, "tools.netlab.stripes", *role))
+        def spawn(host: int, *args: str) -> subprocess.Popen:
+            processes.append(spawn_in(topology, host, module, *args))
             return processes[-1]
 
+        yield topology, spawn
+    finally:
+        stop(processes)
+        topology.down()
+
+
+def run(args: argparse.Namespace) -> dict:
+    link = LinkSpec(rate_mbps=args.rate_mbps, delay_ms=args.delay_ms)
+    with two_hosts(link, "tools.netlab.stripes") as (topology, spawn):
         publisher = spawn(0, "--role", "publisher", "--ip", topology.hosts[0].ip)
         bootstrap = read_answer(publisher)["ready"]
         fetcher = spawn(
@@ -152,9 +166,6 @@ def run(args: argparse.Namespace) -> dict:
                 if trial:
                     times[stripes].append(answer["seconds"])
                 time.sleep(args.pause_s)
-    finally:
-        stop(processes)
-        topology.down()
     one, striped = statistics.median(times[1]), statistics.median(times[args.stripes])
     ideal = args.packet_bytes * 8 / (args.rate_mbps * 1e6)
     return {
