@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from node.exchange.pace import PACED_UPLINK_MBPS, Pacer, Shares, Uplink
+from node.exchange.pace import HELD_FRACTION, PACED_UPLINK_MBPS, Pacer, Shares, Uplink
 from protocol.stream import MIN_RATE, RATE, RATE_FRAME
 
 
@@ -262,5 +262,33 @@ def test_a_share_never_falls_under_the_protocols_floor(rate):
         assert all((rates or [ask])[-1] == MIN_RATE for rates, ask in zip(told, asked))
         for writer, _ in streams:
             writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_first_copy_that_outlasts_the_bound_gives_the_held_downloads_their_share_back_unasked():
+    """A fetcher's hold (node/exchange/fetch.py) lasts at most half the stall time-out: a first
+    copy whose receiver stops reading ends it then, with nothing else happening, and the held
+    download is told its whole share again."""
+    from types import SimpleNamespace
+
+    from node.exchange.config import ExchangeConfig
+    from node.exchange.fetch import PacketFetcher
+    from node.exchange.store import Held, PacketStore
+
+    async def scenario():
+        store = PacketStore()
+        config = ExchangeConfig(run_id="run", downlink_mbps=8.0, stall_timeout_s=1.0)
+        fetcher = PacketFetcher(config, SimpleNamespace(holder_id="me"), store, None, None)
+        shares = fetcher._shares
+        writer, reader = await _stream()
+        shares.join("forwarded", writer, shares.next_share("forwarded"))
+        whole = int(shares.rate)
+        store.held[(3, "me")] = Held("digest", b"packet", own=True)
+        with store.sending_first_copy((3, "me")):  # never written out: the receiver stalled
+            assert await _told(reader) == [int(whole * HELD_FRACTION)]
+            await asyncio.sleep(0.6)  # past the bound of 0.5 s (`_told` took 0.2 s of it)
+            assert await _told(reader) == [whole]
+        writer.close()
 
     asyncio.run(scenario())
