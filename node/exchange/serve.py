@@ -49,6 +49,15 @@ of PACED_WRITE_BYTES at that rate, its own and its cut-through bytes alike, and 
 rate frames, read beside the bytes going out, change it; its receipt comes after them. A rate out
 of bounds ends the stream.
 
+Per peer (its libp2p id), a holder sends one copy of a packet at a time (its stripes ride on that
+stream) and serves at most MAX_CHILD_STREAMS_PER_PEER of its child streams at once; a further
+request is answered busy, naming the peers with a copy, as when every slot is taken. A child's
+claim is not checked (the holder does not know the trees), so without these bounds one modified
+node asking for a fresh packet again and again as a "child" at the protocol's floor rate (32
+KiB/s: 48 s for 1.5 MB) would take every child stream and slot its publisher has and be named as
+its only other holders, keeping the packet from its real tree until the round's fetch time-out.
+Distinct libp2p ids are cheap, so the bound is one peer's share, not a wall against many.
+
 The handler never raises: a malformed request, one for another run, or for a packet not held gets
 an error frame, and one that does not arrive within `request_timeout_s` just closes the stream.
 """
@@ -59,7 +68,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from node.exchange.base import Traffic
@@ -91,6 +100,7 @@ from protocol.stream import (
 log = logging.getLogger(__name__)
 
 MAX_CHILD_STREAMS = 64  # streams to tree children served at once, beside the upload slots
+MAX_CHILD_STREAMS_PER_PEER = 16  # of those, to one peer (one packet each); it asks the slots for more
 SEED_STREAMS = 2  # streams a publisher may add beyond max_uploads for its packet's first copies
 
 # (round, publisher, held bytes) -> bytes served; for a snapshot, called on each unit it serves
@@ -157,6 +167,7 @@ class PacketServer:
         self.uploads = UploadSlots(config.max_uploads)  # packet streams (plus seed streams)
         self.snapshot_uploads = UploadSlots(config.max_snapshot_uploads)  # snapshot streams, apart
         self.num_child_uploads = 0  # streams to tree children now (at most MAX_CHILD_STREAMS)
+        self._children_of: Counter[str] = Counter()  # child streams now, by peer
 
     @property
     def num_uploads(self) -> int:
@@ -203,9 +214,20 @@ class PacketServer:
                 # A further stripe rides on the stream serving stripe 0 to the same peer: no slot.
                 if not 0 < copy.receiving.count(requester) < request.stripes:
                     raise HolderRefused("a stripe is served beside its packet's stripe 0 only")
-            elif request.child and self.num_child_uploads < MAX_CHILD_STREAMS and not isinstance(copy, HeldSnapshot):
+            elif requester in copy.receiving and not isinstance(copy, HeldSnapshot):
+                # One copy of a packet at a time to a peer: another is only a stream held open.
+                writer.write(encode_busy(self._copy_holders(copy, besides=requester)))
+                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+                return
+            elif (
+                request.child
+                and self.num_child_uploads < MAX_CHILD_STREAMS
+                and self._children_of[requester] < MAX_CHILD_STREAMS_PER_PEER
+                and not isinstance(copy, HeldSnapshot)
+            ):
                 # The packet's tree bounds these (a few children per packet), so no slot is taken.
                 self.num_child_uploads += 1
+                self._children_of[requester] += 1
                 child = True
             else:
                 # With every slot taken, name the peers with a copy (whole ones first), or queue the
@@ -273,12 +295,17 @@ class PacketServer:
                 slot.release()
             elif child:
                 self.num_child_uploads -= 1
+                self._children_of[requester] -= 1
+                if not self._children_of[requester]:
+                    del self._children_of[requester]
             writer.close()
 
-    def _copy_holders(self, copy: Held | Partial) -> list[str]:
-        """Up to MAX_BUSY_NAMES peers with a copy: those that confirmed one first, then those receiving one."""
-        confirmed = self._rng.sample(copy.sent_to, min(MAX_BUSY_NAMES, len(copy.sent_to)))
-        arriving = [p for p in dict.fromkeys(copy.receiving) if p not in confirmed]
+    def _copy_holders(self, copy: Held | Partial, besides: str = "") -> list[str]:
+        """Up to MAX_BUSY_NAMES peers with a copy, never `besides` (the asker): those that confirmed
+        one first, then those receiving one."""
+        sent_to = [p for p in copy.sent_to if p != besides]
+        confirmed = self._rng.sample(sent_to, min(MAX_BUSY_NAMES, len(sent_to)))
+        arriving = [p for p in dict.fromkeys(copy.receiving) if p not in confirmed and p != besides]
         return confirmed + self._rng.sample(arriving, min(MAX_BUSY_NAMES - len(confirmed), len(arriving)))
 
     async def _write(

@@ -24,7 +24,7 @@ from hivemind.p2p import PeerID
 from node.exchange.config import ExchangeConfig
 from node.exchange.p2p import P2PExchange
 from node.exchange.pace import PACED_PIECE_BYTES, PACED_SHARE, Uplink
-from node.exchange.serve import MAX_CHILD_STREAMS
+from node.exchange.serve import MAX_CHILD_STREAMS, MAX_CHILD_STREAMS_PER_PEER
 from protocol.dht_records import packets_key
 from protocol.stream import (
     MAX_RATE_FRAMES,
@@ -37,6 +37,7 @@ from protocol.stream import (
     STATUS_BUSY,
     STATUS_ERROR,
     STATUS_OK,
+    decode_busy,
     decode_request,
     encode_rate,
     request_body_length,
@@ -613,45 +614,96 @@ def test_a_holder_sends_a_paced_stream_at_the_rate_asked_and_the_rate_frames_cha
     asyncio.run(scenario())
 
 
+async def _ask(client: P2PExchange, holder: P2PExchange, fields: dict, writers: list) -> tuple[int, bytes]:
+    """One raw packet request from `client` to `holder`, its stream left open (in `writers`): the
+    answer's status and, for a busy one, its body."""
+    peer = PeerID.from_base58(holder.holder_id)
+    _, reader, writer = await client._host.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
+    writers.append(writer)
+    writer.write(_request(fields))
+    status, length = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10))
+    body = await asyncio.wait_for(reader.readexactly(length), 10) if status == STATUS_BUSY else b""
+    return status, body
+
+
 def test_a_forwarder_serves_its_tree_children_beside_its_upload_slots_up_to_the_bound():
     """Every packet of a round is in flight at once, and where few members can forward, each has
     many children (the lab's two forwarders of eight peers held 17-18 child streams, slow leaves
-    among them for seconds): MAX_CHILD_STREAMS children and the upload slots are served at once,
-    one request more is answered busy, and the holder serves on once they close."""
+    among them for seconds): MAX_CHILD_STREAMS children (MAX_CHILD_STREAMS_PER_PEER from each
+    peer, one packet each) and the upload slots are served at once, one request more is answered
+    busy, and the holder serves on once they close."""
+    clients = MAX_CHILD_STREAMS // MAX_CHILD_STREAMS_PER_PEER
 
     async def scenario():
-        async with swarm(P2PExchange, P2PExchange) as (holder, client):
-            data = packet(46, 1 << 20)
-            ann = await holder.publish(0, "pub", data)
-            # One whole copy out first: a packet only its publisher has takes extra seed streams.
-            assert await client.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20) == {"pub": data}
-            peer = PeerID.from_base58(holder.holder_id)
+        async with swarm(*[P2PExchange] * (1 + clients)) as (holder, *others):
+            names = [f"pub{i}" for i in range(MAX_CHILD_STREAMS_PER_PEER + 3)]
+            anns = {n: await holder.publish(0, n, packet(460 + i, 1 << 20)) for i, n in enumerate(names)}
+            # One whole copy of each out first: a packet only its publisher has takes extra seed streams.
+            got = await others[0].fetch(0, {n: a.digest for n, a in anns.items()}, timeout_s=30)
+            assert sorted(got) == sorted(names)
             # At the protocol's floor rate, each stream stays open for the whole test.
-            fields = {"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest, "rate": MIN_RATE}
-            writers = []
-
-            async def ask(child: bool) -> int:
-                _, reader, writer = await client._host.p2p.call_binary_stream_handler(peer, PROTOCOL_NAME)
-                writers.append(writer)
-                writer.write(_request(fields | {"child": child}))
-                status, _ = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(9), 10))
-                return status
-
+            fields = {
+                n: {"run": RUN_ID, "round": 0, "peer": n, "digest": a.digest, "rate": MIN_RATE} for n, a in anns.items()
+            }
+            children_asked = names[:MAX_CHILD_STREAMS_PER_PEER]
+            writers: list = []
             # The lab's forwarders held up to 20 at once with the bound raised from 16: room to spare.
-            assert MAX_CHILD_STREAMS >= 40
+            assert MAX_CHILD_STREAMS >= 40 and clients >= 2
             try:
-                children = await asyncio.gather(*(ask(True) for _ in range(MAX_CHILD_STREAMS)))
-                assert children == [STATUS_OK] * MAX_CHILD_STREAMS
+                asked = [_ask(c, holder, fields[n] | {"child": True}, writers) for c in others for n in children_asked]
+                assert [s for s, _ in await asyncio.gather(*asked)] == [STATUS_OK] * MAX_CHILD_STREAMS
                 assert holder._server.num_child_uploads == MAX_CHILD_STREAMS
-                slots = [await ask(False) for _ in range(holder.config.max_uploads)]
+                slot_names = names[MAX_CHILD_STREAMS_PER_PEER:][: holder.config.max_uploads]
+                slots = [(await _ask(others[0], holder, fields[n], writers))[0] for n in slot_names]
                 assert slots == [STATUS_OK] * holder.config.max_uploads
-                assert await ask(True) == STATUS_BUSY  # no child stream and no slot left
+                # No child stream and no slot left.
+                assert (await _ask(others[1], holder, fields[names[-1]] | {"child": True}, writers))[0] == STATUS_BUSY
             finally:
                 for writer in writers:
                     writer.close()
             await poll(lambda: holder._server.num_child_uploads == 0, what="the child streams closed")
-            assert await ask(True) == STATUS_OK  # served on
+            assert (await _ask(others[1], holder, fields[names[-1]] | {"child": True}, writers))[0] == STATUS_OK
             writers[-1].close()
+
+    asyncio.run(scenario())
+
+
+def test_one_peer_gets_one_copy_of_a_packet_at_a_time_and_its_share_of_the_child_streams():
+    """A modified node asks a fresh packet's publisher for it again and again as a tree "child" at
+    the protocol's floor rate (each stream would stay open 32 s): only its first request is
+    served, the others are answered busy without naming it, and the packet's real child is served
+    at once beside it. Asking many packets, it gets MAX_CHILD_STREAMS_PER_PEER child streams,
+    then the upload slots, then busy answers: it cannot take the child streams of the others."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, P2PExchange) as (holder, attacker, child):
+            data = packet(47, 1 << 20)
+            ann = await holder.publish(0, "pub", data)
+            fields = {"run": RUN_ID, "round": 0, "peer": "pub", "digest": ann.digest, "rate": MIN_RATE, "child": True}
+            writers: list = []
+            try:
+                answers = await asyncio.gather(*(_ask(attacker, holder, fields, writers) for _ in range(20)))
+                assert sorted(s for s, _ in answers) == [STATUS_OK] + [STATUS_BUSY] * 19
+                named = {name for s, body in answers if s == STATUS_BUSY for name in decode_busy(body)}
+                assert attacker.holder_id not in named, "the asker is named as a holder to itself"
+                assert holder._server.num_child_uploads == 1
+                started = time.monotonic()
+                got = await child.fetch(0, {"pub": ann.digest}, timeout_s=20, parents={"pub": holder.visible_maddrs})
+                assert got == {"pub": data} and time.monotonic() - started < 5.0
+
+                # Its first stream (on "pub") is still open: one child stream of its share.
+                names = [f"other{i}" for i in range(MAX_CHILD_STREAMS_PER_PEER - 1 + holder.config.max_uploads + 1)]
+                for i, name in enumerate(names):
+                    other = await holder.publish(0, name, packet(470 + i, 1 << 20))
+                    await child.fetch(0, {name: other.digest}, timeout_s=20)  # a copy out: no seed streams
+                    status, _ = await _ask(attacker, holder, fields | {"peer": name, "digest": other.digest}, writers)
+                    assert status == (STATUS_BUSY if i == len(names) - 1 else STATUS_OK), i
+                assert holder._server.num_child_uploads == MAX_CHILD_STREAMS_PER_PEER
+                assert holder._server.num_uploads == holder.config.max_uploads
+            finally:
+                for writer in writers:
+                    writer.close()
+            await poll(lambda: holder._server.num_child_uploads == 0, what="the child streams closed")
 
     asyncio.run(scenario())
 
