@@ -161,6 +161,11 @@ class Exchange(Protocol):
         the digest is the one the publisher submitted; None refuses every push."""
         ...
 
+    def set_members(self, holder_ids: Collection[str] | None) -> None:
+        """The libp2p ids (base58) of the run's live members: only they are served as children in
+        the packets' trees (node/exchange/serve.py); None: anyone may be."""
+        ...
+
     async def publish_params(self, round: int, snapshot: Snapshot) -> Announcement:
         """Serve and announce a snapshot of the parameters that start `round` (replacing any
         other this node served for `round`); announced under `snapshot.digest`."""

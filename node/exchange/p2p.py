@@ -196,6 +196,9 @@ class P2PExchange:
     def accept_pushes(self, accept: AcceptPush | None) -> None:
         self._pushes.accept = accept
 
+    def set_members(self, holder_ids: Collection[str] | None) -> None:
+        self._server.members = None if holder_ids is None else frozenset(holder_ids)
+
     # -- serving ------------------------------------------------------------------------------
 
     def _payload_for(self, round: int, publisher: str, data: bytes) -> bytes:

@@ -56,7 +56,9 @@ claim is not checked (the holder does not know the trees), so without these boun
 node asking for a fresh packet again and again as a "child" at the protocol's floor rate (32
 KiB/s: 48 s for 1.5 MB) would take every child stream and slot its publisher has and be named as
 its only other holders, keeping the packet from its real tree until the round's fetch time-out.
-Distinct libp2p ids are cheap, so the bound is one peer's share, not a wall against many.
+Distinct libp2p ids are cheap, so the child streams go only to the libp2p ids of the run's live
+members as the node last read them (`members`, each round); anyone else asking as a child is
+served from the slots like any fetcher, so a member that joined since waits in their queue.
 
 The handler never raises: a malformed request, one for another run, or for a packet not held gets
 an error frame, and one that does not arrive within `request_timeout_s` just closes the stream.
@@ -168,6 +170,9 @@ class PacketServer:
         self.snapshot_uploads = UploadSlots(config.max_snapshot_uploads)  # snapshot streams, apart
         self.num_child_uploads = 0  # streams to tree children now (at most MAX_CHILD_STREAMS)
         self._children_of: Counter[str] = Counter()  # child streams now, by peer
+        # libp2p ids of the run's live members (`P2PExchange.set_members`): only they are served
+        # as children; None: not known, everyone is
+        self.members: frozenset[str] | None = None
 
     @property
     def num_uploads(self) -> int:
@@ -223,6 +228,7 @@ class PacketServer:
                 request.child
                 and self.num_child_uploads < MAX_CHILD_STREAMS
                 and self._children_of[requester] < MAX_CHILD_STREAMS_PER_PEER
+                and (self.members is None or requester in self.members)
                 and not isinstance(copy, HeldSnapshot)
             ):
                 # The packet's tree bounds these (a few children per packet), so no slot is taken.

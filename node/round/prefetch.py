@@ -49,6 +49,10 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
     """Fetch each of the round's packets as soon as it is submitted, into `early`, until the
     round closes; returns the closed round's view."""
     members = await live_members(s)
+    if members.addresses:  # only members are served as tree children (node/exchange/serve.py)
+        s.exchange.set_members(
+            {m.rpartition("/p2p/")[2] for maddrs in members.addresses.values() for m in maddrs if "/p2p/" in m}
+        )
     bounded = s.run.outer.max_contributors > 0
     # A bounded round is only waited on until it closes: its submissions wake nobody here.
     view = await s.client.round(round, wait_s=30, submitted_gt=None if bounded else 0)

@@ -101,6 +101,7 @@ class MemoryExchange:
         self.swarm, self.holder = swarm, holder
         self._traffic: dict[int, Traffic] = {}
         self.dial_requests: list[list[list[str]]] = []  # each `dial_peers` call's targets
+        self.members: Collection[str] | None = None  # as `set_members` last named them
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -184,6 +185,9 @@ class MemoryExchange:
 
     def accept_pushes(self, accept) -> None:
         (self.swarm.accepting.add if accept is not None else self.swarm.accepting.discard)(self.holder)
+
+    def set_members(self, holder_ids: Collection[str] | None) -> None:
+        self.members = holder_ids  # in memory there are no streams to serve as children
 
     async def publish_params(self, round: int, snapshot: Snapshot) -> Announcement:
         self.swarm.snapshots.setdefault(round, {})[self.holder] = snapshot

@@ -708,6 +708,42 @@ def test_one_peer_gets_one_copy_of_a_packet_at_a_time_and_its_share_of_the_child
     asyncio.run(scenario())
 
 
+def test_with_the_members_known_only_they_are_served_as_children():
+    """Many libp2p ids cost nothing, so the child streams (beside the upload slots) go only to the
+    run's live members once the node has read them (`set_members`): a stranger asking as a child
+    takes an upload slot like any fetcher, and is answered busy once they are taken, while a
+    member asking as a child is served beside them."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, P2PExchange) as (holder, stranger, member):
+            holder.set_members([holder.holder_id, member.holder_id])
+            anns = [await holder.publish(0, f"pub{i}", packet(480 + i, 1 << 20)) for i in range(4)]
+            got = await member.fetch(0, {a.peer_id: a.digest for a in anns}, timeout_s=20)  # no seed streams
+            assert len(got) == len(anns)
+            fields = [
+                {"run": RUN_ID, "round": 0, "peer": a.peer_id, "digest": a.digest, "rate": MIN_RATE, "child": True}
+                for a in anns
+            ]
+            writers: list = []
+            try:
+                slots = holder.config.max_uploads
+                statuses = [(await _ask(stranger, holder, f, writers))[0] for f in fields[: slots + 1]]
+                assert statuses == [STATUS_OK] * slots + [STATUS_BUSY]
+                assert holder._server.num_child_uploads == 0 and holder._server.num_uploads == slots
+                assert (await _ask(member, holder, fields[-1], writers))[0] == STATUS_OK
+                assert holder._server.num_child_uploads == 1
+            finally:
+                for writer in writers:
+                    writer.close()
+            await poll(lambda: holder._server.num_child_uploads == 0, what="the child stream closed")
+            holder.set_members(None)  # not known: anyone may be a child again
+            assert (await _ask(stranger, holder, fields[-1], writers))[0] == STATUS_OK
+            assert holder._server.num_child_uploads == 1
+            writers[-1].close()
+
+    asyncio.run(scenario())
+
+
 def test_downloads_side_by_side_share_a_stated_downlink():
     """A fetcher that stated 16 Mbps fetches two 3 MiB packets from two holders at once: each
     holder sends its stream at the share it is told, together nine tenths of the link at most."""
