@@ -168,11 +168,15 @@ class PacketServer:
         self._payload_for = payload_for
         self.uploads = UploadSlots(config.max_uploads)  # packet streams (plus seed streams)
         self.snapshot_uploads = UploadSlots(config.max_snapshot_uploads)  # snapshot streams, apart
-        self.num_child_uploads = 0  # streams to tree children now (at most MAX_CHILD_STREAMS)
-        self._children_of: Counter[str] = Counter()  # child streams now, by peer
+        self._children_of: Counter[str] = Counter()  # streams to tree children now, by peer
         # libp2p ids of the run's live members (`P2PExchange.set_members`): only they are served
         # as children; None: not known, everyone is
         self.members: frozenset[str] | None = None
+
+    @property
+    def num_child_uploads(self) -> int:
+        """Streams to tree children being served now (at most MAX_CHILD_STREAMS)."""
+        return self._children_of.total()
 
     @property
     def num_uploads(self) -> int:
@@ -221,8 +225,7 @@ class PacketServer:
                     raise HolderRefused("a stripe is served beside its packet's stripe 0 only")
             elif requester in copy.receiving and not isinstance(copy, HeldSnapshot):
                 # One copy of a packet at a time to a peer: another is only a stream held open.
-                writer.write(encode_busy(self._copy_holders(copy, besides=requester)))
-                await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+                await self._answer_busy(writer, copy, besides=requester)
                 return
             elif (
                 request.child
@@ -232,7 +235,6 @@ class PacketServer:
                 and not isinstance(copy, HeldSnapshot)
             ):
                 # The packet's tree bounds these (a few children per packet), so no slot is taken.
-                self.num_child_uploads += 1
                 self._children_of[requester] += 1
                 child = True
             else:
@@ -247,8 +249,7 @@ class PacketServer:
                 slots = self.snapshot_uploads if isinstance(copy, HeldSnapshot) else self.uploads
                 slot = slots if await slots.take(wait_s, SEED_STREAMS if seed else 0) else None
                 if slot is None:
-                    writer.write(encode_busy(self._copy_holders(copy)))
-                    await asyncio.wait_for(writer.drain(), cfg.request_timeout_s)
+                    await self._answer_busy(writer, copy)
                     return
             copy.receiving.append(requester)
             # A paced stream (the fetcher's "rate"): its bytes go at that rate, which the fetcher's
@@ -300,11 +301,15 @@ class PacketServer:
             if slot is not None:
                 slot.release()
             elif child:
-                self.num_child_uploads -= 1
                 self._children_of[requester] -= 1
                 if not self._children_of[requester]:
                     del self._children_of[requester]
             writer.close()
+
+    async def _answer_busy(self, writer: asyncio.StreamWriter, copy: Held | Partial, besides: str = "") -> None:
+        """A busy answer, naming peers with a copy (`_copy_holders`)."""
+        writer.write(encode_busy(self._copy_holders(copy, besides)))
+        await asyncio.wait_for(writer.drain(), self.config.request_timeout_s)
 
     def _copy_holders(self, copy: Held | Partial, besides: str = "") -> list[str]:
         """Up to MAX_BUSY_NAMES peers with a copy, never `besides` (the asker): those that confirmed
