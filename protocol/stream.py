@@ -65,7 +65,8 @@ Pushes, protocol "locoswarm.push.v1": a node nobody can dial hands its packet to
 over a stream it opens itself (node/exchange/push.py), which then holds and serves it as any holder:
 
     offer     the request layout above with the map {"run", "round", "peer" (publisher peer id),
-              "digest", "size": int (the packet's length)}
+              "digest", "size": int (the packet's length)}, and for a striped push "stripe" and
+              "stripes" (both or neither, as in requests)
     answer    a response header: status 0 with N = 0 ("send it"), or an error frame (refused: the
               reason, e.g. "full" or "not submitted"; exactly ALREADY_HELD: the holder has a
               verified copy with that digest already, which is as good as a push)
@@ -74,6 +75,14 @@ over a stream it opens itself (node/exchange/push.py), which then holds and serv
     verdict   a response header: status 0 with N = 0 once the bytes hashed to the digest, the
               submission was confirmed and the copy is held, or an error frame (a refused
               submission may end the stream before the body does)
+
+A striped push crosses the same round trips a striped fetch does, with the same cut
+(`stripe_bounds(size, stripes)`): the pusher offers stripe 0 with the number of stripes, and once
+the holder said "send it" opens a stream for every other stripe, whose offer repeats stripe 0's but
+for "stripe". The holder takes a stripe's stream only while it takes stripe 0's from the same peer
+(an error frame otherwise); every stream then carries its stripe's bytes, and every stream gets
+the one verdict on the whole packet. A holder of an earlier version refuses a striped offer with
+UNSTRIPED_OFFER's message; the pusher then offers it the packet whole on one stream.
 
 Parameter snapshots (publisher "params") use the same stream; their bytes are laid out and
 checked as protocol/snapshot.py says: the fetcher knows their exact length from its own model
@@ -119,6 +128,7 @@ MAX_PEER_ID_CHARS = 128  # a base58 libp2p id is about 52 characters
 REQUEST_KEYS = frozenset({"run", "round", "peer", "digest"})
 OPTIONAL_REQUEST_KEYS = frozenset({"wait", "child", "offset", "stripe", "stripes", "rate"})
 OFFER_KEYS = frozenset({"run", "round", "peer", "digest", "size"})
+UNSTRIPED_OFFER = "offer is not a map with run, round, peer, digest, size"  # how earlier holders refuse stripes
 # What hivemind 1.1.12's PeerID.from_base58 (base58.b58decode) accepts: the bitcoin alphabet,
 # after trailing whitespace is stripped. The same test here keeps this module free of hivemind.
 _BASE58 = re.compile(r"[1-9A-HJ-NP-Za-km-z]*")
@@ -285,12 +295,22 @@ class PushOffer:
     publisher: str  # the publisher's peer id (wire key "peer")
     digest: str  # sha256 hex of the packet
     size: int  # its length in bytes
+    stripe: int = 0  # which part this stream carries, of `stripes` (`stripe_bounds`)
+    stripes: int = 1
 
 
 def encode_offer(offer: PushOffer) -> bytes:
-    body = msgpack.packb(
-        {"run": offer.run, "round": offer.round, "peer": offer.publisher, "digest": offer.digest, "size": offer.size}
-    )
+    """The offer frame (stripe and stripes only when more than one)."""
+    fields = {
+        "run": offer.run,
+        "round": offer.round,
+        "peer": offer.publisher,
+        "digest": offer.digest,
+        "size": offer.size,
+    }
+    if offer.stripes > 1:
+        fields["stripe"], fields["stripes"] = offer.stripe, offer.stripes
+    body = msgpack.packb(fields)
     return REQUEST_PREFIX.pack(len(body)) + body
 
 
@@ -298,16 +318,21 @@ def decode_offer(body: bytes, max_packet_bytes: int) -> PushOffer:
     """The offer in a body read after its prefix (`request_body_length`); a size over the
     holder's packet limit, or not positive, is refused here."""
     offer = _unpack_frame(body, "offer")
-    if not isinstance(offer, dict) or set(offer) != OFFER_KEYS:
-        raise MalformedPacket("offer is not a map with run, round, peer, digest, size")
+    if not isinstance(offer, dict) or set(offer) not in (OFFER_KEYS, OFFER_KEYS | {"stripe", "stripes"}):
+        raise MalformedPacket(f"{UNSTRIPED_OFFER}, and optionally stripe and stripes")
     run, round, publisher, digest, size = (offer[k] for k in ("run", "round", "peer", "digest", "size"))
+    stripe, stripes = offer.get("stripe", 0), offer.get("stripes", 1)
     if not (isinstance(run, str) and isinstance(publisher, str) and isinstance(digest, str)):
         raise MalformedPacket("offer fields have the wrong types")
-    if not (_is_int(round) and _is_int(size)) or round < 0:
-        raise MalformedPacket("offer round and size must be integers, the round not negative")
+    if not (_is_int(round) and _is_int(size) and _is_int(stripe) and _is_int(stripes)) or round < 0:
+        raise MalformedPacket("offer round, size and stripes must be integers, the round not negative")
     if not 0 < size <= max_packet_bytes:
         raise OversizedPacket(f"offer of {size} bytes; the limit is {max_packet_bytes}")
-    return PushOffer(run=run, round=round, publisher=publisher, digest=digest, size=size)
+    if "stripes" in offer and not (2 <= stripes <= MAX_STRIPES and 0 <= stripe < len(stripe_bounds(size, stripes))):
+        raise MalformedPacket(f"stripe {stripe} of {stripes}: 2 to {MAX_STRIPES} stripes, one the size has")
+    return PushOffer(
+        run=run, round=round, publisher=publisher, digest=digest, size=size, stripe=stripe, stripes=stripes
+    )
 
 
 def encode_response_header(status: int, length: int) -> bytes:

@@ -187,7 +187,15 @@ class P2PExchange:
         # Downloads, but packets' first copies, hold back meanwhile (PacketStore.first_copy_pending).
         with self._store.sending_first_copy((round, publisher)):
             holder = await push_packet(
-                self._host, self.config, self.traffic(round), offer, data, holders, timeout_s, self._uplink
+                self._host,
+                self.config,
+                self.traffic(round),
+                offer,
+                data,
+                holders,
+                timeout_s,
+                self._uplink,
+                self.config.fetch_stripes,
             )
             if holder is not None:
                 self._store.first_copy_out((round, publisher))

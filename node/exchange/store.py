@@ -305,7 +305,7 @@ class PacketStore:
                     on_piece(partial.num_received)
 
         try:
-            await _all_or_first_error(
+            await all_or_first_error(
                 [read_part(i, part, reader if i == 0 else None) for i, part in enumerate(partial.parts)]
             )
             if hasher.hexdigest() != digest:
@@ -393,7 +393,7 @@ class PacketStore:
             self.drop(key)
 
 
-async def _all_or_first_error(coros: list[Coroutine]) -> None:
+async def all_or_first_error(coros: list[Coroutine]) -> None:
     """Run `coros` side by side until all finished; the first to raise cancels the others, and
     its exception is raised."""
     if len(coros) == 1:

@@ -8,16 +8,31 @@ the coordinator's "was this digest submitted" (node/round/push.py asks the coord
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import msgpack
 import pytest
 from hivemind.p2p import PeerID
 
+import node.exchange.push as push_module
 from node.exchange.p2p import P2PExchange
 from node.exchange.pace import PACED_SHARE, PACED_WRITE_BYTES
 from node.exchange.push import push_packet
-from protocol.stream import PROTOCOL_NAME, REQUEST_PREFIX, RESPONSE_HEADER, STATUS_OK, PushOffer
+from protocol.errors import MalformedPacket
+from protocol.stream import (
+    PROTOCOL_NAME,
+    PUSH_PROTOCOL_NAME,
+    REQUEST_PREFIX,
+    RESPONSE_HEADER,
+    STATUS_OK,
+    UNSTRIPED_OFFER,
+    PushOffer,
+    decode_error,
+    decode_offer,
+    encode_offer,
+    stripe_bounds,
+)
 from tests.integration.test_p2p_exchange import RUN_ID, packet, poll, sha, swarm
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
@@ -302,5 +317,120 @@ def test_a_reader_that_stalls_holds_no_turn_on_a_paced_uplink():
             assert elapsed < 2 * paced_s + 2.0, f"{elapsed:.2f} s beside a stalled reader, paced {paced_s:.2f} s"
             assert publisher.traffic(0).uploaded_bytes < 2 * SIZE  # the staller never got a whole copy
             writer.close()
+
+    asyncio.run(scenario())
+
+
+async def _offered(pusher: P2PExchange, holder: P2PExchange, offer: PushOffer):
+    """A push stream from `pusher` to `holder` with `offer` written on it: (reader, writer)."""
+    reader, writer = await pusher._host.open_stream(PeerID.from_base58(holder.holder_id), PUSH_PROTOCOL_NAME)
+    writer.write(encode_offer(offer))
+    await writer.drain()
+    return reader, writer
+
+
+async def _answer(reader: asyncio.StreamReader) -> str | None:
+    """The holder's next answer on a push stream: None for "send it" (or a verdict that it holds
+    the packet), else its refusal."""
+    status, length = RESPONSE_HEADER.unpack(await asyncio.wait_for(reader.readexactly(RESPONSE_HEADER.size), 20))
+    if status == STATUS_OK:
+        assert length == 0
+        return None
+    return decode_error(await asyncio.wait_for(reader.readexactly(length), 20))
+
+
+def test_a_striped_push_takes_a_stream_per_stripe_and_only_from_its_pusher():
+    """A hostile peer speaks the push protocol by hand: a stripe offered before its stripe 0, one
+    offered twice and one from another peer are refused; the four stripes of a 1 MiB packet then
+    arrive side by side, each stream gets the verdict, and the holder serves the packet."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, P2PExchange) as (pusher, holder, stranger):
+            data = packet(11, SIZE)
+            bounds = stripe_bounds(SIZE, 4)
+            assert len(bounds) == 4
+            holder.accept_pushes(accepting({sha(data)}))
+            offer = PushOffer(run=RUN_ID, round=0, publisher="nat", digest=sha(data), size=SIZE, stripes=4)
+
+            early, _ = await _offered(pusher, holder, dataclasses.replace(offer, stripe=1))
+            assert "no push of that packet" in await _answer(early)
+            streams = [await _offered(pusher, holder, offer)]
+            assert await _answer(streams[0][0]) is None, "stripe 0: send it"
+            streams.append(await _offered(pusher, holder, dataclasses.replace(offer, stripe=1)))
+            assert await _answer(streams[1][0]) is None
+            twice, _ = await _offered(pusher, holder, dataclasses.replace(offer, stripe=1))
+            assert "taken already" in await _answer(twice)
+            foreign, _ = await _offered(stranger, holder, dataclasses.replace(offer, stripe=2))
+            assert "no push of that packet" in await _answer(foreign)
+            for i in (2, 3):
+                streams.append(await _offered(pusher, holder, dataclasses.replace(offer, stripe=i)))
+                assert await _answer(streams[i][0]) is None
+
+            for (_, writer), (start, end) in zip(streams, bounds):
+                writer.write(data[start:end])
+            await asyncio.gather(*(writer.drain() for _, writer in streams))
+            assert [await _answer(reader) for reader, _ in streams] == [None] * 4, "every stream hears the verdict"
+            assert bytes(holder._store.held[(0, "nat")].data) == data
+            assert holder.traffic(0).downloaded_bytes == SIZE
+            got = await stranger.fetch(0, {"nat": sha(data)}, {"nat": holder.visible_maddrs}, timeout_s=20)
+            assert got == {"nat": data}
+            for _, writer in streams:
+                writer.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stripe_that_never_comes_fails_the_push_within_the_connect_time_out_and_nothing_is_held():
+    """A pusher offers 4 stripes and opens only 3: the holder waits the connect time-out for the
+    fourth, then refuses the push on every stream, holds and announces nothing, and takes the
+    next honest push (in stripes, through push_packet)."""
+
+    async def scenario():
+        async with swarm(P2PExchange, P2PExchange, connect_timeout_s=2.0) as (pusher, holder):
+            data = packet(12, SIZE)
+            holder.accept_pushes(accepting({sha(data)}))
+            offer = PushOffer(run=RUN_ID, round=0, publisher="nat", digest=sha(data), size=SIZE, stripes=4)
+            streams = []
+            for i, (start, end) in enumerate(stripe_bounds(SIZE, 4)[:3]):
+                streams.append(await _offered(pusher, holder, dataclasses.replace(offer, stripe=i)))
+                assert await _answer(streams[i][0]) is None
+                streams[i][1].write(data[start:end])
+            started = time.monotonic()
+            verdicts = [await _answer(reader) for reader, _ in streams]
+            assert all(verdicts) and time.monotonic() - started < 10, verdicts
+            assert (0, "nat") not in holder._store.held and not holder._store.partial
+            assert "nat" not in await holder.announcements(0)
+            for _, writer in streams:
+                writer.close()
+
+            target = [(holder.holder_id, holder.visible_maddrs)]
+            traffic = pusher.traffic(1)
+            taken = await push_packet(pusher._host, pusher.config, traffic, offer, data, target, 20, stripes=4)
+            assert taken == holder.holder_id and traffic.uploaded_bytes == SIZE
+            assert bytes(holder._store.held[(0, "nat")].data) == data
+
+    asyncio.run(scenario())
+
+
+def test_a_holder_of_an_earlier_version_gets_the_packet_whole(monkeypatch):
+    """A holder whose offers know no stripes refuses a striped one before any byte, as earlier
+    versions did (UNSTRIPED_OFFER); the pusher then sends it the packet whole, once."""
+
+    def earlier_decode_offer(body: bytes, max_packet_bytes: int) -> PushOffer:
+        if set(msgpack.unpackb(body)) != {"run", "round", "peer", "digest", "size"}:
+            raise MalformedPacket(UNSTRIPED_OFFER)
+        return decode_offer(body, max_packet_bytes)
+
+    monkeypatch.setattr(push_module, "decode_offer", earlier_decode_offer)  # only holders decode offers
+
+    async def scenario():
+        async with swarm(Undialable, P2PExchange) as (nat, holder):
+            data = packet(13, SIZE)
+            holder.accept_pushes(accepting({sha(data)}))
+            await nat.publish(0, "nat", data)
+            assert nat.config.fetch_stripes == 4
+            assert await nat.push(0, "nat", [holder.visible_maddrs], timeout_s=20) == holder.holder_id
+            assert nat.traffic(0).uploaded_bytes == SIZE
+            assert await holder.fetch(0, {"nat": sha(data)}, timeout_s=5) == {"nat": data}
 
     asyncio.run(scenario())

@@ -25,6 +25,7 @@ from protocol.stream import (
     STATUS_ERROR,
     STATUS_OK,
     STATUS_STRIPED,
+    UNSTRIPED_OFFER,
     PacketRequest,
     PushOffer,
     decode_busy,
@@ -274,6 +275,31 @@ def test_protocol_stream_imports_neither_node_nor_hivemind():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_striped_push_offers_round_trip_and_name_a_stripe_the_size_has():
+    """A striped offer carries stripe and stripes (both or neither); the stripe must be one of the
+    parts `stripe_bounds` cuts the size into, so a 600 kB packet offered in 4 has stripes 0 and 1."""
+    size = 600_000
+    assert len(stripe_bounds(size, 4)) == 2
+    offer = PushOffer(run="r1", round=3, publisher="peer-a", digest=DIGEST, size=size, stripe=1, stripes=4)
+    body = split(encode_offer(offer))
+    assert msgpack.unpackb(body)["stripe"] == 1 and msgpack.unpackb(body)["stripes"] == 4
+    assert decode_offer(body, max_packet_bytes=size) == offer
+    whole = PushOffer(run="r1", round=3, publisher="peer-a", digest=DIGEST, size=size)
+    assert "stripes" not in msgpack.unpackb(split(encode_offer(whole)))  # an earlier holder reads it
+    fields = {"run": "r1", "round": 3, "peer": "peer-a", "digest": DIGEST, "size": size}
+    for bad in (
+        {**fields, "stripe": 2, "stripes": 4},  # the size has two parts
+        {**fields, "stripe": 0, "stripes": 1},
+        {**fields, "stripe": 0, "stripes": MAX_STRIPES + 1},
+        {**fields, "stripe": -1, "stripes": 4},
+        {**fields, "stripe": 1},
+        {**fields, "stripes": 4},
+        {**fields, "stripe": "1", "stripes": 4},
+    ):
+        with pytest.raises(MalformedPacket):
+            decode_offer(msgpack.packb(bad), max_packet_bytes=1 << 20)
+
+
 def test_push_offers_round_trip_and_hostile_ones_are_refused_typed():
     offer = PushOffer(run="r1", round=3, publisher="peer-a", digest=DIGEST, size=5000)
     body = split(encode_offer(offer))
@@ -294,6 +320,8 @@ def test_push_offers_round_trip_and_hostile_ones_are_refused_typed():
     ):
         with pytest.raises(ProtocolError):
             decode_offer(msgpack.packb(bad), max_packet_bytes=1 << 20)
+    with pytest.raises(MalformedPacket, match=UNSTRIPED_OFFER):
+        decode_offer(msgpack.packb({**fields, "wait": True}), max_packet_bytes=1 << 20)
     with pytest.raises(MalformedPacket):
         decode_offer(b"\xc1garbage", max_packet_bytes=1 << 20)
     with pytest.raises(OversizedPacket):
