@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -39,6 +40,9 @@ EXIT_REFUSED = 2  # the volunteer's set-up or command line: fix it and start aga
 EXIT_INTERRUPTED = 130  # the second Ctrl+C: 128 + SIGINT, as a shell reports it
 CLOCK_CHECK_TIMEOUT_S = 3.0  # per request; a coordinator that does not answer is the node's to report
 QUIT_GRACE_S = 5.0  # after the second Ctrl+C, the exchange's shutdown gets this long before a hard exit
+CANCEL_GRACE_S = 5.0  # a stopped node's leftover tasks get this long to finish once cancelled
+
+log = logging.getLogger("locoswarm.node")
 
 
 def register(subparsers) -> None:
@@ -228,9 +232,23 @@ def run_until_stopped(node) -> tuple[list, bool]:
             task.exception()  # retrieved here (a SystemExit leaves the loop before run_until_complete does)
         if not interrupts.quitting:
             # Quitting skips this: it would wait for the inner steps still running in a worker thread.
+            _cancel_the_rest(loop)
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
         loop.close()
+
+
+def _cancel_the_rest(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the tasks the node left behind and let them finish, within CANCEL_GRACE_S, as
+    `asyncio.run` does: a task still pending when the loop closes is logged as an error ("Task
+    was destroyed but it is pending"), one line pair each, at the end of every run."""
+    if rest := [t for t in asyncio.all_tasks(loop) if not t.done()]:
+        for task in rest:
+            task.cancel()
+        loop.run_until_complete(asyncio.wait(rest, timeout=CANCEL_GRACE_S))
+        for task in rest:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                log.debug("a task ended with %r as the node stopped", task.exception())
 
 
 def _say(line: str) -> None:
