@@ -342,7 +342,8 @@ async def _answer(reader: asyncio.StreamReader) -> str | None:
 def test_a_striped_push_takes_a_stream_per_stripe_and_only_from_its_pusher():
     """A hostile peer speaks the push protocol by hand: a stripe offered before its stripe 0, one
     offered twice and one from another peer are refused; the four stripes of a 1 MiB packet then
-    arrive side by side, each stream gets the verdict, and the holder serves the packet."""
+    arrive side by side, each stream gets the verdict, and a fetcher that asked before they came
+    gets the packet from the holder, once."""
 
     async def scenario():
         async with swarm(P2PExchange, P2PExchange, P2PExchange) as (pusher, holder, stranger):
@@ -366,14 +367,20 @@ def test_a_striped_push_takes_a_stream_per_stripe_and_only_from_its_pusher():
                 streams.append(await _offered(pusher, holder, dataclasses.replace(offer, stripe=i)))
                 assert await _answer(streams[i][0]) is None
 
+            # A fetcher asks before the stripes' bytes come.
+            fetching = asyncio.create_task(
+                stranger.fetch(0, {"nat": sha(data)}, {"nat": holder.visible_maddrs}, timeout_s=20)
+            )
+            await asyncio.sleep(0.5)
+            assert not fetching.done()
             for (_, writer), (start, end) in zip(streams, bounds):
                 writer.write(data[start:end])
             await asyncio.gather(*(writer.drain() for _, writer in streams))
             assert [await _answer(reader) for reader, _ in streams] == [None] * 4, "every stream hears the verdict"
             assert bytes(holder._store.held[(0, "nat")].data) == data
             assert holder.traffic(0).downloaded_bytes == SIZE
-            got = await stranger.fetch(0, {"nat": sha(data)}, {"nat": holder.visible_maddrs}, timeout_s=20)
-            assert got == {"nat": data}
+            assert await asyncio.wait_for(fetching, 20) == {"nat": data}
+            assert holder.traffic(0).uploaded_bytes == SIZE, "the fetcher's copy came from the push, once"
             for _, writer in streams:
                 writer.close()
 
