@@ -125,6 +125,8 @@ if TYPE_CHECKING:
     from node.training.snapshot import SnapshotSink
 
 log = logging.getLogger(__name__)
+# Each packet fetched, at DEBUG; the network lab reads it (tools/netlab/timeline.py).
+FETCHED_LINE = "round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps, %d streams)"
 
 MIRROR = "mirror"  # the packet mirror's name among a fetch's holders (its bans, its logs)
 
@@ -622,7 +624,7 @@ class PacketFetcher:
                 stream.write(RECEIPT)  # frees the holder's upload slot; a lost receipt only delays that
             done = loop.time()
             log.debug(
-                "round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps, %d streams)",
+                FETCHED_LINE,
                 state.round,
                 state.publisher,
                 holder.holder[-8:],

@@ -71,6 +71,10 @@ from protocol.stream import (
 )
 
 log = logging.getLogger(__name__)
+# Each push made, at DEBUG; the network lab reads it (tools/netlab/timeline.py).
+PUSHED_LINE = (
+    "round %d: pushed %d bytes to %s in %d stripes: go-ahead after %.3f s, written in %.3f s, verdict after %.3f s"
+)
 
 AcceptPush = Callable[[int, str, str], Awaitable[bool]]  # (round, publisher, digest) -> submitted so?
 UNANSWERED_S = 60.0  # after a check the coordinator did not answer, offers ask before their body this long
@@ -409,8 +413,7 @@ async def _push_stripes(
         written = clock()
         await all_or_first_error([_answer(r, config.stall_timeout_s) for r, _ in ordered])
         log.debug(
-            "round %d: pushed %d bytes to %s in %d stripes: go-ahead after %.3f s, written in %.3f s,"
-            " verdict after %.3f s",
+            PUSHED_LINE,
             offer.round,
             len(data),
             str(peer)[-8:],
