@@ -76,11 +76,11 @@ class Run:
 
 def load(workdir: Path) -> Run:
     """Every node{i}.log and node{i}.report.json in `workdir` (host h<i>)."""
-    logs = sorted(workdir.glob("node*.log"), key=lambda p: int(p.stem[4:]) if p.stem[4:].isdigit() else -1)
-    hosts = {p: f"h{p.stem[4:]}" for p in logs if p.stem[4:].isdigit()}
+    hosts = {p: f"h{p.stem[4:]}" for p in workdir.glob("node*.log") if p.stem[4:].isdigit()}
+    texts = {path: path.read_text(errors="replace") for path in hosts}
     by_libp2p, by_peer, submitted = {}, {}, {}
     for path, host in hosts.items():
-        if found := _LIBP2P_ID.search(path.read_text(errors="replace")):
+        if found := _LIBP2P_ID.search(texts[path]):
             by_libp2p[found.group(1)[-8:]] = host  # the fetch lines name a holder by its id's last 8 characters
         report_path = path.with_suffix(".report.json")
         if report_path.exists():
@@ -91,7 +91,7 @@ def load(workdir: Path) -> Run:
                     submitted[(r["round"], host)] = r["submitted_at"]
     fetches, pushes = [], []
     for path, host in hosts.items():
-        for line in path.read_text(errors="replace").splitlines():
+        for line in texts[path].splitlines():
             if m := _FETCH.match(line):
                 fetches.append(
                     Fetch(
