@@ -396,7 +396,8 @@ async def _push_stripes(
     try:
         first = await offered(0, config.request_timeout_s + 10.0)  # the holder may ask the coordinator first
         answered = clock()
-        others = await asyncio.gather(*(offered(i, config.request_timeout_s) for i in range(1, len(bounds))))
+        # A failed offer ends the others before the streams are closed: none is opened after.
+        others = await all_or_first_error([offered(i, config.request_timeout_s) for i in range(1, len(bounds))])
         ordered, view = [first, *others], memoryview(data)
 
         async def write(writer: asyncio.StreamWriter, start: int, end: int) -> None:

@@ -393,17 +393,18 @@ class PacketStore:
             self.drop(key)
 
 
-async def all_or_first_error(coros: list[Coroutine]) -> None:
-    """Run `coros` side by side until all finished; the first to raise cancels the others, and
-    its exception is raised."""
-    if len(coros) == 1:
-        return await coros[0]
+async def all_or_first_error(coros: list[Coroutine]) -> list:
+    """Run `coros` side by side until all finished; their results, in order. The first to raise
+    cancels the others, which are waited for, and its exception is raised."""
+    if len(coros) <= 1:
+        return [await c for c in coros]
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in tasks:
             if task in done and task.exception() is not None:
                 raise task.exception()
+        return [task.result() for task in tasks]
     finally:
         for task in tasks:
             task.cancel()
