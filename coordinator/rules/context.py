@@ -29,6 +29,9 @@ class Context:
     resumed_at: float  # see coordinator/rules/rounds.py, "Restart grace"
     changed: set[str] = field(default_factory=set)  # run ids whose change wakes long-polls on commit
     _live_counts: dict[str, tuple[float, int]] = field(default_factory=dict)  # run id -> (counted at, count)
+    # (run id, round, opened at) -> the round's timeout, which depends on earlier rounds only
+    # (coordinator/rules/rounds.py `round_timeout_s`): asked every tick once a round is past it
+    round_timeouts: dict[tuple[str, int, float], float] = field(default_factory=dict)
 
     def live_peers(self, run_id: str, now: float) -> int:
         """How many live members `run_id` has, as counted at most `LIVE_COUNT_MAX_AGE_S` ago."""

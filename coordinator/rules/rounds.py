@@ -25,6 +25,19 @@
   Without it a newcomer, which starts each round a replay behind, loses every race by a fraction
   of a second and never contributes. A key that claims to train and never submits costs each round
   at most that quarter, for its first K rounds only.
+- Held for the previous round. A round at its deadline does not close while most of the previous
+  round's live contributors (by credit, as votes weigh: coordinator/rules/votes.py; a headcount
+  while none has any, or with scoring off) have not submitted to it and still work on an earlier
+  round (their heartbeats' round): they are fetching the previous round's packets, waiting for its
+  amendment, or catching up, and the deadline is for training. Each tick that holds it moves its
+  deadline to a round timeout past that tick, so once they are back they have a round's time to
+  train; a hold never goes past the round's opening + two round timeouts + ``missing_grace_s`` +
+  the nodes' default fetch time-out (60 s), and a peer silent for 2.5 heartbeat periods holds none
+  (one that was killed). Without it one modified node that withholds its packet (or trickles it)
+  keeps the others fetching past the next round's deadline while it trains that round alone: the
+  round closes with its packet alone, its lone vote is the agreed digest, a round built on it can
+  no longer be amended, and the others wait for a packet nobody serves
+  (tests/integration/test_held_rounds.py).
 - Restart grace. Peers cannot reach a coordinator that is down, nor get anything written while its
   database fails, and that time is not theirs to answer for. ``resumed_at`` is when the service
   started (`CoordinatorService.resume`), or when it began its first transaction after the database
@@ -57,6 +70,13 @@ from protocol.run_config import RunConfig
 NEWCOMER_GRACE_FRACTION = 0.25
 NEWCOMER_GRACE_MIN_S = 1.0
 NEWCOMER_STEP_STATES = frozenset({"training", "encoding", "submitting"})
+# Held for the previous round: how long a node waits on a packet before it reports it missing (the
+# nodes' default `fetch_timeout_s`, node/config.py), which a hold may add to the round's time; and
+# the least a held deadline moves by, so a hold writes the round once a second, not every tick.
+HELD_FETCH_S = 60.0
+HELD_DEADLINE_STEP_S = 1.0
+HELD_SILENCE_PERIODS = 2.5  # a peer silent for this many heartbeat periods holds no round (killed ones)
+MAX_KEPT_TIMEOUTS = 4096  # `Context.round_timeouts` entries before it starts afresh
 
 
 def advance(ctx: Context, run: RunRow, now: float) -> None:
@@ -89,12 +109,69 @@ def advance(ctx: Context, run: RunRow, now: float) -> None:
     if open_round.opened_at < ctx.resumed_at and open_round.deadline < grace_deadline:
         ctx.storage.update_round(run.run_id, open_round.round, deadline=grace_deadline)
         open_round = dataclasses.replace(open_round, deadline=grace_deadline)
-    if now >= open_round.deadline or (
+    held = now >= open_round.opened_at + _timeout_of(
+        ctx, run.run_id, open_round, config
+    ) and _held_for_the_previous_round(ctx, run, open_round, config, now)
+    if (now >= open_round.deadline and not held) or (
         _all_waited_submitted(ctx, run.run_id, open_round.round, config)
         and not _newcomers_in_step(ctx, run.run_id, open_round, config, now)
         and not recovery.regrouping(ctx.storage, run.run_id, open_round)
     ):
         _close_round(ctx, run, open_round, now, config)
+
+
+def _timeout_of(ctx: Context, run_id: str, open_round: RoundRow, config: RunConfig) -> float:
+    """`_round_timeout_s` of the open round, kept in `ctx` (it depends on earlier rounds only)."""
+    key = (run_id, open_round.round, open_round.opened_at)
+    if (timeout_s := ctx.round_timeouts.get(key)) is None:
+        if len(ctx.round_timeouts) >= MAX_KEPT_TIMEOUTS:
+            ctx.round_timeouts.clear()
+        timeout_s = ctx.round_timeouts[key] = _round_timeout_s(ctx, run_id, open_round.round, config)
+    return timeout_s
+
+
+def _held_for_the_previous_round(
+    ctx: Context, run: RunRow, open_round: RoundRow, config: RunConfig, now: float
+) -> bool:
+    """Whether open round r, past its own timeout, waits for round r-1's contributors that are still
+    on an earlier round, and if so moves its deadline a round timeout past now (see "Held for the
+    previous round" above)."""
+    r = open_round.round
+    if r == 0:
+        return False
+    timeout_s = _timeout_of(ctx, run.run_id, open_round, config)
+    limit = open_round.opened_at + 2 * timeout_s + config.exchange.missing_grace_s + HELD_FETCH_S
+    if now >= limit:
+        return False
+    contributors = ctx.storage.manifest_peers(run.run_id, r - 1)
+    live = [p for p in ctx.storage.list_peers(run.run_id) if p.status == "live" and p.peer_id in contributors]
+    if not live:
+        return False
+    submitted = {s.peer_id for s in ctx.storage.list_submissions(run.run_id, r)}
+    heartbeat_timeout_s = config.membership.heartbeat_timeout_s
+
+    def silence_s(peer: PeerRow) -> float:  # how long it may have been silent and still hold the round
+        period_s = peer.heartbeat_period_s
+        return min(heartbeat_timeout_s, HELD_SILENCE_PERIODS * period_s) if period_s else heartbeat_timeout_s
+
+    behind = {
+        p.peer_id
+        for p in live
+        if p.peer_id not in submitted
+        and p.progress_round is not None
+        and p.progress_round < r
+        and now - p.last_seen_at <= silence_s(p)
+    }
+    credit = ctx.storage.credits(run.run_id) if config.scoring.enabled else {}
+    if not any(credit.get(p.peer_id, 0) for p in live):  # no credit earned yet, or scoring off: a headcount
+        credit = dict.fromkeys((p.peer_id for p in live), 1)
+    if 2 * sum(credit.get(p, 0) for p in behind) <= sum(credit.get(p.peer_id, 0) for p in live):
+        return False
+    deadline = min(limit, now + timeout_s)
+    if deadline >= open_round.deadline + HELD_DEADLINE_STEP_S:
+        ctx.storage.update_round(run.run_id, r, deadline=deadline)
+        ctx.changed.add(run.run_id)
+    return True
 
 
 def _all_waited_submitted(ctx: Context, run_id: str, round_index: int, config: RunConfig) -> bool:
