@@ -33,11 +33,13 @@ class Prefetch:
 
     task: asyncio.Task  # returns the closed round's view
     early: dict[PacketKey, asyncio.Task]
+    started: dict[PacketKey, float]  # when each early fetch began (the loop's clock)
 
     @classmethod
     def start(cls, s: Session, round: int) -> "Prefetch":
         early: dict[PacketKey, asyncio.Task] = {}
-        return cls(asyncio.create_task(_watch_submissions(s, round, early)), early)
+        started: dict[PacketKey, float] = {}
+        return cls(asyncio.create_task(_watch_submissions(s, round, early, started)), early, started)
 
     def cancel(self) -> None:
         self.task.cancel()
@@ -45,9 +47,11 @@ class Prefetch:
             fetch.cancel()
 
 
-async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyncio.Task]) -> RoundView:
-    """Fetch each of the round's packets as soon as it is submitted, into `early`, until the
-    round closes; returns the closed round's view."""
+async def _watch_submissions(
+    s: Session, round: int, early: dict[PacketKey, asyncio.Task], started: dict[PacketKey, float]
+) -> RoundView:
+    """Fetch each of the round's packets as soon as it is submitted, into `early` (`started`: when),
+    until the round closes; returns the closed round's view."""
     members = await live_members(s)
     if members.addresses:  # only members are served as tree children (node/exchange/serve.py)
         s.exchange.set_members(
@@ -78,6 +82,7 @@ async def _watch_submissions(s: Session, round: int, early: dict[PacketKey, asyn
                 early[e.peer_id, e.packet_digest] = asyncio.create_task(
                     _fetch_early(s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None, pushed_here)
                 )
+                started[e.peer_id, e.packet_digest] = asyncio.get_running_loop().time()
         if view.state == "closed":
             return view
         view = await s.client.round(round, wait_s=30, submitted_gt=None if bounded else view.num_submitted)

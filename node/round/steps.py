@@ -316,7 +316,7 @@ async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch,
         view = await prefetch.task
         times.wait_s = time.perf_counter() - start
         amend.watch_kept(s)  # has the round applied before been amended? (read beside the fetch)
-        payloads = await fetch_manifest(s, round, view, times, prefetch.early, foreground)
+        payloads = await fetch_manifest(s, round, view, times, prefetch, foreground)
     finally:
         prefetch.cancel()  # fetches of packets that did not make the manifest, or a stop
     prepared = None
@@ -330,22 +330,36 @@ async def collect(s: Session, round: int, times: RoundTimes, prefetch: Prefetch,
 
 
 async def fetch_manifest(
-    s: Session, round: int, view: RoundView, times: RoundTimes, early: dict | None = None, foreground: bool = True
+    s: Session,
+    round: int,
+    view: RoundView,
+    times: RoundTimes,
+    prefetch: Prefetch | None = None,
+    foreground: bool = True,
 ) -> dict[str, bytes]:
+    """The manifest's packets: the prefetch's early fetches, then the others. A packet gets
+    `fetch_timeout_s` in all: one whose early fetch failed is asked again for what is left of it
+    (nothing, when that fetch timed out), so a packet nobody serves is reported missing after one
+    time-out, not two (a withheld packet held every other node that much longer)."""
     if foreground:
         s.state.doing(Doing.TRANSFERRING)
     start = time.perf_counter()
+    budget_s = s.config.network.fetch_timeout_s
+    loop = asyncio.get_running_loop()
     payloads: dict[str, bytes] = {}
+    left_s: dict[str, float] = {}  # what is left of each packet's time-out
     for e in view.manifest:
-        if (task := (early or {}).get((e.peer_id, e.packet_digest))) is not None:
+        key = (e.peer_id, e.packet_digest)
+        if prefetch is not None and (task := prefetch.early.get(key)) is not None:
             payloads |= await task
-    rest = [e for e in view.manifest if e.peer_id not in payloads]
+            left_s[e.peer_id] = budget_s - (loop.time() - prefetch.started.get(key, loop.time()))
+    rest = [e for e in view.manifest if e.peer_id not in payloads and left_s.get(e.peer_id, budget_s) > 0]
     if rest:
         payloads |= await s.exchange.fetch(
             round,
             {e.peer_id: e.packet_digest for e in rest},
             {e.peer_id: e.multiaddrs for e in rest},
-            timeout_s=s.config.network.fetch_timeout_s,
+            timeout_s=max(left_s.get(e.peer_id, budget_s) for e in rest),
             mirrors=mirror_copies(rest),
         )
     times.transfer_s = time.perf_counter() - start
