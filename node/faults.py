@@ -28,6 +28,10 @@ crash           round, phase=training|published|       SIGKILL itself (no leave,
                                                        is in the manifest and a copy survives it.
 slow-upload     delay_s=5                              every stream it serves (packets, snapshots)
                                                        waits delay_s before the first byte.
+trickle         rate=20000                             every packet stream it serves, its own
+                                                       packet's and those it forwards, goes at
+                                                       `rate` bytes/s whatever the fetcher asked:
+                                                       a holder that never falls silent.
 corrupt-packet  round                                  flips one bit of its packet after signing;
                                                        it announces and submits the digest of the
                                                        corrupted bytes, so every peer fetches them
@@ -82,6 +86,7 @@ import logging
 import os
 import signal
 import struct
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -103,6 +108,7 @@ _LIE_LEAF, _LIE_BARE = struct.Struct("<QQQ"), struct.Struct("<QQ")
 class Fault(enum.Enum):
     CRASH = "crash"
     SLOW_UPLOAD = "slow-upload"
+    TRICKLE = "trickle"
     CORRUPT_PACKET = "corrupt-packet"
     POISON = "poison"
     STALE_SUBMIT = "stale-submit"
@@ -135,6 +141,7 @@ class FaultSpec:
     phase: Phase = Phase.TRAINING  # crash: when in the round
     wait_s: float = 30.0  # crash in transfer: longest wait for a peer to hold our packet
     delay_s: float = 5.0  # slow-upload: seconds before each served stream's first byte
+    rate: float = 20000.0  # trickle: bytes/s of each served packet stream
     factor: float = 1000.0  # poison: scale of the update
     mode: str = "scale"  # poison: one of POISON_MODES
     min_s: float = 10.0  # slow-compute: the inner steps of a round take at least this long
@@ -149,6 +156,7 @@ class FaultSpec:
         keys = {
             Fault.CRASH: ("round", "phase", "wait_s"),
             Fault.SLOW_UPLOAD: ("delay_s",),
+            Fault.TRICKLE: ("rate",),
             Fault.CORRUPT_PACKET: ("round",),
             Fault.POISON: ("round", "factor", "mode"),
             Fault.STALE_SUBMIT: ("round",),
@@ -166,6 +174,7 @@ class FaultSpec:
 _KEYS = {
     Fault.CRASH: {"round", "phase", "wait_s"},
     Fault.SLOW_UPLOAD: {"delay_s"},
+    Fault.TRICKLE: {"rate"},
     Fault.CORRUPT_PACKET: {"round"},
     Fault.POISON: {"round", "factor", "mode"},
     Fault.STALE_SUBMIT: {"round"},
@@ -204,7 +213,7 @@ def parse_fault(text: str) -> FaultSpec:
                 values[key] = raw
             else:
                 values[key] = float(raw)
-                if not 0 <= values[key] < float("inf"):
+                if not 0 <= values[key] < float("inf") or (key == "rate" and not values[key]):
                     raise ValueError
         except ValueError:
             raise FaultSpecError(f"{text!r}: bad value for {key}: {raw!r}") from None
@@ -476,6 +485,26 @@ class FaultInjector:
                     writer.close()
 
             base = UndialableExchange
+        if trickle := [s for s in self.specs if s.fault is Fault.TRICKLE]:
+            from node.exchange.pace import Pacer
+
+            rate = trickle[0].rate
+
+            class TrickleExchange(base):
+                async def _serve(self, stream_info, reader, writer):
+                    server = self._server
+                    if not hasattr(server, "trickle_pacers"):  # its writes go at `rate`, one pacer a stream
+                        server.trickle_pacers = weakref.WeakKeyDictionary()
+                        write = server._write
+
+                        async def trickled(payload, stream, traffic, pacer=None):
+                            pacer = server.trickle_pacers.setdefault(stream, Pacer(rate))
+                            await write(payload, stream, traffic, pacer)
+
+                        server._write = trickled
+                    await super()._serve(stream_info, reader, writer)
+
+            base = TrickleExchange
         slow = [s for s in self.specs if s.fault is Fault.SLOW_UPLOAD]
         if not slow:
             return base

@@ -49,7 +49,12 @@ stripe fails the whole download; the next holder is asked for all of it.
 Bytes from holders are hostile. The download refuses a length that differs from the announced size
 (or exceeds `max_packet_bytes`) before buffering, hashes while reading, drops a holder that stalls
 for `stall_timeout_s` or trickles (under `min_rate_bytes_per_s` for `stall_timeout_s` while no
-other download runs), and on a digest mismatch or a malformed answer bans that holder for this
+other download runs), leaves a holder whose bytes, at their pace so far (the time this node held
+its own reads back not counted), would need longer than the fetch has left once `stall_timeout_s`
+passed (`TooSlow`, banned for this packet: a forwarder trickling above the floor beside other
+downloads otherwise kept every packet it was asked for until the round's time-out, and every peer
+reported them missing; a packet's first copy, from its publisher, is exempt: nobody else has it
+yet), and on a digest mismatch or a malformed answer bans that holder for this
 fetch and tries the next one. A copy forwarded cut-through that fails upstream ends short: the
 fetcher, which never counts a short stream as a whole packet, tries another holder without
 banning that one. A verified copy is kept, served, and announced under the holders key, so later
@@ -86,6 +91,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
@@ -145,6 +151,10 @@ class FetchState:
     # the holders the submission names (the publisher, or the peer it pushes to): their copy is
     # the packet's first, which never holds back for this node's own (`PacketStore.after_first_copies`)
     first_hand: frozenset[str] = frozenset()
+
+
+class TooSlow(asyncio.TimeoutError):
+    """A holder whose bytes, at the pace they came so far, would arrive after the fetch's deadline."""
 
 
 class SnapshotGone(Exception):
@@ -552,6 +562,9 @@ class PacketFetcher:
         except HolderRefused as e:
             state.refused.add(holder.holder)
             log.info("round %d: holder %s refused %s's packet: %s", state.round, holder.holder, state.publisher, e)
+        except TooSlow as e:
+            state.banned.add(holder.holder)  # for this packet: the others are asked instead
+            log.info("round %d: holder %s of %s's packet left: %s", state.round, holder.holder, state.publisher, e)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             self._dialed.discard(holder.holder)
             log.info("round %d: holder %s of %s's packet failed: %r", state.round, holder.holder, state.publisher, e)
@@ -697,30 +710,41 @@ class PacketFetcher:
         loop = asyncio.get_running_loop()
         cfg = self.config
         alone: tuple[float, int] | None = None  # since when (and from how many bytes) no other download ran
+        started, own_waits_s = loop.time(), 0.0  # own_waits_s: this node held its reads back that long
 
         counted = 0  # bytes of this download the pacer was told of
 
         def after_piece(received: int) -> None:
-            """Charge the pacer for the new bytes; drop a holder under the rate floor."""
+            """Charge the pacer for the new bytes; drop a holder under the rate floor, or (but a
+            first copy's) one that at its pace would finish after the deadline."""
             nonlocal alone, counted
             if self._pacer is not None:
                 self._pacer.spent(received - counted)
                 counted = received
             if self._shares is not None:
                 self._shares.received(download, received)
-            alone = self._rate_floor(alone, loop.time(), received, length)
+            now = loop.time()
+            alone = self._rate_floor(alone, now, received, length)
+            if holdable and received < length and (elapsed := now - started - own_waits_s) >= cfg.stall_timeout_s:
+                needs_s = elapsed * (length - received) / max(received, 1)
+                if needs_s > budget(math.inf):
+                    raise TooSlow(
+                        f"{received} of {length} bytes in {elapsed:.1f} s: {needs_s:.0f} s more at that pace, "
+                        f"{budget(math.inf):.0f} s left"
+                    )
 
         held_s = 0.0  # this download's reads held back while this node sent its first copy
         hold_reads = holdable and self._shares is None  # a paced download is held by its share (`Shares`)
 
         async def before_piece() -> None:
             """Hold while this node sends its first copy (`hold_reads`), then wait for the pacer."""
-            nonlocal held_s, alone
+            nonlocal held_s, alone, own_waits_s
             # At most half the holder's stall time-out in all, so the holder never drops this stream.
             waited = await self._store.after_first_copies(cfg.stall_timeout_s / 2 - held_s) if hold_reads else 0.0
             held_s += waited
             if self._pacer is not None:
                 waited += await self._pacer.wait()
+            own_waits_s += waited
             if waited and alone is not None:
                 alone = (alone[0] + waited, alone[1])  # not the holder's trickle
 

@@ -827,6 +827,26 @@ def test_a_holder_that_trickles_is_dropped_for_another():
     asyncio.run(scenario())
 
 
+def test_a_holder_that_trickles_above_the_floor_is_left_once_its_pace_would_miss_the_deadline():
+    """The same 2.5 kB/s with the rate floor out of the way (100 B/s), as beside other downloads,
+    where the floor does not apply: after stall_timeout_s the copy's pace says it would need
+    minutes more, past the fetch's 20 s, so the fetcher leaves it for the publisher. Before, it
+    waited on it until the fetch timed out: a forwarder that trickles made every packet it was
+    asked for miss the round, and got them dropped from the manifest."""
+
+    async def scenario():
+        config = {"stall_timeout_s": 1.5, "min_rate_bytes_per_s": 100.0}
+        async with swarm(P2PExchange, TricklingExchange, P2PExchange, **config) as peers:
+            publisher, trickler, fetcher = peers
+            data, digest = await _held_by(publisher, trickler, fetcher, seed=10)
+            started = time.monotonic()
+            assert await fetcher.fetch(0, {"pub": digest}, timeout_s=20) == {"pub": data}
+            assert time.monotonic() - started < 10  # the trickle would take minutes
+            assert publisher.traffic(0).uploaded_bytes == 2 * len(data)
+
+    asyncio.run(scenario())
+
+
 async def _forwarding_half(
     publisher: PausingExchange, middle: P2PExchange, fetcher: P2PExchange, data: bytes, middle_timeout_s: float
 ) -> tuple[asyncio.Task, asyncio.Task]:
