@@ -27,16 +27,17 @@
   at most that quarter, for its first K rounds only.
 - Held for the previous round. A round at its deadline does not close while most of the previous
   round's live contributors (by credit, as votes weigh: coordinator/rules/votes.py; a headcount
-  while none has any, or with scoring off) have not submitted to it and still work on an earlier
-  round (their heartbeats' round): they are fetching the previous round's packets, waiting for its
-  amendment, or catching up, and the deadline is for training. Each tick that holds it moves its
-  deadline to a round timeout past that tick, so once they are back they have a round's time to
-  train; a hold never goes past the round's opening + two round timeouts + ``missing_grace_s`` +
-  the nodes' default fetch time-out (60 s), and a peer silent for 2.5 heartbeat periods holds none
-  (one that was killed). Without it one modified node that withholds its packet (or trickles it)
-  keeps the others fetching past the next round's deadline while it trains that round alone: the
-  round closes with its packet alone, its lone vote is the agreed digest, a round built on it can
-  no longer be amended, and the others wait for a packet nobody serves
+  while none has any, or with scoring off) have not submitted to it and have not had a round's time
+  to train it: those still on an earlier round by their heartbeats (fetching the previous round's
+  packets, waiting for its amendment, catching up) are owed a round timeout from now, those that
+  applied the previous round after half of this round's time had gone a round timeout from then.
+  The deadline moves to when those still owed time weigh half or less. A hold never goes past the
+  round's opening + two round timeouts + ``missing_grace_s`` + the nodes' default fetch time-out
+  (60 s), and a peer silent for 2.5 heartbeat periods (one that was killed) is owed nothing.
+  Without it one modified node that withholds its packet (or trickles it) keeps the others
+  fetching until about the next round's deadline while it trains that round alone: the round
+  closes with its packet alone, its lone vote is the agreed digest, a round built on it can no
+  longer be amended, and the others wait for a packet nobody serves
   (tests/integration/test_held_rounds.py).
 - Restart grace. Peers cannot reach a coordinator that is down, nor get anything written while its
   database fails, and that time is not theirs to answer for. ``resumed_at`` is when the service
@@ -133,9 +134,9 @@ def _timeout_of(ctx: Context, run_id: str, open_round: RoundRow, config: RunConf
 def _held_for_the_previous_round(
     ctx: Context, run: RunRow, open_round: RoundRow, config: RunConfig, now: float
 ) -> bool:
-    """Whether open round r, past its own timeout, waits for round r-1's contributors that are still
-    on an earlier round, and if so moves its deadline a round timeout past now (see "Held for the
-    previous round" above)."""
+    """Whether open round r, past its own timeout, waits for round r-1's contributors that have not
+    had a round's time to train it, and if so moves its deadline to when most have (see "Held for
+    the previous round" above)."""
     r = open_round.round
     if r == 0:
         return False
@@ -154,24 +155,38 @@ def _held_for_the_previous_round(
         period_s = peer.heartbeat_period_s
         return min(heartbeat_timeout_s, HELD_SILENCE_PERIODS * period_s) if period_s else heartbeat_timeout_s
 
-    behind = {
-        p.peer_id
-        for p in live
-        if p.peer_id not in submitted
-        and p.progress_round is not None
-        and p.progress_round < r
-        and now - p.last_seen_at <= silence_s(p)
-    }
+    # When each contributor not in yet can have had a round's time to train r: a round timeout
+    # past now while it is still on an earlier round, past when it applied r-1 if that came after
+    # half the round's time (its transfer took that long), else already.
+    applied_at: dict[str, float] = {}
+    for report in ctx.storage.list_applied(run.run_id, r - 1):
+        applied_at[report.peer_id] = max(applied_at.get(report.peer_id, 0.0), report.reported_at)
+    back_late = open_round.opened_at + timeout_s / 2
+    needs: dict[str, float] = {}
+    for p in live:
+        if p.peer_id in submitted or now - p.last_seen_at > silence_s(p) or p.progress_round is None:
+            continue
+        if p.progress_round < r:
+            needs[p.peer_id] = now + timeout_s
+        elif applied_at.get(p.peer_id, 0.0) > back_late:
+            needs[p.peer_id] = applied_at[p.peer_id] + timeout_s
     credit = ctx.storage.credits(run.run_id) if config.scoring.enabled else {}
     if not any(credit.get(p.peer_id, 0) for p in live):  # no credit earned yet, or scoring off: a headcount
         credit = dict.fromkeys((p.peer_id for p in live), 1)
-    if 2 * sum(credit.get(p, 0) for p in behind) <= sum(credit.get(p.peer_id, 0) for p in live):
+    # The round may close once those still owed time weigh half the live contributors or less.
+    half, owed, until = sum(credit.get(p.peer_id, 0) for p in live) / 2, 0.0, now
+    for peer_id, at in sorted(needs.items(), key=lambda item: -item[1]):
+        owed += credit.get(peer_id, 0)
+        if owed > half:
+            until = at
+            break
+    if until <= now:
         return False
-    deadline = min(limit, now + timeout_s)
+    deadline = min(limit, until)
     if deadline >= open_round.deadline + HELD_DEADLINE_STEP_S:
         ctx.storage.update_round(run.run_id, r, deadline=deadline)
         ctx.changed.add(run.run_id)
-    return True
+    return deadline > now
 
 
 def _all_waited_submitted(ctx: Context, run_id: str, round_index: int, config: RunConfig) -> bool:

@@ -100,3 +100,19 @@ def test_peers_gone_silent_hold_no_round(round_1_open, fake_clock):
     closed = round_of(client, run_id, 1)
     assert closed["closed_at"] is not None and [e["peer_id"] for e in closed["manifest"]] == [a.peer_id]
     assert {p["status"] for p in client.get(f"/v1/runs/{run_id}/status").json()["peers"]} == {"live"}
+
+
+def test_peers_back_late_in_the_round_get_a_rounds_time_to_train_it(round_1_open, fake_clock):
+    """b and c fetched round 0 for 8 s of round 1's 10 (a withheld packet, a trickling holder):
+    back before its deadline, they are owed a round's time from then, not the 2 s left."""
+    client, run_id, (a, b, c) = round_1_open
+    assert a.submit(run_id, 1).status_code == 200
+    beat(client, fake_clock, run_id, (a, b, c), 0, "transferring", 8)
+    back = fake_clock()
+    for peer in (a, b, c):
+        assert peer.applied(run_id, 0, "ab" * 32).status_code == 200
+    beat(client, fake_clock, run_id, (b, c), 1, "training", TIMEOUT_S - 2)
+    held = round_of(client, run_id, 1)
+    assert held["closed_at"] is None and held["deadline"] == pytest.approx(back + TIMEOUT_S, abs=0.5)
+    assert b.submit(run_id, 1).status_code == 200 and c.submit(run_id, 1).status_code == 200
+    assert len(round_of(client, run_id, 1)["manifest"]) == 3
