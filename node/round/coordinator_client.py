@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import json
 import logging
 import random
@@ -133,11 +132,18 @@ class CoordinatorClient:
         self._answered = False  # the coordinator has answered this client at least once
         self._outage_logged_at = 0.0
         self._back = asyncio.Event()  # set when the coordinator answers after an outage (a fresh one per outage)
+        self._stopping = asyncio.Event()  # `stop_retrying`: the node is stopping
         self._member_of: set[str] = set()  # runs this key joined: a rejoin needs no proof of work
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, trust_env=False, transport=transport)
 
     async def close(self) -> None:
         await self._http.aclose()
+
+    def stop_retrying(self) -> None:
+        """The node is stopping: a call in an outage tries once more and then gives up
+        (`CoordinatorUnavailable`) instead of waiting for the coordinator, so that a volunteer's
+        Ctrl+C or an operator's SIGTERM is not held for as long as the outage lasts."""
+        self._stopping.set()
 
     @property
     def unreachable_for_s(self) -> float | None:
@@ -181,7 +187,7 @@ class CoordinatorClient:
         if first_contact:
             budget = FIRST_CONTACT_S
         deadline = float("inf") if budget is None else time.monotonic() + budget
-        delay_s, last_error = 0.2, "no attempt"
+        delay_s, last_error, attempts = 0.2, "no attempt", 0  # attempts: failed ones before this
         while True:
             retry_after_s, unreached = 0.0, False
             headers = {"content-type": "application/json"}
@@ -207,6 +213,9 @@ class CoordinatorClient:
                 last_error = f"HTTP {response.status_code}"
                 if response.status_code == 429:
                     retry_after_s = _retry_after_s(response.headers.get("retry-after"))
+            if self._stopping.is_set() and attempts:
+                raise CoordinatorUnavailable(f"{method} {path}: {last_error} (not retried: this node is stopping)")
+            attempts += 1
             if time.monotonic() + max(delay_s, retry_after_s) > deadline:
                 if first_contact and not self._answered:
                     raise CoordinatorUnreachable(
@@ -226,11 +235,13 @@ class CoordinatorClient:
                 last_error,
                 wait_s,
             )
-            if unreached:  # ...or as soon as another call gets an answer (not after a 5xx or a 429)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._back.wait(), wait_s)
-            else:
-                await asyncio.sleep(wait_s)
+            # ...or as soon as another call gets an answer (not after a 5xx or a 429), or the node stops.
+            wakers = [asyncio.ensure_future(e.wait()) for e in ([self._back] if unreached else []) + [self._stopping]]
+            try:
+                await asyncio.wait(wakers, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waker in wakers:
+                    waker.cancel()
             delay_s = min(delay_s * 2, RETRY_DELAY_MAX_S)
 
     async def runs(self) -> RunList:

@@ -34,7 +34,7 @@ from node.exchange.base import Exchange
 from node.faults import FaultInjector
 from node.round import resume
 from node.round.catchup import catch_up
-from node.round.coordinator_client import CoordinatorCallFailed, CoordinatorClient, Refused
+from node.round.coordinator_client import CoordinatorCallFailed, CoordinatorClient, CoordinatorUnavailable, Refused
 from node.round.overlap import Pipeline
 from node.round.own_packets import KEPT_ROUNDS, HeldPacket, OwnPackets
 from node.round.prefetch import Prefetch
@@ -100,10 +100,14 @@ class Node:
         self._client, self._exchange, self._clock = client, exchange, clock
         self._stopping = asyncio.Event()
         self._pipeline: Pipeline[InFlight] = Pipeline(overlap=False)
+        self._active_client: CoordinatorClient | None = None  # the one `run` talks through
 
     def stop(self) -> None:
-        """Ask the loop to leave after the current step (signal handlers call this)."""
+        """Ask the loop to leave after the current step (signal handlers call this); a step that
+        waits out a coordinator outage ends at once (`CoordinatorClient.stop_retrying`)."""
         self._stopping.set()
+        if self._active_client is not None:
+            self._active_client.stop_retrying()
 
     @property
     def peer_id(self) -> str | None:
@@ -120,7 +124,9 @@ class Node:
         if cfg.training.threads:
             torch.set_num_threads(cfg.training.threads)
         key = PeerKey.load_or_create(cfg.key_path)
-        client = self._client or CoordinatorClient(cfg.coordinator, key)
+        client = self._active_client = self._client or CoordinatorClient(cfg.coordinator, key)
+        if self._stopping.is_set():
+            client.stop_retrying()
         client = self.faults.wrap_client(client)
         exchange = self._exchange
         if self.faults:
@@ -172,7 +178,12 @@ class Node:
             # Nodes restarted together each start a DHT of their own: merge them (node/round/rejoin.py).
             mender = start_mending(s, joined.config.membership.heartbeat_timeout_s)
             try:
-                await self._rounds(s, joined)
+                try:
+                    await self._rounds(s, joined)
+                except CoordinatorUnavailable as e:
+                    if not self._stopping.is_set():
+                        raise
+                    log.warning("stopped during a coordinator outage: %s", e)
                 if self._pipeline.in_flight and not self._stopping.is_set():
                     await self._drain(s)
                 if self.reports and not self._stopping.is_set():

@@ -171,3 +171,32 @@ def test_a_coordinator_never_reached_is_a_wrong_address_said_at_once(tmp_path, m
 
 def test_format_duration():
     assert [format_duration(s) for s in (0, 42, 200, 3900)] == ["0s", "42s", "3m20s", "1h05m"]
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_stops_gives_up_waiting_out_an_outage(tmp_path):
+    """Ctrl+C (or SIGTERM) during an outage: the call waiting it out tries once more and gives up,
+    where it waited for as long as the outage lasted (a node whose coordinator was gone ignored
+    SIGTERM for minutes)."""
+
+    async def main():
+        coordinator = Coordinator(tmp_path)
+        await coordinator.start()
+        client = CoordinatorClient(coordinator.url, PeerKey.from_seed(b"client"))
+        try:
+            assert (await client.runs()).runs == []
+            await coordinator.stop()
+            waiting = asyncio.create_task(client.runs())
+            await asyncio.sleep(3.0)  # deep in its backoff: its next try is over a second away
+            loop = asyncio.get_running_loop()
+            asked = loop.time()
+            client.stop_retrying()
+            with pytest.raises(CoordinatorUnavailable, match="this node is stopping"):
+                await asyncio.wait_for(waiting, 10)
+            assert loop.time() - asked < 0.5
+        finally:
+            await client.close()
+            await coordinator.stop()
+            coordinator.storage.close()
+
+    asyncio.run(main())
