@@ -110,9 +110,10 @@ def advance(ctx: Context, run: RunRow, now: float) -> None:
     if open_round.opened_at < ctx.resumed_at and open_round.deadline < grace_deadline:
         ctx.storage.update_round(run.run_id, open_round.round, deadline=grace_deadline)
         open_round = dataclasses.replace(open_round, deadline=grace_deadline)
-    held = now >= open_round.opened_at + _timeout_of(
-        ctx, run.run_id, open_round, config
-    ) and _held_for_the_previous_round(ctx, run, open_round, config, now)
+    timeout_s = _timeout_of(ctx, run.run_id, open_round, config)
+    held = now >= open_round.opened_at + timeout_s and _held_for_the_previous_round(
+        ctx, run, open_round, config, timeout_s, now
+    )
     if (now >= open_round.deadline and not held) or (
         _all_waited_submitted(ctx, run.run_id, open_round.round, config)
         and not _newcomers_in_step(ctx, run.run_id, open_round, config, now)
@@ -132,15 +133,14 @@ def _timeout_of(ctx: Context, run_id: str, open_round: RoundRow, config: RunConf
 
 
 def _held_for_the_previous_round(
-    ctx: Context, run: RunRow, open_round: RoundRow, config: RunConfig, now: float
+    ctx: Context, run: RunRow, open_round: RoundRow, config: RunConfig, timeout_s: float, now: float
 ) -> bool:
-    """Whether open round r, past its own timeout, waits for round r-1's contributors that have not
+    """Whether open round r, past its own timeout (`timeout_s`), waits for round r-1's contributors that have not
     had a round's time to train it, and if so moves its deadline to when most have (see "Held for
     the previous round" above)."""
     r = open_round.round
     if r == 0:
         return False
-    timeout_s = _timeout_of(ctx, run.run_id, open_round, config)
     limit = open_round.opened_at + 2 * timeout_s + config.exchange.missing_grace_s + HELD_FETCH_S
     if now >= limit:
         return False
@@ -186,7 +186,7 @@ def _held_for_the_previous_round(
     if deadline >= open_round.deadline + HELD_DEADLINE_STEP_S:
         ctx.storage.update_round(run.run_id, r, deadline=deadline)
         ctx.changed.add(run.run_id)
-    return deadline > now
+    return True  # until > now, and limit > now
 
 
 def _all_waited_submitted(ctx: Context, run_id: str, round_index: int, config: RunConfig) -> bool:
