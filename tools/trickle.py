@@ -2,11 +2,13 @@
 
     python -m tools.trickle --workdir W [--rate 5000] [--peers 4] [--rounds 3] [--preset small --top-k 1024]
     python -m tools.trickle --workdir W --rate 0        # the same swarm with no trickle: the baseline
+    python -m tools.trickle --workdir W --withhold      # the last node withholds its packet every round
 
 Nodes 0..N-2 state a 100 Mbps uplink; the last states 10000 Mbps, so that every packet tree hangs
 the others on it (node/exchange/topology.py), and with `--rate` > 0 it serves every packet stream
 at that many bytes/s (the `trickle` fault, node/faults.py): with 4 stripes a copy, just above the
-fetchers' rate floor. The run has a fixed 60 s deadline and 30 s heartbeat time-out, the small
+fetchers' rate floor. With `--withhold` it submits every packet and serves none (the `withhold`
+fault) instead. The run has a fixed 60 s deadline and 30 s heartbeat time-out, the small
 preset's 1.5 MB packets by default. Prints one JSON object: every node's exit code, each closed
 round's contributors, dropped entries and manifest version, and per node and round the transfer
 timer, the packets applied and its catch-ups (from the nodes' --report files), and the elapsed
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.trickle", description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--rate", type=float, default=5000.0, help="bytes/s of each stream it serves (0: honest)")
+    parser.add_argument("--withhold", action="store_true", help="the last node withholds its packets instead")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--preset", default="small")
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     n = args.peers
     extra = {i: ("--uplink-mbps", "100") for i in range(n - 1)}
-    extra[n - 1] = ("--uplink-mbps", "10000", *(("--inject", f"trickle@rate={args.rate:g}") if args.rate else ()))
+    fault = "withhold" if args.withhold else f"trickle@rate={args.rate:g}" if args.rate else None
+    extra[n - 1] = ("--uplink-mbps", "10000", *(("--inject", fault) if fault else ()))
     started = time.monotonic()
     with LocalSwarm(
         args.workdir,
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes.append(
             {
                 "node": i,
-                "trickles": i == n - 1 and bool(args.rate),
+                "modified": i == n - 1 and fault is not None,
                 "rounds": [
                     {"round": r["round"], "transfer_s": round(r["times"]["transfer_s"], 2), "packets": r["num_packets"]}
                     for r in report["rounds"]
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 "catch_ups": len(report.get("catch_ups", [])),
             }
         )
-    result = {"rate": args.rate, "codes": codes, "rounds": rounds, "nodes": nodes}
+    result = {"fault": fault, "codes": codes, "rounds": rounds, "nodes": nodes}
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(result))
     return 0 if all(c == 0 for c in codes) else 1

@@ -132,6 +132,7 @@ class Exchange(Protocol):
         parents: dict[str, list[str]] | None = None,
         mirrors: dict[str, MirrorCopy] | None = None,
         pushed_here: Collection[str] = (),
+        suspects: Collection[str] = (),
     ) -> dict[str, bytes]:
         """Bytes for each `wanted` peer id whose sha256 equals the wanted digest; missing ones are left out.
 
@@ -141,7 +142,10 @@ class Exchange(Protocol):
         the packet mirror, asked when the peers have not delivered within `mirror_after_s`;
         `pushed_here` names publishers nobody can dial that push their packet to this node (the
         root of its tree): their push is awaited first (`push_grace_s` to start), not raced by a
-        second copy pulled through the same uplink.
+        second copy pulled through the same uplink. `suspects` names publishers a packet of which
+        was dropped as unfetchable (the coordinator's `withheld_packet` flag): theirs is given up
+        once no copy of it is arriving at a check, every `stall_timeout_s`, rather than at the
+        time-out.
         """
         ...
 

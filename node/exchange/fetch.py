@@ -53,12 +53,12 @@ other download runs), leaves a holder whose bytes, at their pace so far (the tim
 its own reads back not counted), would need longer than the fetch has left once `stall_timeout_s`
 passed (`TooSlow`, banned for this packet: a forwarder trickling above the floor beside other
 downloads otherwise kept every packet it was asked for until the round's time-out, and every peer
-reported them missing; a packet's first copy, from its publisher, is exempt: nobody else has it
-yet), and on a digest mismatch or a malformed answer bans that holder for this
-fetch and tries the next one. A copy forwarded cut-through that fails upstream ends short: the
-fetcher, which never counts a short stream as a whole packet, tries another holder without
-banning that one. A verified copy is kept, served, and announced under the holders key, so later
-fetchers spread their load over it.
+reported them missing; a packet's first copy, from its publisher, is exempt, nobody else has it
+yet, unless that publisher is a suspect, below), and on a digest mismatch or a malformed answer
+bans that holder for this fetch and tries the next one. A copy forwarded cut-through that fails
+upstream ends short: the fetcher, which never counts a short stream as a whole packet, tries
+another holder without banning that one. A verified copy is kept, served, and announced under the
+holders key, so later fetchers spread their load over it.
 
 The packet mirror (`mirrors`: a presigned GET URL and the manifest's size per packet, from the
 coordinator) is one more holder, raced against the peer search once that has not delivered
@@ -70,6 +70,14 @@ an HTTP error or a lost connection (the publisher's upload may not be there yet)
 every `holder_refresh_s`, while a wrong length or digest bans the mirror for that packet. A
 verified copy from the mirror is kept, served and announced like one from a peer; whichever of
 the two verifies first wins, and the other is cancelled.
+
+A suspect's packet (`suspects`: publishers the coordinator flagged for a packet dropped as
+unfetchable, `withheld_packet`) is given up at the first check, every `stall_timeout_s` from the
+fetch's start, at which no copy of it is arriving here, and its first copy is left like any other
+once its pace would miss the deadline (`TooSlow`): a publisher that withholds its packet, or
+trickles it, then costs each peer a stall time-out or two a round rather than the whole fetch's,
+while one that serves again is fetched as any other (docs/DESIGN.md, "A publisher dropped once is
+not waited for again").
 
 A parameter snapshot (`fetch_snapshot`) goes through the same search among the holders that
 announced it, but its bytes go into a `SnapshotSink` (node/training/snapshot.py) rather than a
@@ -151,6 +159,7 @@ class FetchState:
     # the holders the submission names (the publisher, or the peer it pushes to): their copy is
     # the packet's first, which never holds back for this node's own (`PacketStore.after_first_copies`)
     first_hand: frozenset[str] = frozenset()
+    suspect: bool = False  # its publisher's packet was dropped before: no exemption, given up sooner
 
 
 class TooSlow(asyncio.TimeoutError):
@@ -202,6 +211,7 @@ class PacketFetcher:
         parents: dict[str, list[str]] | None = None,
         mirrors: dict[str, MirrorCopy] | None = None,
         pushed_here: Collection[str] = (),
+        suspects: Collection[str] = (),
     ) -> dict[str, bytes]:
         """The wanted packets ({publisher: digest}) that some holder served and that verified."""
         loop = asyncio.get_running_loop()
@@ -242,7 +252,7 @@ class PacketFetcher:
                 if data is not None:
                     self._store.traffic(round).fetch_spans.append((started, loop.time()))
                     return data
-            state = FetchState(round, publisher, digest, None)
+            state = FetchState(round, publisher, digest, None, suspect=publisher in suspects)
             hints = hinted_holders((holders_hint or {}).get(publisher, []), state)
             state.first_hand = frozenset(h.holder for h in hints)
             parent = next(iter(hinted_holders((parents or {}).get(publisher, []), state)), None)
@@ -257,14 +267,20 @@ class PacketFetcher:
             searching = asyncio.ensure_future(search)
             pushed = asyncio.ensure_future(self._store.pushed_copy(round, publisher, digest))
             try:
-                done, _ = await asyncio.wait(
-                    {searching, pushed}, timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED
+                done = await self._until_done_or_given_up(
+                    {searching, pushed}, (round, publisher), deadline, publisher in suspects
                 )
             finally:
                 searching.cancel()
                 pushed.cancel()
             if not done:
-                log.warning("round %d: no holder served %s's packet within %.1f s", round, publisher, timeout_s)
+                log.warning(
+                    "round %d: no holder served %s's packet within %.1f s%s",
+                    round,
+                    publisher,
+                    loop.time() - started,
+                    " (a suspect: no copy arriving, given up)" if loop.time() < deadline else "",
+                )
                 return None
             data = (searching if searching in done else pushed).result()
             self._store.traffic(round).fetch_spans.append((started, loop.time()))
@@ -280,6 +296,22 @@ class PacketFetcher:
                 lookup_task.cancel()
         result |= {p: data for (p, _), data in zip(order, fetched) if data is not None}
         return result
+
+    async def _until_done_or_given_up(
+        self, tasks: set[asyncio.Future], key: tuple[int, str], deadline: float, suspect: bool
+    ) -> set[asyncio.Future]:
+        """The first of `tasks` done by `deadline` (an empty set: none). A suspect's packet is
+        given up sooner, at the first check (every `stall_timeout_s`) with no copy of it arriving."""
+        loop = asyncio.get_running_loop()
+        check = loop.time() + self.config.stall_timeout_s if suspect else math.inf
+        while True:
+            until = min(deadline, check)
+            done, _ = await asyncio.wait(
+                tasks, timeout=max(0.0, until - loop.time()), return_when=asyncio.FIRST_COMPLETED
+            )
+            if done or loop.time() >= deadline or key not in self._store.partial:
+                return done
+            check += self.config.stall_timeout_s
 
     async def fetch_snapshot(self, round: int, digest: str, sink: SnapshotSink, timeout_s: float) -> bool:
         """Receive the snapshot named `digest` into `sink` from the holders that announced it;
@@ -716,7 +748,8 @@ class PacketFetcher:
 
         def after_piece(received: int) -> None:
             """Charge the pacer for the new bytes; drop a holder under the rate floor, or (but a
-            first copy's) one that at its pace would finish after the deadline."""
+            first copy's, unless its publisher is a suspect) one that at its pace would finish
+            after the deadline."""
             nonlocal alone, counted
             if self._pacer is not None:
                 self._pacer.spent(received - counted)
@@ -725,7 +758,8 @@ class PacketFetcher:
                 self._shares.received(download, received)
             now = loop.time()
             alone = self._rate_floor(alone, now, received, length)
-            if holdable and received < length and (elapsed := now - started - own_waits_s) >= cfg.stall_timeout_s:
+            paced = holdable or state.suspect
+            if paced and received < length and (elapsed := now - started - own_waits_s) >= cfg.stall_timeout_s:
                 needs_s = elapsed * (length - received) / max(received, 1)
                 if needs_s > budget(math.inf):
                     raise TooSlow(

@@ -155,6 +155,7 @@ class P2PExchange:
         parents: dict[str, list[str]] | None = None,
         mirrors: dict[str, MirrorCopy] | None = None,
         pushed_here: Collection[str] = (),
+        suspects: Collection[str] = (),
     ) -> dict[str, bytes]:
         """The wanted packets ({publisher: digest}) that some holder served and that verified.
 
@@ -164,9 +165,12 @@ class P2PExchange:
         tree_parent); without a parent, or if it fails, the search goes on as without one.
         `mirrors` names a packet's copy in the packet mirror, asked beside the peers once they
         have not delivered within `mirror_after_s`. `pushed_here`: publishers whose push to this
-        node is awaited first (`push_grace_s` to start; node/exchange/fetch.py).
+        node is awaited first (`push_grace_s` to start; node/exchange/fetch.py). `suspects`:
+        publishers whose packet is given up once no copy of it arrives (node/exchange/fetch.py).
         """
-        return await self._fetcher.fetch(round, wanted, holders_hint, timeout_s, parents, mirrors, pushed_here)
+        return await self._fetcher.fetch(
+            round, wanted, holders_hint, timeout_s, parents, mirrors, pushed_here, suspects
+        )
 
     # -- pushing (node/exchange/push.py) -----------------------------------------------------
 

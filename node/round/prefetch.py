@@ -7,6 +7,10 @@ its parent there first. Each packet that arrives is handed to the session's `Ear
 (node/training/decode.py, which owns decoding and its workers), off the round's critical path;
 the round's `prepare` (node/round/steps.py) takes those results.
 
+A publisher the coordinator flags `withheld_packet` (a packet of its was dropped as unfetchable) is
+a suspect: its packet is given up once no copy of it is arriving (node/exchange/fetch.py), and not
+asked again after the close (`Prefetch.suspects`).
+
 In a bounded round (``outer.max_contributors`` M > 0, protocol/selection.py) the submissions are not
 fetched while the round is open: which of them the manifest takes is known only at the close, and
 fetching only the manifest's packets is what bounds the bytes a node receives to M packets a round.
@@ -34,12 +38,15 @@ class Prefetch:
     task: asyncio.Task  # returns the closed round's view
     early: dict[PacketKey, asyncio.Task]
     started: dict[PacketKey, float]  # when each early fetch began (the loop's clock)
+    suspects: set[str]  # publishers flagged `withheld_packet` when the round's members were read
 
     @classmethod
     def start(cls, s: Session, round: int) -> "Prefetch":
         early: dict[PacketKey, asyncio.Task] = {}
         started: dict[PacketKey, float] = {}
-        return cls(asyncio.create_task(_watch_submissions(s, round, early, started)), early, started)
+        suspects: set[str] = set()
+        task = asyncio.create_task(_watch_submissions(s, round, early, started, suspects))
+        return cls(task, early, started, suspects)
 
     def cancel(self) -> None:
         self.task.cancel()
@@ -48,11 +55,17 @@ class Prefetch:
 
 
 async def _watch_submissions(
-    s: Session, round: int, early: dict[PacketKey, asyncio.Task], started: dict[PacketKey, float]
+    s: Session,
+    round: int,
+    early: dict[PacketKey, asyncio.Task],
+    started: dict[PacketKey, float],
+    suspects: set[str],
 ) -> RoundView:
     """Fetch each of the round's packets as soon as it is submitted, into `early` (`started`: when),
-    until the round closes; returns the closed round's view."""
+    until the round closes; returns the closed round's view. `suspects` gets the members flagged
+    `withheld_packet`."""
     members = await live_members(s)
+    suspects |= members.withheld
     if members.addresses:  # only members are served as tree children (node/exchange/serve.py)
         s.exchange.set_members(
             {m.rpartition("/p2p/")[2] for maddrs in members.addresses.values() for m in maddrs if "/p2p/" in m}
@@ -80,7 +93,14 @@ async def _watch_submissions(
                 if pushed_here:
                     parent_maddrs = []  # nobody can dial it: it pushes the packet here (node/round/push.py)
                 early[e.peer_id, e.packet_digest] = asyncio.create_task(
-                    _fetch_early(s, round, e, {e.peer_id: parent_maddrs} if parent_maddrs else None, pushed_here)
+                    _fetch_early(
+                        s,
+                        round,
+                        e,
+                        {e.peer_id: parent_maddrs} if parent_maddrs else None,
+                        pushed_here,
+                        e.peer_id in suspects,
+                    )
                 )
                 started[e.peer_id, e.packet_digest] = asyncio.get_running_loop().time()
         if view.state == "closed":
@@ -89,10 +109,10 @@ async def _watch_submissions(
 
 
 async def _fetch_early(
-    s: Session, round: int, entry: ManifestEntry, parents, pushed_here: bool = False
+    s: Session, round: int, entry: ManifestEntry, parents, pushed_here: bool = False, suspect: bool = False
 ) -> dict[str, bytes]:
     """One submitted packet, fetched (`pushed_here`: its publisher pushes it to this node, awaited
-    first); its decoding starts at once."""
+    first; `suspect`: given up once no copy of it arrives); its decoding starts at once."""
     got = await s.exchange.fetch(
         round,
         {entry.peer_id: entry.packet_digest},
@@ -101,6 +121,7 @@ async def _fetch_early(
         parents=parents,
         mirrors={entry.peer_id: MirrorCopy(entry.mirror_url, entry.packet_size_bytes)} if entry.mirror_url else None,
         pushed_here=(entry.peer_id,) if pushed_here else (),
+        suspects=(entry.peer_id,) if suspect else (),
     )
     if (payload := got.get(entry.peer_id)) is not None:
         s.decoded.start(
@@ -122,6 +143,7 @@ class Members:
     addresses: dict[str, list[str]]
     uplinks: dict[str, float | None]  # stated at join
     reachable: dict[str, bool | None]  # can peers dial it (coordinator/reachability.py)
+    withheld: frozenset[str] = frozenset()  # flagged `withheld_packet`: a packet of theirs was dropped
 
 
 async def live_members(s: Session) -> Members:
@@ -138,4 +160,5 @@ async def live_members(s: Session) -> Members:
         addresses | {s.peer_id: addresses.get(s.peer_id, [])},
         {p.peer_id: p.uplink_mbps for p in live},
         {p.peer_id: p.reachable for p in live} | {s.peer_id: s.reachable},
+        frozenset(p.peer_id for p in live if "withheld_packet" in p.flags),
     )

@@ -340,7 +340,8 @@ async def fetch_manifest(
     """The manifest's packets: the prefetch's early fetches, then the others. A packet gets
     `fetch_timeout_s` in all: one whose early fetch failed is asked again for what is left of it
     (nothing, when that fetch timed out), so a packet nobody serves is reported missing after one
-    time-out, not two (a withheld packet held every other node that much longer)."""
+    time-out, not two (a withheld packet held every other node that much longer). A suspect's
+    (node/round/prefetch.py) whose early fetch gave it up is not asked again."""
     if foreground:
         s.state.doing(Doing.TRANSFERRING)
     start = time.perf_counter()
@@ -348,11 +349,14 @@ async def fetch_manifest(
     loop = asyncio.get_running_loop()
     payloads: dict[str, bytes] = {}
     left_s: dict[str, float] = {}  # what is left of each packet's time-out
+    suspects = prefetch.suspects if prefetch is not None else set()
     for e in view.manifest:
         key = (e.peer_id, e.packet_digest)
         if prefetch is not None and (task := prefetch.early.get(key)) is not None:
             payloads |= await task
             left_s[e.peer_id] = budget_s - (loop.time() - prefetch.started.get(key, loop.time()))
+            if e.peer_id in suspects:
+                left_s[e.peer_id] = 0.0  # given up, or in hand
     rest = [e for e in view.manifest if e.peer_id not in payloads and left_s.get(e.peer_id, budget_s) > 0]
     if rest:
         payloads |= await s.exchange.fetch(
@@ -361,6 +365,7 @@ async def fetch_manifest(
             {e.peer_id: e.multiaddrs for e in rest},
             timeout_s=max(left_s.get(e.peer_id, budget_s) for e in rest),
             mirrors=mirror_copies(rest),
+            suspects=suspects & {e.peer_id for e in rest},
         )
     times.transfer_s = time.perf_counter() - start
     return payloads

@@ -36,6 +36,8 @@ from protocol.errors import ProtocolError
 if TYPE_CHECKING:
     from node.training.snapshot import Snapshot, SnapshotSink
 
+SUSPECT_GIVEN_UP_S = 10.0  # ExchangeConfig.stall_timeout_s's default: a suspect's packet is given up then
+
 
 @dataclass(slots=True)
 class MemorySwarm:
@@ -102,6 +104,7 @@ class MemoryExchange:
         self._traffic: dict[int, Traffic] = {}
         self.dial_requests: list[list[list[str]]] = []  # each `dial_peers` call's targets
         self.members: Collection[str] | None = None  # as `set_members` last named them
+        self.suspected: dict[int, set[str]] = {}  # round -> the suspects its fetches were told of
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -142,8 +145,10 @@ class MemoryExchange:
         parents: dict[str, list[str]] | None = None,
         mirrors: dict[str, MirrorCopy] | None = None,
         pushed_here: Collection[str] = (),
+        suspects: Collection[str] = (),
     ) -> dict[str, bytes]:
         got, start = {}, time.monotonic()
+        self.suspected.setdefault(round, set()).update(suspects)
         for publisher, digest in wanted.items():
             copy = self.swarm.packets.get((round, publisher), {}).get(digest)
             served = copy is not None and bool(copy[1])
@@ -162,8 +167,10 @@ class MemoryExchange:
             traffic.downloaded_bytes += len(data)
             traffic.num_fetched += 1
             got[publisher] = data
-        if len(got) < len(wanted):  # what nobody serves costs the whole time-out, as on a network
+        if set(wanted) - set(got) - set(suspects):  # what nobody serves costs the whole time-out, as on a network
             await asyncio.sleep(timeout_s)
+        elif len(got) < len(wanted):  # a suspect's costs a stall time-out (ExchangeConfig's default)
+            await asyncio.sleep(min(timeout_s, SUSPECT_GIVEN_UP_S))
         await asyncio.sleep(0)
         self.traffic(round).fetch_spans.append((start, time.monotonic()))
         return got

@@ -847,6 +847,54 @@ def test_a_holder_that_trickles_above_the_floor_is_left_once_its_pace_would_miss
     asyncio.run(scenario())
 
 
+def test_a_suspects_packet_is_given_up_once_no_copy_arrives_and_fetched_while_one_does():
+    """A publisher flagged for a withheld packet is a suspect: its packet, which nobody serves, is
+    given up at the first check (stall_timeout_s) instead of the fetch's 20 s; a suspect's packet
+    that comes, at 2 Mbps for 4.7 s (three checks), is fetched whole. Not a suspect, the packet
+    nobody serves costs the whole time-out, as before."""
+
+    async def scenario():
+        links = {"stall_timeout_s": 1.5, "uplink_mbps": 2.0}
+        async with swarm(P2PExchange, P2PExchange, **links) as (publisher, fetcher):
+            withheld = sha(packet(30, 1 << 20))  # submitted, and held by nobody
+            hint = {"pub": publisher.visible_maddrs}
+            started = time.monotonic()
+            assert await fetcher.fetch(0, {"pub": withheld}, hint, timeout_s=20, suspects={"pub"}) == {}
+            given_up_s = time.monotonic() - started
+            assert 1.5 <= given_up_s < 6, given_up_s
+
+            started = time.monotonic()
+            assert await fetcher.fetch(0, {"pub": withheld}, hint, timeout_s=4) == {}
+            assert time.monotonic() - started >= 4
+
+            data = packet(31, 1 << 20)
+            ann = await publisher.publish(1, "pub", data)
+            started = time.monotonic()
+            got = await fetcher.fetch(1, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20, suspects={"pub"})
+            assert got == {"pub": data}
+            assert time.monotonic() - started > 3 * 1.5  # it came past three checks
+
+    asyncio.run(scenario())
+
+
+def test_a_suspect_that_trickles_its_own_packet_is_left_and_given_up():
+    """A first copy from its publisher is exempt from the pace check (nobody else has it), unless
+    that publisher is a suspect: then its trickle, 2.5 kB/s with the rate floor out of the way, is
+    left once stall_timeout_s shows it would miss the deadline, and with no copy arriving the
+    packet is given up at the next check, well before the fetch's 20 s."""
+
+    async def scenario():
+        config = {"stall_timeout_s": 1.5, "min_rate_bytes_per_s": 100.0}
+        async with swarm(TricklingExchange, P2PExchange, **config) as (trickler, fetcher):
+            ann = await trickler.publish(0, "pub", packet(32, 1 << 20))
+            started = time.monotonic()
+            got = await fetcher.fetch(0, {"pub": ann.digest}, {"pub": ann.multiaddrs}, timeout_s=20, suspects={"pub"})
+            assert got == {} and time.monotonic() - started < 8
+            assert 0 < fetcher.traffic(0).downloaded_bytes < 50_000
+
+    asyncio.run(scenario())
+
+
 async def _forwarding_half(
     publisher: PausingExchange, middle: P2PExchange, fetcher: P2PExchange, data: bytes, middle_timeout_s: float
 ) -> tuple[asyncio.Task, asyncio.Task]:

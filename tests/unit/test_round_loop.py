@@ -330,6 +330,29 @@ async def test_withheld_packet_is_amended_out_and_every_round_applied(swarm):
 
 
 @in_swarm
+async def test_a_publisher_dropped_once_is_a_suspect_until_its_packet_is_applied_again(swarm):
+    """c withholds its packets of rounds 1 and 2. Once round 1's is dropped, the coordinator flags
+    c `withheld_packet`, and a and b fetch its round-2 packet as a suspect's (given up once no
+    copy arrives, node/exchange/fetch.py) and do not ask for it again after the close. Round 3's
+    packet, served, is fetched and applied as any other, which clears the flag."""
+    await swarm.create_run(max_rounds=5, exchange={"missing_grace_s": 2.0})
+    (a, _), (b, _), (c, c_id) = swarm.node("a"), swarm.node("b"), swarm.node("c")
+    swarm.network.withhold(1, c_id)
+    swarm.network.withhold(2, c_id)
+    await run_all(a, b, c)
+    for node in (a, b):
+        suspected = node.session.exchange.suspected
+        # Round 4's fetches may or may not start before round 3's reports cleared the flag.
+        assert {r for r in suspected if suspected[r]} - {4} == {2, 3}, suspected
+        assert suspected[2] == suspected[3] == {c_id}
+        assert [r.num_packets for r in node.reports] == [3, 2, 2, 3, 3]
+    status = await swarm.status()
+    assert "withheld_packet" not in next(p.flags for p in status.peers if p.peer_id == c_id)
+    agreed = {h.round: h.majority_digest for h in status.history}
+    assert digests_by_round(a) == digests_by_round(b) == agreed
+
+
+@in_swarm
 async def test_withheld_packet_with_diloco_recomputes_the_outer_momentum(swarm):
     """As above with DiLoCo's Nesterov outer momentum: the recompute puts the momentum back too."""
     await swarm.create_run(
