@@ -42,6 +42,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from protocol.config_file import ConfigError, read_config_file, validate_config, with_overrides
+from protocol.run_config import NODE_FETCH_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class NetworkSection(Section):
         "Gbps, or kB/s, given as Mbps is the likely mistake).",
     )
     fetch_timeout_s: float = Field(
-        60.0,
+        NODE_FETCH_TIMEOUT_S,
         gt=0.0,
         le=86_400.0,
         json_schema_extra={"flag": "--fetch-timeout"},

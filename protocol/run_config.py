@@ -125,6 +125,11 @@ class InnerSection(RequestModel):
 DEFAULT_MAX_ABS_VALUE = 1e4
 MAX_ABS_VALUE_LIMIT = 1e30
 
+# The nodes' default `fetch_timeout_s` (node/config.py): how long a node waits on a round's packets
+# before it reports them missing. The coordinator counts on it: a round held for the peers still
+# fetching the previous one waits at most that long for them (coordinator/rules/rounds.py).
+NODE_FETCH_TIMEOUT_S = 60.0
+
 
 class OuterSection(RequestModel):
     """The outer step every peer takes on the round's aggregate, and the compression before it."""

@@ -64,7 +64,7 @@ from coordinator.rules.context import Context
 from coordinator.rules.runs import ACTIVE_STATES
 from coordinator.storage import PeerRow, RoundRow, RunRow, SubmissionRow
 from protocol.http import SubmitRequest, SubmitResponse
-from protocol.run_config import RunConfig
+from protocol.run_config import NODE_FETCH_TIMEOUT_S, RunConfig
 
 # Newcomers in step: how long a round whose waited-for peers all submitted stays open for a peer
 # on probation that trains it (see the module docstring).
@@ -72,9 +72,9 @@ NEWCOMER_GRACE_FRACTION = 0.25
 NEWCOMER_GRACE_MIN_S = 1.0
 NEWCOMER_STEP_STATES = frozenset({"training", "encoding", "submitting"})
 # Held for the previous round: how long a node waits on a packet before it reports it missing (the
-# nodes' default `fetch_timeout_s`, node/config.py), which a hold may add to the round's time; and
-# the least a held deadline moves by, so a hold writes the round once a second, not every tick.
-HELD_FETCH_S = 60.0
+# nodes' default `fetch_timeout_s`), which a hold may add to the round's time; and the least a held
+# deadline moves by, so a hold writes the round once a second, not every tick.
+HELD_FETCH_S = NODE_FETCH_TIMEOUT_S
 HELD_DEADLINE_STEP_S = 1.0
 HELD_SILENCE_PERIODS = 2.5  # a peer silent for this many heartbeat periods holds no round (killed ones)
 MAX_KEPT_TIMEOUTS = 4096  # `Context.round_timeouts` entries before it starts afresh
