@@ -72,12 +72,12 @@ verified copy from the mirror is kept, served and announced like one from a peer
 the two verifies first wins, and the other is cancelled.
 
 A suspect's packet (`suspects`: publishers the coordinator flagged for a packet dropped as
-unfetchable, `withheld_packet`) is given up at the first check, every `stall_timeout_s` from the
-fetch's start, at which no copy of it is arriving here, and its first copy is left like any other
-once its pace would miss the deadline (`TooSlow`): a publisher that withholds its packet, or
-trickles it, then costs each peer a stall time-out or two a round rather than the whole fetch's,
-while one that serves again is fetched as any other (docs/DESIGN.md, "A publisher dropped once is
-not waited for again").
+unfetchable, `withheld_packet`) is given up once, `stall_timeout_s` or more after the fetch's
+start, no copy of it is arriving here (checked every SUSPECT_CHECK_S), and its first copy is left
+like any other once its pace would miss the deadline (`TooSlow`): a publisher that withholds its
+packet, or trickles it, then costs each peer about a stall time-out a round rather than the whole
+fetch's, while one that serves again is fetched as any other (docs/DESIGN.md, "A publisher dropped
+once is not waited for again").
 
 A parameter snapshot (`fetch_snapshot`) goes through the same search among the holders that
 announced it, but its bytes go into a `SnapshotSink` (node/training/snapshot.py) rather than a
@@ -143,6 +143,9 @@ log = logging.getLogger(__name__)
 FETCHED_LINE = "round %d: %s's packet from %s: %d bytes, answer after %.3f s, bytes in %.3f s (%.1f Mbps, %d streams)"
 
 MIRROR = "mirror"  # the packet mirror's name among a fetch's holders (its bans, its logs)
+# A suspect's packet: how often, from stall_timeout_s on, a copy of it arriving is checked for. Between
+# holders (one left, the next asked) no copy arrives for a moment: a suspect may lose its round there.
+SUSPECT_CHECK_S = 1.0
 
 
 @dataclass(slots=True)
@@ -301,7 +304,7 @@ class PacketFetcher:
         self, tasks: set[asyncio.Future], key: tuple[int, str], deadline: float, suspect: bool
     ) -> set[asyncio.Future]:
         """The first of `tasks` done by `deadline` (an empty set: none). A suspect's packet is
-        given up sooner, at the first check (every `stall_timeout_s`) with no copy of it arriving."""
+        given up sooner: at the first check, from `stall_timeout_s` on, with no copy of it arriving."""
         loop = asyncio.get_running_loop()
         check = loop.time() + self.config.stall_timeout_s if suspect else math.inf
         while True:
@@ -311,7 +314,7 @@ class PacketFetcher:
             )
             if done or loop.time() >= deadline or key not in self._store.partial:
                 return done
-            check += self.config.stall_timeout_s
+            check = loop.time() + SUSPECT_CHECK_S
 
     async def fetch_snapshot(self, round: int, digest: str, sink: SnapshotSink, timeout_s: float) -> bool:
         """Receive the snapshot named `digest` into `sink` from the holders that announced it;
