@@ -163,6 +163,7 @@ class FetchState:
     # the packet's first, which never holds back for this node's own (`PacketStore.after_first_copies`)
     first_hand: frozenset[str] = frozenset()
     suspect: bool = False  # its publisher's packet was dropped before: no exemption, given up sooner
+    from_mirror: bool = False  # the mirror's body is arriving now (a copy in progress, as a `Partial` is)
 
 
 class TooSlow(asyncio.TimeoutError):
@@ -270,9 +271,7 @@ class PacketFetcher:
             searching = asyncio.ensure_future(search)
             pushed = asyncio.ensure_future(self._store.pushed_copy(round, publisher, digest))
             try:
-                done = await self._until_done_or_given_up(
-                    {searching, pushed}, (round, publisher), deadline, publisher in suspects
-                )
+                done = await self._until_done_or_given_up({searching, pushed}, state, deadline)
             finally:
                 searching.cancel()
                 pushed.cancel()
@@ -301,18 +300,21 @@ class PacketFetcher:
         return result
 
     async def _until_done_or_given_up(
-        self, tasks: set[asyncio.Future], key: tuple[int, str], deadline: float, suspect: bool
+        self, tasks: set[asyncio.Future], state: FetchState, deadline: float
     ) -> set[asyncio.Future]:
         """The first of `tasks` done by `deadline` (an empty set: none). A suspect's packet is
-        given up sooner: at the first check, from `stall_timeout_s` on, with no copy of it arriving."""
+        given up sooner: at the first check, from `stall_timeout_s` on, with no copy of it arriving
+        (from a peer or a push, a `Partial` in the store; or from the mirror)."""
         loop = asyncio.get_running_loop()
-        check = loop.time() + self.config.stall_timeout_s if suspect else math.inf
+        check = loop.time() + self.config.stall_timeout_s if state.suspect else math.inf
+        key = (state.round, state.publisher)
         while True:
             until = min(deadline, check)
             done, _ = await asyncio.wait(
                 tasks, timeout=max(0.0, until - loop.time()), return_when=asyncio.FIRST_COMPLETED
             )
-            if done or loop.time() >= deadline or key not in self._store.partial:
+            arriving = key in self._store.partial or state.from_mirror
+            if done or loop.time() >= deadline or not arriving:
                 return done
             check = loop.time() + SUSPECT_CHECK_S
 
@@ -449,7 +451,14 @@ class PacketFetcher:
 
     async def _download_mirror(self, state: FetchState, mirror: MirrorCopy, deadline: float) -> bytes:
         """One GET of the mirror's copy: its length checked before the body is read, the body
-        hashed as it arrives and never buffered past the expected size; held once verified."""
+        hashed as it arrives and never buffered past the expected size; held once verified. From
+        the body's first byte until then, `state.from_mirror` says a copy is arriving."""
+        try:
+            return await self._mirror_copy(state, mirror, deadline)
+        finally:
+            state.from_mirror = False
+
+    async def _mirror_copy(self, state: FetchState, mirror: MirrorCopy, deadline: float) -> bytes:
         loop = asyncio.get_running_loop()
         cfg = self.config
         expected = mirror.size_bytes
@@ -470,6 +479,7 @@ class PacketFetcher:
                 length = response.headers.get("content-length")
                 if length is None or not length.isdigit() or int(length) != expected:
                     raise MalformedPacket(f"the mirror offers {length} bytes, the manifest says {expected}")
+                state.from_mirror = True
                 async for piece in response.aiter_raw(cfg.chunk_bytes):
                     if len(buffer) + len(piece) > expected:
                         raise MalformedPacket(f"the mirror sent more than the {expected} bytes it offered")

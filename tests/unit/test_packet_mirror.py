@@ -304,6 +304,40 @@ async def test_a_missing_object_is_asked_again_until_it_is_uploaded(s3_store):
 
 
 @in_loop
+async def test_a_suspects_packet_arriving_slowly_from_the_mirror_is_not_given_up():
+    """A suspect's packet is given up once no copy of it is arriving (node/exchange/fetch.py); a
+    body coming from the mirror is one: 3 s of it, six times the stall time-out, is fetched whole."""
+    data = random.Random(4).randbytes(20 * 1000)
+
+    async def serve_slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode())
+        for start in range(0, len(data), 1000):
+            writer.write(data[start : start + 1000])
+            await writer.drain()
+            await asyncio.sleep(0.15)
+        writer.close()
+
+    server = await asyncio.start_server(serve_slowly, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    fetcher, store, _ = _fetcher(stall_timeout_s=0.5)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        got = await fetcher.fetch(
+            2,
+            {PEER: hashlib.sha256(data).hexdigest()},
+            timeout_s=20,
+            mirrors={PEER: MirrorCopy(f"http://127.0.0.1:{port}/packet", len(data))},
+            suspects={PEER},
+        )
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert bytes(got[PEER]) == data and loop.time() - started > 2.5
+
+
+@in_loop
 async def test_without_a_mirror_copy_a_packet_nobody_serves_is_left_out():
     fetcher, store, _ = _fetcher()
     assert await fetcher.fetch(1, {PEER: "ab" * 32}, timeout_s=0.3) == {}
