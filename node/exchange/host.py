@@ -50,6 +50,14 @@ Things hivemind 1.1.12 does not do for us, and how this module copes:
 - hivemind's msgpack serializer writes tuples as an extension type a plain msgpack reader does
   not know; records are built from lists only (protocol/dht_records.py).
 - The p2pd pid is only reachable through `P2P._child` (`daemon_pid`, for tests that check it dies).
+- `P2P.create` starts p2pd in the node's process group, so a terminal's Ctrl+C (SIGINT to the
+  whole foreground group) killed p2pd at once, while the node, told to stop after its step, went
+  on with no daemon: its own packet unserved, and the step waiting out its fetch time-out (a node
+  with two peers on loopback took 61 s to stop). p2pd now starts through `DAEMON_LAUNCHER`, which
+  puts it in a process group of its own and asks the kernel to SIGKILL it when the node dies
+  (Linux's parent-death signal), then execs it: the pid is p2pd's. Only the node stops p2pd (on
+  its way out, `shutdown`), or its death does; a SIGKILL or SIGSTOP of the node's group reaches
+  p2pd through the first only.
 - Bootstrap cannot crash a node. Given initial peers, `P2P.create` runs p2pd with `-b`: p2pd dials
   them one after another (5 s each for an address that drops packets, 60 s in all) and exits when
   none answers, which `P2P.create` raises as `P2PDaemonError("Daemon failed to start: ... failed
@@ -79,6 +87,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import sys
 from collections.abc import Awaitable, Callable, Iterable
 
 from hivemind.dht.node import DHTNode
@@ -98,6 +108,20 @@ RELAY_CHECK_S = 5.0  # a node reachable through relays checks its connections to
 # one thread of Go code in a relay's p2pd, so that its configured relay registers after its default
 # one (module docstring, "Circuit relays")
 RELAY_DAEMON_ENV = {"GOMAXPROCS": "1", "GOGC": "off", "GOMEMLIMIT": "512MiB"}
+# `python -c DAEMON_LAUNCHER NODE_PID PROGRAM ARGS...`: PROGRAM (p2pd, or `env` running it) in a
+# process group of its own, SIGKILLed when the node dies (PR_SET_PDEATHSIG, Linux; elsewhere left
+# out), exec'd in place. A node already gone by then is not waited for: the launcher exits.
+DAEMON_LAUNCHER = """\
+import ctypes, os, signal, sys
+os.setpgid(0, 0)
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+except AttributeError:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("p2pd launcher: the node is gone")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
 class Host:
@@ -276,25 +300,25 @@ def dial_addresses(holder_id: str, maddrs: list[str]) -> list[Multiaddr]:
     return [p2pd_multiaddr(m.removesuffix(suffix)) for m in maddrs]
 
 
-class _P2PWithFlags(P2P):
-    """`P2P` that hands p2pd flags `P2P.create` has no parameter for (`DAEMON_FLAGS`) and
-    environment variables of its own (`DAEMON_ENV`, through `env`, which execs p2pd in its own
-    process: the pid stays p2pd's), both set on a subclass made per start by `_daemon_class`."""
+class _LaunchedP2P(P2P):
+    """`P2P` whose p2pd starts through `DAEMON_LAUNCHER` (a process group of its own, killed with
+    the node), with flags `P2P.create` has no parameter for (`DAEMON_FLAGS`) and environment
+    variables of its own (`DAEMON_ENV`, through `env`); every program on the way execs the next in
+    its own process, so the pid stays p2pd's. Flags and environment are set on a subclass made per
+    start by `_daemon_class`."""
 
     DAEMON_FLAGS: dict[str, bool] = {}
     DAEMON_ENV: dict[str, str] = {}
 
     def _make_process_args(self, *args, **kwargs) -> list[str]:  # P2P.create calls it on the new instance
         p2pd_args = P2P._make_process_args(*args, **kwargs | self.DAEMON_FLAGS)
-        if not self.DAEMON_ENV:
-            return p2pd_args
-        return ["env", *(f"{name}={value}" for name, value in self.DAEMON_ENV.items()), *p2pd_args]
+        if self.DAEMON_ENV:
+            p2pd_args = ["env", *(f"{name}={value}" for name, value in self.DAEMON_ENV.items()), *p2pd_args]
+        return [sys.executable, "-c", DAEMON_LAUNCHER, str(os.getpid()), *p2pd_args]
 
 
 def _daemon_class(flags: dict[str, bool], env: dict[str, str]) -> type[P2P]:
-    if not flags and not env:
-        return P2P
-    return type("P2P", (_P2PWithFlags,), {"DAEMON_FLAGS": flags, "DAEMON_ENV": env})
+    return type("P2P", (_LaunchedP2P,), {"DAEMON_FLAGS": flags, "DAEMON_ENV": env})
 
 
 async def start_daemon(config: ExchangeConfig, idle_timeout_s: float = 30.0) -> P2P:

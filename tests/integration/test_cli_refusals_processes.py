@@ -19,6 +19,7 @@ import pytest
 
 from node.cli.processes import stop_processes
 from tests.fixtures.coordinator import ADMIN_HEADERS, REPO_ROOT, create_run
+from tests.integration.test_p2p_exchange import p2pd_children, pid_alive
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -185,12 +186,18 @@ def test_ctrl_c_once_stops_after_the_step_twice_quits_now(tmp_path, start_coordi
         first, first_err = _start_node(tmp_path, url, "first")
         nodes.append(first)
         _wait_for(first_err, "joined run", first, timeout_s=120)
-        first.send_signal(signal.SIGINT)
+        (daemon,) = p2pd_children({first.pid})
+        # A terminal's Ctrl+C goes to its whole foreground process group: p2pd, which the node
+        # still needs to finish its step, must not get it (node/exchange/host.py DAEMON_LAUNCHER).
+        os.killpg(first.pid, signal.SIGINT)
         assert _wait_for(first_err, "stopping after this step; Ctrl+C again to quit now", first, 5) < 5
+        time.sleep(1.0)
+        assert pid_alive(daemon) or first.poll() is not None, "p2pd died of the terminal's Ctrl+C"
         assert first.wait(timeout=120) == 0
         summary = (tmp_path / "first.out").read_text()
         assert summary.startswith("summary: ") and summary.count("\n") == 1, summary
         assert "Traceback" not in first_err.read_text()
+        assert not pid_alive(daemon), "the node's exit left its p2pd behind"
 
         # A run of its own, from round 0: in the first one it would wait for a snapshot of round 1
         # that only the node that left ever held.
