@@ -143,9 +143,9 @@ class Exchange(Protocol):
         `pushed_here` names publishers nobody can dial that push their packet to this node (the
         root of its tree): their push is awaited first (`push_grace_s` to start), not raced by a
         second copy pulled through the same uplink. `suspects` names publishers a packet of which
-        was dropped as unfetchable (the coordinator's `withheld_packet` flag): theirs is given up
-        once no copy of it is arriving at a check, every `stall_timeout_s`, rather than at the
-        time-out.
+        was dropped as unfetchable (the coordinator's `withheld_packet` flag): from `stall_timeout_s`
+        into its fetch on, theirs is given up as soon as no copy of it is arriving, rather than at
+        the time-out.
         """
         ...
 

@@ -281,7 +281,7 @@ class PacketFetcher:
                     round,
                     publisher,
                     loop.time() - started,
-                    " (a suspect: no copy arriving, given up)" if loop.time() < deadline else "",
+                    " (a suspect: no copy arriving, given up)" if state.suspect and loop.time() < deadline else "",
                 )
                 return None
             data = (searching if searching in done else pushed).result()
@@ -771,8 +771,8 @@ class PacketFetcher:
                 self._shares.received(download, received)
             now = loop.time()
             alone = self._rate_floor(alone, now, received, length)
-            paced = holdable or state.suspect
-            if paced and received < length and (elapsed := now - started - own_waits_s) >= cfg.stall_timeout_s:
+            pace_checked = holdable or state.suspect
+            if pace_checked and received < length and (elapsed := now - started - own_waits_s) >= cfg.stall_timeout_s:
                 needs_s = elapsed * (length - received) / max(received, 1)
                 if needs_s > budget(math.inf):
                     raise TooSlow(

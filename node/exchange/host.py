@@ -56,8 +56,8 @@ Things hivemind 1.1.12 does not do for us, and how this module copes:
   with two peers on loopback took 61 s to stop). p2pd now starts through `DAEMON_LAUNCHER`, which
   puts it in a process group of its own and asks the kernel to SIGKILL it when the node dies
   (Linux's parent-death signal), then execs it: the pid is p2pd's. Only the node stops p2pd (on
-  its way out, `shutdown`), or its death does; a SIGKILL or SIGSTOP of the node's group reaches
-  p2pd through the first only.
+  its way out, `shutdown`), or its death does: a SIGKILL of the node's group still ends p2pd, a
+  SIGSTOP no longer stops it.
 - Bootstrap cannot crash a node. Given initial peers, `P2P.create` runs p2pd with `-b`: p2pd dials
   them one after another (5 s each for an address that drops packets, 60 s in all) and exits when
   none answers, which `P2P.create` raises as `P2PDaemonError("Daemon failed to start: ... failed

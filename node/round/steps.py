@@ -354,9 +354,8 @@ async def fetch_manifest(
         key = (e.peer_id, e.packet_digest)
         if prefetch is not None and (task := prefetch.early.get(key)) is not None:
             payloads |= await task
-            left_s[e.peer_id] = budget_s - (loop.time() - prefetch.started.get(key, loop.time()))
-            if e.peer_id in suspects:
-                left_s[e.peer_id] = 0.0  # given up, or in hand
+            elapsed_s = loop.time() - prefetch.started.get(key, loop.time())
+            left_s[e.peer_id] = 0.0 if e.peer_id in suspects else budget_s - elapsed_s  # a suspect's: given up
     rest = [e for e in view.manifest if e.peer_id not in payloads and left_s.get(e.peer_id, budget_s) > 0]
     if rest:
         payloads |= await s.exchange.fetch(
@@ -365,7 +364,7 @@ async def fetch_manifest(
             {e.peer_id: e.multiaddrs for e in rest},
             timeout_s=max(left_s.get(e.peer_id, budget_s) for e in rest),
             mirrors=mirror_copies(rest),
-            suspects=suspects & {e.peer_id for e in rest},
+            suspects=suspects,
         )
     times.transfer_s = time.perf_counter() - start
     return payloads

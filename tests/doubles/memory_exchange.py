@@ -26,17 +26,19 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from node.exchange.base import MirrorCopy, Reachability, Traffic
+from node.exchange.config import ExchangeConfig
 from protocol.dht_records import PARAMS_ID, Announcement
 from protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
     from node.training.snapshot import Snapshot, SnapshotSink
 
-SUSPECT_GIVEN_UP_S = 10.0  # ExchangeConfig.stall_timeout_s's default: a suspect's packet is given up then
+# A suspect's packet is given up once its stall time-out passed with no copy arriving (node/exchange/fetch.py).
+SUSPECT_GIVEN_UP_S = next(f.default for f in fields(ExchangeConfig) if f.name == "stall_timeout_s")
 
 
 @dataclass(slots=True)
