@@ -29,6 +29,13 @@ The packet mirror (the run's exchange.mirror) keeps the agreed snapshot every fe
 and `load_snapshot` reads it from the store when no peer serves that snapshot (none announce
 it, or every one failed), so a swarm whose every node died still has a start to replay from.
 
+A run that ended while the node was behind (DESIGN.md, "A node behind a finished run says so
+and stops"): once the run is finished or closed and no other peer is live, nobody is left to serve
+a packet or a snapshot, and nobody will come back to. With nothing to replay or load then,
+`catch_up` raises `RunEnded` instead of polling for ever; the round loop logs it and the node
+leaves. While the run still runs, or a peer is live, it waits as below (a whole swarm restarting
+comes back one node at a time).
+
 Only a snapshot newer than the parameters held is loaded: when the round after a loaded snapshot
 cannot be replayed yet (its packets gone, its successor's digest not agreed yet), loading the same
 snapshot again changes nothing, and the node waits instead, polling the coordinator at growing
@@ -59,6 +66,11 @@ SNAPSHOT_ROUNDS_TRIED = 3  # the newest agreed snapshots tried, newest first
 HOLDERS_LOOKUP_S = 10.0  # at most this long (or the fetch time-out) to learn who holds a round's packets
 IDLE_FIRST_S, IDLE_MAX_S = 1.0, 4.0  # with nothing to replay or load, poll again after this, doubling
 MIRROR = object()  # the packet mirror among a snapshot's sources, after the peers' digests
+
+
+class RunEnded(Exception):
+    """The run ended while this node was behind, and no peer or mirror is left to catch up from:
+    `str(error)` says at which rounds."""
 
 
 async def catch_up(s: Session) -> CatchUpReport:
@@ -123,6 +135,14 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
                 if current == 0:
                     return current, "none"
                 continue  # and the empty rounds since replay from it
+            if status.run.state in ("finished", "closed") and not any(
+                p.status == "live" and p.peer_id != s.peer_id for p in status.peers
+            ):
+                raise RunEnded(
+                    f"the run is {status.run.state} at round {current} while this node's parameters are at round"
+                    f" {s.state.params_round}, and no peer is left to serve the rounds between or a newer"
+                    " snapshot: this node does not hold the run's final parameters"
+                )
             # Snapshots not announced or not agreed yet (peers are applying, voting), or none newer
             # than the parameters held while the next round cannot be replayed: wait, not spin.
             log.debug(

@@ -33,7 +33,7 @@ from node.errors import CannotStart
 from node.exchange.base import Exchange
 from node.faults import FaultInjector
 from node.round import resume
-from node.round.catchup import catch_up
+from node.round.catchup import RunEnded, catch_up
 from node.round.coordinator_client import CoordinatorCallFailed, CoordinatorClient, CoordinatorUnavailable, Refused
 from node.round.overlap import Pipeline
 from node.round.own_packets import KEPT_ROUNDS, HeldPacket, OwnPackets
@@ -96,6 +96,7 @@ class Node:
         self.reports: list[RoundReport] = []  # the session's: a recompute updates the report of its round
         self.catch_ups: list[CatchUpReport] = []
         self.resumed_from: int | None = None  # the round whose start this node's checkpoint held
+        self.ended_behind: str | None = None  # why the run ended with this node behind it (catchup.RunEnded)
         self.session: Session | None = None
         self._client, self._exchange, self._clock = client, exchange, clock
         self._stopping = asyncio.Event()
@@ -358,7 +359,13 @@ class Node:
             if view.state == "closed" or s.state.params_round != round:
                 # Behind: the round closed without us, or our parameters are not its start.
                 self._drop_in_flight()
-                self.catch_ups.append(caught_up := await catch_up(s))
+                try:
+                    caught_up = await catch_up(s)
+                except RunEnded as e:
+                    log.warning("%s", e)
+                    self.ended_behind = str(e)
+                    break
+                self.catch_ups.append(caught_up)
                 round = caught_up.to_round
                 continue
             try:

@@ -20,7 +20,7 @@ import torch
 
 from node.config import NodeConfig
 from node.faults import FaultInjector
-from node.round.catchup import IDLE_MAX_S, catch_up
+from node.round.catchup import IDLE_MAX_S, RunEnded, catch_up
 from node.round.session import Session
 from node.round.state import RoundState
 from node.training.data import load_corpus
@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(60)
 
 RUN_ID = "run-backoff"
 GONE_PEER = "p" + "c" * 16
+NODE_PEER = "p" + "a" * 16
 STUCK_S = 3.0  # how long the node sits with nothing to do before the swarm moves on
 
 
@@ -44,6 +45,8 @@ class ScriptedCoordinator:
 
     def __init__(self, current: int, agreed: dict[int, str]):
         self.current, self.agreed = current, agreed  # agreed: round start -> digest
+        self.state = "running"  # the run's: running, finished or closed
+        self.peers: list[SimpleNamespace] = []  # peer_id, status
         self.num_status = 0
         self.missing_reports: list[tuple[int, list[str], bool]] = []
 
@@ -53,11 +56,12 @@ class ScriptedCoordinator:
             SimpleNamespace(round=r, num_contributors=1, agreed_digest=self.agreed.get(r + 1))
             for r in range(self.current)
         ]
+        running = self.state == "running"
         return SimpleNamespace(
-            current_round=SimpleNamespace(round=self.current),
-            run=SimpleNamespace(current_round=self.current),
+            current_round=SimpleNamespace(round=self.current) if running else None,
+            run=SimpleNamespace(current_round=self.current, state=self.state),
             history=history,
-            peers=[],
+            peers=list(self.peers),
             snapshot_mirror=None,
         )
 
@@ -98,6 +102,32 @@ def _publish(holder, training: PeerTraining, round: int, shift: float) -> str:
     return param_digest(params)
 
 
+def _session(tmp_path: Path, run: RunConfig, coordinator: ScriptedCoordinator, exchange, params_round=None) -> Session:
+    key_path = tmp_path / "node.key"
+    return Session(
+        config=NodeConfig(
+            coordinator="http://coordinator.test",
+            run_id=RUN_ID,
+            key_path=key_path,
+            training={"device": "cpu", "threads": 1},
+            debug={"progress": False},
+            network={"fetch_timeout_s": 3.0},
+        ),
+        client=coordinator,
+        exchange=exchange,
+        key=PeerKey.load_or_create(key_path),
+        faults=FaultInjector(),
+        clock=time.time,
+        run_id=RUN_ID,
+        peer_id=NODE_PEER,
+        run=run,
+        training=_training(run),
+        rejoin=None,
+        stopping=asyncio.Event(),
+        state=RoundState(params_round=params_round),
+    )
+
+
 def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be_replayed(tmp_path: Path):
     async def main():
         run = RunConfig.model_validate(
@@ -112,30 +142,7 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
         source = _training(run)
         start_2 = _publish(holder, source, 2, 0.01)
         coordinator = ScriptedCoordinator(current=3, agreed={2: start_2})
-        key_path = tmp_path / "node.key"
-        key = PeerKey.load_or_create(key_path)
-        s = Session(
-            config=NodeConfig(
-                coordinator="http://coordinator.test",
-                run_id=RUN_ID,
-                key_path=key_path,
-                training={"device": "cpu", "threads": 1},
-                debug={"progress": False},
-                network={"fetch_timeout_s": 3.0},
-            ),
-            client=coordinator,
-            exchange=exchange,
-            key=key,
-            faults=FaultInjector(),
-            clock=time.time,
-            run_id=RUN_ID,
-            peer_id="p" + "a" * 16,
-            run=run,
-            training=_training(run),
-            rejoin=None,
-            stopping=asyncio.Event(),
-            state=RoundState(params_round=None),
-        )
+        s = _session(tmp_path, run, coordinator, exchange)
         await asyncio.sleep(0)  # the holder's snapshot is published
 
         catching_up = asyncio.create_task(catch_up(s))
@@ -166,5 +173,41 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
         assert exchange.traffic(2).num_fetched == 1 and exchange.traffic(3).num_fetched == 1
         for task in list(s.background):
             await task
+
+    asyncio.run(main())
+
+
+def test_a_node_behind_a_finished_run_stops_once_no_peer_is_left_to_serve_it(tmp_path: Path):
+    """The run finished at round 6 while the node's parameters are at round 2, and round 2's packets
+    are gone: while another peer is live (it may still serve a snapshot) the node waits; once that
+    peer left, it stops with `RunEnded` naming both rounds instead of polling for ever."""
+
+    async def main():
+        run = RunConfig.model_validate(
+            {
+                "name": "ended",
+                "model": {"preset": "tiny"},
+                "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
+            }
+        )
+        coordinator = ScriptedCoordinator(current=6, agreed={})
+        coordinator.state = "finished"
+        lingering = SimpleNamespace(peer_id="p" + "b" * 16, status="live")
+        coordinator.peers = [SimpleNamespace(peer_id=NODE_PEER, status="live"), lingering]
+        s = _session(tmp_path, run, coordinator, MemorySwarm().exchange("node"), params_round=2)
+
+        catching_up = asyncio.create_task(catch_up(s))
+        await asyncio.sleep(STUCK_S)
+        assert not catching_up.done(), "stopped while a live peer might still serve a snapshot"
+        assert coordinator.missing_reports == [(2, [GONE_PEER], False)]
+
+        lingering.status = "left"
+        left_at = time.monotonic()
+        with pytest.raises(
+            RunEnded, match="the run is finished at round 6 while this node's parameters are at round 2"
+        ):
+            await asyncio.wait_for(catching_up, IDLE_MAX_S + 10.0)
+        assert time.monotonic() - left_at < IDLE_MAX_S + 2.0
+        assert s.state.params_round == 2
 
     asyncio.run(main())
