@@ -13,7 +13,9 @@ finish a run nobody trained. Instead:
   (after applying round r it holds r + 1's start: a peer that replays the last closed round, its
   packets kept on the authors' disks, brings the open round's start back itself). The run needs the agreed
   start of its open round r: the majority digest of round r - 1, or the seeded initialisation
-  for r = 0. As soon as a live peer holds it, the open round starts afresh (a new deadline from
+  for r = 0 and for a round that only empty rounds came before (every peer stopped before anyone
+  submitted, so round 0 closed empty: no vote ever agrees on the seeded start, and every peer
+  holds it). As soon as a live peer holds it, the open round starts afresh (a new deadline from
   now, with a heartbeat time-out added for the peer's start) and that peer trains it at once; peers with older or no state catch up from it by snapshot.
 - **Rewind to the newest state held.** When no live peer holds the open round's start, the
   coordinator waits ``membership.state_wait_s`` from the first return for a peer that does. Then
@@ -139,8 +141,8 @@ def regrouping(storage: Storage, run_id: str, open_round: RoundRow) -> bool:
 
 def _plan(storage: Storage, run: RunRow, live: list[PeerRow]) -> _Plan | None:
     """The newest agreed round start a live peer holds (the open round's when anyone holds it)."""
-    if run.current_round == 0:
-        return _Plan(0, [p.peer_id for p in live])
+    if _seeded_start(storage, run.run_id, run.current_round):
+        return _Plan(run.current_round, [p.peer_id for p in live])
     held: dict[int, list[str]] = {}
     for peer in live:
         if holds(storage, run.run_id, peer) and peer.state_round <= run.current_round:
@@ -154,6 +156,17 @@ def _plan(storage: Storage, run: RunRow, live: list[PeerRow]) -> _Plan | None:
     if storage.latest_agreed_round(run.run_id) is None:  # nothing was ever agreed: nothing to lose
         return _Plan(0, [p.peer_id for p in live])
     return None
+
+
+def _seeded_start(storage: Storage, run_id: str, round_index: int) -> bool:
+    """Whether round r starts from the seeded initialisation every peer makes: every round before
+    it closed with an empty manifest, so nothing was trained in (and no vote could agree on the
+    digest of that start, `agreed_start`). Every returning peer holds it."""
+    if round_index == 0:
+        return True
+    if storage.latest_agreed_round(run_id) is not None:  # an empty round's digest is agreed only after a trained one
+        return False
+    return not any(storage.manifest_peers(run_id, r) for r in range(round_index))
 
 
 def _reopen(

@@ -248,3 +248,36 @@ def test_peers_back_with_an_older_checkpoint_resume_by_replaying_the_closed_roun
     fake_clock.advance(WAIT_S + 1)
     tick(client)
     assert status(client, run_id)["rewinds"] == []
+
+
+def test_a_swarm_stopped_after_an_empty_first_round_resumes_at_once_from_the_seeded_start(tmp_path, fake_clock):
+    """Every peer stopped in round 0 before any submitted (so it closed empty at its deadline, seen
+    in chaos runs), came back, and stopped again in round 1. Round 1 starts from the seeded
+    initialisation every peer makes, which no vote ever agrees on: the first peer back resumes round
+    1 at once, instead of the run waiting `state_wait_s` and rewinding to round 0."""
+    with coordinator_on(tmp_path / "coordinator.db", fake_clock) as (client, _):
+        run_id = create_run(
+            client,
+            {
+                "membership.min_peers": 2,
+                "membership.heartbeat_timeout_s": 60.0,
+                "membership.state_wait_s": WAIT_S,
+                "max_rounds": 8,
+            },
+        )
+        peers = [SignedPeer(client, clock=fake_clock) for _ in range(2)]
+        for peer in peers:
+            assert peer.join(run_id).status_code == 200
+        fake_clock.advance(31)  # round 0's 30 s, nothing submitted: it closes empty
+        tick(client)
+        body = status(client, run_id)
+        assert body["current_round"]["round"] == 1 and body["history"][0]["num_contributors"] == 0
+        fake_clock.advance(61)
+        tick(client)
+        assert status(client, run_id)["recovery"] is not None, "every peer gone: paused"
+
+        assert peers[0].join(run_id).status_code == 200
+        body = status(client, run_id)
+        assert body["recovery"] is None and body["rewinds"] == []
+        assert body["current_round"]["round"] == 1 and body["current_round"]["opened_at"] == fake_clock()
+        assert peers[0].submit(run_id, 1).status_code == 200
