@@ -51,6 +51,7 @@ import time
 from collections import Counter
 
 from node.exchange import mirror
+from node.round import resume
 from node.round.coordinator_client import Refused
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
@@ -98,6 +99,7 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
         agreed = {h.round + 1: h.agreed_digest for h in status.history if h.agreed_digest}
         if (current, max(agreed, default=None)) != seen:  # the swarm moved on: what could not be done may be now
             idle_s, seen = IDLE_FIRST_S, (current, max(agreed, default=None))
+            await resume.restore_agreed_since(s, agreed, current)  # this node's checkpoint, agreed since its start
         if s.state.params_round is not None and s.state.params_round < current:
             try:
                 for r in range(s.state.params_round, current):

@@ -11,7 +11,9 @@ provisional: coordinator/service.py, "Agreed digests"); the round loop then
 trains the open round directly, or replays the rounds closed since (node/round/catchup.py),
 with the error feedback and the Adam moments it had. A checkpoint the swarm does not agree
 with, of another run, or unreadable is set aside with one log line, and the node catches up
-from peers as a new one would. A checkpoint the swarm agrees with is also what this node serves
+from peers as a new one would. One whose digest the swarm agrees on later (a lone contributor's
+round is agreed only when the next round closes, and a swarm restarted in between finds no
+agreed digest yet) is loaded by the catch-up then (`restore_agreed_since`). A checkpoint the swarm agrees with is also what this node serves
 to peers catching up: its files are streamed as they are (node/training/snapshot.py).
 
 The outer step's own state goes through the `OuterStep` protocol (node/training/base.py):
@@ -94,19 +96,46 @@ async def restore(s: Session) -> bool:
     agreed = {h.round + 1: h.agreed_digest for h in status.history if h.agreed_digest}
     if agreed.get(round) != digest:
         log.warning(
-            "the checkpoint of round %s (digest %s) is not the swarm's agreed state (%s): catching up instead",
+            "the checkpoint of round %s (digest %s) is not the swarm's agreed state (%s): catching up instead"
+            " (it is loaded still if the swarm agrees on it later)",
             round,
             str(digest)[:12],
             (agreed.get(round) or "none")[:12],
         )
         return False
+    return await _load_agreed(s, directory, round, digest)
+
+
+async def restore_agreed_since(s: Session, agreed: dict[int, str], current: int) -> bool:
+    """During a catch-up: load this run's checkpoint when the swarm has agreed on its digest since
+    `restore` set it aside, and it is newer than the parameters held; True if loaded. A round's
+    digest is agreed only when the next round closes (a lone contributor's, or once nobody is left
+    to vote): a whole swarm restarted in that gap sets every checkpoint aside at start, and then
+    nobody serves the agreed state although every node holds it on disk."""
+    held = held_state(s.config, s.run_id)
+    if held is None:
+        return False
+    round, digest = held
+    params_round = s.state.params_round
+    if agreed.get(round) != digest or round > current or (params_round is not None and round <= params_round):
+        return False
+    return await _load_agreed(s, s.config.checkpoints.checkpoint_dir, round, digest, since=True)
+
+
+async def _load_agreed(s: Session, directory, round: int, digest: str, since: bool = False) -> bool:
+    from node.training.checkpoint import CheckpointError
+
     try:
         await asyncio.to_thread(_load, s, directory)
     except CheckpointError as e:  # unreadable or corrupt tensors: the digest check inside refuses them
         log.warning("the checkpoint in %s does not load: %s; catching up instead", directory, e)
+        s.state.params_unknown()  # some tensors may be the checkpoint's already
         return False
+    s.sent.clear()  # the error buffers are the checkpoint's: nothing sent from later ones can go back
     s.state.loaded(round, digest, None)
-    log.info("resumed from the checkpoint of round %d (digest %s)", round, digest[:12])
+    log.info(
+        "resumed from the checkpoint of round %d (digest %s%s)", round, digest[:12], ", agreed since" if since else ""
+    )
 
     await serve_snapshot(s, round)  # streamed from the checkpoint's files to peers catching up
     return True

@@ -20,6 +20,7 @@ import torch
 
 from node.config import NodeConfig
 from node.faults import FaultInjector
+from node.round import resume
 from node.round.catchup import IDLE_MAX_S, RunEnded, catch_up
 from node.round.session import Session
 from node.round.state import RoundState
@@ -86,6 +87,16 @@ class ScriptedCoordinator:
         )
 
 
+def _tiny_run(name: str) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "name": name,
+            "model": {"preset": "tiny"},
+            "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
+        }
+    )
+
+
 def _training(run: RunConfig) -> PeerTraining:
     return PeerTraining.build(run, "cpu", load_corpus(None).train)
 
@@ -102,7 +113,9 @@ def _publish(holder, training: PeerTraining, round: int, shift: float) -> str:
     return param_digest(params)
 
 
-def _session(tmp_path: Path, run: RunConfig, coordinator: ScriptedCoordinator, exchange, params_round=None) -> Session:
+def _session(
+    tmp_path: Path, run: RunConfig, coordinator: ScriptedCoordinator, exchange, params_round=None, checkpoint_dir=None
+) -> Session:
     key_path = tmp_path / "node.key"
     return Session(
         config=NodeConfig(
@@ -112,6 +125,7 @@ def _session(tmp_path: Path, run: RunConfig, coordinator: ScriptedCoordinator, e
             training={"device": "cpu", "threads": 1},
             debug={"progress": False},
             network={"fetch_timeout_s": 3.0},
+            checkpoints={"checkpoint_dir": checkpoint_dir},
         ),
         client=coordinator,
         exchange=exchange,
@@ -130,13 +144,7 @@ def _session(tmp_path: Path, run: RunConfig, coordinator: ScriptedCoordinator, e
 
 def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be_replayed(tmp_path: Path):
     async def main():
-        run = RunConfig.model_validate(
-            {
-                "name": "backoff",
-                "model": {"preset": "tiny"},
-                "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
-            }
-        )
+        run = _tiny_run("backoff")
         network = MemorySwarm()
         holder, exchange = network.exchange("holder"), network.exchange("node")
         source = _training(run)
@@ -183,13 +191,7 @@ def test_a_node_behind_a_finished_run_stops_once_no_peer_is_left_to_serve_it(tmp
     peer left, it stops with `RunEnded` naming both rounds instead of polling for ever."""
 
     async def main():
-        run = RunConfig.model_validate(
-            {
-                "name": "ended",
-                "model": {"preset": "tiny"},
-                "inner": {"steps": 2, "batch_size": 2, "seq_len": 32, "warmup_steps": 2, "total_steps": 100},
-            }
-        )
+        run = _tiny_run("ended")
         coordinator = ScriptedCoordinator(current=6, agreed={})
         coordinator.state = "finished"
         lingering = SimpleNamespace(peer_id="p" + "b" * 16, status="live")
@@ -209,5 +211,45 @@ def test_a_node_behind_a_finished_run_stops_once_no_peer_is_left_to_serve_it(tmp
             await asyncio.wait_for(catching_up, IDLE_MAX_S + 10.0)
         assert time.monotonic() - left_at < IDLE_MAX_S + 2.0
         assert s.state.params_round == 2
+
+    asyncio.run(main())
+
+
+def test_a_checkpoint_the_swarm_agrees_on_after_the_start_is_loaded_by_the_catch_up(tmp_path: Path):
+    """A whole swarm restarted while its last closed round, a lone contributor's, had no agreed
+    digest yet (it is agreed when the next round closes): every node set its checkpoint aside at
+    start and caught up, and nobody served the state they all held on disk, for ever (a chaos run,
+    seed 9). Once the swarm agrees on the checkpoint's digest, the catch-up loads it from disk."""
+
+    async def main():
+        run = _tiny_run("agreed-since")
+        coordinator = ScriptedCoordinator(current=3, agreed={})
+        exchange = MemorySwarm().exchange("node")
+        s = _session(tmp_path, run, coordinator, exchange, checkpoint_dir=tmp_path / "ckpt")
+        with torch.no_grad():
+            for p in s.training.model.parameters():
+                p.add_(0.01)
+        s.outer.reset_to_params()
+        resume.save(s, applied_round=2)  # the start of round 3, as the node wrote it before the restart
+        round, digest = resume.held_state(s.config, RUN_ID)
+        assert round == 3 and digest == param_digest(flat_named_params(s.training.model))
+        with torch.no_grad():
+            for p in s.training.model.parameters():
+                p.zero_()  # what a restarted node builds: not the checkpoint's parameters
+
+        assert not await resume.restore(s), "not agreed yet: set aside"
+        s.state.params_unknown()
+        catching_up = asyncio.create_task(catch_up(s))
+        await asyncio.sleep(STUCK_S)
+        assert not catching_up.done() and s.state.params_round is None
+
+        coordinator.agreed = {3: digest}  # round 3's close settled round 2's lone vote
+        report = await asyncio.wait_for(catching_up, IDLE_MAX_S + 10.0)
+        assert report.to_round == 3
+        assert s.state.params_round == 3 and s.state.digest == digest
+        assert param_digest(flat_named_params(s.training.model)) == digest
+        assert exchange.traffic(3).num_fetched == 0, "loaded from its own disk, not fetched"
+        for task in list(s.background):
+            await task
 
     asyncio.run(main())
