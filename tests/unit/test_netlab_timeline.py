@@ -22,8 +22,15 @@ def _libp2p_id(host: str) -> str:
     return f"12D3KooWExampleIdOfHost{host}xyz{host}"
 
 
-def _write_node(workdir: Path, host: str, submitted: dict[int, float], lines: list[tuple[float, str, str, tuple]]):
-    """node<i>.log through a real Formatter with the nodes' format, and node<i>.report.json."""
+def _write_node(
+    workdir: Path,
+    host: str,
+    submitted: dict[int, float],
+    lines: list[tuple[float, str, str, tuple]],
+    reported: dict[int, dict] | None = None,
+):
+    """node<i>.log through a real Formatter with the nodes' format, and node<i>.report.json (each
+    round's entry: its submission time, and `reported`'s fields for it)."""
     formatter = logging.Formatter(LOG_FORMAT)
     out = [(T - 30, "node.exchange.p2p", "exchange up: libp2p id %s at %s", (_libp2p_id(host), "/ip4/10.0.0.1/tcp/1"))]
     with open(workdir / f"node{host[1:]}.log", "w") as log:
@@ -31,7 +38,8 @@ def _write_node(workdir: Path, host: str, submitted: dict[int, float], lines: li
             record = logging.LogRecord(name, logging.DEBUG, __file__, 0, msg, args, None)
             record.created, record.msecs = at, (at % 1) * 1000
             log.write(formatter.format(record) + "\n")
-    report = {"peer_id": f"p{host}", "rounds": [{"round": r, "submitted_at": t} for r, t in submitted.items()]}
+    rounds = [{"round": r, "submitted_at": t, **(reported or {}).get(r, {})} for r, t in submitted.items()]
+    report = {"peer_id": f"p{host}", "rounds": rounds}
     (workdir / f"node{host[1:]}.report.json").write_text(json.dumps(report))
 
 
@@ -102,3 +110,31 @@ def test_a_workdir_without_debug_lines_says_how_to_get_them(tmp_path, capsys):
     _write_node(tmp_path, "h1", {1: T}, [])
     assert timeline.main([str(tmp_path)]) == 1
     assert "LOCOSWARM_LOG_LEVEL=DEBUG" in capsys.readouterr().err
+
+
+def test_busy_splits_the_transfer_figure_into_logged_fetches_and_answer_waits(tmp_path):
+    """Two hosts submit 1.25 MB packets at once: each one's ideal is 1.0 s (the 10 Mbps link binds
+    either way). h1 (10 Mbps) reports 1.5 s fetching, logged one fetch of 1.3 s of which 0.2 s
+    waited for the answer; h2 (100 Mbps) 1.2 s, one fetch of 1.2 s, 0.4 s of it the answer."""
+    packet = {"packet_bytes": 1_250_000}
+    _write_node(
+        tmp_path, "h1", {1: T}, [_fetched(T + 1.3, 1, "h2", "h2", 0.2, 1.1)], {1: {**packet, "fetching_s": 1.5}}
+    )
+    _write_node(
+        tmp_path, "h2", {1: T}, [_fetched(T + 1.2, 1, "h1", "h1", 0.4, 0.8)], {1: {**packet, "fetching_s": 1.2}}
+    )
+    split = timeline.busy(timeline.load(tmp_path), {"h1": 10.0, "h2": 100.0})
+    assert split == {
+        "10": {
+            "n": 1,
+            "fetching_over_ideal": pytest.approx(1.5),
+            "fetches_over_ideal": pytest.approx(1.3, abs=2e-3),
+            "without_answers_over_ideal": pytest.approx(1.1, abs=2e-3),
+        },
+        "100": {
+            "n": 1,
+            "fetching_over_ideal": pytest.approx(1.2),
+            "fetches_over_ideal": pytest.approx(1.2, abs=2e-3),
+            "without_answers_over_ideal": pytest.approx(0.8, abs=2e-3),
+        },
+    }

@@ -157,7 +157,7 @@ def _fetching_s(r: dict) -> float | None:
     return r.get("fetching_s") or _transfer_s(r["times"]) or None
 
 
-def _ideal_s(per_peer: list[dict]) -> list[float | None]:
+def transfer_ideals(per_peer: list[dict]) -> list[float | None]:
     """Each peer's least transfer time (None for an unshaped peer): with every publisher's
     submission time known, the busy time of `_fluid_busy_s`; otherwise `_all_ready_s`."""
     if not all(r.get("submitted_at") for r in per_peer):
@@ -241,7 +241,7 @@ def _round_row(k: int, per_peer: list[dict], closed_at: dict[int, float], only=N
     # Each peer downloads every other peer's packet: the round's total less its own.
     total_bytes = sum(r["packet_bytes"] for r in per_peer)
     download_bytes = [total_bytes - r["packet_bytes"] for r in per_peer]
-    ideal_s, all_ready_s = _ideal_s(per_peer), _all_ready_s(per_peer)
+    ideal_s, all_ready_s = transfer_ideals(per_peer), _all_ready_s(per_peer)
     if only is not None:
         chosen = [only(r) for r in per_peer]
         per_peer, download_bytes, ideal_s, all_ready_s = (
