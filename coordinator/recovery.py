@@ -7,7 +7,9 @@ finish a run nobody trained. Instead:
 
 - **Paused.** With no live peer the run is paused (``paused_since``): the open round keeps no
   deadline and nothing closes. The last closed round's votes are final from then on (nobody is left
-  to cast another), so its digest is agreed as when the next round closes.
+  to cast another), so its digest is agreed as when the next round closes. So are the votes of
+  peers that return and apply it during the pause, a version amended meanwhile included
+  (coordinator/rules/votes.py `is_settled`).
 - **Waiting for state.** A returning peer says at join which round start it holds and its digest
   (its newest checkpoint; `protocol.http.JoinRequest.state_round`), and each applied report since
   (after applying round r it holds r + 1's start: a peer that replays the last closed round, its

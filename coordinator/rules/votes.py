@@ -171,8 +171,16 @@ def settle_lag(config: RunConfig) -> int:
 
 def is_settled(ctx: Context, run_id: str, round_index: int) -> bool:
     """Round r is settled once round r + `settle_lag` has closed: every honest contributor has
-    applied r by then, so its vote is in."""
-    later = ctx.storage.get_round(run_id, round_index + settle_lag(ctx.config(ctx.run(run_id))))
+    applied r by then, so its vote is in. So is the last closed round of a paused run: its votes
+    are final from the pause on (coordinator/recovery.py), and so are those of peers that return
+    and apply it during the pause, on a version amended meanwhile too. Counted unsettled, a lone
+    contributor's vote on such a version was never agreed, and the run waited for ever for a peer
+    holding an agreed start of its open round (a chaos run: every node killed twice around round 3,
+    the gone author's entry dropped in between)."""
+    run = ctx.run(run_id)
+    if run.paused_since is not None and round_index == run.current_round - 1:
+        return True
+    later = ctx.storage.get_round(run_id, round_index + settle_lag(ctx.config(run)))
     return later is not None and later.closed_at is not None
 
 

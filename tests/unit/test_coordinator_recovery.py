@@ -45,22 +45,28 @@ def beat_to_the_deadline(client, fake_clock, run_id, peers, round_index) -> None
         tick(client)
 
 
+def three_peers(client, fake_clock) -> tuple[str, list[SignedPeer]]:
+    """A run of at most 8 rounds and the three peers that joined it (round 0 open)."""
+    run_id = create_run(
+        client,
+        {
+            "membership.min_peers": 3,
+            "membership.heartbeat_timeout_s": TIMEOUT_S,
+            "membership.state_wait_s": WAIT_S,
+            "max_rounds": 8,
+        },
+    )
+    peers = [SignedPeer(client, clock=fake_clock) for _ in range(3)]
+    for peer in peers:
+        assert peer.join(run_id).status_code == 200
+    return run_id, peers
+
+
 @pytest.fixture
 def swarm(tmp_path, fake_clock):
     """A run with three peers that agreed rounds 0-3 (round 4 open), then all went silent."""
     with coordinator_on(tmp_path / "coordinator.db", fake_clock) as (client, storage):
-        run_id = create_run(
-            client,
-            {
-                "membership.min_peers": 3,
-                "membership.heartbeat_timeout_s": TIMEOUT_S,
-                "membership.state_wait_s": WAIT_S,
-                "max_rounds": 8,
-            },
-        )
-        peers = [SignedPeer(client, clock=fake_clock) for _ in range(3)]
-        for peer in peers:
-            assert peer.join(run_id).status_code == 200
+        run_id, peers = three_peers(client, fake_clock)
         play_rounds(client, run_id, peers, range(4))
         assert status(client, run_id)["current_round"]["round"] == 4
         yield client, storage, run_id, peers
@@ -281,3 +287,28 @@ def test_a_swarm_stopped_after_an_empty_first_round_resumes_at_once_from_the_see
         assert body["recovery"] is None and body["rewinds"] == []
         assert body["current_round"]["round"] == 1 and body["current_round"]["opened_at"] == fake_clock()
         assert peers[0].submit(run_id, 1).status_code == 200
+
+
+def test_votes_that_come_while_the_run_is_paused_are_final(tmp_path, fake_clock):
+    """Every peer went silent right after round 3 closed, before any applied it: the pause settles
+    round 3 with no vote. A peer that comes back, applies round 3 and reports it casts the round's
+    only vote; counted as final (the run is paused), it is agreed, and that peer, holding round
+    4's start, resumes the run at once. Counted unsettled it was never agreed, and the run waited
+    for ever (a chaos run)."""
+    with coordinator_on(tmp_path / "coordinator.db", fake_clock) as (client, _):
+        run_id, peers = three_peers(client, fake_clock)
+        play_rounds(client, run_id, peers, range(3))
+        for peer in peers:
+            assert peer.submit(run_id, 3).status_code == 200  # round 3 closes; nobody applies it
+        fake_clock.advance(TIMEOUT_S + 1)
+        tick(client)
+        body = status(client, run_id)
+        assert body["recovery"] is not None and body["history"][3]["agreed_digest"] is None
+
+        assert peers[0].join(run_id).status_code == 200
+        assert peers[0].applied(run_id, 3, digest(4)).status_code == 200
+        body = status(client, run_id)
+        assert body["history"][3]["agreed_digest"] == digest(4)
+        assert peers[0].join(run_id, state_round=4, state_digest=digest(4)).status_code == 200
+        body = status(client, run_id)
+        assert body["recovery"] is None and body["current_round"]["round"] == 4 and body["rewinds"] == []
