@@ -31,7 +31,8 @@ it, or every one failed), so a swarm whose every node died still has a start to 
 
 A run that ended while the node was behind (DESIGN.md, "A node behind a finished run says so
 and stops"): once the run is finished or closed and no other peer is live, nobody is left to serve
-a packet or a snapshot, and nobody will come back to. With nothing to replay or load then,
+a packet or a snapshot, and nobody will come back to; nor is a live peer that is catching up
+itself (two nodes behind each waited for the other, a chaos run). With nothing to replay or load then,
 `catch_up` raises `RunEnded` instead of polling for ever; the round loop logs it and the node
 leaves. While the run still runs, or a peer is live, it waits as below (a whole swarm restarting
 comes back one node at a time).
@@ -67,6 +68,8 @@ SNAPSHOT_ROUNDS_TRIED = 3  # the newest agreed snapshots tried, newest first
 HOLDERS_LOOKUP_S = 10.0  # at most this long (or the fetch time-out) to learn who holds a round's packets
 IDLE_FIRST_S, IDLE_MAX_S = 1.0, 4.0  # with nothing to replay or load, poll again after this, doubling
 MIRROR = object()  # the packet mirror among a snapshot's sources, after the peers' digests
+# what a peer that is behind too says it does: it serves nobody the run's end
+BEHIND = frozenset({Doing.CATCHING_UP.value, Doing.LOADING_SNAPSHOT.value, Doing.STUCK.value})
 
 
 class RunEnded(Exception):
@@ -138,7 +141,7 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
                     return current, "none"
                 continue  # and the empty rounds since replay from it
             if status.run.state in ("finished", "closed") and not any(
-                p.status == "live" and p.peer_id != s.peer_id for p in status.peers
+                p.status == "live" and p.peer_id != s.peer_id and p.activity not in BEHIND for p in status.peers
             ):
                 raise RunEnded(
                     f"the run is {status.run.state} at round {current} while this node's parameters are at round"

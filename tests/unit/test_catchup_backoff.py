@@ -187,15 +187,21 @@ def test_catch_up_loads_a_snapshot_once_and_waits_while_the_next_round_cannot_be
 
 def test_a_node_behind_a_finished_run_stops_once_no_peer_is_left_to_serve_it(tmp_path: Path):
     """The run finished at round 6 while the node's parameters are at round 2, and round 2's packets
-    are gone: while another peer is live (it may still serve a snapshot) the node waits; once that
-    peer left, it stops with `RunEnded` naming both rounds instead of polling for ever."""
+    are gone: while another peer is live and not behind itself (it may still serve a snapshot) the
+    node waits; once that peer left, it stops with `RunEnded` naming both rounds instead of polling
+    for ever, although a peer that is loading a snapshot too is still live."""
 
     async def main():
         run = _tiny_run("ended")
         coordinator = ScriptedCoordinator(current=6, agreed={})
         coordinator.state = "finished"
-        lingering = SimpleNamespace(peer_id="p" + "b" * 16, status="live")
-        coordinator.peers = [SimpleNamespace(peer_id=NODE_PEER, status="live"), lingering]
+        lingering = SimpleNamespace(peer_id="p" + "b" * 16, status="live", activity="serving")
+        behind_too = SimpleNamespace(peer_id="p" + "d" * 16, status="live", activity="loading_snapshot")
+        coordinator.peers = [
+            SimpleNamespace(peer_id=NODE_PEER, status="live", activity="catching_up"),
+            lingering,
+            behind_too,
+        ]
         s = _session(tmp_path, run, coordinator, MemorySwarm().exchange("node"), params_round=2)
 
         catching_up = asyncio.create_task(catch_up(s))
