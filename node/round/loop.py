@@ -96,7 +96,6 @@ class Node:
         self.reports: list[RoundReport] = []  # the session's: a recompute updates the report of its round
         self.catch_ups: list[CatchUpReport] = []
         self.resumed_from: int | None = None  # the round whose start this node's checkpoint held
-        self.ended_behind: str | None = None  # why the run ended with this node behind it (catchup.RunEnded)
         self.session: Session | None = None
         self._client, self._exchange, self._clock = client, exchange, clock
         self._stopping = asyncio.Event()
@@ -363,7 +362,6 @@ class Node:
                     caught_up = await catch_up(s)
                 except RunEnded as e:
                     log.warning("%s", e)
-                    self.ended_behind = str(e)
                     break
                 self.catch_ups.append(caught_up)
                 round = caught_up.to_round
