@@ -8,12 +8,19 @@ forgotten by design: catch up instead), one report per reporter and entry (a rep
 nothing). An author that no longer holds its own packet (it restarted without it) says so with
 ``lost_own``, stored as a report of its entry whose reporter is the author itself. A contributor
 of the round that reported applying it got every entry still undropped and serves its copies on;
-a stranger's applied report is not believed. A reported entry is dropped:
+a stranger's applied report is not believed; nor is a report whose reporter applied the round
+with that packet since (it got the packet after all). A reported entry is dropped:
 
 1. at once when no live contributor but the author and the entry's reporters applied the round,
    and either its author said it lost it or its author is not live (gone, left): nobody can serve
    that packet now, and nobody will. This holds however few peers are live, so a whole swarm
-   killed after a round closed (its packets only in the dead nodes' memory) comes back and goes on;
+   killed after a round closed (its packets only in the dead nodes' memory) comes back and goes on.
+   While the swarm restarts (the run paused or regrouping, coordinator/recovery.py), a gone
+   author is waited for ``exchange.missing_grace_s`` from the entry's first report, by this rule
+   and the next: it may be loading with its packet on disk (node/round/own_packets.py). In a chaos
+   run every node was killed after a round closed; the first one back reported the others'
+   packets, and an author back 4 s later with its packet found its entry dropped and itself
+   flagged. An author that left is not waited for;
 2. when every other live contributor of the round (the latest manifest's peers but its publisher)
    has reported it;
 3. when ``exchange.missing_grace_s`` has passed since its first report and no contributor but its
@@ -43,12 +50,13 @@ runs. Amendments never hold up opening or closing rounds.
 
 from __future__ import annotations
 
+import json
 import logging
 
-from coordinator import errors
+from coordinator import errors, recovery
 from coordinator.rules import votes
 from coordinator.rules.context import Context
-from coordinator.storage import DroppedRow, MissingReportRow, RunRow
+from coordinator.storage import AppliedRow, DroppedRow, MissingReportRow, RunRow
 from protocol.http import MISSING_REPORT_ROUNDS, MissingRequest, MissingResponse
 
 log = logging.getLogger("locoswarm.coordinator")
@@ -113,14 +121,18 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
     grace_s = ctx.config(run).exchange.missing_grace_s
     submitters = {s.peer_id for s in ctx.storage.list_submissions(run_id, round_index)}
     manifest = sorted(ctx.storage.manifest_peers(run_id, round_index))
-    live = {p.peer_id for p in ctx.storage.list_peers(run_id) if p.status == "live"}
+    peers = {p.peer_id: p for p in ctx.storage.list_peers(run_id)}
+    live = {p for p, row in peers.items() if row.status == "live"}
+    restarting = run.paused_since is not None or _regrouping(ctx, run)
     # Every version so far held each entry still undropped: whoever applied one got its packet.
     # Only the round's contributors are believed: a stranger's report must not keep an entry
     # nobody serves.
-    appliers = {a.peer_id for a in ctx.storage.list_applied(run_id, round_index) if a.peer_id in submitters}
+    applied = [a for a in ctx.storage.list_applied(run_id, round_index) if a.peer_id in submitters]
+    appliers = {a.peer_id for a in applied}
     reports: dict[str, list[MissingReportRow]] = {}
     for report in ctx.storage.list_missing_reports(run_id, round_index):
-        reports.setdefault(report.peer_id, []).append(report)
+        if report.reporter_id == report.peer_id or not _fetched_since(applied, report):
+            reports.setdefault(report.peer_id, []).append(report)
     due: dict[str, str] = {}
     for entry, rows in reports.items():
         if entry not in manifest:
@@ -135,10 +147,13 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
                 "its author said it lost the packet (restarted without it) and no live peer that "
                 "applied the round serves a copy"
             )
+        elif restarting and not _left(peers, entry) and entry not in live and waited_s < grace_s:
+            continue  # it may be loading, its packet on disk: rules 1 and 2 wait for it
         elif entry not in live and not copies:
+            status = peers[entry].status if entry in peers else "unknown"
             due[entry] = (
-                f"reported missing; its author is not live ({_status_of(ctx, run_id, entry)}) and no "
-                "live peer that applied the round serves a copy"
+                f"reported missing; its author is not live ({status}) and no live peer that applied"
+                " the round serves a copy"
             )
         elif others and others <= reporters:
             due[entry] = f"reported missing by all {len(others)} other live contributors"
@@ -215,6 +230,23 @@ def _built_upon(ctx: Context, run_id: str, round_index: int) -> int | None:
     return None
 
 
-def _status_of(ctx: Context, run_id: str, peer_id: str) -> str:
-    peer = ctx.storage.get_peer(run_id, peer_id)
-    return "unknown" if peer is None else peer.status
+def _fetched_since(applied: list[AppliedRow], report: MissingReportRow) -> bool:
+    """Whether the report's reporter applied the round with the reported packet after it reported
+    it (an entry is in every version until it is dropped; `refused` names what it left out)."""
+    return any(
+        a.peer_id == report.reporter_id
+        and a.reported_at > report.reported_at
+        and report.peer_id not in json.loads(a.refused or "{}")
+        for a in applied
+    )
+
+
+def _left(peers: dict, peer_id: str) -> bool:
+    """Whether `peer_id` said it left (or is unknown): no restart of its will bring its packet."""
+    return peer_id not in peers or peers[peer_id].status == "left"
+
+
+def _regrouping(ctx: Context, run: RunRow) -> bool:
+    """Whether the run's open round was reopened by a resume and still waits for its peers."""
+    open_round = ctx.storage.get_round(run.run_id, run.current_round)
+    return open_round is not None and recovery.regrouping(ctx.storage, run.run_id, open_round)

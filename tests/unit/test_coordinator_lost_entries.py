@@ -169,18 +169,51 @@ def test_a_swarm_marked_gone_comes_back_without_its_packets_and_resumes(coordina
     assert status["current_round"]["round"] == 2 and status["current_round"]["state"] == "open"
 
 
-def test_a_returning_author_drops_its_own_and_a_gone_authors_entry_at_once(coordinator_client, fake_clock):
+def test_a_returning_author_drops_its_own_and_a_gone_authors_entry_after_the_grace(coordinator_client, fake_clock):
     """Only a comes back after the whole swarm was marked gone: it lost its packet and cannot fetch
-    b's (b is gone). Both leave in one version, each with its reason."""
+    b's (b is gone). a's entry leaves at once; b, which may be restarting with its packet on disk,
+    is waited for `missing_grace_s` from the report, then its entry leaves too."""
     client = coordinator_client
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
     everyone_gone(client, fake_clock, run_id, [a, b, c])
     assert a.join(run_id, state_round=1, state_digest=D0).status_code == 200
     answer = report_missing(a, run_id, 1, b, lost_own=True).json()
-    assert answer["manifest_version"] == 2 and answer["pending"] == []
-    assert "said it lost" in answer["dropped"][a.peer_id]
-    assert "its author is not live (gone)" in answer["dropped"][b.peer_id]
+    assert answer["manifest_version"] == 2 and answer["pending"] == [b.peer_id]
+    assert list(answer["dropped"]) == [a.peer_id] and "said it lost" in answer["dropped"][a.peer_id]
+    fake_clock.advance(ExchangeSection().missing_grace_s - 1)
+    tick(client)
+    assert round_of(client, run_id, 1)["manifest_version"] == 2
+    fake_clock.advance(2)
+    tick(client)
+    view = round_of(client, run_id, 1)
+    assert view["manifest_version"] == 3 and view["manifest"] == []
     assert history_of(client, run_id)[1]["agreed_digest"] == D0
+
+
+def test_a_gone_author_back_within_the_grace_of_a_paused_run_keeps_its_entry(coordinator_client, fake_clock):
+    """The whole swarm killed after round 1 closed: a comes back first and cannot fetch b's packet
+    (b is gone). b comes back 4 s later with its packet on disk and serves it: its entry stays,
+    a applies the round as it closed, and b is not flagged."""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    everyone_gone(client, fake_clock, run_id, [a, b, c])
+    assert a.join(run_id, state_round=1, state_digest=D0).status_code == 200
+    answer = report_missing(a, run_id, 1, b).json()
+    assert answer["manifest_version"] == 1 and answer["pending"] == [b.peer_id] and answer["dropped"] == {}
+    fake_clock.advance(4)
+    tick(client)
+    assert b.join(run_id, state_round=1, state_digest=D0).status_code == 200
+    for peer in (a, b):  # a fetched b's packet from b
+        assert applied_version(peer, run_id, 1, D1, 1).status_code == 200
+    fake_clock.advance(ExchangeSection().missing_grace_s)
+    tick(client)  # past the grace: a's report is answered by a's own applied report
+    view = round_of(client, run_id, 1)
+    assert view["manifest_version"] == 1
+    assert [e["peer_id"] for e in view["manifest"]] == sorted([a.peer_id, b.peer_id])
+    assert view["agreed_digest"] == D1
+    peers = {p["peer_id"]: p for p in status_of(client, run_id)["peers"]}
+    assert peers[b.peer_id]["status"] == "live"
+    assert storage_of(client).get_peer(run_id, b.peer_id).withheld_round is None
 
 
 def test_a_gone_authors_entry_is_dropped_at_once_unless_an_applier_serves_it(coordinator_client, fake_clock):
