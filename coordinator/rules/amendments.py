@@ -22,7 +22,9 @@ with that packet since (it got the packet after all). A reported entry is droppe
    packets, and an author back 4 s later with its packet found its entry dropped and itself
    flagged. An author that left is not waited for;
 2. when every other live contributor of the round (the latest manifest's peers but its publisher)
-   has reported it;
+   has reported it since its author's latest join (a report from before it restarted says nothing
+   of the copy it serves now: in the chaos run above, the author's return let the coordinator drop
+   its entry by this rule 0.15 s after it said it served its packet from disk);
 3. when ``exchange.missing_grace_s`` has passed since its first report and no contributor but its
    publisher and its reporters, live or not, applied the round. One that did got the packet: the
    fault is the reporters' links, and they catch up from a snapshot rather than take the packet
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 from coordinator import errors, recovery
 from coordinator.rules import votes
@@ -138,6 +141,8 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
         if entry not in manifest:
             continue
         reporters = {r.reporter_id for r in rows}
+        joined_at = peers[entry].joined_at if entry in peers else -math.inf
+        since_join = {r.reporter_id for r in rows if r.reported_at >= joined_at}
         others = {p for p in manifest if p != entry and p in live}
         waited_s = now - min(r.reported_at for r in rows)
         # Rule 1: nobody can serve it. A live applier that did not report it holds a copy.
@@ -155,7 +160,7 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
                 f"reported missing; its author is not live ({status}) and no live peer that applied"
                 " the round serves a copy"
             )
-        elif others and others <= reporters:
+        elif others and others <= since_join:
             due[entry] = f"reported missing by all {len(others)} other live contributors"
         elif waited_s >= grace_s and not appliers - reporters - {entry}:
             due[entry] = (

@@ -134,6 +134,7 @@ def join(
         listen_multiaddrs=addrs,
         bandwidth_mbps=request.bandwidth_mbps,
         uplink_mbps=request.uplink_mbps,
+        joined_at=now,
         last_seen_at=now,
         member_since_round=first_round if rejoining else existing.member_since_round,
         state_round=request.state_round,

@@ -42,7 +42,7 @@ class PeerRow:
     listen_multiaddrs: str  # JSON list
     bandwidth_mbps: float | None
     last_loss: float | None
-    joined_at: float
+    joined_at: float  # its latest join: a restarted node serves what it kept from then on
     last_seen_at: float
     member_since_round: int  # first round it is expected to submit to
     progress_round: int | None  # latest round it reported working on

@@ -193,7 +193,8 @@ def test_a_returning_author_drops_its_own_and_a_gone_authors_entry_after_the_gra
 def test_a_gone_author_back_within_the_grace_of_a_paused_run_keeps_its_entry(coordinator_client, fake_clock):
     """The whole swarm killed after round 1 closed: a comes back first and cannot fetch b's packet
     (b is gone). b comes back 4 s later with its packet on disk and serves it: its entry stays,
-    a applies the round as it closed, and b is not flagged."""
+    a applies the round as it closed, and b is not flagged. (A chaos run, before: b's entry was
+    dropped at a's report, and with the wait alone, 0.15 s after b's return, by rule 2.)"""
     client = coordinator_client
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
     everyone_gone(client, fake_clock, run_id, [a, b, c])
@@ -203,6 +204,8 @@ def test_a_gone_author_back_within_the_grace_of_a_paused_run_keeps_its_entry(coo
     fake_clock.advance(4)
     tick(client)
     assert b.join(run_id, state_round=1, state_digest=D0).status_code == 200
+    tick(client)  # a's report predates b's return: it is not "every other live contributor" (rule 2)
+    assert round_of(client, run_id, 1)["manifest_version"] == 1
     for peer in (a, b):  # a fetched b's packet from b
         assert applied_version(peer, run_id, 1, D1, 1).status_code == 200
     fake_clock.advance(ExchangeSection().missing_grace_s)
