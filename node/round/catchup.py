@@ -34,7 +34,9 @@ and stops"): once the run is finished or closed and no other peer is live, nobod
 a packet or a snapshot, and nobody will come back to; nor is a live peer that is catching up
 itself (two nodes behind each waited for the other, a chaos run). With nothing to replay or load then,
 `catch_up` raises `RunEnded` instead of polling for ever; the round loop logs it and the node
-leaves. While the run still runs, or a peer is live, it waits as below (a whole swarm restarting
+leaves. Without a packet mirror it does so before it tries anything: each try of a peer that is gone
+lasts the fetch time-out, and a chaos run's node, paused while the others finished, spent 8
+minutes on them (a replay and three snapshots a pass, from a status read before them). While the run still runs, or a peer is live, it waits as below (a whole swarm restarting
 comes back one node at a time).
 
 Only a snapshot newer than the parameters held is loaded: when the round after a loaded snapshot
@@ -103,6 +105,8 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
         if (current, max(agreed, default=None)) != seen:  # the swarm moved on: what could not be done may be now
             idle_s, seen = IDLE_FIRST_S, (current, max(agreed, default=None))
             await resume.restore_agreed_since(s, agreed, current)  # this node's checkpoint, agreed since its start
+        if s.state.params_round != current and s.run.exchange.mirror is None and _ended(s, status):
+            raise RunEnded(_ended_line(s, status, current))  # no peer, no store: no fetch can succeed
         if s.state.params_round is not None and s.state.params_round < current:
             try:
                 for r in range(s.state.params_round, current):
@@ -140,14 +144,8 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
                 if current == 0:
                     return current, "none"
                 continue  # and the empty rounds since replay from it
-            if status.run.state in ("finished", "closed") and not any(
-                p.status == "live" and p.peer_id != s.peer_id and p.activity not in BEHIND for p in status.peers
-            ):
-                raise RunEnded(
-                    f"the run is {status.run.state} at round {current} while this node's parameters are at round"
-                    f" {s.state.params_round}, and no peer is left to serve the rounds between or a newer"
-                    " snapshot: this node does not hold the run's final parameters"
-                )
+            if _ended(s, status):
+                raise RunEnded(_ended_line(s, status, current))
             # Snapshots not announced or not agreed yet (peers are applying, voting), or none newer
             # than the parameters held while the next round cannot be replayed: wait, not spin.
             log.debug(
@@ -159,6 +157,21 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
             await _pause(s, idle_s)
             idle_s = min(2 * idle_s, IDLE_MAX_S)
     return s.state.params_round or 0, "none"
+
+
+def _ended(s: Session, status: RunStatus) -> bool:
+    """Whether the run is over and no other peer that could serve it a round is live."""
+    return status.run.state in ("finished", "closed") and not any(
+        p.status == "live" and p.peer_id != s.peer_id and p.activity not in BEHIND for p in status.peers
+    )
+
+
+def _ended_line(s: Session, status: RunStatus, current: int) -> str:
+    return (
+        f"the run is {status.run.state} at round {current} while this node's parameters are at round"
+        f" {s.state.params_round}, and no peer is left to serve the rounds between or a newer"
+        " snapshot: this node does not hold the run's final parameters"
+    )
 
 
 async def _pause(s: Session, seconds: float) -> None:

@@ -50,6 +50,7 @@ class ScriptedCoordinator:
         self.peers: list[SimpleNamespace] = []  # peer_id, status
         self.num_status = 0
         self.missing_reports: list[tuple[int, list[str], bool]] = []
+        self.rounds_read: list[int] = []  # the round views asked for: a replay's first step
 
     async def status(self, *_, **__):
         self.num_status += 1
@@ -72,6 +73,7 @@ class ScriptedCoordinator:
         return SimpleNamespace(manifest_version=1, dropped={}, pending=peer_ids)
 
     async def round(self, round: int, **_) -> RoundView:
+        self.rounds_read.append(round)
         # Closed, with one packet that nobody announces (its publisher left, the others forgot it).
         entry = ManifestEntry(peer_id=GONE_PEER, packet_digest="0" * 64, packet_size_bytes=100, multiaddrs=[])
         return RoundView(
@@ -217,6 +219,27 @@ def test_a_node_behind_a_finished_run_stops_once_no_peer_is_left_to_serve_it(tmp
             await asyncio.wait_for(catching_up, IDLE_MAX_S + 10.0)
         assert time.monotonic() - left_at < IDLE_MAX_S + 2.0
         assert s.state.params_round == 2
+
+    asyncio.run(main())
+
+
+def test_a_node_behind_a_finished_run_nobody_serves_stops_before_it_tries_anything(tmp_path: Path):
+    """A node paused while the others finished the run and left: with no peer left and no packet
+    mirror, every replay or snapshot it tried would wait out its fetch time-out on peers that are
+    gone (a chaos run: 8 minutes). It stops at its first look at the run, having fetched nothing."""
+
+    async def main():
+        run = _tiny_run("ended-at-once")
+        coordinator = ScriptedCoordinator(current=6, agreed={3: "ab" * 16})
+        coordinator.state = "finished"
+        coordinator.peers = [
+            SimpleNamespace(peer_id=NODE_PEER, status="live", activity="catching_up"),
+            SimpleNamespace(peer_id="p" + "b" * 16, status="left", activity="left"),
+        ]
+        s = _session(tmp_path, run, coordinator, MemorySwarm().exchange("node"), params_round=2)
+        with pytest.raises(RunEnded, match="finished at round 6 while this node's parameters are at round 2"):
+            await asyncio.wait_for(catch_up(s), 10.0)
+        assert coordinator.num_status == 1 and coordinator.rounds_read == [] and coordinator.missing_reports == []
 
     asyncio.run(main())
 

@@ -301,7 +301,7 @@ class _Coordinator:
     async def status(self, *_, **__):
         return SimpleNamespace(
             current_round=SimpleNamespace(round=3),
-            run=SimpleNamespace(current_round=3),
+            run=SimpleNamespace(current_round=3, state="running"),
             history=[SimpleNamespace(round=r, num_contributors=1, agreed_digest=None) for r in range(3)],
             peers=[],
             snapshot_mirror=self.offered,
