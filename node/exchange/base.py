@@ -192,8 +192,9 @@ class Exchange(Protocol):
         streams both ways, so their fetches reach it over the connection it opened."""
         ...
 
-    async def forget_before(self, round: int) -> None:
-        """Stop serving, and drop, packets and traffic counts of rounds before `round`."""
+    async def forget_before(self, round: int, keep_publisher: str | None = None) -> None:
+        """Stop serving, and drop, packets and traffic counts of rounds before `round`; with
+        `keep_publisher`, that publisher's packets stay (a node's own, kept longer)."""
         ...
 
     async def reachability_check(self) -> Reachability:

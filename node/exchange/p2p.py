@@ -316,9 +316,10 @@ class P2PExchange:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
-    async def forget_before(self, round: int) -> None:
-        self._store.forget_before(round)
-        self._pushes.min_round = max(self._pushes.min_round, round)
+    async def forget_before(self, round: int, keep_publisher: str | None = None) -> None:
+        self._store.forget_before(round, keep_publisher)
+        if keep_publisher is None:
+            self._pushes.min_round = max(self._pushes.min_round, round)
 
     async def reachability_check(self) -> Reachability:
         maddrs = await self._host.visible_maddrs(latest=True)

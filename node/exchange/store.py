@@ -379,13 +379,14 @@ class PacketStore:
         if isinstance(copy, HeldSnapshot):
             copy.source.close()
 
-    def forget_before(self, round: int) -> None:
-        """Drop the copies and traffic counts of rounds before `round` (except the durable snapshot)."""
-        for key in [k for k, c in self.held.items() if k[0] < round]:
+    def forget_before(self, round: int, keep_publisher: str | None = None) -> None:
+        """Drop the copies of rounds before `round` (except the durable snapshot, and with
+        `keep_publisher` that publisher's packets), and those rounds' traffic counts."""
+        for key in [k for k, c in self.held.items() if k[0] < round and k[1] != keep_publisher]:
             copy = self.held[key]
             if not (isinstance(copy, HeldSnapshot) and copy.source.durable):
                 self.drop(key)
-        for r in [r for r in self._traffic if r < round]:
+        for r in [r for r in self._traffic if r < round and keep_publisher is None]:
             del self._traffic[r]
 
     def clear(self) -> None:

@@ -390,7 +390,10 @@ class Node:
                 t.transfer_s,
                 t.aggregate_s,
             )
-            await s.exchange.forget_before(round - 2)
+            # Others' packets after two rounds; this node's own while a replay or an amendment may
+            # ask for them (a node a few rounds behind replays rather than loads a whole snapshot).
+            await s.exchange.forget_before(round - 2, keep_publisher=s.peer_id)
+            await s.exchange.forget_before(round - KEPT_ROUNDS)
             await forget_final(s, round)
             round += 1
             rounds_done += 1

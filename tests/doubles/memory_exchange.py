@@ -227,13 +227,13 @@ class MemoryExchange:
             return True
         return sink.done
 
-    async def forget_before(self, round: int) -> None:
-        for (r, _), copies in self.swarm.packets.items():
-            if r < round:
+    async def forget_before(self, round: int, keep_publisher: str | None = None) -> None:
+        for (r, publisher), copies in self.swarm.packets.items():
+            if r < round and publisher != keep_publisher:
                 for _, holders in copies.values():
                     holders.discard(self.holder)
         for r, by_holder in self.swarm.snapshots.items():
-            if r < round:
+            if r < round and keep_publisher is None:
                 by_holder.pop(self.holder, None)
 
     async def dial_peers(self, targets: list[list[str]]) -> list[str]:

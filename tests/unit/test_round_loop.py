@@ -198,6 +198,23 @@ async def test_late_submission_then_catch_up_by_replay(swarm):
     assert c.session.state.params_round == 4
 
 
+@in_swarm
+async def test_a_node_five_rounds_behind_replays_from_the_authors_own_packets(swarm):
+    """As above with c held until round 7 opens: by then the others forgot each other's packets of
+    rounds 2-3 (two rounds after applying them), but each author keeps its own while the
+    coordinator may still amend the round (KEPT_ROUNDS), so c replays rounds 2-6 from the authors
+    instead of loading a whole snapshot."""
+    await swarm.create_run(max_rounds=8, round_timeout_s=4.0)
+    (a, _), (b, _), (c, _) = swarm.node("a"), swarm.node("b"), swarm.node("c", HoldTraining(swarm, 1, until=7))
+    await run_all(a, b, c)
+    status = await swarm.status()
+    assert {h.round: h.num_contributors for h in status.history} == {0: 3, **{r: 2 for r in range(1, 7)}, 7: 3}
+    assert [r.round for r in c.reports] == [0, 1, 7]
+    assert [(u.from_round, u.to_round, u.method) for u in c.catch_ups] == [(2, 7, "replay")]
+    agreed = {h.round: h.majority_digest for h in status.history}
+    assert digests_by_round(c) == {r: agreed[r] for r in (0, 1, 7)}
+
+
 class HoldUntil(FaultInjector):
     """Inner steps of `round` and later end only once `ready()` (a newcomer is on probation: the
     swarm does not wait for it, so the test holds the swarm until it has caught up)."""

@@ -1,7 +1,8 @@
-"""PacketStore's waits. `awaited_push`: the root of an undialable publisher's tree waits for the
-push rather than pull a second copy through the same uplink, but not for a push that never starts
-or fails. `after_first_copies`: downloads hold back while this node sends its own packet until one
-whole copy of it left, and only that long (at most the caller's bound); each piece read waits."""
+"""PacketStore's waits, and what it forgets. `awaited_push`: the root of an undialable
+publisher's tree waits for the push rather than pull a second copy through the same uplink, but
+not for a push that never starts or fails. `after_first_copies`: downloads hold back while this
+node sends its own packet until one whole copy of it left, and only that long (at most the
+caller's bound); each piece read waits. `forget_before` spares a node's own packets on request."""
 
 import asyncio
 import hashlib
@@ -127,3 +128,15 @@ def test_a_first_copy_tells_its_watcher_when_it_begins_and_ends_and_holds_for_at
         assert changes == [True, True, True, False, False] and not store._sending_since
 
     asyncio.run(scenario())
+
+
+def test_forget_before_keeps_the_named_publishers_packets_only():
+    """A node forgets others' packets two rounds after applying them and its own only later
+    (node/round/loop.py): `keep_publisher` spares that publisher's, a plain call drops them."""
+    store = PacketStore()
+    for key in [(1, "own"), (1, "other"), (2, "own"), (2, "other"), (3, "other")]:
+        store.held[key] = Held(DIGEST, BODY)
+    store.forget_before(3, keep_publisher="own")
+    assert sorted(store.held) == [(1, "own"), (2, "own"), (3, "other")]
+    store.forget_before(2)
+    assert sorted(store.held) == [(2, "own"), (3, "other")]
