@@ -34,10 +34,11 @@ and stops"): once the run is finished or closed and no other peer is live, nobod
 a packet or a snapshot, and nobody will come back to; nor is a live peer that is catching up
 itself (two nodes behind each waited for the other, a chaos run). With nothing to replay or load then,
 `catch_up` raises `RunEnded` instead of polling for ever; the round loop logs it and the node
-leaves. Without a packet mirror it does so before it tries anything: each try of a peer that is gone
-lasts the fetch time-out, and a chaos run's node, paused while the others finished, spent 8
-minutes on them (a replay and three snapshots a pass, from a status read before them). While the run still runs, or a peer is live, it waits as below (a whole swarm restarting
-comes back one node at a time).
+leaves. Without a packet mirror it does so before it tries anything: each try of a peer that is
+gone lasts the fetch time-out, and a chaos run's node, paused while the others finished, spent 8
+minutes on them (a replay and three snapshots a pass, from a status read before them). While the
+run still runs, or a peer is live, it waits as below (a whole swarm restarting comes back one
+node at a time).
 
 Only a snapshot newer than the parameters held is loaded: when the round after a loaded snapshot
 cannot be replayed yet (its packets gone, its successor's digest not agreed yet), loading the same
