@@ -130,6 +130,14 @@ def hold(
     return True
 
 
+def restarting(storage: Storage, run: RunRow) -> bool:
+    """Whether the swarm is coming back: the run is paused, or its open round still regroups."""
+    if run.paused_since is not None:
+        return True
+    open_round = storage.get_round(run.run_id, run.current_round)
+    return open_round is not None and regrouping(storage, run.run_id, open_round)
+
+
 def regrouping(storage: Storage, run_id: str, open_round: RoundRow) -> bool:
     """Whether open round r, reopened by a resume or a rewind, still waits for a peer of round
     r - 1's manifest to come back (see "Regrouping" above). A round the previous one's close

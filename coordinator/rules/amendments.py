@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 
 from coordinator import errors, recovery
 from coordinator.rules import votes
@@ -126,7 +125,7 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
     manifest = sorted(ctx.storage.manifest_peers(run_id, round_index))
     peers = {p.peer_id: p for p in ctx.storage.list_peers(run_id)}
     live = {p for p, row in peers.items() if row.status == "live"}
-    restarting = run.paused_since is not None or _regrouping(ctx, run)
+    restarting = recovery.restarting(ctx.storage, run)
     # Every version so far held each entry still undropped: whoever applied one got its packet.
     # Only the round's contributors are believed: a stranger's report must not keep an entry
     # nobody serves.
@@ -141,8 +140,9 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
         if entry not in manifest:
             continue
         reporters = {r.reporter_id for r in rows}
-        joined_at = peers[entry].joined_at if entry in peers else -math.inf
-        since_join = {r.reporter_id for r in rows if r.reported_at >= joined_at}
+        author = peers.get(entry)
+        status = author.status if author is not None else "unknown"
+        since_join = {r.reporter_id for r in rows if author is None or r.reported_at >= author.joined_at}
         others = {p for p in manifest if p != entry and p in live}
         waited_s = now - min(r.reported_at for r in rows)
         # Rule 1: nobody can serve it. A live applier that did not report it holds a copy.
@@ -152,10 +152,9 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
                 "its author said it lost the packet (restarted without it) and no live peer that "
                 "applied the round serves a copy"
             )
-        elif restarting and not _left(peers, entry) and entry not in live and waited_s < grace_s:
+        elif restarting and status == "gone" and waited_s < grace_s:
             continue  # it may be loading, its packet on disk: rules 1 and 2 wait for it
         elif entry not in live and not copies:
-            status = peers[entry].status if entry in peers else "unknown"
             due[entry] = (
                 f"reported missing; its author is not live ({status}) and no live peer that applied"
                 " the round serves a copy"
@@ -244,14 +243,3 @@ def _fetched_since(applied: list[AppliedRow], report: MissingReportRow) -> bool:
         and report.peer_id not in json.loads(a.refused or "{}")
         for a in applied
     )
-
-
-def _left(peers: dict, peer_id: str) -> bool:
-    """Whether `peer_id` said it left (or is unknown): no restart of its will bring its packet."""
-    return peer_id not in peers or peers[peer_id].status == "left"
-
-
-def _regrouping(ctx: Context, run: RunRow) -> bool:
-    """Whether the run's open round was reopened by a resume and still waits for its peers."""
-    open_round = ctx.storage.get_round(run.run_id, run.current_round)
-    return open_round is not None and recovery.regrouping(ctx.storage, run.run_id, open_round)
