@@ -318,8 +318,7 @@ class P2PExchange:
 
     async def forget_before(self, round: int, keep_publisher: str | None = None) -> None:
         self._store.forget_before(round, keep_publisher)
-        if keep_publisher is None:
-            self._pushes.min_round = max(self._pushes.min_round, round)
+        self._pushes.min_round = max(self._pushes.min_round, round)  # pushes are others' packets
 
     async def reachability_check(self) -> Reachability:
         maddrs = await self._host.visible_maddrs(latest=True)
