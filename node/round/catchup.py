@@ -190,6 +190,7 @@ async def replay(s: Session, round: int) -> None:
     if view.state != "closed":
         raise CatchUpNeeded(f"round {round} is not closed")
     if gone := await packets_gone(s, round, view):
+        s.mend_dht.set()  # a routing table emptied by a pause finds no holder: mend it now (rejoin.py)
         raise PacketsGone(round, view, gone)
     await apply_manifest(s, ToApply(view=view, report_missing=False, score=False), RoundTimes())
     log.info("round %d: replayed the manifest (%d packets)", round, len(view.manifest))

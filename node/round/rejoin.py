@@ -14,6 +14,13 @@ missing from the routing table are dialled and their DHT nodes pinged (`P2PExcha
 which enters each side in the other's table, so one exchange of pings merges two islands. The
 common case, a node whose table knows every member, costs one status read a minute.
 
+A table can also empty while the mender sleeps its minute: a node paused (SIGSTOP, a suspended
+laptop) wakes with every peer timed out of it. So the mender looks at the table every
+REJOIN_ALONE_S, and mends at once when the table is empty or when a step asks (`Session.mend_dht`:
+a catch-up whose lookup found live authors' packets announced by nobody). A test's paused node
+otherwise waited up to the minute with an empty table while its replay found no holder, and the
+run's short rounds had all ended when it was mended.
+
 Only members seen within half the heartbeat timeout (two heartbeats) are dialled: a restarted
 coordinator keeps dead peers live, with their old addresses, for a grace period (coordinator/
 service.py, "Restart grace"), and a dead address costs a dial time-out.
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from typing import TYPE_CHECKING
 
 from node.round.coordinator_client import CoordinatorCallFailed
@@ -63,8 +71,15 @@ def start_mending(s: Session, heartbeat_timeout_s: float) -> asyncio.Task | None
 async def keep_in_swarm(s: Session, heartbeat_timeout_s: float) -> None:
     """Forever (cancel it): enter the DHT of the live members this node's routing table lacks."""
     exchange = s.exchange
+    last = time.monotonic()
     while True:
-        await asyncio.sleep(REJOIN_ALONE_S if not exchange.dht_peers else REJOIN_EVERY_S)
+        try:
+            await asyncio.wait_for(s.mend_dht.wait(), REJOIN_ALONE_S)
+        except asyncio.TimeoutError:
+            if exchange.dht_peers and time.monotonic() - last < REJOIN_EVERY_S:
+                continue
+        s.mend_dht.clear()
+        last = time.monotonic()
         try:
             status = await s.client.status(history=0)
         except CoordinatorCallFailed as e:  # an outage is logged by the client; the next pass asks again

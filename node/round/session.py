@@ -54,6 +54,7 @@ class Session:
     stopping: asyncio.Event
     reachable: bool | None = None  # can peers dial this node (its join's answer; False: it pushes its packets)
     dialing: asyncio.Task | None = None  # dialling the peers a heartbeat answer listed (connection reversal)
+    mend_dht: asyncio.Event = field(default_factory=asyncio.Event)  # set: enter the live members' DHT now (rejoin.py)
     heartbeat_interval_s: float = 15.0  # as the coordinator last told: longer in a bigger swarm
     state: RoundState = field(default_factory=RoundState)
     reports: list[RoundReport] = field(default_factory=list)  # the rounds this node trained (Node.reports)
