@@ -17,7 +17,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from protocol.errors import BadSignature
 
 PUBLIC_KEY_BYTES = 32
+PRIVATE_KEY_BYTES = 32  # the seed a key file holds
 SIGNATURE_BYTES = 64
+
+
+class KeyFileError(Exception):
+    """A key path that neither holds a peer key nor can take a new one: `str(error)` says why and the fix."""
 
 
 class PeerKey:
@@ -42,18 +47,33 @@ class PeerKey:
 
     @classmethod
     def load_or_create(cls, path: Path) -> "PeerKey":
-        """The key stored at `path` (raw 32-byte seed), created with mode 0600 if absent."""
+        """The key stored at `path` (raw 32-byte seed), created with mode 0600 if absent.
+        `KeyFileError` says what is wrong with a path that holds no key and cannot take one."""
         path = Path(path)
-        if path.exists():
-            return cls(Ed25519PrivateKey.from_private_bytes(path.read_bytes()))
-        key = cls.generate()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        raw = key._private.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-        )
-        path.touch(mode=0o600)
-        path.write_bytes(raw)
-        return key
+        try:
+            if path.is_dir():
+                raise KeyFileError(
+                    f"the key path {path} is a directory: pass a file's path, such as {path / 'peer.key'}"
+                )
+            if path.exists():
+                raw = path.read_bytes()
+                if len(raw) != PRIVATE_KEY_BYTES:
+                    raise KeyFileError(
+                        f"{path} is not a peer key (an Ed25519 private key, {PRIVATE_KEY_BYTES} raw bytes; this file"
+                        f" has {len(raw)}): pass the right file, or move this one away and a new key is made"
+                        " (a new key joins as a new peer)"
+                    )
+                return cls(Ed25519PrivateKey.from_private_bytes(raw))
+            key = cls.generate()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            raw = key._private.private_bytes(
+                serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+            )
+            path.touch(mode=0o600)
+            path.write_bytes(raw)
+            return key
+        except OSError as e:  # unreadable, or a parent that cannot be written
+            raise KeyFileError(f"the key {path}: {e.strerror or e}") from e
 
     @property
     def public_hex(self) -> str:

@@ -397,18 +397,13 @@ def check_disk(dirs: dict[str, Path]) -> Check:
 
 def check_key(key_path: Path) -> Check:
     from protocol.http import peer_id_from_public_key
-    from protocol.signing import PeerKey
+    from protocol.signing import KeyFileError, PeerKey
 
     if key_path.exists():
         try:
             key = PeerKey.load_or_create(key_path)
-        except (OSError, ValueError) as e:
-            return Check(
-                "key",
-                FAIL,
-                f"{key_path} does not load: {e}",
-                "restore the file from a backup, or move it away to start as a new peer",
-            )
+        except KeyFileError as e:  # it says the fix
+            return Check("key", FAIL, str(e))
         where = key_path.parent
         writable = os.access(where, os.W_OK)
         return Check(

@@ -99,6 +99,7 @@ def _start(args: argparse.Namespace, clock) -> int:
     from node.cli.doctor import FAIL, check_device, clock_refusal
     from node.config import format_node_config, load_node_config
     from protocol.config_file import ConfigError
+    from protocol.signing import KeyFileError, PeerKey
 
     try:
         config = load_node_config(Path(args.config) if args.config else None, config_overrides(args, NodeConfig))
@@ -108,6 +109,14 @@ def _start(args: argparse.Namespace, clock) -> int:
     device = check_device(training.device)  # the doctor's check, before the node joins anything
     if device.status == FAIL:
         raise CannotStart(f"{device.detail} -> {device.fix}")
+    # Mistyped paths stop it here, not after it joined the run (and found them while loading).
+    data = training.data
+    if data is not None and str(data) != "stdlib" and not Path(data).expanduser().exists():
+        raise CannotStart(f"the training data {data} (--data): no such file or directory")
+    try:
+        PeerKey.load_or_create(config.key_path)  # made here if absent, as the join would
+    except KeyFileError as e:
+        raise CannotStart(f"--key: {e}") from e
     # Before the DHT starts: hivemind's bootstrap would crash on a bad clock (node/cli/doctor.py).
     if line := clock_refusal(config.coordinator, clock, timeout_s=CLOCK_CHECK_TIMEOUT_S):
         raise CannotStart(line)

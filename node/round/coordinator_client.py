@@ -32,6 +32,7 @@ import base64
 import json
 import logging
 import random
+import ssl
 import time
 
 import httpx
@@ -199,6 +200,8 @@ class CoordinatorClient:
                 )
             except httpx.TransportError as e:
                 last_error, unreached = f"{type(e).__name__}: {e}", True
+                if first_contact and not self._answered and (why := tls_mismatch(e, self.base_url)):
+                    raise CoordinatorUnreachable(f"the coordinator at {self.base_url}: {why}") from e
             else:
                 if response.status_code < 500:
                     self._note_answer()  # a refusal or a rate limit is an answer, not an outage
@@ -410,6 +413,22 @@ def wire_tree(tree: Tree) -> ParamsTree | None:
         body_bytes=tree.body_bytes,
         leaves=b"".join(tree.leaves).hex(),
     )
+
+
+def tls_mismatch(error: httpx.TransportError, base_url: str) -> str | None:
+    """What is wrong, with its fix, when `error` is a TLS failure that no retry mends (an https://
+    URL for a coordinator that speaks plain HTTP, a certificate that does not verify); None otherwise."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, ssl.SSLError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f"its TLS certificate does not verify ({cause.verify_message or cause.reason})"
+    if cause.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG"):
+        plain = "http://" + base_url.removeprefix("https://")
+        return f"it answers in plain HTTP, not TLS ({cause.reason}): use {plain}"
+    return None
 
 
 def _retry_after_s(value: str | None) -> float:

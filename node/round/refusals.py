@@ -159,6 +159,10 @@ STOP_LINES: dict[Code, str] = {
     Code.RUN_CLOSED: "{detail}: nothing to join; {runs_hint}",
     Code.JOIN_REFUSED: "{run} refused this node: {detail}; pass the join token from the run's operator with --token T",
     Code.STALE_NONCE: "the coordinator refused this node's clock: {detail}",
+    # A URL with a path (/v1, a status page's) reaches the coordinator, but none of its routes.
+    Code.NOT_FOUND: "{coordinator} has no such route ({detail}): give the coordinator's base URL, http://host:port"
+    " without /v1 or a page's path; otherwise this node and the coordinator run different versions"
+    " (`locoswarm version` on both)",
 }
 
 

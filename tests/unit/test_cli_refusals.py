@@ -1,6 +1,7 @@
 """What a user can get wrong on the command line is refused in one line that says what to do, with
 a non-zero exit code and no traceback: `node join` (a CUDA device on a CPU-only torch, a wrong
-coordinator address, a run that does not exist, a misspelt config key, a bound), `status` and
+coordinator address, https for a plain one, a URL with a path, a run that does not exist, a
+misspelt config key, a bound, a data path or key file that is not one), `status` and
 `run close` (a run that does not exist), `run create` (no admin token). Also: the node's summary
 and its Ctrl+C handling, the logging levels, and the help texts that point at `doctor`.
 
@@ -114,6 +115,57 @@ def test_a_run_that_does_not_exist(tmp_path, capsys, coordinator_url):
     assert refused(
         capsys, ["run", "close", "--coordinator", url, "--run", "run-doesnotexist", "--admin-token", ADMIN_TOKEN]
     ) == (2, expected)
+
+
+def test_mistyped_paths_are_refused_before_the_coordinator_is_asked(tmp_path, capsys):
+    """--data and --key are checked before any call: the coordinator's port here is closed, so a node
+    that asked it first would say "no answer from the coordinator" instead."""
+    url = f"http://127.0.0.1:{closed_port()}"
+    argv = ["node", "join", "--coordinator", url, "--device", "cpu", "--no-progress"]
+    key = str(tmp_path / "peer.key")
+    missing = tmp_path / "no-such-corpus.txt"
+    assert refused(capsys, [*argv, "--key", key, "--data", str(missing)]) == (
+        2,
+        f"error: the training data {missing} (--data): no such file or directory",
+    )
+    assert refused(capsys, [*argv, "--key", str(tmp_path)]) == (
+        2,
+        f"error: --key: the key path {tmp_path} is a directory: pass a file's path, such as {tmp_path / 'peer.key'}",
+    )
+    not_a_key = tmp_path / "id_rsa.pub"
+    not_a_key.write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5 volunteer@laptop\n")
+    assert refused(capsys, [*argv, "--key", str(not_a_key)]) == (
+        2,
+        f"error: --key: {not_a_key} is not a peer key (an Ed25519 private key, 32 raw bytes; this file has "
+        f"{not_a_key.stat().st_size}): "
+        "pass the right file, or move this one away and a new key is made (a new key joins as a new peer)",
+    )
+    assert not_a_key.read_text().startswith("ssh-ed25519"), "the file that is not a key is left as it was"
+
+
+def test_https_for_a_plain_coordinator_says_use_http_at_once(tmp_path, capsys, coordinator_url, monkeypatch):
+    """A TLS handshake against plain HTTP fails the same way every time: no 20 s of retries. (Without
+    the check, FIRST_CONTACT_S, made huge here, would run out the test's time-out.)"""
+    import node.round.coordinator_client as coordinator_client
+
+    monkeypatch.setattr(coordinator_client, "FIRST_CONTACT_S", 3600.0)
+    https = "https://" + coordinator_url.removeprefix("http://")
+    code, line = refused(capsys, join_argv(tmp_path, "--coordinator", https, "--device", "cpu"))
+    assert (code, line) == (
+        2,
+        f"error: the coordinator at {https}: it answers in plain HTTP, not TLS (WRONG_VERSION_NUMBER): "
+        f"use {coordinator_url}",
+    )
+
+
+def test_a_url_with_a_path_says_give_the_base_url(tmp_path, capsys, coordinator_url):
+    url = coordinator_url + "/v1"
+    assert refused(capsys, join_argv(tmp_path, "--coordinator", url, "--device", "cpu")) == (
+        2,
+        f"error: {url} has no such route (Not Found): give the coordinator's base URL, http://host:port without "
+        "/v1 or a page's path; otherwise this node and the coordinator run different versions "
+        "(`locoswarm version` on both)",
+    )
 
 
 def test_status_without_runs_says_how_to_create_one(capsys, coordinator_url):
