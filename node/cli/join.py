@@ -113,10 +113,11 @@ def _start(args: argparse.Namespace, clock) -> int:
     data = training.data
     if data is not None and str(data) != "stdlib" and not Path(data).expanduser().exists():
         raise CannotStart(f"the training data {data} (--data): no such file or directory")
-    try:
-        PeerKey.load_or_create(config.key_path)  # made here if absent, as the join would
-    except KeyFileError as e:
-        raise CannotStart(f"--key: {e}") from e
+    if config.key_path.exists():  # one that is not there yet is made as the node starts
+        try:
+            PeerKey.load_or_create(config.key_path)
+        except KeyFileError as e:
+            raise CannotStart(f"--key: {e}") from e
     # Before the DHT starts: hivemind's bootstrap would crash on a bad clock (node/cli/doctor.py).
     if line := clock_refusal(config.coordinator, clock, timeout_s=CLOCK_CHECK_TIMEOUT_S):
         raise CannotStart(line)

@@ -54,6 +54,7 @@ def test_replay_loads_a_snapshot_at_once_when_no_peer_holds_a_packet():
             exchange=a,
             config=SimpleNamespace(network=SimpleNamespace(fetch_timeout_s=30.0)),
             client=OneRoundClient(view),
+            mend_dht=asyncio.Event(),
         )
         assert await packets_gone(s, 1, view) == []
         swarm.withhold(1, PEER_B)
@@ -64,5 +65,6 @@ def test_replay_loads_a_snapshot_at_once_when_no_peer_holds_a_packet():
         with pytest.raises(CatchUpNeeded, match=f"no peer holds the packets of {PEER_B}"):
             await replay(s, 1)
         assert time.monotonic() - started < 5.0, "no fetch time-out waited out"
+        assert s.mend_dht.is_set(), "the DHT mender is asked to look at once (node/round/rejoin.py)"
 
     asyncio.run(main())
