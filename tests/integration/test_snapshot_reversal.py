@@ -29,16 +29,14 @@ import sys
 import httpx
 import pytest
 
-from node.config import NodeConfig
 from node.exchange.config import ExchangeConfig
 from node.exchange.p2p import P2PExchange
-from node.faults import FaultInjector
 from node.round.coordinator_client import CoordinatorClient
-from node.round.session import Session
 from node.round.state import Doing
 from node.training.params import param_digest
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
+from tests.doubles.session import node_session
 from tests.fixtures.coordinator import ADMIN_HEADERS, REPO_ROOT, coordinator_in_thread, run_config
 from tests.integration.netlab_leftovers import left_behind
 from tests.integration.snapshot_holder import momentum_of, toy_snapshot
@@ -83,19 +81,17 @@ async def exchanges(run_id: str):
 
 def holder_session(url: str, run_id: str, peer_id: str, client: CoordinatorClient, exchange: P2PExchange, tmp_path):
     """The holder's session as its round loop holds it, as far as a heartbeat needs."""
-    return Session(
-        config=NodeConfig(coordinator=url, run_id=run_id, key_path=tmp_path / "holder.key"),
+    return node_session(
+        tmp_path,
+        RunConfig.model_validate(run_config(RUN)),
         client=client,
         exchange=exchange,
-        key=client.key,
-        faults=FaultInjector(),
-        clock=lambda: 0.0,
+        training=None,  # a heartbeat trains nothing
         run_id=run_id,
         peer_id=peer_id,
-        run=RunConfig.model_validate(run_config(RUN)),
-        training=None,  # a heartbeat trains nothing
-        rejoin=None,
-        stopping=asyncio.Event(),
+        key=client.key,
+        coordinator=url,
+        clock=lambda: 0.0,
         reachable=False,
     )
 

@@ -6,14 +6,11 @@ packet's values stay sent."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 
 import pytest
 import torch
 
-from node.config import NodeConfig
-from node.faults import FaultInjector
 from node.round.session import Session
 from node.round.steps import return_if_unsent
 from node.training.data import load_corpus
@@ -24,6 +21,7 @@ from protocol.run_config import RunConfig
 from protocol.selection import round_seed, tie_break
 from protocol.signing import PeerKey
 from tests.doubles.memory_exchange import MemorySwarm
+from tests.doubles.session import node_session
 from tests.fixtures.coordinator import SignedPeer, create_run, run_config
 from tests.unit.test_unsent_mass import assert_within_rounding, fold, perturb
 
@@ -34,25 +32,16 @@ BOUNDED = {"membership.min_peers": 2, "outer.max_contributors": 1}
 
 def session_of(peer: SignedPeer, run_id: str, run: RunConfig, tmp_path) -> Session:
     """A node's session as the round loop holds it: `tiny` training, its key and peer id."""
-    return Session(
-        config=NodeConfig(
-            coordinator="http://coordinator.test",
-            run_id=run_id,
-            key_path=tmp_path / "node.key",
-            training={"device": "cpu", "threads": 1},
-            debug={"progress": False},
-        ),
+    return node_session(
+        tmp_path,
+        run,
         client=None,  # the step under test talks to nobody: the round view is handed to it
         exchange=MemorySwarm().exchange("node"),
-        key=peer.key,
-        faults=FaultInjector(),
-        clock=lambda: 0.0,
+        training=PeerTraining.build(run, "cpu", load_corpus(None).train),
         run_id=run_id,
         peer_id=peer.peer_id,
-        run=run,
-        training=PeerTraining.build(run, "cpu", load_corpus(None).train),
-        rejoin=None,
-        stopping=asyncio.Event(),
+        key=peer.key,
+        clock=lambda: 0.0,
     )
 
 

@@ -18,8 +18,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node.config import NodeConfig
-from node.faults import FaultInjector
 from node.round import resume
 from node.round.catchup import IDLE_MAX_S, RunEnded, catch_up
 from node.round.session import Session
@@ -30,8 +28,8 @@ from node.training.peer import PeerTraining
 from node.training.snapshot import Snapshot
 from protocol.http import ManifestEntry, RoundView
 from protocol.run_config import RunConfig
-from protocol.signing import PeerKey
 from tests.doubles.memory_exchange import MemorySwarm
+from tests.doubles.session import node_session
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,28 +116,16 @@ def _publish(holder, training: PeerTraining, round: int, shift: float) -> str:
 def _session(
     tmp_path: Path, run: RunConfig, coordinator: ScriptedCoordinator, exchange, params_round=None, checkpoint_dir=None
 ) -> Session:
-    key_path = tmp_path / "node.key"
-    return Session(
-        config=NodeConfig(
-            coordinator="http://coordinator.test",
-            run_id=RUN_ID,
-            key_path=key_path,
-            training={"device": "cpu", "threads": 1},
-            debug={"progress": False},
-            network={"fetch_timeout_s": 3.0},
-            checkpoints={"checkpoint_dir": checkpoint_dir},
-        ),
+    return node_session(
+        tmp_path,
+        run,
         client=coordinator,
         exchange=exchange,
-        key=PeerKey.load_or_create(key_path),
-        faults=FaultInjector(),
-        clock=time.time,
+        training=_training(run),
         run_id=RUN_ID,
         peer_id=NODE_PEER,
-        run=run,
-        training=_training(run),
-        rejoin=None,
-        stopping=asyncio.Event(),
+        network={"fetch_timeout_s": 3.0},
+        checkpoints={"checkpoint_dir": checkpoint_dir},
         state=RoundState(params_round=params_round),
     )
 

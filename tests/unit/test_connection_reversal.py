@@ -10,14 +10,13 @@ import asyncio
 import base58
 import pytest
 
-from node.config import NodeConfig
 from node.exchange.reachability import MAX_DIAL_ADDRS, peers_to_dial
-from node.faults import FaultInjector
 from node.round.session import Session
 from protocol.http import MAX_DIAL_PEERS, HeartbeatResponse
 from protocol.run_config import RunConfig
 from protocol.signing import PeerKey
 from tests.doubles.memory_exchange import MemorySwarm
+from tests.doubles.session import node_session
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -81,19 +80,14 @@ class SlowDials:
 
 
 def session(client, exchange, tmp_path) -> Session:
-    return Session(
-        config=NodeConfig(coordinator="http://coordinator.test", run_id="run", key_path=tmp_path / "node.key"),
+    return node_session(
+        tmp_path,
+        RunConfig.model_validate({"name": "reversal", "model": {"preset": "tiny"}}),
         client=client,
         exchange=exchange,
-        key=PeerKey.generate(),
-        faults=FaultInjector(),
-        clock=lambda: 0.0,
-        run_id="run",
-        peer_id="p" + "a" * 16,
-        run=RunConfig.model_validate({"name": "reversal", "model": {"preset": "tiny"}}),
         training=None,  # a heartbeat trains nothing
-        rejoin=None,
-        stopping=asyncio.Event(),
+        key=PeerKey.generate(),
+        clock=lambda: 0.0,
         reachable=False,
     )
 

@@ -7,7 +7,6 @@ store when no peer serves it. Snapshots are real (`Snapshot`, `SnapshotSink` ove
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -309,34 +308,18 @@ class _Coordinator:
 
 
 def _session(tmp_path: Path, run, training, client):
-    from node.config import NodeConfig
-    from node.faults import FaultInjector
-    from node.round.session import Session
     from node.round.state import RoundState
-    from protocol.signing import PeerKey
     from tests.doubles.memory_exchange import MemorySwarm
+    from tests.doubles.session import node_session
 
-    key_path = tmp_path / "node.key"
-    return Session(
-        config=NodeConfig(
-            coordinator="http://coordinator.test",
-            run_id=RUN,
-            key_path=key_path,
-            training={"device": "cpu", "threads": 1},
-            debug={"progress": False},
-            network={"fetch_timeout_s": 5.0},
-        ),
+    return node_session(
+        tmp_path,
+        run,
         client=client,
         exchange=MemorySwarm().exchange("node"),  # a swarm where nobody holds anything
-        key=PeerKey.load_or_create(key_path),
-        faults=FaultInjector(),
-        clock=time.time,
-        run_id=RUN,
-        peer_id="p" + "a" * 16,
-        run=run,
         training=training,
-        rejoin=None,
-        stopping=asyncio.Event(),
+        run_id=RUN,
+        network={"fetch_timeout_s": 5.0},
         state=RoundState(params_round=None),
     )
 
