@@ -36,9 +36,10 @@ itself (two nodes behind each waited for the other, a chaos run). With nothing t
 `catch_up` raises `RunEnded` instead of polling for ever; the round loop logs it and the node
 leaves. Without a packet mirror it does so before it tries anything: each try of a peer that is
 gone lasts the fetch time-out, and a chaos run's node, paused while the others finished, spent 8
-minutes on them (a replay and three snapshots a pass, from a status read before them). While the
-run still runs, or a peer is live, it waits as below (a whole swarm restarting comes back one
-node at a time).
+minutes on them (a replay and three snapshots a pass, from a status read before them). A try
+under way when the last peer leaves is cancelled within ENDED_CHECK_S: the run's status is looked
+at that often while it runs (`_unless_run_ends`). While the run still runs, or a peer is live, it
+waits as below (a whole swarm restarting comes back one node at a time).
 
 Only a snapshot newer than the parameters held is loaded: when the round after a loaded snapshot
 cannot be replayed yet (its packets gone, its successor's digest not agreed yet), loading the same
@@ -53,10 +54,12 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from node.exchange import mirror
 from node.round import resume
-from node.round.coordinator_client import Refused
+from node.round.coordinator_client import CoordinatorCallFailed, Refused
 from node.round.reports import CatchUpReport, RoundTimes
 from node.round.session import Session
 from node.round.snapshots import serve_snapshot
@@ -66,10 +69,12 @@ from protocol.http import MAX_DETAIL_CHARS, MAX_REFUSED, MirroredSnapshot, Round
 from protocol.snapshot import PARAMS_SECTION
 
 log = logging.getLogger("locoswarm.node")
+T = TypeVar("T")
 
 SNAPSHOT_ROUNDS_TRIED = 3  # the newest agreed snapshots tried, newest first
 HOLDERS_LOOKUP_S = 10.0  # at most this long (or the fetch time-out) to learn who holds a round's packets
 IDLE_FIRST_S, IDLE_MAX_S = 1.0, 4.0  # with nothing to replay or load, poll again after this, doubling
+ENDED_CHECK_S = 10.0  # while a replay or a snapshot load runs, the run's end is looked for this often
 MIRROR = object()  # the packet mirror among a snapshot's sources, after the peers' digests
 # what a peer that is behind too says it does: it serves nobody the run's end
 BEHIND = frozenset({Doing.CATCHING_UP.value, Doing.LOADING_SNAPSHOT.value, Doing.STUCK.value})
@@ -111,7 +116,7 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
         if s.state.params_round is not None and s.state.params_round < current:
             try:
                 for r in range(s.state.params_round, current):
-                    await replay(s, r)
+                    await _unless_run_ends(s, replay(s, r))
                 return current, "snapshot+replay" if loaded else "replay"
             except PacketsGone as e:
                 if await waits.settle(e, status):
@@ -136,7 +141,7 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
             stored = None
         for start_round in newer:
             mirrored = stored if stored is not None and stored.round == start_round else None
-            if await load_snapshot(s, start_round, agreed[start_round], mirrored):
+            if await _unless_run_ends(s, load_snapshot(s, start_round, agreed[start_round], mirrored)):
                 loaded = True
                 break
         else:
@@ -173,6 +178,40 @@ def _ended_line(s: Session, status: RunStatus, current: int) -> str:
         f" {s.state.params_round}, and no peer is left to serve the rounds between or a newer"
         " snapshot: this node does not hold the run's final parameters"
     )
+
+
+async def _unless_run_ends(s: Session, work: Awaitable[T]) -> T:
+    """`work`'s result; in a run without a packet mirror, `RunEnded` instead (and `work` cancelled)
+    once a look at the run's status, every ENDED_CHECK_S, finds it over with nobody left: each try
+    of a gone peer lasts the fetch time-out, and a pass begun before the last peer left ran its
+    tries to the end (two nodes left a chaos run 3 and 4 minutes after the others)."""
+    if s.run.exchange.mirror is not None:  # the store serves what the peers no longer do
+        return await work
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_watch_for_end(s))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise RunEnded(watch.result())
+    finally:
+        for pending in (task, watch):
+            pending.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def _watch_for_end(s: Session) -> str:
+    """Returns, with `_ended_line`'s line, once the run is over and no peer is left to serve it."""
+    while True:
+        await asyncio.sleep(ENDED_CHECK_S)
+        try:
+            status = await s.client.status(history=0)
+        except CoordinatorCallFailed as e:  # an outage: look again next time
+            log.debug("catch-up: no status to look for the run's end: %s", e)
+            continue
+        if _ended(s, status):
+            current = status.current_round.round if status.current_round else status.run.current_round
+            return _ended_line(s, status, current)
 
 
 async def _pause(s: Session, seconds: float) -> None:
@@ -243,31 +282,33 @@ async def load_snapshot(s: Session, round: int, params_digest: str, mirrored: Mi
     if mirrored is not None:
         sources.append(MIRROR)
     for source in sources:
-        if source is MIRROR:
-            digest = mirrored.snapshot_digest
-            sink.expect(digest)  # from the first byte unless the peers got some of this one
-            done = await mirror.download_snapshot(
-                mirrored.url,
-                mirrored.size_bytes,
-                sink,
-                timeout_s=s.config.network.fetch_timeout_s,
-                label=f"round {round}: snapshot {digest[:12]}",
-            )
-        else:
-            digest = source
-            s.state.doing(Doing.LOADING_SNAPSHOT)  # the heartbeats ask holders nobody can dial to dial this node
-            try:
-                while True:
-                    before = sink.offset if sink.digest == digest else 0
-                    done = await s.exchange.fetch_params(
-                        round, digest, sink, timeout_s=s.config.network.fetch_timeout_s
-                    )
-                    if done or sink.offset <= before:
-                        break
-            finally:
-                s.state.doing(Doing.CATCHING_UP)
-        if sink.written_bytes:
-            s.state.params_unknown()  # part of the model may now be this snapshot's
+        try:
+            if source is MIRROR:
+                digest = mirrored.snapshot_digest
+                sink.expect(digest)  # from the first byte unless the peers got some of this one
+                done = await mirror.download_snapshot(
+                    mirrored.url,
+                    mirrored.size_bytes,
+                    sink,
+                    timeout_s=s.config.network.fetch_timeout_s,
+                    label=f"round {round}: snapshot {digest[:12]}",
+                )
+            else:
+                digest = source
+                s.state.doing(Doing.LOADING_SNAPSHOT)  # the heartbeats ask holders nobody can dial to dial this node
+                try:
+                    while True:
+                        before = sink.offset if sink.digest == digest else 0
+                        done = await s.exchange.fetch_params(
+                            round, digest, sink, timeout_s=s.config.network.fetch_timeout_s
+                        )
+                        if done or sink.offset <= before:
+                            break
+                finally:
+                    s.state.doing(Doing.CATCHING_UP)
+        finally:
+            if sink.written_bytes:  # also when cut short (cancelled: the run ended meanwhile)
+                s.state.params_unknown()  # part of the model may now be this snapshot's
         if not done:
             log.warning(
                 "round %d: snapshot %s not loaded (%d of %d bytes verified)",

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node.round import resume
+from node.round import catchup, resume
 from node.round.catchup import IDLE_MAX_S, RunEnded, catch_up
 from node.round.session import Session
 from node.round.state import RoundState
@@ -226,6 +226,63 @@ def test_a_node_behind_a_finished_run_nobody_serves_stops_before_it_tries_anythi
         with pytest.raises(RunEnded, match="finished at round 6 while this node's parameters are at round 2"):
             await asyncio.wait_for(catch_up(s), 10.0)
         assert coordinator.num_status == 1 and coordinator.rounds_read == [] and coordinator.missing_reports == []
+
+    asyncio.run(main())
+
+
+class WithheldRound(ScriptedCoordinator):
+    """Closed rounds whose one packet is announced and served by nobody: a replay's fetch of it
+    waits out the fetch time-out."""
+
+    def __init__(self, current: int, entry: ManifestEntry):
+        super().__init__(current, agreed={})
+        self.entry = entry
+
+    async def round(self, round: int, **_) -> RoundView:
+        view = await super().round(round)
+        return view.model_copy(update={"manifest": [self.entry]})
+
+
+def test_a_replay_under_way_when_the_last_peer_leaves_stops_within_a_look(tmp_path: Path, monkeypatch):
+    """A pass that began while the run still ran used to run its tries to the end, each a fetch
+    time-out on a peer that was gone: two nodes left a chaos run 3 and 4 minutes after the others.
+    The run's end is now looked for every ENDED_CHECK_S while a replay or a snapshot load runs."""
+    monkeypatch.setattr(catchup, "ENDED_CHECK_S", 0.2)
+
+    async def main():
+        run = _tiny_run("ended-midway")
+        swarm = MemorySwarm()
+        published = await swarm.exchange("publisher").publish(2, GONE_PEER, b"a packet nobody serves")
+        swarm.withhold(2, GONE_PEER)
+        entry = ManifestEntry(
+            peer_id=GONE_PEER, packet_digest=published.digest, packet_size_bytes=published.size_bytes, multiaddrs=[]
+        )
+        coordinator = WithheldRound(current=3, entry=entry)
+        coordinator.peers = [
+            SimpleNamespace(peer_id=NODE_PEER, status="live", activity="catching_up"),
+            SimpleNamespace(peer_id=GONE_PEER, status="live", activity="submitted"),
+        ]
+        s = node_session(
+            tmp_path,
+            run,
+            client=coordinator,
+            exchange=swarm.exchange("node"),
+            training=_training(run),
+            run_id=RUN_ID,
+            peer_id=NODE_PEER,
+            network={"fetch_timeout_s": 120.0},
+            state=RoundState(params_round=2),
+        )
+        catching_up = asyncio.create_task(catch_up(s))
+        await asyncio.sleep(1.0)
+        assert coordinator.rounds_read == [2] and not catching_up.done(), "the replay's fetch waits"
+        coordinator.state = "finished"
+        coordinator.peers[1] = SimpleNamespace(peer_id=GONE_PEER, status="left", activity="left")
+        started = time.monotonic()
+        with pytest.raises(RunEnded, match="finished at round 3 while this node's parameters are at round 2"):
+            await asyncio.wait_for(catching_up, 30.0)
+        assert time.monotonic() - started < 5.0, "not the fetch time-out"
+        assert coordinator.missing_reports == []
 
     asyncio.run(main())
 
