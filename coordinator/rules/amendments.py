@@ -20,7 +20,12 @@ with that packet since (it got the packet after all). A reported entry is droppe
    and the next: it may be loading with its packet on disk (node/round/own_packets.py). In a chaos
    run every node was killed after a round closed; the first one back reported the others'
    packets, and an author back 4 s later with its packet found its entry dropped and itself
-   flagged. An author that left is not waited for;
+   flagged. So is an author not heard from since the coordinator resumed (its restart, or its
+   database's failure: coordinator/rules/rounds.py, "Restart grace"), which may have gone down in
+   the same outage: in another chaos run every node and the coordinator were killed while a round
+   was open, the first node back reported an author's packet 1 s before the author came back with
+   it, and the run had not paused (that node rejoined within the restart grace). An author that
+   left is not waited for;
 2. when every other live contributor of the round (the latest manifest's peers but its publisher)
    has reported it since its author's latest join (a report from before it restarted says nothing
    of the copy it serves now: in the chaos run above, the author's return let the coordinator drop
@@ -152,7 +157,7 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
                 "its author said it lost the packet (restarted without it) and no live peer that "
                 "applied the round serves a copy"
             )
-        elif restarting and status == "gone" and waited_s < grace_s:
+        elif status == "gone" and waited_s < grace_s and (restarting or author.last_seen_at < ctx.resumed_at):
             continue  # it may be loading, its packet on disk: rules 1 and 2 wait for it
         elif entry not in live and not copies:
             due[entry] = (

@@ -219,6 +219,39 @@ def test_a_gone_author_back_within_the_grace_of_a_paused_run_keeps_its_entry(coo
     assert storage_of(client).get_peer(run_id, b.peer_id).withheld_round is None
 
 
+def test_an_author_gone_since_the_coordinator_restarted_is_waited_for_though_the_run_never_paused(
+    coordinator_client, fake_clock
+):
+    """Every node and the coordinator killed after round 1 closed; a is back within the restart
+    grace, so the run never pauses, and it cannot fetch b's packet (b is gone: silent past the
+    grace). b comes back with its packet 1 s after a's report: its entry stays. (A chaos run,
+    before: b's entry was dropped at a's report, 1 s before b's return.)"""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    fake_clock.advance(5)
+    client.app.state.service.resume()  # the coordinator's restart: its restart grace counts from now
+    assert a.join(run_id, state_round=1, state_digest=D0).status_code == 200
+    for _ in range(2):  # b and c silent past the grace; a heartbeats
+        fake_clock.advance(HEARTBEAT_TIMEOUT_S / 2 + 1)
+        assert a.heartbeat(run_id, 2).status_code == 200
+    tick(client)
+    status = status_of(client, run_id)
+    assert {p["peer_id"]: p["status"] for p in status["peers"]}[b.peer_id] == "gone"
+    assert status["recovery"] is None, "a was back in time: the run did not pause"
+    answer = report_missing(a, run_id, 1, b).json()
+    assert answer["manifest_version"] == 1 and answer["dropped"] == {} and answer["pending"] == [b.peer_id]
+    fake_clock.advance(1)
+    tick(client)
+    assert b.join(run_id, state_round=1, state_digest=D0).status_code == 200
+    for peer in (a, b):  # a fetched b's packet from b
+        assert applied_version(peer, run_id, 1, D1, 1).status_code == 200
+    fake_clock.advance(ExchangeSection().missing_grace_s)
+    tick(client)
+    view = round_of(client, run_id, 1)
+    assert view["manifest_version"] == 1 and view["agreed_digest"] == D1
+    assert storage_of(client).get_peer(run_id, b.peer_id).withheld_round is None
+
+
 def test_a_gone_authors_entry_is_dropped_at_once_unless_an_applier_serves_it(coordinator_client, fake_clock):
     client = coordinator_client
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
