@@ -150,7 +150,21 @@ class Node:
                     reachable=False if cfg.network.behind_nat else None,
                 )
 
-            joined = await rejoin()
+            try:
+                joined = await rejoin()
+            except Refused as e:
+                held = resume.held_state(cfg, run_id)
+                if e.action is not Action.RUN_OVER or held is None:
+                    raise
+                # A member back after the run ended (a crash, a reboot, a service manager's restart):
+                # nothing to do, which is no failure to restart it for.
+                log.warning(
+                    "run %s ended while this node was away (%s); its checkpoint holds the start of round %d",
+                    run_id,
+                    e.detail,
+                    held[0],
+                )
+                return self.reports
             log.info(
                 "joined run %s as %s (index %d, shard %d/%d) at round %d",
                 run_id,

@@ -168,6 +168,53 @@ def test_a_url_with_a_path_says_give_the_base_url(tmp_path, capsys, coordinator_
     )
 
 
+def test_a_member_back_after_its_run_ended_exits_0_and_a_newcomer_is_refused(tmp_path, capsys, caplog):
+    """A node whose checkpoint holds a run that ended while it was down (a crash, a reboot) has
+    nothing to do: exit 0, which a service manager does not restart it for (deploy/
+    locoswarm-node.service has Restart=on-failure: on exit 2 it started the node again every 15 s).
+    A key that never was a member is refused as before."""
+    import httpx
+
+    from node.round import resume
+    from node.training.data import load_corpus
+    from node.training.peer import PeerTraining
+    from protocol.run_config import RunConfig
+    from tests.doubles.memory_exchange import MemorySwarm
+    from tests.doubles.session import node_session
+    from tests.fixtures.coordinator import create_run, run_config
+
+    with coordinator_in_thread(tmp_path / "c.db") as url:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            run_id = create_run(client, {"exchange.dht_bootstrap": []})
+            assert client.post(
+                f"/v1/runs/{run_id}/close", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            ).is_success
+        run = RunConfig.model_validate(run_config({"exchange.dht_bootstrap": []}))
+        member = tmp_path / "member"
+        s = node_session(
+            member,
+            run,
+            client=None,
+            exchange=MemorySwarm().exchange("node"),
+            training=PeerTraining.build(run, "cpu", load_corpus(None).train),
+            run_id=run_id,
+            checkpoints={"checkpoint_dir": str(member / "ckpt")},
+        )
+        resume.save(s, applied_round=4)  # what the node wrote before it went down: the start of round 5
+        argv = ["node", "join", "--coordinator", url, "--run", run_id, "--device", "cpu", "--no-progress"]
+        code = main([*argv, "--key", str(member / "node.key"), "--checkpoint-dir", str(member / "ckpt")])
+        err = capsys.readouterr().err
+        assert code == 0 and "error:" not in err, err
+        assert (
+            f"run {run_id} ended while this node was away (run {run_id} is closed); its checkpoint holds the start"
+            " of round 5" in caplog.text
+        )
+        assert refused(capsys, [*argv, "--key", str(tmp_path / "newcomer.key")]) == (
+            2,
+            f"error: run {run_id} is closed: nothing to join; list the runs with `locoswarm run list --coordinator {url}`",
+        )
+
+
 def test_status_without_runs_says_how_to_create_one(capsys, coordinator_url):
     url = coordinator_url  # no test here creates a run on it
     assert refused(capsys, ["status", "--coordinator", url]) == (
