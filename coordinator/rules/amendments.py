@@ -29,7 +29,11 @@ with that packet since (it got the packet after all). A reported entry is droppe
 2. when every other live contributor of the round (the latest manifest's peers but its publisher)
    has reported it since its author's latest join (a report from before it restarted says nothing
    of the copy it serves now: in the chaos run above, the author's return let the coordinator drop
-   its entry by this rule 0.15 s after it said it served its packet from disk);
+   its entry by this rule 0.15 s after it said it served its packet from disk). For an author back
+   after the round closed, since ``missing_grace_s`` after that join: a fetch begun before it, at
+   the addresses the manifest names (the author's old ones), may fail after it; in another chaos
+   run a node killed after its round closed was back serving its packet from disk 1.2 s before
+   a peer whose fetch had begun before it reported the packet missing, and rule 2 dropped it;
 3. when ``exchange.missing_grace_s`` has passed since its first report and no contributor but its
    publisher and its reporters, live or not, applied the round. One that did got the packet: the
    fault is the reporters' links, and they catch up from a snapshot rather than take the packet
@@ -147,7 +151,11 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
         reporters = {r.reporter_id for r in rows}
         author = peers.get(entry)
         status = author.status if author is not None else "unknown"
-        since_join = {r.reporter_id for r in rows if author is None or r.reported_at >= author.joined_at}
+        # An author back after the round closed (a restart) serves its copy from its join on, and a
+        # fetch begun before that may fail after it: such reports wait out the grace from the join.
+        back = author is not None and author.joined_at > round_row.closed_at
+        counted_from = (author.joined_at + (grace_s if back else 0.0)) if author is not None else -1.0
+        since_join = {r.reporter_id for r in rows if r.reported_at >= counted_from}
         others = {p for p in manifest if p != entry and p in live}
         waited_s = now - min(r.reported_at for r in rows)
         # Rule 1: nobody can serve it. A live applier that did not report it holds a copy.

@@ -252,6 +252,23 @@ def test_an_author_gone_since_the_coordinator_restarted_is_waited_for_though_the
     assert storage_of(client).get_peer(run_id, b.peer_id).withheld_round is None
 
 
+def test_a_report_just_after_an_authors_return_waits_out_the_grace(coordinator_client, fake_clock):
+    """b is killed after round 1 closed and is back (rejoined, serving its packet from disk) 1 s
+    before a reports b's packet missing, from a fetch begun at b's old address (a chaos run, before:
+    rule 2 dropped b's entry at that report). The entry waits; if b serves nobody, the grace ends it."""
+    client = coordinator_client
+    run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
+    fake_clock.advance(5)
+    assert b.join(run_id, state_round=1, state_digest=D0).status_code == 200
+    fake_clock.advance(1)
+    answer = report_missing(a, run_id, 1, b).json()
+    assert answer["manifest_version"] == 1 and answer["dropped"] == {} and answer["pending"] == [b.peer_id]
+    fake_clock.advance(ExchangeSection().missing_grace_s)
+    tick(client)
+    view = round_of(client, run_id, 1)
+    assert view["manifest_version"] == 2 and [e["peer_id"] for e in view["manifest"]] == [a.peer_id]
+
+
 def test_a_gone_authors_entry_is_dropped_at_once_unless_an_applier_serves_it(coordinator_client, fake_clock):
     client = coordinator_client
     run_id, a, b, c = round_1_closed_with_a_and_b(client, fake_clock)
