@@ -96,10 +96,9 @@ def _join_checked(args: argparse.Namespace, clock=time.time) -> int:
 
 def _start(args: argparse.Namespace, clock) -> int:
     """Check the set-up, then run the node; what stops it before it trains is a `CannotStart`."""
-    from node.cli.doctor import FAIL, check_device, clock_refusal
+    from node.cli.doctor import FAIL, check_device, check_key, clock_refusal
     from node.config import format_node_config, load_node_config
     from protocol.config_file import ConfigError
-    from protocol.signing import KeyFileError, PeerKey
 
     try:
         config = load_node_config(Path(args.config) if args.config else None, config_overrides(args, NodeConfig))
@@ -113,11 +112,9 @@ def _start(args: argparse.Namespace, clock) -> int:
     data = training.data
     if data is not None and str(data) != "stdlib" and not Path(data).expanduser().exists():
         raise CannotStart(f"the training data {data} (--data): no such file or directory")
-    if config.key_path.exists():  # one that is not there yet is made as the node starts
-        try:
-            PeerKey.load_or_create(config.key_path)
-        except KeyFileError as e:
-            raise CannotStart(f"--key: {e}") from e
+    key = check_key(config.key_path)  # a key not there yet is made as the node starts
+    if key.status == FAIL:
+        raise CannotStart(f"--key: {key.detail}" + (f" -> {key.fix}" if key.fix else ""))
     # Before the DHT starts: hivemind's bootstrap would crash on a bad clock (node/cli/doctor.py).
     if line := clock_refusal(config.coordinator, clock, timeout_s=CLOCK_CHECK_TIMEOUT_S):
         raise CannotStart(line)

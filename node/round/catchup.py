@@ -106,13 +106,13 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
     waits = GoneWaits(s)
     while not s.stopping.is_set():
         status = await s.client.status()
-        current = status.current_round.round if status.current_round else status.run.current_round
+        current = _open_round(status)
         agreed = {h.round + 1: h.agreed_digest for h in status.history if h.agreed_digest}
         if (current, max(agreed, default=None)) != seen:  # the swarm moved on: what could not be done may be now
             idle_s, seen = IDLE_FIRST_S, (current, max(agreed, default=None))
             await resume.restore_agreed_since(s, agreed, current)  # this node's checkpoint, agreed since its start
         if s.state.params_round != current and s.run.exchange.mirror is None and _ended(s, status):
-            raise RunEnded(_ended_line(s, status, current))  # no peer, no store: no fetch can succeed
+            raise RunEnded(_ended_line(s, status))  # no peer, no store: no fetch can succeed
         if s.state.params_round is not None and s.state.params_round < current:
             try:
                 for r in range(s.state.params_round, current):
@@ -151,7 +151,7 @@ async def _catch_up_to_open_round(s: Session) -> tuple[int, str]:
                     return current, "none"
                 continue  # and the empty rounds since replay from it
             if _ended(s, status):
-                raise RunEnded(_ended_line(s, status, current))
+                raise RunEnded(_ended_line(s, status))
             # Snapshots not announced or not agreed yet (peers are applying, voting), or none newer
             # than the parameters held while the next round cannot be replayed: wait, not spin.
             log.debug(
@@ -172,9 +172,14 @@ def _ended(s: Session, status: RunStatus) -> bool:
     )
 
 
-def _ended_line(s: Session, status: RunStatus, current: int) -> str:
+def _open_round(status: RunStatus) -> int:
+    """The run's open round (its current one once it ended)."""
+    return status.current_round.round if status.current_round else status.run.current_round
+
+
+def _ended_line(s: Session, status: RunStatus) -> str:
     return (
-        f"the run is {status.run.state} at round {current} while this node's parameters are at round"
+        f"the run is {status.run.state} at round {_open_round(status)} while this node's parameters are at round"
         f" {s.state.params_round}, and no peer is left to serve the rounds between or a newer"
         " snapshot: this node does not hold the run's final parameters"
     )
@@ -210,8 +215,7 @@ async def _watch_for_end(s: Session) -> str:
             log.debug("catch-up: no status to look for the run's end: %s", e)
             continue
         if _ended(s, status):
-            current = status.current_round.round if status.current_round else status.run.current_round
-            return _ended_line(s, status, current)
+            return _ended_line(s, status)
 
 
 async def _pause(s: Session, seconds: float) -> None:
