@@ -54,6 +54,8 @@ from protocol.run_config import RunConfig
 log = logging.getLogger("locoswarm.coordinator")
 
 Clock = Callable[[], float]
+# How often the tick weighs the last rounds of runs that ended (rules/votes.py `settle_ended`).
+ENDED_SETTLE_EVERY_S = 5.0
 
 
 class CoordinatorService:
@@ -77,6 +79,7 @@ class CoordinatorService:
         self._failures_seen = storage.num_failures
         self._nonces_pruned_at = 0.0
         self._rounds_pruned_at = 0.0
+        self._ended_settled_at = 0.0
 
     @property
     def resumed_at(self) -> float:
@@ -135,8 +138,9 @@ class CoordinatorService:
     # -- the coordinator's clock --------------------------------------------------------------
 
     def tick(self) -> None:
-        """Apply deadlines and liveness to every active run, and due amendments to every run;
-        forget nonces past the window and old rounds' per-peer rows."""
+        """Apply deadlines and liveness to every active run, and due amendments to every run; weigh
+        the last votes of runs that ended lately; forget nonces past the window and old rounds'
+        per-peer rows."""
         now = self.clock()
         for run_id in self.storage.active_run_ids():
             with self._tx():
@@ -146,6 +150,11 @@ class CoordinatorService:
         for run_id, round_index in amendments.pending_rounds(self.ctx):
             with self._tx():
                 amendments.amend(self.ctx, run_id, round_index, now)
+        if now - self._ended_settled_at > ENDED_SETTLE_EVERY_S:
+            for run_id in self.storage.run_ids_ended_since(now - votes.ENDED_SETTLE_WINDOW_S):
+                with self._tx():
+                    votes.settle_ended(self.ctx, self.ctx.run(run_id), now)
+            self._ended_settled_at = now
         if now - self._nonces_pruned_at > nonces.PRUNE_INTERVAL_S:
             with self._tx():
                 nonces.prune(self.storage, now)
@@ -222,8 +231,11 @@ class CoordinatorService:
         with self._tx():
             run = self.ctx.run(run_id)
             response = membership.leave(self.ctx, run_id, peer_id, request, now)
-            # Its departure may leave everyone else the round waits for already submitted.
+            # Its departure may leave everyone else the round waits for already submitted, or
+            # every vote of an ended run's last round in.
             rounds.advance(self.ctx, run, now)
+            if run.state in votes.ENDED_STATES:
+                votes.settle_ended(self.ctx, run, now)
         return response
 
     # -- rounds, votes, amendments ------------------------------------------------------------

@@ -24,7 +24,12 @@ credit, and every round still undecided is weighed again when credit moves (`cou
 ``scoring.enabled`` false it is a headcount: an operator who turns scoring off trusts every key.
 Until agreed a majority is provisional. A lone contributor's vote is agreed when r+1 closes, so a
 solo honest peer goes on; a round whose other contributors died before voting settles on the
-votes it has. The last round of a run that ended is never settled (agreed early only).
+votes it has. The last rounds of a run that ended (finished, or closed by its operator), which no
+later close settles, settle once each of their contributors reported on the latest version, left,
+or fell silent past its silence limit (`final_votes_in`; the tick weighs them, `settle_ended`).
+Agreed early only, a finished run's last round whose two contributors held unequal credit, or one
+of which died after the close, was never agreed: every node held the same digest, and the status
+page showed the run's final state as undecided (a chaos run, 4 nodes, 30 rounds).
 
 An agreed digest never changes: only an amendment (a new manifest version) starts a new vote. A
 peer whose report on the latest version differs from the agreed digest, then or later, is excluded
@@ -57,6 +62,7 @@ from collections.abc import Sequence
 from coordinator import disputes, errors, recovery, scoring
 from coordinator.rules import snapshots
 from coordinator.rules.context import Context
+from coordinator.rules.membership import silence_limit_s
 from coordinator.storage import AppliedRow, PeerRow, RoundRow, RunRow
 from protocol.http import MISSING_REPORT_ROUNDS, AppliedRequest, AppliedResponse
 from protocol.run_config import RunConfig
@@ -65,6 +71,9 @@ log = logging.getLogger("locoswarm.coordinator")
 
 # How far back a change of credit weighs the votes of undecided rounds again.
 RETALLY_ROUNDS = 16
+# A run that ended: its state, and for how long the tick weighs its last rounds' votes (`settle_ended`).
+ENDED_STATES = ("finished", "closed")
+ENDED_SETTLE_WINDOW_S = 3600.0
 
 
 def record_applied(
@@ -176,12 +185,53 @@ def is_settled(ctx: Context, run_id: str, round_index: int) -> bool:
     and apply it during the pause, on a version amended meanwhile too. Counted unsettled, a lone
     contributor's vote on such a version was never agreed, and the run waited for ever for a peer
     holding an agreed start of its open round (a chaos run: every node killed twice around round 3,
-    the gone author's entry dropped in between)."""
+    the gone author's entry dropped in between). And the last rounds of an ended run, once every
+    contributor reported or left (`final_votes_in`)."""
     run = ctx.run(run_id)
     if run.paused_since is not None and round_index == run.current_round - 1:
         return True
     later = ctx.storage.get_round(run_id, round_index + settle_lag(ctx.config(run)))
-    return later is not None and later.closed_at is not None
+    if later is not None and later.closed_at is not None:
+        return True
+    return run.state in ENDED_STATES and final_votes_in(ctx, run, round_index)
+
+
+def last_closed_round(run: RunRow) -> int:
+    """The last round an ended run closed: a finished run moved past it, an operator's close did not."""
+    return run.current_round - 1 if run.state == "finished" else run.current_round
+
+
+def final_votes_in(ctx: Context, run: RunRow, round_index: int, now: float | None = None) -> bool:
+    """Whether every contributor of round r of an ended run has voted as it will: reported on r's
+    latest version, left, or (with `now`) stayed silent past its silence limit. Once a run ended
+    no tick marks a member gone, so a node killed after the last close stays "live"."""
+    round_row = ctx.storage.get_round(run.run_id, round_index)
+    if round_row is None or round_row.closed_at is None:
+        return False
+    version = round_row.manifest_version
+    reported = {a.peer_id for a in ctx.storage.list_applied(run.run_id, round_index) if a.manifest_version == version}
+    config = ctx.config(run)
+    for peer_id in ctx.storage.manifest_peers(run.run_id, round_index) - reported:
+        peer = ctx.storage.get_peer(run.run_id, peer_id)
+        if peer is None or peer.status != "live":
+            continue
+        if now is None or now - peer.last_seen_at <= silence_limit_s(config, peer):
+            return False
+    return True
+
+
+def settle_ended(ctx: Context, run: RunRow, now: float) -> None:
+    """Weigh the votes of an ended run's last undecided rounds, which no later close settles, once
+    their votes are in (`final_votes_in`). The tick's, for runs that ended within
+    `ENDED_SETTLE_WINDOW_S`; a report or a leave counts them at once."""
+    last = last_closed_round(run)
+    for r in range(max(0, last - settle_lag(ctx.config(run)) + 1), last + 1):
+        row = ctx.storage.get_round(run.run_id, r)
+        if row is None or row.closed_at is None or row.agreed_digest is not None or not row.num_votes:
+            continue
+        if final_votes_in(ctx, run, r, now):
+            count_votes(ctx, run.run_id, r, settled=True)
+            ctx.changed.add(run.run_id)
 
 
 def count_votes(ctx: Context, run_id: str, round_index: int, settled: bool = False) -> RoundRow:

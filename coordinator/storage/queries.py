@@ -82,6 +82,13 @@ class Storage:
         rows = self.db.rows("SELECT run_id FROM runs WHERE state IN ('waiting', 'running')")
         return [row["run_id"] for row in rows]
 
+    def run_ids_ended_since(self, since: float) -> list[str]:
+        """The runs that finished or were closed at `since` or later."""
+        rows = self.db.rows(
+            "SELECT run_id FROM runs WHERE state IN ('finished', 'closed') AND closed_at >= ?", (since,)
+        )
+        return [row["run_id"] for row in rows]
+
     def update_run(self, run_id: str, **fields: Any) -> None:
         self.db.update("runs", RunRow, {"run_id": run_id}, fields)
 

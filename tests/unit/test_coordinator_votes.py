@@ -18,6 +18,7 @@ from protocol.digest import CHUNK_BYTES
 from protocol.http import (
     AppliedRequest,
     JoinRequest,
+    LeaveRequest,
     MissingRequest,
     ParamsTree,
     SubmitRequest,
@@ -472,3 +473,53 @@ def test_a_liars_exclusion_voids_its_votes_in_rounds_still_undecided(coordinator
     c.applied(run_id, 1, liar, FAKE)
     assert c.round(run_id, 1).agreed_digest == OTHER
     assert c.round(run_id, 0).agreed_digest == HONEST, "the liar's vote in round 0 weighs nothing now"
+
+
+def test_a_finished_runs_last_round_is_agreed_once_its_contributors_reported(coordinator):
+    """No round closes after a run's last, so nothing settles it at a close. Its contributors: a,
+    with credit, and b, without. Agreed early needs two votes of credit, so before the last rounds
+    settled on their votes this round stayed undecided for good, every node holding its digest."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 3, "membership.heartbeat_timeout_s": 60.0, "max_rounds": 2})
+    a, b, late = c.join(run_id, 3)
+    c.credit(run_id, {a: 2})
+    c.submit(run_id, 0, a, b, late)
+    for peer in (a, b, late):
+        c.applied(run_id, 0, peer, HONEST)
+    c.submit(run_id, 1, a, b)  # `late` misses the deadline: the run finishes on a and b's packets
+    c.clock.advance(31.0)
+    assert c.status(run_id).run.state == "finished"
+    c.applied(run_id, 1, late, OTHER)  # it applied the manifest, not a contributor: no vote
+    assert c.applied(run_id, 1, a, OTHER).agreed_digest is None  # b's vote is still to come
+    assert c.applied(run_id, 1, b, OTHER).agreed_digest == OTHER
+    view = c.round(run_id, 1)
+    assert (view.agreed_digest, view.provisional, view.num_votes) == (OTHER, False, 2)
+
+
+def test_a_finished_runs_last_round_settles_when_a_silent_contributor_passed_its_limit(coordinator):
+    """A contributor killed after the last close never reports, and no tick marks a member of an
+    ended run gone: the other's lone vote of credit is agreed once the silent one has been silent
+    past its limit (the heartbeat timeout, 20 s here), by the tick; a leave counts at once."""
+    c = coordinator
+    run_id = c.create_run(**{"membership.min_peers": 2, "max_rounds": 1})
+    a, dead = c.join(run_id, 2)
+    c.credit(run_id, {a: 2, dead: 2})
+    c.submit(run_id, 0, a, dead)  # both submitted: round 0 closes and the run finishes
+    assert c.status(run_id).run.state == "finished"
+    c.applied(run_id, 0, a, HONEST)
+    c.clock.advance(10.0)
+    c.service.tick()
+    assert c.round(run_id, 0).agreed_digest is None, "dead is silent for 10 s only"
+    c.clock.advance(11.0)
+    c.service.tick()
+    assert c.round(run_id, 0).agreed_digest == HONEST
+
+    # A contributor that leaves without reporting settles it at its leave.
+    run_id = c.create_run(**{"membership.min_peers": 2, "max_rounds": 1})
+    a, leaver = c.join(run_id, 2)
+    c.credit(run_id, {a: 2, leaver: 2})
+    c.submit(run_id, 0, a, leaver)
+    c.applied(run_id, 0, a, HONEST)
+    assert c.round(run_id, 0).agreed_digest is None
+    c.service.leave(run_id, leaver, LeaveRequest(reason="finished"))
+    assert c.round(run_id, 0).agreed_digest == HONEST
