@@ -29,7 +29,7 @@ from coordinator import errors
 from coordinator.storage import PeerRow, RoundRow, Storage
 from protocol.http import AppliedRequest
 from protocol.run_config import RunConfig
-from protocol.scoring import Score, ScoringRule, Standing, round_verdicts, update_standing, wrong_digest
+from protocol.scoring import Score, ScoringRule, Standing, round_verdicts, update_standing, withheld_again, wrong_digest
 
 log = logging.getLogger("locoswarm.coordinator")
 
@@ -105,6 +105,18 @@ def exclude_for_wrong_digest(
     new = wrong_digest(standing, round_index, reason, ScoringRule.from_section(config.scoring))
     storage.update_peer(run_id, peer_id, standing=new.to_json(), credit=0, excluded_round=round_index)
     log.warning("run %s: %s excluded after round %d: %s", run_id, peer_id, round_index, new.reason)
+
+
+def exclude_for_withholding(storage: Storage, run_id: str, peer: PeerRow, round_index: int) -> None:
+    """`peer`'s packet of round r was dropped as unfetchable while it was flagged for an earlier
+    one (coordinator/rules/amendments.py): excluded for a while (protocol/scoring.py `withheld_again`),
+    unless an exclusion is in force already."""
+    standing = Standing.from_json(peer.standing)
+    if standing.exclusion(round_index + 1) is not None or peer.withheld_round is None:
+        return
+    new = withheld_again(standing, round_index, peer.withheld_round)
+    storage.update_peer(run_id, peer.peer_id, standing=new.to_json(), excluded_round=round_index)
+    log.warning("run %s: %s excluded after round %d: %s", run_id, peer.peer_id, round_index, new.reason)
 
 
 def _overlap(stored: list) -> tuple[float, tuple[str, ...]]:

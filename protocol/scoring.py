@@ -77,7 +77,7 @@ from typing import Literal
 
 EMA_WEIGHT = 0.5  # of the newest round in the running figures
 SEVERE_FACTOR = 20.0  # a loss rise this many times past the bound condemns an update whatever its cosine
-ExclusionCode = Literal["hurting_updates", "wrong_digest"]
+ExclusionCode = Literal["hurting_updates", "wrong_digest", "withheld_packets"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,6 +214,7 @@ class Standing:
     reason: str | None = None  # for a person
     credit: int = 0  # earned by useful verdicts (rule 5): its weight as a judge and a voter
     num_useful: int = 0  # verdicts that found it useful (over the whole run)
+    num_withheld_exclusions: int = 0  # times it was excluded for packets nobody could fetch (`withheld_again`)
     last_verdict: Literal["useful", "not_useful", "copy", "hurt"] | None = None
 
     def exclusion(self, round: int) -> str | None:
@@ -278,6 +279,31 @@ def update_standing(standing: Standing, round: int, verdict: Verdict | None, rul
             ),
         )
     return new
+
+
+# A peer excluded for withholding is refused this many rounds the first time, doubled each time after.
+WITHHELD_EXCLUSION_ROUNDS = 4
+
+
+def withheld_again(standing: Standing, round: int, flagged_round: int) -> Standing:
+    """The standing of a peer whose packet of round r was dropped as unfetchable while it was still
+    flagged for one of `flagged_round` (no packet of its applied in between): excluded from round
+    r+1 on for WITHHELD_EXCLUSION_ROUNDS rounds, doubled at each repeat. A flagged peer is not
+    waited for, but its packets still join the manifests: a node that submits every round and
+    serves nobody cost every other peer a stall time-out of waiting each round, for the whole run
+    (a chaos run, tools/chaos.py `--adversary withhold`). An honest peer dropped twice running (its
+    pushes failed, it was killed twice) reached nobody in those rounds anyway; it trains on, and
+    its values stay in its error feedback meanwhile."""
+    rounds = WITHHELD_EXCLUSION_ROUNDS * 2**standing.num_withheld_exclusions
+    until = round + 1 + rounds
+    return replace(
+        standing,
+        excluded_at=round,
+        excluded_until=until,
+        code="withheld_packets",
+        reason=f"its packets of rounds {flagged_round} and {round} were dropped as unfetchable; refused until round {until}",
+        num_withheld_exclusions=standing.num_withheld_exclusions + 1,
+    )
 
 
 def wrong_digest(standing: Standing, round: int, reason: str, rule: ScoringRule) -> Standing:

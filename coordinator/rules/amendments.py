@@ -54,7 +54,10 @@ as theirs, lose that digest and take the new one once it is agreed.
 Withheld flags. The publisher of a dropped entry is flagged (``withheld_round``): no round waits
 for it while flagged (coordinator/rules/standing.py); it may still submit. The flag clears once
 another peer votes on the latest manifest of a later round that holds a packet of its (the swarm
-could fetch it again: `clear_withheld`). The drop rules are applied on reports, by the tick (so an
+could fetch it again: `clear_withheld`). A flagged publisher whose packet of a later round is
+dropped too is excluded for a few rounds, doubled at each repeat (protocol/scoring.py
+`withheld_again`): flagged only, a node that submits every round and serves nobody cost every
+other peer a stall time-out a round for the whole run. The drop rules are applied on reports, by the tick (so an
 entry becomes due when its author times out or the grace ends) and by `advance`, also in finished
 runs. Amendments never hold up opening or closing rounds.
 """
@@ -64,7 +67,7 @@ from __future__ import annotations
 import json
 import logging
 
-from coordinator import errors, recovery
+from coordinator import errors, recovery, scoring
 from coordinator.rules import votes
 from coordinator.rules.context import Context
 from coordinator.storage import AppliedRow, DroppedRow, MissingReportRow, RunRow
@@ -186,6 +189,8 @@ def amend(ctx: Context, run_id: str, round_index: int, now: float) -> None:
         ctx.storage.insert_dropped(DroppedRow(run_id, round_index, entry, reason, version, now))
         peer = ctx.storage.get_peer(run_id, entry)
         if peer is not None and (peer.withheld_round is None or peer.withheld_round < round_index):
+            if peer.withheld_round is not None:  # flagged still: no packet of its reached anyone since
+                scoring.exclude_for_withholding(ctx.storage, run_id, peer, round_index)
             ctx.storage.update_peer(run_id, entry, withheld_round=round_index)
         ctx.storage.refresh_last_contributed(run_id, entry)
     # A new version is a new vote: no report can name it yet.

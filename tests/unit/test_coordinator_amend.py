@@ -245,3 +245,52 @@ def test_no_drop_after_the_grace_when_another_peer_applied_the_round(coordinator
     fake_clock.advance(GRACE_S)
     tick(client)
     assert list(round_of(client, run_id, 0)["dropped"]) == [w.peer_id]
+
+
+def dropped_in(run_id: str, round_index: int, w: SignedPeer, others) -> None:
+    """Every peer submits to the open round `round_index`; the others report w's packet missing."""
+    for peer in (w, *others):
+        assert peer.submit(run_id, round_index).status_code == 200
+    for peer in others:
+        missing(peer, run_id, round_index, w)
+
+
+def peer_view(client, run_id: str, peer: SignedPeer) -> dict:
+    return {p["peer_id"]: p for p in status_of(client, run_id)["peers"]}[peer.peer_id]
+
+
+def test_a_publisher_dropped_again_while_flagged_is_excluded_for_a_while(coordinator_client, fake_clock):
+    """Flagged, a withholder is not waited for, but its packets still join the manifests: one that
+    submits every round and serves nobody cost every other peer a stall time-out a round. Dropped
+    again while flagged, it is excluded for 4 rounds; the next time for 8."""
+    client = coordinator_client
+    run_id, (a, b, c, w) = closed_round(client, fake_clock)
+    for peer in (a, b, c):
+        missing(peer, run_id, 0, w)
+    dropped_in(run_id, 1, w, (a, b, c))
+    view = peer_view(client, run_id, w)
+    assert view["excluded"] and view["excluded_until_round"] == 6
+    assert "rounds 0 and 1 were dropped as unfetchable" in view["excluded_reason"]
+    for r in range(2, 6):
+        refused = w.submit(run_id, r)
+        assert error_of(refused) == "excluded", refused.text
+        for peer in (a, b, c):
+            assert peer.submit(run_id, r).status_code == 200
+        assert round_of(client, run_id, r)["state"] == "closed"
+    # Back at round 6, still flagged (none of its packets was applied): dropped again, 8 rounds.
+    dropped_in(run_id, 6, w, (a, b, c))
+    assert peer_view(client, run_id, w)["excluded_until_round"] == 15
+
+
+def test_a_drop_after_the_flag_cleared_only_flags(coordinator_client, fake_clock):
+    """A packet of its applied in between (the flag cleared): a later drop flags it again, nothing more."""
+    client = coordinator_client
+    run_id, (a, b, c, w) = closed_round(client, fake_clock)
+    for peer in (a, b, c):
+        missing(peer, run_id, 0, w)
+    for peer in (w, a, b, c):
+        assert peer.submit(run_id, 1).status_code == 200
+    applied(a, run_id, 1, "33" * 32)  # w's round-1 packet reached a: the flag clears
+    dropped_in(run_id, 2, w, (a, b, c))
+    view = peer_view(client, run_id, w)
+    assert view["flags"] == ["withheld_packet"] and not view["excluded"]
