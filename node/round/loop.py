@@ -38,7 +38,7 @@ from node.round.coordinator_client import CoordinatorCallFailed, CoordinatorClie
 from node.round.overlap import Pipeline
 from node.round.own_packets import KEPT_ROUNDS, HeldPacket, OwnPackets
 from node.round.prefetch import Prefetch
-from node.round.push import accept_push
+from node.round.push import accept_push, push_kept
 from node.round.refusals import Action
 from node.round.rejoin import live_member_addresses, start_mending
 from node.round.reports import CatchUpReport, RoundReport, RoundTimes
@@ -176,7 +176,7 @@ class Node:
             )
             # Before the model is built: peers replaying a round may be waiting for these packets now.
             own_packets = OwnPackets.beside(cfg.checkpoints.checkpoint_dir)
-            await serve_kept_packets(exchange, own_packets, joined)
+            kept_rounds = await serve_kept_packets(exchange, own_packets, joined)
             s = self.session = await self._start_session_beating(client, exchange, key, joined, rejoin)
             s.own_packets = own_packets
             s.reachable = joined.reachable
@@ -187,6 +187,7 @@ class Node:
                     if cfg.network.behind_nat
                     else "the coordinator's dial-back found no open port",
                 )
+            await push_kept(s, kept_rounds)  # served again above, but nobody can fetch them here
             exchange.accept_pushes(functools.partial(accept_push, s))
             heartbeat = asyncio.create_task(self._heartbeats(s))
             # Nodes restarted together each start a DHT of their own: merge them (node/round/rejoin.py).
@@ -521,11 +522,11 @@ class Node:
         log.info("leaving with round %d applied by fewer than all live peers", round)
 
 
-async def serve_kept_packets(exchange: Exchange, own_packets: OwnPackets | None, joined: JoinResponse) -> None:
+async def serve_kept_packets(exchange: Exchange, own_packets: OwnPackets | None, joined: JoinResponse) -> list[int]:
     """Serve again the packets this node kept on disk for rounds that may still be applied (after a
-    restart, the only copies there may be: node/round/own_packets.py)."""
+    restart, the only copies there may be: node/round/own_packets.py); their rounds."""
     if own_packets is None:
-        return
+        return []
     kept = await asyncio.to_thread(own_packets.held, joined.run_id, joined.peer_id)
     served = [p for p in kept if p.round >= joined.current_round - KEPT_ROUNDS]
     for packet in served:
@@ -537,6 +538,7 @@ async def serve_kept_packets(exchange: Exchange, own_packets: OwnPackets | None,
             "" if len(served) == 1 else "s",
             ", ".join(str(p.round) for p in served),
         )
+    return [p.round for p in served]
 
 
 def held_packet(s: Session, round: int, base_digest: str) -> HeldPacket | None:

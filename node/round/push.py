@@ -19,6 +19,13 @@ after it (the swarm agreed on it, so its peers have this round's packets), the s
 `PUSH_PATIENCE_S` passed. A holder checks each push with the coordinator, so while the
 coordinator is unreachable every push is refused; the retries carry the packet over an outage of
 minutes, and the round cannot close before the coordinator is back anyway.
+
+After a restart such a node serves again the packets it kept on disk (node/round/loop.py
+`serve_kept_packets`), which nobody can fetch from it: the copies it pushed before may have died
+with their holders. It pushes each of them again (`push_kept`). Before, a chaos run that killed
+every node after a round closed lost the NAT'd node's packet of that round (amended out), then of
+the next, and the second drop excluded it for four rounds (a chaos run, `tools.chaos --seed 5
+--adversary undialable`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterable
 
 from node.exchange.topology import push_targets
 from node.round.prefetch import live_members
@@ -51,9 +59,9 @@ async def push_plan(s: Session, round: int) -> list[list[str]]:
     return [members.addresses[m] for m in order if members.addresses.get(m)][:MAX_TARGETS]
 
 
-async def push_own(s: Session, round: int, targets: list[list[str]], report: RoundReport) -> None:
+async def push_own(s: Session, round: int, targets: list[list[str]], report: RoundReport | None = None) -> None:
     """Push this node's packet of `round` to the first target that takes it, pass after pass while
-    the packet can still matter (logged either way)."""
+    the packet can still matter (logged either way); the holder goes into `report`."""
     loop = asyncio.get_running_loop()
     give_up_at = loop.time() + PUSH_PATIENCE_S
     pause_s = PUSH_RETRY_FIRST_S
@@ -63,7 +71,8 @@ async def push_own(s: Session, round: int, targets: list[list[str]], report: Rou
         except KeyError:  # nothing held to push (a withheld packet: node/faults.py)
             return
         if holder is not None:
-            report.pushed_to = holder
+            if report is not None:
+                report.pushed_to = holder
             return
         if not _still_needed(s, round) or loop.time() + pause_s > give_up_at:
             log.warning(
@@ -81,6 +90,15 @@ async def push_own(s: Session, round: int, targets: list[list[str]], report: Rou
         pause_s = min(2 * pause_s, PUSH_RETRY_MAX_S)
         with contextlib.suppress(Exception):  # the members may have changed; the coordinator may be away
             targets = await push_plan(s, round) or targets
+
+
+async def push_kept(s: Session, rounds: Iterable[int]) -> None:
+    """After a restart, push again this node's packets of `rounds`, kept on disk and served again,
+    when nobody can dial it (each in the background, as `push_own`)."""
+    if s.reachable is not False or not s.config.network.push_packets:
+        return
+    for round in rounds:
+        s.spawn(push_own(s, round, await push_plan(s, round)))
 
 
 def _still_needed(s: Session, round: int) -> bool:

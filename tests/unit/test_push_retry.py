@@ -33,6 +33,12 @@ def session(swarm: MemorySwarm) -> SimpleNamespace:
     )
 
 
+def with_push_config(s: SimpleNamespace, push_packets: bool) -> SimpleNamespace:
+    s.config.network.push_packets = push_packets
+    s.spawn = asyncio.create_task
+    return s
+
+
 @pytest.fixture
 def fast_retries(monkeypatch):
     monkeypatch.setattr(push, "PUSH_RETRY_FIRST_S", 0.05)
@@ -72,5 +78,37 @@ def test_a_push_nobody_takes_stops_once_the_packet_no_longer_matters(fast_retrie
             s.state.params_round = ROUND + 2  # this node applied round + 1
         await asyncio.wait_for(pushing, 2.0)
         assert report.pushed_to is None
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("reachable", [False, True])
+def test_a_restarted_node_nobody_can_dial_pushes_its_kept_packets_again(fast_retries, monkeypatch, reachable):
+    """After a restart a node serves again the packets it kept on disk (node/round/loop.py
+    `serve_kept_packets`). Nobody can dial it, so it pushes each again: the copies it pushed before
+    may have died with their holders. A node peers can dial only serves them."""
+
+    async def main():
+        swarm = MemorySwarm()
+        s = with_push_config(session(swarm), push_packets=True)
+        s.reachable = reachable
+        kept = [ROUND - 1, ROUND]
+        for r in kept:
+            await s.exchange.publish(r, "nat", f"packet of round {r}".encode())
+        swarm.exchange("holder").accept_pushes(lambda *_: True)
+        planned = []
+
+        async def plan(s, round):
+            planned.append(round)
+            return [["/memory/holder"]]
+
+        monkeypatch.setattr(push, "push_plan", plan)
+        await push.push_kept(s, kept)
+        await asyncio.sleep(0.3)
+        held_by = {r: next(iter(swarm.packets[(r, "nat")].values()))[1] for r in kept}
+        if reachable:
+            assert planned == [] and held_by == {r: {"nat"} for r in kept}
+        else:
+            assert planned == kept and held_by == {r: {"nat", "holder"} for r in kept}
 
     asyncio.run(main())
