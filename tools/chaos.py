@@ -5,7 +5,8 @@
 
 A coordinator and `--nodes` honest nodes on 127.0.0.1 (`LocalSwarm`, node/cli/demo.py: the tiny
 preset, each node with a checkpoint folder), and with `--adversary` one more node running modified
-code (`--inject`, node/faults.py). The seed draws the run's timings (a fixed deadline of 6-20 s,
+code (`--inject`, node/faults.py): `poison`, `lie` or `withhold`; or `undialable`, honest code that
+nobody can dial (it pushes its packets), which the checks count among the honest nodes. The seed draws the run's timings (a fixed deadline of 6-20 s,
 a heartbeat time-out of 6-30 s) and a sequence of faults, one at a time, 3-20 s apart:
 
     pause      SIGSTOP a node's process group (node and p2pd) for 3-20 s, as a laptop's suspend
@@ -50,7 +51,8 @@ from urllib.parse import urlsplit
 ADVERSARIES = {
     "poison": ("--inject", "poison@factor=1000"),  # a signed update of 1000x an honest one, every round
     "lie": ("--inject", "lie@from_round=2"),  # an honest node that reports a made-up digest
-    "undialable": ("--inject", "undialable", "--behind-nat"),  # reachable by nobody: pushes its packets
+    # Honest code behind a NAT: nobody can dial it, it pushes its packets. Checked as the honest nodes are.
+    "undialable": ("--inject", "undialable", "--behind-nat"),
     "withhold": ("--inject", "withhold"),  # submits digests of packets it serves to nobody
 }
 EVENTS = {"pause": 3, "kill": 3, "outage": 2, "kill-all": 1, "blackout": 1}  # kind -> weight
@@ -60,7 +62,6 @@ EVENTS = {"pause": 3, "kill": 3, "outage": 2, "kill-all": 1, "blackout": 1}  # k
 class Chaos:
     swarm: object  # LocalSwarm
     rng: random.Random
-    honest: int
     max_outage_s: float
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # node index -> its latest process
     events: list[dict] = field(default_factory=list)
@@ -165,7 +166,7 @@ def run_chaos(args: argparse.Namespace) -> dict:
     swarm = LocalSwarm(
         workdir, num_peers=total, preset="tiny", rounds=args.rounds, inner_steps=4, top_k=64, extra_node_args=extra
     )
-    chaos = Chaos(swarm, rng, honest, args.max_outage_s)
+    chaos = Chaos(swarm, rng, args.max_outage_s)
     summary: dict = {
         "seed": args.seed,
         "workdir": str(workdir),
@@ -203,7 +204,8 @@ def run_chaos(args: argparse.Namespace) -> dict:
         exits = {i: p.returncode for i, p in chaos.procs.items()}
         swarm.start_coordinator()  # read what the run left, on the same database
         summary |= {"events": chaos.events, "finished": finished, "exits": exits, "stragglers": stragglers}
-        summary |= check(swarm, honest, args.adversary, finished, exits, stragglers, workdir)
+        checked = total if args.adversary == "undialable" else honest
+        summary |= check(swarm, checked, args.adversary, finished, exits, stragglers, workdir)
     return summary
 
 
