@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from coordinator.rules.runs import ACTIVE_STATES
+from coordinator.rules.states import ACTIVE_STATES
 from coordinator.storage import Storage
 from coordinator.storage.cluster import Cluster
 from coordinator.views import Views

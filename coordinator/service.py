@@ -29,6 +29,7 @@ from coordinator import errors
 from coordinator.join_guard import JoinGuard
 from coordinator.rules import amendments, membership, nonces, retention, rounds, runs, snapshots, votes
 from coordinator.rules.context import Context
+from coordinator.rules.states import ENDED_STATES
 from coordinator.storage import RunRow, Storage
 from coordinator.views import Views
 from protocol.http import (
@@ -234,7 +235,7 @@ class CoordinatorService:
             # Its departure may leave everyone else the round waits for already submitted, or
             # every vote of an ended run's last round in.
             rounds.advance(self.ctx, run, now)
-            if run.state in votes.ENDED_STATES:
+            if run.state in ENDED_STATES:
                 votes.settle_ended(self.ctx, run, now)
         return response
 

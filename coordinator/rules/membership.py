@@ -44,7 +44,7 @@ import secrets
 from coordinator import errors
 from coordinator.join_guard import JoinGuard, check_proof, period_of, salt_of
 from coordinator.rules.context import Context
-from coordinator.rules.runs import ACTIVE_STATES
+from coordinator.rules.states import ACTIVE_STATES
 from coordinator.storage import PeerRow, RunRow
 from protocol.http import (
     LOADING_SNAPSHOT,

@@ -61,7 +61,7 @@ import json
 from coordinator import errors, recovery, scoring
 from coordinator.rules import membership, picks, standing, votes
 from coordinator.rules.context import Context
-from coordinator.rules.runs import ACTIVE_STATES
+from coordinator.rules.states import ACTIVE_STATES, ENDED_STATES
 from coordinator.storage import PeerRow, RoundRow, RunRow, SubmissionRow
 from protocol.http import SubmitRequest, SubmitResponse
 from protocol.run_config import NODE_FETCH_TIMEOUT_S, RunConfig
@@ -323,7 +323,7 @@ def submit(
 
 
 def _check_round_accepts(ctx: Context, run: RunRow, round_index: int, now: float) -> None:
-    if run.state in ("finished", "closed"):
+    if run.state in ENDED_STATES:
         raise errors.RunClosed(f"run {run.run_id} is {run.state}")
     if run.state == "waiting":
         raise errors.RoundNotOpen(f"round 0 opens when {ctx.config(run).membership.min_peers} joined")

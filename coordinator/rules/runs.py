@@ -18,10 +18,9 @@ import secrets
 from coordinator import errors
 from coordinator.rules import picks, votes
 from coordinator.rules.context import Context
+from coordinator.rules.states import ACTIVE_STATES
 from coordinator.storage import RunRow
 from protocol.run_config import RunConfig
-
-ACTIVE_STATES = ("waiting", "running")
 
 
 def hash_join_token(token: str) -> str:

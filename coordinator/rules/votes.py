@@ -63,6 +63,7 @@ from coordinator import disputes, errors, recovery, scoring
 from coordinator.rules import snapshots
 from coordinator.rules.context import Context
 from coordinator.rules.membership import silence_limit_s
+from coordinator.rules.states import ENDED_STATES
 from coordinator.storage import AppliedRow, PeerRow, RoundRow, RunRow
 from protocol.http import MISSING_REPORT_ROUNDS, AppliedRequest, AppliedResponse
 from protocol.run_config import RunConfig
@@ -71,8 +72,7 @@ log = logging.getLogger("locoswarm.coordinator")
 
 # How far back a change of credit weighs the votes of undecided rounds again.
 RETALLY_ROUNDS = 16
-# A run that ended: its state, and for how long the tick weighs its last rounds' votes (`settle_ended`).
-ENDED_STATES = ("finished", "closed")
+# For how long after a run ended the tick weighs its last rounds' votes (`settle_ended`).
 ENDED_SETTLE_WINDOW_S = 3600.0
 
 
