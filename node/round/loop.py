@@ -187,7 +187,7 @@ class Node:
                     if cfg.network.behind_nat
                     else "the coordinator's dial-back found no open port",
                 )
-            await push_kept(s, kept_rounds)  # served again above, but nobody can fetch them here
+            push_kept(s, kept_rounds)  # served again above, but nobody can fetch them here
             exchange.accept_pushes(functools.partial(accept_push, s))
             heartbeat = asyncio.create_task(self._heartbeats(s))
             # Nodes restarted together each start a DHT of their own: merge them (node/round/rejoin.py).

@@ -92,13 +92,18 @@ async def push_own(s: Session, round: int, targets: list[list[str]], report: Rou
             targets = await push_plan(s, round) or targets
 
 
-async def push_kept(s: Session, rounds: Iterable[int]) -> None:
+def push_kept(s: Session, rounds: Iterable[int]) -> None:
     """After a restart, push again this node's packets of `rounds`, kept on disk and served again,
-    when nobody can dial it (each in the background, as `push_own`)."""
+    when nobody can dial it: each planned and pushed in the background, so that the node's start
+    does not wait on the coordinator's member list (an outage of minutes)."""
     if s.reachable is not False or not s.config.network.push_packets:
         return
     for round in rounds:
-        s.spawn(push_own(s, round, await push_plan(s, round)))
+        s.spawn(_plan_and_push(s, round))
+
+
+async def _plan_and_push(s: Session, round: int) -> None:
+    await push_own(s, round, await push_plan(s, round))
 
 
 def _still_needed(s: Session, round: int) -> bool:

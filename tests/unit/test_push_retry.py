@@ -103,7 +103,7 @@ def test_a_restarted_node_nobody_can_dial_pushes_its_kept_packets_again(fast_ret
             return [["/memory/holder"]]
 
         monkeypatch.setattr(push, "push_plan", plan)
-        await push.push_kept(s, kept)
+        push.push_kept(s, kept)
         await asyncio.sleep(0.3)
         held_by = {r: next(iter(swarm.packets[(r, "nat")].values()))[1] for r in kept}
         if reachable:
